@@ -1,0 +1,1 @@
+"""Engine-neutral interface and the reference PyTorch engine."""

@@ -1,0 +1,150 @@
+"""The engine-neutral interface the services call.
+
+Both the reference engine and the SGLang adapter implement `Engine`. Pages are engine KV pages in
+SGLang's MHA layout: per layer one K and one V buffer `[num_slots, kv_heads, head_dim]`, page p owning
+slots [p*page_size, (p+1)*page_size). The transfer layer only needs `kv_buffers()` and page ids.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class EngineError(Exception):
+    """Base class of engine errors the services map to gRPC statuses."""
+
+
+class InvalidRequestError(EngineError):
+    """The request cannot be served as asked (empty prompt, too long, bad sampling values)."""
+
+
+class OutOfPagesError(EngineError):
+    """The KV pool cannot hold the request even after eviction and preemption."""
+
+
+class RequestNotFoundError(EngineError):
+    """No live request with that id."""
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Per-request sampling. temperature 0 means greedy; seed makes sampling reproducible."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token. `finish` is set on the last event of a request."""
+
+    token_id: int
+    logprob: float
+    finish: FinishReason | None = None
+    # Text delta for this token (incremental detokenization; may be "" while a UTF-8 char is incomplete).
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class KvBuffer:
+    """One registered KV buffer (a layer's K or V) as the transfer layer sees it."""
+
+    addr: int
+    nbytes: int
+    bytes_per_page: int
+    device: str  # "cpu" or "cuda:N"
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """Outcome of a prefill-only request: its pages stay pinned until `release_pages(request_id)`."""
+
+    first_token: int
+    first_logprob: float
+    page_ids: tuple[int, ...]  # ceil(prompt_len / page_size) pages holding the prompt's KV, in order
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache instead of computed
+    finish: FinishReason | None = None  # set if the first token already ends the request (EOS, max_tokens=1)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    pages_total: int
+    pages_free: int
+    pages_pinned: int
+    running: int
+    waiting: int
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """What a prefill, decode or unified service needs from an engine."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    def kv_buffers(self) -> list[KvBuffer]: ...
+
+    async def generate(
+        self, request_id: str, token_ids: Sequence[int], sampling: Sampling
+    ) -> AsyncIterator[TokenEvent]:
+        """Runs a whole request (unified/colocated role) and streams its tokens."""
+        ...
+
+    async def prefill(self, request_id: str, token_ids: Sequence[int], sampling: Sampling) -> PrefillResult:
+        """Computes the prompt's KV and samples the first token; the pages stay pinned."""
+        ...
+
+    def release_pages(self, request_id: str) -> None:
+        """Unpins the pages of a prefill (or frees the reserved pages of a decode). Idempotent."""
+        ...
+
+    def reserve_pages(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
+        """Allocates destination pages for `num_tokens` prompt tokens (decode role) before the KV arrives."""
+        ...
+
+    async def decode_from_pages(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        first_token: int,
+        first_logprob: float,
+        sampling: Sampling,
+    ) -> AsyncIterator[TokenEvent]:
+        """Continues a request whose prompt KV was written into its reserved pages.
+
+        The first event is `first_token` itself; generation continues from it.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stops a request; its generate/decode stream ends with FinishReason.ABORT. Never blocks the loop."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def read_pages(self, page_ids: Sequence[int]) -> bytes:
+        """Returns the raw KV bytes of the pages, buffer by buffer (tests compare P/D bytes bitwise)."""
+        ...
+
+    async def close(self) -> None: ...
