@@ -1,0 +1,243 @@
+"""Typed domain errors and their mapping to ``google.rpc.Status``.
+
+Every failure that crosses a service boundary travels as a gRPC status whose
+details hold exactly one ``google.rpc.ErrorInfo`` (domain ``xavier.v1``, an
+UPPER_SNAKE ``reason`` and string metadata). Servicers raise the subclasses
+below; the server interceptor turns them into statuses, and callers turn the
+received ``grpc.RpcError`` back into the same typed error with
+:func:`from_rpc_error`.
+
+``LeaseExpired`` maps to FAILED_PRECONDITION rather than DEADLINE_EXCEEDED:
+the lease is server-side state that has ended (retrying the same call cannot
+succeed), while DEADLINE_EXCEEDED is reserved for the caller's own deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+ERROR_DOMAIN = "xavier.v1"
+_DETAILS_KEY = "grpc-status-details-bin"
+
+__all__ = [
+    "ERROR_DOMAIN",
+    "Aborted",
+    "CapacityExhausted",
+    "FailedPrecondition",
+    "GenericError",
+    "Internal",
+    "InvalidArgument",
+    "LayoutMismatch",
+    "LeaseExpired",
+    "NotFound",
+    "Unavailable",
+    "Unimplemented",
+    "XavierError",
+    "abort_with",
+    "error_for_code",
+    "from_rpc_error",
+    "to_rpc_status",
+]
+
+
+class XavierError(Exception):
+    """Base of all domain errors.
+
+    ``code`` and ``reason`` are class defaults; a raise may override ``reason``
+    (e.g. ``NotFound("room 7", reason="ROOM_NOT_FOUND", room_id="7")``). Extra
+    keyword arguments become the ``ErrorInfo.metadata`` (values stringified).
+    """
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    reason: str = "UNKNOWN"
+
+    def __init__(self, message: str = "", *, reason: str | None = None, **metadata: object) -> None:
+        super().__init__(message)
+        self.message = message
+        if reason is not None:
+            self.reason = reason
+        self.metadata: dict[str, str] = {k: str(v) for k, v in metadata.items()}
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.message}" if self.message else self.reason
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, reason={self.reason!r}, metadata={self.metadata!r})"
+
+
+class GenericError(XavierError):
+    """A received status with no typed class (e.g. DEADLINE_EXCEEDED): keeps the wire code."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str = "", *, reason: str | None = None, **metadata: object
+    ) -> None:
+        super().__init__(message, reason=reason or code.name, **metadata)
+        self.code = code
+
+
+class InvalidArgument(XavierError):
+    """The request is malformed or out of range; retrying it unchanged fails again."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "INVALID_ARGUMENT"
+
+
+class NotFound(XavierError):
+    """A named entity does not exist (``ROOM_NOT_FOUND``, ``PEER_NOT_FOUND``, ...)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "NOT_FOUND"
+
+
+class FailedPrecondition(XavierError):
+    """State forbids the call (``STALE_EPOCH``, ``WRONG_ROLE``, ``WRONG_STATE``, ...)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "FAILED_PRECONDITION"
+
+
+class LayoutMismatch(FailedPrecondition):
+    """Two peers' KV layouts differ; metadata names each differing field."""
+
+    reason = "LAYOUT_MISMATCH"
+
+
+class LeaseExpired(FailedPrecondition):
+    """The room or peer lease ended before the call (see module docstring for the code)."""
+
+    reason = "LEASE_EXPIRED"
+
+
+class CapacityExhausted(XavierError):
+    """Out of pages, slots or rooms; the caller may retry later or elsewhere."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "CAPACITY_EXHAUSTED"
+
+
+class Unavailable(XavierError):
+    """Transiently unable to serve (``SHUTTING_DOWN``, ``PEER_UNAVAILABLE``); safe to retry."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = "UNAVAILABLE"
+
+
+class Aborted(XavierError):
+    """The request was aborted (client cancel, abort RPC)."""
+
+    code = grpc.StatusCode.ABORTED
+    reason = "REQUEST_ABORTED"
+
+
+class Unimplemented(XavierError):
+    """The RPC exists in the contract but this part is not built yet."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+    reason = "NOT_IMPLEMENTED"
+
+
+class Internal(XavierError):
+    """A bug or an unexpected failure; the message never carries a traceback."""
+
+    code = grpc.StatusCode.INTERNAL
+    reason = "INTERNAL"
+
+
+# Reconstruction picks the most specific class for (code, reason), then the
+# class for the code alone, then a generic error keeping the code.
+_BY_REASON: dict[tuple[grpc.StatusCode, str], type[XavierError]] = {
+    (grpc.StatusCode.FAILED_PRECONDITION, "LAYOUT_MISMATCH"): LayoutMismatch,
+    (grpc.StatusCode.FAILED_PRECONDITION, "LEASE_EXPIRED"): LeaseExpired,
+}
+_BY_CODE: dict[grpc.StatusCode, type[XavierError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        FailedPrecondition,
+        CapacityExhausted,
+        Unavailable,
+        Aborted,
+        Unimplemented,
+        Internal,
+    )
+}
+
+
+def error_for_code(
+    code: grpc.StatusCode,
+    message: str = "",
+    *,
+    reason: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> XavierError:
+    """Build the typed error for a status code and reason (generic when none fits).
+
+    ``metadata`` is a mapping rather than keywords so wire keys such as
+    ``message`` or ``reason`` cannot collide with the constructor's parameters.
+    """
+    cls = _BY_REASON.get((code, reason or "")) or _BY_CODE.get(code)
+    err = GenericError(code, message, reason=reason) if cls is None else cls(message, reason=reason)
+    if metadata:
+        err.metadata = dict(metadata)
+    return err
+
+
+def to_rpc_status(err: XavierError) -> grpc.Status:
+    """Encode ``err`` as a ``grpc.Status`` carrying one ``ErrorInfo`` in its details."""
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=err.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(code=err.code.value[0], message=err.message, details=[detail])
+    return rpc_status.to_status(status)
+
+
+def _code_from_int(value: int) -> grpc.StatusCode:
+    for code in grpc.StatusCode:
+        if code.value[0] == value:
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+def _details_blob(metadata: Sequence[Any] | None) -> bytes | None:
+    for item in metadata or ():
+        key, value = (item.key, item.value) if hasattr(item, "key") else item
+        if key == _DETAILS_KEY and isinstance(value, bytes):
+            return value
+    return None
+
+
+def from_rpc_error(err: grpc.RpcError) -> XavierError:
+    """Rebuild the typed error from a received ``grpc.RpcError`` / ``grpc.aio.AioRpcError``.
+
+    Reads ``grpc-status-details-bin`` from the trailing metadata; without an
+    ``ErrorInfo`` the result carries only the status code (reason = code name).
+    """
+    code_fn = getattr(err, "code", None)
+    code: grpc.StatusCode = code_fn() if callable(code_fn) else grpc.StatusCode.UNKNOWN
+    details_fn = getattr(err, "details", None)
+    message: str = (details_fn() if callable(details_fn) else None) or ""
+    trailing_fn = getattr(err, "trailing_metadata", None)
+    trailing = trailing_fn() if callable(trailing_fn) else None
+    blob = _details_blob(trailing)
+    if blob is None:
+        return error_for_code(code, message)
+    status = status_pb2.Status.FromString(blob)
+    code = _code_from_int(status.code)
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return error_for_code(code, status.message, reason=info.reason or None, metadata=info.metadata)
+    return error_for_code(code, status.message)
+
+
+async def abort_with(context: grpc.aio.ServicerContext[Any, Any], err: XavierError) -> None:
+    """Abort an aio call with ``err`` encoded as a rich status (never returns)."""
+    await context.abort_with_status(to_rpc_status(err))
