@@ -15,7 +15,7 @@ succeed), while DEADLINE_EXCEEDED is reserved for the caller's own deadline.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf import any_pb2
@@ -189,13 +189,31 @@ def error_for_code(
     return err
 
 
-def to_rpc_status(err: XavierError) -> grpc.Status:
-    """Encode ``err`` as a ``grpc.Status`` carrying one ``ErrorInfo`` in its details."""
+class _Status(NamedTuple):
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple[tuple[str, str | bytes], ...]
+
+
+class _RichStatus(_Status, grpc.Status):
+    """A ``grpc.Status`` with extra trailing metadata beside the details blob."""
+
+
+def to_rpc_status(
+    err: XavierError, trailing_metadata: Sequence[tuple[str, str | bytes]] = ()
+) -> grpc.Status:
+    """Encode ``err`` as a ``grpc.Status`` carrying one ``ErrorInfo`` in its details.
+
+    ``trailing_metadata`` is sent alongside (the interceptor adds ``x-request-id``).
+    """
     info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=err.metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
     status = status_pb2.Status(code=err.code.value[0], message=err.message, details=[detail])
-    return rpc_status.to_status(status)
+    base = rpc_status.to_status(status)
+    if not trailing_metadata:
+        return base
+    return _RichStatus(base.code, base.details, (*base.trailing_metadata, *trailing_metadata))
 
 
 def _code_from_int(value: int) -> grpc.StatusCode:

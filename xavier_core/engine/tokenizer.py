@@ -1,0 +1,171 @@
+"""Tokenizer of a checkpoint (`tokenizers` library), its chat template, and incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from xavier_core.engine.errors import CheckpointError
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+class TextTokenizer:
+    """Encodes and decodes text, and renders the checkpoint's chat template."""
+
+    def __init__(self, tokenizer: Tokenizer, config: Mapping[str, Any], chat_template: str | None) -> None:
+        self._tok = tokenizer
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.add_bos_token = bool(config.get("add_bos_token", False))
+        self.chat_template = chat_template
+        self._template: jinja2.Template | None = None
+        if chat_template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_exception
+            try:
+                self._template = env.from_string(chat_template)
+            except jinja2.TemplateError as exc:
+                raise CheckpointError(f"chat template does not compile: {exc}") from exc
+
+    @classmethod
+    def load(cls, model_dir: Path) -> TextTokenizer:
+        """Loads tokenizer.json, tokenizer_config.json and an optional chat_template.jinja."""
+        tok_path = model_dir / "tokenizer.json"
+        if not tok_path.is_file():
+            raise CheckpointError(f"missing file {tok_path}")
+        try:
+            tokenizer = Tokenizer.from_file(str(tok_path))
+        except Exception as exc:  # the Rust side raises a bare Exception on malformed files
+            raise CheckpointError(f"cannot parse {tok_path}: {exc}") from exc
+        config: dict[str, Any] = {}
+        cfg_path = model_dir / "tokenizer_config.json"
+        if cfg_path.is_file():
+            try:
+                config = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise CheckpointError(f"cannot parse {cfg_path}: {exc}") from exc
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: pick "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        jinja_path = model_dir / "chat_template.jinja"
+        if not template and jinja_path.is_file():
+            template = jinja_path.read_text(encoding="utf-8")
+        return cls(tokenizer, config, template if isinstance(template, str) else None)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens the tokenizer knows (may be below the model's padded vocab)."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; a BOS is prepended when the tokenizer config asks for one."""
+        ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`."""
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of one vocabulary entry, or None."""
+        value = self._tok.token_to_id(token)
+        return int(value) if value is not None else None
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Renders `messages` with the checkpoint's chat template."""
+        if self._template is None:
+            raise CheckpointError("the checkpoint has no chat template")
+        return self._template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            eos_token=self.eos_token or "",
+            bos_token=self.bos_token or "",
+            **kwargs,
+        )
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas without splitting UTF-8 characters.
+
+    Decodes a short window `[prefix_offset, len)` and compares it with `[prefix_offset, read_offset)`:
+    byte-level BPE tokens may carry half a character, which decodes to U+FFFD until the rest arrives.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, context: Sequence[int] = ()) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = list(context[-6:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def push(self, token_id: int) -> str:
+        """Adds one token and returns the newly completed text (possibly "")."""
+        self._ids.append(token_id)
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._tok.decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        if self._prefix_offset > 64:  # keep the decode window short
+            drop = self._prefix_offset
+            self._ids = self._ids[drop:]
+            self._prefix_offset -= drop
+            self._read_offset -= drop
+        return delta
+
+
+class StopMatcher:
+    """Holds back text that could still turn into a stop string, so no stop string is ever emitted."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._pending = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was reached)."""
+        if not self._stops:
+            return delta, False
+        text = self._pending + delta
+        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._pending = ""
+            return text[: min(hits)], True
+        keep = 0
+        for s in self._stops:
+            for n in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        self._pending = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        """Returns held-back text when the request ends for another reason."""
+        text, self._pending = self._pending, ""
+        return text
