@@ -195,13 +195,11 @@ class _Status(NamedTuple):
     trailing_metadata: tuple[tuple[str, str | bytes], ...]
 
 
-class _RichStatus(_Status, grpc.Status):
+class _RichStatus(_Status, grpc.Status):  # type: ignore[misc,unused-ignore]
     """A ``grpc.Status`` with extra trailing metadata beside the details blob."""
 
 
-def to_rpc_status(
-    err: XavierError, trailing_metadata: Sequence[tuple[str, str | bytes]] = ()
-) -> grpc.Status:
+def to_rpc_status(err: XavierError, trailing_metadata: Sequence[tuple[str, str | bytes]] = ()) -> grpc.Status:
     """Encode ``err`` as a ``grpc.Status`` carrying one ``ErrorInfo`` in its details.
 
     ``trailing_metadata`` is sent alongside (the interceptor adds ``x-request-id``).

@@ -26,10 +26,21 @@ _LEVELS = {
 
 
 def get_logger(name: str | None = None, **initial: Any) -> Any:
-    """A structlog logger (``name`` becomes the ``logger`` field)."""
+    """A lazy structlog logger (``name`` becomes the ``logger`` field, as for stdlib loggers).
+
+    Safe at module level: it binds to whatever configuration is current when it first logs.
+    """
     if name is not None:
-        initial["logger"] = name
+        # ``logger`` is a parameter of structlog.get_logger; renamed by _logger_field.
+        initial["logger_name"] = name
     return structlog.get_logger(**initial)
+
+
+def _logger_field(_: WrappedLogger, __: str, event: EventDict) -> EventDict:
+    name = event.pop("logger_name", None)
+    if name is not None:
+        event["logger"] = name
+    return event
 
 
 def _service_default(service: str) -> Processor:
@@ -62,6 +73,7 @@ def configure_logging(
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         _service_default(service),
+        _logger_field,
     ]
     renderer: Processor
     if use_json:
