@@ -1,0 +1,156 @@
+"""Request building and result types shared by the sync and asyncio clients."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from xavier.v1 import router_service_pb2 as rpb
+from xavier.v1 import types_pb2
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+"""Plain text, token ids, or chat messages ({"role": ..., "content": ...})."""
+
+Mode = Literal["pd", "colocated", "native"]
+
+_MODES: dict[str, int] = {
+    "pd": rpb.ROUTING_MODE_PD,
+    "colocated": rpb.ROUTING_MODE_COLOCATED,
+    "native": rpb.ROUTING_MODE_NATIVE,
+}
+_FINISH: dict[int, str] = {
+    types_pb2.FINISH_REASON_STOP: "stop",
+    types_pb2.FINISH_REASON_LENGTH: "length",
+    types_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+def mode_name(value: int) -> str | None:
+    """ "pd", "colocated", "native" or None for a RoutingMode value."""
+    for name, number in _MODES.items():
+        if number == value:
+            return name
+    return None
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling and stopping; `max_tokens` counts every generated token."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def to_proto(self) -> types_pb2.SamplingParams:
+        return types_pb2.SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=list(self.stop),
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+        )
+
+
+def build_request(
+    prompt: Prompt,
+    sampling: Sampling,
+    *,
+    model: str = "",
+    mode: Mode | None = None,
+    request_id: str | None = None,
+    cache_salt: str = "",
+) -> rpb.GenerateRequest:
+    """The GenerateRequest for a prompt; a request id is made when none is given (for `abort`)."""
+    req = rpb.GenerateRequest(
+        request_id=request_id or uuid.uuid4().hex,
+        model=model,
+        sampling=sampling.to_proto(),
+        cache_salt=cache_salt,
+    )
+    if mode is not None:
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
+        req.mode = _MODES[mode]
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif all(isinstance(item, int) for item in prompt):
+        req.token_ids.ids.extend(int(i) for i in prompt if isinstance(i, int))
+    else:
+        for msg in prompt:
+            if not isinstance(msg, Mapping):
+                raise TypeError("a chat prompt is a sequence of {'role', 'content'} mappings")
+            req.chat.messages.add(role=msg["role"], content=msg["content"])
+    return req
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed step: new token ids, their text, and on the last chunk the finish reason."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...] = ()
+    finish_reason: str | None = None
+    raw: rpb.GenerateResponse | None = None
+
+    @classmethod
+    def from_proto(cls, msg: rpb.GenerateResponse) -> Chunk:
+        return cls(
+            request_id=msg.request_id,
+            token_ids=tuple(msg.token_ids),
+            text=msg.text,
+            logprobs=tuple(msg.logprobs),
+            finish_reason=_FINISH.get(msg.finish_reason),
+            raw=msg,
+        )
+
+
+@dataclass
+class Completion:
+    """A whole answer: text, token ids, finish reason, usage and timings (seconds)."""
+
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    mode: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    time_to_first_token: float = 0.0
+    total_time: float = 0.0
+
+    def add(self, chunk: Chunk) -> None:
+        """Folds one streamed chunk into the answer."""
+        self.request_id = chunk.request_id or self.request_id
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        msg = chunk.raw
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+        if msg is None:
+            return
+        if msg.mode:
+            self.mode = mode_name(msg.mode)
+        if msg.HasField("usage"):
+            self.prompt_tokens = msg.usage.prompt_tokens
+            self.completion_tokens = msg.usage.completion_tokens
+            self.cached_tokens = msg.usage.cached_tokens
+        if msg.HasField("timings"):
+            self.time_to_first_token = msg.timings.time_to_first_token.ToTimedelta().total_seconds()
+            self.total_time = msg.timings.total.ToTimedelta().total_seconds()
