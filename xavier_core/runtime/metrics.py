@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, make_wsgi_app
 
 from .config import parse_host_port
 
@@ -84,11 +87,32 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not worth a log line each."""
+
+
 def start_metrics_server(listen: str, registry: CollectorRegistry | None = None) -> MetricsServer:
-    """Serve ``registry`` on ``listen`` (``HOST:PORT``; port 0 binds a free port)."""
+    """Serve ``registry`` on ``listen`` (``HOST:PORT``; port 0 binds a free port).
+
+    A small wsgiref server rather than prometheus_client's start_http_server, to
+    poll for shutdown every 50 ms (not 0.5 s) so stopping a service stays fast.
+    """
     host, port = parse_host_port(listen)
     bind_host = host[1:-1] if host.startswith("[") else host
-    server, thread = start_http_server(port, addr=bind_host, registry=registry or get_registry())
+    server_cls: type[_Server] = _Server
+    if ":" in bind_host:
+        server_cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+    app = make_wsgi_app(registry or get_registry())
+    server = make_server(bind_host, port, app, server_class=server_cls, handler_class=_QuietHandler)
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="xavier-metrics", daemon=True
+    )
+    thread.start()
     return MetricsServer(host, int(server.server_port), server, thread)
 
 
