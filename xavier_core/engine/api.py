@@ -12,21 +12,37 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import grpc
 
-class EngineError(Exception):
-    """Base class of engine errors the services map to gRPC statuses."""
+from xavier_core.runtime.errors import XavierError
+
+
+class EngineError(XavierError):
+    """Base class of engine errors; each carries the gRPC status the services answer with."""
+
+    code = grpc.StatusCode.INTERNAL
+    reason = "ENGINE_ERROR"
 
 
 class InvalidRequestError(EngineError):
     """The request cannot be served as asked (empty prompt, too long, bad sampling values)."""
 
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "INVALID_REQUEST"
+
 
 class OutOfPagesError(EngineError):
     """The KV pool cannot hold the request even after eviction and preemption."""
 
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "OUT_OF_PAGES"
+
 
 class RequestNotFoundError(EngineError):
     """No live request with that id."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "REQUEST_NOT_FOUND"
 
 
 class FinishReason(enum.Enum):
