@@ -1,0 +1,120 @@
+"""KV pools shaped like an engine's (per layer a K and a V buffer) and a source process for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from xavier_core.engine.api import KvBuffer
+
+LAYERS, HEADS, HEAD_DIM, PAGE_SIZE, PAGES = 4, 2, 64, 16, 64
+
+
+def make_pool(seed: int | None, pages: int = PAGES, dtype: str = "float16") -> list[np.ndarray]:
+    """2*LAYERS buffers [pages*PAGE_SIZE, HEADS, HEAD_DIM]; random bytes from `seed`, zeros if None."""
+    shape = (pages * PAGE_SIZE, HEADS, HEAD_DIM)
+    if seed is None:
+        return [np.zeros(shape, dtype=dtype) for _ in range(2 * LAYERS)]
+    rng = np.random.default_rng(seed)
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return [
+        rng.integers(0, 256, nbytes, dtype=np.uint8).view(dtype).reshape(shape) for _ in range(2 * LAYERS)
+    ]
+
+
+def kv_buffers(pool: list[np.ndarray]) -> list[KvBuffer]:
+    return [KvBuffer(a.ctypes.data, a.nbytes, a.nbytes // (a.shape[0] // PAGE_SIZE), "cpu") for a in pool]
+
+
+def page_bytes(pool: list[np.ndarray], pages: list[int]) -> list[bytes]:
+    """Per buffer, the bytes of `pages` in order (what a reader must end up with)."""
+    return [a.reshape(-1, PAGE_SIZE * HEADS * HEAD_DIM)[pages].tobytes() for a in pool]
+
+
+def _serve(conn: Connection, name: str, seed: int) -> None:
+    from xavier_core.transfer import KvManager, KvSender, NixlAgent
+
+    pool = make_pool(seed)
+    bufs = kv_buffers(pool)
+    agent = NixlAgent(name, bufs, progress_thread=False)
+    manager = KvManager(agent, bufs, PAGE_SIZE)
+    senders: dict[str, KvSender] = {}
+    polling = True
+    conn.send(("ready", os.getpid()))
+    while True:
+        if conn.poll(0.0005 if polling else 0.02):
+            cmd, *args = conn.recv()
+            if cmd == "stop":
+                break
+            if cmd == "polling":
+                polling = bool(args[0])
+                reply: Any = polling
+            elif cmd == "publish":
+                room, pages, aux = args
+                sender = senders[room] = KvSender(manager, room)
+                sender.init(len(pages), aux)
+                reply = sender.send(pages).to_fields()
+            elif cmd == "state":
+                s = senders[args[0]]
+                reply = (s.poll().name, s.in_flight(), s.error)
+            elif cmd == "mark_complete":
+                senders[args[0]].mark_complete()
+                reply = senders[args[0]].poll().name
+            else:
+                reply = f"unknown command {cmd}"
+            conn.send(reply)
+        if polling:
+            manager.progress()
+    agent.close()
+    conn.send("closed")
+
+
+@dataclass
+class Source:
+    """A source process (prefill-like) holding a pool filled from `seed`; driven over a pipe."""
+
+    conn: Connection
+    proc: mp.process.BaseProcess
+    pid: int
+    pool: list[np.ndarray]
+
+    def call(self, *cmd: Any, timeout: float = 10.0) -> Any:
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"source did not answer {cmd[0]!r}")
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        self.proc.join(5)
+
+
+@contextlib.contextmanager
+def source_process(name: str, seed: int) -> Iterator[Source]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(child, name, seed), daemon=True)
+    proc.start()
+    if not parent.poll(30):
+        proc.kill()
+        raise TimeoutError("source process did not start")
+    _, pid = parent.recv()
+    src = Source(parent, proc, pid, make_pool(seed))
+    try:
+        yield src
+    finally:
+        if proc.is_alive():
+            with contextlib.suppress(OSError, TimeoutError):
+                src.call("stop", timeout=5)
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)

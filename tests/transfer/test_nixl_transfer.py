@@ -1,0 +1,151 @@
+"""Real NIXL READs between two processes (UCX over loopback, DRAM), no progress threads anywhere."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from tests.transfer.kvpool import PAGE_SIZE, Source, kv_buffers, make_pool, page_bytes, source_process
+from xavier_core.transfer import (
+    KvManager,
+    KvPoll,
+    KvReceiver,
+    NixlAgent,
+    SourceInfo,
+    TransferInFlightError,
+    peer_key,
+)
+
+pytestmark = pytest.mark.integration
+
+SRC_SEED = 11
+SRC_KEY = peer_key("prefill-a", 1)
+
+
+@pytest.fixture(scope="module")
+def source() -> Iterator[Source]:
+    with source_process(f"src-{os.getpid()}", SRC_SEED) as src:
+        yield src
+
+
+@pytest.fixture(scope="module")
+def pool() -> list[np.ndarray]:
+    return make_pool(None)
+
+
+@pytest.fixture(scope="module")
+def manager(pool: list[np.ndarray]) -> Iterator[KvManager]:
+    bufs = kv_buffers(pool)
+    agent = NixlAgent(f"dst-{os.getpid()}", bufs, progress_thread=False)
+    yield KvManager(agent, bufs, PAGE_SIZE)
+    agent.close()
+
+
+def poll_until(fn, want, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while (got := fn()) not in want:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still {got} after {timeout}s (wanted {want})")
+        time.sleep(0.001)
+    return got
+
+
+def publish(source: Source, room: str, pages: list[int], aux: bytes = b"tok") -> SourceInfo:
+    return SourceInfo.from_fields(source.call("publish", room, pages, aux))
+
+
+def receive(manager: KvManager, room: str, dest: list[int]) -> KvReceiver:
+    rx = KvReceiver(manager, room)
+    rx.init()
+    assert rx.poll() == KvPoll.BOOTSTRAPPING
+    rx.send_metadata(dest)
+    assert rx.poll() == KvPoll.WAITING_FOR_INPUT
+    return rx
+
+
+SRC_PAGES = [5, 6, 7, 20, 21, 3, *range(40, 48), 63, 0]
+DST_PAGES = [10, 11, 12, 13, 30, 2, *range(50, 56), 57, 58, 1, 4]
+
+
+@pytest.mark.parametrize("mode", ["coalesced", "per_page"])
+def test_scattered_read_is_bitwise_exact_and_notifies_sender(
+    source: Source, manager: KvManager, pool: list[np.ndarray], mode: str
+) -> None:
+    for a in pool:
+        a[...] = 0
+    room = f"r-{mode}"
+    info = publish(source, room, SRC_PAGES, aux=b"\x01first")
+    assert [(r.first, r.count) for r in info.runs] == [(5, 3), (20, 2), (3, 1), (40, 8), (63, 1), (0, 1)]
+    assert source.call("state", room)[0] == "TRANSFERRING"
+    rx = receive(manager, room, DST_PAGES)
+    rx.start(info, SRC_KEY, mode=mode)  # type: ignore[arg-type]
+    assert poll_until(rx.poll, {KvPoll.SUCCESS, KvPoll.FAILED}) == KvPoll.SUCCESS, rx.error
+    assert rx.aux == b"\x01first"
+    assert page_bytes(pool, DST_PAGES) == page_bytes(source.pool, SRC_PAGES)
+    untouched = sorted(set(range(64)) - set(DST_PAGES))
+    assert not any(np.any(b) for b in (np.frombuffer(x, np.uint8) for x in page_bytes(pool, untouched)))
+    descs = 8 * (6 + 2) if mode == "coalesced" else 8 * len(SRC_PAGES)
+    assert rx._xfer is not None and rx._xfer.descriptor_count == descs
+    # The completion notification rides on the READ and reaches the source's sender.
+    poll_until(lambda: source.call("state", room), {("SUCCESS", False, None)})
+    rx.clear()
+
+
+def test_sender_completes_without_notification(source: Source) -> None:
+    room = "r-lost-notif"
+    publish(source, room, [1, 2, 3])
+    assert source.call("state", room) == ("TRANSFERRING", True, None)
+    assert source.call("mark_complete", room) == "SUCCESS"
+    assert source.call("state", room) == ("SUCCESS", False, None)
+
+
+def test_page_count_mismatch_fails_clearly(source: Source, manager: KvManager) -> None:
+    info = publish(source, "r-count", [1, 2, 3])
+    rx = receive(manager, "r-count", [7, 8])
+    rx.start(info, SRC_KEY)
+    assert rx.poll() == KvPoll.FAILED
+    assert rx.error is not None and "source has 3 pages, destination 2" in rx.error
+    assert not rx.in_flight()
+    poll_until(lambda: source.call("state", "r-count")[:2], {("FAILED", False)})
+
+
+def test_abort_in_flight_parks_pages_until_read_ends(
+    source: Source, manager: KvManager, pool: list[np.ndarray]
+) -> None:
+    info = publish(source, "r-abort", list(range(8, 16)))
+    assert source.call("polling", False) is False  # the READ cannot finish while the source is idle
+    try:
+        rx = receive(manager, "r-abort", list(range(20, 28)))
+        rx.start(info, SRC_KEY)
+        assert rx.poll() == KvPoll.TRANSFERRING
+        rx.abort()
+        assert rx.poll() == KvPoll.FAILED
+        assert rx.in_flight()
+        assert not rx.wait_idle(0.3)
+        with pytest.raises(TransferInFlightError):
+            rx.clear()
+        assert source.call("state", "r-abort")[1] is True  # the sender keeps its pages pinned too
+    finally:
+        source.call("polling", True)
+    assert rx.wait_idle(10)
+    rx.clear()
+    poll_until(lambda: source.call("state", "r-abort")[1], {False})
+
+
+def test_read_times_out_and_is_cancelled(source: Source, manager: KvManager) -> None:
+    info = publish(source, "r-timeout", [30, 31])
+    source.call("polling", False)
+    try:
+        agent = manager.agent
+        agent.add_peer(SRC_KEY, info.metadata)
+        xfer = agent.read(SRC_KEY, info.buffers, [30, 31], [40, 41], timeout_s=0.2)
+        t0 = time.monotonic()
+        assert poll_until(xfer.poll, {"DONE", "ERR"}, timeout=5) == "ERR"
+        assert time.monotonic() - t0 < 2
+        assert not xfer.in_flight and xfer.error is not None and "timed out" in xfer.error
+    finally:
+        source.call("polling", True)

@@ -1,0 +1,330 @@
+"""KV manager, sender and receiver, modelled on SGLang's disaggregation interface (`KVPoll` states).
+
+The source (prefill) side owns a `KvSender` per room: `init` → `send` publishes a `SourceInfo`, and the
+sender is complete when the reader's NIXL notification arrives or `mark_complete()` is called by whoever
+learns completion from the directory, so a lost notification never hangs a room. The reader (decode) side
+owns a `KvReceiver`: `send_metadata` names the destination pages, `start` READs the source's runs.
+
+Nothing here blocks beyond a bounded timeout. Without NIXL progress threads, callers drive progress:
+the source calls `KvManager.progress()` (or `KvSender.poll()`) every few milliseconds while any room is
+published; the reader calls `KvReceiver.poll()` until it leaves TRANSFERRING.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from xavier_core.engine.api import KvBuffer
+from xavier_core.transfer.errors import LayoutError, TransferError, TransferInFlightError
+from xavier_core.transfer.nixl_backend import NixlAgent, Transfer
+from xavier_core.transfer.runs import Mode, as_page_array, coalesce
+from xavier_core.transfer.source import SourceInfo
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+DONE_PREFIX = b"xv1:done:"
+FAIL_PREFIX = b"xv1:fail:"
+
+
+class KvPoll(enum.IntEnum):
+    """Room transfer states; the values are SGLang's `KVPoll` values."""
+
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+
+def done_notif(room: str) -> bytes:
+    return DONE_PREFIX + room.encode()
+
+
+def fail_notif(room: str) -> bytes:
+    return FAIL_PREFIX + room.encode()
+
+
+class KvManager:
+    """Per-process hub: the agent, the local pool, and the rooms that notifications are routed to."""
+
+    def __init__(self, agent: NixlAgent, buffers: Sequence[KvBuffer], page_size: int) -> None:
+        if tuple(buffers) != agent.buffers:
+            raise LayoutError("KvManager buffers differ from the buffers the agent registered")
+        if page_size < 1:
+            raise LayoutError(f"page_size must be positive, got {page_size}")
+        self.agent = agent
+        self.buffers = tuple(buffers)
+        self.page_size = page_size
+        self.num_pages = min(b.nbytes // b.bytes_per_page for b in buffers)
+        self._lock = threading.RLock()
+        self._senders: dict[str, KvSender] = {}
+        self._receivers: dict[str, KvReceiver] = {}
+        self.notifications_dropped = 0
+        self.bytes_read = 0
+        self.read_seconds = 0.0
+
+    def progress(self) -> int:
+        """Polls NIXL notifications (this also moves reads of our pages forward) and routes them to
+        senders. Returns how many notifications it handled."""
+        with self._lock:
+            notifs = self.agent.notifications()
+            for _who, msg in notifs:
+                kind, room = _parse(msg)
+                sender = self._senders.get(room) if room is not None else None
+                if sender is None:
+                    self.notifications_dropped += 1
+                    continue
+                sender._on_reader_end(kind == "done")
+            return len(notifs)
+
+    def stats(self) -> dict[str, int | float]:
+        with self._lock:
+            return {
+                "senders": len(self._senders),
+                "receivers": len(self._receivers),
+                "notifications_dropped": self.notifications_dropped,
+                "bytes_read": self.bytes_read,
+                "read_seconds": self.read_seconds,
+            }
+
+    def _add(self, table: dict[str, _T], room: str, obj: _T) -> None:
+        with self._lock:
+            if room in table and table[room] is not obj:
+                raise TransferError(f"room {room!r} is already registered in this process")
+            table[room] = obj
+
+    def _remove(self, table: dict[str, _T], room: str, obj: _T) -> None:
+        with self._lock:
+            if table.get(room) is obj:
+                del table[room]
+
+    def _account(self, xfer: Transfer) -> None:
+        with self._lock:
+            self.bytes_read += xfer.nbytes
+            if xfer.finished is not None:
+                self.read_seconds += xfer.finished - xfer.started
+
+
+def _parse(msg: bytes) -> tuple[str, str | None]:
+    for kind, prefix in (("done", DONE_PREFIX), ("fail", FAIL_PREFIX)):
+        if msg.startswith(prefix):
+            return kind, msg[len(prefix) :].decode(errors="replace")
+    return "other", None
+
+
+class KvSender:
+    """Source side of one room. Thread-safe; no call blocks."""
+
+    def __init__(self, manager: KvManager, room: str) -> None:
+        self.manager = manager
+        self.room = room
+        self._lock = threading.Lock()
+        self._state = KvPoll.BOOTSTRAPPING
+        self._num_pages = 0
+        self._aux = b""
+        self._published = False
+        self._reader_ended = False
+        self.error: str | None = None
+        manager._add(manager._senders, room, self)
+
+    def init(self, num_pages: int, aux: bytes = b"") -> None:
+        """Declares how many pages will be sent and the aux bytes (first token, logprob) that go along."""
+        with self._lock:
+            if num_pages < 1:
+                raise TransferError(f"num_pages must be positive, got {num_pages}")
+            self._num_pages, self._aux = num_pages, bytes(aux)
+            if self._state == KvPoll.BOOTSTRAPPING:
+                self._state = KvPoll.WAITING_FOR_INPUT
+
+    def send(self, page_ids: Sequence[int] | npt.NDArray[np.integer]) -> SourceInfo:
+        """Publishes the pages: returns what the reader needs (carried through PublishSource)."""
+        pages = as_page_array(page_ids)
+        with self._lock:
+            if self._state != KvPoll.WAITING_FOR_INPUT:
+                raise TransferError(f"room {self.room!r}: send() in state {self._state.name}")
+            if pages.size != self._num_pages:
+                raise TransferError(
+                    f"room {self.room!r}: init() said {self._num_pages} pages, got {pages.size}"
+                )
+            if int(pages.max()) >= self.manager.num_pages:
+                raise TransferError(f"room {self.room!r}: page {int(pages.max())} is outside the pool")
+            agent = self.manager.agent
+            info = SourceInfo(agent.name, agent.metadata(), agent.buffers, tuple(coalesce(pages)), self._aux)
+            self._published = True
+            self._state = KvPoll.TRANSFERRING
+            return info
+
+    def poll(self) -> KvPoll:
+        """Drives progress (routes notifications) and returns the state."""
+        self.manager.progress()
+        with self._lock:
+            return self._state
+
+    def mark_complete(self) -> None:
+        """Completion learned from elsewhere (the directory's COMPLETED): the reader has its bytes."""
+        self._on_reader_end(True)
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Fails the room. Its pages stay unsafe to reuse while `in_flight()` is True."""
+        with self._lock:
+            if self._state != KvPoll.SUCCESS:
+                self._state = KvPoll.FAILED
+                self.error = self.error or reason
+
+    def in_flight(self) -> bool:
+        """True while a reader may still be reading the published pages (no done/fail seen yet).
+        After an abort the caller parks the pages until this is False or the room's lease ends."""
+        self.manager.progress()
+        with self._lock:
+            return self._published and not self._reader_ended
+
+    def clear(self) -> None:
+        """Forgets the room; later notifications for it are dropped."""
+        self.manager._remove(self.manager._senders, self.room, self)
+
+    def _on_reader_end(self, ok: bool) -> None:
+        with self._lock:
+            self._reader_ended = True
+            if self._state in (KvPoll.FAILED, KvPoll.SUCCESS):
+                return
+            self._state = KvPoll.SUCCESS if ok else KvPoll.FAILED
+            if not ok:
+                self.error = "the reader reported a failed transfer"
+
+
+class KvReceiver:
+    """Reader side of one room. Thread-safe; no call blocks beyond `wait_idle`'s timeout."""
+
+    def __init__(self, manager: KvManager, room: str) -> None:
+        self.manager = manager
+        self.room = room
+        self._lock = threading.RLock()
+        self._state = KvPoll.BOOTSTRAPPING
+        self._dest: npt.NDArray[np.int64] | None = None
+        self._xfer: Transfer | None = None
+        self._peer_key: str | None = None
+        self._notify_fail_when_idle = False
+        self.aux_index: int | None = None
+        self.aux: bytes | None = None  # the source's aux bytes, set on SUCCESS
+        self._aux_pending = b""
+        self.error: str | None = None
+
+    def init(self) -> None:
+        """Registers the room with the manager (idempotent)."""
+        self.manager._add(self.manager._receivers, self.room, self)
+
+    def send_metadata(
+        self, dest_page_ids: Sequence[int] | npt.NDArray[np.integer], aux_index: int | None = None
+    ) -> None:
+        """Names the destination pages (already allocated); the room then waits for its source."""
+        dest = as_page_array(dest_page_ids)
+        with self._lock:
+            if self._state != KvPoll.BOOTSTRAPPING:
+                raise TransferError(f"room {self.room!r}: send_metadata() in state {self._state.name}")
+            self._dest, self.aux_index = dest, aux_index
+            self._state = KvPoll.WAITING_FOR_INPUT
+
+    def start(self, source: SourceInfo, peer_key: str, mode: Mode = "coalesced") -> None:
+        """Adds the peer if needed and posts one READ (one descriptor per run per buffer)."""
+        with self._lock:
+            if self._state != KvPoll.WAITING_FOR_INPUT or self._dest is None:
+                raise TransferError(f"room {self.room!r}: start() in state {self._state.name}")
+            agent = self.manager.agent
+            try:
+                agent.add_peer(peer_key, source.metadata)
+                self._peer_key = peer_key
+                if source.num_pages != self._dest.size:
+                    raise TransferError(
+                        f"page count mismatch: source has {source.num_pages} pages, "
+                        f"destination {self._dest.size}"
+                    )
+                self._xfer = agent.read(
+                    peer_key, source.buffers, source.page_ids(), self._dest, done_notif(self.room), mode
+                )
+            except TransferError as exc:
+                self._fail(str(exc))
+                return
+            self._state = KvPoll.TRANSFERRING
+            self._aux_pending = source.aux
+            self._check()
+
+    def poll(self) -> KvPoll:
+        """Drives the READ and returns the state."""
+        with self._lock:
+            self._check()
+            return self._state
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Fails the room at once; a READ in flight is left to end (never cancelled here), see in_flight."""
+        with self._lock:
+            self._check()
+            if self._state in (KvPoll.SUCCESS, KvPoll.FAILED):
+                return
+            self._fail(reason)
+
+    def in_flight(self) -> bool:
+        """True while the READ may still write the destination pages (invariant I1)."""
+        with self._lock:
+            self._check()
+            return self._xfer is not None and self._xfer.in_flight
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Polls until no READ is in flight or `timeout_s` passes; True when idle."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def clear(self) -> None:
+        """Forgets the room. Refuses while a READ is in flight: wait for `in_flight()` to be False."""
+        if self.in_flight():
+            raise TransferInFlightError(f"room {self.room!r}: a READ may still write its pages")
+        self.manager._remove(self.manager._receivers, self.room, self)
+
+    def _check(self) -> None:
+        xfer = self._xfer
+        if xfer is None:
+            return
+        was_live = xfer.in_flight
+        state = xfer.poll()
+        if was_live and state == "DONE":
+            self.manager._account(xfer)
+        if state == "PROC":
+            return
+        if self._state == KvPoll.TRANSFERRING:
+            if state == "DONE":
+                self._state, self.aux = KvPoll.SUCCESS, self._aux_pending
+            else:
+                self._fail(f"READ failed: {xfer.error}")
+        if self._notify_fail_when_idle and state == "ERR":
+            self._notify_fail_when_idle = False
+            self._send_fail()
+
+    def _fail(self, reason: str) -> None:
+        self._state, self.error = KvPoll.FAILED, reason
+        log.info("room %s failed: %s", self.room, reason)
+        if self._xfer is not None and self._xfer.in_flight:
+            # The source may reuse its pages once told; tell it only when our READ has ended.
+            self._notify_fail_when_idle = True
+        elif self._xfer is None or self._xfer.state == "ERR":
+            self._send_fail()
+
+    def _send_fail(self) -> None:
+        if self._peer_key is None:
+            return
+        try:
+            self.manager.agent.send_notif(self._peer_key, fail_notif(self.room))
+        except TransferError as exc:
+            log.info("room %s: fail notification not delivered: %s", self.room, exc)

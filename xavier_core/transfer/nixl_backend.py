@@ -1,0 +1,360 @@
+"""One NIXL agent per process: registered KV buffers, cached peers, READs of page lists.
+
+Progress: agents run without NIXL's progress thread by default (it busy-spins a core). Then NIXL moves
+a transfer forward only inside calls on the two agents involved:
+
+- the reading side drives its READ by `Transfer.poll()`;
+- the side being read must call `notifications()` (the KV manager's `progress()`) regularly while any of
+  its pages may be read: a READ stays PROC until the source polls, and its latency is the source's
+  polling interval.
+
+Every call returns at once; a READ that stays PROC past its timeout is cancelled and reported ERR, and a
+dead peer surfaces as ERR on the next poll or as `PeerError` from the next call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from xavier_core.engine.api import KvBuffer
+from xavier_core.transfer import runs
+from xavier_core.transfer._nixl import MemType, RawAgent, XferState
+from xavier_core.transfer.errors import InvalidPagesError, LayoutError, PeerError, StaleEpochError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+
+
+def device_mem(device: str) -> tuple[MemType, int]:
+    """NIXL memory type and device id of a torch-style device string ("cpu", "cuda", "cuda:N")."""
+    if device == "cpu":
+        return "DRAM", 0
+    if device == "cuda":
+        return "VRAM", 0
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return "VRAM", int(device[5:])
+    raise LayoutError(f"unsupported KV buffer device {device!r} (expected cpu or cuda:N)")
+
+
+def peer_key(peer_id: str, epoch: int) -> str:
+    """The cache key of one epoch of a peer; `NixlAgent.add_peer` drops older epochs of the same id."""
+    return f"{peer_id}@{epoch}"
+
+
+def split_peer_key(key: str) -> tuple[str, int] | None:
+    peer_id, sep, epoch = key.rpartition("@")
+    if not sep or not peer_id or not epoch.isdigit():
+        return None
+    return peer_id, int(epoch)
+
+
+def _num_pages(buffers: Sequence[KvBuffer]) -> int:
+    return min(b.nbytes // b.bytes_per_page for b in buffers)
+
+
+def check_buffers(buffers: Sequence[KvBuffer], what: str) -> MemType:
+    """Validates a buffer list and returns its single memory type."""
+    if not buffers:
+        raise LayoutError(f"{what}: no KV buffers")
+    mems = {device_mem(b.device)[0] for b in buffers}
+    if len(mems) != 1:
+        raise LayoutError(f"{what}: buffers mix memory types {sorted(mems)}")
+    for i, b in enumerate(buffers):
+        if b.addr <= 0 or b.bytes_per_page <= 0 or b.nbytes < b.bytes_per_page:
+            raise LayoutError(f"{what}: buffer {i} is invalid ({b})")
+    return mems.pop()
+
+
+class Transfer:
+    """A posted READ. Poll it until it is not PROC; its NIXL handle is released once it ends."""
+
+    def __init__(self, agent: NixlAgent, handle: object, nbytes: int, descs: int, timeout_s: float) -> None:
+        self._agent = agent
+        self._handle: object | None = handle
+        self.nbytes = nbytes
+        self.descriptor_count = descs
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self._deadline = self.started + timeout_s
+        self._timeout_s = timeout_s
+        self.error: str | None = None
+        self._state: XferState = "PROC"
+
+    @property
+    def state(self) -> XferState:
+        """The last polled state (no NIXL call)."""
+        return self._state
+
+    @property
+    def in_flight(self) -> bool:
+        """True while NIXL may still touch the pages of this READ."""
+        return self._handle is not None
+
+    def poll(self) -> XferState:
+        """Checks the READ (and drives it forward); a READ past its timeout is cancelled and ends ERR."""
+        with self._agent.lock:
+            if self._handle is None:
+                return self._state
+            try:
+                state = self._agent.raw.check(self._handle)
+            except Exception as exc:  # nixlRemoteDisconnectError and friends: the peer is gone
+                self.error = f"{type(exc).__name__}: {exc}"
+                state = "ERR"
+            if state == "PROC" and time.monotonic() > self._deadline:
+                if self._cancel():
+                    self.error = f"timed out after {self._timeout_s:.1f}s"
+                    self._finish("ERR")
+                return self._state
+            self._settle(state)
+            return self._state
+
+    def release(self) -> bool:
+        """Ends the READ now: cancels it if still PROC. False if NIXL refused (still in flight)."""
+        with self._agent.lock:
+            if self._handle is None:
+                return True
+            if self._cancel():
+                self.error = self.error or "cancelled"
+                self._finish("ERR")
+            return self._handle is None
+
+    def _settle(self, state: XferState) -> None:
+        if state == "PROC":
+            return
+        if state == "ERR" and self.error is None:
+            self.error = "NIXL reported a transfer error"
+        if not self._cancel():
+            log.warning("NIXL refused to release a finished transfer handle; keeping it")
+            return
+        self._finish(state)
+
+    def _cancel(self) -> bool:
+        if self._handle is None:
+            return True
+        try:
+            self._agent.raw.release(self._handle)
+        except Exception as exc:
+            log.warning("releasing transfer handle failed: %s: %s", type(exc).__name__, exc)
+            return False
+        self._agent.forget(self)
+        self._handle = None
+        return True
+
+    def _finish(self, state: XferState) -> None:
+        self._state = state
+        self.finished = time.monotonic()
+
+
+@dataclass(frozen=True)
+class _Peer:
+    name: str
+
+
+class NixlAgent:
+    """This process's NIXL agent. Thread-safe: every NIXL call is serialised by `lock`."""
+
+    def __init__(
+        self,
+        name: str,
+        buffers: Sequence[KvBuffer],
+        progress_thread: bool = False,
+        *,
+        backend: str = "UCX",
+        transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+    ) -> None:
+        self.mem = check_buffers(buffers, "local")
+        self.buffers = tuple(buffers)
+        self.name = name
+        self.transfer_timeout_s = transfer_timeout_s
+        self.lock = threading.RLock()
+        self.raw = RawAgent(name, progress_thread, backend)
+        regions = np.array([(b.addr, b.nbytes, device_mem(b.device)[1]) for b in buffers], dtype=np.uint64)
+        self._reg: object | None = self.raw.register(regions, self.mem)
+        self._metadata = self.raw.metadata()
+        self._peers: dict[str, _Peer] = {}
+        self._live: set[Transfer] = set()
+
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata (exchanged once per epoch through the directory)."""
+        return self._metadata
+
+    def regions(self) -> list[tuple[int, int, str]]:
+        """Registered regions as (base address, length, device)."""
+        return [(b.addr, b.nbytes, b.device) for b in self.buffers]
+
+    def add_peer(self, peer_key: str, metadata: bytes) -> str:
+        """Loads a peer's metadata once per key and returns its agent name.
+
+        With keys made by `peer_key(id, epoch)`, older epochs of the same id are dropped first, and
+        an epoch older than a loaded one raises `StaleEpochError`.
+        """
+        with self.lock:
+            peer = self._peers.get(peer_key)
+            if peer is not None:
+                return peer.name
+            parsed = split_peer_key(peer_key)
+            if parsed is not None:
+                peer_id, epoch = parsed
+                newer = [k for k, e in self._epochs(peer_id) if e > epoch]
+                if newer:
+                    raise StaleEpochError(f"peer {peer_key!r} is older than loaded {newer[0]!r}")
+                self.drop_peer_id_epochs_except(peer_id, epoch)
+            try:
+                name = self.raw.add_remote(metadata)
+            except Exception as exc:
+                raise PeerError(f"cannot load metadata of peer {peer_key!r}: {exc}") from exc
+            self._peers[peer_key] = _Peer(name)
+            return name
+
+    def has_peer(self, peer_key: str) -> bool:
+        with self.lock:
+            return peer_key in self._peers
+
+    def peer_keys(self) -> list[str]:
+        with self.lock:
+            return list(self._peers)
+
+    def drop_peer(self, peer_key: str) -> None:
+        """Forgets a peer; its remote agent is unloaded once no other key names it. Idempotent."""
+        with self.lock:
+            peer = self._peers.pop(peer_key, None)
+            if peer is None or any(p.name == peer.name for p in self._peers.values()):
+                return
+            try:
+                self.raw.remove_remote(peer.name)
+            except Exception as exc:
+                log.warning("removing remote agent %s failed: %s", peer.name, exc)
+
+    def drop_peer_id_epochs_except(self, peer_id: str, epoch: int) -> list[str]:
+        """Drops every cached epoch of `peer_id` other than `epoch`; returns the dropped keys."""
+        with self.lock:
+            stale = [k for k, e in self._epochs(peer_id) if e != epoch]
+            for k in stale:
+                self.drop_peer(k)
+            return stale
+
+    def _epochs(self, peer_id: str) -> list[tuple[str, int]]:
+        """(key, epoch) of every cached key of `peer_id`."""
+        found = ((k, split_peer_key(k)) for k in self._peers)
+        return [(k, p[1]) for k, p in found if p is not None and p[0] == peer_id]
+
+    def read(
+        self,
+        peer_key: str,
+        remote_buffers: Sequence[KvBuffer],
+        src_page_ids: Sequence[int] | npt.NDArray[np.integer],
+        dst_page_ids: Sequence[int] | npt.NDArray[np.integer],
+        notif: bytes = b"",
+        mode: runs.Mode = "coalesced",
+        timeout_s: float | None = None,
+    ) -> Transfer:
+        """READs remote pages `src_page_ids[i]` into local pages `dst_page_ids[i]` for every buffer.
+
+        `notif` reaches the peer's `notifications()` once the READ has completed.
+        """
+        remote_mem = check_buffers(remote_buffers, f"peer {peer_key}")
+        self._check_layout(remote_buffers)
+        src = runs.as_page_array(src_page_ids)
+        dst = runs.as_page_array(dst_page_ids)
+        _check_range(src, _num_pages(remote_buffers), "source")
+        _check_range(dst, _num_pages(self.buffers), "destination")
+        if np.unique(dst).size != dst.size:
+            raise InvalidPagesError("destination page ids repeat")
+        table = runs.descriptors(
+            [b.addr for b in remote_buffers],
+            [b.addr for b in self.buffers],
+            [b.bytes_per_page for b in self.buffers],
+            src,
+            dst,
+            mode,
+        )
+        per_buffer = table.shape[0] // len(self.buffers)
+        local = _dlist(table[:, 1], table[:, 2], self.buffers, per_buffer)
+        remote = _dlist(table[:, 0], table[:, 2], remote_buffers, per_buffer)
+        with self.lock:
+            peer = self._peers.get(peer_key)
+            if peer is None:
+                raise PeerError(f"unknown peer {peer_key!r} (add_peer first)")
+            try:
+                handle, state = self.raw.read(local, self.mem, remote, remote_mem, peer.name, notif)
+            except Exception as exc:
+                raise PeerError(f"READ from peer {peer_key!r} failed: {type(exc).__name__}: {exc}") from exc
+            xfer = Transfer(
+                self,
+                handle,
+                int(table[:, 2].sum()),
+                table.shape[0],
+                self.transfer_timeout_s if timeout_s is None else timeout_s,
+            )
+            self._live.add(xfer)
+            xfer._settle(state)
+            return xfer
+
+    def _check_layout(self, remote: Sequence[KvBuffer]) -> None:
+        if len(remote) != len(self.buffers):
+            raise LayoutError(f"buffer count differs: peer {len(remote)}, local {len(self.buffers)}")
+        for i, (r, mine) in enumerate(zip(remote, self.buffers, strict=True)):
+            if r.bytes_per_page != mine.bytes_per_page:
+                raise LayoutError(
+                    f"buffer {i}: bytes_per_page differs "
+                    f"(peer {r.bytes_per_page}, local {mine.bytes_per_page})"
+                )
+
+    def forget(self, xfer: Transfer) -> None:
+        self._live.discard(xfer)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """New notifications as (sender agent name, message). Calling this also drives progress."""
+        with self.lock:
+            got = self.raw.notifs()
+        return [(who, m) for who, msgs in got.items() for m in msgs]
+
+    def send_notif(self, peer_key: str, msg: bytes) -> None:
+        """Sends a standalone notification; `PeerError` if the peer is unknown or gone."""
+        with self.lock:
+            peer = self._peers.get(peer_key)
+            if peer is None:
+                raise PeerError(f"unknown peer {peer_key!r}")
+            try:
+                self.raw.send_notif(peer.name, msg)
+            except Exception as exc:
+                raise PeerError(f"notification to {peer_key!r} failed: {type(exc).__name__}") from exc
+
+    def close(self) -> None:
+        """Cancels live READs, unloads peers and deregisters the buffers. Idempotent."""
+        with self.lock:
+            for xfer in list(self._live):
+                xfer.release()
+            for key in list(self._peers):
+                self.drop_peer(key)
+            if self._reg is not None:
+                try:
+                    self.raw.deregister(self._reg)
+                finally:
+                    self._reg = None
+
+    def __enter__(self) -> NixlAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_range(pages: npt.NDArray[np.int64], limit: int, side: str) -> None:
+    if pages.size and int(pages.max()) >= limit:
+        raise InvalidPagesError(f"{side} page {int(pages.max())} is outside the pool ({limit} pages)")
+
+
+def _dlist(
+    addrs: npt.NDArray[np.uint64], nbytes: npt.NDArray[np.uint64], buffers: Sequence[KvBuffer], per: int
+) -> npt.NDArray[np.uint64]:
+    devs = np.repeat(np.array([device_mem(b.device)[1] for b in buffers], dtype=np.uint64), per)
+    return np.ascontiguousarray(np.stack((addrs, nbytes, devs), axis=1))
