@@ -1,0 +1,218 @@
+"""DecodeService: pulls a room's prompt KV into pages reserved up front and streams the answer.
+
+Roles: `decode` serves Decode (P/D); `unified` serves GenerateUnified (colocated). Destination pages are
+reserved before the source exists (while the prefill runs), so the read starts the moment the room turns
+SOURCE_READY. A read that may still be writing into the pages keeps them reserved until the NIXL handle is
+no longer in progress (invariant I1); only then are they returned to the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from xavier.v1 import decode_service_pb2 as pb
+from xavier.v1 import decode_service_pb2_grpc, types_pb2
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier_core.engine.api import TokenEvent
+from xavier_core.runtime.errors import (
+    Aborted,
+    FailedPrecondition,
+    LayoutMismatch,
+    LeaseExpired,
+)
+from xavier_services.peer.convert import check_prompt, check_room_id, finish_to_pb, sampling_from_pb, seconds
+from xavier_services.peer.host import PeerHost
+
+_TERMINAL = (dpb.ROOM_STATE_RELEASED, dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED)
+
+
+def _delta(ev: TokenEvent) -> pb.TokenDelta:
+    return pb.TokenDelta(token_ids=[ev.token_id], logprobs=[ev.logprob], text=ev.text)
+
+
+class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, host: PeerHost) -> None:
+        self.host = host
+        self._live: dict[str, int] = {}  # engine request id -> room id (0 for unified requests)
+        self._by_client: dict[str, str] = {}  # client request id -> engine request id
+
+    async def Decode(  # noqa: N802
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext[pb.DecodeRequest, pb.DecodeResponse]
+    ) -> AsyncIterator[pb.DecodeResponse]:
+        host = self.host
+        if host.role != types_pb2.ROLE_DECODE:
+            raise FailedPrecondition("this replica is unified: use GenerateUnified", reason="WRONG_ROLE")
+        check_room_id(request.room_id)
+        token_ids = list(request.token_ids)
+        check_prompt(token_ids, host.engine.max_context, host.vocab_size)
+        sampling = sampling_from_pb(request.sampling)
+        rid = f"decode-{request.room_id}"
+        if rid in self._live:
+            raise FailedPrecondition(f"room {request.room_id} is already decoding here", reason="ROOM_BUSY")
+        started = time.perf_counter()
+        pages = host.engine.reserve_pages(rid, len(token_ids))
+        self._live[rid] = request.room_id
+        if request.request_id:
+            self._by_client[request.request_id] = rid
+        completed = False
+        try:
+            room = await self._await_source(request.room_id)
+            src = room.source
+            if src.contract_fingerprint != host.fingerprint:
+                raise LayoutMismatch(
+                    "source pages were computed under another KV layout",
+                    fields="contract_fingerprint",
+                    source=src.contract_fingerprint,
+                    decode=host.fingerprint,
+                )
+            await host.directory_call(
+                "BeginTransfer",
+                dpb.BeginTransferRequest(
+                    request_id=f"{rid}-begin", room_id=request.room_id, peer_id=host.peer_id, epoch=host.epoch
+                ),
+            )
+            peer_key = f"{room.prefill_peer_id}@{room.prefill_epoch}"
+            nbytes, transfer_s = await host.kv.pull(
+                request.room_id, src, peer_key, pages, host.config.handoff.transfer_timeout_seconds
+            )
+            await host.directory_call(
+                "CompleteRoom",
+                dpb.CompleteRoomRequest(
+                    request_id=f"{rid}-complete",
+                    room_id=request.room_id,
+                    peer_id=host.peer_id,
+                    epoch=host.epoch,
+                    bytes_transferred=nbytes,
+                    transfer_duration=seconds(transfer_s),
+                ),
+            )
+            completed = True
+            renew = asyncio.get_running_loop().create_task(self._renew(request.room_id))
+            try:
+                events = host.engine.decode_from_pages(
+                    rid, token_ids, src.first_token, src.first_logprob, sampling
+                )
+                async for msg in self._stream(events, len(token_ids), started, transfer_s):
+                    yield msg
+            finally:
+                renew.cancel()
+        finally:
+            await asyncio.shield(self._finish(rid, request.room_id, completed))
+
+    async def _await_source(self, room_id: int) -> dpb.Room:
+        host = self.host
+        lease = host.config.handoff.room_lease_seconds
+        room = await host.wait_room_message(room_id, (dpb.ROOM_STATE_SOURCE_READY, *_TERMINAL), lease)
+        if room.state == dpb.ROOM_STATE_EXPIRED:
+            raise LeaseExpired(f"room {room_id} expired before its source was ready", room_id=str(room_id))
+        if room.state in _TERMINAL:
+            raise Aborted(f"room {room_id} ended: {room.end_reason or 'aborted'}", room_id=str(room_id))
+        return room
+
+    async def _renew(self, room_id: int) -> None:
+        host = self.host
+        while True:
+            await asyncio.sleep(host.config.handoff.renew_interval_seconds)
+            with contextlib.suppress(Exception):
+                await host.directory_call(
+                    "RenewLease", dpb.RenewLeaseRequest(room_id=room_id, peer_id=host.peer_id, epoch=host.epoch)
+                )
+
+    async def _finish(self, rid: str, room_id: int, completed: bool) -> None:
+        host = self.host
+        self._live.pop(rid, None)
+        self._by_client = {k: v for k, v in self._by_client.items() if v != rid}
+        await host.engine.abort(rid)
+        host.engine.release_pages(rid)
+        if completed:
+            await host.release_room(room_id, types_pb2.ROLE_DECODE)
+        else:
+            await host.abort_room(room_id, "decode failed or was cancelled")
+
+    async def _stream(
+        self, events: AsyncIterator[TokenEvent], prompt_tokens: int, started: float, transfer_s: float
+    ) -> AsyncIterator[pb.DecodeResponse]:
+        n = 0
+        async for ev in events:
+            n += 1
+            msg = pb.DecodeResponse(delta=_delta(ev))
+            if ev.finish is not None:
+                msg.finish_reason = finish_to_pb(ev.finish)
+                msg.usage.CopyFrom(types_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=n))
+                msg.timings.CopyFrom(
+                    types_pb2.Timings(transfer=seconds(transfer_s), total=seconds(time.perf_counter() - started))
+                )
+            yield msg
+
+    async def GenerateUnified(  # noqa: N802
+        self,
+        request: pb.GenerateUnifiedRequest,
+        context: grpc.aio.ServicerContext[pb.GenerateUnifiedRequest, pb.GenerateUnifiedResponse],
+    ) -> AsyncIterator[pb.GenerateUnifiedResponse]:
+        host = self.host
+        if host.role != types_pb2.ROLE_UNIFIED:
+            raise FailedPrecondition("this replica is a P/D decode: use Decode", reason="WRONG_ROLE")
+        token_ids = list(request.token_ids)
+        check_prompt(token_ids, host.engine.max_context, host.vocab_size)
+        sampling = sampling_from_pb(request.sampling)
+        rid = request.request_id or f"unified-{id(request)}-{time.monotonic_ns()}"
+        if rid in self._live:
+            raise FailedPrecondition(f"request {rid} is already running here", reason="REQUEST_BUSY")
+        self._live[rid] = 0
+        started = time.perf_counter()
+        first_at: float | None = None
+        n = 0
+        try:
+            async for ev in host.engine.generate(rid, token_ids, sampling, cache_salt=request.cache_salt):
+                n += 1
+                if first_at is None:
+                    first_at = time.perf_counter() - started
+                msg = pb.GenerateUnifiedResponse(delta=_delta(ev))
+                if ev.finish is not None:
+                    msg.finish_reason = finish_to_pb(ev.finish)
+                    msg.usage.CopyFrom(types_pb2.Usage(prompt_tokens=len(token_ids), completion_tokens=n))
+                    msg.timings.CopyFrom(
+                        types_pb2.Timings(
+                            time_to_first_token=seconds(first_at),
+                            total=seconds(time.perf_counter() - started),
+                        )
+                    )
+                yield msg
+        finally:
+            self._live.pop(rid, None)
+            await asyncio.shield(host.engine.abort(rid))
+
+    async def AbortDecode(  # noqa: N802
+        self,
+        request: pb.AbortDecodeRequest,
+        context: grpc.aio.ServicerContext[pb.AbortDecodeRequest, pb.AbortDecodeResponse],
+    ) -> pb.AbortDecodeResponse:
+        rid = self._by_client.get(request.request_id, request.request_id)
+        if rid not in self._live:
+            return pb.AbortDecodeResponse(found=False)
+        await self.host.engine.abort(rid)
+        return pb.AbortDecodeResponse(found=True)
+
+    async def GetDecodeStats(  # noqa: N802
+        self,
+        request: pb.GetDecodeStatsRequest,
+        context: grpc.aio.ServicerContext[pb.GetDecodeStatsRequest, pb.GetDecodeStatsResponse],
+    ) -> pb.GetDecodeStatsResponse:
+        host = self.host
+        return pb.GetDecodeStatsResponse(
+            engine=host.engine_stats_pb(pages_parked=0),
+            rooms_active=sum(1 for r in self._live.values() if r),
+            transfer=host.kv.totals.to_pb(),
+            peer=f"{host.peer_id}@{host.epoch}",
+            role=host.role,
+        )
+
+    async def drain(self) -> None:
+        """On shutdown: abort every live request; their streams end with FINISH_REASON_ABORT."""
+        for rid in list(self._live):
+            await self.host.engine.abort(rid)

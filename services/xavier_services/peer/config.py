@@ -1,0 +1,79 @@
+"""Configuration shared by the engine-hosting services (prefill, decode, unified)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from xavier_core.runtime.config import ServiceConfig, parse_host_port
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSection(_Section):
+    """The hosted engine."""
+
+    model: Path | None = None
+    """Local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)."""
+    device: str = "cpu"
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    """None: float32 on CPU, float16 on CUDA."""
+    page_size: int = Field(default=16, ge=1, le=1024)
+    num_pages: int = Field(default=1024, ge=8, le=1 << 24)
+    max_running: int = Field(default=32, ge=1, le=4096)
+    chunk_tokens: int = Field(default=2048, ge=16, le=1 << 20)
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if value != "cpu" and not value.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {value!r}")
+        return value
+
+
+class PeerSection(_Section):
+    """How this service joins the mesh."""
+
+    peer_id: str = ""
+    """Stable id kept across restarts (a restart gets a new epoch); empty: role-host-port."""
+    directory: str = "127.0.0.1:7100"
+    """Directory gRPC address."""
+    advertise_host: str = "127.0.0.1"
+    """Host other peers and the router use to reach this service."""
+    rpc_timeout_seconds: float = Field(default=5.0, gt=0, le=600)
+    """Deadline of each control RPC to the directory."""
+
+    @field_validator("directory")
+    @classmethod
+    def _check_directory(cls, value: str) -> str:
+        parse_host_port(value)
+        return value
+
+
+class HandoffSection(_Section):
+    """P/D handoff timing. Every wait is bounded by one of these (invariant I7)."""
+
+    room_lease_seconds: float = Field(default=30.0, gt=0, le=86400)
+    """Lease asked for a room; a room whose other side never comes ends within it."""
+    transfer_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    """Longest a KV read may take before the decode gives up."""
+    park_timeout_seconds: float = Field(default=60.0, gt=0, le=86400)
+    """Longest an aborted source's pages stay parked waiting for a possibly in-flight read."""
+    renew_interval_seconds: float = Field(default=10.0, gt=0, le=3600)
+    """How often a long decode stream renews its room."""
+    poll_interval_seconds: float = Field(default=0.0005, gt=0, le=1)
+    """NIXL progress / notification polling period while transfers are live."""
+    transfer_mode: Literal["coalesced", "per_page"] = "coalesced"
+    """Descriptors per read: one per contiguous run (default) or one per page (baseline)."""
+
+
+class PeerServiceConfig(ServiceConfig):
+    """Settings of a prefill, decode or unified service."""
+
+    engine: EngineSection = EngineSection()
+    peer: PeerSection = PeerSection()
+    handoff: HandoffSection = HandoffSection()

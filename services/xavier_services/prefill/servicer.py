@@ -1,0 +1,187 @@
+"""PrefillService: computes a prompt's KV and first token, publishes the pages, unpins them when done.
+
+Page lifetime of one room (invariant I1): pinned by the engine's prefill; published to the directory;
+unpinned when the decode reports done (NIXL notification) or the room completes (directory), whichever
+comes first. If the room ends any other way after publication, a read may still be in flight, so the pages
+stay *parked* until the reader reports done/failed or `park_timeout_seconds` passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import prefill_service_pb2 as pb
+from xavier.v1 import prefill_service_pb2_grpc, types_pb2
+from xavier_core.runtime.errors import Aborted, FailedPrecondition
+from xavier_core.runtime.logging import get_logger
+from xavier_services.peer.convert import (
+    check_prompt,
+    check_room_id,
+    finish_to_pb,
+    sampling_from_pb,
+    seconds,
+)
+from xavier_services.peer.host import PeerHost
+
+log = get_logger(__name__)
+
+_TERMINAL = (dpb.ROOM_STATE_RELEASED, dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED)
+
+
+@dataclass
+class _Hold:
+    room_id: int
+    request_id: str
+    parked: bool = False
+    pages: int = 0
+    task: asyncio.Task[None] | None = None
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, host: PeerHost) -> None:
+        self.host = host
+        self._holds: dict[int, _Hold] = {}
+
+    @property
+    def pages_parked(self) -> int:
+        return sum(h.pages for h in self._holds.values() if h.parked)
+
+    async def Prefill(  # noqa: N802
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext[pb.PrefillRequest, pb.PrefillResponse]
+    ) -> pb.PrefillResponse:
+        host = self.host
+        check_room_id(request.room_id)
+        token_ids = list(request.token_ids)
+        check_prompt(token_ids, host.engine.max_context, host.vocab_size)
+        sampling = sampling_from_pb(request.sampling)
+        if request.room_id in self._holds:
+            raise FailedPrecondition(f"room {request.room_id} is already prefilled here", reason="ROOM_BUSY")
+        hold = _Hold(request.room_id, f"prefill-{request.room_id}")
+        self._holds[request.room_id] = hold
+        started = time.perf_counter()
+        published = False
+        try:
+            res = await host.engine.prefill(hold.request_id, token_ids, sampling, cache_salt=request.cache_salt)
+            hold.pages = len(res.page_ids)
+            if hold.aborted.is_set():
+                raise Aborted(f"room {request.room_id} aborted during prefill")
+            prefill_s = time.perf_counter() - started
+            source = await host.kv.publish(
+                request.room_id, res.page_ids, b"", host.fingerprint, host.host_id
+            )
+            source.num_tokens = len(token_ids)
+            source.first_token = res.first_token
+            source.first_logprob = res.first_logprob
+            source.first_finish_reason = finish_to_pb(res.finish)
+            published = True
+            await host.directory_call(
+                "PublishSource",
+                dpb.PublishSourceRequest(
+                    request_id=request.request_id or hold.request_id,
+                    room_id=request.room_id,
+                    peer_id=host.peer_id,
+                    epoch=host.epoch,
+                    source=source,
+                ),
+            )
+        except BaseException:
+            # Cancelled by the router, aborted, or the publish failed: nothing may stay pinned.
+            await asyncio.shield(self._fail(hold, published))
+            raise
+        hold.task = asyncio.get_running_loop().create_task(self._hold_until_read(hold))
+        return pb.PrefillResponse(
+            first_token=res.first_token,
+            first_logprob=res.first_logprob,
+            finish_reason=finish_to_pb(res.finish),
+            usage=types_pb2.Usage(prompt_tokens=len(token_ids), cached_tokens=res.cached_tokens),
+            timings=types_pb2.Timings(prefill=seconds(prefill_s), time_to_first_token=seconds(prefill_s)),
+            num_pages=len(res.page_ids),
+        )
+
+    async def _fail(self, hold: _Hold, published: bool) -> None:
+        host = self.host
+        await host.engine.abort(hold.request_id)
+        if published:
+            await self._park(hold)
+        else:
+            host.engine.release_pages(hold.request_id)
+            self._holds.pop(hold.room_id, None)
+        await host.abort_room(hold.room_id, "prefill failed or was cancelled")
+
+    async def _park(self, hold: _Hold) -> None:
+        """Keeps a published room's pages until its reader is done with them, or the park timeout."""
+        host = self.host
+        hold.parked = True
+        try:
+            if not host.kv.read_ended(hold.room_id):
+                outcome = await host.kv.wait_read_end(hold.room_id, host.config.handoff.park_timeout_seconds)
+                if not outcome:
+                    log.warning("parked pages reclaimed after timeout", room_id=hold.room_id)
+        finally:
+            await host.kv.unpublish(hold.room_id, completed=False)
+            host.engine.release_pages(hold.request_id)
+            self._holds.pop(hold.room_id, None)
+
+    async def _hold_until_read(self, hold: _Hold) -> None:
+        """Unpins on the reader's notification or the room's completion; parks on any other ending."""
+        host = self.host
+        room_id = hold.room_id
+        lease = host.config.handoff.room_lease_seconds
+        notif = asyncio.ensure_future(host.kv.wait_read_end(room_id, lease + host.config.handoff.park_timeout_seconds))
+        watch = asyncio.ensure_future(host.wait_room(room_id, (dpb.ROOM_STATE_COMPLETED, *_TERMINAL), lease * 2))
+        aborted = asyncio.ensure_future(hold.aborted.wait())
+        try:
+            done, _ = await asyncio.wait({notif, watch, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            state = watch.result() if watch in done and not watch.exception() else None
+            outcome = notif.result() if notif in done else ""
+            completed = outcome == "done" or state == dpb.ROOM_STATE_COMPLETED
+            if completed:
+                await host.kv.unpublish(room_id, completed=True)
+                host.engine.release_pages(hold.request_id)
+                self._holds.pop(room_id, None)
+            else:
+                await self._park(hold)
+        finally:
+            for t in (notif, watch, aborted):
+                t.cancel()
+        await host.release_room(room_id, types_pb2.ROLE_PREFILL)
+
+    async def AbortPrefill(  # noqa: N802
+        self,
+        request: pb.AbortPrefillRequest,
+        context: grpc.aio.ServicerContext[pb.AbortPrefillRequest, pb.AbortPrefillResponse],
+    ) -> pb.AbortPrefillResponse:
+        check_room_id(request.room_id)
+        hold = self._holds.get(request.room_id)
+        if hold is None:
+            return pb.AbortPrefillResponse(found=False)
+        hold.aborted.set()
+        await self.host.engine.abort(hold.request_id)
+        return pb.AbortPrefillResponse(found=True)
+
+    async def GetPrefillStats(  # noqa: N802
+        self,
+        request: pb.GetPrefillStatsRequest,
+        context: grpc.aio.ServicerContext[pb.GetPrefillStatsRequest, pb.GetPrefillStatsResponse],
+    ) -> pb.GetPrefillStatsResponse:
+        host = self.host
+        return pb.GetPrefillStatsResponse(
+            engine=host.engine_stats_pb(pages_parked=self.pages_parked),
+            rooms_active=len(self._holds),
+            transfer=host.kv.totals.to_pb(),
+            peer=f"{host.peer_id}@{host.epoch}",
+        )
+
+    async def drain(self) -> None:
+        """On shutdown: abort live rooms so the directory and decoders learn at once."""
+        for hold in list(self._holds.values()):
+            hold.aborted.set()
+        tasks = [h.task for h in self._holds.values() if h.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.host.config.grace_seconds)
