@@ -164,12 +164,12 @@ def test_status_encoding_and_metadata_keys_that_shadow_parameters() -> None:
     assert ("x-request-id", "abc") in status.trailing_metadata
     assert isinstance(status, grpc.Status)
 
-    class FakeError(grpc.RpcError):
+    class FakeError(grpc.RpcError):  # type: ignore[misc,unused-ignore]
         def code(self) -> grpc.StatusCode:
             return status.code
 
         def details(self) -> str:
-            return status.details
+            return str(status.details)
 
         def trailing_metadata(self) -> Any:
             return status.trailing_metadata

@@ -45,7 +45,7 @@ async def test_request_id_propagated_generated_and_bound(serve_handlers: Any) ->
     assert re.fullmatch(r"[0-9a-f]{32}", bogus_trailer)
     assert [s["request_id"] for s in seen] == ["req-42", fresh_trailer, bogus_trailer]
     assert [s["current"] for s in seen] == ["req-42", fresh_trailer, bogus_trailer]
-    assert seen[0]["rpc"] == "Echo" and seen[0]["service"] == SERVICE
+    assert seen[0]["rpc"] == f"/{SERVICE}/Echo"
     # Bindings end with the call: the test's own context never saw them.
     assert "request_id" not in structlog.contextvars.get_contextvars()
 

@@ -7,7 +7,8 @@ cached per method, so steady-state calls allocate no handler objects.
 
 * Request id: ``x-request-id`` from the invocation metadata when it is a sane
   token (1..128 of ``[A-Za-z0-9._:-]``), else a new uuid4 hex. It is bound into
-  structlog contextvars (``request_id``, ``rpc``, ``service``) for the call,
+  structlog contextvars (``request_id`` and ``rpc``, the full method path
+  ``/pkg.Service/Method``) for the call,
   readable with :func:`current_request_id`, and echoed to the client as
   *trailing* metadata ``x-request-id`` (trailing, not initial: sending initial
   metadata costs an extra batch per unary call and would forbid handlers from
@@ -90,9 +91,7 @@ class _Call:
                 rid = value
                 break
         self.request_id = rid or uuid.uuid4().hex
-        self.tokens = structlog.contextvars.bind_contextvars(
-            request_id=self.request_id, rpc=state.method, service=state.service
-        )
+        self.tokens = structlog.contextvars.bind_contextvars(request_id=self.request_id, rpc=state.full)
         self.rid_token = _REQUEST_ID.set(self.request_id)
         context.set_trailing_metadata(((REQUEST_ID_KEY, self.request_id),))
         self.start = time.perf_counter()
@@ -111,7 +110,7 @@ class _Call:
             self.code = "CANCELLED"
             raise exc
         self.code = "INTERNAL"
-        _log.error("unhandled exception in rpc", method=self.state.full, exc_info=exc)
+        _log.error("unhandled exception in rpc", exc_info=exc)
         err = Internal("internal error", request_id=self.request_id)
         await context.abort_with_status(to_rpc_status(err, ((REQUEST_ID_KEY, self.request_id),)))
 

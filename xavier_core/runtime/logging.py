@@ -45,8 +45,8 @@ def _logger_field(_: WrappedLogger, __: str, event: EventDict) -> EventDict:
 
 def _service_default(service: str) -> Processor:
     def add_service(_: WrappedLogger, __: str, event: EventDict) -> EventDict:
-        # Interceptors bind ``service`` per call when several services share a
-        # process (``xavier up`` in-process); the process-wide name is the default.
+        # setdefault: a caller may bind its own ``service`` (several services
+        # sharing one process, e.g. ``xavier up`` in-process).
         event.setdefault("service", service)
         return event
 
