@@ -63,10 +63,13 @@ class DecodeRequest(_message.Message):
     ROOM_ID_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    RETURN_KV_DIGEST_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key (the client request id)."""
     room_id: _builtins.int
     """Room opened for this request."""
+    return_kv_digest: _builtins.bool
+    """Return a SHA-256 of the received KV pages' bytes on the first message (end-to-end verification)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids (the decode needs them for its context and page count)."""
@@ -82,10 +85,11 @@ class DecodeRequest(_message.Message):
         room_id: _builtins.int = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _types_pb2.SamplingParams | None = ...,
+        return_kv_digest: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "room_id", b"room_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "return_kv_digest", b"return_kv_digest", "room_id", b"room_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -101,8 +105,11 @@ class DecodeResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    KV_DIGEST_FIELD_NUMBER: _builtins.int
     finish_reason: _types_pb2.FinishReason.ValueType
     """Set on the last message."""
+    kv_digest: _builtins.bytes
+    """SHA-256 of the received pages' bytes, on the first message when asked for."""
     @_builtins.property
     def delta(self) -> Global___TokenDelta:
         """New tokens."""
@@ -122,10 +129,11 @@ class DecodeResponse(_message.Message):
         finish_reason: _types_pb2.FinishReason.ValueType = ...,
         usage: _types_pb2.Usage | None = ...,
         timings: _types_pb2.Timings | None = ...,
+        kv_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "finish_reason", b"finish_reason", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "finish_reason", b"finish_reason", "kv_digest", b"kv_digest", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

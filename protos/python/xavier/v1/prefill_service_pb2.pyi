@@ -30,12 +30,15 @@ class PrefillRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    RETURN_KV_DIGEST_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key (the client request id)."""
     room_id: _builtins.int
     """Room opened for this request."""
     cache_salt: _builtins.str
     """Tenant salt isolating prefix-cache pages."""
+    return_kv_digest: _builtins.bool
+    """Return a SHA-256 of the published KV pages' bytes (for end-to-end verification; costs a hash)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids."""
@@ -52,10 +55,11 @@ class PrefillRequest(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _types_pb2.SamplingParams | None = ...,
         cache_salt: _builtins.str = ...,
+        return_kv_digest: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "request_id", b"request_id", "room_id", b"room_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "request_id", b"request_id", "return_kv_digest", b"return_kv_digest", "room_id", b"room_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -73,6 +77,7 @@ class PrefillResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     NUM_PAGES_FIELD_NUMBER: _builtins.int
+    KV_DIGEST_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     """The first generated token."""
     first_logprob: _builtins.float
@@ -81,6 +86,8 @@ class PrefillResponse(_message.Message):
     """Set when the first token already ends the request."""
     num_pages: _builtins.int
     """Pages published for the room."""
+    kv_digest: _builtins.bytes
+    """SHA-256 of the published pages' bytes, when asked for."""
     @_builtins.property
     def usage(self) -> _types_pb2.Usage:
         """Token counts."""
@@ -98,10 +105,11 @@ class PrefillResponse(_message.Message):
         usage: _types_pb2.Usage | None = ...,
         timings: _types_pb2.Timings | None = ...,
         num_pages: _builtins.int = ...,
+        kv_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_logprob", b"first_logprob", "first_token", b"first_token", "num_pages", b"num_pages", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_logprob", b"first_logprob", "first_token", b"first_token", "kv_digest", b"kv_digest", "num_pages", b"num_pages", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
