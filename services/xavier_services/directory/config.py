@@ -1,0 +1,74 @@
+"""Directory configuration: every lease, interval and limit is a key (``[directory]`` in TOML).
+
+Environment: ``XAVIER_DIRECTORY__<KEY>`` (e.g. ``XAVIER_DIRECTORY__ROOM_LEASE_SECONDS=5``).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from xavier_core.runtime.config import ServiceConfig
+
+__all__ = ["DirectoryConfig", "DirectorySettings"]
+
+
+class DirectorySettings(BaseModel):
+    """Leases, intervals and bounds of the directory's soft state."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    room_lease_seconds: float = Field(default=30.0, gt=0.0, le=86400.0)
+    """Default lease of an open room; a room not completed within it expires."""
+    max_room_lease_seconds: float = Field(default=600.0, gt=0.0, le=86400.0)
+    """Largest lease a caller may ask for in OpenRoom / RenewLease."""
+    completed_retention_seconds: float = Field(default=60.0, gt=0.0, le=86400.0)
+    """How long a completed room stays unless both roles release it first (renewable)."""
+    peer_lease_seconds: float = Field(default=10.0, gt=0.0, le=3600.0)
+    """A peer that does not heartbeat within this is dead; its live rooms are aborted."""
+    heartbeat_interval_seconds: float = Field(default=2.0, gt=0.0, le=3600.0)
+    """Heartbeat interval suggested to peers (at most half the peer lease)."""
+    sweep_interval_seconds: float = Field(default=0.25, gt=0.0, le=60.0)
+    """How often the sweeper ends lapsed rooms and peers (calls also check leases lazily)."""
+    max_rooms: int = Field(default=65536, ge=1, le=10_000_000)
+    """Live rooms (open, source ready, transferring, completed) before CAPACITY_EXHAUSTED."""
+    max_peers: int = Field(default=4096, ge=1, le=1_000_000)
+    """Registered peers before CAPACITY_EXHAUSTED."""
+    max_watchers_per_room: int = Field(default=8, ge=1, le=1024)
+    """Concurrent WatchRoom streams per room."""
+    max_page_runs: int = Field(default=16384, ge=1, le=1_000_000)
+    """Page runs in one published source."""
+    max_regions: int = Field(default=4096, ge=1, le=1_000_000)
+    """Memory regions in one transfer endpoint."""
+    max_metadata_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)
+    """NIXL agent metadata bytes in one transfer endpoint."""
+    max_aux_bytes: int = Field(default=4096, ge=0, le=1 << 20)
+    """Auxiliary bytes in one published source."""
+    list_page_size: int = Field(default=100, ge=1, le=1000)
+    """ListPeers page size when the request gives none."""
+    max_list_page_size: int = Field(default=1000, ge=1, le=100_000)
+    """Largest ListPeers page; larger requests are coerced down."""
+    request_ids_per_room: int = Field(default=8, ge=1, le=1024)
+    """Recent request ids remembered per room for idempotent retries."""
+    idempotency_entries: int = Field(default=65536, ge=16, le=10_000_000)
+    """Recent OpenRoom / RegisterPeer request ids remembered for idempotent retries."""
+    ended_rooms_retained: int = Field(default=16384, ge=0, le=10_000_000)
+    """Ended rooms kept (without their page runs) so late calls see the end state, not NOT_FOUND."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DirectorySettings:
+        if self.heartbeat_interval_seconds * 2 > self.peer_lease_seconds:
+            raise ValueError(
+                "heartbeat_interval_seconds must be at most half of peer_lease_seconds "
+                f"({self.heartbeat_interval_seconds} vs {self.peer_lease_seconds})"
+            )
+        if self.room_lease_seconds > self.max_room_lease_seconds:
+            raise ValueError("room_lease_seconds must not exceed max_room_lease_seconds")
+        if self.list_page_size > self.max_list_page_size:
+            raise ValueError("list_page_size must not exceed max_list_page_size")
+        return self
+
+
+class DirectoryConfig(ServiceConfig):
+    """The directory process: common service settings plus ``[directory]``."""
+
+    directory: DirectorySettings = DirectorySettings()

@@ -1,0 +1,228 @@
+"""``xavier.v1.DirectoryService`` over the state machine.
+
+Handlers are thin: convert the request, call :class:`DirectoryState`, convert the answer. Domain errors
+propagate as typed exceptions and the runtime interceptor turns them into rich statuses. Watchers wait on
+a per-watcher queue that the state machine's listener fills on every state change, so nothing polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import duration_pb2
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
+from xavier.v1 import types_pb2
+
+from xavier_core.runtime.errors import CapacityExhausted, InvalidArgument, Unavailable
+from xavier_services.directory.config import DirectorySettings
+from xavier_services.directory.records import (
+    TERMINAL_STATES,
+    RoomRecord,
+    peer_to_proto,
+    room_to_proto,
+    timestamp,
+)
+from xavier_services.directory.state import DirectoryState
+
+__all__ = ["SERVICE_NAME", "DirectoryServicer"]
+
+SERVICE_NAME = dpb.DESCRIPTOR.services_by_name["DirectoryService"].full_name
+Ctx = Any  # grpc.aio.ServicerContext; typed loosely to keep handler signatures short
+
+
+def _seconds(msg: duration_pb2.Duration) -> float:
+    value = msg.seconds + msg.nanos / 1e9
+    if value <= 0:
+        raise InvalidArgument(f"duration must be positive, got {value}s", field="lease")
+    return value
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    whole = int(seconds)
+    return duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+
+
+class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc]
+    """The directory's RPCs plus its expiry sweeper (``start`` / ``stop``)."""
+
+    def __init__(self, settings: DirectorySettings, state: DirectoryState | None = None) -> None:
+        self.settings = settings
+        self.state = state if state is not None else DirectoryState(settings)
+        self.state.listener = self._changed
+        self._offset = self.state.wall_offset
+        self._watchers: dict[int, list[asyncio.Queue[dpb.Room | None]]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def register(self, server: grpc.aio.Server) -> Sequence[str]:
+        """Adds the servicer to ``server``; returns the service name for health and reflection."""
+        dpb_grpc.add_DirectoryServiceServicer_to_server(self, server)
+        return [SERVICE_NAME]
+
+    async def start(self, _handle: object = None) -> None:
+        """Starts the expiry sweeper."""
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="directory-sweeper")
+
+    async def stop(self, _handle: object = None) -> None:
+        """Stops the sweeper and ends every watch stream with UNAVAILABLE (SHUTTING_DOWN)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        for queues in self._watchers.values():
+            for queue in queues:
+                queue.put_nowait(None)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval_seconds)
+            self.state.sweep()
+
+    def _changed(self, room: RoomRecord) -> None:
+        queues = self._watchers.get(room.room_id)
+        if queues:
+            msg = room_to_proto(room, self._offset)
+            for queue in queues:
+                queue.put_nowait(msg)
+
+    def _room(self, room: RoomRecord) -> dpb.Room:
+        return room_to_proto(room, self._offset)
+
+    # --- peers --------------------------------------------------------------------
+
+    async def RegisterPeer(self, req: dpb.RegisterPeerRequest, ctx: Ctx) -> dpb.RegisterPeerResponse:
+        peer = self.state.peers.register(
+            req.request_id,
+            req.peer_id,
+            req.role,
+            req.address,
+            req.layout if req.HasField("layout") else None,
+            req.endpoint if req.HasField("endpoint") else None,
+        )
+        return dpb.RegisterPeerResponse(
+            peer=peer_to_proto(peer, self._offset),
+            lease=_duration(self.settings.peer_lease_seconds),
+            heartbeat_interval=_duration(self.settings.heartbeat_interval_seconds),
+        )
+
+    async def Heartbeat(self, req: dpb.HeartbeatRequest, ctx: Ctx) -> dpb.HeartbeatResponse:
+        load = req.load if req.HasField("load") else None
+        peer = self.state.peers.heartbeat(req.peer_id, req.epoch, load)
+        if peer is None:
+            return dpb.HeartbeatResponse(must_register=True)
+        return dpb.HeartbeatResponse(lease_expires_at=timestamp(peer.expires_at + self._offset))
+
+    async def UnregisterPeer(self, req: dpb.UnregisterPeerRequest, ctx: Ctx) -> dpb.UnregisterPeerResponse:
+        return dpb.UnregisterPeerResponse(rooms_aborted=self.state.peers.unregister(req.peer_id, req.epoch))
+
+    async def ListPeers(self, req: dpb.ListPeersRequest, ctx: Ctx) -> dpb.ListPeersResponse:
+        s = self.settings
+        size = min(req.page_size or s.list_page_size, s.max_list_page_size)
+        after = ""
+        if req.page_token:
+            try:
+                after = base64.urlsafe_b64decode(req.page_token.encode("ascii")).decode("utf-8")
+            except (ValueError, UnicodeError, binascii.Error):
+                raise InvalidArgument("page_token is not valid", field="page_token") from None
+        if req.role not in types_pb2.Role.values():
+            raise InvalidArgument(f"role {req.role} unknown", field="role")
+        peers, last = self.state.peers.page(size, after, req.role, req.contract_fingerprint)
+        token = base64.urlsafe_b64encode(last.encode()).decode("ascii") if last else ""
+        return dpb.ListPeersResponse(
+            peers=[peer_to_proto(p, self._offset) for p in peers], next_page_token=token
+        )
+
+    # --- rooms --------------------------------------------------------------------
+
+    async def OpenRoom(self, req: dpb.OpenRoomRequest, ctx: Ctx) -> dpb.OpenRoomResponse:
+        room = self.state.open_room(
+            req.request_id,
+            req.prefill_peer_id,
+            req.prefill_epoch,
+            req.decode_peer_id,
+            req.decode_epoch,
+            req.prompt_fingerprint,
+            req.num_tokens,
+            _seconds(req.lease) if req.HasField("lease") else None,
+        )
+        return dpb.OpenRoomResponse(room=self._room(room))
+
+    async def PublishSource(self, req: dpb.PublishSourceRequest, ctx: Ctx) -> dpb.PublishSourceResponse:
+        room = self.state.publish_source(req.request_id, req.room_id, req.peer_id, req.epoch, req.source)
+        return dpb.PublishSourceResponse(room=self._room(room))
+
+    async def BeginTransfer(self, req: dpb.BeginTransferRequest, ctx: Ctx) -> dpb.BeginTransferResponse:
+        room = self.state.begin_transfer(req.request_id, req.room_id, req.peer_id, req.epoch)
+        return dpb.BeginTransferResponse(room=self._room(room))
+
+    async def CompleteRoom(self, req: dpb.CompleteRoomRequest, ctx: Ctx) -> dpb.CompleteRoomResponse:
+        room = self.state.complete_room(req.request_id, req.room_id, req.peer_id, req.epoch)
+        return dpb.CompleteRoomResponse(room=self._room(room))
+
+    async def RenewLease(self, req: dpb.RenewLeaseRequest, ctx: Ctx) -> dpb.RenewLeaseResponse:
+        lease = _seconds(req.lease) if req.HasField("lease") else None
+        room = self.state.renew_lease(req.room_id, req.peer_id, req.epoch, lease)
+        return dpb.RenewLeaseResponse(lease_expires_at=timestamp(room.expires_at + self._offset))
+
+    async def ReleaseRoom(self, req: dpb.ReleaseRoomRequest, ctx: Ctx) -> dpb.ReleaseRoomResponse:
+        room = self.state.release_room(req.request_id, req.room_id, req.role, req.peer_id, req.epoch)
+        return dpb.ReleaseRoomResponse(room=self._room(room))
+
+    async def AbortRoom(self, req: dpb.AbortRoomRequest, ctx: Ctx) -> dpb.AbortRoomResponse:
+        room = self.state.abort_room(req.request_id, req.room_id, req.reason, req.peer_id, req.epoch)
+        return dpb.AbortRoomResponse(room=self._room(room))
+
+    async def GetRoom(self, req: dpb.GetRoomRequest, ctx: Ctx) -> dpb.GetRoomResponse:
+        return dpb.GetRoomResponse(room=self._room(self.state.get_room(req.room_id)))
+
+    async def WatchRoom(self, req: dpb.WatchRoomRequest, ctx: Ctx) -> AsyncIterator[dpb.WatchRoomResponse]:
+        room = self.state.get_room(req.room_id)
+        first = self._room(room)
+        if room.state in TERMINAL_STATES:
+            yield dpb.WatchRoomResponse(room=first)
+            return
+        queues = self._watchers.setdefault(room.room_id, [])
+        if len(queues) >= self.settings.max_watchers_per_room:
+            raise CapacityExhausted(
+                f"room {room.room_id} has {len(queues)} watchers", limit=self.settings.max_watchers_per_room
+            )
+        # Registered in the same step as the snapshot: no change can fall between the two.
+        queue: asyncio.Queue[dpb.Room | None] = asyncio.Queue()
+        queues.append(queue)
+        try:
+            yield dpb.WatchRoomResponse(room=first)
+            while True:
+                msg = await queue.get()
+                if msg is None:
+                    raise Unavailable("directory is shutting down", reason="SHUTTING_DOWN")
+                yield dpb.WatchRoomResponse(room=msg)
+                if msg.state in TERMINAL_STATES:
+                    return
+        finally:
+            queues.remove(queue)
+            if not queues:
+                self._watchers.pop(room.room_id, None)
+
+    async def GetDirectoryStats(
+        self, req: dpb.GetDirectoryStatsRequest, ctx: Ctx
+    ) -> dpb.GetDirectoryStatsResponse:
+        self.state.sweep()
+        stats = self.state.room_stats()
+        return dpb.GetDirectoryStatsResponse(
+            rooms_active=stats.active,
+            rooms_by_state={dpb.RoomState.Name(k): v for k, v in stats.by_state.items()},
+            rooms_opened=stats.opened,
+            rooms_completed=stats.completed,
+            rooms_released=stats.released,
+            rooms_aborted=stats.aborted,
+            rooms_expired=stats.expired,
+            peers_by_role={types_pb2.Role.Name(k): v for k, v in self.state.peers.by_role().items()},
+        )
