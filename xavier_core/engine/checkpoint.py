@@ -103,7 +103,9 @@ def _parse_rope(raw: dict[str, Any], where: Path) -> RopeConfig:
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in _ROPE_TYPES:
-        raise CheckpointError(f"{where}: unsupported rope type {kind!r} (supported: {', '.join(_ROPE_TYPES)})")
+        raise CheckpointError(
+            f"{where}: unsupported rope type {kind!r} (supported: {', '.join(_ROPE_TYPES)})"
+        )
     if kind == "default":
         return RopeConfig(theta=float(theta))
     try:
@@ -135,7 +137,9 @@ def _reject_unsupported(raw: dict[str, Any], where: Path) -> str:
         raise CheckpointError(f"{where}: sliding-window attention is not supported (use_sliding_window=true)")
     layer_types = raw.get("layer_types") or []
     if any(t != "full_attention" for t in layer_types):
-        raise CheckpointError(f"{where}: only full attention is supported, 'layer_types' has {set(layer_types)}")
+        raise CheckpointError(
+            f"{where}: only full attention is supported, 'layer_types' has {set(layer_types)}"
+        )
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: unsupported hidden_act {raw.get('hidden_act')!r} (only silu)")
     if raw.get("mlp_bias"):
@@ -151,7 +155,9 @@ def parse_config(raw: dict[str, Any], where: Path) -> ModelConfig:
     kv_heads = raw.get("num_key_value_heads") or heads
     head_dim = raw.get("head_dim") or hidden // max(heads, 1)
     if heads <= 0 or not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads != 0:
-        raise CheckpointError(f"{where}: num_attention_heads {heads} must be a multiple of num_key_value_heads")
+        raise CheckpointError(
+            f"{where}: num_attention_heads {heads} must be a multiple of num_key_value_heads"
+        )
     if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise CheckpointError(f"{where}: head_dim must be a positive even integer, got {head_dim!r}")
     default_bias = arch == "qwen2"
@@ -240,7 +246,7 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
         raise CheckpointError(f"{model_dir}: no model.safetensors nor model.safetensors.index.json")
     try:
         with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+            return {name: single for name in f.keys()}
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{single}: corrupt safetensors file: {exc}") from exc
 
@@ -266,10 +272,13 @@ def load_weights(
                 for name in names:
                     tensor = f.get_tensor(name)
                     if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-                        raise CheckpointError(f"{path}: tensor {name!r} has dtype {tensor.dtype} (quantized?)")
-                    if tuple(tensor.shape) != shapes[name]:
                         raise CheckpointError(
-                            f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shapes[name]}"
+                            f"{path}: tensor {name!r} has dtype {tensor.dtype} (quantized?)"
+                        )
+                    if tuple(tensor.shape) != shapes[name]:
+                        got = tuple(tensor.shape)
+                        raise CheckpointError(
+                            f"{path}: tensor {name!r} has shape {got}, expected {shapes[name]}"
                         )
                     if tensor.dtype == torch.bfloat16 and dtype != torch.float32 and not warned:
                         log.warning("%s: bfloat16 weights cast to %s", path, dtype)

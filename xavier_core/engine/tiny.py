@@ -137,7 +137,8 @@ def _init_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, 
         elif name.endswith(".bias"):
             t = 0.1 * torch.randn(shape, generator=gen)
         elif name == "model.embed_tokens.weight":
-            t = torch.randn(shape, generator=gen)
+            # Small enough that the layers, not the input token's own (tied) embedding, drive the logits.
+            t = 0.3 * torch.randn(shape, generator=gen)
         else:
             t = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
         out[name] = t.to(dtype).contiguous()
@@ -173,7 +174,7 @@ def make_tiny(
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(min(vocab, 8192))
     tok.save(str(out / "tokenizer.json"))
-    bos, eos = tok.token_to_id(SPECIAL_TOKENS[0]), tok.token_to_id(SPECIAL_TOKENS[2])
+    bos, eos = (int(tok.token_to_id(t)) for t in (SPECIAL_TOKENS[0], SPECIAL_TOKENS[2]))
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": SPECIAL_TOKENS[0],
@@ -226,6 +227,19 @@ def make_tiny_main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, key) is not None:
             sizes[key] = getattr(args, key)
     dtype = args.dtype or ("float16" if args.shape == "qwen2.5-0.5b" else "float32")
-    path = make_tiny(args.dir, args.arch, seed=args.seed, dtype=dtype, shards=args.shards, **sizes)
+    path = make_tiny(
+        args.dir,
+        args.arch,
+        layers=sizes.get("layers", 2),
+        hidden=sizes.get("hidden", 64),
+        heads=sizes.get("heads", 4),
+        kv_heads=sizes.get("kv_heads", 2),
+        intermediate=sizes.get("intermediate", 128),
+        vocab=sizes.get("vocab", 512),
+        max_position=sizes.get("max_position", 4096),
+        seed=args.seed,
+        dtype=dtype,
+        shards=args.shards,
+    )
     print(path)
     return 0

@@ -1,0 +1,188 @@
+"""Forward pass of Qwen2, Qwen3 and Llama decoder-only models over a paged KV pool.
+
+One forward step handles a flattened batch of tokens from many requests: the linear layers run once over
+all of them; attention runs batched for the decode tokens (one query each, keys gathered from the pool
+with a padding mask) and per request for prefill chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from xavier_core.engine.checkpoint import ModelConfig, RopeConfig
+from xavier_core.engine.kv_pool import KvPool
+
+
+@dataclass
+class PrefillSegment:
+    """A prefill chunk of one request inside the flattened batch."""
+
+    start: int  # offset of its first token in the flattened batch
+    length: int  # tokens computed this step
+    prefix_len: int  # tokens of the request already in the pool before this chunk
+    kv_slots: torch.Tensor  # [prefix_len + length] pool slots of every position so far
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward step needs. Decode tokens come first in the flattened batch."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_slots: torch.Tensor  # [T] pool slots where the new K/V go
+    sample_idx: torch.Tensor  # [S] rows of the batch whose logits are wanted
+    num_decode: int = 0
+    decode_slots: torch.Tensor | None = None  # [B, Lmax] slots, padded
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] True where a key is visible
+    segments: list[PrefillSegment] = field(default_factory=list)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, with linear or llama3 scaling applied."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.kind == "linear":
+        return inv / rope.factor
+    if rope.kind == "llama3":
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as the reference implementation: normalise in float32, cast back, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class _Layer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    gate_up_w: torch.Tensor
+    down_w: torch.Tensor
+
+
+class CausalLM:
+    """Weights of one model and its forward pass (inference only, no autograd)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.embed = weights["model.embed_tokens.weight"]
+        self.norm = weights["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if cfg.attention_bias:
+                bias = torch.cat([weights[a + f"{n}_proj.bias"] for n in "qkv"])
+            self.layers.append(
+                _Layer(
+                    in_norm=weights[p + "input_layernorm.weight"],
+                    post_norm=weights[p + "post_attention_layernorm.weight"],
+                    qkv_w=torch.cat([weights[a + f"{n}_proj.weight"] for n in "qkv"]),
+                    qkv_b=bias,
+                    o_w=weights[a + "o_proj.weight"],
+                    q_norm=weights.get(a + "q_norm.weight"),
+                    k_norm=weights.get(a + "k_norm.weight"),
+                    gate_up_w=torch.cat(
+                        [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
+                    ),
+                    down_w=weights[p + "mlp.down_proj.weight"],
+                )
+            )
+        freqs = torch.outer(torch.arange(cfg.max_position).float(), rope_inv_freq(cfg.rope, cfg.head_dim))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(self.device)
+        self.sin = emb.sin().to(self.device)
+        self.scale = cfg.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KvPool) -> torch.Tensor:
+        """Writes the batch's K/V into the pool and returns float32 logits `[S, vocab]` of `sample_idx`."""
+        cfg = self.cfg
+        h = F.embedding(batch.input_ids, self.embed)
+        cos = self.cos[batch.positions].to(self.dtype).unsqueeze(1)
+        sin = self.sin[batch.positions].to(self.dtype).unsqueeze(1)
+        nq, nkv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        for i, layer in enumerate(self.layers):
+            x = _rms_norm(h, layer.in_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            q = qkv[:, :nq].view(-1, cfg.num_heads, d)
+            k = qkv[:, nq : nq + nkv].view(-1, cfg.num_kv_heads, d)
+            v = qkv[:, nq + nkv :].view(-1, cfg.num_kv_heads, d)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = _rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = _rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q = _rotate(q, cos, sin)
+            k = _rotate(k, cos, sin)
+            k_buf, v_buf = pool.k[i], pool.v[i]
+            k_buf[batch.out_slots] = k
+            v_buf[batch.out_slots] = v
+            attn = self._attention(q, k_buf, v_buf, batch)
+            h = h + F.linear(attn, layer.o_w)
+            x = _rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down_w)
+        last = _rms_norm(h[batch.sample_idx], self.norm, cfg.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()
+
+    def _attention(
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Attention output `[T, heads*head_dim]` for the flattened batch."""
+        outs: list[torch.Tensor] = []
+        nd = batch.num_decode
+        if nd:
+            if batch.decode_slots is None or batch.decode_mask is None:
+                raise ValueError("decode batch without decode_slots/decode_mask")
+            qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
+            kd = k_buf[batch.decode_slots].transpose(1, 2)  # [B, KV, L, D]
+            vd = v_buf[batch.decode_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=batch.decode_mask, scale=self.scale, enable_gqa=True
+            )
+            outs.append(o.reshape(nd, -1))
+        for seg in batch.segments:
+            qs = q[seg.start : seg.start + seg.length].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            ks = k_buf[seg.kv_slots].transpose(0, 1).unsqueeze(0)  # [1, KV, L, D]
+            vs = v_buf[seg.kv_slots].transpose(0, 1).unsqueeze(0)
+            if seg.prefix_len == 0:
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
+                )
+            else:
+                rows = torch.arange(seg.length, device=q.device).unsqueeze(1) + seg.prefix_len
+                cols = torch.arange(seg.prefix_len + seg.length, device=q.device).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=cols <= rows, scale=self.scale, enable_gqa=True
+                )
+            outs.append(o.squeeze(0).transpose(0, 1).reshape(seg.length, -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

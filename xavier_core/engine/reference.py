@@ -1,0 +1,436 @@
+"""The reference engine: Qwen2/Qwen3/Llama in plain PyTorch behind the engine-neutral `Engine` interface.
+
+The model runs on one background thread (the engine loop). The asyncio side only queues requests and
+commands under `_lock` and wakes the loop; the loop hands results back with `call_soon_threadsafe`, one
+call per event loop per step. Aborts are applied by the loop between steps, so a request's pages are never
+freed while a forward pass may still write them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+
+import torch
+
+from xavier_core.engine.api import (
+    EngineStats,
+    FinishReason,
+    InvalidRequestError,
+    KvBuffer,
+    PrefillResult,
+    RequestNotFoundError,
+    Sampling,
+    TokenEvent,
+)
+from xavier_core.engine.checkpoint import ModelConfig, load_config, load_weights, resolve_dtype
+from xavier_core.engine.errors import CheckpointError, EngineClosedError, RequestAbortedError
+from xavier_core.engine.kv_pool import KvPool
+from xavier_core.engine.model import CausalLM
+from xavier_core.engine.page_allocator import PageAllocator
+from xavier_core.engine.prefix_cache import PrefixCache
+from xavier_core.engine.request import Delivery, Request, Role, check_prompt, pages_for, validate_sampling
+from xavier_core.engine.runner import build_batch, sample
+from xavier_core.engine.scheduler import Scheduler, StepPlan
+from xavier_core.engine.stream import TokenStream
+from xavier_core.engine.tokenizer import TextTokenizer
+from xavier_core.prefix_keys import chain_seed
+
+log = logging.getLogger(__name__)
+_CPU_KV_BYTES = 1 << 30
+_CUDA_KV_FRACTION = 0.6
+
+
+def _default_num_pages(
+    cfg: ModelConfig, page_size: int, max_running: int, device: str, dtype: torch.dtype
+) -> int:
+    per_page = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        budget = int(free * _CUDA_KV_FRACTION)
+    else:
+        budget = _CPU_KV_BYTES
+    per_context = pages_for(cfg.max_position, page_size)
+    return max(per_context, min(budget // per_page, per_context * max_running))
+
+
+class ReferenceEngine:
+    """A paged-KV PyTorch engine for unified, prefill and decode roles (see `xavier_core.engine.api`)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: TextTokenizer,
+        pool: KvPool,
+        *,
+        max_running: int,
+        chunk_tokens: int,
+        layout_fingerprint: str,
+    ) -> None:
+        if max_running < 1 or chunk_tokens < max_running:
+            raise InvalidRequestError(
+                f"need 1 <= max_running ({max_running}) <= chunk_tokens ({chunk_tokens})"
+            )
+        self.model = model
+        self.config = model.cfg
+        self.tokenizer = tokenizer
+        self.kv_pool = pool
+        self.layout_fingerprint = layout_fingerprint
+        self.eos_token_ids = frozenset(self.config.eos_token_ids) | (
+            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        )
+        self._allocator = PageAllocator(pool.num_pages)
+        self._cache = PrefixCache(self._allocator, pool.page_size)
+        self._sched = Scheduler(self._cache, max_running, chunk_tokens)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._aborts: list[str] = []
+        self._loops: dict[Request, asyncio.AbstractEventLoop] = {}
+        self._closed = False
+        self._steps = 0
+        self._thread = threading.Thread(target=self._run, name="xavier-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        device: str = "cpu",
+        dtype: str | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_running: int = 64,
+        chunk_tokens: int = 1024,
+        layout_fingerprint: str | None = None,
+    ) -> ReferenceEngine:
+        """Loads a checkpoint directory and starts the engine loop.
+
+        `dtype` defaults to float16 on CUDA and float32 on CPU. `num_pages` defaults to what fits in 60% of
+        free GPU memory (1 GiB on CPU), capped at `max_running` full contexts. `layout_fingerprint` seeds the
+        prefix key chain; by default a SHA-256 of config.json, the dtype and the page size.
+        """
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint directory {path} does not exist")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise CheckpointError(f"device {device!r} requested but CUDA is not available")
+        cfg = load_config(path)
+        torch_dtype = resolve_dtype(device, dtype)
+        tokenizer = TextTokenizer.load(path)
+        model = CausalLM(cfg, load_weights(path, cfg, device, torch_dtype), device, torch_dtype)
+        pages = num_pages or _default_num_pages(cfg, page_size, max_running, device, torch_dtype)
+        pool = KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, pages, torch_dtype, device)
+        if layout_fingerprint is None:
+            digest = hashlib.sha256((path / "config.json").read_bytes())
+            digest.update(f"|{torch_dtype}|{page_size}".encode())
+            layout_fingerprint = digest.hexdigest()
+        return cls(
+            model,
+            tokenizer,
+            pool,
+            max_running=max_running,
+            chunk_tokens=chunk_tokens,
+            layout_fingerprint=layout_fingerprint,
+        )
+
+    # Layout facts (what a KvLayout needs).
+    @property
+    def page_size(self) -> int:
+        """Tokens per KV page."""
+        return self.kv_pool.page_size
+
+    @property
+    def max_context(self) -> int:
+        """Longest prompt plus output a request may reach."""
+        return min(self.config.max_position, self.kv_pool.num_pages * self.page_size)
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers (two KV buffers each)."""
+        return self.config.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads per layer."""
+        return self.config.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head."""
+        return self.config.head_dim
+
+    @property
+    def dtype_name(self) -> str:
+        """KV dtype as a short name: "float16" or "float32"."""
+        return str(self.kv_pool.dtype).removeprefix("torch.")
+
+    @property
+    def device(self) -> str:
+        """Device the model and the pool live on."""
+        return str(self.kv_pool.device)
+
+    def kv_buffers(self) -> list[KvBuffer]:
+        """The pool's buffers, layer0 K, layer0 V, layer1 K, ... (stable for the engine's lifetime)."""
+        return self.kv_pool.kv_buffers()
+
+    def read_pages(self, page_ids: Sequence[int]) -> bytes:
+        """Raw KV bytes of the pages, buffer by buffer."""
+        return self.kv_pool.read_pages(page_ids)
+
+    def write_pages(self, page_ids: Sequence[int], data: bytes) -> None:
+        """Writes bytes laid out as `read_pages` returns them into (reserved) pages."""
+        self.kv_pool.write_pages(page_ids, data)
+
+    # Requests.
+    def generate(
+        self, request_id: str, token_ids: Sequence[int], sampling: Sampling, *, cache_salt: str = ""
+    ) -> TokenStream:
+        """Runs a whole request and streams its tokens; leaving the stream early aborts the request."""
+        req = self._new_request(request_id, token_ids, sampling, Role.GENERATE, cache_salt)
+        return TokenStream(self._stream(req, first=None))
+
+    async def prefill(
+        self, request_id: str, token_ids: Sequence[int], sampling: Sampling, *, cache_salt: str = ""
+    ) -> PrefillResult:
+        """Computes the prompt's KV and samples the first token; pages stay pinned until `release_pages`."""
+        req = self._new_request(request_id, token_ids, sampling, Role.PREFILL, cache_salt)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[PrefillResult] = loop.create_future()
+
+        def deliver(item: Delivery) -> None:
+            if future.done():
+                return
+            if isinstance(item, PrefillResult):
+                future.set_result(item)
+            elif isinstance(item, BaseException):
+                future.set_exception(item)
+            else:
+                future.set_exception(RequestAbortedError(f"request {request_id} was aborted"))
+
+        req.deliver = deliver
+        self._submit(req, loop)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._queue_abort(request_id)
+            raise
+
+    def reserve_pages(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
+        """Allocates and pins destination pages for `num_tokens` prompt tokens (decode role)."""
+        if not 0 < num_tokens < self.max_context:
+            raise InvalidRequestError(f"num_tokens must be in [1, {self.max_context}), got {num_tokens}")
+        with self._lock:
+            self._check_open_and_unique(request_id)
+            pages = self._cache.allocate(pages_for(num_tokens, self.page_size))
+            self._allocator.pin(request_id, pages)
+        return tuple(pages)
+
+    def release_pages(self, request_id: str) -> None:
+        """Unpins a prefill's pages or frees an unclaimed reservation. Idempotent."""
+        with self._lock:
+            self._cache.release(self._allocator.unpin(request_id))
+
+    def decode_from_pages(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        first_token: int,
+        first_logprob: float,
+        sampling: Sampling,
+    ) -> TokenStream:
+        """Continues a request whose prompt KV is in its reserved pages; the first event is `first_token`."""
+        req = self._new_request(request_id, token_ids, sampling, Role.DECODE, None)
+        if not 0 <= first_token < self.config.vocab_size:
+            raise InvalidRequestError(f"first_token {first_token} out of vocabulary")
+        return TokenStream(self._stream(req, first=(first_token, first_logprob)))
+
+    async def abort(self, request_id: str) -> None:
+        """Stops a request (its stream ends with ABORT) or drops its pinned pages; returns at once."""
+        self._queue_abort(request_id)
+
+    def stats(self) -> EngineStats:
+        """Pool and queue occupancy and prefix-cache counters."""
+        with self._lock:
+            s = self._sched
+            return EngineStats(
+                pages_total=self._allocator.num_pages,
+                pages_free=self._cache.available(),
+                pages_pinned=self._allocator.num_pinned,
+                running=len(s.running),
+                waiting=len(s.waiting),
+                prompt_tokens_computed=s.prompt_tokens_computed,
+                prompt_tokens_cached=s.prompt_tokens_cached,
+                extra={
+                    "pages_cached": self._cache.num_cached,
+                    "pages_evictable": self._cache.num_evictable,
+                    "evictions": self._cache.evictions,
+                    "preemptions": s.preemptions,
+                    "steps": self._steps,
+                },
+            )
+
+    async def close(self) -> None:
+        """Stops the loop; live requests end with `EngineClosedError`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._wake.notify()
+        await asyncio.to_thread(self._thread.join)
+        with self._lock:
+            reqs = self._sched.fail_all()
+        self._deliver([(r, EngineClosedError("engine closed")) for r in reqs])
+
+    # Internals.
+    def _new_request(
+        self, request_id: str, token_ids: Sequence[int], sampling: Sampling, role: Role, salt: str | None
+    ) -> Request:
+        validate_sampling(sampling)
+        prompt = check_prompt(token_ids, self.config.vocab_size, self.max_context)
+        seed = None if salt is None else chain_seed(self.layout_fingerprint, salt)
+        return Request(
+            id=request_id,
+            prompt=prompt,
+            sampling=sampling,
+            role=role,
+            deliver=lambda _: None,
+            tokenizer=self.tokenizer,
+            eos_ids=self.eos_token_ids,
+            max_context=self.max_context,
+            chain_seed=seed,
+            device=self.device,
+        )
+
+    async def _stream(
+        self, req: Request, first: tuple[int, float] | None
+    ) -> AsyncGenerator[TokenEvent, None]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Delivery] = asyncio.Queue()
+        req.deliver = queue.put_nowait
+        submitted = done = False
+        try:
+            if first is not None:
+                event = self._claim_reservation(req, *first)
+                done = event.finish is not None
+                yield event
+                if done:
+                    return
+            self._submit(req, loop)
+            submitted = True
+            while not done:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if isinstance(item, TokenEvent):
+                    done = item.finish is not None
+                    yield item
+        finally:
+            if not done and submitted:
+                self._queue_abort(req.id)
+            elif not done and req.pages:  # claimed a reservation but never reached the loop
+                with self._lock:
+                    self._cache.release(req.pages)
+                    req.pages = []
+
+    def _claim_reservation(self, req: Request, token: int, logprob: float) -> TokenEvent:
+        with self._lock:
+            if self._sched.find(req.id) is not None:
+                raise InvalidRequestError(f"request id {req.id!r} is already live")
+            pages = self._allocator.unpin(req.id)
+            if not pages:
+                raise RequestNotFoundError(f"no reserved pages for request {req.id!r}")
+            if len(pages) != pages_for(len(req.prompt), self.page_size):
+                self._cache.release(pages)
+                raise InvalidRequestError(
+                    f"request {req.id!r} reserved {len(pages)} pages but its prompt needs "
+                    f"{pages_for(len(req.prompt), self.page_size)}"
+                )
+            req.pages, req.num_computed, req.admitted = pages, len(req.prompt), True
+            return self._sched.accept_first_token(req, token, logprob)
+
+    def _check_open_and_unique(self, request_id: str) -> None:
+        if self._closed:
+            raise EngineClosedError("engine closed")
+        if self._sched.find(request_id) is not None or self._allocator.is_pinned(request_id):
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+
+    def _submit(self, req: Request, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            if req.role is not Role.DECODE:
+                self._check_open_and_unique(req.id)
+            elif self._closed:
+                self._cache.release(req.pages)
+                raise EngineClosedError("engine closed")
+            self._loops[req] = loop
+            self._sched.add(req)
+            self._wake.notify()
+
+    def _queue_abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+            self._wake.notify()
+
+    def _deliver(self, items: list[tuple[Request, Delivery]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Request, Delivery]]] = {}
+        for req, item in items:
+            loop = self._loops.get(req)
+            if req.finish is not None or isinstance(item, BaseException):
+                self._loops.pop(req, None)
+            if loop is not None:
+                by_loop.setdefault(loop, []).append((req, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_dispatch, batch)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                log.debug("dropping %d deliveries for a closed event loop", len(batch))
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._lock:
+                while not self._closed and not self._aborts and not self._sched.has_work():
+                    self._wake.wait()
+                if self._closed:
+                    return
+                aborted = self._apply_aborts()
+                plan, failed = self._sched.schedule()
+            self._deliver(aborted + failed)
+            if plan.items:
+                self._step(plan)
+
+    def _apply_aborts(self) -> list[tuple[Request, Delivery]]:
+        out: list[tuple[Request, Delivery]] = []
+        for rid in self._aborts:
+            req = self._sched.abort(rid)
+            if req is not None:
+                out.append((req, TokenEvent(token_id=-1, logprob=0.0, finish=FinishReason.ABORT)))
+            else:
+                self._cache.release(self._allocator.unpin(rid))
+        self._aborts.clear()
+        return out
+
+    def _step(self, plan: StepPlan) -> None:
+        try:
+            batch = build_batch(plan, self.page_size, self.kv_pool.device)
+            logits = self.model.forward(batch, self.kv_pool)
+            sampled = sample(logits, plan.sampling)
+        except Exception as exc:
+            log.exception("engine step failed; failing every live request")
+            with self._lock:
+                reqs = self._sched.fail_all()
+            self._deliver([(r, exc) for r in reqs])
+            return
+        with self._lock:
+            out = self._sched.complete(plan, sampled)
+            self._steps += 1
+        self._deliver(out)
+
+
+def _dispatch(batch: list[tuple[Request, Delivery]]) -> None:
+    for req, item in batch:
+        req.deliver(item)

@@ -1,0 +1,119 @@
+"""State of one request inside the engine loop, and its stop rules."""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from xavier_core.engine.api import FinishReason, InvalidRequestError, PrefillResult, Sampling, TokenEvent
+from xavier_core.engine.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+
+# What the engine loop hands back to the asyncio side for one request.
+Delivery = TokenEvent | PrefillResult | BaseException
+
+
+class Role(enum.Enum):
+    GENERATE = "generate"  # prompt in, tokens out
+    PREFILL = "prefill"  # prompt in, first token out, pages pinned afterwards
+    DECODE = "decode"  # prompt KV already in reserved pages, continues from a given first token
+
+
+def validate_sampling(sampling: Sampling) -> None:
+    """Raises InvalidRequestError naming the first bad sampling field."""
+    if sampling.max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+    if not sampling.temperature >= 0.0:
+        raise InvalidRequestError(f"temperature must be >= 0, got {sampling.temperature}")
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise InvalidRequestError(f"top_p must be in (0, 1], got {sampling.top_p}")
+    if sampling.top_k < 0:
+        raise InvalidRequestError(f"top_k must be >= 0, got {sampling.top_k}")
+
+
+@dataclass(eq=False)
+class Request:
+    """A request's tokens, pages and output state. Only the engine loop thread mutates it."""
+
+    id: str
+    prompt: list[int]
+    sampling: Sampling
+    role: Role
+    deliver: Callable[[Delivery], None]  # called on the engine thread; must only schedule work
+    tokenizer: TextTokenizer
+    eos_ids: frozenset[int]
+    max_context: int
+    chain_seed: bytes | None = None  # None: the request neither reads nor fills the prefix cache
+    device: str = "cpu"
+    tokens: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose K/V are in `pages`
+    num_registered: int = 0  # leading full pages already offered to the prefix cache
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
+    admitted: bool = False
+    finish: FinishReason | None = None
+    prompt_keys: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt)
+        seed = self.sampling.seed if self.sampling.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt)
+        self._stop = StopMatcher(self.sampling.stop)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute before the next sample."""
+        return len(self.tokens) - self.num_computed
+
+    def accept(self, token: int, logprob: float) -> TokenEvent:
+        """Appends a sampled token, applies the stop rules and returns its event."""
+        s = self.sampling
+        self.tokens.append(token)
+        self.output.append(token)
+        self.logprobs.append(logprob)
+        delta = self._detok.push(token)
+        if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
+            self.finish = FinishReason.STOP
+            return TokenEvent(token, logprob, self.finish, self._stop.flush())
+        text, hit = self._stop.feed(delta)
+        if hit:
+            self.finish = FinishReason.STOP
+        elif len(self.output) >= s.max_tokens or len(self.tokens) >= self.max_context:
+            self.finish = FinishReason.LENGTH
+            text += self._stop.flush()
+        return TokenEvent(token, logprob, self.finish, text)
+
+    def prefill_result(self, event: TokenEvent) -> PrefillResult:
+        """The PrefillResult of a prefill-role request after its first token."""
+        return PrefillResult(
+            first_token=event.token_id,
+            first_logprob=event.logprob,
+            page_ids=tuple(self.pages),
+            prompt_tokens=len(self.prompt),
+            cached_tokens=self.cached_tokens,
+            finish=event.finish,
+        )
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages needed to hold `num_tokens` tokens."""
+    return -(-num_tokens // page_size)
+
+
+def check_prompt(token_ids: Sequence[int], vocab_size: int, max_context: int) -> list[int]:
+    """Validates prompt token ids, returning them as a list."""
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise InvalidRequestError("empty prompt")
+    if len(ids) >= max_context:
+        raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context limit is {max_context}")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"token ids out of vocabulary [0, {vocab_size}): {bad[:8]}")
+    return ids

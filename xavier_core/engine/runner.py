@@ -1,0 +1,86 @@
+"""Turns a scheduled step into model inputs, and model logits into sampled tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from xavier_core.engine.model import ForwardBatch, PrefillSegment
+from xavier_core.engine.request import Request
+from xavier_core.engine.scheduler import StepPlan
+
+
+def _all_slots(pages: Sequence[int], length: int, page_size: int) -> torch.Tensor:
+    base = torch.tensor(list(pages), dtype=torch.long).unsqueeze(1) * page_size
+    return (base + torch.arange(page_size)).view(-1)[:length]
+
+
+def build_batch(plan: StepPlan, page_size: int, device: torch.device) -> ForwardBatch:
+    """The flattened `ForwardBatch` of a step (decode items first, as the scheduler orders them)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    out_slots: list[torch.Tensor] = []
+    sample_idx: list[int] = []
+    decode_rows: list[torch.Tensor] = []
+    segments: list[PrefillSegment] = []
+    for req, n in plan.items:
+        start, stop = req.num_computed, req.num_computed + n
+        offset = len(ids)
+        ids += req.tokens[start:stop]
+        positions += range(start, stop)
+        kv = _all_slots(req.pages, stop, page_size)
+        out_slots.append(kv[start:stop])
+        if stop == len(req.tokens):
+            sample_idx.append(offset + n - 1)
+        if n == 1:
+            decode_rows.append(kv)
+        else:
+            segments.append(PrefillSegment(offset, n, start, kv.to(device, non_blocking=True)))
+    batch = ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True),
+        positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
+        out_slots=torch.cat(out_slots).to(device, non_blocking=True),
+        sample_idx=torch.tensor(sample_idx, dtype=torch.long).to(device, non_blocking=True),
+        num_decode=len(decode_rows),
+        segments=segments,
+    )
+    if decode_rows:
+        lens = torch.tensor([len(r) for r in decode_rows])
+        width = int(lens.max())
+        table = torch.zeros(len(decode_rows), width, dtype=torch.long)
+        for row, slots in enumerate(decode_rows):
+            table[row, : len(slots)] = slots
+        mask = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)
+        batch.decode_slots = table.to(device, non_blocking=True)
+        batch.decode_mask = mask.view(len(decode_rows), 1, 1, width).to(device, non_blocking=True)
+    return batch
+
+
+def _sample_one(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    s = req.sampling
+    scaled = logits / s.temperature
+    if s.top_k > 0 and s.top_k < scaled.numel():
+        kth = torch.topk(scaled, s.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if s.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest set whose mass reaches top_p: a token stays if the mass before it is < top_p.
+        drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= s.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=req.generator)
+
+
+def sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[tuple[int, float]]:
+    """One (token, logprob) per request; the logprob is under the model's unscaled distribution."""
+    if not reqs:
+        return []
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    for row, req in enumerate(reqs):
+        if req.sampling.temperature > 0.0:
+            tokens[row] = _sample_one(logits[row], req)[0]
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
