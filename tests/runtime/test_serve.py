@@ -167,3 +167,9 @@ async def test_in_process_serve_health_reflection_and_stop(tmp_path: Path) -> No
     assert await asyncio.wait_for(task, 10) == 0
     assert stopped == [handle.address]
     assert not ready.exists()
+
+
+async def test_port_in_use_fails_clearly(serve_handlers: Any) -> None:
+    first = await serve_handlers({})
+    with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{first.port}"):
+        await serve_handlers({}, listen=f"127.0.0.1:{first.port}")
