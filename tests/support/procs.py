@@ -76,7 +76,9 @@ def start_service(
             info = json.loads(ready.read_text())
             return ServiceProc(name, proc, info["address"], info.get("metrics", ""), log_path)
         if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log_path.read_text(errors='replace')}")
+            raise RuntimeError(
+                f"{name} exited with {proc.returncode}:\n{log_path.read_text(errors='replace')}"
+            )
         time.sleep(0.05)
     proc.kill()
     raise TimeoutError(f"{name} not ready in {timeout}s:\n{log_path.read_text(errors='replace')}")
@@ -91,9 +93,7 @@ def health_status(address: str, service: str = "", timeout: float = 5.0) -> int:
 
 
 @contextlib.contextmanager
-def running(
-    binary: str, args: Sequence[str], workdir: Path, **kw: object
-) -> Iterator[ServiceProc]:
+def running(binary: str, args: Sequence[str], workdir: Path, **kw: object) -> Iterator[ServiceProc]:
     """Context manager around `start_service` that stops the process (SIGTERM, then SIGKILL)."""
     svc = start_service(binary, args, workdir, **kw)  # type: ignore[arg-type]
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from xavier.v1 import decode_service_pb2, decode_service_pb2_grpc, types_pb2
+
 from xavier_services.decode.servicer import DecodeServicer
 from xavier_services.peer.main import peer_arg_parser, peer_config, run_peer
 

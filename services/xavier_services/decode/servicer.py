@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections.abc import AsyncIterator
 
 import grpc
-
 from xavier.v1 import decode_service_pb2 as pb
 from xavier.v1 import decode_service_pb2_grpc, types_pb2
 from xavier.v1 import directory_service_pb2 as dpb
+
 from xavier_core.engine.api import TokenEvent
 from xavier_core.runtime.errors import (
     Aborted,
@@ -41,8 +42,10 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self._live: dict[str, int] = {}  # engine request id -> room id (0 for unified requests)
         self._by_client: dict[str, str] = {}  # client request id -> engine request id
 
-    async def Decode(  # noqa: N802
-        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext[pb.DecodeRequest, pb.DecodeResponse]
+    async def Decode(
+        self,
+        request: pb.DecodeRequest,
+        context: grpc.aio.ServicerContext[pb.DecodeRequest, pb.DecodeResponse],
     ) -> AsyncIterator[pb.DecodeResponse]:
         host = self.host
         if host.role != types_pb2.ROLE_DECODE:
@@ -92,12 +95,18 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 ),
             )
             completed = True
+            digest = b""
+            if request.return_kv_digest:
+                data = await asyncio.to_thread(host.engine.read_pages, pages)
+                digest = hashlib.sha256(data).digest()
             renew = asyncio.get_running_loop().create_task(self._renew(request.room_id))
             try:
                 events = host.engine.decode_from_pages(
                     rid, token_ids, src.first_token, src.first_logprob, sampling
                 )
                 async for msg in self._stream(events, len(token_ids), started, transfer_s):
+                    if digest:
+                        msg.kv_digest, digest = digest, b""
                     yield msg
             finally:
                 renew.cancel()
@@ -120,7 +129,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             await asyncio.sleep(host.config.handoff.renew_interval_seconds)
             with contextlib.suppress(Exception):
                 await host.directory_call(
-                    "RenewLease", dpb.RenewLeaseRequest(room_id=room_id, peer_id=host.peer_id, epoch=host.epoch)
+                    "RenewLease",
+                    dpb.RenewLeaseRequest(room_id=room_id, peer_id=host.peer_id, epoch=host.epoch),
                 )
 
     async def _finish(self, rid: str, room_id: int, completed: bool) -> None:
@@ -145,11 +155,13 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 msg.finish_reason = finish_to_pb(ev.finish)
                 msg.usage.CopyFrom(types_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=n))
                 msg.timings.CopyFrom(
-                    types_pb2.Timings(transfer=seconds(transfer_s), total=seconds(time.perf_counter() - started))
+                    types_pb2.Timings(
+                        transfer=seconds(transfer_s), total=seconds(time.perf_counter() - started)
+                    )
                 )
             yield msg
 
-    async def GenerateUnified(  # noqa: N802
+    async def GenerateUnified(
         self,
         request: pb.GenerateUnifiedRequest,
         context: grpc.aio.ServicerContext[pb.GenerateUnifiedRequest, pb.GenerateUnifiedResponse],
@@ -187,7 +199,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             self._live.pop(rid, None)
             await asyncio.shield(host.engine.abort(rid))
 
-    async def AbortDecode(  # noqa: N802
+    async def AbortDecode(
         self,
         request: pb.AbortDecodeRequest,
         context: grpc.aio.ServicerContext[pb.AbortDecodeRequest, pb.AbortDecodeResponse],
@@ -198,7 +210,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         await self.host.engine.abort(rid)
         return pb.AbortDecodeResponse(found=True)
 
-    async def GetDecodeStats(  # noqa: N802
+    async def GetDecodeStats(
         self,
         request: pb.GetDecodeStatsRequest,
         context: grpc.aio.ServicerContext[pb.GetDecodeStatsRequest, pb.GetDecodeStatsResponse],

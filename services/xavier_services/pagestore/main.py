@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-
 from xavier.v1 import page_store_service_pb2, page_store_service_pb2_grpc
+
 from xavier_core.runtime import ServiceConfig, run_service, serve
 from xavier_core.runtime.config import ConfigError, add_common_args, config_from_args, exit_on_config_error
 from xavier_core.runtime.errors import Unimplemented

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 from google.protobuf import duration_pb2
-
 from xavier.v1 import types_pb2
+
 from xavier_core.engine.api import FinishReason, Sampling
 from xavier_core.runtime.errors import InvalidArgument
 

@@ -8,18 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import socket
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
-
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import directory_service_pb2_grpc, types_pb2
+
 from xavier_core.contract import KvLayout, layout_from_model_dir
 from xavier_core.engine.api import Engine
-from xavier_core.runtime.errors import FailedPrecondition, InvalidArgument, Unavailable, XavierError, from_rpc_error
+from xavier_core.runtime.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+    XavierError,
+    from_rpc_error,
+)
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.peer.kv_port import KvPort
@@ -33,13 +40,22 @@ ROLE_NAMES = {
 }
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("xavier")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 def load_engine(config: PeerServiceConfig) -> Any:
     """Loads the reference engine named by the config (blocking; call off the event loop)."""
     from xavier_core.engine.reference import ReferenceEngine
 
     e = config.engine
     if e.model is None:
-        raise InvalidArgument("engine.model is required (a local Hugging Face checkpoint directory)", key="engine.model")
+        raise InvalidArgument(
+            "engine.model is required (a local Hugging Face checkpoint directory)", key="engine.model"
+        )
     return ReferenceEngine.load(
         e.model,
         device=e.device,
@@ -58,17 +74,17 @@ class PeerHost:
         self.config = config
         self.role = role
         self.engine: Engine = engine
-        self.vocab_size: int = engine.vocab_size
+        self.vocab_size: int = engine.config.vocab_size
         e = config.engine
         assert e.model is not None
         self.layout: KvLayout = layout_from_model_dir(
             e.model,
             engine="reference",
-            engine_version=engine.version,
+            engine_version=_version(),
             dtype=engine.dtype_name,
             page_size=engine.page_size,
         )
-        self.fingerprint = self.layout.fingerprint()
+        self.fingerprint = self.layout.fingerprint
         self.host_id = socket.gethostname()
         self.peer_id = config.peer.peer_id
         self.epoch = 0
@@ -107,7 +123,9 @@ class PeerHost:
         with contextlib.suppress(Exception):
             await self.directory_call(
                 "UnregisterPeer",
-                dpb.UnregisterPeerRequest(request_id=uuid.uuid4().hex, peer_id=self.peer_id, epoch=self.epoch),
+                dpb.UnregisterPeerRequest(
+                    request_id=uuid.uuid4().hex, peer_id=self.peer_id, epoch=self.epoch
+                ),
             )
         if self._channel is not None:
             await self._channel.close()
@@ -135,7 +153,8 @@ class PeerHost:
             await asyncio.sleep(self._hb_interval)
             try:
                 resp = await self.directory_call(
-                    "Heartbeat", dpb.HeartbeatRequest(peer_id=self.peer_id, epoch=self.epoch, load=self.load())
+                    "Heartbeat",
+                    dpb.HeartbeatRequest(peer_id=self.peer_id, epoch=self.epoch, load=self.load()),
                 )
                 if resp.must_register:
                     await self._register()
@@ -169,9 +188,7 @@ class PeerHost:
                 raise from_rpc_error(err) from None
         raise Unavailable("directory unavailable", reason="DIRECTORY_UNAVAILABLE")
 
-    async def wait_room_message(
-        self, room_id: int, states: Sequence[int], timeout: float
-    ) -> dpb.Room:
+    async def wait_room_message(self, room_id: int, states: Sequence[int], timeout: float) -> dpb.Room:
         """Watches a room (server stream, no polling) until it reaches one of `states`."""
         assert self._stub is not None
         call = self._stub.WatchRoom(dpb.WatchRoomRequest(room_id=room_id), timeout=timeout)

@@ -15,14 +15,20 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from xavier.v1 import directory_service_pb2, types_pb2
+
 from xavier_core.engine.api import KvBuffer
 from xavier_core.runtime.errors import FailedPrecondition, LayoutMismatch, Unavailable
-from xavier_core.transfer import KvManager, KvPoll, KvReceiver, KvSender, NixlAgent, PageRun, SourceInfo
+from xavier_core.transfer import (
+    InvalidSourceError,
+    KvManager,
+    KvPoll,
+    KvReceiver,
+    KvSender,
+    NixlAgent,
+    SourceInfo,
+)
 
 T = TypeVar("T")
-
-DONE_PREFIX = b"xv1:done:"
-FAIL_PREFIX = b"xv1:fail:"
 
 
 @dataclass
@@ -92,24 +98,23 @@ class KvPort:
             self._pump_task = asyncio.get_running_loop().create_task(self._pump())
 
     async def _pump(self) -> None:
-        """Polls notifications while sources are published; routes done/fail to their rooms."""
+        """Drives NIXL progress while sources are published or reads are live; ends parked waits."""
         while self._published or self._live_reads:
-            notes = await self._run(self.agent.notifications)
-            for _peer, msg in notes:
-                self._on_notification(msg)
-            await asyncio.sleep(self._poll_interval if self._live_reads else self._poll_interval * 20)
-
-    def _on_notification(self, msg: bytes) -> None:
-        for prefix, outcome in ((DONE_PREFIX, "done"), (FAIL_PREFIX, "fail")):
-            if msg.startswith(prefix):
-                try:
-                    room_id = int(msg[len(prefix) :])
-                except ValueError:
-                    return
+            ended = await self._run(self._progress)
+            for room_id, outcome in ended:
                 pub = self._published.get(room_id)
-                if pub is not None:
+                if pub is not None and not pub.ended.is_set():
                     pub.outcome = outcome
                     pub.ended.set()
+            await asyncio.sleep(self._poll_interval if self._live_reads else self._poll_interval * 4)
+
+    def _progress(self) -> list[tuple[int, str]]:
+        self.manager.progress()
+        ended = []
+        for room_id, pub in list(self._published.items()):
+            if not pub.ended.is_set() and not pub.sender.in_flight():
+                ended.append((room_id, "done" if pub.sender.poll() == KvPoll.SUCCESS else "fail"))
+        return ended
 
     # -- prefill side ---------------------------------------------------------------------------------------
 
@@ -117,18 +122,18 @@ class KvPort:
         self, room_id: int, page_ids: Sequence[int], aux: bytes, fingerprint: str, host_id: str
     ) -> directory_service_pb2.SourceDescriptor:
         """Registers a room's source pages; the returned descriptor goes into PublishSource."""
-        sender = KvSender(self.manager, room_id)
 
-        def _send() -> SourceInfo:
+        def _send() -> tuple[KvSender, SourceInfo]:
+            sender = KvSender(self.manager, str(room_id))
             sender.init(len(page_ids), aux)
-            return sender.send(list(page_ids))
+            return sender, sender.send(list(page_ids))
 
-        info = await self._run(_send)
+        sender, info = await self._run(_send)
         self._published[room_id] = _Published(sender)
         self._ensure_pump()
         return directory_service_pb2.SourceDescriptor(
             endpoint=self.endpoint(host_id),
-            page_runs=[types_pb2.PageRun(first_page=r.first, count=r.count) for r in info.page_runs],
+            page_runs=[types_pb2.PageRun(first_page=r.first, count=r.count) for r in info.runs],
             num_pages=len(page_ids),
             contract_fingerprint=fingerprint,
             aux=aux,
@@ -195,19 +200,24 @@ class KvPort:
                 f"source has {len(ep.regions)} KV buffers, decode has {len(self._buffers)}",
                 fields="num_buffers",
             )
-        info = SourceInfo(
-            agent_name=ep.agent_name,
-            metadata=ep.agent_metadata,
-            remote_buffers=[(r.base_address, r.bytes_per_page) for r in ep.regions],
-            page_runs=[PageRun(r.first_page, r.count) for r in source.page_runs],
-            aux=source.aux,
-        )
-        receiver = KvReceiver(self.manager, room_id)
+        try:
+            info = SourceInfo.from_fields(
+                {
+                    "agent_name": ep.agent_name,
+                    "metadata": ep.agent_metadata,
+                    "regions": [(r.base_address, r.length, r.bytes_per_page, r.device) for r in ep.regions],
+                    "runs": [(r.first_page, r.count) for r in source.page_runs],
+                    "aux": source.aux,
+                }
+            )
+        except InvalidSourceError as err:
+            raise FailedPrecondition(f"bad source descriptor: {err}", reason="INVALID_SOURCE") from None
+        receiver = KvReceiver(self.manager, str(room_id))
 
         def _start() -> None:
             receiver.init()
             receiver.send_metadata(list(dest_pages))
-            receiver.start(info, peer_key)
+            receiver.start(info, peer_key, self._mode)  # type: ignore[arg-type]
 
         started = time.perf_counter()
         self._live_reads += 1
@@ -215,9 +225,11 @@ class KvPort:
         try:
             await self._run(_start)
             state = await self._poll_receiver(receiver, timeout)
-            if state != KvPoll.Success:
+            if state != KvPoll.SUCCESS:
                 self.totals.failures += 1
-                raise Unavailable(f"KV read of room {room_id} failed ({state.name})", reason="TRANSFER_FAILED")
+                raise Unavailable(
+                    f"KV read of room {room_id} failed ({state.name})", reason="TRANSFER_FAILED"
+                )
         except BaseException:
             await asyncio.shield(self._quiesce(receiver, timeout))
             raise
@@ -235,20 +247,24 @@ class KvPort:
         deadline = time.monotonic() + timeout
         while True:
             state = await self._run(receiver.poll)
-            if state in (KvPoll.Success, KvPoll.Failed):
+            if state in (KvPoll.SUCCESS, KvPoll.FAILED):
                 return state
             if time.monotonic() > deadline:
-                return KvPoll.Failed
+                return KvPoll.FAILED
             await asyncio.sleep(self._poll_interval)
 
     async def _quiesce(self, receiver: KvReceiver, timeout: float) -> None:
         """Aborts a receiver and waits until its read can no longer touch the destination pages."""
         await self._run(receiver.abort)
-        await self._run(receiver.wait_idle, timeout)
-        await self._run(receiver.clear)
+        if await self._run(receiver.wait_idle, timeout):
+            await self._run(receiver.clear)
 
     async def drop_peer(self, peer_key: str) -> None:
         await self._run(self.agent.drop_peer, peer_key)
+
+    async def forget_old_epochs(self, peer_id: str, epoch: int) -> None:
+        """Drops cached NIXL metadata of a restarted peer's older epochs."""
+        await self._run(self.agent.drop_peer_id_epochs_except, peer_id, epoch)
 
     async def close(self) -> None:
         await self._run(self.agent.close)

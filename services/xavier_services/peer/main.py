@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
-
 from xavier.v1 import types_pb2
+
 from xavier_core.runtime import ServerHandle, run_service, serve
 from xavier_core.runtime.config import ConfigError, add_common_args, config_from_args, exit_on_config_error
 from xavier_services.peer.config import PeerServiceConfig

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from xavier.v1 import prefill_service_pb2, prefill_service_pb2_grpc, types_pb2
+
 from xavier_services.peer.main import peer_arg_parser, peer_config, run_peer
 from xavier_services.prefill.servicer import PrefillServicer
 

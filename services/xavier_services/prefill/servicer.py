@@ -9,14 +9,15 @@ stay *parked* until the reader reports done/failed or `park_timeout_seconds` pas
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from dataclasses import dataclass, field
 
 import grpc
-
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import prefill_service_pb2 as pb
 from xavier.v1 import prefill_service_pb2_grpc, types_pb2
+
 from xavier_core.runtime.errors import Aborted, FailedPrecondition
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.convert import (
@@ -52,8 +53,10 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
     def pages_parked(self) -> int:
         return sum(h.pages for h in self._holds.values() if h.parked)
 
-    async def Prefill(  # noqa: N802
-        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext[pb.PrefillRequest, pb.PrefillResponse]
+    async def Prefill(
+        self,
+        request: pb.PrefillRequest,
+        context: grpc.aio.ServicerContext[pb.PrefillRequest, pb.PrefillResponse],
     ) -> pb.PrefillResponse:
         host = self.host
         check_room_id(request.room_id)
@@ -67,14 +70,14 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         started = time.perf_counter()
         published = False
         try:
-            res = await host.engine.prefill(hold.request_id, token_ids, sampling, cache_salt=request.cache_salt)
+            res = await host.engine.prefill(
+                hold.request_id, token_ids, sampling, cache_salt=request.cache_salt
+            )
             hold.pages = len(res.page_ids)
             if hold.aborted.is_set():
                 raise Aborted(f"room {request.room_id} aborted during prefill")
             prefill_s = time.perf_counter() - started
-            source = await host.kv.publish(
-                request.room_id, res.page_ids, b"", host.fingerprint, host.host_id
-            )
+            source = await host.kv.publish(request.room_id, res.page_ids, b"", host.fingerprint, host.host_id)
             source.num_tokens = len(token_ids)
             source.first_token = res.first_token
             source.first_logprob = res.first_logprob
@@ -95,7 +98,12 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             await asyncio.shield(self._fail(hold, published))
             raise
         hold.task = asyncio.get_running_loop().create_task(self._hold_until_read(hold))
+        digest = b""
+        if request.return_kv_digest:
+            data = await asyncio.to_thread(host.engine.read_pages, res.page_ids)
+            digest = hashlib.sha256(data).digest()
         return pb.PrefillResponse(
+            kv_digest=digest,
             first_token=res.first_token,
             first_logprob=res.first_logprob,
             finish_reason=finish_to_pb(res.finish),
@@ -133,8 +141,12 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         host = self.host
         room_id = hold.room_id
         lease = host.config.handoff.room_lease_seconds
-        notif = asyncio.ensure_future(host.kv.wait_read_end(room_id, lease + host.config.handoff.park_timeout_seconds))
-        watch = asyncio.ensure_future(host.wait_room(room_id, (dpb.ROOM_STATE_COMPLETED, *_TERMINAL), lease * 2))
+        notif = asyncio.ensure_future(
+            host.kv.wait_read_end(room_id, lease + host.config.handoff.park_timeout_seconds)
+        )
+        watch = asyncio.ensure_future(
+            host.wait_room(room_id, (dpb.ROOM_STATE_COMPLETED, *_TERMINAL), lease * 2)
+        )
         aborted = asyncio.ensure_future(hold.aborted.wait())
         try:
             done, _ = await asyncio.wait({notif, watch, aborted}, return_when=asyncio.FIRST_COMPLETED)
@@ -152,7 +164,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
                 t.cancel()
         await host.release_room(room_id, types_pb2.ROLE_PREFILL)
 
-    async def AbortPrefill(  # noqa: N802
+    async def AbortPrefill(
         self,
         request: pb.AbortPrefillRequest,
         context: grpc.aio.ServicerContext[pb.AbortPrefillRequest, pb.AbortPrefillResponse],
@@ -165,7 +177,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         await self.host.engine.abort(hold.request_id)
         return pb.AbortPrefillResponse(found=True)
 
-    async def GetPrefillStats(  # noqa: N802
+    async def GetPrefillStats(
         self,
         request: pb.GetPrefillStatsRequest,
         context: grpc.aio.ServicerContext[pb.GetPrefillStatsRequest, pb.GetPrefillStatsResponse],
