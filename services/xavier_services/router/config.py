@@ -1,0 +1,75 @@
+"""Router configuration (TOML + XAVIER_* environment + flags, validated at start)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from xavier_core.runtime import ServiceConfig, parse_host_port
+
+ModeName = Literal["auto", "pd", "colocated", "native"]
+
+
+class NativeConfig(BaseModel):
+    """Native SGLang prefill/decode servers (`--disaggregation-mode prefill|decode`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefill_url: str = ""
+    """Base URL of the SGLang prefill server, e.g. http://127.0.0.1:30000; empty disables native mode."""
+    decode_url: str = ""
+    """Base URL of the SGLang decode server."""
+    bootstrap_host: str = "127.0.0.1"
+    """Host of the prefill server's bootstrap server (what the decode connects to)."""
+    bootstrap_port: int = Field(default=8998, ge=1, le=65535)
+    api_key: str = ""
+    """Bearer key of the native servers (sent as Authorization)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.prefill_url and self.decode_url)
+
+
+class RouterConfig(ServiceConfig):
+    """Router settings; `model` names the checkpoint whose tokenizer and chat template the router uses."""
+
+    model: Path | None = None
+    model_name: str = ""
+    """Served model id; defaults to the checkpoint directory's name."""
+    directory: str = ""
+    """Directory service address (HOST:PORT); empty serves native mode only."""
+    http_listen: str = "127.0.0.1:0"
+    """OpenAI-compatible HTTP address; "" disables the HTTP front."""
+    default_mode: ModeName = "auto"
+    """auto: pd when prefill and decode peers exist, else colocated, else native."""
+    prompt_cache_size: int = Field(default=4096, ge=0, le=10_000_000)
+    """Entries of the prompt-fingerprint → token ids LRU; 0 disables it."""
+    max_context: int | None = Field(default=None, ge=2)
+    """Context limit in tokens; defaults to the checkpoint's max_position_embeddings."""
+    request_timeout_seconds: float = Field(default=600.0, gt=0)
+    """Deadline of the prefill, decode and unified calls of one request."""
+    rpc_timeout_seconds: float = Field(default=5.0, gt=0)
+    """Deadline of each directory and other control RPC."""
+    peer_refresh_seconds: float = Field(default=0.5, ge=0)
+    """How long the router reuses a ListPeers answer."""
+    retry_attempts: int = Field(default=3, ge=1, le=10)
+    """Attempts of idempotent phases (peer selection, OpenRoom) on UNAVAILABLE."""
+    api_token: str = ""
+    """Bearer token required on the public gRPC and HTTP APIs; empty disables the check."""
+    native: NativeConfig = NativeConfig()
+
+    @field_validator("http_listen")
+    @classmethod
+    def _check_http_listen(cls, value: str) -> str:
+        if value:
+            parse_host_port(value)
+        return value
+
+    @field_validator("directory")
+    @classmethod
+    def _check_directory(cls, value: str) -> str:
+        if value:
+            parse_host_port(value)
+        return value

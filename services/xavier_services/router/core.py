@@ -1,0 +1,239 @@
+"""The router's request path, shared by the gRPC servicer and the HTTP front.
+
+Each request's flow runs in its own task feeding a queue: cancelling that task is how Abort, a client
+cancel and a disconnect all stop a request, and the flow's own cleanup (cancel calls, abort the room)
+runs there, independent of whoever was reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import aclosing
+from typing import Any
+
+import aiohttp
+from google.protobuf import duration_pb2
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from xavier.v1 import router_service_pb2 as rpb
+from xavier.v1 import types_pb2
+
+from xavier_core.runtime import Unavailable, get_registry
+from xavier_services.router.config import RouterConfig
+from xavier_services.router.flows import FlowEnv, Step, colocated_flow, pd_flow
+from xavier_services.router.native import native_flow
+from xavier_services.router.peers import PeerPool
+from xavier_services.router.prompts import ModelInfo, PromptEncoder
+from xavier_services.router.request import Prepared, prepare
+
+_MODE_NAMES = {
+    rpb.ROUTING_MODE_PD: "pd",
+    rpb.ROUTING_MODE_COLOCATED: "colocated",
+    rpb.ROUTING_MODE_NATIVE: "native",
+}
+_BY_NAME = {v: k for k, v in _MODE_NAMES.items()}
+_END = object()
+_ABORTED = object()
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "xavier_router_requests",
+            "Requests by mode and finish reason.",
+            ("mode", "finish"),
+            registry=registry,
+        )
+        self.active = Gauge("xavier_router_requests_active", "Requests being served.", registry=registry)
+        self.ttft = Histogram(
+            "xavier_router_ttft_seconds",
+            "Time to first token.",
+            ("mode",),
+            registry=registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+
+
+class Router:
+    """Prepares requests, picks a mode and runs its flow; tracks live requests for Abort."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        encoder: PromptEncoder,
+        model: ModelInfo,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.config = config
+        self.encoder = encoder
+        self.model = model
+        self.pool = PeerPool(
+            config.directory, config.rpc_timeout_seconds, config.peer_refresh_seconds, config.retry_attempts
+        )
+        self._live: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._metrics = _Metrics(registry or get_registry())
+        self.env = FlowEnv(
+            self.pool,
+            encoder.tokenizer,
+            config.request_timeout_seconds,
+            config.rpc_timeout_seconds,
+            self.spawn,
+        )
+
+    @property
+    def active(self) -> int:
+        return len(self._live)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Runs cleanup in the background, kept referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Aborts live requests, waits for their cleanup, closes channels."""
+        for task in list(self._live.values()):
+            task.cancel()
+        await asyncio.gather(*self._live.values(), return_exceptions=True)
+        if self._background:
+            await asyncio.wait(self._background, timeout=self.config.rpc_timeout_seconds)
+        if self._session is not None:
+            await self._session.close()
+        await self.pool.close()
+
+    def prepare(self, req: rpb.GenerateRequest) -> Prepared:
+        return prepare(req, self.encoder, self.model)
+
+    async def available_modes(self) -> list[int]:
+        """Modes that have peers now, in preference order."""
+        modes = []
+        try:
+            roles = {p.role for p in await self.pool.peers()}
+        except Exception:  # a directory outage leaves native mode usable
+            roles = set()
+        if types_pb2.ROLE_PREFILL in roles and types_pb2.ROLE_DECODE in roles:
+            modes.append(rpb.ROUTING_MODE_PD)
+        if types_pb2.ROLE_UNIFIED in roles:
+            modes.append(rpb.ROUTING_MODE_COLOCATED)
+        if self.config.native.enabled:
+            modes.append(rpb.ROUTING_MODE_NATIVE)
+        return modes
+
+    async def default_mode(self) -> int:
+        if self.config.default_mode != "auto":
+            return _BY_NAME[self.config.default_mode]
+        modes = await self.available_modes()
+        if not modes:
+            raise Unavailable("no peers are registered yet", reason="NO_PEERS")
+        return modes[0]
+
+    def _flow(self, prep: Prepared, mode: int) -> AsyncIterator[Step]:
+        if mode == rpb.ROUTING_MODE_PD:
+            return pd_flow(prep, self.env)
+        if mode == rpb.ROUTING_MODE_COLOCATED:
+            return colocated_flow(prep, self.env)
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        return native_flow(prep, self.config.native, self._session, self.config.request_timeout_seconds)
+
+    async def _pump(self, flow: AsyncIterator[Step], queue: asyncio.Queue[Any]) -> None:
+        try:
+            async with aclosing(flow) as steps:  # type: ignore[type-var]
+                async for step in steps:
+                    queue.put_nowait(step)
+            queue.put_nowait(_END)
+        except asyncio.CancelledError:
+            queue.put_nowait(_ABORTED)
+            raise
+        except Exception as exc:
+            queue.put_nowait(exc)
+
+    async def generate(self, prep: Prepared) -> AsyncIterator[rpb.GenerateResponse]:
+        """Runs a prepared request and yields its responses; the last carries usage and timings."""
+        mode = prep.mode or await self.default_mode()
+        if prep.request_id in self._live:
+            prep.request_id = f"{prep.request_id}-{int(time.monotonic_ns())}"
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        task = asyncio.get_running_loop().create_task(self._pump(self._flow(prep, mode), queue))
+        rid = prep.request_id
+        self._live[rid] = task
+        self._metrics.active.inc()
+        mode_name = _MODE_NAMES.get(mode, "unknown")
+        completion = 0
+        ttft: float | None = None
+        cached = prefill_s = transfer_s = None
+        finish = 0
+        last: Step | None = None
+        try:
+            while not finish:
+                item = await queue.get()
+                if item is _END:
+                    finish = types_pb2.FINISH_REASON_ABORT
+                    break
+                if item is _ABORTED:
+                    finish = types_pb2.FINISH_REASON_ABORT
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                step: Step = item
+                if ttft is None and step.token_ids:
+                    ttft = time.monotonic() - prep.arrival
+                    self._metrics.ttft.labels(mode_name).observe(ttft)
+                completion += len(step.token_ids)
+                cached = step.cached_tokens if step.cached_tokens is not None else cached
+                prefill_s = step.prefill_seconds if step.prefill_seconds is not None else prefill_s
+                transfer_s = step.transfer_seconds if step.transfer_seconds is not None else transfer_s
+                finish = step.finish
+                if finish:
+                    last = step
+                    break
+                if step.token_ids or step.text:
+                    yield rpb.GenerateResponse(
+                        request_id=rid,
+                        token_ids=step.token_ids,
+                        text=step.text,
+                        logprobs=step.logprobs,
+                        mode=mode,  # type: ignore[arg-type]
+                    )
+            total = time.monotonic() - prep.arrival
+            timings = types_pb2.Timings(
+                time_to_first_token=_duration(ttft if ttft is not None else total),
+                prefill=_duration(prefill_s or 0.0),
+                transfer=_duration(transfer_s or 0.0),
+                total=_duration(total),
+            )
+            yield rpb.GenerateResponse(
+                request_id=rid,
+                token_ids=last.token_ids if last else [],
+                text=last.text if last else "",
+                logprobs=last.logprobs if last else [],
+                finish_reason=finish,  # type: ignore[arg-type]
+                usage=types_pb2.Usage(
+                    prompt_tokens=len(prep.token_ids), completion_tokens=completion, cached_tokens=cached or 0
+                ),
+                timings=timings,
+                mode=mode,  # type: ignore[arg-type]
+            )
+            self._metrics.requests.labels(mode_name, types_pb2.FinishReason.Name(finish)).inc()
+        finally:
+            if not task.done():
+                task.cancel()
+            self._live.pop(rid, None)
+            self._metrics.active.dec()
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a live request; its stream ends with FINISH_REASON_ABORT. True when it was live."""
+        task = self._live.get(request_id)
+        if task is None or task.done():
+            return False
+        task.cancel()
+        return True

@@ -1,0 +1,223 @@
+"""Routing flows over Xavier peers: P/D (prefill + decode through a room) and colocated (unified).
+
+A flow is an async generator of `Step`s. Cancelling the task that runs it (client cancel, disconnect or
+Abort) runs its `finally`: both downstream calls are cancelled and, in P/D, the room is aborted in the
+background, so the client never waits for cleanup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import struct
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from xavier.v1 import decode_service_pb2 as decpb
+from xavier.v1 import decode_service_pb2_grpc as decpb_grpc
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import prefill_service_pb2 as pfpb
+from xavier.v1 import prefill_service_pb2_grpc as pfpb_grpc
+from xavier.v1 import types_pb2
+
+from xavier_core.engine.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+from xavier_core.runtime import XavierError, from_rpc_error, get_logger
+from xavier_services.router.peers import Pair, PeerPool
+from xavier_services.router.request import Prepared
+
+_log = get_logger("xavier.router.flows")
+Spawn = Callable[[Coroutine[Any, Any, None]], None]
+
+
+@dataclass
+class Step:
+    """Tokens the client gets next; `finish` (a FinishReason value) is set on the last step."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] = field(default_factory=list)
+    finish: int = types_pb2.FINISH_REASON_UNSPECIFIED
+    cached_tokens: int | None = None
+    prefill_seconds: float | None = None
+    transfer_seconds: float | None = None
+
+
+@dataclass
+class FlowEnv:
+    """What the flows share: peers, tokenizer, deadlines and a way to run background cleanup."""
+
+    pool: PeerPool
+    tokenizer: TextTokenizer
+    request_timeout: float
+    rpc_timeout: float
+    spawn: Spawn
+
+
+def prompt_fingerprint(token_ids: tuple[int, ...]) -> bytes:
+    """SHA-256 of the token ids as little-endian uint32 (what the directory records per room)."""
+    return hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+
+
+def _seconds(d: Any) -> float:
+    return float(d.seconds) + d.nanos / 1e9
+
+
+def _typed(exc: grpc.aio.AioRpcError, pool: PeerPool) -> XavierError:
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        pool.invalidate()
+    return from_rpc_error(exc)
+
+
+async def colocated_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
+    """Serves the whole request on the least-loaded unified replica."""
+    pool = env.pool
+    peer = await pool.retry_unavailable(pool.pick_unified)
+    stub = decpb_grpc.DecodeServiceStub(pool.channel(peer.address))
+    req = decpb.GenerateUnifiedRequest(
+        request_id=prep.request_id,
+        token_ids=prep.token_ids,
+        sampling=prep.sampling,
+        cache_salt=prep.cache_salt,
+    )
+    pool.acquire(peer)
+    call = stub.GenerateUnified(req, timeout=env.request_timeout)
+    try:
+        async for msg in call:
+            yield Step(
+                list(msg.delta.token_ids),
+                msg.delta.text,
+                list(msg.delta.logprobs),
+                msg.finish_reason,
+                cached_tokens=msg.usage.cached_tokens if msg.HasField("usage") else None,
+                prefill_seconds=_seconds(msg.timings.prefill) if msg.HasField("timings") else None,
+            )
+            if msg.finish_reason:
+                return
+        yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
+    except grpc.aio.AioRpcError as exc:
+        raise _typed(exc, pool) from None
+    finally:
+        call.cancel()
+        pool.release(peer)
+
+
+async def _open_room(prep: Prepared, env: FlowEnv) -> tuple[Pair, dpb.Room]:
+    pool = env.pool
+    if pool.directory is None:
+        raise XavierError("no directory configured")
+
+    async def attempt() -> tuple[Pair, dpb.Room]:
+        pair = await pool.pick_pair()
+        p, d = pair.prefill, pair.decode
+        # Same pair, same key: a retried OpenRoom whose answer was lost returns the same room.
+        key = f"{prep.request_id}/{p.peer_id}@{p.epoch}/{d.peer_id}@{d.epoch}"
+        resp = await pool.directory.OpenRoom(  # type: ignore[union-attr]
+            dpb.OpenRoomRequest(
+                request_id=key,
+                prefill_peer_id=p.peer_id,
+                prefill_epoch=p.epoch,
+                decode_peer_id=d.peer_id,
+                decode_epoch=d.epoch,
+                prompt_fingerprint=prompt_fingerprint(prep.token_ids),
+                num_tokens=len(prep.token_ids),
+            ),
+            timeout=env.rpc_timeout,
+        )
+        return pair, resp.room
+
+    return await pool.retry_unavailable(attempt)
+
+
+async def abort_room(env: FlowEnv, request_id: str, room_id: int, reason: str) -> None:
+    """Best-effort AbortRoom with a deadline (the room's lease bounds it if this fails)."""
+    if env.pool.directory is None:
+        return
+    req = dpb.AbortRoomRequest(request_id=f"{request_id}/abort", room_id=room_id, reason=reason)
+    try:
+        await env.pool.directory.AbortRoom(req, timeout=env.rpc_timeout)
+    except grpc.aio.AioRpcError as exc:
+        _log.info("abort room failed", room_id=room_id, code=exc.code().name)
+
+
+async def pd_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
+    """Prefill and decode started together; the first token goes out as soon as the prefill returns it."""
+    pool = env.pool
+    pair, room = await _open_room(prep, env)
+    s = prep.sampling
+    pf_stub = pfpb_grpc.PrefillServiceStub(pool.channel(pair.prefill.address))
+    dec_stub = decpb_grpc.DecodeServiceStub(pool.channel(pair.decode.address))
+    pool.acquire(pair.prefill, pair.decode)
+    prefill_held = True
+    pf_call = pf_stub.Prefill(
+        pfpb.PrefillRequest(
+            request_id=prep.request_id,
+            room_id=room.room_id,
+            token_ids=prep.token_ids,
+            sampling=s,
+            cache_salt=prep.cache_salt,
+        ),
+        timeout=env.request_timeout,
+    )
+    dec_call = dec_stub.Decode(
+        decpb.DecodeRequest(
+            request_id=prep.request_id, room_id=room.room_id, token_ids=prep.token_ids, sampling=s
+        ),
+        timeout=env.request_timeout,
+    )
+    finished_cleanly = False
+    try:
+        pf = await pf_call
+        pool.release(pair.prefill)
+        prefill_held = False
+        # The router renders the first token's text the way the decode will, so the decode's cumulative
+        # text continues exactly where this one stops.
+        detok = IncrementalDetokenizer(env.tokenizer, prep.token_ids)
+        first_text, _ = StopMatcher(list(s.stop)).feed(detok.push(pf.first_token))
+        yield Step(
+            [pf.first_token],
+            first_text,
+            [pf.first_logprob] if s.logprobs else [],
+            pf.finish_reason,
+            cached_tokens=pf.usage.cached_tokens,
+            prefill_seconds=_seconds(pf.timings.prefill),
+        )
+        if pf.finish_reason:
+            return  # the finally cancels the decode and aborts the room
+        sent = len(first_text)
+        decoded = ""
+        skipped_first = False
+        async for msg in dec_call:
+            ids, lps = list(msg.delta.token_ids), list(msg.delta.logprobs)
+            if not skipped_first and ids:
+                # The decode stream opens with the prefill's first token: drop it by position.
+                ids, lps, skipped_first = ids[1:], lps[1:], True
+            decoded += msg.delta.text
+            text = decoded[sent:]
+            sent = max(sent, len(decoded))
+            transfer = _seconds(msg.timings.transfer) if msg.HasField("timings") else None
+            yield Step(ids, text, lps if s.logprobs else [], msg.finish_reason, transfer_seconds=transfer)
+            if msg.finish_reason:
+                finished_cleanly = True
+                return
+        yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
+    except grpc.aio.AioRpcError as exc:
+        raise _typed(exc, pool) from None
+    finally:
+        pf_call.cancel()
+        dec_call.cancel()
+        pool.release(pair.decode)
+        if prefill_held:
+            pool.release(pair.prefill)
+        if not finished_cleanly:
+            with contextlib.suppress(RuntimeError):
+                env.spawn(abort_room(env, prep.request_id, room.room_id, "router: request ended early"))
+
+
+async def drain(gen: AsyncIterator[Step]) -> list[Step]:
+    """Collects every step (tests and unary callers)."""
+    return [step async for step in gen]
+
+
+__all__ = ["FlowEnv", "Step", "abort_room", "colocated_flow", "drain", "pd_flow", "prompt_fingerprint"]

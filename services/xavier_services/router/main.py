@@ -1,0 +1,128 @@
+"""`xavier-router`: the public gRPC RouterService and the OpenAI-compatible HTTP front, one process.
+
+    xavier-router --model DIR --directory HOST:PORT [--http HOST:PORT] [--mode auto|pd|colocated|native]
+                  [--listen HOST:PORT] [--ready-file F] [--config F]
+
+The ready file adds "http" (the HTTP front's address) to the runtime's {"address", "metrics", "pid"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from aiohttp import web
+from xavier.v1 import router_service_pb2_grpc as rpb_grpc
+
+from xavier_core.engine.errors import CheckpointError
+from xavier_core.engine.tokenizer import TextTokenizer
+from xavier_core.runtime import (
+    ConfigError,
+    ServerHandle,
+    add_common_args,
+    config_from_args,
+    exit_on_config_error,
+    parse_host_port,
+    run_service,
+    serve,
+)
+from xavier_services.router.config import RouterConfig
+from xavier_services.router.core import Router
+from xavier_services.router.openai_http import OpenAiFront
+from xavier_services.router.prompts import ModelInfo, PromptCache, PromptEncoder, load_model_info
+from xavier_services.router.servicer import RouterServicer, TokenInterceptor
+
+SERVICE = "xavier.v1.RouterService"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="xavier-router", description=__doc__.split("\n\n")[0])
+    add_common_args(p)
+    p.add_argument(
+        "--model", default=None, metavar="DIR", help="checkpoint with the tokenizer and chat template"
+    )
+    p.add_argument("--model-name", default=None, help="served model id (default: the directory name)")
+    p.add_argument("--directory", default=None, metavar="HOST:PORT", help="directory service address")
+    p.add_argument("--http", default=None, metavar="HOST:PORT", help='OpenAI HTTP address ("" disables)')
+    p.add_argument("--mode", default=None, choices=["auto", "pd", "colocated", "native"])
+    return p
+
+
+def load(argv: Sequence[str] | None = None) -> RouterConfig:
+    args = _parser().parse_args(argv)
+    overrides = {
+        "model": args.model,
+        "model_name": args.model_name,
+        "directory": args.directory,
+        "http_listen": args.http,
+        "default_mode": args.mode,
+    }
+    try:
+        config = config_from_args(RouterConfig, args, overrides)
+    except ConfigError as err:
+        exit_on_config_error(err)
+    if config.model is None:
+        exit_on_config_error(ConfigError([("model", "a model directory is required", "flag --model")]))
+    return config
+
+
+def load_model(config: RouterConfig) -> tuple[PromptEncoder, ModelInfo]:
+    """Loads the tokenizer and the model facts (raises CheckpointError)."""
+    if config.model is None:
+        raise CheckpointError("no model directory configured")
+    info = load_model_info(config.model, config.model_name, config.max_context)
+    tokenizer = TextTokenizer.load(config.model)
+    return PromptEncoder(tokenizer, PromptCache(config.prompt_cache_size, info.tokenizer_fingerprint)), info
+
+
+async def run(config: RouterConfig) -> int:
+    try:
+        encoder, info = await asyncio.to_thread(load_model, config)
+    except CheckpointError as exc:
+        exit_on_config_error(ConfigError([("model", str(exc), "flag --model")]))
+    router = Router(config, encoder, info)
+    runner: web.AppRunner | None = None
+
+    def register(server: grpc.aio.Server) -> Sequence[str]:
+        rpb_grpc.add_RouterServiceServicer_to_server(RouterServicer(router), server)
+        return [SERVICE]
+
+    async def on_start(handle: ServerHandle) -> dict[str, Any]:
+        nonlocal runner
+        if not config.http_listen:
+            return {}
+        host, port = parse_host_port(config.http_listen)
+        runner = web.AppRunner(OpenAiFront(router).app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host.strip("[]"), port)
+        await site.start()
+        bound = runner.addresses[0][1]
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        return {"http": f"{shown}:{bound}"}
+
+    async def on_stop(handle: ServerHandle) -> None:
+        if runner is not None:
+            await runner.cleanup()
+        await router.close()
+
+    interceptors = [TokenInterceptor(config.api_token)] if config.api_token else []
+    return await serve(
+        config,
+        service_name="router",
+        register=register,
+        on_start=on_start,
+        on_stop=on_stop,
+        interceptors=interceptors,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = load(argv)
+    return run_service(lambda: run(config))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

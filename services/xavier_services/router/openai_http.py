@@ -1,0 +1,181 @@
+"""OpenAI-compatible HTTP front on aiohttp: /v1/models, /v1/completions, /v1/chat/completions (SSE)."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+from xavier.v1 import router_service_pb2 as rpb
+
+from xavier_core.runtime import XavierError
+from xavier_services.router.core import Router
+from xavier_services.router.openai_shapes import (
+    FINISH_NAMES,
+    OpenAiRequest,
+    choice,
+    envelope,
+    logprobs_json,
+    parse,
+    sse,
+    usage_json,
+)
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+_ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+_MAX_BODY = 8 << 20
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(err: XavierError) -> web.Response:
+    """`{"error": {message, type, param, code}}` with the HTTP status of the gRPC code; code is the reason."""
+    status = _HTTP_STATUS.get(err.code, 500)
+    body = {
+        "error": {
+            "message": err.message or err.reason,
+            "type": _ERROR_TYPE.get(status, "server_error"),
+            "param": err.metadata.get("param"),
+            "code": err.reason,
+        }
+    }
+    return web.json_response(body, status=status)
+
+
+class OpenAiFront:
+    """The HTTP handlers; they call the same `Router` as the gRPC servicer."""
+
+    def __init__(self, router: Router, default_max_tokens: int = 16) -> None:
+        self.router = router
+        self.default_max_tokens = default_max_tokens
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=_MAX_BODY, middlewares=[self._errors, *self._auth()])
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/health", self.health)
+        return app
+
+    def _auth(self) -> list[Any]:
+        token = self.router.config.api_token
+        if not token:
+            return []
+        expected = f"Bearer {token}".encode()
+
+        @web.middleware
+        async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if request.path != "/health":
+                given = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    err = XavierError("missing or wrong bearer token", reason="UNAUTHENTICATED")
+                    err.code = grpc.StatusCode.UNAUTHENTICATED
+                    return error_response(err)
+            return await handler(request)
+
+        return [auth]
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except XavierError as err:
+            return error_response(err)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        entry = {
+            "id": self.router.model.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "xavier",
+            "max_model_len": self.router.model.max_context,
+        }
+        return web.json_response({"object": "list", "data": [entry]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _body(self, request: web.Request) -> Any:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise XavierError("the body is not JSON", reason="INVALID_JSON") from None
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await self._body(request)
+        oa = parse(body, chat, self.router.model.name, self.default_max_tokens)
+        prep = self.router.prepare(oa.request)  # raises before any byte is sent: a clean HTTP 400
+        if oa.stream:
+            return await self._stream(request, oa, prep)
+        text, ids, lps = "", [], []
+        last = rpb.GenerateResponse()
+        async for msg in self.router.generate(prep):
+            text += msg.text
+            ids.extend(msg.token_ids)
+            lps.extend(msg.logprobs)
+            last = msg
+        lp = (
+            logprobs_json(chat, [self.router.encoder.token_text(i) for i in ids], lps)
+            if oa.logprobs
+            else None
+        )
+        finish = FINISH_NAMES.get(last.finish_reason)
+        out = envelope(oa, [choice(oa, text, finish, lp, delta=False)], chunk=False)
+        out["usage"] = usage_json(last.usage)
+        return web.json_response(out)
+
+    async def _stream(self, request: web.Request, oa: OpenAiRequest, prep: Any) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        first = True
+        gen = self.router.generate(prep)
+        try:
+            async for msg in gen:
+                if first:
+                    await resp.prepare(request)
+                    if oa.chat:  # the role comes first, alone, as OpenAI sends it
+                        await resp.write(
+                            sse(
+                                envelope(oa, [choice(oa, "", None, None, delta=True, first=True)], chunk=True)
+                            )
+                        )
+                    first = False
+                lp = None
+                if oa.logprobs and msg.token_ids:
+                    tokens = [self.router.encoder.token_text(i) for i in msg.token_ids]
+                    lp = logprobs_json(oa.chat, tokens, list(msg.logprobs))
+                finish = FINISH_NAMES.get(msg.finish_reason)
+                if msg.text or msg.token_ids or finish:
+                    chunk = envelope(oa, [choice(oa, msg.text, finish, lp, delta=True)], chunk=True)
+                    if finish and oa.include_usage:
+                        chunk["usage"] = usage_json(msg.usage)
+                    await resp.write(sse(chunk))
+        except XavierError as err:
+            if first:  # nothing sent yet: a proper error status
+                return error_response(err)
+            await resp.write(sse({"error": {"message": err.message, "code": err.reason}}))
+        finally:
+            await gen.aclose()
+        await resp.write(sse("[DONE]"))
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,154 @@
+"""Live peers from the directory, channels to them, and least-outstanding-work selection."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
+from xavier.v1 import types_pb2
+
+from xavier_core.runtime import FailedPrecondition, Unavailable, XavierError, from_rpc_error
+
+T = TypeVar("T")
+_LIST_PAGE = 500
+_MAX_PAGES = 100
+
+
+@dataclass
+class Pair:
+    """A prefill and a decode peer with the same contract fingerprint."""
+
+    prefill: dpb.Peer
+    decode: dpb.Peer
+
+
+class PeerPool:
+    """Caches ListPeers for `refresh_seconds`, keeps one channel per address, counts in-flight work.
+
+    Selection scores a peer by the load it last reported plus the router's own in-flight requests on it
+    (the report lags, the local count does not); ties break at random so equal peers share the work.
+    """
+
+    def __init__(self, directory: str, rpc_timeout: float, refresh_seconds: float, attempts: int) -> None:
+        self.directory_address = directory
+        self.rpc_timeout = rpc_timeout
+        self.refresh_seconds = refresh_seconds
+        self.attempts = attempts
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._peers: list[dpb.Peer] = []
+        self._fetched_at = -1e9
+        self._lock = asyncio.Lock()
+        self.inflight: dict[str, int] = defaultdict(int)
+        self.directory = dpb_grpc.DirectoryServiceStub(self.channel(directory)) if directory else None
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """A shared channel to `address` (created on first use)."""
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=(("grpc.max_receive_message_length", 16 << 20),))
+            self._channels[address] = ch
+        return ch
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    async def retry_unavailable(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Runs an idempotent step, retrying on UNAVAILABLE (bounded, with backoff and a fresh peer list)."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return await fn()
+            except grpc.aio.AioRpcError as exc:
+                err: XavierError = from_rpc_error(exc)
+            except Unavailable as exc:
+                err = exc
+            if err.code != grpc.StatusCode.UNAVAILABLE or attempt == self.attempts:
+                raise err
+            self.invalidate()
+            await asyncio.sleep(min(0.5, 0.02 * 2**attempt) * (0.5 + random.random()))
+        raise Unavailable("retries exhausted")  # unreachable
+
+    def invalidate(self) -> None:
+        """Forgets the cached peer list (after a peer failed)."""
+        self._fetched_at = -1e9
+
+    async def peers(self) -> list[dpb.Peer]:
+        """Live peers, at most `refresh_seconds` old."""
+        if time.monotonic() - self._fetched_at <= self.refresh_seconds:
+            return self._peers
+        async with self._lock:
+            if time.monotonic() - self._fetched_at > self.refresh_seconds:
+                self._peers = await self._list_all()
+                self._fetched_at = time.monotonic()
+        return self._peers
+
+    async def _list_all(self) -> list[dpb.Peer]:
+        if self.directory is None:
+            return []
+        out: list[dpb.Peer] = []
+        token = ""
+        for _ in range(_MAX_PAGES):
+            resp = await self.directory.ListPeers(
+                dpb.ListPeersRequest(page_size=_LIST_PAGE, page_token=token), timeout=self.rpc_timeout
+            )
+            out.extend(resp.peers)
+            token = resp.next_page_token
+            if not token:
+                break
+        return out
+
+    async def by_role(self, role: int) -> list[dpb.Peer]:
+        return [p for p in await self.peers() if p.role == role]
+
+    def score(self, peer: dpb.Peer) -> float:
+        return peer.load.outstanding_requests + self.inflight[peer.peer_id] + random.random() * 0.1
+
+    async def pick_unified(self) -> dpb.Peer:
+        """The least-loaded unified replica."""
+        peers = await self.by_role(types_pb2.ROLE_UNIFIED)
+        if not peers:
+            raise Unavailable("no unified replica is registered", reason="NO_PEERS", role="unified")
+        return min(peers, key=self.score)
+
+    async def pick_pair(self) -> Pair:
+        """The least-loaded prefill peer that has a decode peer with its contract fingerprint, and that
+        fingerprint's least-loaded decode peer."""
+        peers = await self.peers()
+        prefills = [p for p in peers if p.role == types_pb2.ROLE_PREFILL]
+        decodes = [p for p in peers if p.role == types_pb2.ROLE_DECODE]
+        if not prefills or not decodes:
+            raise Unavailable(
+                "P/D needs a prefill and a decode peer",
+                reason="NO_PEERS",
+                prefill=len(prefills),
+                decode=len(decodes),
+            )
+        by_fp: dict[str, list[dpb.Peer]] = defaultdict(list)
+        for d in decodes:
+            by_fp[d.contract_fingerprint].append(d)
+        usable = [p for p in prefills if p.contract_fingerprint in by_fp]
+        if not usable:
+            raise FailedPrecondition(
+                "no decode peer shares a contract fingerprint with any prefill peer",
+                reason="LAYOUT_MISMATCH",
+            )
+        prefill = min(usable, key=self.score)
+        decode = min(by_fp[prefill.contract_fingerprint], key=self.score)
+        return Pair(prefill, decode)
+
+    def acquire(self, *peers: dpb.Peer) -> None:
+        for p in peers:
+            self.inflight[p.peer_id] += 1
+
+    def release(self, *peers: dpb.Peer) -> None:
+        for p in peers:
+            self.inflight[p.peer_id] = max(0, self.inflight[p.peer_id] - 1)

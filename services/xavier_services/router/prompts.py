@@ -1,0 +1,157 @@
+"""Turning a request's prompt into token ids: chat rendering, the prompt-fingerprint cache, model facts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from xavier_core.engine.errors import CheckpointError
+from xavier_core.engine.tokenizer import TextTokenizer
+from xavier_core.runtime import InvalidArgument, get_registry
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the router needs to know about the served model."""
+
+    name: str
+    max_context: int
+    vocab_size: int
+    tokenizer_fingerprint: str
+
+
+def _file_digest(paths: Sequence[Path]) -> str:
+    h = hashlib.sha256()
+    for path in paths:
+        if path.is_file():
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def load_model_info(model_dir: Path, name: str = "", max_context: int | None = None) -> ModelInfo:
+    """Reads config.json (context, vocab) and fingerprints the tokenizer files."""
+    cfg_path = model_dir / "config.json"
+    try:
+        cfg: dict[str, Any] = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {cfg_path}: {exc}") from exc
+    limit = max_context or int(cfg.get("max_position_embeddings") or 0)
+    if limit < 2:
+        raise CheckpointError(f"{cfg_path}: max_position_embeddings missing; set max_context")
+    digest = _file_digest([model_dir / "tokenizer.json", model_dir / "tokenizer_config.json"])
+    return ModelInfo(
+        name=name or model_dir.resolve().name,
+        max_context=limit,
+        vocab_size=int(cfg.get("vocab_size") or 0),
+        tokenizer_fingerprint=digest,
+    )
+
+
+class _CacheMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.lookups = Counter(
+            "xavier_router_prompt_cache_lookups",
+            "Prompt-fingerprint cache lookups by result (hit or miss).",
+            ("result",),
+            registry=registry,
+        )
+        self.size = Gauge(
+            "xavier_router_prompt_cache_entries", "Entries in the prompt cache.", registry=registry
+        )
+
+
+class PromptCache:
+    """Bounded LRU from SHA-256(tokenizer fingerprint, text) to token ids.
+
+    Only successful encodings are stored: a tokenizer error is raised to the caller and never cached,
+    so a transient failure cannot poison later requests with the same text.
+    """
+
+    def __init__(self, capacity: int, fingerprint: str, registry: CollectorRegistry | None = None) -> None:
+        self.capacity = capacity
+        self._salt = fingerprint.encode()
+        self._entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self._metrics = _CacheMetrics(registry or get_registry())
+        self.hits = 0
+        self.misses = 0
+
+    def key(self, text: str, variant: str = "") -> bytes:
+        """The prompt fingerprint of `text` under this tokenizer (and encoding variant)."""
+        h = hashlib.sha256(self._salt)
+        h.update(b"\0" + variant.encode() + b"\0")
+        h.update(text.encode("utf-8", "surrogatepass"))
+        return h.digest()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get_or_encode(self, text: str, encode: Any, variant: str = "") -> tuple[int, ...]:
+        """Token ids of `text`, from the cache or from `encode(text)` (which may raise)."""
+        key = self.key(text, variant)
+        found = self._entries.get(key)
+        if found is not None:
+            self._entries.move_to_end(key)
+            self.hits += 1
+            self._metrics.lookups.labels("hit").inc()
+            return found
+        self.misses += 1
+        self._metrics.lookups.labels("miss").inc()
+        ids = tuple(encode(text))
+        if self.capacity > 0:
+            self._entries[key] = ids
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+            self._metrics.size.set(len(self._entries))
+        return ids
+
+
+class PromptEncoder:
+    """Renders chats with the checkpoint's chat template and encodes text through the cache."""
+
+    def __init__(self, tokenizer: TextTokenizer, cache: PromptCache) -> None:
+        self.tokenizer = tokenizer
+        self.cache = cache
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The chat rendered with the model's template, ending with the assistant's turn prompt."""
+        if not messages:
+            raise InvalidArgument("the chat has no messages", reason="EMPTY_PROMPT")
+        for i, msg in enumerate(messages):
+            if msg.get("role") not in ("system", "user", "assistant", "tool", "developer"):
+                raise InvalidArgument(
+                    f"messages[{i}].role {msg.get('role')!r} is not a chat role",
+                    reason="INVALID_CHAT",
+                    index=i,
+                )
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except CheckpointError as exc:
+            raise InvalidArgument(str(exc), reason="NO_CHAT_TEMPLATE") from None
+        except jinja2.TemplateError as exc:
+            raise InvalidArgument(f"chat template failed: {exc}", reason="CHAT_TEMPLATE_ERROR") from None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """Token ids of `text`; tokenizer failures become INVALID_ARGUMENT / TOKENIZER_ERROR."""
+
+        def encode(value: str) -> list[int]:
+            return self.tokenizer.encode(value, add_special_tokens=add_special_tokens)
+
+        try:
+            return self.cache.get_or_encode(text, encode, "special" if add_special_tokens else "plain")
+        except InvalidArgument:
+            raise
+        except Exception as exc:  # the Rust tokenizer raises bare exceptions
+            raise InvalidArgument(f"cannot tokenize the prompt: {exc}", reason="TOKENIZER_ERROR") from None
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token (for OpenAI logprobs `tokens`)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,106 @@
+"""A validated request: token ids, sampling and mode, ready for a routing flow."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from xavier.v1 import router_service_pb2 as rpb
+from xavier.v1 import types_pb2
+
+from xavier_core.runtime import InvalidArgument
+from xavier_services.router.prompts import ModelInfo, PromptEncoder
+
+_MAX_STOPS = 16
+_MAX_STOP_LEN = 256
+_MAX_STOP_IDS = 64
+
+
+@dataclass
+class Prepared:
+    """One request after tokenization and validation."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    sampling: types_pb2.SamplingParams
+    mode: int
+    cache_salt: str
+    arrival: float = field(default_factory=time.monotonic)
+
+
+def _check_sampling(s: types_pb2.SamplingParams, prompt_len: int, model: ModelInfo) -> None:
+    if s.max_tokens <= 0:
+        raise InvalidArgument("max_tokens must be at least 1", reason="INVALID_MAX_TOKENS", max_tokens=0)
+    if prompt_len + s.max_tokens > model.max_context:
+        raise InvalidArgument(
+            f"prompt ({prompt_len} tokens) + max_tokens ({s.max_tokens}) exceeds the context limit "
+            f"of {model.max_context} tokens",
+            reason="MAX_TOKENS_TOO_LARGE",
+            max_tokens=s.max_tokens,
+            prompt_tokens=prompt_len,
+            max_context=model.max_context,
+        )
+    if not math.isfinite(s.temperature) or s.temperature < 0 or s.temperature > 100:
+        raise InvalidArgument(f"temperature {s.temperature} must be in [0, 100]", reason="INVALID_SAMPLING")
+    if not math.isfinite(s.top_p) or s.top_p < 0 or s.top_p > 1:
+        raise InvalidArgument(f"top_p {s.top_p} must be in [0, 1]", reason="INVALID_SAMPLING")
+    if len(s.stop) > _MAX_STOPS or any(not x or len(x) > _MAX_STOP_LEN for x in s.stop):
+        raise InvalidArgument(
+            f"at most {_MAX_STOPS} non-empty stop strings of at most {_MAX_STOP_LEN} characters",
+            reason="INVALID_SAMPLING",
+        )
+    if len(s.stop_token_ids) > _MAX_STOP_IDS:
+        raise InvalidArgument(f"at most {_MAX_STOP_IDS} stop token ids", reason="INVALID_SAMPLING")
+
+
+def tokenize(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) -> tuple[int, ...]:
+    """The prompt's token ids (text, chat or given ids), checked against the vocabulary."""
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        if not req.text:
+            raise InvalidArgument("the prompt is empty", reason="EMPTY_PROMPT")
+        return encoder.encode(req.text)
+    if kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        return encoder.encode(encoder.render_chat(messages), add_special_tokens=False)
+    if kind == "token_ids":
+        ids = tuple(req.token_ids.ids)
+        if model.vocab_size and any(i >= model.vocab_size for i in ids):
+            raise InvalidArgument(
+                f"token ids must be below the vocabulary size {model.vocab_size}",
+                reason="INVALID_TOKEN_ID",
+            )
+        return ids
+    raise InvalidArgument("the prompt is empty", reason="EMPTY_PROMPT")
+
+
+def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) -> Prepared:
+    """Validates and tokenizes a GenerateRequest, or raises INVALID_ARGUMENT with the reason."""
+    if req.model and req.model != model.name:
+        raise InvalidArgument(
+            f"unknown model {req.model!r}; this router serves {model.name!r}",
+            reason="UNKNOWN_MODEL",
+            model=req.model,
+        )
+    if len(req.request_id) > 128:
+        raise InvalidArgument("request_id is longer than 128 characters", reason="INVALID_REQUEST_ID")
+    ids = tokenize(req, encoder, model)
+    if not ids:
+        raise InvalidArgument("the prompt has no tokens", reason="EMPTY_PROMPT")
+    if len(ids) >= model.max_context:
+        raise InvalidArgument(
+            f"prompt has {len(ids)} tokens; the context limit is {model.max_context}",
+            reason="PROMPT_TOO_LONG",
+            prompt_tokens=len(ids),
+            max_context=model.max_context,
+        )
+    _check_sampling(req.sampling, len(ids), model)
+    return Prepared(
+        request_id=req.request_id or uuid.uuid4().hex,
+        token_ids=ids,
+        sampling=req.sampling,
+        mode=int(req.mode),
+        cache_salt=req.cache_salt,
+    )

@@ -1,0 +1,156 @@
+"""The gRPC `RouterService` over the shared `Router`."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from xavier.v1 import decode_service_pb2 as decpb
+from xavier.v1 import decode_service_pb2_grpc as decpb_grpc
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import prefill_service_pb2 as pfpb
+from xavier.v1 import prefill_service_pb2_grpc as pfpb_grpc
+from xavier.v1 import router_service_pb2 as rpb
+from xavier.v1 import router_service_pb2_grpc as rpb_grpc
+from xavier.v1 import types_pb2
+
+from xavier_core.runtime import InvalidArgument, XavierError, abort_with, from_rpc_error
+from xavier_services.router.core import Router
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class RouterServicer(rpb_grpc.RouterServiceServicer):
+    """Generate, Abort, ListModels and GetClusterStatus."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Generate(
+        self, request: rpb.GenerateRequest, context: Context
+    ) -> AsyncIterator[rpb.GenerateResponse]:
+        prep = self.router.prepare(request)
+        async for resp in self.router.generate(prep):
+            yield resp
+
+    async def Abort(self, request: rpb.AbortRequest, context: Context) -> rpb.AbortResponse:
+        if not request.request_id:
+            raise InvalidArgument("request_id is required", reason="MISSING_REQUEST_ID")
+        return rpb.AbortResponse(found=self.router.abort(request.request_id))
+
+    async def ListModels(self, request: rpb.ListModelsRequest, context: Context) -> rpb.ListModelsResponse:
+        if request.page_token:  # one model per router: there is never a second page
+            raise InvalidArgument("unknown page_token", reason="INVALID_PAGE_TOKEN")
+        return rpb.ListModelsResponse(models=[await model_entry(self.router)])
+
+    async def GetClusterStatus(
+        self, request: rpb.GetClusterStatusRequest, context: Context
+    ) -> rpb.GetClusterStatusResponse:
+        return await cluster_status(self.router)
+
+
+async def model_entry(router: Router) -> rpb.Model:
+    """The served model with the layout of its peers and the modes that can serve it now."""
+    layout = None
+    for peer in await _peers_or_empty(router):
+        if peer.HasField("layout"):
+            layout = peer.layout
+            break
+    return rpb.Model(
+        id=router.model.name,
+        layout=layout,
+        max_context=router.model.max_context,
+        modes=await router.available_modes(),  # type: ignore[arg-type]
+    )
+
+
+async def _peers_or_empty(router: Router) -> list[dpb.Peer]:
+    try:
+        return await router.pool.peers()
+    except grpc.aio.AioRpcError:
+        return []
+
+
+async def _peer_status(router: Router, peer: dpb.Peer) -> rpb.PeerStatus:
+    timeout = router.config.rpc_timeout_seconds
+    status = rpb.PeerStatus(peer=peer)
+    try:
+        ch = router.pool.channel(peer.address)
+        if peer.role == types_pb2.ROLE_PREFILL:
+            p = await pfpb_grpc.PrefillServiceStub(ch).GetPrefillStats(
+                pfpb.GetPrefillStatsRequest(), timeout=timeout
+            )
+            status.engine.CopyFrom(p.engine)
+            status.rooms_active = p.rooms_active
+        elif peer.role in (types_pb2.ROLE_DECODE, types_pb2.ROLE_UNIFIED):
+            d = await decpb_grpc.DecodeServiceStub(ch).GetDecodeStats(
+                decpb.GetDecodeStatsRequest(), timeout=timeout
+            )
+            status.engine.CopyFrom(d.engine)
+            status.rooms_active = d.rooms_active
+    except grpc.aio.AioRpcError as exc:
+        status.error = str(from_rpc_error(exc))
+    return status
+
+
+async def cluster_status(router: Router) -> rpb.GetClusterStatusResponse:
+    """Every peer's stats (fetched concurrently, each with a deadline) and the directory's counters."""
+    resp = rpb.GetClusterStatusResponse(requests_active=router.active)
+    peers = await _peers_or_empty(router)
+    statuses = await asyncio.gather(*(_peer_status(router, p) for p in peers))
+    resp.peers.extend(statuses)
+    if router.pool.directory is not None:
+        try:
+            stats = await router.pool.directory.GetDirectoryStats(
+                dpb.GetDirectoryStatsRequest(), timeout=router.config.rpc_timeout_seconds
+            )
+            resp.directory.CopyFrom(stats)
+        except grpc.aio.AioRpcError:
+            pass
+    try:
+        resp.default_mode = await router.default_mode()  # type: ignore[assignment]
+    except XavierError:
+        resp.default_mode = rpb.ROUTING_MODE_UNSPECIFIED
+    return resp
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Requires `authorization: Bearer <token>` on RouterService calls (health and reflection stay open)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if not details.method.startswith("/xavier.v1.RouterService/"):
+            return await continuation(details)
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(str(given).encode(), self._expected):
+            return await continuation(details)
+        return _deny(await continuation(details))
+
+
+def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    err = XavierError("missing or wrong bearer token", reason="UNAUTHENTICATED")
+    err.code = grpc.StatusCode.UNAUTHENTICATED
+
+    async def unary(request: Any, context: Context) -> Any:
+        await abort_with(context, err)
+
+    async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
+        await abort_with(context, err)
+        yield  # pragma: no cover
+
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(
+            stream, handler.request_deserializer, handler.response_serializer
+        )
+    return grpc.unary_unary_rpc_method_handler(
+        unary, handler.request_deserializer, handler.response_serializer
+    )
