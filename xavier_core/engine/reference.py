@@ -71,15 +71,16 @@ class ReferenceEngine:
         chunk_tokens: int,
         layout_fingerprint: str,
     ) -> None:
-        if max_running < 1 or chunk_tokens < max_running:
+        if max_running < 1 or chunk_tokens < 1:
             raise InvalidRequestError(
-                f"need 1 <= max_running ({max_running}) <= chunk_tokens ({chunk_tokens})"
+                f"max_running ({max_running}) and chunk_tokens ({chunk_tokens}) must be >= 1"
             )
         self.model = model
         self.config = model.cfg
         self.tokenizer = tokenizer
         self.kv_pool = pool
         self.layout_fingerprint = layout_fingerprint
+        self.model_dir: Path | None = None
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         )
@@ -128,7 +129,7 @@ class ReferenceEngine:
             digest = hashlib.sha256((path / "config.json").read_bytes())
             digest.update(f"|{torch_dtype}|{page_size}".encode())
             layout_fingerprint = digest.hexdigest()
-        return cls(
+        engine = cls(
             model,
             tokenizer,
             pool,
@@ -136,6 +137,8 @@ class ReferenceEngine:
             chunk_tokens=chunk_tokens,
             layout_fingerprint=layout_fingerprint,
         )
+        engine.model_dir = path
+        return engine
 
     # Layout facts (what a KvLayout needs).
     @property

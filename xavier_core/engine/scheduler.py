@@ -67,13 +67,15 @@ class Scheduler:
         failed: list[tuple[Request, Delivery]] = []
         budget = self.chunk_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             req = self.running[i]
-            n = min(req.remaining, budget)
-            if not self._grow(req, req.num_computed + n):
-                break  # req itself was preempted; everything after it already was
-            plan.items.append((req, n))
-            budget -= n
+            # A decode always runs (one token); prefill chunks share what is left of the budget.
+            n = 1 if req.remaining == 1 else min(req.remaining, budget)
+            if n > 0:
+                if not self._grow(req, req.num_computed + n):
+                    break  # req itself was preempted; everything after it already was
+                plan.items.append((req, n))
+                budget = max(0, budget - n)
             i += 1
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             req = self.waiting[0]

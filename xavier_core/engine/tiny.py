@@ -174,7 +174,7 @@ def make_tiny(
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(min(vocab, 8192))
     tok.save(str(out / "tokenizer.json"))
-    bos, eos = (int(tok.token_to_id(t)) for t in (SPECIAL_TOKENS[0], SPECIAL_TOKENS[2]))
+    bos, eos = SPECIAL_TOKENS.index("<|endoftext|>"), SPECIAL_TOKENS.index("<|im_end|>")  # trained first
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": SPECIAL_TOKENS[0],
