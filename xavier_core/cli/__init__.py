@@ -1,0 +1,1 @@
+"""The `xavier` command line: `up`, `generate`, `status`, `models make-tiny`."""

@@ -1,0 +1,108 @@
+"""`xavier generate` and `xavier status`: thin wrappers over the client SDK."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from xavier.v1 import router_service_pb2 as rpb
+from xavier.v1 import types_pb2
+from xavier_client import Client, XavierError, mode_name
+
+from xavier_core.cli.up import DEFAULT_GRPC
+
+
+def add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=os.environ.get("XAVIER_ADDRESS", DEFAULT_GRPC), help="router gRPC")
+    p.add_argument("--token", default=os.environ.get("XAVIER_TOKEN"), help="bearer token")
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt")
+    p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    p.add_argument("--mode", choices=["pd", "colocated", "native"], default=None)
+    p.add_argument("--chat", action="store_true", help="send the prompt as one user chat turn")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--verbose", "-v", action="store_true", help="print usage and timings")
+    add_client_args(p)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    prompt: object = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    kw = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "mode": args.mode,
+    }
+    try:
+        with Client(args.address, token=args.token, timeout=args.timeout) as client:
+            if args.stream:
+                finish = None
+                for chunk in client.generate_stream(prompt, **kw):  # type: ignore[arg-type]
+                    print(chunk.text, end="", flush=True)
+                    finish = chunk.finish_reason or finish
+                    if chunk.raw is not None and chunk.raw.HasField("usage") and args.verbose:
+                        u, t = chunk.raw.usage, chunk.raw.timings
+                        print(
+                            f"\n[{mode_name(chunk.raw.mode)}] {u.prompt_tokens}+{u.completion_tokens} tokens, "
+                            f"ttft {t.time_to_first_token.ToTimedelta().total_seconds() * 1e3:.1f} ms",
+                            file=sys.stderr,
+                        )
+                print()
+            else:
+                res = client.generate(prompt, **kw)  # type: ignore[arg-type]
+                print(res.text)
+                if args.verbose:
+                    print(
+                        f"[{res.mode}] finish={res.finish_reason} tokens={res.prompt_tokens}+"
+                        f"{res.completion_tokens} ttft={res.time_to_first_token * 1e3:.1f}ms "
+                        f"total={res.total_time * 1e3:.1f}ms",
+                        file=sys.stderr,
+                    )
+    except XavierError as err:
+        print(f"error: {err}", file=sys.stderr)
+        for key, value in sorted(err.metadata.items()):
+            print(f"  {key}: {value}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def format_status(st: rpb.GetClusterStatusResponse) -> str:
+    """A human table of the cluster status."""
+    lines = [
+        f"router: {st.requests_active} request(s) active, default mode "
+        f"{mode_name(st.default_mode) or 'none (no peers)'}",
+        f"{'PEER':<14}{'ROLE':<10}{'ADDRESS':<22}{'RUN':>5}{'WAIT':>6}{'FREE/TOTAL':>12}{'PINNED':>8}{'ROOMS':>7}",
+    ]
+    for p in st.peers:
+        role = types_pb2.Role.Name(p.peer.role).removeprefix("ROLE_").lower()
+        e = p.engine
+        if p.error:
+            lines.append(f"{p.peer.peer_id:<14}{role:<10}{p.peer.address:<22}  error: {p.error}")
+            continue
+        lines.append(
+            f"{p.peer.peer_id:<14}{role:<10}{p.peer.address:<22}{e.running:>5}{e.waiting:>6}"
+            f"{f'{e.pages_free}/{e.pages_total}':>12}{e.pages_pinned:>8}{p.rooms_active:>7}"
+        )
+    d = st.directory
+    lines.append(
+        f"rooms: {d.rooms_active} active, {d.rooms_opened} opened, {d.rooms_completed} completed, "
+        f"{d.rooms_released} released, {d.rooms_aborted} aborted, {d.rooms_expired} expired"
+    )
+    return "\n".join(lines)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    try:
+        with Client(args.address, token=args.token, timeout=args.timeout) as client:
+            st = client.cluster_status()
+    except XavierError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(format_status(st))
+    return 0

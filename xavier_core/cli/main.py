@@ -1,0 +1,53 @@
+"""`xavier`: run the mesh locally and talk to it.
+
+xavier up [--model DIR] [--mode pd|colocated] [--prefill N --decode N --unified N]
+          [--grpc HOST:PORT] [--http HOST:PORT] [--workdir DIR]
+xavier generate "prompt" [--stream] [--mode pd|colocated|native] [--address HOST:PORT]
+xavier status [--address HOST:PORT]
+xavier models make-tiny DIR --arch qwen2|qwen3|llama [...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _parser() -> argparse.ArgumentParser:
+    from xavier_core.cli.commands import add_client_args, add_generate_args
+    from xavier_core.cli.up import add_up_args
+
+    p = argparse.ArgumentParser(prog="xavier", description="Xavier LLM serving mesh")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_up_args(sub.add_parser("up", help="start the whole mesh locally"))
+    add_generate_args(sub.add_parser("generate", help="generate an answer"))
+    add_client_args(sub.add_parser("status", help="peers, rooms, pages"))
+    models = sub.add_parser("models", help="model utilities")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    msub.add_parser("make-tiny", help="write a tiny random checkpoint", add_help=False)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["models", "make-tiny"]:
+        from xavier_core.engine.tiny import make_tiny_main
+
+        return make_tiny_main(argv[2:])
+    args = _parser().parse_args(argv)
+    if args.command == "up":
+        from xavier_core.cli.up import run_up
+
+        return run_up(args)
+    if args.command == "generate":
+        from xavier_core.cli.commands import run_generate
+
+        return run_generate(args)
+    from xavier_core.cli.commands import run_status
+
+    return run_status(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

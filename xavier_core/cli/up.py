@@ -1,0 +1,195 @@
+"""`xavier up`: the whole mesh on this machine as child processes, until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from xavier_core.cli.supervisor import Child, Supervisor
+
+DEFAULT_GRPC = "127.0.0.1:50051"
+DEFAULT_HTTP = "127.0.0.1:8000"
+
+
+def cache_dir() -> Path:
+    """`$XAVIER_CACHE_DIR`, else `~/.cache/xavier`."""
+    return Path(os.environ.get("XAVIER_CACHE_DIR") or Path.home() / ".cache" / "xavier")
+
+
+def default_model(say: Callable[[str], None]) -> Path:
+    """The embedded default checkpoint, made on first use (written aside, then renamed into place)."""
+    path = cache_dir() / "models" / "tiny-qwen2"
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        return path
+    say(f"making the default tiny checkpoint in {path} (first use)")
+    from xavier_core.engine.tiny import make_tiny  # torch: only when needed
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-qwen2-", dir=path.parent))
+    make_tiny(tmp, "qwen2")
+    try:
+        tmp.rename(path)
+    except OSError:  # another `xavier up` made it first
+        pass
+    return path
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: embedded tiny)")
+    p.add_argument("--mode", choices=["pd", "colocated"], default="pd", help="default routing mode")
+    p.add_argument("--prefill", type=int, default=None, help="prefill replicas (pd default 1)")
+    p.add_argument("--decode", type=int, default=None, help="decode replicas (pd default 1)")
+    p.add_argument("--unified", type=int, default=None, help="unified replicas (colocated default 1)")
+    p.add_argument("--grpc", default=DEFAULT_GRPC, metavar="HOST:PORT", help="router gRPC address")
+    p.add_argument("--http", default=DEFAULT_HTTP, metavar="HOST:PORT", help="OpenAI HTTP address")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--workdir", type=Path, default=None, help="ready files and logs (default: a temp dir)")
+    p.add_argument("--ready-file", type=Path, default=None, help="write the endpoints here once up (JSON)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every service")
+
+
+class _Stop:
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+
+
+def _counts(args: argparse.Namespace) -> tuple[int, int, int]:
+    if args.mode == "pd":
+        return (
+            1 if args.prefill is None else args.prefill,
+            1 if args.decode is None else args.decode,
+            args.unified or 0,
+        )
+    return args.prefill or 0, args.decode or 0, 1 if args.unified is None else args.unified
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Starts directory → peers (loading models in parallel) → router; stops them all on a signal."""
+    stop = _Stop()
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
+
+    prefill, decode, unified = _counts(args)
+    if prefill + decode + unified == 0 or (args.mode == "pd" and (prefill == 0 or decode == 0)):
+        print(
+            "xavier up: pd mode needs --prefill and --decode >= 1; colocated needs --unified >= 1",
+            file=sys.stderr,
+        )
+        return 2
+    model = (args.model or default_model(say)).resolve()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="xavier-up-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    sup = Supervisor(workdir)
+    code = 0
+    try:
+        directory = sup.start("directory", "xavier-directory", ["--listen", "127.0.0.1:0"], stage=0)
+        say("starting directory")
+        if not sup.wait_ready([directory], 60, lambda: stop.requested, _progress(say), _ready(say)):
+            return 0
+        common = [
+            "--model",
+            str(model),
+            "--directory",
+            directory.address,
+            "--device",
+            args.device,
+            "--listen",
+            "127.0.0.1:0",
+        ]
+        peers: list[Child] = []
+        for role, n in (("prefill", prefill), ("decode", decode), ("unified", unified)):
+            for i in range(n):
+                binary = "xavier-prefill" if role == "prefill" else "xavier-decode"
+                extra = ["--role", role] if role != "prefill" else []
+                name = f"{role}-{i}"
+                peers.append(sup.start(name, binary, [*common, "--peer-id", name, *extra], stage=1))
+        say(f"loading {model.name} in {len(peers)} engine process(es): {', '.join(c.name for c in peers)}")
+        if not sup.wait_ready(peers, args.timeout, lambda: stop.requested, _progress(say), _ready(say)):
+            return 0
+        router = sup.start(
+            "router",
+            "xavier-router",
+            [
+                "--model",
+                str(model),
+                "--directory",
+                directory.address,
+                "--listen",
+                args.grpc,
+                "--http",
+                args.http,
+                "--mode",
+                args.mode,
+            ],
+            stage=2,
+        )
+        say("starting router")
+        if not sup.wait_ready([router], 60, lambda: stop.requested, _progress(say), _ready(say)):
+            return 0
+        endpoints = {
+            "grpc": router.address,
+            "http": router.info.get("http", ""),
+            "directory": directory.address,
+            "mode": args.mode,
+            "model": str(model),
+            "workdir": str(workdir),
+            "pid": os.getpid(),
+        }
+        print(f"\nXavier is up ({args.mode}, {model.name}).", flush=True)
+        print(f'  gRPC    {endpoints["grpc"]}   (xavier generate --address {endpoints["grpc"]} "Hello")')
+        print(f"  OpenAI  http://{endpoints['http']}/v1")
+        print(f"  logs    {workdir}\nPress Ctrl-C to stop.", flush=True)
+        if args.ready_file is not None:
+            tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
+            tmp.write_text(json.dumps(endpoints) + "\n")
+            os.replace(tmp, args.ready_file)
+        while not stop.requested:
+            dead = sup.dead()
+            if dead:
+                for child in dead:
+                    print(
+                        f"{child.name} exited with {child.proc.returncode}:\n{child.log_tail()}",
+                        file=sys.stderr,
+                    )
+                code = 1
+                break
+            time.sleep(0.2)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"xavier up failed: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        say("stopping")
+        sup.stop_all()
+        if args.ready_file is not None:
+            args.ready_file.unlink(missing_ok=True)
+        say("stopped")
+    return code
+
+
+def _progress(say: Callable[[str], None]) -> Callable[[Child, float], None]:
+    def note(child: Child, elapsed: float) -> None:
+        say(f"  {child.name}: still starting ({elapsed:.0f}s)")
+
+    return note
+
+
+def _ready(say: Callable[[str], None]) -> Callable[[Child], None]:
+    def note(child: Child) -> None:
+        say(f"  {child.name} ready at {child.address} ({time.monotonic() - child.started:.1f}s)")
+
+    return note
