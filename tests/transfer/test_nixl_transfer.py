@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -110,6 +111,7 @@ def test_page_count_mismatch_fails_clearly(source: Source, manager: KvManager) -
     assert rx.poll() == KvPoll.FAILED
     assert rx.error is not None and "source has 3 pages, destination 2" in rx.error
     assert not rx.in_flight()
+    rx.clear()
     poll_until(lambda: source.call("state", "r-count")[:2], {("FAILED", False)})
 
 
@@ -149,3 +151,25 @@ def test_read_times_out_and_is_cancelled(source: Source, manager: KvManager) -> 
         assert not xfer.in_flight and xfer.error is not None and "timed out" in xfer.error
     finally:
         source.call("polling", True)
+
+
+def test_concurrent_rooms_from_worker_threads(
+    source: Source, manager: KvManager, pool: list[np.ndarray]
+) -> None:
+    jobs = [(f"t{i}", list(range(4 * i, 4 * i + 4)), [63 - 4 * i - k for k in range(4)]) for i in range(12)]
+    infos = {room: publish(source, room, src) for room, src, _ in jobs}
+
+    def run(room: str, dst: list[int]) -> KvPoll:
+        rx = receive(manager, room, dst)
+        rx.start(infos[room], SRC_KEY)
+        state = poll_until(rx.poll, {KvPoll.SUCCESS, KvPoll.FAILED})
+        rx.clear()
+        return state
+
+    with ThreadPoolExecutor(4) as pool_ex:
+        states = list(pool_ex.map(lambda j: run(j[0], j[2]), jobs))
+    assert states == [KvPoll.SUCCESS] * len(jobs)
+    for room, src, dst in jobs:
+        assert page_bytes(pool, dst) == page_bytes(source.pool, src)
+        poll_until(lambda room=room: source.call("state", room)[0], {"SUCCESS"})  # type: ignore[misc]
+    assert manager.stats()["receivers"] == 0

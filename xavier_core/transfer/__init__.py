@@ -19,9 +19,10 @@ from xavier_core.transfer.kv_transfer import (
     done_notif,
     fail_notif,
 )
-from xavier_core.transfer.nixl_backend import NixlAgent, Transfer, device_mem, peer_key, split_peer_key
+from xavier_core.transfer.nixl_backend import NixlAgent, device_mem, peer_key, split_peer_key
 from xavier_core.transfer.runs import Mode, PageRun, coalesce, descriptors, expand, pair_stretches
 from xavier_core.transfer.source import SourceInfo
+from xavier_core.transfer.xfer import Transfer
 
 __all__ = [
     "DONE_PREFIX",

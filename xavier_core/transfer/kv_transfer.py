@@ -24,9 +24,10 @@ import numpy.typing as npt
 
 from xavier_core.engine.api import KvBuffer
 from xavier_core.transfer.errors import LayoutError, TransferError, TransferInFlightError
-from xavier_core.transfer.nixl_backend import NixlAgent, Transfer
+from xavier_core.transfer.nixl_backend import NixlAgent
 from xavier_core.transfer.runs import Mode, as_page_array, coalesce
 from xavier_core.transfer.source import SourceInfo
+from xavier_core.transfer.xfer import Transfer
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,8 +24,9 @@ import numpy.typing as npt
 
 from xavier_core.engine.api import KvBuffer
 from xavier_core.transfer import runs
-from xavier_core.transfer._nixl import MemType, RawAgent, XferState
+from xavier_core.transfer._nixl import MemType, RawAgent
 from xavier_core.transfer.errors import InvalidPagesError, LayoutError, PeerError, StaleEpochError
+from xavier_core.transfer.xfer import Transfer
 
 log = logging.getLogger(__name__)
 
@@ -71,86 +71,6 @@ def check_buffers(buffers: Sequence[KvBuffer], what: str) -> MemType:
         if b.addr <= 0 or b.bytes_per_page <= 0 or b.nbytes < b.bytes_per_page:
             raise LayoutError(f"{what}: buffer {i} is invalid ({b})")
     return mems.pop()
-
-
-class Transfer:
-    """A posted READ. Poll it until it is not PROC; its NIXL handle is released once it ends."""
-
-    def __init__(self, agent: NixlAgent, handle: object, nbytes: int, descs: int, timeout_s: float) -> None:
-        self._agent = agent
-        self._handle: object | None = handle
-        self.nbytes = nbytes
-        self.descriptor_count = descs
-        self.started = time.monotonic()
-        self.finished: float | None = None
-        self._deadline = self.started + timeout_s
-        self._timeout_s = timeout_s
-        self.error: str | None = None
-        self._state: XferState = "PROC"
-
-    @property
-    def state(self) -> XferState:
-        """The last polled state (no NIXL call)."""
-        return self._state
-
-    @property
-    def in_flight(self) -> bool:
-        """True while NIXL may still touch the pages of this READ."""
-        return self._handle is not None
-
-    def poll(self) -> XferState:
-        """Checks the READ (and drives it forward); a READ past its timeout is cancelled and ends ERR."""
-        with self._agent.lock:
-            if self._handle is None:
-                return self._state
-            try:
-                state = self._agent.raw.check(self._handle)
-            except Exception as exc:  # nixlRemoteDisconnectError and friends: the peer is gone
-                self.error = f"{type(exc).__name__}: {exc}"
-                state = "ERR"
-            if state == "PROC" and time.monotonic() > self._deadline:
-                if self._cancel():
-                    self.error = f"timed out after {self._timeout_s:.1f}s"
-                    self._finish("ERR")
-                return self._state
-            self._settle(state)
-            return self._state
-
-    def release(self) -> bool:
-        """Ends the READ now: cancels it if still PROC. False if NIXL refused (still in flight)."""
-        with self._agent.lock:
-            if self._handle is None:
-                return True
-            if self._cancel():
-                self.error = self.error or "cancelled"
-                self._finish("ERR")
-            return self._handle is None
-
-    def _settle(self, state: XferState) -> None:
-        if state == "PROC":
-            return
-        if state == "ERR" and self.error is None:
-            self.error = "NIXL reported a transfer error"
-        if not self._cancel():
-            log.warning("NIXL refused to release a finished transfer handle; keeping it")
-            return
-        self._finish(state)
-
-    def _cancel(self) -> bool:
-        if self._handle is None:
-            return True
-        try:
-            self._agent.raw.release(self._handle)
-        except Exception as exc:
-            log.warning("releasing transfer handle failed: %s: %s", type(exc).__name__, exc)
-            return False
-        self._agent.forget(self)
-        self._handle = None
-        return True
-
-    def _finish(self, state: XferState) -> None:
-        self._state = state
-        self.finished = time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -288,11 +208,13 @@ class NixlAgent:
             except Exception as exc:
                 raise PeerError(f"READ from peer {peer_key!r} failed: {type(exc).__name__}: {exc}") from exc
             xfer = Transfer(
-                self,
+                self.raw,
+                self.lock,
                 handle,
                 int(table[:, 2].sum()),
                 table.shape[0],
                 self.transfer_timeout_s if timeout_s is None else timeout_s,
+                self._live.discard,
             )
             self._live.add(xfer)
             xfer._settle(state)
@@ -307,9 +229,6 @@ class NixlAgent:
                     f"buffer {i}: bytes_per_page differs "
                     f"(peer {r.bytes_per_page}, local {mine.bytes_per_page})"
                 )
-
-    def forget(self, xfer: Transfer) -> None:
-        self._live.discard(xfer)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """New notifications as (sender agent name, message). Calling this also drives progress."""
