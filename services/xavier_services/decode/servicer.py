@@ -80,8 +80,14 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 ),
             )
             peer_key = f"{room.prefill_peer_id}@{room.prefill_epoch}"
+            handoff = host.config.handoff
             nbytes, transfer_s = await host.kv.pull(
-                request.room_id, src, peer_key, pages, host.config.handoff.transfer_timeout_seconds
+                request.room_id,
+                src,
+                peer_key,
+                pages,
+                handoff.transfer_timeout_seconds,
+                handoff.park_timeout_seconds,
             )
             await host.directory_call(
                 "CompleteRoom",
@@ -219,7 +225,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         return pb.GetDecodeStatsResponse(
             engine=host.engine_stats_pb(pages_parked=0),
             rooms_active=sum(1 for r in self._live.values() if r),
-            transfer=host.kv.totals.to_pb(),
+            transfer=host.kv.totals.to_pb() if host.kv is not None else types_pb2.TransferStats(),
             peer=f"{host.peer_id}@{host.epoch}",
             role=host.role,
         )

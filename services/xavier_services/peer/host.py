@@ -11,7 +11,7 @@ import contextlib
 import importlib.metadata
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -188,18 +188,23 @@ class PeerHost:
                 raise from_rpc_error(err) from None
         raise Unavailable("directory unavailable", reason="DIRECTORY_UNAVAILABLE")
 
-    async def wait_room_message(self, room_id: int, states: Sequence[int], timeout: float) -> dpb.Room:
-        """Watches a room (server stream, no polling) until it reaches one of `states`."""
+    async def watch_room(self, room_id: int, timeout: float) -> AsyncIterator[dpb.Room]:
+        """Streams a room's states (server stream, no polling) until a terminal state or `timeout`."""
         assert self._stub is not None
         call = self._stub.WatchRoom(dpb.WatchRoomRequest(room_id=room_id), timeout=timeout)
         try:
             async for msg in call:
-                if msg.room.state in states:
-                    return msg.room
+                yield msg.room
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
         finally:
             call.cancel()
+
+    async def wait_room_message(self, room_id: int, states: Sequence[int], timeout: float) -> dpb.Room:
+        """Watches a room until it reaches one of `states`."""
+        async for room in self.watch_room(room_id, timeout):
+            if room.state in states:
+                return room
         raise FailedPrecondition(f"room {room_id} watch ended early", reason="WATCH_ENDED")
 
     async def wait_room(self, room_id: int, states: Sequence[int], timeout: float) -> int:

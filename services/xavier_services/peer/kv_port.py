@@ -18,6 +18,7 @@ from xavier.v1 import directory_service_pb2, types_pb2
 
 from xavier_core.engine.api import KvBuffer
 from xavier_core.runtime.errors import FailedPrecondition, LayoutMismatch, Unavailable
+from xavier_core.runtime.logging import get_logger
 from xavier_core.transfer import (
     InvalidSourceError,
     KvManager,
@@ -29,6 +30,7 @@ from xavier_core.transfer import (
 )
 
 T = TypeVar("T")
+log = get_logger(__name__)
 
 
 @dataclass
@@ -183,6 +185,7 @@ class KvPort:
         peer_key: str,
         dest_pages: Sequence[int],
         timeout: float,
+        park_timeout: float,
     ) -> tuple[int, float]:
         """Reads the source pages into `dest_pages`; returns (bytes, seconds).
 
@@ -231,7 +234,7 @@ class KvPort:
                     f"KV read of room {room_id} failed ({state.name})", reason="TRANSFER_FAILED"
                 )
         except BaseException:
-            await asyncio.shield(self._quiesce(receiver, timeout))
+            await asyncio.shield(self._quiesce(receiver, park_timeout))
             raise
         finally:
             self._live_reads -= 1
@@ -256,8 +259,12 @@ class KvPort:
     async def _quiesce(self, receiver: KvReceiver, timeout: float) -> None:
         """Aborts a receiver and waits until its read can no longer touch the destination pages."""
         await self._run(receiver.abort)
-        if await self._run(receiver.wait_idle, timeout):
-            await self._run(receiver.clear)
+        deadline = time.monotonic() + timeout
+        while not await self._run(receiver.wait_idle, 0.05):
+            if time.monotonic() > deadline:
+                log.error("KV read still in flight after the park timeout", room=receiver.room)
+                return
+        await self._run(receiver.clear)
 
     async def drop_peer(self, peer_key: str) -> None:
         await self._run(self.agent.drop_peer, peer_key)

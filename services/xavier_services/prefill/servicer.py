@@ -18,7 +18,7 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import prefill_service_pb2 as pb
 from xavier.v1 import prefill_service_pb2_grpc, types_pb2
 
-from xavier_core.runtime.errors import Aborted, FailedPrecondition
+from xavier_core.runtime.errors import Aborted, FailedPrecondition, XavierError
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.convert import (
     check_prompt,
@@ -115,12 +115,13 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
     async def _fail(self, hold: _Hold, published: bool) -> None:
         host = self.host
         await host.engine.abort(hold.request_id)
+        await host.abort_room(hold.room_id, "prefill failed or was cancelled")
         if published:
-            await self._park(hold)
+            # The directory may have shown the source to the decode: unpin only once no read can run.
+            await self._hold_until_read(hold)
         else:
             host.engine.release_pages(hold.request_id)
             self._holds.pop(hold.room_id, None)
-        await host.abort_room(hold.room_id, "prefill failed or was cancelled")
 
     async def _park(self, hold: _Hold) -> None:
         """Keeps a published room's pages until its reader is done with them, or the park timeout."""
@@ -132,37 +133,57 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
                 if not outcome:
                     log.warning("parked pages reclaimed after timeout", room_id=hold.room_id)
         finally:
-            await host.kv.unpublish(hold.room_id, completed=False)
-            host.engine.release_pages(hold.request_id)
-            self._holds.pop(hold.room_id, None)
+            await self._unpin(hold, completed=False)
+
+    async def _watch_outcome(self, room_id: int, timeout: float) -> tuple[int, bool]:
+        """Returns (the room's completed-or-terminal state, whether a read may have started).
+
+        A decode reads only after BeginTransfer moved the room to TRANSFERRING, and BeginTransfer is
+        refused once the room ended; so a room that ended without passing TRANSFERRING has no reader.
+        """
+        may_read = False
+        try:
+            async for room in self.host.watch_room(room_id, timeout):
+                may_read = may_read or room.state == dpb.ROOM_STATE_TRANSFERRING
+                if room.state == dpb.ROOM_STATE_COMPLETED or room.state in _TERMINAL:
+                    return room.state, may_read
+        except XavierError as err:
+            log.warning("room watch failed", room_id=room_id, error=str(err))
+        return dpb.ROOM_STATE_UNSPECIFIED, True
 
     async def _hold_until_read(self, hold: _Hold) -> None:
         """Unpins on the reader's notification or the room's completion; parks on any other ending."""
         host = self.host
         room_id = hold.room_id
-        lease = host.config.handoff.room_lease_seconds
+        handoff = host.config.handoff
         notif = asyncio.ensure_future(
-            host.kv.wait_read_end(room_id, lease + host.config.handoff.park_timeout_seconds)
+            host.kv.wait_read_end(room_id, handoff.room_lease_seconds + handoff.park_timeout_seconds)
         )
-        watch = asyncio.ensure_future(
-            host.wait_room(room_id, (dpb.ROOM_STATE_COMPLETED, *_TERMINAL), lease * 2)
-        )
-        aborted = asyncio.ensure_future(hold.aborted.wait())
+        watch = asyncio.ensure_future(self._watch_outcome(room_id, handoff.room_lease_seconds * 2))
         try:
-            done, _ = await asyncio.wait({notif, watch, aborted}, return_when=asyncio.FIRST_COMPLETED)
-            state = watch.result() if watch in done and not watch.exception() else None
+            done, _ = await asyncio.wait({notif, watch}, return_when=asyncio.FIRST_COMPLETED)
             outcome = notif.result() if notif in done else ""
-            completed = outcome == "done" or state == dpb.ROOM_STATE_COMPLETED
-            if completed:
-                await host.kv.unpublish(room_id, completed=True)
-                host.engine.release_pages(hold.request_id)
-                self._holds.pop(room_id, None)
+            if outcome == "done":
+                # The read is over: unpin now; release the room only once the decode completed it.
+                await self._unpin(hold, completed=True)
+                await asyncio.wait({watch})
             else:
-                await self._park(hold)
+                state, may_read = await watch
+                if state == dpb.ROOM_STATE_COMPLETED:
+                    await self._unpin(hold, completed=True)
+                elif not may_read or (notif.done() and notif.result() == "fail"):
+                    await self._unpin(hold, completed=False)
+                else:
+                    await self._park(hold)
         finally:
-            for t in (notif, watch, aborted):
+            for t in (notif, watch):
                 t.cancel()
         await host.release_room(room_id, types_pb2.ROLE_PREFILL)
+
+    async def _unpin(self, hold: _Hold, completed: bool) -> None:
+        await self.host.kv.unpublish(hold.room_id, completed=completed)
+        self.host.engine.release_pages(hold.request_id)
+        self._holds.pop(hold.room_id, None)
 
     async def AbortPrefill(
         self,
@@ -175,6 +196,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             return pb.AbortPrefillResponse(found=False)
         hold.aborted.set()
         await self.host.engine.abort(hold.request_id)
+        await self.host.abort_room(request.room_id, request.reason or "prefill aborted")
         return pb.AbortPrefillResponse(found=True)
 
     async def GetPrefillStats(
@@ -194,6 +216,8 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         """On shutdown: abort live rooms so the directory and decoders learn at once."""
         for hold in list(self._holds.values()):
             hold.aborted.set()
+            await self.host.engine.abort(hold.request_id)
+            await self.host.abort_room(hold.room_id, "prefill shutting down")
         tasks = [h.task for h in self._holds.values() if h.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=self.host.config.grace_seconds)

@@ -1,0 +1,189 @@
+"""P/D handoff over real processes and real NIXL DRAM transfers (issue: P/D spine)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+from xavier.v1 import decode_service_pb2 as dec
+from xavier.v1 import decode_service_pb2_grpc as dec_grpc
+from xavier.v1 import prefill_service_pb2 as pre
+from xavier.v1 import prefill_service_pb2_grpc as pre_grpc
+from xavier.v1 import types_pb2
+
+from tests.pd.conftest import Mesh, wait_drained
+from tests.support.pd_driver import open_room, pd_generate, peer, unified_generate
+from xavier_core.runtime.errors import from_rpc_error
+
+pytestmark = pytest.mark.integration
+
+PAGE = 16
+# One page, many pages, a partial last page, exact page multiples, a single token.
+LENGTHS = [1, 5, 15, 16, 17, 31, 32, 33, 47, 64, 65, 100, 127, 128, 129, 200, 255, 256, 300, 401]
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+class Channels:
+    def __init__(self, mesh: Mesh) -> None:
+        self.directory = grpc.aio.insecure_channel(mesh.directory)
+        self.prefill = grpc.aio.insecure_channel(mesh.procs["prefill-0"].address)
+        self.decode = grpc.aio.insecure_channel(mesh.procs["decode-0"].address)
+        self.unified = grpc.aio.insecure_channel(mesh.procs["unified-0"].address)
+
+    async def peers(self) -> tuple[object, object]:
+        return await peer(self.directory, types_pb2.ROLE_PREFILL), await peer(
+            self.directory, types_pb2.ROLE_DECODE
+        )
+
+    async def close(self) -> None:
+        for ch in (self.directory, self.prefill, self.decode, self.unified):
+            await ch.close()
+
+
+async def test_pd_equals_unified_and_bytes_are_exact(mesh: Mesh) -> None:
+    ch = Channels(mesh)
+    try:
+        p, d = await ch.peers()
+        for i, n in enumerate(LENGTHS):
+            toks = prompt(n, i)
+            got = await pd_generate(ch.directory, ch.prefill, ch.decode, p, d, toks, 12, digests=True)
+            ref = await unified_generate(ch.unified, toks, 12)
+            assert got.tokens == ref, f"prompt of {n} tokens"
+            assert got.tokens[0] == got.first_token
+            assert len(got.prefill_digest) == 32 and got.prefill_digest == got.decode_digest, n
+            assert got.finish == types_pb2.FINISH_REASON_LENGTH
+        stats = await wait_drained(mesh)
+        assert not any(stats.values()), stats
+    finally:
+        await ch.close()
+
+
+async def test_16_concurrent_requests(mesh: Mesh) -> None:
+    ch = Channels(mesh)
+    try:
+        p, d = await ch.peers()
+        prompts = [prompt(10 + 23 * i, 100 + i) for i in range(16)]
+        refs = [await unified_generate(ch.unified, t, 10) for t in prompts]
+        results = await asyncio.gather(
+            *(pd_generate(ch.directory, ch.prefill, ch.decode, p, d, t, 10) for t in prompts)
+        )
+        assert [r.tokens for r in results] == refs
+        stats = await wait_drained(mesh)
+        assert not any(stats.values()), stats
+    finally:
+        await ch.close()
+
+
+async def test_cancel_at_random_points_leaves_nothing(mesh: Mesh) -> None:
+    ch = Channels(mesh)
+    rng = random.Random(7)
+    try:
+        p, d = await ch.peers()
+        for i in range(12):
+            toks = prompt(rng.randrange(20, 400), 1000 + i)
+            task = asyncio.ensure_future(
+                pd_generate(ch.directory, ch.prefill, ch.decode, p, d, toks, rng.choice([4, 64, 256]))
+            )
+            await asyncio.sleep(rng.choice([0.0, 0.002, 0.01, 0.03, 0.1]))
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        stats = await wait_drained(mesh)
+        assert not any(stats.values()), stats
+        # The mesh still serves after the cancellations.
+        toks = prompt(50, 5)
+        got = await pd_generate(ch.directory, ch.prefill, ch.decode, p, d, toks, 8)
+        assert got.tokens == await unified_generate(ch.unified, toks, 8)
+    finally:
+        await ch.close()
+
+
+async def test_bad_input_gets_clear_errors_and_leaks_nothing(mesh: Mesh) -> None:
+    ch = Channels(mesh)
+    try:
+        p, d = await ch.peers()
+        prefill = pre_grpc.PrefillServiceStub(ch.prefill)
+        decode = dec_grpc.DecodeServiceStub(ch.decode)
+        sampling = types_pb2.SamplingParams(max_tokens=4)
+        room = await open_room(ch.directory, p, d, [5, 6, 7])
+        cases = [
+            (
+                prefill.Prefill(pre.PrefillRequest(room_id=room.room_id, sampling=sampling), timeout=5),
+                "INVALID_ARGUMENT",
+            ),
+            (
+                prefill.Prefill(pre.PrefillRequest(room_id=0, token_ids=[1], sampling=sampling), timeout=5),
+                "INVALID_ARGUMENT",
+            ),
+            (
+                prefill.Prefill(
+                    pre.PrefillRequest(room_id=room.room_id, token_ids=[1, 10**6], sampling=sampling),
+                    timeout=5,
+                ),
+                "INVALID_ARGUMENT",
+            ),
+            (
+                prefill.Prefill(
+                    pre.PrefillRequest(
+                        room_id=room.room_id,
+                        token_ids=[1, 2],
+                        sampling=types_pb2.SamplingParams(max_tokens=4, temperature=-1),
+                    ),
+                    timeout=5,
+                ),
+                "INVALID_ARGUMENT",
+            ),
+        ]
+        for call, reason in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            err = from_rpc_error(info.value)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.reason == reason, err
+        # Decode of a room the directory never opened: ROOM_NOT_FOUND, and its reserved pages come back.
+        call = decode.Decode(
+            dec.DecodeRequest(room_id=(1 << 62) + 12345, token_ids=[1, 2, 3], sampling=sampling)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert from_rpc_error(info.value).reason == "ROOM_NOT_FOUND"
+        # A unified-only RPC on a decode peer is refused by role.
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in decode.GenerateUnified(dec.GenerateUnifiedRequest(token_ids=[1, 2]), timeout=5):
+                pass
+        assert from_rpc_error(info.value).reason == "WRONG_ROLE"
+        stats = await wait_drained(mesh)
+        assert not any(stats.values()), stats
+    finally:
+        await ch.close()
+
+
+async def test_layout_mismatch_is_refused_naming_fields(mesh: Mesh) -> None:
+    other = mesh.start_peer("prefill-pagesize32", "prefill", "--page-size", "32")
+    ch = Channels(mesh)
+    try:
+        _, d = await ch.peers()
+        from xavier.v1 import directory_service_pb2 as dpb
+        from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
+
+        peers = await dpb_grpc.DirectoryServiceStub(ch.directory).ListPeers(
+            dpb.ListPeersRequest(role=types_pb2.ROLE_PREFILL), timeout=5
+        )
+        odd = next(x for x in peers.peers if x.peer_id == "prefill-pagesize32")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await open_room(ch.directory, odd, d, [1, 2, 3])
+        err = from_rpc_error(info.value)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert err.reason == "LAYOUT_MISMATCH"
+        assert "page_size" in str(err) and "page_size" in " ".join(err.metadata.values()) + str(err.metadata)
+    finally:
+        await ch.close()
+        other.stop()
+        del mesh.procs["prefill-pagesize32"]
