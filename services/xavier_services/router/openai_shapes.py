@@ -143,6 +143,7 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
             )
         s.seed = seed
     s.stop.extend(_stops(body.get("stop")))
+    s.ignore_eos = bool(body.get("ignore_eos", False))  # the vLLM / SGLang extension
     mode = body.get("xavier_mode")
     if mode is not None:
         if mode not in _MODES:

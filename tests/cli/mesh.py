@@ -1,0 +1,111 @@
+"""One `xavier up` (pd default, plus a unified replica) shared by the router, client and CLI tests.
+
+The first test that asks for it starts it; the session's end stops it. Every test module gets the same
+instance through `mesh_fixture`, whichever conftest registered it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+_MESH: Mesh | None = None
+
+
+@dataclass
+class Mesh:
+    proc: subprocess.Popen[bytes]
+    grpc: str
+    http: str
+    directory: str
+    model: Path
+    workdir: Path
+    log: Path
+
+    def child_pids(self) -> dict[str, int]:
+        """pid of each child, from their ready files."""
+        pids = {}
+        for ready in self.workdir.glob("*.ready"):
+            pids[ready.stem] = int(json.loads(ready.read_text())["pid"])
+        return pids
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait(10)
+
+
+def start_up(workdir: Path, cache: Path, *extra: str, timeout: float = 180.0) -> Mesh:
+    """Runs `xavier up` with ephemeral ports and waits for its ready file."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ready = workdir / "up.json"
+    log = workdir / "up.log"
+    exe = Path(sys.executable).parent / "xavier"
+    env = {**os.environ, "XAVIER_CACHE_DIR": str(cache)}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                str(exe),
+                "up",
+                "--grpc",
+                "127.0.0.1:0",
+                "--http",
+                "127.0.0.1:0",
+                "--workdir",
+                str(workdir / "svc"),
+                "--ready-file",
+                str(ready),
+                *extra,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"xavier up failed:\n{log.read_text(errors='replace')}")
+        time.sleep(0.1)
+    info = json.loads(ready.read_text())
+    return Mesh(
+        proc, info["grpc"], info["http"], info["directory"], Path(info["model"]), workdir / "svc", log
+    )
+
+
+def shared_mesh(tmp_path_factory: pytest.TempPathFactory) -> Mesh:
+    global _MESH
+    if _MESH is None or _MESH.proc.poll() is not None:
+        base = tmp_path_factory.mktemp("mesh")
+        _MESH = start_up(base, shared_cache(tmp_path_factory), "--unified", "1")
+    return _MESH
+
+
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One model cache per session (the tiny checkpoint is made once)."""
+    return tmp_path_factory.getbasetemp() / "xavier-cache"
+
+
+def stop_shared_mesh() -> None:
+    global _MESH
+    if _MESH is not None:
+        _MESH.stop()
+        _MESH = None
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Mesh:
+    return shared_mesh(tmp_path_factory)

@@ -1,0 +1,105 @@
+"""The OpenAI-compatible HTTP front, checked with the official `openai` client against `xavier up`."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.cli.mesh import Mesh
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def oa(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{mesh.http}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models(oa: openai.OpenAI, mesh: Mesh) -> None:
+    models = oa.models.list().data
+    assert [m.id for m in models] == [mesh.model.name]
+
+
+@pytest.mark.parametrize("mode", ["pd", "colocated"])
+def test_completion_unary_and_stream_agree(oa: openai.OpenAI, mesh: Mesh, mode: str) -> None:
+    kw = {
+        "model": mesh.model.name,
+        "prompt": "The quick brown fox",
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "extra_body": {"xavier_mode": mode},
+    }
+    full = oa.completions.create(**kw)  # type: ignore[call-overload]
+    assert full.object == "text_completion"
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage is not None and full.usage.completion_tokens == 8
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 8
+    chunks = list(oa.completions.create(stream=True, **kw))  # type: ignore[call-overload]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_unary_stream_and_logprobs(oa: openai.OpenAI, mesh: Mesh) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    full = oa.chat.completions.create(
+        model=mesh.model.name, messages=messages, max_tokens=6, temperature=0, logprobs=True, seed=7
+    )
+    msg = full.choices[0].message
+    assert full.object == "chat.completion" and msg.role == "assistant"
+    assert full.choices[0].logprobs is not None
+    assert len(full.choices[0].logprobs.content or []) == 6
+    assert all(lp.logprob <= 0 for lp in full.choices[0].logprobs.content or [])
+    stream = oa.chat.completions.create(
+        model=mesh.model.name,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+
+
+def test_sampling_with_seed_is_reproducible(oa: openai.OpenAI, mesh: Mesh) -> None:
+    kw = {
+        "model": mesh.model.name,
+        "prompt": "Once upon a time",
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "seed": 1234,
+    }
+    a = oa.completions.create(**kw)  # type: ignore[call-overload]
+    b = oa.completions.create(**kw)  # type: ignore[call-overload]
+    assert a.choices[0].text == b.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({"prompt": ""}, "EMPTY_PROMPT"),
+        ({"prompt": "hi", "max_tokens": 0}, "INVALID_MAX_TOKENS"),
+        ({"prompt": "hi", "max_tokens": -3}, "INVALID_MAX_TOKENS"),
+        ({"prompt": "hi", "max_tokens": 10**6}, "MAX_TOKENS_TOO_LARGE"),
+        ({"prompt": "hello " * 5000, "max_tokens": 1}, "PROMPT_TOO_LONG"),
+        ({"prompt": "hi", "n": 2}, "UNSUPPORTED_N"),
+        ({"prompt": "hi", "model": "no-such-model"}, "UNKNOWN_MODEL"),
+        ({"prompt": "hi", "temperature": -1}, "INVALID_SAMPLING"),
+    ],
+)
+def test_bad_requests_are_400_with_reason(mesh: Mesh, body: dict[str, object], code: str) -> None:
+    body = {"model": mesh.model.name, **body}
+    r = httpx.post(f"http://{mesh.http}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == code
+
+
+def test_bad_chat_is_400_through_the_client(oa: openai.OpenAI, mesh: Mesh) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        oa.chat.completions.create(model=mesh.model.name, messages=[], max_tokens=4)
+    assert info.value.code == "EMPTY_PROMPT"
+    assert info.value.status_code == 400
