@@ -63,7 +63,7 @@ async def test_prefix_cache_hit_computes_fewer_tokens(engine_factory: Factory) -
     third = await greedy_tokens(engine, prompt, 16, rid="c", salt="tenant-b")
     assert third == first
     assert engine.stats().prompt_tokens_cached == 96
-    prefill = await engine.prefill("p", prompt + [7, 8, 9], Sampling(max_tokens=4))
+    prefill = await engine.prefill("p", [*prompt, 7, 8, 9], Sampling(max_tokens=4))
     assert prefill.cached_tokens == 96 and prefill.prompt_tokens == 103
     engine.release_pages("p")
     _all_pages_free(engine)
