@@ -25,6 +25,7 @@ from xavier_core.runtime.errors import (
     FailedPrecondition,
     LayoutMismatch,
     LeaseExpired,
+    Unavailable,
 )
 from xavier_services.peer.convert import check_prompt, check_room_id, finish_to_pb, sampling_from_pb, seconds
 from xavier_services.peer.host import PeerHost
@@ -125,6 +126,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         room = await host.wait_room_message(room_id, (dpb.ROOM_STATE_SOURCE_READY, *_TERMINAL), lease)
         if room.state == dpb.ROOM_STATE_EXPIRED:
             raise LeaseExpired(f"room {room_id} expired before its source was ready", room_id=str(room_id))
+        if room.state in _TERMINAL and room.end_reason.startswith("peer "):
+            raise Unavailable(f"room {room_id} ended: {room.end_reason}", reason="PEER_UNAVAILABLE")
         if room.state in _TERMINAL:
             raise Aborted(f"room {room_id} ended: {room.end_reason or 'aborted'}", room_id=str(room_id))
         return room
