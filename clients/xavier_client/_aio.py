@@ -44,6 +44,8 @@ class AsyncGenerateStream:
                     yield Chunk.from_proto(msg)
                 return
             except asyncio.CancelledError:
+                if self._cancelled:  # our own cancel(): end quietly
+                    return
                 self._call.cancel()
                 raise
             except grpc.RpcError as exc:

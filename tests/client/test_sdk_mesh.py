@@ -1,0 +1,48 @@
+"""The SDK against `xavier up`: stream and unary agree, async cancel, models and status."""
+
+from __future__ import annotations
+
+import pytest
+from xavier.v1 import router_service_pb2 as rpb
+from xavier_client import AsyncClient, Client
+
+from tests.cli.mesh import Mesh
+
+pytestmark = pytest.mark.integration
+
+
+def test_stream_and_unary_agree(mesh: Mesh) -> None:
+    with Client(mesh.grpc) as client:
+        chunks = list(client.generate_stream("Good morning", max_tokens=10, ignore_eos=True, logprobs=True))
+        unary = client.generate("Good morning", max_tokens=10, ignore_eos=True, logprobs=True)
+    ids = [i for c in chunks for i in c.token_ids]
+    assert ids == unary.token_ids and len(ids) == 10
+    assert "".join(c.text for c in chunks) == unary.text
+    assert len(unary.logprobs) == 10
+    assert unary.prompt_tokens > 0 and unary.completion_tokens == 10
+    assert 0 < unary.time_to_first_token <= unary.total_time
+    assert chunks[-1].finish_reason == "length"
+
+
+def test_models_and_status(mesh: Mesh) -> None:
+    with Client(mesh.grpc) as client:
+        (model,) = client.list_models()
+        st = client.cluster_status()
+    assert model.id == mesh.model.name and model.max_context > 0
+    assert set(model.modes) >= {rpb.ROUTING_MODE_PD, rpb.ROUTING_MODE_COLOCATED}
+    assert model.layout.num_layers > 0
+    roles = sorted(p.peer.role for p in st.peers)
+    assert len(roles) == 3 and st.default_mode == rpb.ROUTING_MODE_PD
+
+
+async def test_async_cancel_mid_stream(mesh: Mesh) -> None:
+    async with AsyncClient(mesh.grpc) as client:
+        stream = client.generate_stream("Tell a long story", max_tokens=300, ignore_eos=True)
+        n = 0
+        async for _ in stream:
+            n += 1
+            if n == 2:
+                stream.cancel()
+        assert n == 2
+        res = await client.generate("After cancel", max_tokens=3)
+        assert res.completion_tokens == 3

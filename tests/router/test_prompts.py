@@ -1,0 +1,125 @@
+"""Prompt-fingerprint cache, chat rendering and request validation (no processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from xavier.v1 import router_service_pb2 as rpb
+from xavier_services.router.prompts import ModelInfo, PromptCache, PromptEncoder, load_model_info
+from xavier_services.router.request import prepare
+
+from xavier_core.engine.tiny import make_tiny
+from xavier_core.engine.tokenizer import TextTokenizer
+from xavier_core.runtime import InvalidArgument
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny"), "qwen2", max_position=64)
+
+
+@pytest.fixture
+def encoder(model_dir: Path) -> PromptEncoder:
+    info = load_model_info(model_dir)
+    return PromptEncoder(
+        TextTokenizer.load(model_dir), PromptCache(4, info.tokenizer_fingerprint, CollectorRegistry())
+    )
+
+
+def _lookups(cache: PromptCache, result: str) -> float:
+    return cache._metrics.lookups.labels(result)._value.get()
+
+
+def test_cache_hits_misses_and_bound() -> None:
+    calls: list[str] = []
+
+    def enc(text: str) -> list[int]:
+        calls.append(text)
+        return [len(text)]
+
+    cache = PromptCache(2, "fp", CollectorRegistry())
+    assert cache.get_or_encode("a", enc) == (1,)
+    assert cache.get_or_encode("a", enc) == (1,)
+    assert (cache.hits, cache.misses, calls) == (1, 1, ["a"])
+    cache.get_or_encode("bb", enc)
+    cache.get_or_encode("a", enc)  # refreshes "a": "bb" is now the oldest
+    cache.get_or_encode("ccc", enc)
+    assert len(cache) == 2
+    cache.get_or_encode("a", enc)
+    cache.get_or_encode("bb", enc)
+    assert calls == ["a", "bb", "ccc", "bb"]
+    assert _lookups(cache, "hit") == cache.hits == 3
+    assert _lookups(cache, "miss") == cache.misses == 4
+
+
+def test_cache_key_depends_on_tokenizer_and_variant() -> None:
+    a, b = PromptCache(2, "tok-a", CollectorRegistry()), PromptCache(2, "tok-b", CollectorRegistry())
+    assert a.key("x") != b.key("x")
+    assert a.key("x", "plain") != a.key("x", "special")
+
+
+def test_tokenizer_errors_are_never_cached() -> None:
+    cache = PromptCache(8, "fp", CollectorRegistry())
+    attempts = 0
+
+    def flaky(text: str) -> list[int]:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            raise RuntimeError("tokenizer blew up")
+        return [7]
+
+    with pytest.raises(RuntimeError):
+        cache.get_or_encode("p", flaky)
+    assert len(cache) == 0
+    assert cache.get_or_encode("p", flaky) == (7,)
+    assert cache.get_or_encode("p", flaky) == (7,)
+    assert attempts == 2
+
+
+def test_chat_template_renders_from_tokenizer_config(encoder: PromptEncoder) -> None:
+    text = encoder.render_chat([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}])
+    assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(InvalidArgument) as info:
+        encoder.render_chat([{"role": "wizard", "content": "x"}])
+    assert info.value.reason == "INVALID_CHAT"
+
+
+def _req(**kw: object) -> rpb.GenerateRequest:
+    sampling = kw.pop("sampling", {"max_tokens": 4})
+    return rpb.GenerateRequest(sampling=sampling, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("request_kw", "reason"),
+    [
+        ({"text": ""}, "EMPTY_PROMPT"),
+        ({}, "EMPTY_PROMPT"),
+        ({"text": "hi", "sampling": {"max_tokens": 0}}, "INVALID_MAX_TOKENS"),
+        ({"text": "hi", "sampling": {"max_tokens": 64}}, "MAX_TOKENS_TOO_LARGE"),
+        ({"token_ids": {"ids": [1] * 64}}, "PROMPT_TOO_LONG"),
+        ({"token_ids": {"ids": [10**6]}}, "INVALID_TOKEN_ID"),
+        ({"text": "hi", "model": "gpt-9"}, "UNKNOWN_MODEL"),
+        ({"text": "hi", "sampling": {"max_tokens": 2, "top_p": 1.5}}, "INVALID_SAMPLING"),
+        ({"chat": {"messages": []}}, "EMPTY_PROMPT"),
+    ],
+)
+def test_validation_reasons(
+    encoder: PromptEncoder, model_dir: Path, request_kw: dict[str, object], reason: str
+) -> None:
+    info = load_model_info(model_dir)
+    with pytest.raises(InvalidArgument) as err:
+        prepare(_req(**request_kw), encoder, info)
+    assert err.value.reason == reason
+
+
+def test_prepare_uses_the_cache_and_fills_request_id(encoder: PromptEncoder, model_dir: Path) -> None:
+    info: ModelInfo = load_model_info(model_dir)
+    a = prepare(_req(text="Hello there"), encoder, info)
+    b = prepare(_req(text="Hello there", model=info.name), encoder, info)
+    assert a.token_ids == b.token_ids and a.request_id != b.request_id
+    assert encoder.cache.hits == 1
+    chat = prepare(_req(chat={"messages": [{"role": "user", "content": "Hi"}]}), encoder, info)
+    assert encoder.tokenizer.decode(chat.token_ids, skip_special_tokens=False).endswith("assistant\n")
