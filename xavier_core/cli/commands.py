@@ -49,7 +49,7 @@ def run_generate(args: argparse.Namespace) -> int:
                     if chunk.raw is not None and chunk.raw.HasField("usage") and args.verbose:
                         u, t = chunk.raw.usage, chunk.raw.timings
                         print(
-                            f"\n[{mode_name(chunk.raw.mode)}] {u.prompt_tokens}+{u.completion_tokens} tokens, "
+                            f"\n[{mode_name(chunk.raw.mode)}] {u.prompt_tokens}+{u.completion_tokens} tok, "
                             f"ttft {t.time_to_first_token.ToTimedelta().total_seconds() * 1e3:.1f} ms",
                             file=sys.stderr,
                         )
