@@ -1,9 +1,6 @@
 """The reference engine: Qwen2/Qwen3/Llama in plain PyTorch behind the engine-neutral `Engine` interface.
 
-The model runs on one background thread (the engine loop). The asyncio side only queues requests and
-commands under `_lock` and wakes the loop; the loop hands results back with `call_soon_threadsafe`, one
-call per event loop per step. Aborts are applied by the loop between steps, so a request's pages are never
-freed while a forward pass may still write them.
+The model runs on one background thread (`EngineLoop`); these methods validate, queue and await.
 """
 
 from __future__ import annotations
@@ -11,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import threading
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 
@@ -19,7 +15,6 @@ import torch
 
 from xavier_core.engine.api import (
     EngineStats,
-    FinishReason,
     InvalidRequestError,
     KvBuffer,
     PrefillResult,
@@ -28,14 +23,14 @@ from xavier_core.engine.api import (
     TokenEvent,
 )
 from xavier_core.engine.checkpoint import ModelConfig, load_config, load_weights, resolve_dtype
+from xavier_core.engine.engine_loop import EngineLoop
 from xavier_core.engine.errors import CheckpointError, EngineClosedError, RequestAbortedError
 from xavier_core.engine.kv_pool import KvPool
 from xavier_core.engine.model import CausalLM
 from xavier_core.engine.page_allocator import PageAllocator
 from xavier_core.engine.prefix_cache import PrefixCache
 from xavier_core.engine.request import Delivery, Request, Role, check_prompt, pages_for, validate_sampling
-from xavier_core.engine.runner import build_batch, sample
-from xavier_core.engine.scheduler import Scheduler, StepPlan
+from xavier_core.engine.scheduler import Scheduler
 from xavier_core.engine.stream import TokenStream
 from xavier_core.engine.tokenizer import TextTokenizer
 from xavier_core.prefix_keys import chain_seed
@@ -87,14 +82,8 @@ class ReferenceEngine:
         self._allocator = PageAllocator(pool.num_pages)
         self._cache = PrefixCache(self._allocator, pool.page_size)
         self._sched = Scheduler(self._cache, max_running, chunk_tokens)
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._aborts: list[str] = []
-        self._loops: dict[Request, asyncio.AbstractEventLoop] = {}
-        self._closed = False
-        self._steps = 0
-        self._thread = threading.Thread(target=self._run, name="xavier-engine", daemon=True)
-        self._thread.start()
+        self._loop = EngineLoop(model, pool, self._sched, self._cache)
+        self._lock = self._loop.lock
 
     @classmethod
     def load(
@@ -219,7 +208,7 @@ class ReferenceEngine:
         try:
             return await future
         except asyncio.CancelledError:
-            self._queue_abort(request_id)
+            self._loop.queue_abort(request_id)
             raise
 
     def reserve_pages(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
@@ -253,7 +242,7 @@ class ReferenceEngine:
 
     async def abort(self, request_id: str) -> None:
         """Stops a request (its stream ends with ABORT) or drops its pinned pages; returns at once."""
-        self._queue_abort(request_id)
+        self._loop.queue_abort(request_id)
 
     def stats(self) -> EngineStats:
         """Pool and queue occupancy and prefix-cache counters."""
@@ -272,21 +261,13 @@ class ReferenceEngine:
                     "pages_evictable": self._cache.num_evictable,
                     "evictions": self._cache.evictions,
                     "preemptions": s.preemptions,
-                    "steps": self._steps,
+                    "steps": self._loop.steps,
                 },
             )
 
     async def close(self) -> None:
-        """Stops the loop; live requests end with `EngineClosedError`."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._wake.notify()
-        await asyncio.to_thread(self._thread.join)
-        with self._lock:
-            reqs = self._sched.fail_all()
-        self._deliver([(r, EngineClosedError("engine closed")) for r in reqs])
+        """Stops the engine loop; live requests end with `EngineClosedError`."""
+        await self._loop.stop()
 
     # Internals.
     def _new_request(
@@ -334,7 +315,7 @@ class ReferenceEngine:
                     yield item
         finally:
             if not done and submitted:
-                self._queue_abort(req.id)
+                self._loop.queue_abort(req.id)
             elif not done and req.pages:  # claimed a reservation but never reached the loop
                 with self._lock:
                     self._cache.release(req.pages)
@@ -357,7 +338,7 @@ class ReferenceEngine:
             return self._sched.accept_first_token(req, token, logprob)
 
     def _check_open_and_unique(self, request_id: str) -> None:
-        if self._closed:
+        if self._loop.closed:
             raise EngineClosedError("engine closed")
         if self._sched.find(request_id) is not None or self._allocator.is_pinned(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -366,74 +347,7 @@ class ReferenceEngine:
         with self._lock:
             if req.role is not Role.DECODE:
                 self._check_open_and_unique(req.id)
-            elif self._closed:
+            elif self._loop.closed:
                 self._cache.release(req.pages)
                 raise EngineClosedError("engine closed")
-            self._loops[req] = loop
-            self._sched.add(req)
-            self._wake.notify()
-
-    def _queue_abort(self, request_id: str) -> None:
-        with self._lock:
-            self._aborts.append(request_id)
-            self._wake.notify()
-
-    def _deliver(self, items: list[tuple[Request, Delivery]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Request, Delivery]]] = {}
-        for req, item in items:
-            loop = self._loops.get(req)
-            if req.finish is not None or isinstance(item, BaseException):
-                self._loops.pop(req, None)
-            if loop is not None:
-                by_loop.setdefault(loop, []).append((req, item))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_dispatch, batch)
-            except RuntimeError:  # that event loop is closed: nobody is listening any more
-                log.debug("dropping %d deliveries for a closed event loop", len(batch))
-
-    def _run(self) -> None:
-        torch.set_grad_enabled(False)
-        while True:
-            with self._lock:
-                while not self._closed and not self._aborts and not self._sched.has_work():
-                    self._wake.wait()
-                if self._closed:
-                    return
-                aborted = self._apply_aborts()
-                plan, failed = self._sched.schedule()
-            self._deliver(aborted + failed)
-            if plan.items:
-                self._step(plan)
-
-    def _apply_aborts(self) -> list[tuple[Request, Delivery]]:
-        out: list[tuple[Request, Delivery]] = []
-        for rid in self._aborts:
-            req = self._sched.abort(rid)
-            if req is not None:
-                out.append((req, TokenEvent(token_id=-1, logprob=0.0, finish=FinishReason.ABORT)))
-            else:
-                self._cache.release(self._allocator.unpin(rid))
-        self._aborts.clear()
-        return out
-
-    def _step(self, plan: StepPlan) -> None:
-        try:
-            batch = build_batch(plan, self.page_size, self.kv_pool.device)
-            logits = self.model.forward(batch, self.kv_pool)
-            sampled = sample(logits, plan.sampling)
-        except Exception as exc:
-            log.exception("engine step failed; failing every live request")
-            with self._lock:
-                reqs = self._sched.fail_all()
-            self._deliver([(r, exc) for r in reqs])
-            return
-        with self._lock:
-            out = self._sched.complete(plan, sampled)
-            self._steps += 1
-        self._deliver(out)
-
-
-def _dispatch(batch: list[tuple[Request, Delivery]]) -> None:
-    for req, item in batch:
-        req.deliver(item)
+            self._loop.submit(req, loop)
