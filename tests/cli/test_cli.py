@@ -1,0 +1,94 @@
+"""`xavier up` end to end: endpoints, generate and status commands, and a clean stop on SIGTERM and SIGINT."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cli.mesh import Mesh, shared_cache, start_up
+
+pytestmark = pytest.mark.integration
+XAVIER = str(Path(sys.executable).parent / "xavier")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie of an already-reaped tree is gone for our purposes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_generate_and_status_commands(mesh: Mesh) -> None:
+    out = subprocess.run(
+        [XAVIER, "generate", "Hello there", "--address", mesh.grpc, "--max-tokens", "5", "-v"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "finish=" in out.stderr and "+5 ttft" in out.stderr.replace("tokens=", "")
+    out = subprocess.run(
+        [XAVIER, "generate", "Hi", "--stream", "--mode", "colocated", "--address", mesh.grpc, "--chat"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run(
+        [XAVIER, "status", "--address", mesh.grpc], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    for word in ("prefill-0", "decode-0", "unified-0", "rooms:", "default mode pd"):
+        assert word in out.stdout
+    bad = subprocess.run(
+        [XAVIER, "generate", "", "--address", mesh.grpc],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 1 and "EMPTY_PROMPT" in bad.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_up_stops_every_child_and_exits_zero(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, sig: int
+) -> None:
+    up = start_up(tmp_path, shared_cache(tmp_path_factory), "--mode", "colocated")
+    pids = up.child_pids()
+    assert set(pids) == {"directory", "unified-0", "router"}
+    assert all(_alive(p) for p in pids.values())
+    assert "Xavier is up" in up.log.read_text()
+    started = time.monotonic()
+    assert up.stop(sig) == 0
+    assert time.monotonic() - started < 30
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [n for n, p in pids.items() if _alive(p)]
+    assert not list(up.workdir.glob("*.ready"))
+
+
+def test_make_tiny_command(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [XAVIER, "models", "make-tiny", str(tmp_path / "m"), "--arch", "llama", "--layers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "m" / "config.json").is_file() and (tmp_path / "m" / "tokenizer.json").is_file()
