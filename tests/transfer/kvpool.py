@@ -6,14 +6,18 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from xavier_core.engine.api import KvBuffer
+from xavier_core.transfer import KvManager, KvPoll, KvReceiver, SourceInfo
+
+_T = TypeVar("_T")
 
 LAYERS, HEADS, HEAD_DIM, PAGE_SIZE, PAGES = 4, 2, 64, 16, 64
 
@@ -118,3 +122,25 @@ def source_process(name: str, seed: int) -> Iterator[Source]:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
+
+
+def poll_until(fn: Callable[[], _T], want: Container[_T], timeout: float = 10.0) -> _T:
+    deadline = time.monotonic() + timeout
+    while (got := fn()) not in want:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still {got} after {timeout}s (wanted {want})")
+        time.sleep(0.001)
+    return got
+
+
+def publish(source: Source, room: str, pages: list[int], aux: bytes = b"tok") -> SourceInfo:
+    return SourceInfo.from_fields(source.call("publish", room, pages, aux))
+
+
+def receive(manager: KvManager, room: str, dest: list[int]) -> KvReceiver:
+    rx = KvReceiver(manager, room)
+    rx.init()
+    assert rx.poll() == KvPoll.BOOTSTRAPPING
+    rx.send_metadata(dest)
+    assert rx.poll() == KvPoll.WAITING_FOR_INPUT
+    return rx

@@ -9,8 +9,16 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from tests.transfer.kvpool import PAGE_SIZE, kv_buffers, make_pool, page_bytes, source_process
-from tests.transfer.test_nixl_transfer import poll_until, publish, receive
+from tests.transfer.kvpool import (
+    PAGE_SIZE,
+    kv_buffers,
+    make_pool,
+    page_bytes,
+    poll_until,
+    publish,
+    receive,
+    source_process,
+)
 from xavier_core.transfer import KvManager, KvPoll, NixlAgent, StaleEpochError, peer_key
 
 pytestmark = pytest.mark.integration

@@ -10,13 +10,21 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tests.transfer.kvpool import PAGE_SIZE, Source, kv_buffers, make_pool, page_bytes, source_process
+from tests.transfer.kvpool import (
+    PAGE_SIZE,
+    Source,
+    kv_buffers,
+    make_pool,
+    page_bytes,
+    poll_until,
+    publish,
+    receive,
+    source_process,
+)
 from xavier_core.transfer import (
     KvManager,
     KvPoll,
-    KvReceiver,
     NixlAgent,
-    SourceInfo,
     TransferInFlightError,
     peer_key,
 )
@@ -44,28 +52,6 @@ def manager(pool: list[np.ndarray]) -> Iterator[KvManager]:
     agent = NixlAgent(f"dst-{os.getpid()}", bufs, progress_thread=False)
     yield KvManager(agent, bufs, PAGE_SIZE)
     agent.close()
-
-
-def poll_until(fn, want, timeout: float = 10.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while (got := fn()) not in want:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still {got} after {timeout}s (wanted {want})")
-        time.sleep(0.001)
-    return got
-
-
-def publish(source: Source, room: str, pages: list[int], aux: bytes = b"tok") -> SourceInfo:
-    return SourceInfo.from_fields(source.call("publish", room, pages, aux))
-
-
-def receive(manager: KvManager, room: str, dest: list[int]) -> KvReceiver:
-    rx = KvReceiver(manager, room)
-    rx.init()
-    assert rx.poll() == KvPoll.BOOTSTRAPPING
-    rx.send_metadata(dest)
-    assert rx.poll() == KvPoll.WAITING_FOR_INPUT
-    return rx
 
 
 SRC_PAGES = [5, 6, 7, 20, 21, 3, *range(40, 48), 63, 0]
