@@ -45,7 +45,7 @@ async def pd_once(mesh: Mesh, toks: list[int], n: int = 6) -> list[int]:
 
 
 async def test_prefill_killed_mid_request(mesh: Mesh) -> None:
-    """The decode waiting for a dead prefill fails with a clear status within the lease and frees its pages."""
+    """A decode waiting on a dead prefill fails with a clear status within the lease, freeing its pages."""
     toks = prompt(300, 1)
     async with (
         grpc.aio.insecure_channel(mesh.directory) as d,

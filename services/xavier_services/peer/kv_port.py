@@ -108,7 +108,7 @@ class KvPort:
                 if pub is not None and not pub.ended.is_set():
                     pub.outcome = outcome
                     pub.ended.set()
-            await asyncio.sleep(self._poll_interval if self._live_reads else self._poll_interval * 4)
+            await asyncio.sleep(self._poll_interval)
 
     def _progress(self) -> list[tuple[int, str]]:
         self.manager.progress()
