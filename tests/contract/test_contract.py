@@ -54,14 +54,15 @@ def test_layout_from_model_dir(model_dir: Path, tmp_path: Path) -> None:
 def test_fingerprint_stable_across_processes(model_dir: Path, tmp_path: Path) -> None:
     lay = layout_from_model_dir(model_dir, cache=FileHashCache(tmp_path / "a"), **SETTINGS)  # type: ignore[arg-type]
     code = (
-        "import sys; from pathlib import Path; from xavier_core.contract import FileHashCache, layout_from_model_dir;"
+        "import sys; from pathlib import Path;"
+        "from xavier_core.contract import FileHashCache, layout_from_model_dir;"
         "print(layout_from_model_dir(Path(sys.argv[1]), cache=FileHashCache(Path(sys.argv[2])),"
         " engine='reference', engine_version='0.1', dtype='float16', page_size=16).fingerprint)"
     )
-    for cache in ("a", "b"):  # a warm cache and a cold one give the same answer
+    for cache, hash_seed in (("a", "1"), ("b", "2")):  # a warm and a cold cache give the same answer
         out = subprocess.run(
             [sys.executable, "-c", code, str(model_dir), str(tmp_path / cache)],
-            capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": (cache == "a" and "1") or "2"},
+            capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": hash_seed},
         )  # fmt: skip
         assert out.stdout.strip() == lay.fingerprint
 
