@@ -8,7 +8,7 @@ import sys
 
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
-from xavier_client import Client, XavierError, mode_name
+from xavier_client import Client, Prompt, XavierError, mode_name
 
 from xavier_core.cli.up import DEFAULT_GRPC
 
@@ -32,7 +32,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    prompt: object = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    prompt: Prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     kw = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -43,7 +43,7 @@ def run_generate(args: argparse.Namespace) -> int:
         with Client(args.address, token=args.token, timeout=args.timeout) as client:
             if args.stream:
                 finish = None
-                for chunk in client.generate_stream(prompt, **kw):  # type: ignore[arg-type]
+                for chunk in client.generate_stream(prompt, **kw):
                     print(chunk.text, end="", flush=True)
                     finish = chunk.finish_reason or finish
                     if chunk.raw is not None and chunk.raw.HasField("usage") and args.verbose:
@@ -55,7 +55,7 @@ def run_generate(args: argparse.Namespace) -> int:
                         )
                 print()
             else:
-                res = client.generate(prompt, **kw)  # type: ignore[arg-type]
+                res = client.generate(prompt, **kw)
                 print(res.text)
                 if args.verbose:
                     print(

@@ -130,7 +130,7 @@ class Router:
 
     async def default_mode(self) -> int:
         if self.config.default_mode != "auto":
-            return _BY_NAME[self.config.default_mode]
+            return int(_BY_NAME[self.config.default_mode])
         modes = await self.available_modes()
         if not modes:
             raise Unavailable("no peers are registered yet", reason="NO_PEERS")
@@ -202,7 +202,7 @@ class Router:
                         token_ids=step.token_ids,
                         text=step.text,
                         logprobs=step.logprobs,
-                        mode=mode,  # type: ignore[arg-type]
+                        mode=mode,
                     )
             total = time.monotonic() - prep.arrival
             timings = types_pb2.Timings(
@@ -216,12 +216,12 @@ class Router:
                 token_ids=last.token_ids if last else [],
                 text=last.text if last else "",
                 logprobs=last.logprobs if last else [],
-                finish_reason=finish,  # type: ignore[arg-type]
+                finish_reason=finish,
                 usage=types_pb2.Usage(
                     prompt_tokens=len(prep.token_ids), completion_tokens=completion, cached_tokens=cached or 0
                 ),
                 timings=timings,
-                mode=mode,  # type: ignore[arg-type]
+                mode=mode,
             )
             self._metrics.requests.labels(mode_name, types_pb2.FinishReason.Name(finish)).inc()
         finally:

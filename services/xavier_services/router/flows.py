@@ -61,7 +61,7 @@ def prompt_fingerprint(token_ids: tuple[int, ...]) -> bytes:
 
 
 def _seconds(d: Any) -> float:
-    return float(d.seconds) + d.nanos / 1e9
+    return float(d.seconds) + float(d.nanos) / 1e9
 
 
 def _typed(exc: grpc.aio.AioRpcError, pool: PeerPool) -> XavierError:

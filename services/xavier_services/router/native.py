@@ -104,13 +104,17 @@ async def native_flow(
     body = native_body(prep, cfg, new_bootstrap_room())
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     client_timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 10.0))
-    post = {"json": body, "headers": headers, "timeout": client_timeout}
-    prefill = asyncio.ensure_future(_drain_prefill(session.post(f"{cfg.prefill_url}/generate", **post)))
+    prefill = asyncio.ensure_future(
+        _drain_prefill(
+            session.post(f"{cfg.prefill_url}/generate", json=body, headers=headers, timeout=client_timeout)
+        )
+    )
     ids_sent = 0
     text_sent = 0
     lps_sent = 0
     try:
-        async with session.post(f"{cfg.decode_url}/generate", **post) as resp:
+        decode_url = f"{cfg.decode_url}/generate"
+        async with session.post(decode_url, json=body, headers=headers, timeout=client_timeout) as resp:
             await _raise_for(resp, "decode")
             async for raw in resp.content:
                 line = raw.decode("utf-8", "replace").strip()

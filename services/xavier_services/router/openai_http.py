@@ -148,7 +148,7 @@ class OpenAiFront:
     async def _stream(self, request: web.Request, oa: OpenAiRequest, prep: Any) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         first = True
-        gen = self.router.generate(prep)
+        gen = self.router.generate(prep)  # an async generator: closed below
         try:
             async for msg in gen:
                 if first:
@@ -175,7 +175,7 @@ class OpenAiFront:
                 return error_response(err)
             await resp.write(sse({"error": {"message": err.message, "code": err.reason}}))
         finally:
-            await gen.aclose()
+            await gen.aclose()  # type: ignore[attr-defined]
         await resp.write(sse("[DONE]"))
         await resp.write_eof()
         return resp

@@ -110,7 +110,7 @@ class PeerPool:
         return [p for p in await self.peers() if p.role == role]
 
     def score(self, peer: dpb.Peer) -> float:
-        return peer.load.outstanding_requests + self.inflight[peer.peer_id] + random.random() * 0.1
+        return float(peer.load.outstanding_requests + self.inflight[peer.peer_id]) + random.random() * 0.1
 
     async def pick_unified(self) -> dpb.Peer:
         """The least-loaded unified replica."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 from xavier.v1 import decode_service_pb2 as decpb
@@ -20,10 +20,10 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime import InvalidArgument, XavierError, abort_with, from_rpc_error
 from xavier_services.router.core import Router
 
-Context = grpc.aio.ServicerContext[Any, Any]
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
-class RouterServicer(rpb_grpc.RouterServiceServicer):
+class RouterServicer(rpb_grpc.RouterServiceServicer):  # type: ignore[misc]
     """Generate, Abort, ListModels and GetClusterStatus."""
 
     def __init__(self, router: Router) -> None:
@@ -63,7 +63,7 @@ async def model_entry(router: Router) -> rpb.Model:
         id=router.model.name,
         layout=layout,
         max_context=router.model.max_context,
-        modes=await router.available_modes(),  # type: ignore[arg-type]
+        modes=await router.available_modes(),
     )
 
 
@@ -111,13 +111,13 @@ async def cluster_status(router: Router) -> rpb.GetClusterStatusResponse:
         except grpc.aio.AioRpcError:
             pass
     try:
-        resp.default_mode = await router.default_mode()  # type: ignore[assignment]
+        resp.default_mode = await router.default_mode()
     except XavierError:
         resp.default_mode = rpb.ROUTING_MODE_UNSPECIFIED
     return resp
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):
+class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Requires `authorization: Bearer <token>` on RouterService calls (health and reflection stay open)."""
 
     def __init__(self, token: str) -> None:
