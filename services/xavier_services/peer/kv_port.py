@@ -73,6 +73,7 @@ class KvPort:
         self._published: dict[int, _Published] = {}
         self._live_reads = 0
         self._pump_task: asyncio.Task[None] | None = None
+        self._endpoint: types_pb2.TransferEndpoint | None = None
         self.totals = TransferTotals()
 
     # -- plumbing -----------------------------------------------------------------------------------------
@@ -81,6 +82,12 @@ class KvPort:
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
 
     def endpoint(self, host_id: str) -> types_pb2.TransferEndpoint:
+        """This process's endpoint: built once (metadata is fixed after registration), then reused."""
+        if self._endpoint is None or self._endpoint.host_id != host_id:
+            self._endpoint = self._make_endpoint(host_id)
+        return self._endpoint
+
+    def _make_endpoint(self, host_id: str) -> types_pb2.TransferEndpoint:
         regions = [
             types_pb2.MemoryRegion(
                 base_address=b.addr, length=b.nbytes, device=b.device, bytes_per_page=b.bytes_per_page

@@ -18,6 +18,7 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import prefill_service_pb2 as pb
 from xavier.v1 import prefill_service_pb2_grpc, types_pb2
 
+from xavier_core.engine.api import PrefillResult
 from xavier_core.runtime.errors import Aborted, FailedPrecondition, XavierError
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.convert import (
@@ -68,7 +69,6 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         hold = _Hold(request.room_id, f"prefill-{request.room_id}")
         self._holds[request.room_id] = hold
         started = time.perf_counter()
-        published = False
         try:
             res = await host.engine.prefill(
                 hold.request_id, token_ids, sampling, cache_salt=request.cache_salt
@@ -76,28 +76,16 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             hold.pages = len(res.page_ids)
             if hold.aborted.is_set():
                 raise Aborted(f"room {request.room_id} aborted during prefill")
-            prefill_s = time.perf_counter() - started
-            source = await host.kv.publish(request.room_id, res.page_ids, b"", host.fingerprint, host.host_id)
-            source.num_tokens = len(token_ids)
-            source.first_token = res.first_token
-            source.first_logprob = res.first_logprob
-            source.first_finish_reason = finish_to_pb(res.finish)
-            published = True
-            await host.directory_call(
-                "PublishSource",
-                dpb.PublishSourceRequest(
-                    request_id=request.request_id or hold.request_id,
-                    room_id=request.room_id,
-                    peer_id=host.peer_id,
-                    epoch=host.epoch,
-                    source=source,
-                ),
-            )
         except BaseException:
-            # Cancelled by the router, aborted, or the publish failed: nothing may stay pinned.
-            await asyncio.shield(self._fail(hold, published))
+            # Cancelled by the router, aborted or failed: nothing may stay pinned.
+            await asyncio.shield(self._fail(hold, published=False))
             raise
-        hold.task = asyncio.get_running_loop().create_task(self._hold_until_read(hold))
+        prefill_s = time.perf_counter() - started
+        # The first token goes back at once (TTFT = prefill time); publication runs beside it and the
+        # decode learns of it through WatchRoom. A failed publication aborts the room.
+        hold.task = asyncio.get_running_loop().create_task(
+            self._publish_and_hold(hold, res, len(token_ids), request.request_id or hold.request_id)
+        )
         digest = b""
         if request.return_kv_digest:
             data = await asyncio.to_thread(host.engine.read_pages, res.page_ids)
@@ -111,6 +99,34 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             timings=types_pb2.Timings(prefill=seconds(prefill_s), time_to_first_token=seconds(prefill_s)),
             num_pages=len(res.page_ids),
         )
+
+    async def _publish_and_hold(
+        self, hold: _Hold, res: PrefillResult, num_tokens: int, request_id: str
+    ) -> None:
+        host = self.host
+        published = False
+        try:
+            source = await host.kv.publish(hold.room_id, res.page_ids, b"", host.fingerprint, host.host_id)
+            source.num_tokens = num_tokens
+            source.first_token = res.first_token
+            source.first_logprob = res.first_logprob
+            source.first_finish_reason = finish_to_pb(res.finish)
+            published = True
+            await host.directory_call(
+                "PublishSource",
+                dpb.PublishSourceRequest(
+                    request_id=request_id,
+                    room_id=hold.room_id,
+                    peer_id=host.peer_id,
+                    epoch=host.epoch,
+                    source=source,
+                ),
+            )
+        except BaseException as err:
+            log.info("publication failed", room_id=hold.room_id, error=str(err))
+            await asyncio.shield(self._fail(hold, published))
+            return
+        await self._hold_until_read(hold)
 
     async def _fail(self, hold: _Hold, published: bool) -> None:
         host = self.host
