@@ -52,7 +52,9 @@ def prompts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(16, 64))) for _ in range(n)]
 
 
-def start_mesh(workdir: Path, model: Path | None) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+def start_mesh(
+    workdir: Path, model: Path | None, device: str = "cpu"
+) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     ready = workdir / "up.json"
     cmd = [
         str(Path(sys.executable).parent / "xavier"),
@@ -67,6 +69,8 @@ def start_mesh(workdir: Path, model: Path | None) -> tuple[subprocess.Popen[byte
         str(workdir / "svc"),
         "--ready-file",
         str(ready),
+        "--device",
+        device,
     ]
     if model is not None:
         cmd += ["--model", str(model)]
@@ -207,7 +211,7 @@ async def run(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
     ov = [await overhead(info["grpc"], info["directory"], c, 200 if c == 1 else 320) for c in (1, 16)]
     return {
         "model": Path(info["model"]).name,
-        "device": "cpu",
+        "device": args.device,
         "cores": os.cpu_count(),
         "max_tokens": args.max_tokens,
         "levels": levels,
@@ -222,9 +226,10 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32])
     p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda to spread engines over the GPUs")
     args = p.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="xavier-bench-"))
-    proc, info = start_mesh(workdir, args.model)
+    proc, info = start_mesh(workdir, args.model, args.device)
     try:
         result = asyncio.run(run(args, info))
     finally:

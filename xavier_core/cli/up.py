@@ -50,7 +50,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unified", type=int, default=None, help="unified replicas (colocated default 1)")
     p.add_argument("--grpc", default=DEFAULT_GRPC, metavar="HOST:PORT", help="router gRPC address")
     p.add_argument("--http", default=DEFAULT_HTTP, metavar="HOST:PORT", help="OpenAI HTTP address")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument(
+        "--device", default="cpu", help="cpu, cuda[:N], or cuda to spread engines over every visible GPU"
+    )
     p.add_argument("--workdir", type=Path, default=None, help="ready files and logs (default: a temp dir)")
     p.add_argument("--ready-file", type=Path, default=None, help="write the endpoints here once up (JSON)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every service")
@@ -101,23 +103,17 @@ def run_up(args: argparse.Namespace) -> int:
         say("starting directory")
         if not sup.wait_ready([directory], 60, lambda: stop.requested, _progress(say), _ready(say)):
             return 0
-        common = [
-            "--model",
-            str(model),
-            "--directory",
-            directory.address,
-            "--device",
-            args.device,
-            "--listen",
-            "127.0.0.1:0",
-        ]
+        common = ["--model", str(model), "--directory", directory.address, "--listen", "127.0.0.1:0"]
+        devices = _devices(args.device)
         peers: list[Child] = []
         for role, n in (("prefill", prefill), ("decode", decode), ("unified", unified)):
             for i in range(n):
                 binary = "xavier-prefill" if role == "prefill" else "xavier-decode"
                 extra = ["--role", role] if role != "prefill" else []
                 name = f"{role}-{i}"
-                peers.append(sup.start(name, binary, [*common, "--peer-id", name, *extra], stage=1))
+                device = devices[len(peers) % len(devices)]
+                args_ = [*common, "--device", device, "--peer-id", name, *extra]
+                peers.append(sup.start(name, binary, args_, stage=1))
         say(f"loading {model.name} in {len(peers)} engine process(es): {', '.join(c.name for c in peers)}")
         if not sup.wait_ready(peers, args.timeout, lambda: stop.requested, _progress(say), _ready(say)):
             return 0
@@ -193,3 +189,14 @@ def _ready(say: Callable[[str], None]) -> Callable[[Child], None]:
         say(f"  {child.name} ready at {child.address} ({time.monotonic() - child.started:.1f}s)")
 
     return note
+
+
+def _devices(device: str) -> list[str]:
+    """`cuda` spreads engine processes round-robin over the visible GPUs (prefill-0 on one, decode-0 on the
+    next, so a two-GPU host runs P/D GPU to GPU); anything else pins every engine to that device."""
+    if device != "cuda":
+        return [device]
+    import torch
+
+    count = torch.cuda.device_count()
+    return [f"cuda:{i}" for i in range(count)] or ["cuda:0"]
