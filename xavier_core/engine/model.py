@@ -12,9 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from xavier_core.engine.checkpoint import ModelConfig, RopeConfig
 from xavier_core.engine.kv_pool import KvPool
+
+# cuDNN attention builds an execution plan per new shape (tens of ms), and decode shapes change every step.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -127,6 +131,10 @@ class CausalLM:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KvPool) -> torch.Tensor:
         """Writes the batch's K/V into the pool and returns float32 logits `[S, vocab]` of `sample_idx`."""
+        with sdpa_kernel(_SDPA_BACKENDS):
+            return self._forward(batch, pool)
+
+    def _forward(self, batch: ForwardBatch, pool: KvPool) -> torch.Tensor:
         cfg = self.cfg
         h = F.embedding(batch.input_ids, self.embed)
         cos = self.cos[batch.positions].to(self.dtype).unsqueeze(1)

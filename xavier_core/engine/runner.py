@@ -47,7 +47,8 @@ def build_batch(plan: StepPlan, page_size: int, device: torch.device) -> Forward
     )
     if decode_rows:
         lens = torch.tensor([len(r) for r in decode_rows])
-        width = int(lens.max())
+        # Padding the width to a multiple of 64 keeps the set of attention shapes small.
+        width = -(-int(lens.max()) // 64) * 64
         table = torch.zeros(len(decode_rows), width, dtype=torch.long)
         for row, slots in enumerate(decode_rows):
             table[row, : len(slots)] = slots
