@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,16 @@ FAST_ENV = {
 }
 
 
+def peer_device(role: str) -> str:
+    """XAVIER_TEST_DEVICE=cuda runs the P/D suite GPU to GPU: prefill on cuda:0, decode on the last GPU."""
+    if os.environ.get("XAVIER_TEST_DEVICE", "cpu") != "cuda":
+        return "cpu"
+    import torch
+
+    last = max(torch.cuda.device_count() - 1, 0)
+    return "cuda:0" if role in ("prefill", "unified") else f"cuda:{last}"
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("models") / "tiny-qwen2", "qwen2")
@@ -57,6 +68,7 @@ class Mesh:
     def start_peer(self, name: str, role: str, *extra: str) -> ServiceProc:
         binary = "xavier-prefill" if role == "prefill" else "xavier-decode"
         args = ["--model", str(self.model), "--directory", self.directory, "--peer-id", name]
+        args += ["--device", peer_device(role)]
         args += ["--listen", "127.0.0.1:0", *extra]
         if role != "prefill":
             args += ["--role", role]
