@@ -34,6 +34,8 @@ _TERMINAL = (dpb.ROOM_STATE_RELEASED, dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXP
 
 
 def _delta(ev: TokenEvent) -> pb.TokenDelta:
+    if ev.token_id < 0:  # an ABORT event carries no token
+        return pb.TokenDelta()
     return pb.TokenDelta(token_ids=[ev.token_id], logprobs=[ev.logprob], text=ev.text)
 
 
