@@ -121,13 +121,15 @@ class Engine(Protocol):
 
     def kv_buffers(self) -> list[KvBuffer]: ...
 
-    async def generate(
-        self, request_id: str, token_ids: Sequence[int], sampling: Sampling
+    def generate(
+        self, request_id: str, token_ids: Sequence[int], sampling: Sampling, *, cache_salt: str = ""
     ) -> AsyncIterator[TokenEvent]:
         """Runs a whole request (unified/colocated role) and streams its tokens."""
         ...
 
-    async def prefill(self, request_id: str, token_ids: Sequence[int], sampling: Sampling) -> PrefillResult:
+    async def prefill(
+        self, request_id: str, token_ids: Sequence[int], sampling: Sampling, *, cache_salt: str = ""
+    ) -> PrefillResult:
         """Computes the prompt's KV and samples the first token; the pages stay pinned."""
         ...
 
@@ -139,7 +141,7 @@ class Engine(Protocol):
         """Allocates destination pages for `num_tokens` prompt tokens (decode role) before the KV arrives."""
         ...
 
-    async def decode_from_pages(
+    def decode_from_pages(
         self,
         request_id: str,
         token_ids: Sequence[int],
