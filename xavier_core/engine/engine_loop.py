@@ -14,6 +14,7 @@ import threading
 import torch
 
 from xavier_core.engine.api import FinishReason, TokenEvent
+from xavier_core.engine.decode_graph import DecodeRunner
 from xavier_core.engine.errors import EngineClosedError
 from xavier_core.engine.kv_pool import KvPool
 from xavier_core.engine.model import CausalLM
@@ -31,8 +32,16 @@ ABORT_TOKEN_ID = -1
 class EngineLoop:
     """Owns the scheduler's thread; `lock` guards the scheduler, the cache and the allocator."""
 
-    def __init__(self, model: CausalLM, pool: KvPool, sched: Scheduler, cache: PrefixCache) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: KvPool,
+        sched: Scheduler,
+        cache: PrefixCache,
+        decoder: DecodeRunner | None = None,
+    ) -> None:
         self.model = model
+        self.decoder = decoder  # runs decode-only steps when set (static shapes, CUDA graphs)
         self.pool = pool
         self.sched = sched
         self.cache = cache
@@ -111,8 +120,11 @@ class EngineLoop:
 
     def _step(self, plan: StepPlan) -> None:
         try:
-            batch = build_batch(plan, self.pool.page_size, self.pool.device)
-            logits = self.model.forward(batch, self.pool)
+            if self.decoder is not None and self.decoder.accepts(plan.items):
+                logits = self.decoder.run([req for req, _ in plan.items])
+            else:
+                batch = build_batch(plan, self.pool.page_size, self.pool.device)
+                logits = self.model.forward(batch, self.pool)
             sampled = sample(logits, plan.sampling)
         except Exception as exc:
             log.exception("engine step failed; failing every live request")

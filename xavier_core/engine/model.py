@@ -8,7 +8,9 @@ with a padding mask) and per request for prefill chunks.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,20 @@ class ForwardBatch:
     decode_slots: torch.Tensor | None = None  # [B, Lmax] slots, padded
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] True where a key is visible
     segments: list[PrefillSegment] = field(default_factory=list)
+
+
+@dataclass
+class DecodeInputs:
+    """A decode-only batch with shapes fixed by its buckets: B rows (padded), P pages per row (padded).
+
+    Padding rows repeat a real row, so the K/V they write land in the same slot with the same values.
+    """
+
+    input_ids: torch.Tensor  # [B]
+    positions: torch.Tensor  # [B]
+    out_slots: torch.Tensor  # [B]
+    seq_lens: torch.Tensor  # [B] keys visible to each row, its new token included
+    page_table: torch.Tensor  # [B, P] pool pages of each row; entries past its length are masked
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -135,32 +151,96 @@ class CausalLM:
             return self._forward(batch, pool)
 
     def _forward(self, batch: ForwardBatch, pool: KvPool) -> torch.Tensor:
+        h = self._layers(
+            batch.input_ids,
+            batch.positions,
+            batch.out_slots,
+            pool,
+            lambda q, k, v: self._attention(q, k, v, batch),
+        )
+        last = _rms_norm(h[batch.sample_idx], self.norm, self.cfg.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()
+
+    @torch.inference_mode()
+    def decode_static(self, inputs: DecodeInputs, pool: KvPool) -> torch.Tensor:
+        """Float32 logits `[B, vocab]` of a decode-only batch whose shapes depend only on its buckets.
+
+        Every tensor the step creates has a shape fixed by `inputs`, and nothing reads back to the host,
+        so the step can be captured in a CUDA graph and replayed with new values in the same buffers.
+        """
+        width = inputs.page_table.shape[1] * pool.page_size
+        visible = torch.arange(width, device=self.device) < inputs.seq_lens.unsqueeze(1)  # [B, L]
+        attend = partial(
+            self._paged_decode_attention,
+            page_table=inputs.page_table,
+            visible=visible,
+            page_size=pool.page_size,
+        )
+        h = self._layers(inputs.input_ids, inputs.positions, inputs.out_slots, pool, attend)
+        return F.linear(_rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+
+    def _layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
+        pool: KvPool,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Hidden states after the last layer; `attend(q, k_buf, v_buf)` gives `[T, heads*head_dim]`."""
         cfg = self.cfg
-        h = F.embedding(batch.input_ids, self.embed)
-        cos = self.cos[batch.positions].to(self.dtype).unsqueeze(1)
-        sin = self.sin[batch.positions].to(self.dtype).unsqueeze(1)
+        h = F.embedding(input_ids, self.embed)
+        cos = self.cos[positions].to(self.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(self.dtype).unsqueeze(1)
         nq, nkv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        eps = cfg.rms_norm_eps
         for i, layer in enumerate(self.layers):
             x = _rms_norm(h, layer.in_norm, cfg.rms_norm_eps)
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
-            q = qkv[:, :nq].view(-1, cfg.num_heads, d)
-            k = qkv[:, nq : nq + nkv].view(-1, cfg.num_kv_heads, d)
             v = qkv[:, nq + nkv :].view(-1, cfg.num_kv_heads, d)
             if layer.q_norm is not None and layer.k_norm is not None:
-                q = _rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = _rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q = _rotate(q, cos, sin)
-            k = _rotate(k, cos, sin)
+                q = _rotate(_rms_norm(qkv[:, :nq].view(-1, cfg.num_heads, d), layer.q_norm, eps), cos, sin)
+                k = _rotate(
+                    _rms_norm(qkv[:, nq : nq + nkv].view(-1, cfg.num_kv_heads, d), layer.k_norm, eps),
+                    cos,
+                    sin,
+                )
+            else:  # one rotation over the query and key heads together: half the kernel launches
+                qk = _rotate(qkv[:, : nq + nkv].view(-1, cfg.num_heads + cfg.num_kv_heads, d), cos, sin)
+                q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             k_buf, v_buf = pool.k[i], pool.v[i]
-            k_buf[batch.out_slots] = k
-            v_buf[batch.out_slots] = v
-            attn = self._attention(q, k_buf, v_buf, batch)
-            h = h + F.linear(attn, layer.o_w)
+            k_buf[out_slots] = k
+            v_buf[out_slots] = v
+            h = h + F.linear(attend(q, k_buf, v_buf), layer.o_w)
             x = _rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, layer.down_w)
-        last = _rms_norm(h[batch.sample_idx], self.norm, cfg.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()
+        return h
+
+    def _paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        page_table: torch.Tensor,
+        visible: torch.Tensor,
+        page_size: int,
+    ) -> torch.Tensor:
+        """One query per row against its pages, `[B, heads*head_dim]`, without expanding K/V per query head.
+
+        The queries of a KV head's group share one matmul against that head's keys: `[B, KV, G, D]` times
+        `[B, KV, D, L]`. Keys past a row's length (page padding) are masked; the softmax runs in float32.
+        """
+        b, width = visible.shape
+        kv_heads, d = k_buf.shape[1], k_buf.shape[2]
+        k = k_buf.view(-1, page_size, kv_heads, d)[page_table].view(b, width, kv_heads, d)
+        v = v_buf.view(-1, page_size, kv_heads, d)[page_table].view(b, width, kv_heads, d)
+        qg = (q * self.scale).view(b, kv_heads, -1, d)  # query head h reads KV head h // group
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float()  # [B, KV, G, L]
+        scores = scores.masked_fill(~visible.view(b, 1, 1, width), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.matmul(probs, v.transpose(1, 2))  # [B, KV, G, D]
+        return out.reshape(b, -1)
 
     def _attention(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, batch: ForwardBatch

@@ -23,6 +23,7 @@ from xavier_core.engine.api import (
     TokenEvent,
 )
 from xavier_core.engine.checkpoint import ModelConfig, load_config, load_weights, resolve_dtype
+from xavier_core.engine.decode_graph import DecodeRunner
 from xavier_core.engine.engine_loop import EngineLoop
 from xavier_core.engine.errors import CheckpointError, EngineClosedError, RequestAbortedError
 from xavier_core.engine.kv_pool import KvPool
@@ -65,6 +66,7 @@ class ReferenceEngine:
         max_running: int,
         chunk_tokens: int,
         layout_fingerprint: str,
+        cuda_graphs: bool = True,
     ) -> None:
         if max_running < 1 or chunk_tokens < 1:
             raise InvalidRequestError(
@@ -82,7 +84,10 @@ class ReferenceEngine:
         self._allocator = PageAllocator(pool.num_pages)
         self._cache = PrefixCache(self._allocator, pool.page_size)
         self._sched = Scheduler(self._cache, max_running, chunk_tokens)
-        self._loop = EngineLoop(model, pool, self._sched, self._cache)
+        # On CUDA, decode-only steps take the static-shape path (graphed unless `cuda_graphs` is off); the
+        # CPU keeps the general forward for every step.
+        decoder = DecodeRunner(model, pool, cuda_graphs) if pool.device.type == "cuda" else None
+        self._loop = EngineLoop(model, pool, self._sched, self._cache, decoder)
         self._lock = self._loop.lock
 
     @classmethod
@@ -96,12 +101,15 @@ class ReferenceEngine:
         max_running: int = 64,
         chunk_tokens: int = 1024,
         layout_fingerprint: str | None = None,
+        cuda_graphs: bool = True,
     ) -> ReferenceEngine:
         """Loads a checkpoint directory and starts the engine loop.
 
         `dtype` defaults to float16 on CUDA and float32 on CPU. `num_pages` defaults to what fits in 60% of
         free GPU memory (1 GiB on CPU), capped at `max_running` full contexts. `layout_fingerprint` seeds the
-        prefix key chain; by default a SHA-256 of config.json, the dtype and the page size.
+        prefix key chain; by default a SHA-256 of config.json, the dtype and the page size. On CUDA,
+        decode-only steps run from CUDA graphs unless `cuda_graphs` is False (then the same static-shape
+        decode runs eagerly); on the CPU the flag has no effect.
         """
         path = Path(model_dir)
         if not path.is_dir():
@@ -125,6 +133,7 @@ class ReferenceEngine:
             max_running=max_running,
             chunk_tokens=chunk_tokens,
             layout_fingerprint=layout_fingerprint,
+            cuda_graphs=cuda_graphs,
         )
         engine.model_dir = path
         return engine
@@ -262,6 +271,7 @@ class ReferenceEngine:
                     "evictions": self._cache.evictions,
                     "preemptions": s.preemptions,
                     "steps": self._loop.steps,
+                    "decode_graphs": self._loop.decoder.graphs_captured if self._loop.decoder else 0,
                 },
             )
 

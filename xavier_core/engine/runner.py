@@ -84,4 +84,6 @@ def sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[tuple[int, flo
         if req.sampling.temperature > 0.0:
             tokens[row] = _sample_one(logits[row], req)[0]
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
+    # One device-to-host copy per step: token ids are far below 2**53, so float64 carries them exactly.
+    host = torch.stack((tokens.double(), chosen.double())).cpu()
+    return [(int(t), float(lp)) for t, lp in zip(host[0].tolist(), host[1].tolist(), strict=True)]
