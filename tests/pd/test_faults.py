@@ -134,3 +134,35 @@ async def test_old_epoch_is_rejected_after_restart(mesh: Mesh) -> None:
         assert from_rpc_error(info.value).reason == "STALE_EPOCH"
     async with grpc.aio.insecure_channel(mesh.procs["unified-0"].address) as u:
         assert await pd_once(mesh, toks) == await unified_generate(u, toks, 6)
+
+
+async def test_directory_restart_peers_reregister_and_serve(mesh: Mesh) -> None:
+    """The directory keeps soft state: after a restart on the same address every peer registers again
+    (new epoch) within a heartbeat or two, and P/D works again (I6)."""
+    from tests.support.procs import start_service
+
+    old = mesh.procs["directory"]
+    address = old.address
+    async with grpc.aio.insecure_channel(address) as d:
+        before = {p.peer_id: p.epoch for p in (await _peers(d))}
+    old.stop()
+    mesh.procs["directory"] = start_service(
+        "xavier-directory", ["--listen", address], mesh.workdir, name="directory-2", env=mesh.env
+    )
+    async with grpc.aio.insecure_channel(address) as d:
+
+        async def all_back() -> bool:
+            now = {p.peer_id: p.epoch for p in await _peers(d)}
+            return set(now) == set(before) and all(now[k] > before[k] for k in before)
+
+        await wait_for(all_back, timeout=10)
+    toks = prompt(40, 9)
+    async with grpc.aio.insecure_channel(mesh.procs["unified-0"].address) as u:
+        assert await pd_once(mesh, toks) == await unified_generate(u, toks, 6)
+
+
+async def _peers(d: grpc.aio.Channel) -> list:  # type: ignore[type-arg]
+    from xavier.v1 import directory_service_pb2 as dpb
+    from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
+
+    return list((await dpb_grpc.DirectoryServiceStub(d).ListPeers(dpb.ListPeersRequest(), timeout=5)).peers)

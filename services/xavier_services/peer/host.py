@@ -6,7 +6,6 @@ and re-register (new epoch) when the directory lost us, e.g. after a directory r
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.metadata
 import socket
@@ -14,18 +13,17 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import grpc
 from xavier.v1 import directory_service_pb2 as dpb
-from xavier.v1 import directory_service_pb2_grpc, types_pb2
+from xavier.v1 import types_pb2
 
 from xavier_core.contract import KvLayout, layout_from_model_dir
+from xavier_core.directory_client import DirectoryClient, PeerSession, Registration
 from xavier_core.engine.api import Engine
 from xavier_core.runtime.errors import (
     FailedPrecondition,
     InvalidArgument,
     Unavailable,
     XavierError,
-    from_rpc_error,
 )
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.config import PeerServiceConfig
@@ -90,10 +88,8 @@ class PeerHost:
         self.epoch = 0
         self.address = ""
         self.kv: KvPort | None = None  # type: ignore[assignment]
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: directory_service_pb2_grpc.DirectoryServiceStub | None = None
-        self._heartbeat: asyncio.Task[None] | None = None
-        self._registered = asyncio.Event()
+        self.directory: DirectoryClient | None = None
+        self._session: PeerSession | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
@@ -111,59 +107,32 @@ class PeerHost:
                 cfg.handoff.poll_interval_seconds,
                 cfg.handoff.transfer_mode,
             )
-        self._channel = grpc.aio.insecure_channel(cfg.peer.directory)
-        self._stub = directory_service_pb2_grpc.DirectoryServiceStub(self._channel)
-        await self._register()
-        self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_loop())
-        return {"peer_id": self.peer_id, "epoch": self.epoch, "fingerprint": self.fingerprint}
-
-    async def stop(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-        with contextlib.suppress(Exception):
-            await self.directory_call(
-                "UnregisterPeer",
-                dpb.UnregisterPeerRequest(
-                    request_id=uuid.uuid4().hex, peer_id=self.peer_id, epoch=self.epoch
-                ),
-            )
-        if self._channel is not None:
-            await self._channel.close()
-        if self.kv is not None:
-            await self.kv.close()
-        await self.engine.close()
-
-    async def _register(self) -> None:
+        self.directory = DirectoryClient(cfg.peer.directory, timeout=cfg.peer.rpc_timeout_seconds)
         req = dpb.RegisterPeerRequest(
-            request_id=uuid.uuid4().hex,
-            peer_id=self.peer_id,
-            role=self.role,
-            address=self.address,
-            layout=self.layout.to_proto(),
+            peer_id=self.peer_id, role=self.role, address=self.address, layout=self.layout.to_proto()
         )
         if self.kv is not None:
             req.endpoint.CopyFrom(self.kv.endpoint(self.host_id))
-        resp = await self.directory_call("RegisterPeer", req, retries=20)
-        self.epoch = resp.peer.epoch
-        self._hb_interval = max(0.05, resp.heartbeat_interval.ToTimedelta().total_seconds() or 1.0)
+        self._session = PeerSession(
+            self.directory, req, load=self.load, on_registered=self._on_registered, register_attempts=20
+        )
+        await self._session.start()
+        return {"peer_id": self.peer_id, "epoch": self.epoch, "fingerprint": self.fingerprint}
+
+    def _on_registered(self, reg: Registration) -> None:
+        # A new epoch (first start, or re-registration after a directory restart): calls carry it from now on.
+        self.epoch = reg.epoch
         log.info("registered", peer_id=self.peer_id, epoch=self.epoch)
 
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._hb_interval)
-            try:
-                resp = await self.directory_call(
-                    "Heartbeat",
-                    dpb.HeartbeatRequest(peer_id=self.peer_id, epoch=self.epoch, load=self.load()),
-                )
-                if resp.must_register:
-                    await self._register()
-            except XavierError as err:
-                if err.reason in ("PEER_NOT_FOUND", "STALE_EPOCH", "NOT_FOUND"):
-                    with contextlib.suppress(XavierError):
-                        await self._register()
-                else:
-                    log.warning("heartbeat failed", error=str(err))
+    async def stop(self) -> None:
+        if self._session is not None:
+            with contextlib.suppress(Exception):
+                await self._session.stop(unregister=True)
+        if self.directory is not None:
+            await self.directory.close()
+        if self.kv is not None:
+            await self.kv.close()
+        await self.engine.close()
 
     def load(self) -> dpb.PeerLoad:
         s = self.engine.stats()
@@ -173,32 +142,18 @@ class PeerHost:
 
     # -- directory calls ------------------------------------------------------------------------------------
 
-    async def directory_call(self, method: str, request: Any, *, retries: int = 0) -> Any:
-        """One directory RPC with the configured deadline; retries only UNAVAILABLE, bounded (I7)."""
-        if self._stub is None:
+    async def directory_call(self, method: str, request: Any) -> Any:
+        """One directory RPC with the configured deadline; only UNAVAILABLE is retried, bounded (I7)."""
+        if self.directory is None:
             raise Unavailable("not connected to the directory", reason="DIRECTORY_UNAVAILABLE")
-        fn = getattr(self._stub, method)
-        for attempt in range(retries + 1):
-            try:
-                return await fn(request, timeout=self.config.peer.rpc_timeout_seconds)
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.UNAVAILABLE and attempt < retries:
-                    await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
-                    continue
-                raise from_rpc_error(err) from None
-        raise Unavailable("directory unavailable", reason="DIRECTORY_UNAVAILABLE")
+        return await self.directory._call(getattr(self.directory.stub, method), request)
 
     async def watch_room(self, room_id: int, timeout: float) -> AsyncIterator[dpb.Room]:
         """Streams a room's states (server stream, no polling) until a terminal state or `timeout`."""
-        assert self._stub is not None
-        call = self._stub.WatchRoom(dpb.WatchRoomRequest(room_id=room_id), timeout=timeout)
-        try:
-            async for msg in call:
-                yield msg.room
-        except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err) from None
-        finally:
-            call.cancel()
+        if self.directory is None:
+            raise Unavailable("not connected to the directory", reason="DIRECTORY_UNAVAILABLE")
+        async for room in self.directory.watch_room(room_id, timeout=timeout):
+            yield room
 
     async def wait_room_message(self, room_id: int, states: Sequence[int], timeout: float) -> dpb.Room:
         """Watches a room until it reaches one of `states`."""
