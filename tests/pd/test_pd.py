@@ -187,3 +187,29 @@ async def test_layout_mismatch_is_refused_naming_fields(mesh: Mesh) -> None:
         await ch.close()
         other.stop()
         del mesh.procs["prefill-pagesize32"]
+
+
+async def test_metrics_report_pages_rooms_and_transfers(mesh: Mesh) -> None:
+    import urllib.request
+
+    ch = Channels(mesh)
+    try:
+        p, d = await ch.peers()
+        await pd_generate(ch.directory, ch.prefill, ch.decode, p, d, prompt(80, 77), 4)
+        await wait_drained(mesh)
+    finally:
+        await ch.close()
+
+    def scrape(name: str) -> str:
+        url = f"http://{mesh.procs[name].metrics}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return str(resp.read().decode())
+
+    decode = scrape("decode-0")
+    assert 'xavier_pages{role="decode",state="pinned"} 0.0' in decode
+    assert 'xavier_rooms_active{role="decode"} 0.0' in decode
+    transfers = [ln for ln in decode.splitlines() if ln.startswith('xavier_transfers_total{role="decode"}')]
+    assert transfers and float(transfers[0].split()[-1]) >= 1
+    prefill = scrape("prefill-0")
+    assert 'xavier_pages{role="prefill",state="parked"} 0.0' in prefill
+    assert "xavier_rpc_total" in prefill

@@ -29,6 +29,7 @@ from xavier_core.runtime.errors import (
 )
 from xavier_services.peer.convert import check_prompt, check_room_id, finish_to_pb, sampling_from_pb, seconds
 from xavier_services.peer.host import PeerHost
+from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
 
 _TERMINAL = (dpb.ROOM_STATE_RELEASED, dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED)
 
@@ -44,6 +45,14 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self.host = host
         self._live: dict[str, int] = {}  # engine request id -> room id (0 for unified requests)
         self._by_client: dict[str, str] = {}  # client request id -> engine request id
+        register_peer_metrics(
+            PeerCollector(
+                "decode" if host.role == types_pb2.ROLE_DECODE else "unified",
+                lambda: host.engine_stats_pb(pages_parked=0),
+                lambda: sum(1 for r in self._live.values() if r),
+                lambda: host.kv.totals.to_pb() if host.kv is not None else types_pb2.TransferStats(),
+            )
+        )
 
     async def Decode(
         self,

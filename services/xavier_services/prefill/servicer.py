@@ -29,6 +29,7 @@ from xavier_services.peer.convert import (
     seconds,
 )
 from xavier_services.peer.host import PeerHost
+from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
 
 log = get_logger(__name__)
 
@@ -49,6 +50,14 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
     def __init__(self, host: PeerHost) -> None:
         self.host = host
         self._holds: dict[int, _Hold] = {}
+        register_peer_metrics(
+            PeerCollector(
+                "prefill",
+                lambda: host.engine_stats_pb(pages_parked=self.pages_parked),
+                lambda: len(self._holds),
+                lambda: host.kv.totals.to_pb() if host.kv is not None else types_pb2.TransferStats(),
+            )
+        )
 
     @property
     def pages_parked(self) -> int:
