@@ -168,14 +168,12 @@ class CausalLM:
         Every tensor the step creates has a shape fixed by `inputs`, and nothing reads back to the host,
         so the step can be captured in a CUDA graph and replayed with new values in the same buffers.
         """
-        width = inputs.page_table.shape[1] * pool.page_size
-        visible = torch.arange(width, device=self.device) < inputs.seq_lens.unsqueeze(1)  # [B, L]
-        attend = partial(
-            self._paged_decode_attention,
-            page_table=inputs.page_table,
-            visible=visible,
-            page_size=pool.page_size,
-        )
+        ps = pool.page_size
+        rows, width = inputs.page_table.shape[0], inputs.page_table.shape[1] * ps
+        slots = (inputs.page_table.unsqueeze(2) * ps + torch.arange(ps, device=self.device)).view(rows, width)
+        hidden = torch.arange(width, device=self.device) >= inputs.seq_lens.unsqueeze(1)  # [B, L]
+        bias = torch.zeros(rows, width, device=self.device).masked_fill(hidden, float("-inf"))
+        attend = partial(self._paged_decode_attention, slots=slots, bias=bias.view(1, rows, 1, width))
         h = self._layers(inputs.input_ids, inputs.positions, inputs.out_slots, pool, attend)
         return F.linear(_rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
@@ -222,25 +220,25 @@ class CausalLM:
         q: torch.Tensor,
         k_buf: torch.Tensor,
         v_buf: torch.Tensor,
-        page_table: torch.Tensor,
-        visible: torch.Tensor,
-        page_size: int,
+        slots: torch.Tensor,
+        bias: torch.Tensor,
     ) -> torch.Tensor:
-        """One query per row against its pages, `[B, heads*head_dim]`, without expanding K/V per query head.
+        """One query per row against the keys in its `slots`, `[B, heads*head_dim]`, without expanding K/V.
 
-        The queries of a KV head's group share one matmul against that head's keys: `[B, KV, G, D]` times
-        `[B, KV, D, L]`. Keys past a row's length (page padding) are masked; the softmax runs in float32.
+        K/V are gathered head-major, `[KV, B, L, D]`, so both matmuls read them as they come; the queries of
+        a KV head's group share one matmul against that head's keys. `bias` (0, or -inf past a row's
+        length) masks the page padding; the softmax runs in float32.
         """
-        b, width = visible.shape
+        b = slots.shape[0]
         kv_heads, d = k_buf.shape[1], k_buf.shape[2]
-        k = k_buf.view(-1, page_size, kv_heads, d)[page_table].view(b, width, kv_heads, d)
-        v = v_buf.view(-1, page_size, kv_heads, d)[page_table].view(b, width, kv_heads, d)
-        qg = (q * self.scale).view(b, kv_heads, -1, d)  # query head h reads KV head h // group
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float()  # [B, KV, G, L]
-        scores = scores.masked_fill(~visible.view(b, 1, 1, width), float("-inf"))
+        k = k_buf.transpose(0, 1)[:, slots]
+        v = v_buf.transpose(0, 1)[:, slots]
+        qg = (
+            (q * self.scale).view(b, kv_heads, -1, d).transpose(0, 1)
+        )  # query head h reads KV head h // group
+        scores = torch.matmul(qg, k.transpose(-1, -2)) + bias  # float16 + float32: float32 [KV, B, G, L]
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = torch.matmul(probs, v.transpose(1, 2))  # [B, KV, G, D]
-        return out.reshape(b, -1)
+        return torch.matmul(probs, v).transpose(0, 1).reshape(b, -1)
 
     def _attention(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, batch: ForwardBatch
