@@ -219,6 +219,14 @@ async def run(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _run_loop(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None)
@@ -231,7 +239,7 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="xavier-bench-"))
     proc, info = start_mesh(workdir, args.model, args.device)
     try:
-        result = asyncio.run(run(args, info))
+        result = _run_loop(run(args, info))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

@@ -259,13 +259,25 @@ async def serve(
     return 0
 
 
+def _run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """asyncio.run on uvloop when it is installed and XAVIER_UVLOOP is not 0 (the default loop otherwise)."""
+    if os.environ.get("XAVIER_UVLOOP", "1") != "0":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.run(main())
+    return asyncio.run(main())
+
+
 def run_service(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
     """Run ``main()`` (usually a coroutine calling :func:`serve`) and return its exit code.
 
     A :class:`ConfigError` escaping ``main`` exits 2 with ``config error: ...``.
     """
     try:
-        return asyncio.run(main())
+        return _run(main)
     except ConfigError as err:
         exit_on_config_error(err)
     except KeyboardInterrupt:
