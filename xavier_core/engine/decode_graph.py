@@ -12,6 +12,7 @@ first row's own, written to the same slot: padding never touches another request
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,6 +72,9 @@ class DecodeRunner:
         self.max_pages = pool.num_pages
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._mempool = torch.cuda.graph_pool_handle() if use_graphs else None
+        # Held while a graph is captured. Other threads that issue CUDA work on this device (KV transfers,
+        # page reads) take it too: work on the legacy default stream during a capture invalidates it.
+        self.capture_lock = threading.Lock()
 
     @staticmethod
     def accepts(items: Sequence[tuple[Request, int]]) -> bool:
@@ -124,8 +128,11 @@ class DecodeRunner:
                 self.model.decode_static(inputs, self.pool)
         torch.cuda.current_stream(self.pool.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the asyncio thread may read or write pages (transfers) while this thread captures.
-        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+        # thread_local: other threads' CUDA calls are allowed; capture_lock keeps their device work out.
+        with (
+            self.capture_lock,
+            torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"),
+        ):
             logits = self.model.decode_static(inputs, self.pool)
         self.graphs_captured += 1
         return graph, logits

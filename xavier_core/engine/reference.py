@@ -6,8 +6,10 @@ The model runs on one background thread (`EngineLoop`); these methods validate, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
+import threading
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 
@@ -178,13 +180,22 @@ class ReferenceEngine:
         """The pool's buffers, layer0 K, layer0 V, layer1 K, ... (stable for the engine's lifetime)."""
         return self.kv_pool.kv_buffers()
 
+    @property
+    def device_lock(self) -> threading.Lock | None:
+        """Lock that callers hold around their own device work (KV transfers) on this engine's GPU, so
+        it never lands inside a CUDA graph capture; None when the engine captures no graphs."""
+        decoder = self._loop.decoder
+        return decoder.capture_lock if decoder is not None and decoder.use_graphs else None
+
     def read_pages(self, page_ids: Sequence[int]) -> bytes:
         """Raw KV bytes of the pages, buffer by buffer."""
-        return self.kv_pool.read_pages(page_ids)
+        with self.device_lock or contextlib.nullcontext():
+            return self.kv_pool.read_pages(page_ids)
 
     def write_pages(self, page_ids: Sequence[int], data: bytes) -> None:
         """Writes bytes laid out as `read_pages` returns them into (reserved) pages."""
-        self.kv_pool.write_pages(page_ids, data)
+        with self.device_lock or contextlib.nullcontext():
+            self.kv_pool.write_pages(page_ids, data)
 
     # Requests.
     def generate(

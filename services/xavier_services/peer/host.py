@@ -106,6 +106,7 @@ class PeerHost:
                 self.engine.page_size,
                 cfg.handoff.poll_interval_seconds,
                 cfg.handoff.transfer_mode,
+                getattr(self.engine, "device_lock", None),
             )
         self.directory = DirectoryClient(cfg.peer.directory, timeout=cfg.peer.rpc_timeout_seconds)
         req = dpb.RegisterPeerRequest(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,7 +64,10 @@ class KvPort:
         page_size: int,
         poll_interval: float,
         mode: str = "coalesced",
+        device_lock: threading.Lock | None = None,
     ) -> None:
+        # Held around every NIXL call when the engine captures CUDA graphs on the same device.
+        self._device_lock = device_lock
         self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
         self._buffers = list(buffers)
         self._poll_interval = poll_interval
@@ -79,7 +83,13 @@ class KvPort:
     # -- plumbing -----------------------------------------------------------------------------------------
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._exec, self._locked, fn, *args)
+
+    def _locked(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._device_lock is None:
+            return fn(*args)
+        with self._device_lock:
+            return fn(*args)
 
     def endpoint(self, host_id: str) -> types_pb2.TransferEndpoint:
         """This process's endpoint: built once (metadata is fixed after registration), then reused."""
