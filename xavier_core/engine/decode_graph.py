@@ -99,6 +99,33 @@ class DecodeRunner:
         slot.graph.replay()
         return slot.logits[: len(reqs)]
 
+    def capture_all(self, max_rows: int, max_pages: int) -> int:
+        """Captures every (rows, pages) bucket up to the limits now; returns how many were captured.
+
+        Services call it at start, before a KV transfer agent exists: a capture must not overlap device
+        work of other threads or libraries (UCX's CUDA IPC copies invalidate it), and capturing up front
+        also keeps the first requests of each size from paying for it.
+        """
+        if not self.use_graphs:
+            return 0
+        before = self.graphs_captured
+        row_buckets = [1 << i for i in range(bucket(max_rows).bit_length())]
+        top_pages = min(bucket(max_pages, _MIN_PAGES), self.max_pages)
+        page_buckets = [p for p in (_MIN_PAGES << i for i in range(32)) if p < top_pages] + [top_pages]
+        for rows in row_buckets:
+            for pages in page_buckets:
+                slot = self._slots.get((rows, pages))
+                if slot is None:
+                    slot = self._slots[(rows, pages)] = _slot(rows, pages, self.pool.device)
+                if slot.graph is None:
+                    # One key per row at slot 0 of page 0 (no request owns pages yet); replays overwrite it.
+                    slot.host.zero_()
+                    slot.host[3 * rows : 4 * rows] = 1
+                    slot.device.copy_(slot.host)
+                    slot.graph, slot.logits = self._capture(slot.inputs)
+        torch.cuda.synchronize(self.pool.device)
+        return self.graphs_captured - before
+
     def _fill(self, host: torch.Tensor, reqs: Sequence[Request], rows: int, pages: int) -> None:
         ps = self.pool.page_size
         ids, positions, slots, lens, table = [], [], [], [], []

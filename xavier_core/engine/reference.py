@@ -180,6 +180,18 @@ class ReferenceEngine:
         """The pool's buffers, layer0 K, layer0 V, layer1 K, ... (stable for the engine's lifetime)."""
         return self.kv_pool.kv_buffers()
 
+    def capture_decode_graphs(self) -> int:
+        """Captures the decode CUDA graphs of every batch and context size now (no-op without graphs).
+
+        Call before anything else issues work on the device (a KV transfer agent): captures must not
+        overlap it. Returns the number of graphs captured."""
+        decoder = self._loop.decoder
+        if decoder is None:
+            return 0
+        with self._lock:
+            max_rows = self._sched.max_running
+        return decoder.capture_all(max_rows, pages_for(self.max_context, self.page_size))
+
     @property
     def device_lock(self) -> threading.Lock | None:
         """Lock that callers hold around their own device work (KV transfers) on this engine's GPU, so

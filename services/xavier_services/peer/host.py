@@ -45,7 +45,7 @@ def _version() -> str:
         return "0+unknown"
 
 
-def load_engine(config: PeerServiceConfig) -> Any:
+def load_engine(config: PeerServiceConfig, role: int = types_pb2.ROLE_UNIFIED) -> Any:
     """Loads the reference engine named by the config (blocking; call off the event loop)."""
     from xavier_core.engine.reference import ReferenceEngine
 
@@ -54,7 +54,7 @@ def load_engine(config: PeerServiceConfig) -> Any:
         raise InvalidArgument(
             "engine.model is required (a local Hugging Face checkpoint directory)", key="engine.model"
         )
-    return ReferenceEngine.load(
+    engine = ReferenceEngine.load(
         e.model,
         device=e.device,
         dtype=e.dtype,
@@ -63,6 +63,12 @@ def load_engine(config: PeerServiceConfig) -> Any:
         max_running=e.max_running,
         chunk_tokens=e.chunk_tokens,
     )
+    if role != types_pb2.ROLE_PREFILL and e.device.startswith("cuda"):
+        # Decode graphs are captured now, before the NIXL agent exists: a capture must not overlap
+        # transfers on the same device.
+        n = engine.capture_decode_graphs()
+        log.info("decode graphs captured", graphs=n)
+    return engine
 
 
 class PeerHost:

@@ -63,7 +63,7 @@ def run_peer(
     """Loads the engine, then serves until SIGTERM: register → serve → drain → unregister."""
 
     async def main() -> int:
-        engine = await asyncio.to_thread(load_engine, config)
+        engine = await asyncio.to_thread(load_engine, config, role)
         host = PeerHost(config, role, engine)
         servicer = make_servicer(host)
 
