@@ -108,6 +108,10 @@ class DecodeRunner:
         """
         if not self.use_graphs:
             return 0
+        with torch.cuda.device(self.pool.device):
+            return self._capture_all(max_rows, max_pages)
+
+    def _capture_all(self, max_rows: int, max_pages: int) -> int:
         before = self.graphs_captured
         row_buckets = [1 << i for i in range(bucket(max_rows).bit_length())]
         top_pages = min(bucket(max_pages, _MIN_PAGES), self.max_pages)
@@ -147,6 +151,12 @@ class DecodeRunner:
         host.copy_(torch.tensor(ids + positions + slots + lens + table, dtype=torch.long))
 
     def _capture(self, inputs: DecodeInputs) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # The graph is captured on the current device's stream: make it the pool's (cuda:1 is not the
+        # default device of a new thread).
+        with torch.cuda.device(self.pool.device):
+            return self._capture_on_device(inputs)
+
+    def _capture_on_device(self, inputs: DecodeInputs) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up runs compute this very step, so the K/V they write are the ones the replay writes.
         stream = torch.cuda.Stream(self.pool.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.pool.device))

@@ -95,6 +95,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        if self.pool.device.type == "cuda":
+            torch.cuda.set_device(self.pool.device)  # a new thread starts on cuda:0
         while True:
             with self.lock:
                 while not self.closed and not self._aborts and not self.sched.has_work():
