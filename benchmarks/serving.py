@@ -6,10 +6,12 @@ then for each concurrency level and mode streams fixed-seed prompts through the 
 * TTFT p50/p99: client send → first streamed token.
 * TPOT p50: (last token - first token) / (tokens - 1), per request.
 * output tok/s: generated tokens / wall time of the level.
-* control-plane overhead (P/D): TTFT of a one-token request minus the prefill compute the prefill
-  service reports, i.e. tokenization, peer selection, OpenRoom, the Prefill RPC, PublishSource and the
-  streaming hops, with the model's own compute taken out; beside it a bare grpc.aio unary round trip
-  (health Check on the directory process) in the same run.
+* control-plane overhead (P/D): TTFT of a two-token request minus the prefill compute the prefill
+  service reports, i.e. tokenization, peer selection, OpenRoom, the Prefill RPC and the streaming hops,
+  with the model's own compute taken out; beside it a bare grpc.aio unary round trip (health Check on the
+  directory process) in the same run. Two tokens, not one, so every request runs the whole P/D lifecycle
+  (publish, watch, transfer, complete, release) as real traffic does: a one-token request ends at the
+  prefill and takes the abort path instead, whose clean-up then overlaps the next request.
 
     python benchmarks/serving.py [--model DIR] [--out benchmarks/results/serving] [--max-tokens 32]
 
@@ -137,12 +139,12 @@ async def overhead(address: str, directory: str, conc: int, n: int) -> dict[str,
     ps = prompts(n, 99)
     over: list[float] = []
     async with AsyncClient(address, timeout=60) as client:
-        await one(client, "warm up", "pd", 1)
+        await one(client, "warm up", "pd", 2)
         sem = asyncio.Semaphore(conc)
 
         async def req(p: str) -> None:
             async with sem:
-                r = await one(client, p, "pd", 1)
+                r = await one(client, p, "pd", 2)
                 over.append((r["ttft"] - r["prefill"]) * 1e3)
 
         await asyncio.gather(*(req(p) for p in ps))
