@@ -186,8 +186,13 @@ class KvSender:
         """True while a reader may still be reading the published pages (no done/fail seen yet).
         After an abort the caller parks the pages until this is False or the room's lease ends."""
         self.manager.progress()
+        return self.peek()[1]
+
+    def peek(self) -> tuple[KvPoll, bool]:
+        """(state, in flight) as of the last `KvManager.progress()`, without polling NIXL: a caller that
+        drives progress once for many rooms reads each room with this."""
         with self._lock:
-            return self._published and not self._reader_ended
+            return self._state, self._published and not self._reader_ended
 
     def clear(self) -> None:
         """Forgets the room; later notifications for it are dropped."""

@@ -128,11 +128,13 @@ class KvPort:
             await asyncio.sleep(self._poll_interval)
 
     def _progress(self) -> list[tuple[int, str]]:
+        # One NIXL poll for every published room, then each room's state as that poll left it.
         self.manager.progress()
         ended = []
         for room_id, pub in list(self._published.items()):
-            if not pub.ended.is_set() and not pub.sender.in_flight():
-                ended.append((room_id, "done" if pub.sender.poll() == KvPoll.SUCCESS else "fail"))
+            state, in_flight = pub.sender.peek()
+            if not pub.ended.is_set() and not in_flight:
+                ended.append((room_id, "done" if state == KvPoll.SUCCESS else "fail"))
         return ended
 
     # -- prefill side ---------------------------------------------------------------------------------------
