@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,13 +89,3 @@ def health_status(address: str, service: str = "", timeout: float = 5.0) -> int:
         stub = health_pb2_grpc.HealthStub(ch)
         resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return int(resp.status)
-
-
-@contextlib.contextmanager
-def running(binary: str, args: Sequence[str], workdir: Path, **kw: object) -> Iterator[ServiceProc]:
-    """Context manager around `start_service` that stops the process (SIGTERM, then SIGKILL)."""
-    svc = start_service(binary, args, workdir, **kw)  # type: ignore[arg-type]
-    try:
-        yield svc
-    finally:
-        svc.stop()

@@ -43,13 +43,13 @@ def _delta(ev: TokenEvent) -> pb.TokenDelta:
 class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
     def __init__(self, host: PeerHost) -> None:
         self.host = host
-        self._live: dict[str, int] = {}  # engine request id -> room id (0 for unified requests)
-        self._by_client: dict[str, str] = {}  # client request id -> engine request id
+        # engine request id -> (room id, 0 for unified requests; client request id)
+        self._live: dict[str, tuple[int, str]] = {}
         register_peer_metrics(
             PeerCollector(
                 "decode" if host.role == types_pb2.ROLE_DECODE else "unified",
                 lambda: host.engine_stats_pb(pages_parked=0),
-                lambda: sum(1 for r in self._live.values() if r),
+                lambda: self._rooms_active,
                 lambda: host.kv.totals.to_pb() if host.kv is not None else types_pb2.TransferStats(),
             )
         )
@@ -71,9 +71,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             raise FailedPrecondition(f"room {request.room_id} is already decoding here", reason="ROOM_BUSY")
         started = time.perf_counter()
         pages = host.engine.reserve_pages(rid, len(token_ids))
-        self._live[rid] = request.room_id
-        if request.request_id:
-            self._by_client[request.request_id] = rid
+        self._live[rid] = (request.room_id, request.request_id)
         completed = False
         try:
             room = await self._await_source(request.room_id)
@@ -85,11 +83,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                     source=src.contract_fingerprint,
                     decode=host.fingerprint,
                 )
-            await host.directory_call(
-                "BeginTransfer",
-                dpb.BeginTransferRequest(
-                    request_id=f"{rid}-begin", room_id=request.room_id, peer_id=host.peer_id, epoch=host.epoch
-                ),
+            await host.dir.begin_transfer(
+                request.room_id, host.peer_id, host.epoch, request_id=f"{rid}-begin"
             )
             peer_key = f"{room.prefill_peer_id}@{room.prefill_epoch}"
             handoff = host.config.handoff
@@ -101,16 +96,13 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 handoff.transfer_timeout_seconds,
                 handoff.park_timeout_seconds,
             )
-            await host.directory_call(
-                "CompleteRoom",
-                dpb.CompleteRoomRequest(
-                    request_id=f"{rid}-complete",
-                    room_id=request.room_id,
-                    peer_id=host.peer_id,
-                    epoch=host.epoch,
-                    bytes_transferred=nbytes,
-                    transfer_duration=seconds(transfer_s),
-                ),
+            await host.dir.complete_room(
+                request.room_id,
+                host.peer_id,
+                host.epoch,
+                bytes_transferred=nbytes,
+                transfer_seconds=transfer_s,
+                request_id=f"{rid}-complete",
             )
             completed = True
             digest = b""
@@ -148,15 +140,11 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         while True:
             await asyncio.sleep(host.config.handoff.renew_interval_seconds)
             with contextlib.suppress(Exception):
-                await host.directory_call(
-                    "RenewLease",
-                    dpb.RenewLeaseRequest(room_id=room_id, peer_id=host.peer_id, epoch=host.epoch),
-                )
+                await host.dir.renew_lease(room_id, host.peer_id, host.epoch)
 
     async def _finish(self, rid: str, room_id: int, completed: bool) -> None:
         host = self.host
         self._live.pop(rid, None)
-        self._by_client = {k: v for k, v in self._by_client.items() if v != rid}
         await host.engine.abort(rid)
         host.engine.release_pages(rid)
         if completed:
@@ -195,7 +183,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         rid = request.request_id or f"unified-{id(request)}-{time.monotonic_ns()}"
         if rid in self._live:
             raise FailedPrecondition(f"request {rid} is already running here", reason="REQUEST_BUSY")
-        self._live[rid] = 0
+        self._live[rid] = (0, request.request_id)
         started = time.perf_counter()
         first_at: float | None = None
         n = 0
@@ -224,11 +212,10 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         request: pb.AbortDecodeRequest,
         context: grpc.aio.ServicerContext[pb.AbortDecodeRequest, pb.AbortDecodeResponse],
     ) -> pb.AbortDecodeResponse:
-        rid = self._by_client.get(request.request_id, request.request_id)
-        if rid not in self._live:
-            return pb.AbortDecodeResponse(found=False)
-        await self.host.engine.abort(rid)
-        return pb.AbortDecodeResponse(found=True)
+        rids = [rid for rid, (_, client) in self._live.items() if request.request_id in (rid, client)]
+        for rid in rids:
+            await self.host.engine.abort(rid)
+        return pb.AbortDecodeResponse(found=bool(rids))
 
     async def GetDecodeStats(
         self,
@@ -238,11 +225,15 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         host = self.host
         return pb.GetDecodeStatsResponse(
             engine=host.engine_stats_pb(pages_parked=0),
-            rooms_active=sum(1 for r in self._live.values() if r),
+            rooms_active=self._rooms_active,
             transfer=host.kv.totals.to_pb() if host.kv is not None else types_pb2.TransferStats(),
             peer=f"{host.peer_id}@{host.epoch}",
             role=host.role,
         )
+
+    @property
+    def _rooms_active(self) -> int:
+        return sum(1 for room_id, _ in self._live.values() if room_id)
 
     async def drain(self) -> None:
         """On shutdown: abort every live request; their streams end with FINISH_REASON_ABORT."""

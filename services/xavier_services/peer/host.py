@@ -149,17 +149,16 @@ class PeerHost:
 
     # -- directory calls ------------------------------------------------------------------------------------
 
-    async def directory_call(self, method: str, request: Any) -> Any:
-        """One directory RPC with the configured deadline; only UNAVAILABLE is retried, bounded (I7)."""
+    @property
+    def dir(self) -> DirectoryClient:
+        """The directory client: every call has the configured deadline and retries only UNAVAILABLE (I7)."""
         if self.directory is None:
             raise Unavailable("not connected to the directory", reason="DIRECTORY_UNAVAILABLE")
-        return await self.directory._call(getattr(self.directory.stub, method), request)
+        return self.directory
 
     async def watch_room(self, room_id: int, timeout: float) -> AsyncIterator[dpb.Room]:
         """Streams a room's states (server stream, no polling) until a terminal state or `timeout`."""
-        if self.directory is None:
-            raise Unavailable("not connected to the directory", reason="DIRECTORY_UNAVAILABLE")
-        async for room in self.directory.watch_room(room_id, timeout=timeout):
+        async for room in self.dir.watch_room(room_id, timeout=timeout):
             yield room
 
     async def wait_room_message(self, room_id: int, states: Sequence[int], timeout: float) -> dpb.Room:
@@ -169,33 +168,16 @@ class PeerHost:
                 return room
         raise FailedPrecondition(f"room {room_id} watch ended early", reason="WATCH_ENDED")
 
-    async def wait_room(self, room_id: int, states: Sequence[int], timeout: float) -> int:
-        return (await self.wait_room_message(room_id, states, timeout)).state
-
     async def abort_room(self, room_id: int, reason: str) -> None:
         with contextlib.suppress(XavierError):
-            await self.directory_call(
-                "AbortRoom",
-                dpb.AbortRoomRequest(
-                    request_id=f"abort-{room_id}-{self.peer_id}",
-                    room_id=room_id,
-                    reason=reason,
-                    peer_id=self.peer_id,
-                    epoch=self.epoch,
-                ),
+            await self.dir.abort_room(
+                room_id, reason, self.peer_id, self.epoch, request_id=f"abort-{room_id}-{self.peer_id}"
             )
 
     async def release_room(self, room_id: int, role: types_pb2.Role.ValueType) -> None:
         with contextlib.suppress(XavierError):
-            await self.directory_call(
-                "ReleaseRoom",
-                dpb.ReleaseRoomRequest(
-                    request_id=f"release-{room_id}-{role}",
-                    room_id=room_id,
-                    role=role,
-                    peer_id=self.peer_id,
-                    epoch=self.epoch,
-                ),
+            await self.dir.release_room(
+                room_id, role, self.peer_id, self.epoch, request_id=f"release-{room_id}-{role}"
             )
 
     def engine_stats_pb(self, pages_parked: int) -> types_pb2.EngineStats:

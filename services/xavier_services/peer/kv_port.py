@@ -285,13 +285,6 @@ class KvPort:
                 return
         await self._run(receiver.clear)
 
-    async def drop_peer(self, peer_key: str) -> None:
-        await self._run(self.agent.drop_peer, peer_key)
-
-    async def forget_old_epochs(self, peer_id: str, epoch: int) -> None:
-        """Drops cached NIXL metadata of a restarted peer's older epochs."""
-        await self._run(self.agent.drop_peer_id_epochs_except, peer_id, epoch)
-
     async def close(self) -> None:
         await self._run(self.agent.close)
         self._exec.shutdown(wait=True)

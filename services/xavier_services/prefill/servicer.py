@@ -121,15 +121,8 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             source.first_logprob = res.first_logprob
             source.first_finish_reason = finish_to_pb(res.finish)
             published = True
-            await host.directory_call(
-                "PublishSource",
-                dpb.PublishSourceRequest(
-                    request_id=request_id,
-                    room_id=hold.room_id,
-                    peer_id=host.peer_id,
-                    epoch=host.epoch,
-                    source=source,
-                ),
+            await host.dir.publish_source(
+                hold.room_id, host.peer_id, host.epoch, source, request_id=request_id
             )
         except BaseException as err:
             log.info("publication failed", room_id=hold.room_id, error=str(err))

@@ -8,8 +8,6 @@ background, so the client never waits for cleanup.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import struct
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +22,7 @@ from xavier.v1 import types_pb2
 
 from xavier_core.engine.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 from xavier_core.runtime import XavierError, from_rpc_error, get_logger
+from xavier_services.peer.convert import prompt_fingerprint
 from xavier_services.router.peers import Pair, PeerPool
 from xavier_services.router.request import Prepared
 
@@ -53,11 +52,6 @@ class FlowEnv:
     request_timeout: float
     rpc_timeout: float
     spawn: Spawn
-
-
-def prompt_fingerprint(token_ids: tuple[int, ...]) -> bytes:
-    """SHA-256 of the token ids as little-endian uint32 (what the directory records per room)."""
-    return hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
 
 
 def _seconds(d: Any) -> float:
