@@ -228,12 +228,30 @@ class DirectoryClient:
         return resp.room
 
     async def begin_transfer(
-        self, room_id: int, peer_id: str, epoch: int, *, request_id: str | None = None
+        self,
+        room_id: int,
+        peer_id: str,
+        epoch: int,
+        *,
+        request_id: str | None = None,
+        wait_for_source: float | None = None,
     ) -> dpb.Room:
-        """Decode: the read started (SOURCE_READY → TRANSFERRING)."""
+        """Decode: the read starts (SOURCE_READY → TRANSFERRING).
+
+        With ``wait_for_source`` (seconds) an OPEN room is first waited on, in the directory, until the
+        prefill publishes or the room ends; an ended room comes back as it ended (check ``state``).
+        """
         rid = _rid(request_id)
-        req = dpb.BeginTransferRequest(request_id=rid, room_id=room_id, peer_id=peer_id, epoch=epoch)
-        resp: dpb.BeginTransferResponse = await self._call(self.stub.BeginTransfer, req)
+        req = dpb.BeginTransferRequest(
+            request_id=rid,
+            room_id=room_id,
+            peer_id=peer_id,
+            epoch=epoch,
+            wait_for_source=wait_for_source is not None,
+        )
+        resp: dpb.BeginTransferResponse = await self._call(
+            self.stub.BeginTransfer, req, timeout=wait_for_source
+        )
         return resp.room
 
     async def complete_room(
@@ -245,8 +263,9 @@ class DirectoryClient:
         bytes_transferred: int = 0,
         transfer_seconds: float = 0.0,
         request_id: str | None = None,
+        release: bool = False,
     ) -> dpb.Room:
-        """Decode: every page arrived (→ COMPLETED; the retention lease starts)."""
+        """Decode: every page arrived (→ COMPLETED, retention lease starts; with ``release`` → RELEASED)."""
         req = dpb.CompleteRoomRequest(
             request_id=_rid(request_id),
             room_id=room_id,
@@ -254,6 +273,7 @@ class DirectoryClient:
             epoch=epoch,
             bytes_transferred=bytes_transferred,
             transfer_duration=_duration(transfer_seconds),
+            release=release,
         )
         resp: dpb.CompleteRoomResponse = await self._call(self.stub.CompleteRoom, req)
         return resp.room
@@ -314,6 +334,20 @@ class DirectoryClient:
         try:
             async for msg in call:
                 yield msg.room
+        except grpc.aio.AioRpcError as rpc_err:
+            raise from_rpc_error(rpc_err) from None
+        finally:
+            call.cancel()
+
+    async def watch_peer_rooms(
+        self, peer_id: str, epoch: int, *, timeout: float | None = None
+    ) -> AsyncIterator[list[dpb.Room]]:
+        """Yields batches of room changes for every room of the peer: first its live rooms, then changes."""
+        req = dpb.WatchPeerRoomsRequest(peer_id=peer_id, epoch=epoch)
+        call = self.stub.WatchPeerRooms(req, timeout=timeout)
+        try:
+            async for msg in call:
+                yield list(msg.rooms)
         except grpc.aio.AioRpcError as rpc_err:
             raise from_rpc_error(rpc_err) from None
         finally:

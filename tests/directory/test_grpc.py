@@ -241,3 +241,129 @@ async def test_directory_restart_peers_reregister_within_one_heartbeat(tmp_path:
             await d.stop()
     finally:
         proc.stop()
+
+
+async def test_begin_transfer_waits_for_the_source(client: DirectoryClient) -> None:
+    p, d = await _pair(client, "wait")
+    pr, dr = p.registration, d.registration
+    room = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+    begin = asyncio.ensure_future(
+        client.begin_transfer(room.room_id, dr.peer_id, dr.epoch, request_id="b1", wait_for_source=10)
+    )
+    await asyncio.sleep(0.3)
+    assert not begin.done()  # still OPEN: the call waits in the directory
+    await client.publish_source(room.room_id, pr.peer_id, pr.epoch, source())
+    began = await asyncio.wait_for(begin, 5)
+    assert began.state == dpb.ROOM_STATE_TRANSFERRING
+    assert began.source.num_pages == 3
+    # A retry of the same request id is answered from the applied change.
+    again = await client.begin_transfer(
+        room.room_id, dr.peer_id, dr.epoch, request_id="b1", wait_for_source=5
+    )
+    assert again.state == dpb.ROOM_STATE_TRANSFERRING
+    done = await client.complete_room(room.room_id, dr.peer_id, dr.epoch, release=True)
+    assert done.state == dpb.ROOM_STATE_RELEASED
+    assert done.prefill_released and done.decode_released
+    # Both sides are done: a late ReleaseRoom is a no-op on the ended room.
+    late = await client.release_room(room.room_id, PREFILL, pr.peer_id, pr.epoch)
+    assert late.state == dpb.ROOM_STATE_RELEASED
+    await p.stop()
+    await d.stop()
+
+
+async def test_begin_transfer_wait_returns_an_ended_room(client: DirectoryClient) -> None:
+    p, d = await _pair(client, "wait-end")
+    pr, dr = p.registration, d.registration
+    room = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+    begin = asyncio.ensure_future(
+        client.begin_transfer(room.room_id, dr.peer_id, dr.epoch, wait_for_source=10)
+    )
+    await asyncio.sleep(0.2)
+    await client.abort_room(room.room_id, "client went away")
+    ended = await asyncio.wait_for(begin, 5)
+    assert ended.state == dpb.ROOM_STATE_ABORTED
+    assert ended.end_reason == "client went away"
+    # Only the decode of the room may wait on it.
+    other = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+    with pytest.raises(FailedPrecondition) as err:
+        await client.begin_transfer(other.room_id, pr.peer_id, pr.epoch, wait_for_source=1)
+    assert err.value.reason == "WRONG_ROLE"
+    # The wait is bounded by the call's deadline.
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as late:
+        await client.begin_transfer(other.room_id, dr.peer_id, dr.epoch, wait_for_source=0.3)
+    assert "DEADLINE" in type(late.value).__name__.upper() or "deadline" in str(late.value).lower()
+    assert time.monotonic() - t0 < 3
+    await client.abort_room(other.room_id, "done")
+    await p.stop()
+    await d.stop()
+
+
+async def test_peer_feed_streams_every_room_of_the_peer(client: DirectoryClient) -> None:
+    p, d = await _pair(client, "feed")
+    pr, dr = p.registration, d.registration
+    live = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+    feed = client.watch_peer_rooms(pr.peer_id, pr.epoch)
+    snapshot = await anext(feed)
+    assert [r.room_id for r in snapshot] == [live.room_id]
+    await client.publish_source(live.room_id, pr.peer_id, pr.epoch, source())
+    await client.begin_transfer(live.room_id, dr.peer_id, dr.epoch)
+    await client.complete_room(live.room_id, dr.peer_id, dr.epoch, release=True)
+    states: list[int] = []
+    while len(states) < 4:
+        batch = await asyncio.wait_for(anext(feed), 5)
+        assert all(not r.HasField("source") for r in batch)  # the feed leaves the page runs out
+        states += [r.state for r in batch if r.room_id == live.room_id]
+    assert states == [
+        dpb.ROOM_STATE_SOURCE_READY,
+        dpb.ROOM_STATE_TRANSFERRING,
+        dpb.ROOM_STATE_COMPLETED,
+        dpb.ROOM_STATE_RELEASED,
+    ]
+    await feed.aclose()
+    with pytest.raises(FailedPrecondition) as err:
+        await anext(client.watch_peer_rooms(pr.peer_id, pr.epoch + 1))
+    assert err.value.reason == "STALE_EPOCH"
+    with pytest.raises(NotFound):
+        await anext(client.watch_peer_rooms("nobody", 1))
+    await p.stop()
+    await d.stop()
+
+
+async def test_room_feed_outcomes(client: DirectoryClient) -> None:
+    from xavier_services.peer.room_feed import RoomFeed
+
+    p, d = await _pair(client, "roomfeed")
+    pr, dr = p.registration, d.registration
+    feed = RoomFeed(client, lambda: (pr.peer_id, pr.epoch))
+    feed.start()
+    await asyncio.wait_for(feed.connected.wait(), 5)
+    # Completed and released by the decode; the change lands before anyone waits for it.
+    read = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+    await client.publish_source(read.room_id, pr.peer_id, pr.epoch, source())
+    await client.begin_transfer(read.room_id, dr.peer_id, dr.epoch)
+    await client.complete_room(read.room_id, dr.peer_id, dr.epoch, release=True)
+    await asyncio.sleep(0.2)
+    assert await feed.outcome(read.room_id, 5) == (dpb.ROOM_STATE_RELEASED, True)
+    # Aborted before any read began: no reader can exist.
+    unread = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+    await client.publish_source(unread.room_id, pr.peer_id, pr.epoch, source())
+    waiting = asyncio.ensure_future(feed.outcome(unread.room_id, 5))
+    await asyncio.sleep(0.1)
+    await client.abort_room(unread.room_id, "cancelled")
+    assert await waiting == (dpb.ROOM_STATE_ABORTED, False)
+    # Aborted during the read: a read may have started.
+    mid = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+    await client.publish_source(mid.room_id, pr.peer_id, pr.epoch, source())
+    await client.begin_transfer(mid.room_id, dr.peer_id, dr.epoch)
+    await client.abort_room(mid.room_id, "cancelled")
+    assert await feed.outcome(mid.room_id, 5) == (dpb.ROOM_STATE_ABORTED, True)
+    # A room that never ends within the timeout: the caller must assume a reader.
+    stuck = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+    assert await feed.outcome(stuck.room_id, 0.2) == (dpb.ROOM_STATE_UNSPECIFIED, True)
+    await client.abort_room(stuck.room_id, "done")
+    for r in (read, unread, mid, stuck):
+        feed.forget(r.room_id)
+    await feed.stop()
+    await p.stop()
+    await d.stop()

@@ -1,7 +1,7 @@
 """`xavier`: run the mesh locally and talk to it.
 
 xavier up [--model DIR] [--mode pd|colocated] [--prefill N --decode N --unified N]
-          [--grpc HOST:PORT] [--http HOST:PORT] [--workdir DIR]
+          [--grpc HOST:PORT] [--http HOST:PORT] [--compute model|null] [--workdir DIR]
 xavier generate "prompt" [--stream] [--mode pd|colocated|native] [--address HOST:PORT]
 xavier status [--address HOST:PORT]
 xavier models make-tiny DIR --arch qwen2|qwen3|llama [...]

@@ -53,6 +53,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device", default="cpu", help="cpu, cuda[:N], or cuda to spread engines over every visible GPU"
     )
+    p.add_argument(
+        "--compute", choices=["model", "null"], default="model", help="engine compute (null: no model math)"
+    )
     p.add_argument("--workdir", type=Path, default=None, help="ready files and logs (default: a temp dir)")
     p.add_argument("--ready-file", type=Path, default=None, help="write the endpoints here once up (JSON)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every service")
@@ -113,7 +116,9 @@ def run_up(args: argparse.Namespace) -> int:
                 name = f"{role}-{i}"
                 device = devices[len(peers) % len(devices)]
                 args_ = [*common, "--device", device, "--peer-id", name, *extra]
-                peers.append(sup.start(name, binary, args_, stage=1))
+                # The peer binaries take engine.compute from the environment (XAVIER_ENGINE__COMPUTE).
+                env = {"XAVIER_ENGINE__COMPUTE": args.compute}
+                peers.append(sup.start(name, binary, args_, stage=1, env=env))
         say(f"loading {model.name} in {len(peers)} engine process(es): {', '.join(c.name for c in peers)}")
         if not sup.wait_ready(peers, args.timeout, lambda: stop.requested, _progress(say), _ready(say)):
             return 0

@@ -1,6 +1,7 @@
 """The reference engine: Qwen2/Qwen3/Llama in plain PyTorch behind the engine-neutral `Engine` interface.
 
-The model runs on one background thread (`EngineLoop`); these methods validate, queue and await.
+The model runs on one background thread (`EngineLoop`); these methods validate, queue and await. With
+`compute="null"` the model is a `NullLM` (no weights, near-zero compute) and everything else stays the same.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import threading
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -30,6 +32,7 @@ from xavier_core.engine.engine_loop import EngineLoop
 from xavier_core.engine.errors import CheckpointError, EngineClosedError, RequestAbortedError
 from xavier_core.engine.kv_pool import KvPool
 from xavier_core.engine.model import CausalLM
+from xavier_core.engine.null_model import NullLM
 from xavier_core.engine.page_allocator import PageAllocator
 from xavier_core.engine.prefix_cache import PrefixCache
 from xavier_core.engine.request import Delivery, Request, Role, check_prompt, pages_for, validate_sampling
@@ -41,6 +44,7 @@ from xavier_core.prefix_keys import chain_seed
 log = logging.getLogger(__name__)
 _CPU_KV_BYTES = 1 << 30
 _CUDA_KV_FRACTION = 0.6
+COMPUTE_MODES = ("model", "null")
 
 
 def _default_num_pages(
@@ -61,7 +65,7 @@ class ReferenceEngine:
 
     def __init__(
         self,
-        model: CausalLM,
+        model: CausalLM | NullLM,
         tokenizer: TextTokenizer,
         pool: KvPool,
         *,
@@ -87,9 +91,12 @@ class ReferenceEngine:
         self._cache = PrefixCache(self._allocator, pool.page_size)
         self._sched = Scheduler(self._cache, max_running, chunk_tokens)
         # On CUDA, decode-only steps take the static-shape path (graphed unless `cuda_graphs` is off); the
-        # CPU keeps the general forward for every step.
-        decoder = DecodeRunner(model, pool, cuda_graphs) if pool.device.type == "cuda" else None
-        self._loop = EngineLoop(model, pool, self._sched, self._cache, decoder)
+        # CPU keeps the general forward for every step. A NullLM has no static-shape path: forward only.
+        decoder = None
+        if pool.device.type == "cuda" and isinstance(model, CausalLM):
+            decoder = DecodeRunner(model, pool, cuda_graphs)
+        # The loop only calls `forward`, which both models offer.
+        self._loop = EngineLoop(cast(CausalLM, model), pool, self._sched, self._cache, decoder)
         self._lock = self._loop.lock
 
     @classmethod
@@ -104,6 +111,7 @@ class ReferenceEngine:
         chunk_tokens: int = 1024,
         layout_fingerprint: str | None = None,
         cuda_graphs: bool = True,
+        compute: str = "model",
     ) -> ReferenceEngine:
         """Loads a checkpoint directory and starts the engine loop.
 
@@ -112,7 +120,13 @@ class ReferenceEngine:
         prefix key chain; by default a SHA-256 of config.json, the dtype and the page size. On CUDA,
         decode-only steps run from CUDA graphs unless `cuda_graphs` is False (then the same static-shape
         decode runs eagerly); on the CPU the flag has no effect.
+
+        `compute="null"` serves a `NullLM` built from config.json alone (no weights are read; the tokenizer
+        still is): deterministic K/V and logits at near-zero cost, for measuring everything around the
+        model. Its default layout fingerprint differs from the real model's, so their prefix keys never mix.
         """
+        if compute not in COMPUTE_MODES:
+            raise InvalidRequestError(f"compute must be one of {', '.join(COMPUTE_MODES)}; got {compute!r}")
         path = Path(model_dir)
         if not path.is_dir():
             raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -121,12 +135,18 @@ class ReferenceEngine:
         cfg = load_config(path)
         torch_dtype = resolve_dtype(device, dtype)
         tokenizer = TextTokenizer.load(path)
-        model = CausalLM(cfg, load_weights(path, cfg, device, torch_dtype), device, torch_dtype)
+        model: CausalLM | NullLM
+        if compute == "null":
+            model = NullLM(cfg, device, torch_dtype)
+        else:
+            model = CausalLM(cfg, load_weights(path, cfg, device, torch_dtype), device, torch_dtype)
         pages = num_pages or _default_num_pages(cfg, page_size, max_running, device, torch_dtype)
         pool = KvPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, pages, torch_dtype, device)
         if layout_fingerprint is None:
             digest = hashlib.sha256((path / "config.json").read_bytes())
             digest.update(f"|{torch_dtype}|{page_size}".encode())
+            if compute != "model":
+                digest.update(f"|compute={compute}".encode())
             layout_fingerprint = digest.hexdigest()
         engine = cls(
             model,
@@ -139,6 +159,11 @@ class ReferenceEngine:
         )
         engine.model_dir = path
         return engine
+
+    @property
+    def compute(self) -> str:
+        """What runs each step: "model" (the checkpoint's forward pass) or "null" (a `NullLM`)."""
+        return "null" if isinstance(self.model, NullLM) else "model"
 
     # Layout facts (what a KvLayout needs).
     @property
@@ -184,7 +209,7 @@ class ReferenceEngine:
         """Captures the decode CUDA graphs of every batch and context size now (no-op without graphs).
 
         Call before anything else issues work on the device (a KV transfer agent): captures must not
-        overlap it. Returns the number of graphs captured."""
+        overlap it. Returns the number of graphs captured (0 with null compute, which has no graphs)."""
         decoder = self._loop.decoder
         if decoder is None:
             return 0

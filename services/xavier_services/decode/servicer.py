@@ -9,7 +9,6 @@ no longer in progress (invariant I1); only then are they returned to the engine.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import time
 from collections.abc import AsyncIterator
@@ -74,7 +73,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self._live[rid] = (request.room_id, request.request_id)
         completed = False
         try:
-            room = await self._await_source(request.room_id)
+            room = await self._begin(request.room_id, rid)
             src = room.source
             if src.contract_fingerprint != host.fingerprint:
                 raise LayoutMismatch(
@@ -83,9 +82,6 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                     source=src.contract_fingerprint,
                     decode=host.fingerprint,
                 )
-            await host.dir.begin_transfer(
-                request.room_id, host.peer_id, host.epoch, request_id=f"{rid}-begin"
-            )
             peer_key = f"{room.prefill_peer_id}@{room.prefill_epoch}"
             handoff = host.config.handoff
             nbytes, transfer_s = await host.kv.pull(
@@ -96,6 +92,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 handoff.transfer_timeout_seconds,
                 handoff.park_timeout_seconds,
             )
+            # The room's work is done once the pages are here: completing it releases it as well, so the
+            # decode neither renews nor releases it while it streams the answer.
             await host.dir.complete_room(
                 request.room_id,
                 host.peer_id,
@@ -103,30 +101,30 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 bytes_transferred=nbytes,
                 transfer_seconds=transfer_s,
                 request_id=f"{rid}-complete",
+                release=True,
             )
             completed = True
             digest = b""
             if request.return_kv_digest:
                 data = await asyncio.to_thread(host.engine.read_pages, pages)
                 digest = hashlib.sha256(data).digest()
-            renew = asyncio.get_running_loop().create_task(self._renew(request.room_id))
-            try:
-                events = host.engine.decode_from_pages(
-                    rid, token_ids, src.first_token, src.first_logprob, sampling
-                )
-                async for msg in self._stream(events, len(token_ids), started, transfer_s):
-                    if digest:
-                        msg.kv_digest, digest = digest, b""
-                    yield msg
-            finally:
-                renew.cancel()
+            events = host.engine.decode_from_pages(
+                rid, token_ids, src.first_token, src.first_logprob, sampling
+            )
+            async for msg in self._stream(events, len(token_ids), started, transfer_s):
+                if digest:
+                    msg.kv_digest, digest = digest, b""
+                yield msg
         finally:
             await asyncio.shield(self._finish(rid, request.room_id, completed))
 
-    async def _await_source(self, room_id: int) -> dpb.Room:
+    async def _begin(self, room_id: int, rid: str) -> dpb.Room:
+        """Waits in the directory for the source, then moves the room to TRANSFERRING, in one call."""
         host = self.host
         lease = host.config.handoff.room_lease_seconds
-        room = await host.wait_room_message(room_id, (dpb.ROOM_STATE_SOURCE_READY, *_TERMINAL), lease)
+        room = await host.dir.begin_transfer(
+            room_id, host.peer_id, host.epoch, request_id=f"{rid}-begin", wait_for_source=lease
+        )
         if room.state == dpb.ROOM_STATE_EXPIRED:
             raise LeaseExpired(f"room {room_id} expired before its source was ready", room_id=str(room_id))
         if room.state in _TERMINAL and room.end_reason.startswith("peer "):
@@ -135,21 +133,12 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             raise Aborted(f"room {room_id} ended: {room.end_reason or 'aborted'}", room_id=str(room_id))
         return room
 
-    async def _renew(self, room_id: int) -> None:
-        host = self.host
-        while True:
-            await asyncio.sleep(host.config.handoff.renew_interval_seconds)
-            with contextlib.suppress(Exception):
-                await host.dir.renew_lease(room_id, host.peer_id, host.epoch)
-
     async def _finish(self, rid: str, room_id: int, completed: bool) -> None:
         host = self.host
         self._live.pop(rid, None)
         await host.engine.abort(rid)
         host.engine.release_pages(rid)
-        if completed:
-            await host.release_room(room_id, types_pb2.ROLE_DECODE)
-        else:
+        if not completed:
             await host.abort_room(room_id, "decode failed or was cancelled")
 
     async def _stream(

@@ -34,7 +34,9 @@ class DirectorySettings(BaseModel):
     max_peers: int = Field(default=4096, ge=1, le=1_000_000)
     """Registered peers before CAPACITY_EXHAUSTED."""
     max_watchers_per_room: int = Field(default=8, ge=1, le=1024)
-    """Concurrent WatchRoom streams per room."""
+    """Concurrent WatchRoom streams (and waiting BeginTransfer calls) per room, and feeds per peer."""
+    max_feed_batch: int = Field(default=256, ge=1, le=65536)
+    """Room changes one WatchPeerRooms message carries at most."""
     max_page_runs: int = Field(default=16384, ge=1, le=1_000_000)
     """Page runs in one published source."""
     max_regions: int = Field(default=4096, ge=1, le=1_000_000)

@@ -94,7 +94,7 @@ def timestamp(seconds: float) -> timestamp_pb2.Timestamp:
     return timestamp_pb2.Timestamp(seconds=whole, nanos=int((seconds - whole) * 1e9))
 
 
-def room_to_proto(room: RoomRecord, wall_offset: float) -> dpb.Room:
+def room_to_proto(room: RoomRecord, wall_offset: float, with_source: bool = True) -> dpb.Room:
     """The wire form; ``wall_offset`` turns the monotonic expiry into wall-clock time."""
     msg = dpb.Room(
         room_id=room.room_id,
@@ -110,7 +110,7 @@ def room_to_proto(room: RoomRecord, wall_offset: float) -> dpb.Room:
         prefill_released=room.prefill_released,
         decode_released=room.decode_released,
     )
-    if room.source is not None:
+    if with_source and room.source is not None:
         msg.source.CopyFrom(room.source)
     return msg
 

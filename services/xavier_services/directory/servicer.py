@@ -23,6 +23,7 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime.errors import CapacityExhausted, InvalidArgument, Unavailable
 from xavier_services.directory.config import DirectorySettings
 from xavier_services.directory.records import (
+    OPEN,
     TERMINAL_STATES,
     RoomRecord,
     peer_to_proto,
@@ -58,6 +59,9 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         self.state.listener = self._changed
         self._offset = self.state.wall_offset
         self._watchers: dict[int, list[asyncio.Queue[dpb.Room | None]]] = {}
+        # Per-peer feeds (WatchPeerRooms) and BeginTransfer calls waiting for a room to leave OPEN.
+        self._feeds: dict[str, list[asyncio.Queue[dpb.Room | None]]] = {}
+        self._waiters: dict[int, list[asyncio.Future[None]]] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
     # --- lifecycle ----------------------------------------------------------------
@@ -77,7 +81,7 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
-        for queues in self._watchers.values():
+        for queues in (*self._watchers.values(), *self._feeds.values()):
             for queue in queues:
                 queue.put_nowait(None)
 
@@ -92,6 +96,36 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
             msg = room_to_proto(room, self._offset)
             for queue in queues:
                 queue.put_nowait(msg)
+        feeds = [q for p in (room.prefill_peer_id, room.decode_peer_id) for q in self._feeds.get(p, ())]
+        if feeds:
+            brief = room_to_proto(room, self._offset, with_source=False)
+            for queue in feeds:
+                queue.put_nowait(brief)
+        for fut in self._waiters.pop(room.room_id, ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _until_not_open(self, room: RoomRecord) -> None:
+        """Waits until the room leaves OPEN (its lease bounds the wait; the call's deadline too)."""
+        while room.state == OPEN:
+            waiters = self._waiters.setdefault(room.room_id, [])
+            if len(waiters) >= self.settings.max_watchers_per_room:
+                raise CapacityExhausted(
+                    f"room {room.room_id} has {len(waiters)} waiters",
+                    limit=self.settings.max_watchers_per_room,
+                )
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            waiters.append(fut)
+            try:
+                await fut
+            finally:
+                if not fut.done():
+                    fut.cancel()
+                left = self._waiters.get(room.room_id)
+                if left is not None and fut in left:
+                    left.remove(fut)
+                    if not left:
+                        del self._waiters[room.room_id]
 
     def _room(self, room: RoomRecord) -> dpb.Room:
         return room_to_proto(room, self._offset)
@@ -160,11 +194,16 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         return dpb.PublishSourceResponse(room=self._room(room))
 
     async def BeginTransfer(self, req: dpb.BeginTransferRequest, ctx: Ctx) -> dpb.BeginTransferResponse:
+        if req.wait_for_source:
+            room = self.state.member_room(req.room_id, req.peer_id, req.epoch, types_pb2.ROLE_DECODE)
+            await self._until_not_open(room)
+            if room.state in TERMINAL_STATES:
+                return dpb.BeginTransferResponse(room=self._room(room))
         room = self.state.begin_transfer(req.request_id, req.room_id, req.peer_id, req.epoch)
         return dpb.BeginTransferResponse(room=self._room(room))
 
     async def CompleteRoom(self, req: dpb.CompleteRoomRequest, ctx: Ctx) -> dpb.CompleteRoomResponse:
-        room = self.state.complete_room(req.request_id, req.room_id, req.peer_id, req.epoch)
+        room = self.state.complete_room(req.request_id, req.room_id, req.peer_id, req.epoch, req.release)
         return dpb.CompleteRoomResponse(room=self._room(room))
 
     async def RenewLease(self, req: dpb.RenewLeaseRequest, ctx: Ctx) -> dpb.RenewLeaseResponse:
@@ -210,6 +249,34 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
             queues.remove(queue)
             if not queues:
                 self._watchers.pop(room.room_id, None)
+
+    async def WatchPeerRooms(
+        self, req: dpb.WatchPeerRoomsRequest, ctx: Ctx
+    ) -> AsyncIterator[dpb.WatchPeerRoomsResponse]:
+        live = self.state.peer_rooms(req.peer_id, req.epoch)
+        feeds = self._feeds.setdefault(req.peer_id, [])
+        if len(feeds) >= self.settings.max_watchers_per_room:
+            raise CapacityExhausted(
+                f"peer {req.peer_id} has {len(feeds)} feeds", limit=self.settings.max_watchers_per_room
+            )
+        # Registered in the same step as the snapshot: no change can fall between the two.
+        queue: asyncio.Queue[dpb.Room | None] = asyncio.Queue()
+        feeds.append(queue)
+        try:
+            yield dpb.WatchPeerRoomsResponse(
+                rooms=[room_to_proto(r, self._offset, with_source=False) for r in live]
+            )
+            while True:
+                batch = [await queue.get()]
+                while not queue.empty() and len(batch) < self.settings.max_feed_batch:
+                    batch.append(queue.get_nowait())
+                if None in batch:
+                    raise Unavailable("directory is shutting down", reason="SHUTTING_DOWN")
+                yield dpb.WatchPeerRoomsResponse(rooms=batch)
+        finally:
+            feeds.remove(queue)
+            if not feeds:
+                self._feeds.pop(req.peer_id, None)
 
     async def GetDirectoryStats(
         self, req: dpb.GetDirectoryStatsRequest, ctx: Ctx

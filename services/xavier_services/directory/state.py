@@ -189,17 +189,36 @@ class DirectoryState:
         self._transition(room, TRANSFERRING)
         return room
 
-    def complete_room(self, request_id: str, room_id: int, peer_id: str, epoch: int) -> RoomRecord:
-        """The decode holds every page: SOURCE_READY / TRANSFERRING → COMPLETED, retention lease starts."""
+    def complete_room(
+        self, request_id: str, room_id: int, peer_id: str, epoch: int, release: bool = False
+    ) -> RoomRecord:
+        """The decode holds every page: SOURCE_READY / TRANSFERRING → COMPLETED, retention lease starts.
+
+        With ``release`` the handoff also ends: the reader is done with the source and with the room, so
+        both roles count as released and the room goes on to RELEASED at once.
+        """
         room, _ = self._member(request_id, room_id, peer_id, epoch, _ROLE_DECODE)
-        if room.seen(request_id) or room.state == COMPLETED:
+        if room.seen(request_id) or room.state in (COMPLETED, RELEASED):
             return room
         self._require_state(room, (SOURCE_READY, TRANSFERRING))
         room.remember(request_id, self.settings.request_ids_per_room)
         self._set_lease(room, self.settings.completed_retention_seconds)
         self._completed += 1
         self._transition(room, COMPLETED)
+        if release:
+            room.prefill_released = room.decode_released = True
+            self._end(room, RELEASED, "")
         return room
+
+    def member_room(self, room_id: int, peer_id: str, epoch: int, role: int | None) -> RoomRecord:
+        """The room, once ``peer_id`` is shown to hold ``role`` (None: either) in it at ``epoch``."""
+        return self._member("", room_id, peer_id, epoch, role)[0]
+
+    def peer_rooms(self, peer_id: str, epoch: int) -> list[RoomRecord]:
+        """The live rooms of a registered peer at its current epoch."""
+        check_peer_id(peer_id, "peer_id")
+        peer = self.peers.current(peer_id, epoch, types_pb2.Role.values())
+        return [self._room(r) for r in list(peer.rooms) if r in self._rooms]
 
     def renew_lease(self, room_id: int, peer_id: str, epoch: int, lease: float | None) -> RoomRecord:
         """Extends a live or completed room's lease from now (default: the state's default lease)."""

@@ -26,6 +26,10 @@ class EngineSection(_Section):
     num_pages: int = Field(default=1024, ge=8, le=1 << 24)
     max_running: int = Field(default=32, ge=1, le=4096)
     chunk_tokens: int = Field(default=2048, ge=16, le=1 << 20)
+    compute: Literal["model", "null"] = "model"
+    """What each step runs: "model", the checkpoint's forward pass; "null", a near-zero-cost stand-in (no
+    weights loaded) inside the otherwise real engine, for control-plane benchmarks. Null peers have their
+    own KV contract fingerprint, so they never exchange KV with real ones."""
 
     @field_validator("device")
     @classmethod
@@ -63,8 +67,6 @@ class HandoffSection(_Section):
     """Longest a KV read may take before the decode gives up."""
     park_timeout_seconds: float = Field(default=60.0, gt=0, le=86400)
     """Longest an aborted source's pages stay parked waiting for a possibly in-flight read."""
-    renew_interval_seconds: float = Field(default=10.0, gt=0, le=3600)
-    """How often a long decode stream renews its room."""
     poll_interval_seconds: float = Field(default=0.0005, gt=0, le=1)
     """NIXL progress / notification polling period while transfers are live."""
     transfer_mode: Literal["coalesced", "per_page"] = "coalesced"

@@ -10,7 +10,6 @@ import contextlib
 import importlib.metadata
 import socket
 import uuid
-from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from xavier.v1 import directory_service_pb2 as dpb
@@ -20,7 +19,6 @@ from xavier_core.contract import KvLayout, layout_from_model_dir
 from xavier_core.directory_client import DirectoryClient, PeerSession, Registration
 from xavier_core.engine.api import Engine
 from xavier_core.runtime.errors import (
-    FailedPrecondition,
     InvalidArgument,
     Unavailable,
     XavierError,
@@ -28,6 +26,7 @@ from xavier_core.runtime.errors import (
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.peer.kv_port import KvPort
+from xavier_services.peer.room_feed import RoomFeed
 
 log = get_logger(__name__)
 
@@ -62,10 +61,11 @@ def load_engine(config: PeerServiceConfig, role: int = types_pb2.ROLE_UNIFIED) -
         num_pages=e.num_pages,
         max_running=e.max_running,
         chunk_tokens=e.chunk_tokens,
+        compute=e.compute,
     )
-    if role != types_pb2.ROLE_PREFILL and e.device.startswith("cuda"):
+    if role != types_pb2.ROLE_PREFILL and e.device.startswith("cuda") and e.compute == "model":
         # Decode graphs are captured now, before the NIXL agent exists: a capture must not overlap
-        # transfers on the same device.
+        # transfers on the same device. Null compute has no decode graphs.
         n = engine.capture_decode_graphs()
         log.info("decode graphs captured", graphs=n)
     return engine
@@ -83,7 +83,7 @@ class PeerHost:
         assert e.model is not None
         self.layout: KvLayout = layout_from_model_dir(
             e.model,
-            engine="reference",
+            engine="reference-null" if e.compute == "null" else "reference",  # null never meets real KV
             engine_version=_version(),
             dtype=engine.dtype_name,
             page_size=engine.page_size,
@@ -95,6 +95,7 @@ class PeerHost:
         self.address = ""
         self.kv: KvPort | None = None  # type: ignore[assignment]
         self.directory: DirectoryClient | None = None
+        self.rooms: RoomFeed | None = None  # the prefill's feed of its rooms' states
         self._session: PeerSession | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -124,6 +125,9 @@ class PeerHost:
             self.directory, req, load=self.load, on_registered=self._on_registered, register_attempts=20
         )
         await self._session.start()
+        if self.role == types_pb2.ROLE_PREFILL:
+            self.rooms = RoomFeed(self.directory, lambda: (self.peer_id, self.epoch))
+            self.rooms.start()
         return {"peer_id": self.peer_id, "epoch": self.epoch, "fingerprint": self.fingerprint}
 
     def _on_registered(self, reg: Registration) -> None:
@@ -132,6 +136,8 @@ class PeerHost:
         log.info("registered", peer_id=self.peer_id, epoch=self.epoch)
 
     async def stop(self) -> None:
+        if self.rooms is not None:
+            await self.rooms.stop()
         if self._session is not None:
             with contextlib.suppress(Exception):
                 await self._session.stop(unregister=True)
@@ -155,18 +161,6 @@ class PeerHost:
         if self.directory is None:
             raise Unavailable("not connected to the directory", reason="DIRECTORY_UNAVAILABLE")
         return self.directory
-
-    async def watch_room(self, room_id: int, timeout: float) -> AsyncIterator[dpb.Room]:
-        """Streams a room's states (server stream, no polling) until a terminal state or `timeout`."""
-        async for room in self.dir.watch_room(room_id, timeout=timeout):
-            yield room
-
-    async def wait_room_message(self, room_id: int, states: Sequence[int], timeout: float) -> dpb.Room:
-        """Watches a room until it reaches one of `states`."""
-        async for room in self.watch_room(room_id, timeout):
-            if room.state in states:
-                return room
-        raise FailedPrecondition(f"room {room_id} watch ended early", reason="WATCH_ENDED")
 
     async def abort_room(self, room_id: int, reason: str) -> None:
         with contextlib.suppress(XavierError):

@@ -1,14 +1,17 @@
 """The P/D data plane as the prefill and decode servicers see it, over the engine-neutral transfer layer.
 
 All NIXL calls of a process run on one dedicated thread: the agent is not shared across threads, and no
-NIXL call ever blocks the asyncio loop. While any source is published or any read is live, a pump on that
-thread polls NIXL notifications (which also drives progress without a busy-spinning progress thread).
+NIXL call ever blocks the asyncio loop. While any source is published or any read is live, that thread
+also polls NIXL between calls, every `poll_interval`: notifications (which also drive progress without a
+busy-spinning progress thread), the state of each published source and of each live read. It hands results
+to the asyncio loop only when something ended, so a poll costs the loop nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +57,64 @@ class _Published:
     outcome: str = ""
 
 
+_Job = tuple[Callable[..., Any], tuple[Any, ...], "concurrent.futures.Future[Any]"]
+
+
+class _NixlThread:
+    """Runs submitted calls in order on one thread; polls with `tick` between them while `busy()`."""
+
+    def __init__(
+        self,
+        tick: Callable[[], None],
+        busy: Callable[[], bool],
+        poll_interval: float,
+        lock: threading.Lock | None,
+    ) -> None:
+        self._tick, self._busy, self._poll, self._lock = tick, busy, poll_interval, lock
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name="xavier-nixl", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((fn, args, fut))
+        return fut
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _locked(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._lock is None:
+            return fn(*args)
+        with self._lock:
+            return fn(*args)
+
+    def _main(self) -> None:
+        last = time.monotonic()
+        while True:
+            busy = self._busy()
+            try:
+                job = self._jobs.get(timeout=max(0.0, last + self._poll - time.monotonic()) if busy else None)
+            except queue.Empty:
+                job = ()  # type: ignore[assignment]
+            if job is None:
+                return
+            if job:
+                fn, args, fut = job
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(self._locked(fn, *args))
+                    except BaseException as err:  # handed to the caller
+                        fut.set_exception(err)
+            if self._busy() and time.monotonic() - last >= self._poll:
+                last = time.monotonic()
+                try:
+                    self._locked(self._tick)
+                except Exception:
+                    log.exception("NIXL poll failed")
+
+
 class KvPort:
     """Publishes prefill sources and pulls them into decode pages, one NIXL agent per process."""
 
@@ -66,30 +127,27 @@ class KvPort:
         mode: str = "coalesced",
         device_lock: threading.Lock | None = None,
     ) -> None:
-        # Held around every NIXL call when the engine captures CUDA graphs on the same device.
-        self._device_lock = device_lock
-        self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
         self._buffers = list(buffers)
-        self._poll_interval = poll_interval
         self._mode = mode
-        self.agent: NixlAgent = self._exec.submit(NixlAgent, agent_name, self._buffers).result()
+        # Owned by the NIXL thread: sources not yet reported ended, and live reads with their futures.
+        self._senders: dict[int, KvSender] = {}
+        self._reads: dict[KvReceiver, asyncio.Future[KvPoll]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Held around every NIXL call when the engine captures CUDA graphs on the same device.
+        self._thread = _NixlThread(self._tick, self._busy, poll_interval, device_lock)
+        self.agent: NixlAgent = self._thread.submit(NixlAgent, agent_name, self._buffers).result()
         self.manager = KvManager(self.agent, self._buffers, page_size)
+        # Owned by the asyncio loop.
         self._published: dict[int, _Published] = {}
-        self._live_reads = 0
-        self._pump_task: asyncio.Task[None] | None = None
         self._endpoint: types_pb2.TransferEndpoint | None = None
         self.totals = TransferTotals()
 
     # -- plumbing -----------------------------------------------------------------------------------------
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._exec, self._locked, fn, *args)
-
-    def _locked(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._device_lock is None:
-            return fn(*args)
-        with self._device_lock:
-            return fn(*args)
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return await asyncio.wrap_future(self._thread.submit(fn, *args))
 
     def endpoint(self, host_id: str) -> types_pb2.TransferEndpoint:
         """This process's endpoint: built once (metadata is fixed after registration), then reused."""
@@ -112,30 +170,38 @@ class KvPort:
             host_id=host_id,
         )
 
-    def _ensure_pump(self) -> None:
-        if self._pump_task is None or self._pump_task.done():
-            self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+    def _busy(self) -> bool:
+        return bool(self._senders or self._reads)
 
-    async def _pump(self) -> None:
-        """Drives NIXL progress while sources are published or reads are live; ends parked waits."""
-        while self._published or self._live_reads:
-            ended = await self._run(self._progress)
-            for room_id, outcome in ended:
-                pub = self._published.get(room_id)
-                if pub is not None and not pub.ended.is_set():
-                    pub.outcome = outcome
-                    pub.ended.set()
-            await asyncio.sleep(self._poll_interval)
-
-    def _progress(self) -> list[tuple[int, str]]:
-        # One NIXL poll for every published room, then each room's state as that poll left it.
+    def _tick(self) -> None:
+        """On the NIXL thread: one NIXL poll, then what it ended, handed to the loop in one call."""
         self.manager.progress()
-        ended = []
-        for room_id, pub in list(self._published.items()):
-            state, in_flight = pub.sender.peek()
-            if not pub.ended.is_set() and not in_flight:
+        ended: list[tuple[int, str]] = []
+        for room_id, sender in list(self._senders.items()):
+            state, in_flight = sender.peek()
+            if not in_flight:
                 ended.append((room_id, "done" if state == KvPoll.SUCCESS else "fail"))
-        return ended
+                del self._senders[room_id]
+        reads: list[tuple[asyncio.Future[KvPoll], KvPoll]] = []
+        for receiver, fut in list(self._reads.items()):
+            state = receiver.poll()
+            if state in (KvPoll.SUCCESS, KvPoll.FAILED):
+                reads.append((fut, state))
+                del self._reads[receiver]
+        if (ended or reads) and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._deliver, ended, reads)
+
+    def _deliver(
+        self, ended: list[tuple[int, str]], reads: list[tuple[asyncio.Future[KvPoll], KvPoll]]
+    ) -> None:
+        for room_id, outcome in ended:
+            pub = self._published.get(room_id)
+            if pub is not None and not pub.ended.is_set():
+                pub.outcome = outcome
+                pub.ended.set()
+        for fut, state in reads:
+            if not fut.done():
+                fut.set_result(state)
 
     # -- prefill side ---------------------------------------------------------------------------------------
 
@@ -147,11 +213,12 @@ class KvPort:
         def _send() -> tuple[KvSender, SourceInfo]:
             sender = KvSender(self.manager, str(room_id))
             sender.init(len(page_ids), aux)
-            return sender, sender.send(list(page_ids))
+            info = sender.send(list(page_ids))
+            self._senders[room_id] = sender
+            return sender, info
 
         sender, info = await self._run(_send)
         self._published[room_id] = _Published(sender)
-        self._ensure_pump()
         return directory_service_pb2.SourceDescriptor(
             endpoint=self.endpoint(host_id),
             page_runs=[types_pb2.PageRun(first_page=r.first, count=r.count) for r in info.runs],
@@ -183,6 +250,7 @@ class KvPort:
             self.totals.transfers += 1
 
         def _clear() -> None:
+            self._senders.pop(room_id, None)
             if completed:
                 pub.sender.mark_complete()
             else:
@@ -235,28 +303,33 @@ class KvPort:
         except InvalidSourceError as err:
             raise FailedPrecondition(f"bad source descriptor: {err}", reason="INVALID_SOURCE") from None
         receiver = KvReceiver(self.manager, str(room_id))
+        done: asyncio.Future[KvPoll] = asyncio.get_running_loop().create_future()
 
         def _start() -> None:
             receiver.init()
             receiver.send_metadata(list(dest_pages))
             receiver.start(info, peer_key, self._mode)  # type: ignore[arg-type]
+            self._reads[receiver] = done
+
+        def _forget() -> None:
+            self._reads.pop(receiver, None)
 
         started = time.perf_counter()
-        self._live_reads += 1
-        self._ensure_pump()
         try:
             await self._run(_start)
-            state = await self._poll_receiver(receiver, timeout)
+            try:
+                state = await asyncio.wait_for(asyncio.shield(done), timeout)
+            except TimeoutError:
+                state = KvPoll.FAILED
             if state != KvPoll.SUCCESS:
                 self.totals.failures += 1
                 raise Unavailable(
                     f"KV read of room {room_id} failed ({state.name})", reason="TRANSFER_FAILED"
                 )
         except BaseException:
+            await asyncio.shield(self._run(_forget))
             await asyncio.shield(self._quiesce(receiver, park_timeout))
             raise
-        finally:
-            self._live_reads -= 1
         elapsed = time.perf_counter() - started
         nbytes = sum(b.bytes_per_page for b in self._buffers) * len(dest_pages)
         self.totals.bytes += nbytes
@@ -264,16 +337,6 @@ class KvPort:
         self.totals.transfers += 1
         await self._run(receiver.clear)
         return nbytes, elapsed
-
-    async def _poll_receiver(self, receiver: KvReceiver, timeout: float) -> KvPoll:
-        deadline = time.monotonic() + timeout
-        while True:
-            state = await self._run(receiver.poll)
-            if state in (KvPoll.SUCCESS, KvPoll.FAILED):
-                return state
-            if time.monotonic() > deadline:
-                return KvPoll.FAILED
-            await asyncio.sleep(self._poll_interval)
 
     async def _quiesce(self, receiver: KvReceiver, timeout: float) -> None:
         """Aborts a receiver and waits until its read can no longer touch the destination pages."""
@@ -287,4 +350,4 @@ class KvPort:
 
     async def close(self) -> None:
         await self._run(self.agent.close)
-        self._exec.shutdown(wait=True)
+        await asyncio.to_thread(self._thread.stop)

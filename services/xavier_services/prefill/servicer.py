@@ -19,7 +19,7 @@ from xavier.v1 import prefill_service_pb2 as pb
 from xavier.v1 import prefill_service_pb2_grpc, types_pb2
 
 from xavier_core.engine.api import PrefillResult
-from xavier_core.runtime.errors import Aborted, FailedPrecondition, XavierError
+from xavier_core.runtime.errors import Aborted, FailedPrecondition
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.convert import (
     check_prompt,
@@ -153,41 +153,31 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         finally:
             await self._unpin(hold, completed=False)
 
-    async def _watch_outcome(self, room_id: int, timeout: float) -> tuple[int, bool]:
-        """Returns (the room's completed-or-terminal state, whether a read may have started).
-
-        A decode reads only after BeginTransfer moved the room to TRANSFERRING, and BeginTransfer is
-        refused once the room ended; so a room that ended without passing TRANSFERRING has no reader.
-        """
-        may_read = False
-        try:
-            async for room in self.host.watch_room(room_id, timeout):
-                may_read = may_read or room.state == dpb.ROOM_STATE_TRANSFERRING
-                if room.state == dpb.ROOM_STATE_COMPLETED or room.state in _TERMINAL:
-                    return room.state, may_read
-        except XavierError as err:
-            log.warning("room watch failed", room_id=room_id, error=str(err))
-        return dpb.ROOM_STATE_UNSPECIFIED, True
-
     async def _hold_until_read(self, hold: _Hold) -> None:
-        """Unpins on the reader's notification or the room's completion; parks on any other ending."""
+        """Unpins on the reader's notification or the room's completion; parks on any other ending.
+
+        The room's states come from the peer's room feed (one directory stream for all rooms). A decode
+        reads only after BeginTransfer moved the room to TRANSFERRING, and BeginTransfer is refused once
+        the room ended; so a room that ended without passing TRANSFERRING has no reader.
+        """
         host = self.host
+        assert host.rooms is not None
         room_id = hold.room_id
         handoff = host.config.handoff
         notif = asyncio.ensure_future(
             host.kv.wait_read_end(room_id, handoff.room_lease_seconds + handoff.park_timeout_seconds)
         )
-        watch = asyncio.ensure_future(self._watch_outcome(room_id, handoff.room_lease_seconds * 2))
+        watch = asyncio.ensure_future(host.rooms.outcome(room_id, handoff.room_lease_seconds * 2))
         try:
             done, _ = await asyncio.wait({notif, watch}, return_when=asyncio.FIRST_COMPLETED)
             outcome = notif.result() if notif in done else ""
             if outcome == "done":
                 # The read is over: unpin now; release the room only once the decode completed it.
                 await self._unpin(hold, completed=True)
-                await asyncio.wait({watch})
+                state, _ = await watch
             else:
                 state, may_read = await watch
-                if state == dpb.ROOM_STATE_COMPLETED:
+                if state in (dpb.ROOM_STATE_COMPLETED, dpb.ROOM_STATE_RELEASED):
                     await self._unpin(hold, completed=True)
                 elif not may_read or (notif.done() and notif.result() == "fail"):
                     await self._unpin(hold, completed=False)
@@ -196,7 +186,10 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         finally:
             for t in (notif, watch):
                 t.cancel()
-        await host.release_room(room_id, types_pb2.ROLE_PREFILL)
+            host.rooms.forget(room_id)
+        if state not in _TERMINAL:
+            # A room the decode completed without releasing it (or whose outcome is unknown).
+            await host.release_room(room_id, types_pb2.ROLE_PREFILL)
 
     async def _unpin(self, hold: _Hold, completed: bool) -> None:
         await self.host.kv.unpublish(hold.room_id, completed=completed)

@@ -698,6 +698,7 @@ class BeginTransferRequest(_message.Message):
     ROOM_ID_FIELD_NUMBER: _builtins.int
     PEER_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    WAIT_FOR_SOURCE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key."""
     room_id: _builtins.int
@@ -706,6 +707,11 @@ class BeginTransferRequest(_message.Message):
     """Decode peer id."""
     epoch: _builtins.int
     """Decode peer epoch."""
+    wait_for_source: _builtins.bool
+    """When the room is still OPEN, wait (within the call's deadline and the room's lease) until it is not.
+    If the room then ended instead of turning SOURCE_READY, the response carries the ended room and
+    nothing changes; the caller reads room.state.
+    """
     def __init__(
         self,
         *,
@@ -713,10 +719,11 @@ class BeginTransferRequest(_message.Message):
         room_id: _builtins.int = ...,
         peer_id: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        wait_for_source: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "peer_id", b"peer_id", "request_id", b"request_id", "room_id", b"room_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "peer_id", b"peer_id", "request_id", b"request_id", "room_id", b"room_id", "wait_for_source", b"wait_for_source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -731,7 +738,7 @@ class BeginTransferResponse(_message.Message):
     ROOM_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def room(self) -> Global___Room:
-        """The room in TRANSFERRING state."""
+        """The room in TRANSFERRING state (or, after wait_for_source, the room as it ended)."""
 
     def __init__(
         self,
@@ -793,6 +800,56 @@ class WatchRoomResponse(_message.Message):
 Global___WatchRoomResponse: _TypeAlias = WatchRoomResponse  # noqa: Y015
 
 @_typing.final
+class WatchPeerRoomsRequest(_message.Message):
+    """WatchPeerRoomsRequest watches every room of one peer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    peer_id: _builtins.str
+    """The peer's id; it must be registered."""
+    epoch: _builtins.int
+    """The peer's current epoch."""
+    def __init__(
+        self,
+        *,
+        peer_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "peer_id", b"peer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchPeerRoomsRequest: _TypeAlias = WatchPeerRoomsRequest  # noqa: Y015
+
+@_typing.final
+class WatchPeerRoomsResponse(_message.Message):
+    """WatchPeerRoomsResponse carries one or more room changes, in the order they happened."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def rooms(self) -> _containers.RepeatedCompositeFieldContainer[Global___Room]:
+        """The rooms after their changes, without their source page runs."""
+
+    def __init__(
+        self,
+        *,
+        rooms: _abc.Iterable[Global___Room] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rooms", b"rooms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchPeerRoomsResponse: _TypeAlias = WatchPeerRoomsResponse  # noqa: Y015
+
+@_typing.final
 class CompleteRoomRequest(_message.Message):
     """CompleteRoomRequest marks the transfer done."""
 
@@ -804,6 +861,7 @@ class CompleteRoomRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     BYTES_TRANSFERRED_FIELD_NUMBER: _builtins.int
     TRANSFER_DURATION_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key."""
     room_id: _builtins.int
@@ -814,6 +872,10 @@ class CompleteRoomRequest(_message.Message):
     """Decode peer epoch."""
     bytes_transferred: _builtins.int
     """Bytes the decode read."""
+    release: _builtins.bool
+    """Also ends the handoff: the decode needs the room no more and the source pages were read, so the room
+    goes on to RELEASED at once and neither role calls ReleaseRoom.
+    """
     @_builtins.property
     def transfer_duration(self) -> _duration_pb2.Duration:
         """How long the read took."""
@@ -827,10 +889,11 @@ class CompleteRoomRequest(_message.Message):
         epoch: _builtins.int = ...,
         bytes_transferred: _builtins.int = ...,
         transfer_duration: _duration_pb2.Duration | None = ...,
+        release: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["transfer_duration", b"transfer_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "epoch", b"epoch", "peer_id", b"peer_id", "request_id", b"request_id", "room_id", b"room_id", "transfer_duration", b"transfer_duration"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "epoch", b"epoch", "peer_id", b"peer_id", "release", b"release", "request_id", b"request_id", "room_id", b"room_id", "transfer_duration", b"transfer_duration"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -845,7 +908,7 @@ class CompleteRoomResponse(_message.Message):
     ROOM_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def room(self) -> Global___Room:
-        """The room in COMPLETED state."""
+        """The room in COMPLETED state (RELEASED with release)."""
 
     def __init__(
         self,

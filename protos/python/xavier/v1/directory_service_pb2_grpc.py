@@ -76,6 +76,11 @@ class DirectoryServiceStub:
                 request_serializer=xavier_dot_v1_dot_directory__service__pb2.WatchRoomRequest.SerializeToString,
                 response_deserializer=xavier_dot_v1_dot_directory__service__pb2.WatchRoomResponse.FromString,
                 _registered_method=True)
+        self.WatchPeerRooms = channel.unary_stream(
+                '/xavier.v1.DirectoryService/WatchPeerRooms',
+                request_serializer=xavier_dot_v1_dot_directory__service__pb2.WatchPeerRoomsRequest.SerializeToString,
+                response_deserializer=xavier_dot_v1_dot_directory__service__pb2.WatchPeerRoomsResponse.FromString,
+                _registered_method=True)
         self.CompleteRoom = channel.unary_unary(
                 '/xavier.v1.DirectoryService/CompleteRoom',
                 request_serializer=xavier_dot_v1_dot_directory__service__pb2.CompleteRoomRequest.SerializeToString,
@@ -156,7 +161,8 @@ class DirectoryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def BeginTransfer(self, request, context):
-        """BeginTransfer records that the decode started reading the source pages.
+        """BeginTransfer records that the decode started reading the source pages; with wait_for_source it
+        first waits for the prefill to publish them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -164,6 +170,14 @@ class DirectoryServiceServicer:
 
     def WatchRoom(self, request, context):
         """WatchRoom streams a room's state changes, starting with its current state; ends at a terminal state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchPeerRooms(self, request, context):
+        """WatchPeerRooms streams the state changes of every room a peer is a member of, over one stream per
+        peer instead of one per room: first the peer's live rooms, then each change, batched.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -253,6 +267,11 @@ def add_DirectoryServiceServicer_to_server(servicer, server):
                     servicer.WatchRoom,
                     request_deserializer=xavier_dot_v1_dot_directory__service__pb2.WatchRoomRequest.FromString,
                     response_serializer=xavier_dot_v1_dot_directory__service__pb2.WatchRoomResponse.SerializeToString,
+            ),
+            'WatchPeerRooms': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchPeerRooms,
+                    request_deserializer=xavier_dot_v1_dot_directory__service__pb2.WatchPeerRoomsRequest.FromString,
+                    response_serializer=xavier_dot_v1_dot_directory__service__pb2.WatchPeerRoomsResponse.SerializeToString,
             ),
             'CompleteRoom': grpc.unary_unary_rpc_method_handler(
                     servicer.CompleteRoom,
@@ -503,6 +522,33 @@ class DirectoryService:
             '/xavier.v1.DirectoryService/WatchRoom',
             xavier_dot_v1_dot_directory__service__pb2.WatchRoomRequest.SerializeToString,
             xavier_dot_v1_dot_directory__service__pb2.WatchRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchPeerRooms(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/xavier.v1.DirectoryService/WatchPeerRooms',
+            xavier_dot_v1_dot_directory__service__pb2.WatchPeerRoomsRequest.SerializeToString,
+            xavier_dot_v1_dot_directory__service__pb2.WatchPeerRoomsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,9 +48,15 @@ class DirectoryServiceStub:
     PublishSource: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.PublishSourceRequest, _directory_service_pb2.PublishSourceResponse]
     """PublishSource records where the prefill's KV pages are; idempotent by request_id."""
     BeginTransfer: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.BeginTransferRequest, _directory_service_pb2.BeginTransferResponse]
-    """BeginTransfer records that the decode started reading the source pages."""
+    """BeginTransfer records that the decode started reading the source pages; with wait_for_source it
+    first waits for the prefill to publish them.
+    """
     WatchRoom: _grpc.UnaryStreamMultiCallable[_directory_service_pb2.WatchRoomRequest, _directory_service_pb2.WatchRoomResponse]
     """WatchRoom streams a room's state changes, starting with its current state; ends at a terminal state."""
+    WatchPeerRooms: _grpc.UnaryStreamMultiCallable[_directory_service_pb2.WatchPeerRoomsRequest, _directory_service_pb2.WatchPeerRoomsResponse]
+    """WatchPeerRooms streams the state changes of every room a peer is a member of, over one stream per
+    peer instead of one per room: first the peer's live rooms, then each change, batched.
+    """
     CompleteRoom: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.CompleteRoomRequest, _directory_service_pb2.CompleteRoomResponse]
     """CompleteRoom records that the decode received every page."""
     RenewLease: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.RenewLeaseRequest, _directory_service_pb2.RenewLeaseResponse]
@@ -84,9 +90,15 @@ class DirectoryServiceAsyncStub(DirectoryServiceStub):
     PublishSource: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.PublishSourceRequest, _directory_service_pb2.PublishSourceResponse]  # type: ignore[assignment]
     """PublishSource records where the prefill's KV pages are; idempotent by request_id."""
     BeginTransfer: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.BeginTransferRequest, _directory_service_pb2.BeginTransferResponse]  # type: ignore[assignment]
-    """BeginTransfer records that the decode started reading the source pages."""
+    """BeginTransfer records that the decode started reading the source pages; with wait_for_source it
+    first waits for the prefill to publish them.
+    """
     WatchRoom: _aio.UnaryStreamMultiCallable[_directory_service_pb2.WatchRoomRequest, _directory_service_pb2.WatchRoomResponse]  # type: ignore[assignment]
     """WatchRoom streams a room's state changes, starting with its current state; ends at a terminal state."""
+    WatchPeerRooms: _aio.UnaryStreamMultiCallable[_directory_service_pb2.WatchPeerRoomsRequest, _directory_service_pb2.WatchPeerRoomsResponse]  # type: ignore[assignment]
+    """WatchPeerRooms streams the state changes of every room a peer is a member of, over one stream per
+    peer instead of one per room: first the peer's live rooms, then each change, batched.
+    """
     CompleteRoom: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.CompleteRoomRequest, _directory_service_pb2.CompleteRoomResponse]  # type: ignore[assignment]
     """CompleteRoom records that the decode received every page."""
     RenewLease: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.RenewLeaseRequest, _directory_service_pb2.RenewLeaseResponse]  # type: ignore[assignment]
@@ -159,7 +171,9 @@ class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _directory_service_pb2.BeginTransferRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_directory_service_pb2.BeginTransferResponse, _abc.Awaitable[_directory_service_pb2.BeginTransferResponse]]:
-        """BeginTransfer records that the decode started reading the source pages."""
+        """BeginTransfer records that the decode started reading the source pages; with wait_for_source it
+        first waits for the prefill to publish them.
+        """
 
     @_abc_1.abstractmethod
     def WatchRoom(
@@ -168,6 +182,16 @@ class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_directory_service_pb2.WatchRoomResponse], _abc.AsyncIterator[_directory_service_pb2.WatchRoomResponse]]:
         """WatchRoom streams a room's state changes, starting with its current state; ends at a terminal state."""
+
+    @_abc_1.abstractmethod
+    def WatchPeerRooms(
+        self,
+        request: _directory_service_pb2.WatchPeerRoomsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_directory_service_pb2.WatchPeerRoomsResponse], _abc.AsyncIterator[_directory_service_pb2.WatchPeerRoomsResponse]]:
+        """WatchPeerRooms streams the state changes of every room a peer is a member of, over one stream per
+        peer instead of one per room: first the peer's live rooms, then each change, batched.
+        """
 
     @_abc_1.abstractmethod
     def CompleteRoom(
