@@ -6,12 +6,14 @@ then for each concurrency level and mode streams fixed-seed prompts through the 
 * TTFT p50/p99: client send → first streamed token.
 * TPOT p50: (last token - first token) / (tokens - 1), per request.
 * output tok/s: generated tokens / wall time of the level.
-* control-plane overhead (P/D): TTFT of a two-token request minus the prefill compute the prefill
-  service reports, i.e. tokenization, peer selection, OpenRoom, the Prefill RPC and the streaming hops,
-  with the model's own compute taken out; beside it a bare grpc.aio unary round trip (health Check on the
-  directory process) in the same run. Two tokens, not one, so every request runs the whole P/D lifecycle
-  (publish, watch, transfer, complete, release) as real traffic does: a one-token request ends at the
-  prefill and takes the abort path instead, whose clean-up then overlaps the next request.
+* control-plane overhead (P/D), on a second mesh whose engines run with `--compute null` (the real
+  scheduler, paging, KV pool and NIXL transfer, with a zero-compute model): TTFT of a two-token request,
+  i.e. tokenization, peer selection, OpenRoom, the Prefill RPC and the streaming hops; and the whole
+  lifecycle (publish, BeginTransfer, NIXL read, CompleteRoom, the second token). Beside it a bare
+  grpc.aio unary round trip (health Check on the directory process) at the same concurrency. Two tokens,
+  not one, so every request runs the whole P/D lifecycle as real traffic does: a one-token request ends
+  at the prefill and takes the abort path instead. The model mesh is stopped first: both never share
+  the CPU.
 
     python benchmarks/serving.py [--model DIR] [--out benchmarks/results/serving] [--max-tokens 32]
 
@@ -54,9 +56,48 @@ def prompts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(16, 64))) for _ in range(n)]
 
 
+def _services(root: int) -> dict[int, str]:
+    """pid -> service name of every process under `root` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out: dict[int, str] = {}
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        name = Path(argv[1].decode()).name if len(argv) > 1 else str(pid)
+        ready = [a.decode() for a in argv if a.endswith(b".ready")]
+        out[pid] = Path(ready[0]).stem if ready else name
+    return out
+
+
+def cpu_seconds(pids: dict[int, str]) -> dict[str, float]:
+    """User + system CPU seconds per service so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid, name in pids.items():
+        try:
+            fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def start_mesh(
-    workdir: Path, model: Path | None, device: str = "cpu"
+    workdir: Path, model: Path | None, device: str = "cpu", compute: str = "model"
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / "up.json"
     cmd = [
         str(Path(sys.executable).parent / "xavier"),
@@ -73,6 +114,8 @@ def start_mesh(
         str(ready),
         "--device",
         device,
+        "--compute",
+        compute,
     ]
     if model is not None:
         cmd += ["--model", str(model)]
@@ -134,20 +177,32 @@ async def level(address: str, mode: str, conc: int, n: int, max_tokens: int, see
     }
 
 
-async def overhead(address: str, directory: str, conc: int, n: int) -> dict[str, Any]:
-    """P/D control-plane overhead per request beside a bare grpc.aio round trip, same concurrency."""
+async def overhead(address: str, directory: str, conc: int, n: int, pids: dict[int, str]) -> dict[str, Any]:
+    """P/D control-plane cost per request on a zero-compute mesh, beside a bare grpc.aio round trip."""
     ps = prompts(n, 99)
-    over: list[float] = []
+    ttft: list[float] = []
+    total: list[float] = []
+    engine: list[float] = []
     async with AsyncClient(address, timeout=60) as client:
-        await one(client, "warm up", "pd", 2)
+        for _ in range(20):
+            await one(client, "warm up", "pd", 2)
         sem = asyncio.Semaphore(conc)
+        cpu0, me0, t_start = cpu_seconds(pids), time.process_time(), time.perf_counter()
 
         async def req(p: str) -> None:
             async with sem:
+                t0 = time.perf_counter()
                 r = await one(client, p, "pd", 2)
-                over.append((r["ttft"] - r["prefill"]) * 1e3)
+                total.append((time.perf_counter() - t0) * 1e3)
+                ttft.append(r["ttft"] * 1e3)
+                engine.append(r["prefill"] * 1e3)
 
         await asyncio.gather(*(req(p) for p in ps))
+        wall = time.perf_counter() - t_start
+        cpu1, me1 = cpu_seconds(pids), time.process_time()
+    cpu = {k: (cpu1[k] - cpu0.get(k, 0.0)) * 1e3 / n for k in cpu1}
+    cpu["client"] = (me1 - me0) * 1e3 / n
+    control = [t - e for t, e in zip(ttft, engine, strict=True)]
     bare: list[float] = []
     async with grpc.aio.insecure_channel(directory) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
@@ -164,10 +219,19 @@ async def overhead(address: str, directory: str, conc: int, n: int) -> dict[str,
     return {
         "concurrency": conc,
         "requests": n,
-        "overhead_ms_p50": pct(over, 50),
-        "overhead_ms_p99": pct(over, 99),
+        # TTFT less the time the prefill service reports for its engine (queue + step, zero compute).
+        "overhead_ms_p50": pct(control, 50),
+        "overhead_ms_p99": pct(control, 99),
+        "ttft_ms_p50": pct(ttft, 50),
+        "ttft_ms_p99": pct(ttft, 99),
+        "lifecycle_ms_p50": pct(total, 50),
+        "lifecycle_ms_p99": pct(total, 99),
+        "engine_prefill_ms_p50": pct(engine, 50),
         "bare_grpc_ms_p50": pct(bare, 50),
         "bare_grpc_ms_p99": pct(bare, 99),
+        "requests_per_s": n / wall,
+        "cpu_ms_per_request": {k: round(v, 3) for k, v in sorted(cpu.items())},
+        "cpu_ms_per_request_total": round(sum(cpu.values()), 3),
     }
 
 
@@ -179,7 +243,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     for mode in ("pd", "colocated"):
-        rows = [r for r in result["levels"] if r["mode"] == mode]
+        rows = [r for r in result.get("levels", []) if r["mode"] == mode]
         xs = [r["concurrency"] for r in rows]
         axes[0].plot(xs, [r["ttft_ms_p50"] for r in rows], "o-", label=f"{mode} p50")
         axes[0].plot(xs, [r["ttft_ms_p99"] for r in rows], "x--", label=f"{mode} p99")
@@ -203,22 +267,22 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-async def run(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
+async def run_levels(args: argparse.Namespace, info: dict[str, Any]) -> list[dict[str, Any]]:
     levels = []
     for conc in args.concurrency:
         for mode in ("pd", "colocated"):
             n = max(8, conc * args.requests_per_client)
             levels.append(await level(info["grpc"], mode, conc, n, args.max_tokens, seed=conc))
             print(json.dumps(levels[-1]), file=sys.stderr, flush=True)
-    ov = [await overhead(info["grpc"], info["directory"], c, 200 if c == 1 else 320) for c in (1, 16)]
-    return {
-        "model": Path(info["model"]).name,
-        "device": args.device,
-        "cores": os.cpu_count(),
-        "max_tokens": args.max_tokens,
-        "levels": levels,
-        "overhead": ov,
-    }
+    return levels
+
+
+async def run_overhead(info: dict[str, Any], pids: dict[int, str]) -> list[dict[str, Any]]:
+    out = []
+    for conc, n in ((1, 300), (16, 640)):
+        out.append(await overhead(info["grpc"], info["directory"], conc, n, pids))
+        print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+    return out
 
 
 def _run_loop(coro: Any) -> Any:
@@ -237,14 +301,21 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32])
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu, or cuda to spread engines over the GPUs")
+    p.add_argument("--overhead-only", action="store_true", help="only the zero-compute overhead part")
     args = p.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="xavier-bench-"))
-    proc, info = start_mesh(workdir, args.model, args.device)
-    try:
-        result = _run_loop(run(args, info))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+    meshes = {"model": ("levels", run_levels), "null": ("overhead", run_overhead)}
+    result: dict[str, Any] = {"device": args.device, "cores": os.cpu_count(), "max_tokens": args.max_tokens}
+    for compute in ("model", "null") if not args.overhead_only else ("null",):
+        proc, info = start_mesh(workdir / compute, args.model, args.device, compute)
+        try:
+            key, fn = meshes[compute]
+            result["model"] = Path(info["model"]).name
+            coro = fn(args, info) if compute == "model" else fn(info, _services(proc.pid))
+            result[key] = _run_loop(coro)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out.with_suffix(".png"))

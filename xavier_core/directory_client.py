@@ -196,6 +196,7 @@ class DirectoryClient:
         num_tokens: int = 0,
         lease: float | None = None,
         request_id: str | None = None,
+        room_id: int = 0,
     ) -> dpb.Room:
         """Opens a room between a prefill and a decode peer (at their current epochs)."""
         req = dpb.OpenRoomRequest(
@@ -207,6 +208,7 @@ class DirectoryClient:
             prompt_fingerprint=prompt_fingerprint,
             num_tokens=num_tokens,
             lease=_duration(lease) if lease is not None else None,
+            room_id=room_id,
         )
         resp: dpb.OpenRoomResponse = await self._call(self.stub.OpenRoom, req)
         return resp.room

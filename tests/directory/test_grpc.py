@@ -367,3 +367,21 @@ async def test_room_feed_outcomes(client: DirectoryClient) -> None:
     await feed.stop()
     await p.stop()
     await d.stop()
+
+
+async def test_open_room_with_a_chosen_id(client: DirectoryClient) -> None:
+    p, d = await _pair(client, "chosen")
+    pr, dr = p.registration, d.registration
+    room = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch, room_id=12345, request_id="c1")
+    assert room.room_id == 12345
+    # The same request again is the same room; another request for the id is refused.
+    again = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch, room_id=12345, request_id="c1")
+    assert again.room_id == 12345
+    with pytest.raises(FailedPrecondition) as err:
+        await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch, room_id=12345, request_id="c2")
+    assert err.value.reason == "ROOM_EXISTS"
+    with pytest.raises(InvalidArgument):
+        await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch, room_id=1 << 63)
+    await client.abort_room(12345, "done")
+    await p.stop()
+    await d.stop()

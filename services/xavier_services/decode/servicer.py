@@ -72,8 +72,10 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         pages = host.engine.reserve_pages(rid, len(token_ids))
         self._live[rid] = (request.room_id, request.request_id)
         completed = False
+        begun: dpb.Room | None = None  # the room, once this decode moved it to TRANSFERRING
+        pulling = False
         try:
-            room = await self._begin(request.room_id, rid)
+            room = begun = await self._begin(request.room_id, rid)
             src = room.source
             if src.contract_fingerprint != host.fingerprint:
                 raise LayoutMismatch(
@@ -84,6 +86,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 )
             peer_key = f"{room.prefill_peer_id}@{room.prefill_epoch}"
             handoff = host.config.handoff
+            pulling = True  # from here the pull tells the source how the read ended
             nbytes, transfer_s = await host.kv.pull(
                 request.room_id,
                 src,
@@ -116,6 +119,9 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                     msg.kv_digest, digest = digest, b""
                 yield msg
         finally:
+            if begun is not None and not pulling:
+                peer_key = f"{begun.prefill_peer_id}@{begun.prefill_epoch}"
+                await asyncio.shield(host.kv.decline(request.room_id, begun.source, peer_key))
             await asyncio.shield(self._finish(rid, request.room_id, completed))
 
     async def _begin(self, room_id: int, rid: str) -> dpb.Room:

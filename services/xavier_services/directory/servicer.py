@@ -186,6 +186,7 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
             req.prompt_fingerprint,
             req.num_tokens,
             _seconds(req.lease) if req.HasField("lease") else None,
+            req.room_id,
         )
         return dpb.OpenRoomResponse(room=self._room(room))
 

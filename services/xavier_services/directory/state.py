@@ -113,8 +113,12 @@ class DirectoryState:
         prompt_fingerprint: bytes,
         num_tokens: int,
         lease: float | None,
+        room_id: int = 0,
     ) -> RoomRecord:
-        """Opens a room between two live peers of compatible layouts; idempotent by ``request_id``."""
+        """Opens a room between two live peers of compatible layouts; idempotent by ``request_id``.
+
+        ``room_id`` non-zero asks for that id (the caller already told the prefill): ROOM_EXISTS if taken.
+        """
         check_request_id(request_id)
         check_peer_id(prefill_peer_id, "prefill_peer_id")
         check_peer_id(decode_peer_id, "decode_peer_id")
@@ -135,9 +139,14 @@ class DirectoryState:
         self.peers.require_compatible(prefill, decode)
         if len(self._rooms) >= self.settings.max_rooms:
             raise CapacityExhausted(f"{len(self._rooms)} rooms open", limit=self.settings.max_rooms)
-        room_id = self._new_room_id()
-        while room_id == 0 or room_id in self._rooms or room_id in self._ended:
+        if room_id:
+            check_room_id(room_id)
+            if room_id in self._rooms or room_id in self._ended:
+                raise FailedPrecondition(f"room {room_id} exists", reason="ROOM_EXISTS", room_id=room_id)
+        else:
             room_id = self._new_room_id()
+            while room_id == 0 or room_id in self._rooms or room_id in self._ended:
+                room_id = self._new_room_id()
         expires = self.clock() + (lease if lease is not None else self.settings.room_lease_seconds)
         room = RoomRecord(
             room_id, OPEN, prefill.peer_id, prefill.epoch, decode.peer_id, decode.epoch,

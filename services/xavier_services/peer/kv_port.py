@@ -31,6 +31,8 @@ from xavier_core.transfer import (
     KvSender,
     NixlAgent,
     SourceInfo,
+    TransferError,
+    fail_notif,
 )
 
 T = TypeVar("T")
@@ -304,11 +306,14 @@ class KvPort:
             raise FailedPrecondition(f"bad source descriptor: {err}", reason="INVALID_SOURCE") from None
         receiver = KvReceiver(self.manager, str(room_id))
         done: asyncio.Future[KvPoll] = asyncio.get_running_loop().create_future()
+        posted = False
 
         def _start() -> None:
+            nonlocal posted
             receiver.init()
             receiver.send_metadata(list(dest_pages))
             receiver.start(info, peer_key, self._mode)  # type: ignore[arg-type]
+            posted = True  # from here the receiver tells the source how its read ended
             self._reads[receiver] = done
 
         def _forget() -> None:
@@ -328,6 +333,8 @@ class KvPort:
                 )
         except BaseException:
             await asyncio.shield(self._run(_forget))
+            if not posted:
+                await asyncio.shield(self.decline(room_id, source, peer_key))
             await asyncio.shield(self._quiesce(receiver, park_timeout))
             raise
         elapsed = time.perf_counter() - started
@@ -337,6 +344,21 @@ class KvPort:
         self.totals.transfers += 1
         await self._run(receiver.clear)
         return nbytes, elapsed
+
+    async def decline(
+        self, room_id: int, source: directory_service_pb2.SourceDescriptor, peer_key: str
+    ) -> None:
+        """Tells a room's source that no read will come (the room began, the read never started), so
+        the prefill unpins at once instead of parking its pages until the park timeout."""
+
+        def _send() -> None:
+            try:
+                self.agent.add_peer(peer_key, source.endpoint.agent_metadata)
+                self.agent.send_notif(peer_key, fail_notif(str(room_id)))
+            except TransferError as err:
+                log.info("decline not delivered", room_id=room_id, error=str(err))
+
+        await self._run(_send)
 
     async def _quiesce(self, receiver: KvReceiver, timeout: float) -> None:
         """Aborts a receiver and waits until its read can no longer touch the destination pages."""

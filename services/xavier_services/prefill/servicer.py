@@ -19,7 +19,7 @@ from xavier.v1 import prefill_service_pb2 as pb
 from xavier.v1 import prefill_service_pb2_grpc, types_pb2
 
 from xavier_core.engine.api import PrefillResult
-from xavier_core.runtime.errors import Aborted, FailedPrecondition
+from xavier_core.runtime.errors import Aborted, FailedPrecondition, NotFound
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.convert import (
     check_prompt,
@@ -121,14 +121,29 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             source.first_logprob = res.first_logprob
             source.first_finish_reason = finish_to_pb(res.finish)
             published = True
-            await host.dir.publish_source(
-                hold.room_id, host.peer_id, host.epoch, source, request_id=request_id
-            )
+            await self._publish_source(hold.room_id, source, request_id)
         except BaseException as err:
             log.info("publication failed", room_id=hold.room_id, error=str(err))
             await asyncio.shield(self._fail(hold, published))
             return
         await self._hold_until_read(hold)
+
+    async def _publish_source(
+        self, room_id: int, source: dpb.SourceDescriptor, request_id: str, attempts: int = 8
+    ) -> None:
+        """PublishSource; the router opens the room while the prefill runs, so the room may arrive
+        a moment after the pages: ROOM_NOT_FOUND is retried a bounded number of times (I7)."""
+        host = self.host
+        for attempt in range(attempts):
+            try:
+                await host.dir.publish_source(
+                    room_id, host.peer_id, host.epoch, source, request_id=request_id
+                )
+                return
+            except NotFound as err:
+                if err.reason != "ROOM_NOT_FOUND" or attempt + 1 == attempts:
+                    raise
+                await asyncio.sleep(0.001 * 2**attempt)
 
     async def _fail(self, hold: _Hold, published: bool) -> None:
         host = self.host

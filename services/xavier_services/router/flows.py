@@ -8,6 +8,7 @@ background, so the client never waits for cleanup.
 from __future__ import annotations
 
 import contextlib
+import secrets
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,29 +98,50 @@ async def colocated_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
         pool.release(peer)
 
 
-async def _open_room(prep: Prepared, env: FlowEnv) -> tuple[Pair, dpb.Room]:
+async def _open_and_prefill(prep: Prepared, env: FlowEnv) -> tuple[Pair, dpb.Room, Any]:
+    """Picks a pair, then opens the room and starts the prefill at once under a room id chosen here.
+
+    The prefill computes while the room opens (its publication waits for the room if it gets there
+    first), so OpenRoom is off the TTFT path. If the room cannot be opened the prefill is cancelled.
+    """
     pool = env.pool
-    if pool.directory is None:
+    directory = pool.directory
+    if directory is None:
         raise XavierError("no directory configured")
 
-    async def attempt() -> tuple[Pair, dpb.Room]:
+    async def attempt() -> tuple[Pair, dpb.Room, Any]:
         pair = await pool.pick_pair()
         p, d = pair.prefill, pair.decode
-        # Same pair, same key: a retried OpenRoom whose answer was lost returns the same room.
-        key = f"{prep.request_id}/{p.peer_id}@{p.epoch}/{d.peer_id}@{d.epoch}"
-        resp = await pool.directory.OpenRoom(  # type: ignore[union-attr]
+        room_id = secrets.randbits(63) or 1
+        opening = directory.OpenRoom(
             dpb.OpenRoomRequest(
-                request_id=key,
+                request_id=f"{prep.request_id}/{room_id}",
                 prefill_peer_id=p.peer_id,
                 prefill_epoch=p.epoch,
                 decode_peer_id=d.peer_id,
                 decode_epoch=d.epoch,
                 prompt_fingerprint=prompt_fingerprint(prep.token_ids),
                 num_tokens=len(prep.token_ids),
+                room_id=room_id,
             ),
             timeout=env.rpc_timeout,
         )
-        return pair, resp.room
+        pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(
+            pfpb.PrefillRequest(
+                request_id=prep.request_id,
+                room_id=room_id,
+                token_ids=prep.token_ids,
+                sampling=prep.sampling,
+                cache_salt=prep.cache_salt,
+            ),
+            timeout=env.request_timeout,
+        )
+        try:
+            resp = await opening
+        except BaseException:
+            pf_call.cancel()
+            raise
+        return pair, resp.room, pf_call
 
     return await pool.retry_unavailable(attempt)
 
@@ -138,22 +160,11 @@ async def abort_room(env: FlowEnv, request_id: str, room_id: int, reason: str) -
 async def pd_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
     """Prefill and decode started together; the first token goes out as soon as the prefill returns it."""
     pool = env.pool
-    pair, room = await _open_room(prep, env)
+    pair, room, pf_call = await _open_and_prefill(prep, env)
     s = prep.sampling
-    pf_stub = pfpb_grpc.PrefillServiceStub(pool.channel(pair.prefill.address))
     dec_stub = decpb_grpc.DecodeServiceStub(pool.channel(pair.decode.address))
     pool.acquire(pair.prefill, pair.decode)
     prefill_held = True
-    pf_call = pf_stub.Prefill(
-        pfpb.PrefillRequest(
-            request_id=prep.request_id,
-            room_id=room.room_id,
-            token_ids=prep.token_ids,
-            sampling=s,
-            cache_salt=prep.cache_salt,
-        ),
-        timeout=env.request_timeout,
-    )
     dec_call = dec_stub.Decode(
         decpb.DecodeRequest(
             request_id=prep.request_id, room_id=room.room_id, token_ids=prep.token_ids, sampling=s

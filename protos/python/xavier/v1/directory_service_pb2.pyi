@@ -562,6 +562,7 @@ class OpenRoomRequest(_message.Message):
     PROMPT_FINGERPRINT_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    ROOM_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key."""
     prefill_peer_id: _builtins.str
@@ -576,6 +577,10 @@ class OpenRoomRequest(_message.Message):
     """SHA-256 of the prompt token ids."""
     num_tokens: _builtins.int
     """Prompt tokens."""
+    room_id: _builtins.int
+    """A room id chosen by the caller (non-zero, below 2^63), so it can start the prefill while the room
+    opens; FAILED_PRECONDITION with reason ROOM_EXISTS if it is taken. 0: the directory picks one.
+    """
     @_builtins.property
     def lease(self) -> _duration_pb2.Duration:
         """Requested lease; unset means the directory's default."""
@@ -591,10 +596,11 @@ class OpenRoomRequest(_message.Message):
         prompt_fingerprint: _builtins.bytes = ...,
         num_tokens: _builtins.int = ...,
         lease: _duration_pb2.Duration | None = ...,
+        room_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_epoch", b"decode_epoch", "decode_peer_id", b"decode_peer_id", "lease", b"lease", "num_tokens", b"num_tokens", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "prompt_fingerprint", b"prompt_fingerprint", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_epoch", b"decode_epoch", "decode_peer_id", b"decode_peer_id", "lease", b"lease", "num_tokens", b"num_tokens", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "prompt_fingerprint", b"prompt_fingerprint", "request_id", b"request_id", "room_id", b"room_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
