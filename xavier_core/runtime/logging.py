@@ -78,7 +78,11 @@ def configure_logging(
     renderer: Processor
     if use_json:
         renderer = structlog.processors.JSONRenderer()
-        tail: list[Processor] = [structlog.processors.dict_tracebacks, renderer]
+        # Tracebacks as dicts, without frame locals: they are large and may hold request data.
+        tracebacks = structlog.processors.ExceptionRenderer(
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+        )
+        tail: list[Processor] = [tracebacks, renderer]
     else:
         renderer = structlog.dev.ConsoleRenderer(colors=out.isatty())
         tail = [renderer]
