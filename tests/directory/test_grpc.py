@@ -252,10 +252,19 @@ async def test_begin_transfer_waits_for_the_source(client: DirectoryClient) -> N
     )
     await asyncio.sleep(0.3)
     assert not begin.done()  # still OPEN: the call waits in the directory
-    await client.publish_source(room.room_id, pr.peer_id, pr.epoch, source())
+    src = source()
+    src.read_token = "secret"
+    await client.publish_source(room.room_id, pr.peer_id, pr.epoch, src)
     began = await asyncio.wait_for(begin, 5)
     assert began.state == dpb.ROOM_STATE_TRANSFERRING
     assert began.source.num_pages == 3
+    # The read token goes to the room's decode only: never in GetRoom or WatchRoom answers.
+    assert began.source.read_token == "secret"
+    seen = await client.get_room(room.room_id)
+    assert seen.source.num_pages == 3 and seen.source.read_token == ""
+    watch = client.watch_room(room.room_id, timeout=5)
+    assert (await anext(watch)).source.read_token == ""
+    await watch.aclose()
     # A retry of the same request id is answered from the applied change.
     again = await client.begin_transfer(
         room.room_id, dr.peer_id, dr.epoch, request_id="b1", wait_for_source=5

@@ -26,6 +26,8 @@ from xavier_core.transfer import (
     KvPoll,
     NixlAgent,
     TransferInFlightError,
+    done_notif,
+    fail_notif,
     peer_key,
 )
 
@@ -80,6 +82,21 @@ def test_scattered_read_is_bitwise_exact_and_notifies_sender(
     # The completion notification rides on the READ and reaches the source's sender.
     poll_until(lambda: source.call("state", room), {("SUCCESS", False, None)})
     rx.clear()
+
+
+def test_notifications_without_the_read_token_are_ignored(source: Source, manager: KvManager) -> None:
+    room = "r-forged"
+    info = publish(source, room, [8, 9])
+    assert len(info.token) == 32
+    manager.agent.add_peer(SRC_KEY, info.metadata)
+    # Anyone who can reach the source's agent can send these; none may end the room.
+    for forged in (done_notif(room), done_notif(room, "0" * 32), fail_notif(room, info.token[::-1])):
+        manager.agent.send_notif(SRC_KEY, forged)
+    time.sleep(0.3)
+    assert source.call("state", room) == ("TRANSFERRING", True, None)
+    # The reader the token went to ends it.
+    manager.agent.send_notif(SRC_KEY, fail_notif(room, info.token))
+    poll_until(lambda: source.call("state", room)[:2], {("FAILED", False)})
 
 
 def test_sender_completes_without_notification(source: Source) -> None:

@@ -98,7 +98,9 @@ def test_contiguous_pages_need_one_descriptor_per_buffer() -> None:
 
 
 def test_source_info_round_trips_plain_fields() -> None:
-    info = SourceInfo("prefill-a", b"md", (KvBuffer(4096, 8192, 1024, "cuda:1"),), (PageRun(3, 2),), b"aux")
+    info = SourceInfo(
+        "prefill-a", b"md", (KvBuffer(4096, 8192, 1024, "cuda:1"),), (PageRun(3, 2),), b"aux", "tok"
+    )
     fields = info.to_fields()
     assert fields["regions"] == [(4096, 8192, 1024, "cuda:1")]
     assert SourceInfo.from_fields(fields) == info
@@ -115,6 +117,9 @@ def test_source_info_round_trips_plain_fields() -> None:
         ("regions", [], "regions"),
         ("regions", [(1, 2, 3)], "regions"),
         ("aux", b"x" * (1 << 17), "aux"),
+        ("token", "a:b", "token"),
+        ("token", "t" * 200, "token"),
+        ("token", b"bytes", "token"),
     ],
 )
 def test_source_info_rejects_bad_fields(key: str, value: object, match: str) -> None:

@@ -13,7 +13,9 @@ published; the reader calls `KvReceiver.poll()` until it leaves TRANSFERRING.
 from __future__ import annotations
 
 import enum
+import hmac
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -47,12 +49,14 @@ class KvPoll(enum.IntEnum):
     SUCCESS = 4
 
 
-def done_notif(room: str) -> bytes:
-    return DONE_PREFIX + room.encode()
+def done_notif(room: str, token: str = "") -> bytes:
+    """The reader's "read ended well" notification; `token` is the source's read token."""
+    return DONE_PREFIX + room.encode() + b":" + token.encode()
 
 
-def fail_notif(room: str) -> bytes:
-    return FAIL_PREFIX + room.encode()
+def fail_notif(room: str, token: str = "") -> bytes:
+    """The reader's "read failed / will not come" notification."""
+    return FAIL_PREFIX + room.encode() + b":" + token.encode()
 
 
 class KvManager:
@@ -71,6 +75,7 @@ class KvManager:
         self._senders: dict[str, KvSender] = {}
         self._receivers: dict[str, KvReceiver] = {}
         self.notifications_dropped = 0
+        self.notifications_rejected = 0  # a room's notification without that room's read token
         self.bytes_read = 0
         self.read_seconds = 0.0
 
@@ -80,10 +85,16 @@ class KvManager:
         with self._lock:
             notifs = self.agent.notifications()
             for _who, msg in notifs:
-                kind, room = _parse(msg)
+                kind, room, token = _parse(msg)
                 sender = self._senders.get(room) if room is not None else None
                 if sender is None:
                     self.notifications_dropped += 1
+                    continue
+                if not hmac.compare_digest(token, sender.token):
+                    # Only the reader the source's descriptor went to knows the token: anyone else who
+                    # can reach this agent must not end a room (its pages would be reused mid-read).
+                    self.notifications_rejected += 1
+                    log.warning("room %s: notification without its read token ignored", room)
                     continue
                 sender._on_reader_end(kind == "done")
             return len(notifs)
@@ -94,6 +105,7 @@ class KvManager:
                 "senders": len(self._senders),
                 "receivers": len(self._receivers),
                 "notifications_dropped": self.notifications_dropped,
+                "notifications_rejected": self.notifications_rejected,
                 "bytes_read": self.bytes_read,
                 "read_seconds": self.read_seconds,
             }
@@ -116,11 +128,13 @@ class KvManager:
                 self.read_seconds += xfer.finished - xfer.started
 
 
-def _parse(msg: bytes) -> tuple[str, str | None]:
+def _parse(msg: bytes) -> tuple[str, str | None, str]:
+    """(kind, room, token) of a notification; room None when it is not one of ours."""
     for kind, prefix in (("done", DONE_PREFIX), ("fail", FAIL_PREFIX)):
         if msg.startswith(prefix):
-            return kind, msg[len(prefix) :].decode(errors="replace")
-    return "other", None
+            room, _, token = msg[len(prefix) :].decode(errors="replace").partition(":")
+            return kind, room, token
+    return "other", None, ""
 
 
 class KvSender:
@@ -136,6 +150,8 @@ class KvSender:
         self._published = False
         self._reader_ended = False
         self.error: str | None = None
+        # Handed to the reader inside the SourceInfo; its done/fail notifications must carry it.
+        self.token = secrets.token_hex(16)
         manager._add(manager._senders, room, self)
 
     def init(self, num_pages: int, aux: bytes = b"") -> None:
@@ -160,7 +176,9 @@ class KvSender:
             if int(pages.max()) >= self.manager.num_pages:
                 raise TransferError(f"room {self.room!r}: page {int(pages.max())} is outside the pool")
             agent = self.manager.agent
-            info = SourceInfo(agent.name, agent.metadata(), agent.buffers, tuple(coalesce(pages)), self._aux)
+            info = SourceInfo(
+                agent.name, agent.metadata(), agent.buffers, tuple(coalesce(pages)), self._aux, self.token
+            )
             self._published = True
             self._state = KvPoll.TRANSFERRING
             return info
@@ -219,6 +237,7 @@ class KvReceiver:
         self._dest: npt.NDArray[np.int64] | None = None
         self._xfer: Transfer | None = None
         self._peer_key: str | None = None
+        self._token = ""
         self._notify_fail_when_idle = False
         self.aux_index: int | None = None
         self.aux: bytes | None = None  # the source's aux bytes, set on SUCCESS
@@ -248,14 +267,19 @@ class KvReceiver:
             agent = self.manager.agent
             try:
                 agent.add_peer(peer_key, source.metadata)
-                self._peer_key = peer_key
+                self._peer_key, self._token = peer_key, source.token
                 if source.num_pages != self._dest.size:
                     raise TransferError(
                         f"page count mismatch: source has {source.num_pages} pages, "
                         f"destination {self._dest.size}"
                     )
                 self._xfer = agent.read(
-                    peer_key, source.buffers, source.page_ids(), self._dest, done_notif(self.room), mode
+                    peer_key,
+                    source.buffers,
+                    source.page_ids(),
+                    self._dest,
+                    done_notif(self.room, self._token),
+                    mode,
                 )
             except TransferError as exc:
                 self._fail(str(exc))
@@ -331,6 +355,6 @@ class KvReceiver:
         if self._peer_key is None:
             return
         try:
-            self.manager.agent.send_notif(self._peer_key, fail_notif(self.room))
+            self.manager.agent.send_notif(self._peer_key, fail_notif(self.room, self._token))
         except TransferError as exc:
             log.info("room %s: fail notification not delivered: %s", self.room, exc)

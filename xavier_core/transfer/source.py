@@ -19,6 +19,7 @@ MAX_BUFFERS = 4096
 MAX_RUNS = 1 << 20
 MAX_AUX_BYTES = 64 << 10
 MAX_NAME_CHARS = 256
+MAX_TOKEN_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class SourceInfo:
     buffers: tuple[KvBuffer, ...]
     runs: tuple[PageRun, ...]
     aux: bytes = b""
+    token: str = ""  # the source's read token: the reader's notifications carry it
 
     @property
     def num_pages(self) -> int:
@@ -46,6 +48,7 @@ class SourceInfo:
             "regions": [(b.addr, b.nbytes, b.bytes_per_page, b.device) for b in self.buffers],
             "runs": [(r.first, r.count) for r in self.runs],
             "aux": self.aux,
+            "token": self.token,
         }
 
     @classmethod
@@ -54,6 +57,9 @@ class SourceInfo:
         name = _typed(fields, "agent_name", str)
         metadata = _typed(fields, "metadata", bytes)
         aux = _typed(fields, "aux", bytes)
+        token = fields.get("token", "")
+        if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS or ":" in token:
+            raise InvalidSourceError("token: expected a short string without ':'")
         regions = _seq(fields, "regions", MAX_BUFFERS)
         run_rows = _seq(fields, "runs", MAX_RUNS)
         if not name or len(name) > MAX_NAME_CHARS:
@@ -71,7 +77,7 @@ class SourceInfo:
             raise InvalidSourceError(f"regions/runs: malformed entry ({exc})") from exc
         if not buffers:
             raise InvalidSourceError("regions: empty")
-        return cls(name, metadata, buffers, runs, aux)
+        return cls(name, metadata, buffers, runs, aux, token)
 
 
 def _typed(fields: Mapping[str, Any], key: str, kind: type) -> Any:

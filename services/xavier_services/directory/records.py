@@ -94,8 +94,13 @@ def timestamp(seconds: float) -> timestamp_pb2.Timestamp:
     return timestamp_pb2.Timestamp(seconds=whole, nanos=int((seconds - whole) * 1e9))
 
 
-def room_to_proto(room: RoomRecord, wall_offset: float, with_source: bool = True) -> dpb.Room:
-    """The wire form; ``wall_offset`` turns the monotonic expiry into wall-clock time."""
+def room_to_proto(
+    room: RoomRecord, wall_offset: float, with_source: bool = True, with_token: bool = False
+) -> dpb.Room:
+    """The wire form; ``wall_offset`` turns the monotonic expiry into wall-clock time.
+
+    The source's read token goes only where ``with_token`` says (BeginTransfer, to the room's decode).
+    """
     msg = dpb.Room(
         room_id=room.room_id,
         state=room.state,
@@ -112,6 +117,8 @@ def room_to_proto(room: RoomRecord, wall_offset: float, with_source: bool = True
     )
     if with_source and room.source is not None:
         msg.source.CopyFrom(room.source)
+        if not with_token:
+            msg.source.ClearField("read_token")
     return msg
 
 

@@ -201,7 +201,7 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
             if room.state in TERMINAL_STATES:
                 return dpb.BeginTransferResponse(room=self._room(room))
         room = self.state.begin_transfer(req.request_id, req.room_id, req.peer_id, req.epoch)
-        return dpb.BeginTransferResponse(room=self._room(room))
+        return dpb.BeginTransferResponse(room=room_to_proto(room, self._offset, with_token=True))
 
     async def CompleteRoom(self, req: dpb.CompleteRoomRequest, ctx: Ctx) -> dpb.CompleteRoomResponse:
         room = self.state.complete_room(req.request_id, req.room_id, req.peer_id, req.epoch, req.release)

@@ -227,6 +227,7 @@ class KvPort:
             num_pages=len(page_ids),
             contract_fingerprint=fingerprint,
             aux=aux,
+            read_token=info.token,
         )
 
     async def wait_read_end(self, room_id: int, timeout: float) -> str:
@@ -300,6 +301,7 @@ class KvPort:
                     "regions": [(r.base_address, r.length, r.bytes_per_page, r.device) for r in ep.regions],
                     "runs": [(r.first_page, r.count) for r in source.page_runs],
                     "aux": source.aux,
+                    "token": source.read_token,
                 }
             )
         except InvalidSourceError as err:
@@ -354,7 +356,7 @@ class KvPort:
         def _send() -> None:
             try:
                 self.agent.add_peer(peer_key, source.endpoint.agent_metadata)
-                self.agent.send_notif(peer_key, fail_notif(str(room_id)))
+                self.agent.send_notif(peer_key, fail_notif(str(room_id), source.read_token))
             except TransferError as err:
                 log.info("decline not delivered", room_id=room_id, error=str(err))
 

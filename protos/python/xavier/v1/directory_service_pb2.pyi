@@ -431,6 +431,7 @@ class SourceDescriptor(_message.Message):
     FIRST_FINISH_REASON_FIELD_NUMBER: _builtins.int
     AUX_FIELD_NUMBER: _builtins.int
     CONTRACT_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    READ_TOKEN_FIELD_NUMBER: _builtins.int
     num_pages: _builtins.int
     """Total pages in the runs."""
     num_tokens: _builtins.int
@@ -445,6 +446,10 @@ class SourceDescriptor(_message.Message):
     """Engine-specific auxiliary bytes (at most 4 KiB)."""
     contract_fingerprint: _builtins.str
     """Contract fingerprint the pages were computed under."""
+    read_token: _builtins.str
+    """A secret of the source that the reader puts in its NIXL done/fail notifications; the source ignores
+    notifications without it. The directory returns it only to the room's decode, in BeginTransfer.
+    """
     @_builtins.property
     def endpoint(self) -> _types_pb2.TransferEndpoint:
         """Endpoint of the prefill peer (epoch-scoped)."""
@@ -465,10 +470,11 @@ class SourceDescriptor(_message.Message):
         first_finish_reason: _types_pb2.FinishReason.ValueType = ...,
         aux: _builtins.bytes = ...,
         contract_fingerprint: _builtins.str = ...,
+        read_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aux", b"aux", "contract_fingerprint", b"contract_fingerprint", "endpoint", b"endpoint", "first_finish_reason", b"first_finish_reason", "first_logprob", b"first_logprob", "first_token", b"first_token", "num_pages", b"num_pages", "num_tokens", b"num_tokens", "page_runs", b"page_runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aux", b"aux", "contract_fingerprint", b"contract_fingerprint", "endpoint", b"endpoint", "first_finish_reason", b"first_finish_reason", "first_logprob", b"first_logprob", "first_token", b"first_token", "num_pages", b"num_pages", "num_tokens", b"num_tokens", "page_runs", b"page_runs", "read_token", b"read_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
