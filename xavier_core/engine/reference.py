@@ -132,6 +132,9 @@ class ReferenceEngine:
             raise CheckpointError(f"checkpoint directory {path} does not exist")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise CheckpointError(f"device {device!r} requested but CUDA is not available")
+        if device == "cuda":
+            # The engine thread pins its device by index: "cuda" means the current one.
+            device = f"cuda:{torch.cuda.current_device()}"
         cfg = load_config(path)
         torch_dtype = resolve_dtype(device, dtype)
         tokenizer = TextTokenizer.load(path)
