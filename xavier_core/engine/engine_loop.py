@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from typing import Protocol
 
 import torch
 
@@ -17,7 +18,7 @@ from xavier_core.engine.api import FinishReason, TokenEvent
 from xavier_core.engine.decode_graph import DecodeRunner
 from xavier_core.engine.errors import EngineClosedError
 from xavier_core.engine.kv_pool import KvPool
-from xavier_core.engine.model import CausalLM
+from xavier_core.engine.model import ForwardBatch
 from xavier_core.engine.prefix_cache import PrefixCache
 from xavier_core.engine.request import Delivery, Request
 from xavier_core.engine.runner import build_batch, sample
@@ -29,12 +30,18 @@ log = logging.getLogger(__name__)
 ABORT_TOKEN_ID = -1
 
 
+class ForwardModel(Protocol):
+    """What the loop needs of a model: one forward step over the paged pool (`CausalLM`, `NullLM`)."""
+
+    def forward(self, batch: ForwardBatch, pool: KvPool) -> torch.Tensor: ...
+
+
 class EngineLoop:
     """Owns the scheduler's thread; `lock` guards the scheduler, the cache and the allocator."""
 
     def __init__(
         self,
-        model: CausalLM,
+        model: ForwardModel,
         pool: KvPool,
         sched: Scheduler,
         cache: PrefixCache,

@@ -13,7 +13,6 @@ import logging
 import threading
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import cast
 
 import torch
 
@@ -96,7 +95,7 @@ class ReferenceEngine:
         if pool.device.type == "cuda" and isinstance(model, CausalLM):
             decoder = DecodeRunner(model, pool, cuda_graphs)
         # The loop only calls `forward`, which both models offer.
-        self._loop = EngineLoop(cast(CausalLM, model), pool, self._sched, self._cache, decoder)
+        self._loop = EngineLoop(model, pool, self._sched, self._cache, decoder)
         self._lock = self._loop.lock
 
     @classmethod
