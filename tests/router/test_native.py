@@ -92,6 +92,29 @@ def test_client_cancel_reaches_the_decode_server(native: tuple[SglangDouble, Ser
         double.state.token_delay = 0.0
 
 
+def test_failed_prefill_ends_the_request_without_waiting_for_the_decode(
+    native: tuple[SglangDouble, ServiceProc],
+) -> None:
+    double, router = native
+    double.state.prefill_status = 503
+    before, sent = double.state.waits_cancelled, len(double.state.decode_bodies)
+    try:
+        t0 = time.monotonic()
+        with Client(router.address) as client, pytest.raises(UnavailableError) as info:
+            client.generate("the prefill fails", max_tokens=4)
+        # The decode double waits 5 s for a room that never fills; the router must not.
+        assert time.monotonic() - t0 < 2.0
+        assert info.value.reason == "NATIVE_UNAVAILABLE" and "503" in str(info.value)
+        # Every decode request (the SDK retries UNAVAILABLE) was dropped too, none waited its 5 s out.
+        tries = len(double.state.decode_bodies) - sent
+        deadline = time.monotonic() + 5
+        while double.state.waits_cancelled - before < tries and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tries >= 1 and double.state.waits_cancelled - before == tries
+    finally:
+        double.state.prefill_status = 200
+
+
 def test_unreachable_native_servers_are_unavailable(
     tmp_path: Path, native: tuple[SglangDouble, ServiceProc]
 ) -> None:

@@ -30,6 +30,8 @@ class DoubleState:
     rooms: dict[int, asyncio.Event] = field(default_factory=dict)
     disconnects: int = 0
     token_delay: float = 0.0
+    prefill_status: int = 200  # any other status: the prefill fails with it (the room never fills)
+    waits_cancelled: int = 0  # decodes whose client left while they waited for their room
 
 
 def _check_bootstrap(body: dict[str, Any]) -> str | None:
@@ -62,6 +64,9 @@ class SglangDouble:
         problem = _check_bootstrap(body)
         if problem:
             return web.json_response({"error": {"message": problem}}, status=400)
+        if self.state.prefill_status != 200:
+            failure = {"error": {"message": "prefill failed"}}
+            return web.json_response(failure, status=self.state.prefill_status)
         self._room(body["bootstrap_room"]).set()
         meta = {
             "id": body.get("rid"),
@@ -86,6 +91,9 @@ class SglangDouble:
             await asyncio.wait_for(self._room(body["bootstrap_room"]).wait(), _ROOM_WAIT_SECONDS)
         except TimeoutError:
             return web.json_response({"error": {"message": "no prefill for this bootstrap_room"}}, status=500)
+        except asyncio.CancelledError:
+            self.state.waits_cancelled += 1
+            raise
         params = body.get("sampling_params") or {}
         max_new = int(params.get("max_new_tokens", 16))
         ids: list[int] = []

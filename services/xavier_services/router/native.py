@@ -30,6 +30,7 @@ _FINISH = {
     "abort": types_pb2.FINISH_REASON_ABORT,
 }
 _MAX_LINE = 1 << 20
+_PREFILL_FAILED = "native prefill failed"
 
 
 def new_bootstrap_room() -> int:
@@ -109,6 +110,15 @@ async def native_flow(
             session.post(f"{cfg.prefill_url}/generate", json=body, headers=headers, timeout=client_timeout)
         )
     )
+    # A failed prefill never fills the room, and the decode would wait out SGLang's bootstrap timeout:
+    # stop reading the decode at once and answer with the prefill's error instead.
+    me = asyncio.current_task()
+
+    def _prefill_ended(fut: asyncio.Future[None]) -> None:
+        if me is not None and not me.done() and not fut.cancelled() and fut.exception() is not None:
+            me.cancel(msg=_PREFILL_FAILED)
+
+    prefill.add_done_callback(_prefill_ended)
     ids_sent = 0
     text_sent = 0
     lps_sent = 0
@@ -139,11 +149,21 @@ async def native_flow(
                 if finish:
                     return
         yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
+    except asyncio.CancelledError:
+        failed = prefill.done() and not prefill.cancelled() and prefill.exception() is not None
+        if not failed or me is None:
+            raise
+        me.uncancel()
+        err = prefill.exception()
+        if isinstance(err, aiohttp.ClientError):
+            raise Unavailable(f"native prefill unreachable: {err}", reason="NATIVE_UNAVAILABLE") from None
+        raise err from None  # type: ignore[misc]
     except aiohttp.ClientError as exc:
         raise Unavailable(f"native server unreachable: {exc}", reason="NATIVE_UNAVAILABLE") from None
     except (ValueError, KeyError) as exc:
         raise Internal(f"native decode sent a malformed event: {exc}", reason="NATIVE_ERROR") from None
     finally:
+        prefill.remove_done_callback(_prefill_ended)
         if prefill.done():
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 prefill.result()
