@@ -54,6 +54,10 @@ class RouterConfig(ServiceConfig):
     """Deadline of each directory and other control RPC."""
     peer_refresh_seconds: float = Field(default=0.5, ge=0)
     """How long the router reuses a ListPeers answer."""
+    prefix_affinity_tokens: int = Field(default=64, ge=0, le=1_000_000)
+    """Leading prompt tokens that key prefix affinity in P/D pair selection; 0 turns affinity off."""
+    prefix_affinity_slack: float = Field(default=4.0, ge=0)
+    """Outstanding requests a remembered prefill may carry above the least-loaded one and still win."""
     retry_attempts: int = Field(default=3, ge=1, le=10)
     """Attempts of idempotent phases (peer selection, OpenRoom) on UNAVAILABLE."""
     api_token: str = ""

@@ -75,7 +75,11 @@ class Router:
         self.encoder = encoder
         self.model = model
         self.pool = PeerPool(
-            config.directory, config.rpc_timeout_seconds, config.peer_refresh_seconds, config.retry_attempts
+            config.directory,
+            config.rpc_timeout_seconds,
+            config.peer_refresh_seconds,
+            config.retry_attempts,
+            affinity_slack=config.prefix_affinity_slack,
         )
         self._live: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -87,6 +91,7 @@ class Router:
             config.request_timeout_seconds,
             config.rpc_timeout_seconds,
             self.spawn,
+            config.prefix_affinity_tokens,
         )
 
     @property

@@ -24,7 +24,7 @@ from xavier.v1 import types_pb2
 from xavier_core.engine.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 from xavier_core.runtime import XavierError, from_rpc_error, get_logger
 from xavier_services.peer.convert import prompt_fingerprint
-from xavier_services.router.peers import Pair, PeerPool
+from xavier_services.router.peers import Pair, PeerPool, affinity_key
 from xavier_services.router.request import Prepared
 
 _log = get_logger("xavier.router.flows")
@@ -53,6 +53,7 @@ class FlowEnv:
     request_timeout: float
     rpc_timeout: float
     spawn: Spawn
+    affinity_tokens: int = 0  # leading tokens keying prefix affinity in pair selection (0: off)
 
 
 def _seconds(d: Any) -> float:
@@ -109,8 +110,10 @@ async def _open_and_prefill(prep: Prepared, env: FlowEnv) -> tuple[Pair, dpb.Roo
     if directory is None:
         raise XavierError("no directory configured")
 
+    key = affinity_key(prep.token_ids, prep.cache_salt, env.affinity_tokens)
+
     async def attempt() -> tuple[Pair, dpb.Room, Any]:
-        pair = await pool.pick_pair()
+        pair = await pool.pick_pair(key)
         p, d = pair.prefill, pair.decode
         room_id = secrets.randbits(63) or 1
         opening = directory.OpenRoom(

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 import time
-from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict, defaultdict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -30,14 +31,38 @@ class Pair:
     decode: dpb.Peer
 
 
+def affinity_key(token_ids: Sequence[int], cache_salt: str, prefix_tokens: int) -> bytes | None:
+    """The prefix-affinity key of a prompt: its first `prefix_tokens` tokens under its cache salt (None
+    when affinity is off)."""
+    if prefix_tokens <= 0 or not token_ids:
+        return None
+    h = hashlib.sha256(cache_salt.encode())
+    h.update(b"\0" + b"".join(t.to_bytes(4, "little") for t in token_ids[:prefix_tokens]))
+    return h.digest()
+
+
 class PeerPool:
     """Caches ListPeers for `refresh_seconds`, keeps one channel per address, counts in-flight work.
 
     Selection scores a peer by the load it last reported plus the router's own in-flight requests on it
     (the report lags, the local count does not); ties break at random so equal peers share the work.
+    Prefix affinity: a prompt whose leading tokens went to a prefill peer before goes there again (its
+    prefix cache likely holds them) while that peer's score stays within `affinity_slack` of the best.
     """
 
-    def __init__(self, directory: str, rpc_timeout: float, refresh_seconds: float, attempts: int) -> None:
+    def __init__(
+        self,
+        directory: str,
+        rpc_timeout: float,
+        refresh_seconds: float,
+        attempts: int,
+        affinity_slack: float = 4.0,
+        affinity_entries: int = 65536,
+    ) -> None:
+        self.affinity_slack = affinity_slack
+        self._affinity: OrderedDict[bytes, str] = OrderedDict()
+        self._affinity_entries = affinity_entries
+        self.affinity_hits = 0
         self.directory_address = directory
         self.rpc_timeout = rpc_timeout
         self.refresh_seconds = refresh_seconds
@@ -119,8 +144,9 @@ class PeerPool:
             raise Unavailable("no unified replica is registered", reason="NO_PEERS", role="unified")
         return min(peers, key=self.score)
 
-    async def pick_pair(self) -> Pair:
-        """The least-loaded prefill peer that has a decode peer with its contract fingerprint, and that
+    async def pick_pair(self, affinity: bytes | None = None) -> Pair:
+        """The least-loaded prefill peer that has a decode peer with its contract fingerprint (or the
+        prefill the `affinity` key went to, if it is still close to the least loaded), and that
         fingerprint's least-loaded decode peer."""
         peers = await self.peers()
         prefills = [p for p in peers if p.role == types_pb2.ROLE_PREFILL]
@@ -141,9 +167,27 @@ class PeerPool:
                 "no decode peer shares a contract fingerprint with any prefill peer",
                 reason="LAYOUT_MISMATCH",
             )
-        prefill = min(usable, key=self.score)
+        scores = {p.peer_id: self.score(p) for p in usable}
+        prefill = min(usable, key=lambda p: scores[p.peer_id])
+        if affinity is not None:
+            prefill = self._affine(affinity, usable, scores, prefill)
         decode = min(by_fp[prefill.contract_fingerprint], key=self.score)
         return Pair(prefill, decode)
+
+    def _affine(
+        self, key: bytes, usable: list[dpb.Peer], scores: dict[str, float], best: dpb.Peer
+    ) -> dpb.Peer:
+        chosen = best
+        remembered = self._affinity.get(key)
+        if remembered is not None and remembered in scores:
+            if scores[remembered] <= scores[best.peer_id] + self.affinity_slack:
+                chosen = next(p for p in usable if p.peer_id == remembered)
+                self.affinity_hits += 1
+        self._affinity[key] = chosen.peer_id
+        self._affinity.move_to_end(key)
+        while len(self._affinity) > self._affinity_entries:
+            self._affinity.popitem(last=False)
+        return chosen
 
     def acquire(self, *peers: dpb.Peer) -> None:
         for p in peers:
