@@ -311,11 +311,23 @@ class DirectoryClient:
         return resp.room
 
     async def abort_room(
-        self, room_id: int, reason: str, peer_id: str = "", epoch: int = 0, *, request_id: str | None = None
+        self,
+        room_id: int,
+        reason: str,
+        peer_id: str = "",
+        epoch: int = 0,
+        *,
+        request_id: str | None = None,
+        no_read: bool = False,
     ) -> dpb.Room:
-        """Ends a room (``peer_id`` empty: as the router)."""
+        """Ends a room (``peer_id`` empty: as the router); ``no_read``: the decode never posted a read."""
         req = dpb.AbortRoomRequest(
-            request_id=_rid(request_id), room_id=room_id, reason=reason, peer_id=peer_id, epoch=epoch
+            request_id=_rid(request_id),
+            room_id=room_id,
+            reason=reason,
+            peer_id=peer_id,
+            epoch=epoch,
+            no_read=no_read,
         )
         resp: dpb.AbortRoomResponse = await self._call(self.stub.AbortRoom, req)
         return resp.room

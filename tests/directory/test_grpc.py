@@ -394,3 +394,45 @@ async def test_open_room_with_a_chosen_id(client: DirectoryClient) -> None:
     await client.abort_room(12345, "done")
     await p.stop()
     await d.stop()
+
+
+async def test_decode_declines_the_read(client: DirectoryClient) -> None:
+    from xavier_services.peer.room_feed import RoomFeed
+
+    p, d = await _pair(client, "decline")
+    pr, dr = p.registration, d.registration
+    feed = RoomFeed(client, lambda: (pr.peer_id, pr.epoch))
+    feed.start()
+    await asyncio.wait_for(feed.connected.wait(), 5)
+    # The decode began the transfer, then ended the room saying it never posted a read.
+    a = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+    await client.publish_source(a.room_id, pr.peer_id, pr.epoch, source())
+    await client.begin_transfer(a.room_id, dr.peer_id, dr.epoch)
+    ended = await client.abort_room(a.room_id, "cancelled", dr.peer_id, dr.epoch, no_read=True)
+    assert ended.state == dpb.ROOM_STATE_ABORTED and ended.read_declined
+    assert await feed.outcome(a.room_id, 5) == (dpb.ROOM_STATE_ABORTED, False)
+    # The router ended it first (a read may have begun); the decode's word comes after and still counts.
+    b = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+    await client.publish_source(b.room_id, pr.peer_id, pr.epoch, source())
+    await client.begin_transfer(b.room_id, dr.peer_id, dr.epoch)
+    await client.abort_room(b.room_id, "client went away")
+    assert await feed.outcome(b.room_id, 5) == (dpb.ROOM_STATE_ABORTED, True)
+    declined = asyncio.ensure_future(feed.read_declined(b.room_id, 5))
+    await asyncio.sleep(0.1)
+    assert not declined.done()
+    late = await client.abort_room(b.room_id, "cancelled", dr.peer_id, dr.epoch, no_read=True)
+    assert late.state == dpb.ROOM_STATE_ABORTED and late.read_declined
+    assert await asyncio.wait_for(declined, 5)
+    # Only the room's decode may say so.
+    c = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+    with pytest.raises(FailedPrecondition) as err:
+        await client.abort_room(c.room_id, "x", pr.peer_id, pr.epoch, no_read=True)
+    assert err.value.reason == "WRONG_ROLE"
+    with pytest.raises(FailedPrecondition):
+        await client.abort_room(c.room_id, "x", no_read=True)
+    await client.abort_room(c.room_id, "done")
+    for r in (a, b, c):
+        feed.forget(r.room_id)
+    await feed.stop()
+    await p.stop()
+    await d.stop()

@@ -37,7 +37,7 @@ async def test_affinity_sticks_within_the_slack_and_yields_beyond_it() -> None:
     other = "p2" if first == "p1" else "p1"
     for _ in range(10):  # equal load: without affinity, ties would split at random
         assert (await pool.pick_pair(key)).prefill.peer_id == first
-    pool.inflight[first] = 2  # within the slack of 2
+    pool.inflight[first] = 1  # within the slack of 2
     assert (await pool.pick_pair(key)).prefill.peer_id == first
     pool.inflight[first] = 3  # beyond it: the least-loaded wins and becomes the remembered one
     assert (await pool.pick_pair(key)).prefill.peer_id == other

@@ -122,7 +122,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             if begun is not None and not pulling:
                 peer_key = f"{begun.prefill_peer_id}@{begun.prefill_epoch}"
                 await asyncio.shield(host.kv.decline(request.room_id, begun.source, peer_key))
-            await asyncio.shield(self._finish(rid, request.room_id, completed))
+            await asyncio.shield(self._finish(rid, request.room_id, completed, read_posted=pulling))
 
     async def _begin(self, room_id: int, rid: str) -> dpb.Room:
         """Waits in the directory for the source, then moves the room to TRANSFERRING, in one call."""
@@ -139,13 +139,15 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             raise Aborted(f"room {room_id} ended: {room.end_reason or 'aborted'}", room_id=str(room_id))
         return room
 
-    async def _finish(self, rid: str, room_id: int, completed: bool) -> None:
+    async def _finish(self, rid: str, room_id: int, completed: bool, read_posted: bool) -> None:
         host = self.host
         self._live.pop(rid, None)
         await host.engine.abort(rid)
         host.engine.release_pages(rid)
         if not completed:
-            await host.abort_room(room_id, "decode failed or was cancelled")
+            # Without a posted read this decode never touched the source: say so, so the prefill unpins
+            # at once even if this decode's BeginTransfer was applied but its answer never arrived.
+            await host.abort_room(room_id, "decode failed or was cancelled", no_read=not read_posted)
 
     async def _stream(
         self, events: AsyncIterator[TokenEvent], prompt_tokens: int, started: float, transfer_s: float

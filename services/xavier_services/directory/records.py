@@ -69,6 +69,7 @@ class RoomRecord:
     end_reason: str = ""
     prefill_released: bool = False
     decode_released: bool = False
+    read_declined: bool = False
     request_ids: dict[str, None] | None = None
     """Recent mutating request ids (insertion-ordered, bounded) for idempotent retries."""
 
@@ -114,6 +115,7 @@ def room_to_proto(
         end_reason=room.end_reason,
         prefill_released=room.prefill_released,
         decode_released=room.decode_released,
+        read_declined=room.read_declined,
     )
     if with_source and room.source is not None:
         msg.source.CopyFrom(room.source)

@@ -217,7 +217,9 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         return dpb.ReleaseRoomResponse(room=self._room(room))
 
     async def AbortRoom(self, req: dpb.AbortRoomRequest, ctx: Ctx) -> dpb.AbortRoomResponse:
-        room = self.state.abort_room(req.request_id, req.room_id, req.reason, req.peer_id, req.epoch)
+        room = self.state.abort_room(
+            req.request_id, req.room_id, req.reason, req.peer_id, req.epoch, req.no_read
+        )
         return dpb.AbortRoomResponse(room=self._room(room))
 
     async def GetRoom(self, req: dpb.GetRoomRequest, ctx: Ctx) -> dpb.GetRoomResponse:

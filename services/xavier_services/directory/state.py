@@ -251,17 +251,30 @@ class DirectoryState:
         self._mark_released(room, role, f"released by {types_pb2.Role.Name(role)} before completion")
         return room
 
-    def abort_room(self, request_id: str, room_id: int, reason: str, peer_id: str, epoch: int) -> RoomRecord:
-        """Ends a room that is not terminal (``peer_id`` empty: the router); an ended room stays as it is."""
+    def abort_room(
+        self, request_id: str, room_id: int, reason: str, peer_id: str, epoch: int, no_read: bool = False
+    ) -> RoomRecord:
+        """Ends a room that is not terminal (``peer_id`` empty: the router); an ended room stays as it is.
+
+        ``no_read`` from the room's decode records that it never posted a read (``read_declined``), even
+        on a room that already ended, so the source can unpin without waiting for a park timeout.
+        """
         check_text(reason, "reason", limit=1024)
         if peer_id:
-            room, _ = self._member(request_id, room_id, peer_id, epoch, None)
+            room, _ = self._member(request_id, room_id, peer_id, epoch, _ROLE_DECODE if no_read else None)
         else:
+            if no_read:
+                raise FailedPrecondition("only the room's decode can decline the read", reason="WRONG_ROLE")
             check_request_id(request_id)
             room = self._room(room_id)
         if room.state not in TERMINAL_STATES:
             room.remember(request_id, self.settings.request_ids_per_room)
+            room.read_declined = room.read_declined or no_read
             self._end(room, ABORTED, reason or "aborted")
+        elif no_read and not room.read_declined and room.state != RELEASED:
+            room.read_declined = True
+            if self.listener is not None:
+                self.listener(room)
         return room
 
     def get_room(self, room_id: int) -> RoomRecord:

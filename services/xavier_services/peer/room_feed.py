@@ -34,6 +34,7 @@ class RoomView:
 
     state: int = dpb.ROOM_STATE_UNSPECIFIED
     may_read: bool = False  # it passed TRANSFERRING: a read may have started
+    declined: bool = False  # its decode said it never posted a read
     end_reason: str = ""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -77,18 +78,32 @@ class RoomFeed:
         On `timeout` (or if the room is unknown to the directory) the answer is (UNSPECIFIED, True): the
         caller must then assume a read may still run.
         """
+        view = await self._wait_until(
+            room_id, lambda v: v.state == dpb.ROOM_STATE_COMPLETED or v.state in TERMINAL, timeout
+        )
+        if view is None:
+            log.warning("room outcome timed out", room_id=room_id)
+            return dpb.ROOM_STATE_UNSPECIFIED, True
+        return view.state, view.may_read
+
+    async def read_declined(self, room_id: int, timeout: float) -> bool:
+        """True once the room's decode says it never posted a read (False after `timeout`)."""
+        return await self._wait_until(room_id, lambda v: v.declined, timeout) is not None
+
+    async def _wait_until(
+        self, room_id: int, done: Callable[[RoomView], bool], timeout: float
+    ) -> RoomView | None:
         self._waiting[room_id] = self._waiting.get(room_id, 0) + 1
         view = self._view(room_id)
         try:
             async with asyncio.timeout(timeout):
-                while view.state != dpb.ROOM_STATE_COMPLETED and view.state not in TERMINAL:
+                while not done(view):
                     view.changed.clear()
                     await view.changed.wait()
                     view = self._view(room_id)
-            return view.state, view.may_read
+            return view
         except TimeoutError:
-            log.warning("room outcome timed out", room_id=room_id)
-            return dpb.ROOM_STATE_UNSPECIFIED, True
+            return None
         finally:
             left = self._waiting[room_id] - 1
             if left:
@@ -111,10 +126,14 @@ class RoomFeed:
 
     def _apply(self, room: dpb.Room) -> None:
         view = self._view(room.room_id)
+        if room.read_declined and not view.declined:
+            # The reader's own word that it never read: may come after the room ended.
+            view.declined, view.may_read = True, False
+            view.changed.set()
         if view.state in TERMINAL:
             return
         view.state = room.state
-        view.may_read = view.may_read or room.state in _READ_STATES
+        view.may_read = (view.may_read or room.state in _READ_STATES) and not view.declined
         view.end_reason = room.end_reason
         view.changed.set()
 

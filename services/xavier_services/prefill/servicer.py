@@ -157,13 +157,24 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             self._holds.pop(hold.room_id, None)
 
     async def _park(self, hold: _Hold) -> None:
-        """Keeps a published room's pages until its reader is done with them, or the park timeout."""
+        """Keeps a published room's pages until its reader is done with them or says it never read
+        them (NIXL notification, or its word through the directory), or the park timeout."""
         host = self.host
+        assert host.rooms is not None
         hold.parked = True
+        timeout = host.config.handoff.park_timeout_seconds
         try:
             if not host.kv.read_ended(hold.room_id):
-                outcome = await host.kv.wait_read_end(hold.room_id, host.config.handoff.park_timeout_seconds)
-                if not outcome:
+                ended = asyncio.ensure_future(host.kv.wait_read_end(hold.room_id, timeout))
+                declined = asyncio.ensure_future(host.rooms.read_declined(hold.room_id, timeout))
+                try:
+                    await asyncio.wait({ended, declined}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    ended.cancel()
+                    declined.cancel()
+                if not (ended.done() and not ended.cancelled() and ended.result()) and not (
+                    declined.done() and not declined.cancelled() and declined.result()
+                ):
                     log.warning("parked pages reclaimed after timeout", room_id=hold.room_id)
         finally:
             await self._unpin(hold, completed=False)

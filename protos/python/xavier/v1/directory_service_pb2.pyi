@@ -499,6 +499,7 @@ class Room(_message.Message):
     END_REASON_FIELD_NUMBER: _builtins.int
     PREFILL_RELEASED_FIELD_NUMBER: _builtins.int
     DECODE_RELEASED_FIELD_NUMBER: _builtins.int
+    READ_DECLINED_FIELD_NUMBER: _builtins.int
     room_id: _builtins.int
     """63-bit room id."""
     state: Global___RoomState.ValueType
@@ -521,6 +522,8 @@ class Room(_message.Message):
     """True once the prefill role released the room."""
     decode_released: _builtins.bool
     """True once the decode role released the room."""
+    read_declined: _builtins.bool
+    """The room's decode ended it and said it never posted a read: the source may unpin at once."""
     @_builtins.property
     def source(self) -> Global___SourceDescriptor:
         """Source, once published."""
@@ -545,10 +548,11 @@ class Room(_message.Message):
         end_reason: _builtins.str = ...,
         prefill_released: _builtins.bool = ...,
         decode_released: _builtins.bool = ...,
+        read_declined: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_expires_at", b"lease_expires_at", "source", b"source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_epoch", b"decode_epoch", "decode_peer_id", b"decode_peer_id", "decode_released", b"decode_released", "end_reason", b"end_reason", "lease_expires_at", b"lease_expires_at", "num_tokens", b"num_tokens", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "prefill_released", b"prefill_released", "prompt_fingerprint", b"prompt_fingerprint", "room_id", b"room_id", "source", b"source", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_epoch", b"decode_epoch", "decode_peer_id", b"decode_peer_id", "decode_released", b"decode_released", "end_reason", b"end_reason", "lease_expires_at", b"lease_expires_at", "num_tokens", b"num_tokens", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "prefill_released", b"prefill_released", "prompt_fingerprint", b"prompt_fingerprint", "read_declined", b"read_declined", "room_id", b"room_id", "source", b"source", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1068,6 +1072,7 @@ class AbortRoomRequest(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     PEER_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    NO_READ_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key."""
     room_id: _builtins.int
@@ -1078,6 +1083,10 @@ class AbortRoomRequest(_message.Message):
     """Peer id of the caller; empty for the router."""
     epoch: _builtins.int
     """Epoch of the caller."""
+    no_read: _builtins.bool
+    """Set by the room's decode when it never posted a read of the source (it may have begun the
+    transfer): the room's watchers see read_declined and the source unpins without waiting.
+    """
     def __init__(
         self,
         *,
@@ -1086,10 +1095,11 @@ class AbortRoomRequest(_message.Message):
         reason: _builtins.str = ...,
         peer_id: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        no_read: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "peer_id", b"peer_id", "reason", b"reason", "request_id", b"request_id", "room_id", b"room_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "no_read", b"no_read", "peer_id", b"peer_id", "reason", b"reason", "request_id", b"request_id", "room_id", b"room_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
