@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
+from xavier_services.peer.room_feed import RoomFeed
 
 from tests.directory.helpers import lifecycle, register_request, source
 from tests.support.procs import ServiceProc, start_service
@@ -339,14 +340,17 @@ async def test_peer_feed_streams_every_room_of_the_peer(client: DirectoryClient)
     await d.stop()
 
 
-async def test_room_feed_outcomes(client: DirectoryClient) -> None:
-    from xavier_services.peer.room_feed import RoomFeed
-
-    p, d = await _pair(client, "roomfeed")
-    pr, dr = p.registration, d.registration
-    feed = RoomFeed(client, lambda: (pr.peer_id, pr.epoch))
+async def _connected_feed(client: DirectoryClient, peer_id: str, epoch: int) -> RoomFeed:
+    feed = RoomFeed(client, lambda: (peer_id, epoch))
     feed.start()
     await asyncio.wait_for(feed.connected.wait(), 5)
+    return feed
+
+
+async def test_room_feed_outcomes(client: DirectoryClient) -> None:
+    p, d = await _pair(client, "roomfeed")
+    pr, dr = p.registration, d.registration
+    feed = await _connected_feed(client, pr.peer_id, pr.epoch)
     # Completed and released by the decode; the change lands before anyone waits for it.
     read = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
     await client.publish_source(read.room_id, pr.peer_id, pr.epoch, source())
@@ -397,13 +401,9 @@ async def test_open_room_with_a_chosen_id(client: DirectoryClient) -> None:
 
 
 async def test_decode_declines_the_read(client: DirectoryClient) -> None:
-    from xavier_services.peer.room_feed import RoomFeed
-
     p, d = await _pair(client, "decline")
     pr, dr = p.registration, d.registration
-    feed = RoomFeed(client, lambda: (pr.peer_id, pr.epoch))
-    feed.start()
-    await asyncio.wait_for(feed.connected.wait(), 5)
+    feed = await _connected_feed(client, pr.peer_id, pr.epoch)
     # The decode began the transfer, then ended the room saying it never posted a read.
     a = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
     await client.publish_source(a.room_id, pr.peer_id, pr.epoch, source())
