@@ -90,8 +90,10 @@ def test_notifications_without_the_read_token_are_ignored(source: Source, manage
     assert len(info.token) == 32
     manager.agent.add_peer(SRC_KEY, info.metadata)
     # Anyone who can reach the source's agent can send these; none may end the room.
-    for forged in (done_notif(room), done_notif(room, "0" * 32), fail_notif(room, info.token[::-1])):
-        manager.agent.send_notif(SRC_KEY, forged)
+    forged = [done_notif(room), done_notif(room, "0" * 32), fail_notif(room, info.token[::-1])]
+    forged.append(done_notif(room) + "é\xff".encode("latin-1"))  # bytes no str comparison accepts
+    for msg in forged:
+        manager.agent.send_notif(SRC_KEY, msg)
     time.sleep(0.3)
     assert source.call("state", room) == ("TRANSFERRING", True, None)
     # The reader the token went to ends it.

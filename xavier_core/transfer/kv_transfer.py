@@ -90,7 +90,8 @@ class KvManager:
                 if sender is None:
                     self.notifications_dropped += 1
                     continue
-                if not hmac.compare_digest(token, sender.token):
+                # Bytes, not str: compare_digest refuses non-ASCII str, and the network sends anything.
+                if not hmac.compare_digest(token, sender.token.encode()):
                     # Only the reader the source's descriptor went to knows the token: anyone else who
                     # can reach this agent must not end a room (its pages would be reused mid-read).
                     self.notifications_rejected += 1
@@ -128,13 +129,13 @@ class KvManager:
                 self.read_seconds += xfer.finished - xfer.started
 
 
-def _parse(msg: bytes) -> tuple[str, str | None, str]:
-    """(kind, room, token) of a notification; room None when it is not one of ours."""
+def _parse(msg: bytes) -> tuple[str, str | None, bytes]:
+    """(kind, room, token bytes) of a notification; room None when it is not one of ours."""
     for kind, prefix in (("done", DONE_PREFIX), ("fail", FAIL_PREFIX)):
         if msg.startswith(prefix):
-            room, _, token = msg[len(prefix) :].decode(errors="replace").partition(":")
-            return kind, room, token
-    return "other", None, ""
+            room, _, token = msg[len(prefix) :].partition(b":")
+            return kind, room.decode(errors="replace"), token
+    return "other", None, b""
 
 
 class KvSender:
