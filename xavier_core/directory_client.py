@@ -345,13 +345,8 @@ class DirectoryClient:
         """Yields the room now and after each state change; ends after a terminal state."""
         req = dpb.WatchRoomRequest(room_id=room_id)
         call = self.stub.WatchRoom(req, timeout=timeout or self.watch_timeout)
-        try:
-            async for msg in call:
-                yield msg.room
-        except grpc.aio.AioRpcError as rpc_err:
-            raise from_rpc_error(rpc_err) from None
-        finally:
-            call.cancel()
+        async for msg in _typed_stream(call):
+            yield msg.room
 
     async def watch_peer_rooms(
         self, peer_id: str, epoch: int, *, timeout: float | None = None
@@ -359,13 +354,8 @@ class DirectoryClient:
         """Yields batches of room changes for every room of the peer: first its live rooms, then changes."""
         req = dpb.WatchPeerRoomsRequest(peer_id=peer_id, epoch=epoch)
         call = self.stub.WatchPeerRooms(req, timeout=timeout)
-        try:
-            async for msg in call:
-                yield list(msg.rooms)
-        except grpc.aio.AioRpcError as rpc_err:
-            raise from_rpc_error(rpc_err) from None
-        finally:
-            call.cancel()
+        async for msg in _typed_stream(call):
+            yield list(msg.rooms)
 
     async def wait_for_state(
         self, room_id: int, states: Collection[int], *, timeout: float | None = None
@@ -375,6 +365,17 @@ class DirectoryClient:
             if room.state in states or room.state in TERMINAL_ROOM_STATES:
                 return room
         raise Unavailable(f"watch of room {room_id} ended early", reason="WATCH_ENDED", room_id=room_id)
+
+
+async def _typed_stream(call: Any) -> AsyncIterator[Any]:
+    """The messages of a server stream; its errors as typed `XavierError`s; the call cancelled on exit."""
+    try:
+        async for msg in call:
+            yield msg
+    except grpc.aio.AioRpcError as rpc_err:
+        raise from_rpc_error(rpc_err) from None
+    finally:
+        call.cancel()
 
 
 OnRegistered = Callable[[Registration], Awaitable[None] | None]

@@ -11,8 +11,8 @@ import asyncio
 import base64
 import binascii
 import contextlib
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import duration_pb2
@@ -48,6 +48,27 @@ def _seconds(msg: duration_pb2.Duration) -> float:
 def _duration(seconds: float) -> duration_pb2.Duration:
     whole = int(seconds)
     return duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+@contextlib.contextmanager
+def _subscribed(table: dict[K, list[V]], key: K, item: V, limit: int, owner: str, noun: str) -> Iterator[V]:
+    """Adds `item` to `table[key]` (CAPACITY_EXHAUSTED once it holds `limit`), removes it on exit."""
+    items = table.setdefault(key, [])
+    if len(items) >= limit:
+        raise CapacityExhausted(f"{owner} has {len(items)} {noun}", limit=limit)
+    items.append(item)
+    try:
+        yield item
+    finally:
+        left = table.get(key)  # the listener may have taken the whole list already
+        if left is not None and item in left:
+            left.remove(item)
+            if not left:
+                del table[key]
 
 
 class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc]
@@ -107,25 +128,11 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
 
     async def _until_not_open(self, room: RoomRecord) -> None:
         """Waits until the room leaves OPEN (its lease bounds the wait; the call's deadline too)."""
+        limit = self.settings.max_watchers_per_room
         while room.state == OPEN:
-            waiters = self._waiters.setdefault(room.room_id, [])
-            if len(waiters) >= self.settings.max_watchers_per_room:
-                raise CapacityExhausted(
-                    f"room {room.room_id} has {len(waiters)} waiters",
-                    limit=self.settings.max_watchers_per_room,
-                )
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            waiters.append(fut)
-            try:
+            with _subscribed(self._waiters, room.room_id, fut, limit, f"room {room.room_id}", "waiters"):
                 await fut
-            finally:
-                if not fut.done():
-                    fut.cancel()
-                left = self._waiters.get(room.room_id)
-                if left is not None and fut in left:
-                    left.remove(fut)
-                    if not left:
-                        del self._waiters[room.room_id]
 
     def _room(self, room: RoomRecord) -> dpb.Room:
         return room_to_proto(room, self._offset)
@@ -231,15 +238,10 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         if room.state in TERMINAL_STATES:
             yield dpb.WatchRoomResponse(room=first)
             return
-        queues = self._watchers.setdefault(room.room_id, [])
-        if len(queues) >= self.settings.max_watchers_per_room:
-            raise CapacityExhausted(
-                f"room {room.room_id} has {len(queues)} watchers", limit=self.settings.max_watchers_per_room
-            )
+        limit = self.settings.max_watchers_per_room
         # Registered in the same step as the snapshot: no change can fall between the two.
         queue: asyncio.Queue[dpb.Room | None] = asyncio.Queue()
-        queues.append(queue)
-        try:
+        with _subscribed(self._watchers, room.room_id, queue, limit, f"room {room.room_id}", "watchers"):
             yield dpb.WatchRoomResponse(room=first)
             while True:
                 msg = await queue.get()
@@ -248,24 +250,15 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
                 yield dpb.WatchRoomResponse(room=msg)
                 if msg.state in TERMINAL_STATES:
                     return
-        finally:
-            queues.remove(queue)
-            if not queues:
-                self._watchers.pop(room.room_id, None)
 
     async def WatchPeerRooms(
         self, req: dpb.WatchPeerRoomsRequest, ctx: Ctx
     ) -> AsyncIterator[dpb.WatchPeerRoomsResponse]:
         live = self.state.peer_rooms(req.peer_id, req.epoch)
-        feeds = self._feeds.setdefault(req.peer_id, [])
-        if len(feeds) >= self.settings.max_watchers_per_room:
-            raise CapacityExhausted(
-                f"peer {req.peer_id} has {len(feeds)} feeds", limit=self.settings.max_watchers_per_room
-            )
+        limit = self.settings.max_watchers_per_room
         # Registered in the same step as the snapshot: no change can fall between the two.
         queue: asyncio.Queue[dpb.Room | None] = asyncio.Queue()
-        feeds.append(queue)
-        try:
+        with _subscribed(self._feeds, req.peer_id, queue, limit, f"peer {req.peer_id}", "feeds"):
             yield dpb.WatchPeerRoomsResponse(
                 rooms=[room_to_proto(r, self._offset, with_source=False) for r in live]
             )
@@ -276,10 +269,6 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
                 if None in batch:
                     raise Unavailable("directory is shutting down", reason="SHUTTING_DOWN")
                 yield dpb.WatchPeerRoomsResponse(rooms=batch)
-        finally:
-            feeds.remove(queue)
-            if not feeds:
-                self._feeds.pop(req.peer_id, None)
 
     async def GetDirectoryStats(
         self, req: dpb.GetDirectoryStatsRequest, ctx: Ctx
