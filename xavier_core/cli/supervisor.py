@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,15 +62,8 @@ class Supervisor:
         self.env = {**os.environ, **(env or {})}
         self.children: list[Child] = []
 
-    def start(
-        self,
-        name: str,
-        binary: str,
-        args: Sequence[str],
-        stage: int = 0,
-        env: Mapping[str, str] | None = None,
-    ) -> Child:
-        """Starts `binary` with a ready file and a log; `env` adds variables for this child only."""
+    def start(self, name: str, binary: str, args: Sequence[str], stage: int = 0) -> Child:
+        """Starts `binary` with a ready file and a log."""
         ready = self.workdir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         log_path = self.workdir / f"{name}.log"
@@ -82,7 +75,7 @@ class Supervisor:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**self.env, **env} if env else self.env,
+                env=self.env,
                 start_new_session=True,  # Ctrl-C reaches only `xavier up`, which stops children in order
                 preexec_fn=_die_with_parent,
             )

@@ -99,7 +99,9 @@ def run_up(args: argparse.Namespace) -> int:
     model = (args.model or default_model(say)).resolve()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="xavier-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    sup = Supervisor(workdir)
+    # The engine binaries take engine.compute from the environment; the directory and router have no
+    # `engine` section, so they ignore the variable.
+    sup = Supervisor(workdir, env={"XAVIER_ENGINE__COMPUTE": args.compute})
     code = 0
     try:
         directory = sup.start("directory", "xavier-directory", ["--listen", "127.0.0.1:0"], stage=0)
@@ -116,9 +118,7 @@ def run_up(args: argparse.Namespace) -> int:
                 name = f"{role}-{i}"
                 device = devices[len(peers) % len(devices)]
                 args_ = [*common, "--device", device, "--peer-id", name, *extra]
-                # The peer binaries take engine.compute from the environment (XAVIER_ENGINE__COMPUTE).
-                env = {"XAVIER_ENGINE__COMPUTE": args.compute}
-                peers.append(sup.start(name, binary, args_, stage=1, env=env))
+                peers.append(sup.start(name, binary, args_, stage=1))
         say(f"loading {model.name} in {len(peers)} engine process(es): {', '.join(c.name for c in peers)}")
         if not sup.wait_ready(peers, args.timeout, lambda: stop.requested, _progress(say), _ready(say)):
             return 0

@@ -18,6 +18,7 @@ from xavier.v1 import decode_service_pb2 as pb
 from xavier.v1 import decode_service_pb2_grpc, types_pb2
 from xavier.v1 import directory_service_pb2 as dpb
 
+from xavier_core.directory_client import TERMINAL_ROOM_STATES
 from xavier_core.engine.api import TokenEvent
 from xavier_core.runtime.errors import (
     Aborted,
@@ -30,7 +31,10 @@ from xavier_services.peer.convert import check_prompt, check_room_id, finish_to_
 from xavier_services.peer.host import PeerHost
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
 
-_TERMINAL = (dpb.ROOM_STATE_RELEASED, dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED)
+
+def _source_key(room: dpb.Room) -> str:
+    """The NIXL peer key of a room's source: its prefill at the room's epoch."""
+    return f"{room.prefill_peer_id}@{room.prefill_epoch}"
 
 
 def _delta(ev: TokenEvent) -> pb.TokenDelta:
@@ -84,13 +88,12 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                     source=src.contract_fingerprint,
                     decode=host.fingerprint,
                 )
-            peer_key = f"{room.prefill_peer_id}@{room.prefill_epoch}"
             handoff = host.config.handoff
             pulling = True  # from here the pull tells the source how the read ended
             nbytes, transfer_s = await host.kv.pull(
                 request.room_id,
                 src,
-                peer_key,
+                _source_key(room),
                 pages,
                 handoff.transfer_timeout_seconds,
                 handoff.park_timeout_seconds,
@@ -120,8 +123,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 yield msg
         finally:
             if begun is not None and not pulling:
-                peer_key = f"{begun.prefill_peer_id}@{begun.prefill_epoch}"
-                await asyncio.shield(host.kv.decline(request.room_id, begun.source, peer_key))
+                decline = host.kv.decline(request.room_id, begun.source, _source_key(begun))
+                await asyncio.shield(decline)
             await asyncio.shield(self._finish(rid, request.room_id, completed, read_posted=pulling))
 
     async def _begin(self, room_id: int, rid: str) -> dpb.Room:
@@ -133,9 +136,9 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         )
         if room.state == dpb.ROOM_STATE_EXPIRED:
             raise LeaseExpired(f"room {room_id} expired before its source was ready", room_id=str(room_id))
-        if room.state in _TERMINAL and room.end_reason.startswith("peer "):
+        if room.state in TERMINAL_ROOM_STATES and room.end_reason.startswith("peer "):
             raise Unavailable(f"room {room_id} ended: {room.end_reason}", reason="PEER_UNAVAILABLE")
-        if room.state in _TERMINAL:
+        if room.state in TERMINAL_ROOM_STATES:
             raise Aborted(f"room {room_id} ended: {room.end_reason or 'aborted'}", room_id=str(room_id))
         return room
 

@@ -122,8 +122,7 @@ def check_source(source: dpb.SourceDescriptor, settings: DirectorySettings) -> N
         )
     if len(source.aux) > settings.max_aux_bytes:
         raise InvalidArgument(f"source.aux larger than {settings.max_aux_bytes} bytes", field="source.aux")
-    if len(source.read_token) > 128:
-        raise InvalidArgument("source.read_token longer than 128 characters", field="source.read_token")
+    check_text(source.read_token, "source.read_token", limit=128)
     if source.first_finish_reason not in types_pb2.FinishReason.values():
         raise InvalidArgument("source.first_finish_reason unknown", field="source.first_finish_reason")
     check_text(source.contract_fingerprint, "source.contract_fingerprint", limit=128)

@@ -63,9 +63,9 @@ def load_engine(config: PeerServiceConfig, role: int = types_pb2.ROLE_UNIFIED) -
         chunk_tokens=e.chunk_tokens,
         compute=e.compute,
     )
-    if role != types_pb2.ROLE_PREFILL and e.device.startswith("cuda") and e.compute == "model":
+    if role != types_pb2.ROLE_PREFILL and e.device.startswith("cuda"):
         # Decode graphs are captured now, before the NIXL agent exists: a capture must not overlap
-        # transfers on the same device. Null compute has no decode graphs.
+        # transfers on the same device. (Null compute has none: this captures 0.)
         n = engine.capture_decode_graphs()
         log.info("decode graphs captured", graphs=n)
     return engine

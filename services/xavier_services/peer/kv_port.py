@@ -99,10 +99,10 @@ class _NixlThread:
             try:
                 job = self._jobs.get(timeout=max(0.0, last + self._poll - time.monotonic()) if busy else None)
             except queue.Empty:
-                job = ()  # type: ignore[assignment]
-            if job is None:
-                return
-            if job:
+                pass  # time to poll
+            else:
+                if job is None:
+                    return
                 fn, args, fut = job
                 if fut.set_running_or_notify_cancel():
                     try:

@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 
 from xavier.v1 import directory_service_pb2 as dpb
 
-from xavier_core.directory_client import DirectoryClient
+from xavier_core.directory_client import TERMINAL_ROOM_STATES, DirectoryClient
 from xavier_core.runtime.errors import NotFound, XavierError
 from xavier_core.runtime.logging import get_logger
 
 log = get_logger(__name__)
 
-TERMINAL = frozenset((dpb.ROOM_STATE_RELEASED, dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED))
 # States after which a decode may have read the source (BeginTransfer refuses an ended room).
 _READ_STATES = frozenset((dpb.ROOM_STATE_TRANSFERRING, dpb.ROOM_STATE_COMPLETED, dpb.ROOM_STATE_RELEASED))
 
@@ -79,7 +78,7 @@ class RoomFeed:
         caller must then assume a read may still run.
         """
         view = await self._wait_until(
-            room_id, lambda v: v.state == dpb.ROOM_STATE_COMPLETED or v.state in TERMINAL, timeout
+            room_id, lambda v: v.state == dpb.ROOM_STATE_COMPLETED or v.state in TERMINAL_ROOM_STATES, timeout
         )
         if view is None:
             log.warning("room outcome timed out", room_id=room_id)
@@ -130,7 +129,7 @@ class RoomFeed:
             # The reader's own word that it never read: may come after the room ended.
             view.declined, view.may_read = True, False
             view.changed.set()
-        if view.state in TERMINAL:
+        if view.state in TERMINAL_ROOM_STATES:
             return
         view.state = room.state
         view.may_read = (view.may_read or room.state in _READ_STATES) and not view.declined
@@ -141,7 +140,7 @@ class RoomFeed:
         """Fetches waited-on rooms the snapshot lacks: they ended while the stream was down."""
         for room_id in [r for r in self._waiting if r not in live]:
             view = self._views.get(room_id)
-            if view is not None and view.state in TERMINAL:
+            if view is not None and view.state in TERMINAL_ROOM_STATES:
                 continue
             try:
                 self._apply(await self._client.get_room(room_id))

@@ -18,6 +18,7 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import prefill_service_pb2 as pb
 from xavier.v1 import prefill_service_pb2_grpc, types_pb2
 
+from xavier_core.directory_client import TERMINAL_ROOM_STATES
 from xavier_core.engine.api import PrefillResult
 from xavier_core.runtime.errors import Aborted, FailedPrecondition, NotFound
 from xavier_core.runtime.logging import get_logger
@@ -32,8 +33,6 @@ from xavier_services.peer.host import PeerHost
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
 
 log = get_logger(__name__)
-
-_TERMINAL = (dpb.ROOM_STATE_RELEASED, dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED)
 
 
 @dataclass
@@ -165,16 +164,17 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         timeout = host.config.handoff.park_timeout_seconds
         try:
             if not host.kv.read_ended(hold.room_id):
-                ended = asyncio.ensure_future(host.kv.wait_read_end(hold.room_id, timeout))
-                declined = asyncio.ensure_future(host.rooms.read_declined(hold.room_id, timeout))
+                waits = {
+                    asyncio.ensure_future(host.kv.wait_read_end(hold.room_id, timeout)),
+                    asyncio.ensure_future(host.rooms.read_declined(hold.room_id, timeout)),
+                }
                 try:
-                    await asyncio.wait({ended, declined}, return_when=asyncio.FIRST_COMPLETED)
+                    done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 finally:
-                    ended.cancel()
-                    declined.cancel()
-                if not (ended.done() and not ended.cancelled() and ended.result()) and not (
-                    declined.done() and not declined.cancelled() and declined.result()
-                ):
+                    for t in waits:
+                        t.cancel()
+                # Each wait answers "" / False when its timeout passed first.
+                if not any(t.result() for t in done):
                     log.warning("parked pages reclaimed after timeout", room_id=hold.room_id)
         finally:
             await self._unpin(hold, completed=False)
@@ -213,7 +213,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             for t in (notif, watch):
                 t.cancel()
             host.rooms.forget(room_id)
-        if state not in _TERMINAL:
+        if state not in TERMINAL_ROOM_STATES:
             # A room the decode completed without releasing it (or whose outcome is unknown).
             await host.release_room(room_id, types_pb2.ROLE_PREFILL)
 
