@@ -56,29 +56,9 @@ def prompts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(16, 64))) for _ in range(n)]
 
 
-def _services(root: int) -> dict[int, str]:
-    """pid -> service name of every process under `root` (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out: dict[int, str] = {}
-    todo = list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
-        try:
-            argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        name = Path(argv[1].decode()).name if len(argv) > 1 else str(pid)
-        ready = [a.decode() for a in argv if a.endswith(b".ready")]
-        out[pid] = Path(ready[0]).stem if ready else name
-    return out
+def _services(svc_dir: Path) -> dict[int, str]:
+    """pid -> service name, from the ready files `xavier up` has its children write."""
+    return {int(json.loads(r.read_text())["pid"]): r.stem for r in svc_dir.glob("*.ready")}
 
 
 def cpu_seconds(pids: dict[int, str]) -> dict[str, float]:
@@ -311,7 +291,7 @@ def main() -> int:
         try:
             key, fn = meshes[compute]
             result["model"] = Path(info["model"]).name
-            coro = fn(args, info) if compute == "model" else fn(info, _services(proc.pid))
+            coro = fn(args, info) if compute == "model" else fn(info, _services(workdir / compute / "svc"))
             result[key] = _run_loop(coro)
         finally:
             proc.send_signal(signal.SIGTERM)
