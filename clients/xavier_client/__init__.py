@@ -22,7 +22,18 @@ from xavier_client._errors import (
 )
 from xavier_client._options import RetryPolicy, TlsOptions
 from xavier_client._sync import Client, GenerateStream
-from xavier_client._types import Chunk, Completion, Mode, Prompt, Sampling, build_request, mode_name
+from xavier_client._types import (
+    Chunk,
+    ClusterPeer,
+    ClusterRooms,
+    ClusterStatus,
+    Completion,
+    Mode,
+    Prompt,
+    Sampling,
+    build_request,
+    mode_name,
+)
 
 # RouterService RPC -> the client methods that call it (checked against the descriptor in the tests).
 RPC_METHODS: dict[str, tuple[str, ...]] = {
@@ -40,6 +51,9 @@ __all__ = [
     "CancelledError",
     "Chunk",
     "Client",
+    "ClusterPeer",
+    "ClusterRooms",
+    "ClusterStatus",
     "Completion",
     "DeadlineExceededError",
     "FailedPreconditionError",

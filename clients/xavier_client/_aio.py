@@ -18,7 +18,7 @@ from xavier_client._options import (
     channel_args,
     channel_credentials,
 )
-from xavier_client._types import Chunk, Completion, Mode, Prompt, Sampling, build_request
+from xavier_client._types import Chunk, ClusterStatus, Completion, Mode, Prompt, Sampling, build_request
 
 T = TypeVar("T")
 
@@ -164,6 +164,6 @@ class AsyncClient:
                 break
         return models
 
-    async def cluster_status(self, *, deadline: float | None = None) -> rpb.GetClusterStatusResponse:
-        """Peers, rooms, pages and the router's load."""
+    async def cluster_status(self, *, deadline: float | None = None) -> ClusterStatus:
+        """The router's load, each peer's public status (engine pages, rooms) and the room counters."""
         return await self._unary(self._stub.GetClusterStatus, rpb.GetClusterStatusRequest(), deadline)

@@ -15,6 +15,15 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 
 Mode = Literal["pd", "colocated", "native"]
 
+ClusterStatus = rpb.GetClusterStatusResponse
+"""What `cluster_status()` returns: the router's live requests, its default mode, one `ClusterPeer` per
+registered peer and the `ClusterRooms` counters (unset when the directory could not be read)."""
+ClusterPeer = rpb.ClusterPeer
+"""One peer's public status: id, role, epoch, address, model, contract fingerprint, load, engine stats,
+rooms; never its transfer endpoint, NIXL metadata or memory addresses."""
+ClusterRooms = rpb.ClusterRooms
+"""Room counters: live rooms now, and rooms opened, completed, released, aborted, expired since start."""
+
 _MODES: dict[str, int] = {
     "pd": rpb.ROUTING_MODE_PD,
     "colocated": rpb.ROUTING_MODE_COLOCATED,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from xavier.v1 import router_service_pb2 as rpb
 from xavier_client import AsyncClient, Client
@@ -31,8 +33,30 @@ def test_models_and_status(mesh: Mesh) -> None:
     assert model.id == mesh.model.name and model.max_context > 0
     assert set(model.modes) >= {rpb.ROUTING_MODE_PD, rpb.ROUTING_MODE_COLOCATED}
     assert model.layout.num_layers > 0
-    roles = sorted(p.peer.role for p in st.peers)
+    roles = sorted(p.role for p in st.peers)
     assert len(roles) == 3 and st.default_mode == rpb.ROUTING_MODE_PD
+    for p in st.peers:
+        assert p.peer_id and p.epoch > 0 and p.address and not p.error
+        assert p.model_name == mesh.model.name and len(p.contract_fingerprint) == 64
+        assert p.engine.pages_total > 0
+    assert st.HasField("rooms") and st.rooms.active == 0
+    # The public status names no transfer endpoint, NIXL metadata or memory address, at any depth.
+    assert _field_names(rpb.GetClusterStatusResponse.DESCRIPTOR).isdisjoint(
+        {"endpoint", "agent_name", "agent_metadata", "regions", "base_address", "layout"}
+    )
+
+
+def _field_names(desc: Any, seen: set[str] | None = None) -> set[str]:
+    seen = set() if seen is None else seen
+    names: set[str] = set()
+    if desc.full_name in seen:
+        return names
+    seen.add(desc.full_name)
+    for f in desc.fields:
+        names.add(f.name)
+        if f.message_type is not None:
+            names |= _field_names(f.message_type, seen)
+    return names
 
 
 async def test_async_cancel_mid_stream(mesh: Mesh) -> None:

@@ -79,6 +79,6 @@ def test_repeated_prefix_hits_the_same_prefill_cache(two_prefills: Mesh) -> None
     assert first.cached_tokens == 0
     # With two idle prefills a tie breaks at random: only affinity sends all six to the warm cache.
     assert all(r.cached_tokens > 0 for r in repeats), [r.cached_tokens for r in repeats]
-    prefills = [p for p in status.peers if p.peer.role == types_pb2.ROLE_PREFILL]
+    prefills = [p for p in status.peers if p.role == types_pb2.ROLE_PREFILL]
     computed = sorted(p.engine.prompt_tokens_computed for p in prefills)
     assert computed[0] == 0  # the other prefill never saw the prompt

@@ -25,14 +25,14 @@ def _idle(mesh: Mesh, timeout: float = 20.0) -> None:
         while True:
             st = client.cluster_status()
             busy = [
-                (p.peer.peer_id, p.rooms_active, p.engine.pages_pinned, p.engine.running)
+                (p.peer_id, p.rooms_active, p.engine.pages_pinned, p.engine.running)
                 for p in st.peers
                 if not p.error and (p.rooms_active or p.engine.pages_pinned or p.engine.running)
             ]
-            if not busy and st.directory.rooms_active == 0 and st.requests_active == 0:
+            if not busy and st.HasField("rooms") and st.rooms.active == 0 and st.requests_active == 0:
                 return
             if time.monotonic() > deadline:
-                raise AssertionError(f"still busy: {busy}, directory rooms {st.directory.rooms_active}")
+                raise AssertionError(f"still busy: {busy}, rooms {st.rooms}")
             time.sleep(0.1)
 
 

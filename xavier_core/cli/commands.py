@@ -80,19 +80,21 @@ def format_status(st: rpb.GetClusterStatusResponse) -> str:
         f"{'PEER':<14}{'ROLE':<10}{'ADDRESS':<22}{'RUN':>5}{'WAIT':>6}{'FREE/TOTAL':>12}{'PINNED':>8}{'ROOMS':>7}",
     ]
     for p in st.peers:
-        role = types_pb2.Role.Name(p.peer.role).removeprefix("ROLE_").lower()
+        role = types_pb2.Role.Name(p.role).removeprefix("ROLE_").lower()
         e = p.engine
         if p.error:
-            lines.append(f"{p.peer.peer_id:<14}{role:<10}{p.peer.address:<22}  error: {p.error}")
+            lines.append(f"{p.peer_id:<14}{role:<10}{p.address:<22}  error: {p.error}")
             continue
         lines.append(
-            f"{p.peer.peer_id:<14}{role:<10}{p.peer.address:<22}{e.running:>5}{e.waiting:>6}"
+            f"{p.peer_id:<14}{role:<10}{p.address:<22}{e.running:>5}{e.waiting:>6}"
             f"{f'{e.pages_free}/{e.pages_total}':>12}{e.pages_pinned:>8}{p.rooms_active:>7}"
         )
-    d = st.directory
+    r = st.rooms
     lines.append(
-        f"rooms: {d.rooms_active} active, {d.rooms_opened} opened, {d.rooms_completed} completed, "
-        f"{d.rooms_released} released, {d.rooms_aborted} aborted, {d.rooms_expired} expired"
+        f"rooms: {r.active} active, {r.opened} opened, {r.completed} completed, "
+        f"{r.released} released, {r.aborted} aborted, {r.expired} expired"
+        if st.HasField("rooms")
+        else "rooms: unknown (directory unreachable)"
     )
     return "\n".join(lines)
 

@@ -7,6 +7,14 @@ below; the server interceptor turns them into statuses, and callers turn the
 received ``grpc.RpcError`` back into the same typed error with
 :func:`from_rpc_error`.
 
+Every reason is declared in ``protos/xavier/v1/error_reason.proto`` (the
+``ErrorReason`` enum, value names without the ``ERROR_REASON_`` prefix). A raise
+with an undeclared reason, or an error class whose default is undeclared, fails
+with ``ValueError`` at once (one set lookup), so a typo never reaches the wire;
+a reason *received* from a peer is data and is kept as it came.
+tests/contract/test_error_reasons.py checks the other direction (every declared
+reason is emitted somewhere).
+
 ``LeaseExpired`` maps to FAILED_PRECONDITION rather than DEADLINE_EXCEEDED:
 the lease is server-side state that has ended (retrying the same call cannot
 succeed), while DEADLINE_EXCEEDED is reserved for the caller's own deadline.
@@ -21,11 +29,19 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
+from xavier.v1 import error_reason_pb2
 
 ERROR_DOMAIN = "xavier.v1"
 _DETAILS_KEY = "grpc-status-details-bin"
+_REASON_PREFIX = "ERROR_REASON_"
+DECLARED_REASONS: frozenset[str] = frozenset(
+    name.removeprefix(_REASON_PREFIX)
+    for name in error_reason_pb2.ErrorReason.keys()
+    if name != "ERROR_REASON_UNSPECIFIED"
+)
 
 __all__ = [
+    "DECLARED_REASONS",
     "ERROR_DOMAIN",
     "Aborted",
     "CapacityExhausted",
@@ -57,11 +73,15 @@ class XavierError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
     reason: str = "UNKNOWN"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _require_declared(cls.reason)
+
     def __init__(self, message: str = "", *, reason: str | None = None, **metadata: object) -> None:
         super().__init__(message)
         self.message = message
         if reason is not None:
-            self.reason = reason
+            self.reason = _require_declared(reason)
         self.metadata: dict[str, str] = {k: str(v) for k, v in metadata.items()}
 
     def __str__(self) -> str:
@@ -71,13 +91,24 @@ class XavierError(Exception):
         return f"{type(self).__name__}({self.message!r}, reason={self.reason!r}, metadata={self.metadata!r})"
 
 
+def _require_declared(reason: str) -> str:
+    if reason not in DECLARED_REASONS:
+        raise ValueError(f"reason {reason!r} is not declared in protos/xavier/v1/error_reason.proto")
+    return reason
+
+
 class GenericError(XavierError):
-    """A received status with no typed class (e.g. DEADLINE_EXCEEDED): keeps the wire code."""
+    """A received status with no typed class (e.g. DEADLINE_EXCEEDED): keeps the wire code and reason.
+
+    The reason is the received one (or the code's name), not checked against the declared reasons: a
+    peer built from a newer contract may send one this build does not know.
+    """
 
     def __init__(
         self, code: grpc.StatusCode, message: str = "", *, reason: str | None = None, **metadata: object
     ) -> None:
-        super().__init__(message, reason=reason or code.name, **metadata)
+        super().__init__(message, **metadata)
+        self.reason = reason or code.name
         self.code = code
 
 
@@ -183,7 +214,12 @@ def error_for_code(
     ``message`` or ``reason`` cannot collide with the constructor's parameters.
     """
     cls = _BY_REASON.get((code, reason or "")) or _BY_CODE.get(code)
-    err = GenericError(code, message, reason=reason) if cls is None else cls(message, reason=reason)
+    if cls is None:
+        err: XavierError = GenericError(code, message, reason=reason)
+    else:
+        err = cls(message)
+        if reason:  # received data: kept even when this build does not declare it
+            err.reason = reason
     if metadata:
         err.metadata = dict(metadata)
     return err

@@ -1,7 +1,9 @@
-"""`xavier-pagestore`: the HiCache L3 page store.
+"""`xavier-pagestore`: the process that will host the HiCache L3 page store.
 
-The store's data path is part 6 of the plan; until it lands every RPC answers UNIMPLEMENTED with reason
-NOT_IMPLEMENTED (never a fake success), while the process serves health, reflection and metrics.
+The store's contract is not in xavier.v1 yet: it comes with the store itself, as an additive service whose
+gRPC messages carry keys, descriptors and leases while NIXL moves the page bytes. Until then the binary
+starts, serves health (overall status SERVING) and reflection and stops cleanly, so deployments and `xavier
+up` can already place it, and it says at start that it serves no xavier.v1 service.
 """
 
 from __future__ import annotations
@@ -9,23 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import grpc
-from xavier.v1 import page_store_service_pb2, page_store_service_pb2_grpc
 
-from xavier_core.runtime import ServiceConfig, run_service, serve
+from xavier_core.runtime import ServiceConfig, get_logger, run_service, serve
 from xavier_core.runtime.config import ConfigError, add_common_args, config_from_args, exit_on_config_error
-from xavier_core.runtime.errors import Unimplemented
 
-SERVICE = page_store_service_pb2.DESCRIPTOR.services_by_name["PageStoreService"].full_name
-
-
-class PageStoreServicer(page_store_service_pb2_grpc.PageStoreServiceServicer):
-    async def _unimplemented(self, request: Any, context: Any) -> Any:
-        raise Unimplemented("the page store data path is not built yet", service=SERVICE)
-
-    ExistsPages = GetPages = PutPages = GetPageStoreStats = _unimplemented
+_log = get_logger("xavier.pagestore")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         exit_on_config_error(err)
 
     def register(server: grpc.aio.Server) -> Sequence[str]:
-        page_store_service_pb2_grpc.add_PageStoreServiceServicer_to_server(PageStoreServicer(), server)
-        return [SERVICE]
+        _log.warning(
+            "page store not built yet: serving health and reflection only, no xavier.v1 service",
+            services=[],
+        )
+        return []
 
     async def run() -> int:
         return await serve(config, service_name="pagestore", register=register)

@@ -74,9 +74,34 @@ async def _peers_or_empty(router: Router) -> list[dpb.Peer]:
         return []
 
 
-async def _peer_status(router: Router, peer: dpb.Peer) -> rpb.PeerStatus:
+def cluster_peer(peer: dpb.Peer) -> rpb.ClusterPeer:
+    """The public view of a directory peer: identity, model and load, never its transfer endpoint."""
+    return rpb.ClusterPeer(
+        peer_id=peer.peer_id,
+        role=peer.role,
+        epoch=peer.epoch,
+        address=peer.address,
+        model_name=peer.layout.model_name,
+        contract_fingerprint=peer.contract_fingerprint,
+        outstanding_requests=peer.load.outstanding_requests,
+    )
+
+
+def cluster_rooms(stats: dpb.GetDirectoryStatsResponse) -> rpb.ClusterRooms:
+    """The directory's room counters, without its per-state and per-role maps."""
+    return rpb.ClusterRooms(
+        active=stats.rooms_active,
+        opened=stats.rooms_opened,
+        completed=stats.rooms_completed,
+        released=stats.rooms_released,
+        aborted=stats.rooms_aborted,
+        expired=stats.rooms_expired,
+    )
+
+
+async def _peer_status(router: Router, peer: dpb.Peer) -> rpb.ClusterPeer:
     timeout = router.config.rpc_timeout_seconds
-    status = rpb.PeerStatus(peer=peer)
+    status = cluster_peer(peer)
     try:
         ch = router.pool.channel(peer.address)
         if peer.role == types_pb2.ROLE_PREFILL:
@@ -97,7 +122,7 @@ async def _peer_status(router: Router, peer: dpb.Peer) -> rpb.PeerStatus:
 
 
 async def cluster_status(router: Router) -> rpb.GetClusterStatusResponse:
-    """Every peer's stats (fetched concurrently, each with a deadline) and the directory's counters."""
+    """Every peer's stats (fetched concurrently, each with a deadline) and the directory's room counters."""
     resp = rpb.GetClusterStatusResponse(requests_active=router.active)
     peers = await _peers_or_empty(router)
     statuses = await asyncio.gather(*(_peer_status(router, p) for p in peers))
@@ -107,9 +132,9 @@ async def cluster_status(router: Router) -> rpb.GetClusterStatusResponse:
             stats = await router.pool.directory.GetDirectoryStats(
                 dpb.GetDirectoryStatsRequest(), timeout=router.config.rpc_timeout_seconds
             )
-            resp.directory.CopyFrom(stats)
+            resp.rooms.CopyFrom(cluster_rooms(stats))
         except grpc.aio.AioRpcError:
-            pass
+            pass  # rooms stays unset: the contract's sign that the directory could not be read
     try:
         resp.default_mode = await router.default_mode()
     except XavierError:

@@ -8,7 +8,6 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
-from xavier.v1 import directory_service_pb2 as _directory_service_pb2
 from xavier.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
@@ -28,25 +27,33 @@ class _RoutingMode:
 class _RoutingModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RoutingMode.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     ROUTING_MODE_UNSPECIFIED: _RoutingMode.ValueType  # 0
-    """The deployment's default."""
+    """The router's configured default mode (or, when configured as "auto", the first mode its peers can
+    serve, in the order PD, COLOCATED, NATIVE).
+    """
     ROUTING_MODE_PD: _RoutingMode.ValueType  # 1
-    """Xavier prefill/decode disaggregation."""
+    """Xavier prefill/decode disaggregation: a prefill peer computes the KV and first token, and a decode
+    peer reads the KV over NIXL and generates the rest.
+    """
     ROUTING_MODE_COLOCATED: _RoutingMode.ValueType  # 2
     """A unified replica serves the whole request."""
     ROUTING_MODE_NATIVE: _RoutingMode.ValueType  # 3
-    """Native SGLang NIXL prefill/decode servers."""
+    """Native SGLang NIXL prefill/decode servers serve the request through their own HTTP API."""
 
 class RoutingMode(_RoutingMode, metaclass=_RoutingModeEnumTypeWrapper):
     """RoutingMode picks how the router serves a request."""
 
 ROUTING_MODE_UNSPECIFIED: RoutingMode.ValueType  # 0
-"""The deployment's default."""
+"""The router's configured default mode (or, when configured as "auto", the first mode its peers can
+serve, in the order PD, COLOCATED, NATIVE).
+"""
 ROUTING_MODE_PD: RoutingMode.ValueType  # 1
-"""Xavier prefill/decode disaggregation."""
+"""Xavier prefill/decode disaggregation: a prefill peer computes the KV and first token, and a decode
+peer reads the KV over NIXL and generates the rest.
+"""
 ROUTING_MODE_COLOCATED: RoutingMode.ValueType  # 2
 """A unified replica serves the whole request."""
 ROUTING_MODE_NATIVE: RoutingMode.ValueType  # 3
-"""Native SGLang NIXL prefill/decode servers."""
+"""Native SGLang NIXL prefill/decode servers serve the request through their own HTTP API."""
 Global___RoutingMode: _TypeAlias = RoutingMode  # noqa: Y015
 
 @_typing.final
@@ -58,9 +65,9 @@ class ChatMessage(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
     role: _builtins.str
-    """"system", "user" or "assistant"."""
+    """The speaker: "system", "user", "assistant", "tool" or "developer"."""
     content: _builtins.str
-    """The turn's text."""
+    """The turn's text, in UTF-8."""
     def __init__(
         self,
         *,
@@ -77,14 +84,16 @@ Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
 @_typing.final
 class ChatPrompt(_message.Message):
-    """ChatPrompt is a chat rendered with the model's chat template."""
+    """ChatPrompt is a chat that the router renders with the model's chat template before tokenizing; a
+    model without a chat template answers NO_CHAT_TEMPLATE.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     MESSAGES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
-        """Turns in order."""
+        """The turns in conversation order; at least one."""
 
     def __init__(
         self,
@@ -101,14 +110,14 @@ Global___ChatPrompt: _TypeAlias = ChatPrompt  # noqa: Y015
 
 @_typing.final
 class TokenIds(_message.Message):
-    """TokenIds is a pre-tokenized prompt."""
+    """TokenIds is a prompt the client already tokenized with the model's tokenizer."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Token ids."""
+        """The token ids in order; each must be below the model's vocabulary size (else INVALID_TOKEN_ID)."""
 
     def __init__(
         self,
@@ -125,7 +134,7 @@ Global___TokenIds: _TypeAlias = TokenIds  # noqa: Y015
 
 @_typing.final
 class GenerateRequest(_message.Message):
-    """GenerateRequest asks for one answer."""
+    """GenerateRequest asks for one answer to one prompt."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -138,26 +147,30 @@ class GenerateRequest(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Client request id; the router makes one when empty. Used by Abort."""
+    """The client's request id (at most 128 characters), used by Abort and echoed in every response; the
+    router makes a unique one when it is empty.
+    """
     model: _builtins.str
-    """Model id; empty means the only served model."""
+    """The model id; empty means the router's only served model, and another id gets UNKNOWN_MODEL."""
     text: _builtins.str
-    """Plain text."""
+    """Plain text, tokenized with the model's tokenizer."""
     mode: Global___RoutingMode.ValueType
-    """Routing mode override."""
+    """The routing mode for this request; ROUTING_MODE_UNSPECIFIED uses the router's default."""
     cache_salt: _builtins.str
-    """Tenant salt isolating cached pages."""
+    """A tenant salt: cached KV pages computed under one salt are never served to a request with another."""
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
-        """Token ids."""
+        """Pre-tokenized token ids."""
 
     @_builtins.property
     def chat(self) -> Global___ChatPrompt:
-        """A chat."""
+        """A chat, rendered with the model's chat template."""
 
     @_builtins.property
     def sampling(self) -> _types_pb2.SamplingParams:
-        """Sampling."""
+        """Sampling parameters; max_tokens must be at least 1 and prompt tokens plus max_tokens must fit in the
+        model's context (else INVALID_MAX_TOKENS or MAX_TOKENS_TOO_LARGE).
+        """
 
     def __init__(
         self,
@@ -183,7 +196,7 @@ Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
-    """GenerateResponse is one step of the answer."""
+    """GenerateResponse is one step of the answer; the last response of a stream has finish_reason set."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -196,28 +209,28 @@ class GenerateResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """The request id."""
+    """The request id: the client's (with a suffix when that id was already live) or the one the router made."""
     text: _builtins.str
-    """Text of the new tokens."""
+    """The text of those tokens, in UTF-8."""
     finish_reason: _types_pb2.FinishReason.ValueType
-    """Set on the last message."""
+    """Why generation stopped; set on the last response only."""
     mode: Global___RoutingMode.ValueType
     """The mode that served the request."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """New token ids."""
+        """The token ids generated since the previous response."""
 
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """Log probabilities of the new tokens (when requested)."""
+        """The log probability (natural log) of each token in token_ids, when sampling asked for them."""
 
     @_builtins.property
     def usage(self) -> _types_pb2.Usage:
-        """Token counts, on the last message."""
+        """Prompt, completion and cached token counts; set on the last response only."""
 
     @_builtins.property
     def timings(self) -> _types_pb2.Timings:
-        """Timings, on the last message."""
+        """Time to first token, prefill, transfer and total time; set on the last response only."""
 
     def __init__(
         self,
@@ -241,13 +254,13 @@ Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 
 @_typing.final
 class AbortRequest(_message.Message):
-    """AbortRequest cancels a request."""
+    """AbortRequest cancels a live request."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """The request id."""
+    """The request id given to (or made by) Generate; required (else MISSING_REQUEST_ID)."""
     def __init__(
         self,
         *,
@@ -269,7 +282,7 @@ class AbortResponse(_message.Message):
 
     FOUND_FIELD_NUMBER: _builtins.int
     found: _builtins.bool
-    """True when the request was live."""
+    """True when the request was live and is now being cancelled; false when unknown or already finished."""
     def __init__(
         self,
         *,
@@ -285,16 +298,18 @@ Global___AbortResponse: _TypeAlias = AbortResponse  # noqa: Y015
 
 @_typing.final
 class ListModelsRequest(_message.Message):
-    """ListModelsRequest lists models."""
+    """ListModelsRequest lists the served models."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
-    """Maximum models per page."""
+    """The maximum number of models per page; 0 means the server's default."""
     page_token: _builtins.str
-    """Token from a previous response."""
+    """The next_page_token of a previous response; empty for the first page, and an unknown token gets
+    INVALID_PAGE_TOKEN.
+    """
     def __init__(
         self,
         *,
@@ -320,16 +335,18 @@ class Model(_message.Message):
     MAX_CONTEXT_FIELD_NUMBER: _builtins.int
     MODES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
-    """Model id."""
+    """The model id clients pass in GenerateRequest.model."""
     max_context: _builtins.int
-    """Maximum context in tokens."""
+    """The maximum context in tokens: prompt tokens plus max_tokens must not exceed it."""
     @_builtins.property
     def layout(self) -> _types_pb2.KvLayout:
-        """KV layout of its peers."""
+        """The KV layout of the model's peers (engine, dtype, shapes and fingerprints); unset when no peer is
+        registered.
+        """
 
     @_builtins.property
     def modes(self) -> _containers.RepeatedScalarFieldContainer[Global___RoutingMode.ValueType]:
-        """Modes that can serve it now."""
+        """The modes that can serve the model now, given the registered peers."""
 
     def __init__(
         self,
@@ -356,10 +373,10 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
-    """Token for the next page; empty at the end."""
+    """The token of the next page; empty on the last page."""
     @_builtins.property
     def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___Model]:
-        """Models."""
+        """The models of this page."""
 
     def __init__(
         self,
@@ -377,7 +394,7 @@ Global___ListModelsResponse: _TypeAlias = ListModelsResponse  # noqa: Y015
 
 @_typing.final
 class GetClusterStatusRequest(_message.Message):
-    """GetClusterStatusRequest asks for the cluster status."""
+    """GetClusterStatusRequest asks for the cluster status; it has no parameters."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -393,42 +410,114 @@ class GetClusterStatusRequest(_message.Message):
 Global___GetClusterStatusRequest: _TypeAlias = GetClusterStatusRequest  # noqa: Y015
 
 @_typing.final
-class PeerStatus(_message.Message):
-    """PeerStatus is one peer's live status."""
+class ClusterPeer(_message.Message):
+    """ClusterPeer is one registered peer as the public status shows it: identity, model and load, without
+    the peer's transfer endpoint, NIXL metadata or memory addresses.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    PEER_FIELD_NUMBER: _builtins.int
+    PEER_ID_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    CONTRACT_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    OUTSTANDING_REQUESTS_FIELD_NUMBER: _builtins.int
     ENGINE_FIELD_NUMBER: _builtins.int
     ROOMS_ACTIVE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    peer_id: _builtins.str
+    """The stable peer id (the peer's name); a restarted peer keeps it."""
+    role: _types_pb2.Role.ValueType
+    """The peer's role (prefill, decode or unified)."""
+    epoch: _builtins.int
+    """The peer's registration epoch; it increases each time the peer registers again (a restart)."""
+    address: _builtins.str
+    """The gRPC address (host:port) of the peer's service."""
+    model_name: _builtins.str
+    """The name of the model the peer's engine serves."""
+    contract_fingerprint: _builtins.str
+    """The contract fingerprint (64 hex characters, the SHA-256 of the KV layout) of the peer's engine;
+    only peers with equal fingerprints exchange KV.
+    """
+    outstanding_requests: _builtins.int
+    """Requests in progress on the peer, as it last reported to the directory with its heartbeat."""
     rooms_active: _builtins.int
-    """Rooms the peer holds pages for."""
+    """Rooms the peer holds pages for now (prefill sources not yet released, decode reads in progress)."""
     error: _builtins.str
-    """Non-empty when the peer could not be reached."""
-    @_builtins.property
-    def peer(self) -> _directory_service_pb2.Peer:
-        """Registration."""
-
+    """Why the peer's stats could not be read (its status reason and message); empty on success."""
     @_builtins.property
     def engine(self) -> _types_pb2.EngineStats:
-        """Engine stats (prefill, decode and unified peers)."""
+        """The peer's engine counters (pages, running and waiting requests), read from the peer just now;
+        unset when error is set.
+        """
 
     def __init__(
         self,
         *,
-        peer: _directory_service_pb2.Peer | None = ...,
+        peer_id: _builtins.str = ...,
+        role: _types_pb2.Role.ValueType = ...,
+        epoch: _builtins.int = ...,
+        address: _builtins.str = ...,
+        model_name: _builtins.str = ...,
+        contract_fingerprint: _builtins.str = ...,
+        outstanding_requests: _builtins.int = ...,
         engine: _types_pb2.EngineStats | None = ...,
         rooms_active: _builtins.int = ...,
         error: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "peer", b"peer"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "error", b"error", "peer", b"peer", "rooms_active", b"rooms_active"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "contract_fingerprint", b"contract_fingerprint", "engine", b"engine", "epoch", b"epoch", "error", b"error", "model_name", b"model_name", "outstanding_requests", b"outstanding_requests", "peer_id", b"peer_id", "role", b"role", "rooms_active", b"rooms_active"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___PeerStatus: _TypeAlias = PeerStatus  # noqa: Y015
+Global___ClusterPeer: _TypeAlias = ClusterPeer  # noqa: Y015
+
+@_typing.final
+class ClusterRooms(_message.Message):
+    """ClusterRooms counts the P/D rooms of the cluster, as the directory reports them."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTIVE_FIELD_NUMBER: _builtins.int
+    OPENED_FIELD_NUMBER: _builtins.int
+    COMPLETED_FIELD_NUMBER: _builtins.int
+    RELEASED_FIELD_NUMBER: _builtins.int
+    ABORTED_FIELD_NUMBER: _builtins.int
+    EXPIRED_FIELD_NUMBER: _builtins.int
+    active: _builtins.int
+    """Live rooms: not in a terminal state, plus completed rooms not yet released. Returns to 0 when the
+    cluster is idle (invariant I2).
+    """
+    opened: _builtins.int
+    """Rooms opened since the directory started."""
+    completed: _builtins.int
+    """Rooms whose transfer completed since the directory started."""
+    released: _builtins.int
+    """Rooms released since the directory started."""
+    aborted: _builtins.int
+    """Rooms aborted since the directory started."""
+    expired: _builtins.int
+    """Rooms whose lease expired since the directory started."""
+    def __init__(
+        self,
+        *,
+        active: _builtins.int = ...,
+        opened: _builtins.int = ...,
+        completed: _builtins.int = ...,
+        released: _builtins.int = ...,
+        aborted: _builtins.int = ...,
+        expired: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "active", b"active", "completed", b"completed", "expired", b"expired", "opened", b"opened", "released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterRooms: _TypeAlias = ClusterRooms  # noqa: Y015
 
 @_typing.final
 class GetClusterStatusResponse(_message.Message):
@@ -437,32 +526,32 @@ class GetClusterStatusResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PEERS_FIELD_NUMBER: _builtins.int
-    DIRECTORY_FIELD_NUMBER: _builtins.int
+    ROOMS_FIELD_NUMBER: _builtins.int
     REQUESTS_ACTIVE_FIELD_NUMBER: _builtins.int
     DEFAULT_MODE_FIELD_NUMBER: _builtins.int
     requests_active: _builtins.int
-    """Requests the router is serving now."""
+    """Requests the router is serving now (streams not yet finished)."""
     default_mode: Global___RoutingMode.ValueType
-    """The router's default mode."""
+    """The mode a request with ROUTING_MODE_UNSPECIFIED gets now; unspecified when no peer can serve."""
     @_builtins.property
-    def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerStatus]:
-        """Peers."""
+    def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterPeer]:
+        """Every registered peer, in the directory's order."""
 
     @_builtins.property
-    def directory(self) -> _directory_service_pb2.GetDirectoryStatsResponse:
-        """Directory counters."""
+    def rooms(self) -> Global___ClusterRooms:
+        """The room counters; unset when the router has no directory or could not reach it."""
 
     def __init__(
         self,
         *,
-        peers: _abc.Iterable[Global___PeerStatus] | None = ...,
-        directory: _directory_service_pb2.GetDirectoryStatsResponse | None = ...,
+        peers: _abc.Iterable[Global___ClusterPeer] | None = ...,
+        rooms: Global___ClusterRooms | None = ...,
         requests_active: _builtins.int = ...,
         default_mode: Global___RoutingMode.ValueType = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["directory", b"directory"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rooms", b"rooms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_mode", b"default_mode", "directory", b"directory", "peers", b"peers", "requests_active", b"requests_active"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_mode", b"default_mode", "peers", b"peers", "requests_active", b"requests_active", "rooms", b"rooms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class RouterServiceStub:
-    """RouterService is the public API: it tokenizes, picks peers and streams answers.
+    """RouterService is the public API of a Xavier mesh: it validates and tokenizes a prompt, picks the peers
+    that serve it (a prefill/decode pair, a unified replica or native SGLang servers) and streams the
+    answer. It shows clients nothing of the internal control plane: no transfer endpoints, no NIXL metadata
+    and no memory addresses. Errors carry one google.rpc.ErrorInfo whose reason is an ErrorReason value
+    name without its prefix (see error_reason.proto).
     """
 
     def __init__(self, channel):
@@ -58,32 +62,40 @@ class RouterServiceStub:
 
 
 class RouterServiceServicer:
-    """RouterService is the public API: it tokenizes, picks peers and streams answers.
+    """RouterService is the public API of a Xavier mesh: it validates and tokenizes a prompt, picks the peers
+    that serve it (a prefill/decode pair, a unified replica or native SGLang servers) and streams the
+    answer. It shows clients nothing of the internal control plane: no transfer endpoints, no NIXL metadata
+    and no memory addresses. Errors carry one google.rpc.ErrorInfo whose reason is an ErrorReason value
+    name without its prefix (see error_reason.proto).
     """
 
     def Generate(self, request, context):
-        """Generate streams the answer to one prompt.
+        """Generate streams the answer to one prompt: zero or more responses with new tokens, then exactly one
+        last response with the finish reason, usage and timings. Validation errors (INVALID_ARGUMENT) arrive
+        before any response; a failure after the first response ends the stream with its status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Abort cancels a request by request id.
+        """Abort cancels a live request by its request id; the request's stream then ends with
+        FINISH_REASON_ABORT. Aborting an unknown or finished request is not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """ListModels lists the served models.
+        """ListModels lists the served models (a router serves one model, so there is one page).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetClusterStatus(self, request, context):
-        """GetClusterStatus reports peers, rooms and pages.
+        """GetClusterStatus reports the router's live requests, each registered peer's load and the room
+        counters, for operators and for tests that check that every room ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,7 +133,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RouterService:
-    """RouterService is the public API: it tokenizes, picks peers and streams answers.
+    """RouterService is the public API of a Xavier mesh: it validates and tokenizes a prompt, picks the peers
+    that serve it (a prefill/decode pair, a unified replica or native SGLang servers) and streams the
+    answer. It shows clients nothing of the internal control plane: no transfer endpoints, no NIXL metadata
+    and no memory addresses. Errors carry one google.rpc.ErrorInfo whose reason is an ErrorReason value
+    name without its prefix (see error_reason.proto).
     """
 
     @staticmethod

@@ -27,37 +27,66 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class RouterServiceStub:
-    """RouterService is the public API: it tokenizes, picks peers and streams answers."""
+    """RouterService is the public API of a Xavier mesh: it validates and tokenizes a prompt, picks the peers
+    that serve it (a prefill/decode pair, a unified replica or native SGLang servers) and streams the
+    answer. It shows clients nothing of the internal control plane: no transfer endpoints, no NIXL metadata
+    and no memory addresses. Errors carry one google.rpc.ErrorInfo whose reason is an ErrorReason value
+    name without its prefix (see error_reason.proto).
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> RouterServiceAsyncStub: ...
     Generate: _grpc.UnaryStreamMultiCallable[_router_service_pb2.GenerateRequest, _router_service_pb2.GenerateResponse]
-    """Generate streams the answer to one prompt."""
+    """Generate streams the answer to one prompt: zero or more responses with new tokens, then exactly one
+    last response with the finish reason, usage and timings. Validation errors (INVALID_ARGUMENT) arrive
+    before any response; a failure after the first response ends the stream with its status.
+    """
     Abort: _grpc.UnaryUnaryMultiCallable[_router_service_pb2.AbortRequest, _router_service_pb2.AbortResponse]
-    """Abort cancels a request by request id."""
+    """Abort cancels a live request by its request id; the request's stream then ends with
+    FINISH_REASON_ABORT. Aborting an unknown or finished request is not an error.
+    """
     ListModels: _grpc.UnaryUnaryMultiCallable[_router_service_pb2.ListModelsRequest, _router_service_pb2.ListModelsResponse]
-    """ListModels lists the served models."""
+    """ListModels lists the served models (a router serves one model, so there is one page)."""
     GetClusterStatus: _grpc.UnaryUnaryMultiCallable[_router_service_pb2.GetClusterStatusRequest, _router_service_pb2.GetClusterStatusResponse]
-    """GetClusterStatus reports peers, rooms and pages."""
+    """GetClusterStatus reports the router's live requests, each registered peer's load and the room
+    counters, for operators and for tests that check that every room ended.
+    """
 
 @_typing.type_check_only
 class RouterServiceAsyncStub(RouterServiceStub):
-    """RouterService is the public API: it tokenizes, picks peers and streams answers."""
+    """RouterService is the public API of a Xavier mesh: it validates and tokenizes a prompt, picks the peers
+    that serve it (a prefill/decode pair, a unified replica or native SGLang servers) and streams the
+    answer. It shows clients nothing of the internal control plane: no transfer endpoints, no NIXL metadata
+    and no memory addresses. Errors carry one google.rpc.ErrorInfo whose reason is an ErrorReason value
+    name without its prefix (see error_reason.proto).
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryStreamMultiCallable[_router_service_pb2.GenerateRequest, _router_service_pb2.GenerateResponse]  # type: ignore[assignment]
-    """Generate streams the answer to one prompt."""
+    """Generate streams the answer to one prompt: zero or more responses with new tokens, then exactly one
+    last response with the finish reason, usage and timings. Validation errors (INVALID_ARGUMENT) arrive
+    before any response; a failure after the first response ends the stream with its status.
+    """
     Abort: _aio.UnaryUnaryMultiCallable[_router_service_pb2.AbortRequest, _router_service_pb2.AbortResponse]  # type: ignore[assignment]
-    """Abort cancels a request by request id."""
+    """Abort cancels a live request by its request id; the request's stream then ends with
+    FINISH_REASON_ABORT. Aborting an unknown or finished request is not an error.
+    """
     ListModels: _aio.UnaryUnaryMultiCallable[_router_service_pb2.ListModelsRequest, _router_service_pb2.ListModelsResponse]  # type: ignore[assignment]
-    """ListModels lists the served models."""
+    """ListModels lists the served models (a router serves one model, so there is one page)."""
     GetClusterStatus: _aio.UnaryUnaryMultiCallable[_router_service_pb2.GetClusterStatusRequest, _router_service_pb2.GetClusterStatusResponse]  # type: ignore[assignment]
-    """GetClusterStatus reports peers, rooms and pages."""
+    """GetClusterStatus reports the router's live requests, each registered peer's load and the room
+    counters, for operators and for tests that check that every room ended.
+    """
 
 class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
-    """RouterService is the public API: it tokenizes, picks peers and streams answers."""
+    """RouterService is the public API of a Xavier mesh: it validates and tokenizes a prompt, picks the peers
+    that serve it (a prefill/decode pair, a unified replica or native SGLang servers) and streams the
+    answer. It shows clients nothing of the internal control plane: no transfer endpoints, no NIXL metadata
+    and no memory addresses. Errors carry one google.rpc.ErrorInfo whose reason is an ErrorReason value
+    name without its prefix (see error_reason.proto).
+    """
 
     @_abc_1.abstractmethod
     def Generate(
@@ -65,7 +94,10 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _router_service_pb2.GenerateRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_router_service_pb2.GenerateResponse], _abc.AsyncIterator[_router_service_pb2.GenerateResponse]]:
-        """Generate streams the answer to one prompt."""
+        """Generate streams the answer to one prompt: zero or more responses with new tokens, then exactly one
+        last response with the finish reason, usage and timings. Validation errors (INVALID_ARGUMENT) arrive
+        before any response; a failure after the first response ends the stream with its status.
+        """
 
     @_abc_1.abstractmethod
     def Abort(
@@ -73,7 +105,9 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _router_service_pb2.AbortRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_router_service_pb2.AbortResponse, _abc.Awaitable[_router_service_pb2.AbortResponse]]:
-        """Abort cancels a request by request id."""
+        """Abort cancels a live request by its request id; the request's stream then ends with
+        FINISH_REASON_ABORT. Aborting an unknown or finished request is not an error.
+        """
 
     @_abc_1.abstractmethod
     def ListModels(
@@ -81,7 +115,7 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _router_service_pb2.ListModelsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_router_service_pb2.ListModelsResponse, _abc.Awaitable[_router_service_pb2.ListModelsResponse]]:
-        """ListModels lists the served models."""
+        """ListModels lists the served models (a router serves one model, so there is one page)."""
 
     @_abc_1.abstractmethod
     def GetClusterStatus(
@@ -89,6 +123,8 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _router_service_pb2.GetClusterStatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_router_service_pb2.GetClusterStatusResponse, _abc.Awaitable[_router_service_pb2.GetClusterStatusResponse]]:
-        """GetClusterStatus reports peers, rooms and pages."""
+        """GetClusterStatus reports the router's live requests, each registered peer's load and the room
+        counters, for operators and for tests that check that every room ended.
+        """
 
 def add_RouterServiceServicer_to_server(servicer: RouterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
