@@ -107,9 +107,10 @@ class GenericError(XavierError):
     def __init__(
         self, code: grpc.StatusCode, message: str = "", *, reason: str | None = None, **metadata: object
     ) -> None:
-        super().__init__(message, **metadata)
+        super().__init__(message)
         self.reason = reason or code.name
         self.code = code
+        self.metadata = {k: str(v) for k, v in metadata.items()}
 
 
 class InvalidArgument(XavierError):
