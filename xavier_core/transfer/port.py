@@ -1,5 +1,5 @@
-"""The P/D data plane as a prefill or decode service drives it: publish a room's pages, pull a room's
-pages, over the transfer layer's KV manager and one NIXL agent per process.
+"""The data plane as a service drives it (a prefill publishes a room's pages, a decode pulls them),
+over the transfer layer's KV manager and one NIXL agent per process.
 
 All NIXL calls of a process run on one dedicated thread (`NixlThread`): the agent is not shared across
 threads, and no NIXL call ever blocks the asyncio loop. While any source is published or any read is live,
@@ -145,7 +145,7 @@ class KvPort:
             if not fut.done():
                 fut.set_result(state)
 
-    # -- prefill side ---------------------------------------------------------------------------------------
+    # -- source side --------------------------------------------------------------------------------------
 
     async def publish(
         self, room_id: int, page_ids: Sequence[int], aux: bytes, fingerprint: str, host_id: str
@@ -200,7 +200,7 @@ class KvPort:
     def published(self) -> int:
         return len(self._published)
 
-    # -- decode side ----------------------------------------------------------------------------------------
+    # -- reader side --------------------------------------------------------------------------------------
 
     async def pull(
         self,
@@ -219,13 +219,13 @@ class KvPort:
         """
         if source.num_pages != len(dest_pages):
             raise FailedPrecondition(
-                f"source has {source.num_pages} pages, decode reserved {len(dest_pages)}",
+                f"source has {source.num_pages} pages, the reader reserved {len(dest_pages)}",
                 reason="PAGE_COUNT_MISMATCH",
             )
         ep = source.endpoint
         if len(ep.regions) != len(self._buffers):
             raise LayoutMismatch(
-                f"source has {len(ep.regions)} KV buffers, decode has {len(self._buffers)}",
+                f"source has {len(ep.regions)} KV buffers, the reader has {len(self._buffers)}",
                 fields="num_buffers",
             )
         try:
@@ -275,7 +275,7 @@ class KvPort:
 
     async def decline(self, room_id: int, source: directory_service_pb2.SourceDescriptor, peer: str) -> None:
         """Tells a room's source that no read will come (the room began, the read never started), so
-        the prefill unpins at once instead of parking its pages until the park timeout."""
+        the source unpins at once instead of parking its pages until the park timeout."""
 
         def _send() -> None:
             try:
