@@ -23,8 +23,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from xavier_core.engine.api import KvBuffer
-from xavier_core.transfer import KvManager, KvPoll, KvReceiver, KvSender, NixlAgent, SourceInfo, peer_key
+from xavier_core.transfer import (
+    KvBuffer,
+    KvManager,
+    KvPoll,
+    KvReceiver,
+    KvSender,
+    NixlAgent,
+    SourceInfo,
+    peer_key,
+)
 
 MODES = ("coalesced", "per_page")
 
@@ -111,7 +119,7 @@ def source_main(conn: Connection, args: argparse.Namespace, pool_pages: int) -> 
         if cmd == "publish":
             s = senders[room] = KvSender(manager, room)
             s.init(len(pages), b"")
-            conn.send(s.send(pages).to_fields())
+            conn.send(s.send(pages))  # a SourceInfo pickles
         elif cmd == "clear":
             senders.pop(room).clear()
             conn.send("ok")
@@ -166,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     seq += 1
                     room = f"r{seq}"
                     conn.send(("publish", room, src))
-                    info = SourceInfo.from_fields(conn.recv())
+                    info: SourceInfo = conn.recv()
                     if rep == 0:
                         for t in pool:
                             t.zero_()

@@ -13,9 +13,9 @@ from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 import numpy as np
+from xavier.v1 import directory_service_pb2 as dpb
 
-from xavier_core.engine.api import KvBuffer
-from xavier_core.transfer import KvManager, KvPoll, KvReceiver, SourceInfo
+from xavier_core.transfer import KvBuffer, KvManager, KvPoll, KvReceiver, SourceInfo
 
 _T = TypeVar("_T")
 
@@ -65,7 +65,7 @@ def _serve(conn: Connection, name: str, seed: int) -> None:
                 room, pages, aux = args
                 sender = senders[room] = KvSender(manager, room)
                 sender.init(len(pages), aux)
-                reply = sender.send(pages).to_fields()
+                reply = sender.send(pages).to_proto().SerializeToString()
             elif cmd == "state":
                 s = senders[args[0]]
                 reply = (s.poll().name, s.in_flight(), s.error)
@@ -134,7 +134,8 @@ def poll_until(fn: Callable[[], _T], want: Container[_T], timeout: float = 10.0)
 
 
 def publish(source: Source, room: str, pages: list[int], aux: bytes = b"tok") -> SourceInfo:
-    return SourceInfo.from_fields(source.call("publish", room, pages, aux))
+    wire = source.call("publish", room, pages, aux)
+    return SourceInfo.from_proto(dpb.SourceDescriptor.FromString(wire))
 
 
 def receive(manager: KvManager, room: str, dest: list[int]) -> KvReceiver:

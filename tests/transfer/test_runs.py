@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import types_pb2
 
-from xavier_core.engine.api import KvBuffer
 from xavier_core.transfer import (
     InvalidPagesError,
     InvalidSourceError,
+    KvBuffer,
     LayoutError,
     PageRun,
     SourceInfo,
@@ -97,33 +101,78 @@ def test_contiguous_pages_need_one_descriptor_per_buffer() -> None:
     assert desc.tolist() == [[0, 50_000 + 3200, 1600], [10_000, 90_000 + 3200, 1600]]
 
 
-def test_source_info_round_trips_plain_fields() -> None:
-    info = SourceInfo(
+def _info() -> SourceInfo:
+    return SourceInfo(
         "prefill-a", b"md", (KvBuffer(4096, 8192, 1024, "cuda:1"),), (PageRun(3, 2),), b"aux", "tok"
     )
-    fields = info.to_fields()
-    assert fields["regions"] == [(4096, 8192, 1024, "cuda:1")]
-    assert SourceInfo.from_fields(fields) == info
+
+
+def test_source_info_round_trips_the_descriptor() -> None:
+    info = _info()
+    desc = dpb.SourceDescriptor.FromString(info.to_proto("fp").SerializeToString())
+    assert desc.num_pages == 2 and desc.contract_fingerprint == "fp"
+    assert desc.endpoint.kind == types_pb2.TRANSPORT_KIND_NIXL
+    assert [(r.base_address, r.length, r.bytes_per_page, r.device) for r in desc.endpoint.regions] == [
+        (4096, 8192, 1024, "cuda:1")
+    ]
+    assert SourceInfo.from_proto(desc) == info
     assert info.page_ids().tolist() == [3, 4]
 
 
+def _bad_name(d: dpb.SourceDescriptor) -> None:
+    d.endpoint.agent_name = "n" * 300
+
+
+def _no_metadata(d: dpb.SourceDescriptor) -> None:
+    d.endpoint.agent_metadata = b""
+
+
+def _empty_run(d: dpb.SourceDescriptor) -> None:
+    d.page_runs.add(first_page=1, count=0)
+
+
+def _no_runs(d: dpb.SourceDescriptor) -> None:
+    del d.page_runs[:]
+
+
+def _no_regions(d: dpb.SourceDescriptor) -> None:
+    del d.endpoint.regions[:]
+
+
+def _no_device(d: dpb.SourceDescriptor) -> None:
+    d.endpoint.regions[0].device = ""
+
+
+def _big_aux(d: dpb.SourceDescriptor) -> None:
+    d.aux = b"x" * (1 << 17)
+
+
+def _colon_token(d: dpb.SourceDescriptor) -> None:
+    d.read_token = "a:b"
+
+
+def _long_token(d: dpb.SourceDescriptor) -> None:
+    d.read_token = "t" * 200
+
+
 @pytest.mark.parametrize(
-    ("key", "value", "match"),
+    ("spoil", "match"),
     [
-        ("agent_name", 7, "agent_name"),
-        ("metadata", b"", "metadata"),
-        ("runs", [(1, 0)], "runs"),
-        ("runs", [(1, -1)], "runs"),
-        ("regions", [], "regions"),
-        ("regions", [(1, 2, 3)], "regions"),
-        ("aux", b"x" * (1 << 17), "aux"),
-        ("token", "a:b", "token"),
-        ("token", "t" * 200, "token"),
-        ("token", b"bytes", "token"),
+        (_bad_name, "endpoint.agent_name"),
+        (_no_metadata, "endpoint.agent_metadata: empty"),
+        (_empty_run, "page_runs"),
+        (_no_runs, "page_runs: empty"),
+        (_no_regions, "endpoint.regions: empty"),
+        (_no_device, r"endpoint.regions\[0\].device"),
+        (_big_aux, "aux"),
+        (_colon_token, "read_token"),
+        (_long_token, "read_token"),
     ],
 )
-def test_source_info_rejects_bad_fields(key: str, value: object, match: str) -> None:
-    fields = SourceInfo("a", b"md", (KvBuffer(4096, 8192, 1024, "cpu"),), (PageRun(0, 1),)).to_fields()
-    fields[key] = value
+def test_source_info_rejects_bad_descriptors(
+    spoil: Callable[[dpb.SourceDescriptor], None], match: str
+) -> None:
+    desc = _info().to_proto()
+    spoil(desc)
     with pytest.raises(InvalidSourceError, match=match):
-        SourceInfo.from_fields(fields)
+        SourceInfo.from_proto(desc)

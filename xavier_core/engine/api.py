@@ -15,6 +15,7 @@ from typing import Protocol
 import grpc
 
 from xavier_core.runtime.errors import XavierError
+from xavier_core.transfer.buffers import KvBuffer
 
 
 class EngineError(XavierError):
@@ -74,16 +75,6 @@ class TokenEvent:
     finish: FinishReason | None = None
     # Text delta for this token (incremental detokenization; may be "" while a UTF-8 char is incomplete).
     text: str = ""
-
-
-@dataclass(frozen=True)
-class KvBuffer:
-    """One registered KV buffer (a layer's K or V) as the transfer layer sees it."""
-
-    addr: int
-    nbytes: int
-    bytes_per_page: int
-    device: str  # "cpu" or "cuda:N"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from xavier_core.engine.api import InvalidRequestError, KvBuffer
+from xavier_core.engine.api import InvalidRequestError
+from xavier_core.transfer.buffers import KvBuffer
 
 
 class KvPool:

@@ -19,7 +19,6 @@ import torch
 from xavier_core.engine.api import (
     EngineStats,
     InvalidRequestError,
-    KvBuffer,
     PrefillResult,
     RequestNotFoundError,
     Sampling,
@@ -39,6 +38,7 @@ from xavier_core.engine.scheduler import Scheduler
 from xavier_core.engine.stream import TokenStream
 from xavier_core.engine.tokenizer import TextTokenizer
 from xavier_core.prefix_keys import chain_seed
+from xavier_core.transfer.buffers import KvBuffer
 
 log = logging.getLogger(__name__)
 _CPU_KV_BYTES = 1 << 30

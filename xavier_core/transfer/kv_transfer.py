@@ -24,7 +24,7 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from xavier_core.engine.api import KvBuffer
+from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import LayoutError, TransferError, TransferInFlightError
 from xavier_core.transfer.nixl_backend import NixlAgent
 from xavier_core.transfer.runs import Mode, as_page_array, coalesce
@@ -70,7 +70,7 @@ class KvManager:
         self.agent = agent
         self.buffers = tuple(buffers)
         self.page_size = page_size
-        self.num_pages = min(b.nbytes // b.bytes_per_page for b in buffers)
+        self.num_pages = min(b.num_pages for b in buffers)
         self._lock = threading.RLock()
         self._senders: dict[str, KvSender] = {}
         self._receivers: dict[str, KvReceiver] = {}

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from xavier_core.engine.api import KvBuffer
 from xavier_core.transfer import runs
 from xavier_core.transfer._nixl import MemType, RawAgent
+from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import InvalidPagesError, LayoutError, PeerError, StaleEpochError
+from xavier_core.transfer.peers import split_peer_key
 from xavier_core.transfer.xfer import Transfer
 
 log = logging.getLogger(__name__)
@@ -44,20 +45,8 @@ def device_mem(device: str) -> tuple[MemType, int]:
     raise LayoutError(f"unsupported KV buffer device {device!r} (expected cpu or cuda:N)")
 
 
-def peer_key(peer_id: str, epoch: int) -> str:
-    """The cache key of one epoch of a peer; `NixlAgent.add_peer` drops older epochs of the same id."""
-    return f"{peer_id}@{epoch}"
-
-
-def split_peer_key(key: str) -> tuple[str, int] | None:
-    peer_id, sep, epoch = key.rpartition("@")
-    if not sep or not peer_id or not epoch.isdigit():
-        return None
-    return peer_id, int(epoch)
-
-
 def _num_pages(buffers: Sequence[KvBuffer]) -> int:
-    return min(b.nbytes // b.bytes_per_page for b in buffers)
+    return min(b.num_pages for b in buffers)
 
 
 def check_buffers(buffers: Sequence[KvBuffer], what: str) -> MemType:

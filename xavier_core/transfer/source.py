@@ -1,15 +1,16 @@
-"""What a source publishes so a reader can pull its pages: `SourceInfo` and its plain-field form."""
+"""What a source publishes so a reader can pull its pages: `SourceInfo`, and its wire form, the
+contract's `SourceDescriptor` (validated here, since it arrives from the network)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import types_pb2
 
-from xavier_core.engine.api import KvBuffer
+from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import InvalidPagesError, InvalidSourceError
 from xavier_core.transfer.runs import PageRun, runs_to_pages
 
@@ -20,6 +21,7 @@ MAX_RUNS = 1 << 20
 MAX_AUX_BYTES = 64 << 10
 MAX_NAME_CHARS = 256
 MAX_TOKEN_CHARS = 128
+MAX_DEVICE_CHARS = 32
 
 
 @dataclass(frozen=True)
@@ -40,63 +42,65 @@ class SourceInfo:
     def page_ids(self) -> npt.NDArray[np.int64]:
         return runs_to_pages(self.runs)
 
-    def to_fields(self) -> dict[str, Any]:
-        """Plain fields (str, bytes, ints, lists of tuples) for the services' protobuf mapping."""
-        return {
-            "agent_name": self.agent_name,
-            "metadata": self.metadata,
-            "regions": [(b.addr, b.nbytes, b.bytes_per_page, b.device) for b in self.buffers],
-            "runs": [(r.first, r.count) for r in self.runs],
-            "aux": self.aux,
-            "token": self.token,
-        }
+    def to_proto(
+        self, fingerprint: str = "", endpoint: types_pb2.TransferEndpoint | None = None
+    ) -> dpb.SourceDescriptor:
+        """The descriptor a source hands to the directory (PublishSource). `endpoint`: the agent's
+        endpoint message when the caller keeps one built (it must describe this agent and buffers)."""
+        return dpb.SourceDescriptor(
+            endpoint=endpoint or endpoint_proto(self.agent_name, self.metadata, self.buffers),
+            page_runs=[types_pb2.PageRun(first_page=r.first, count=r.count) for r in self.runs],
+            num_pages=self.num_pages,
+            contract_fingerprint=fingerprint,
+            aux=self.aux,
+            read_token=self.token,
+        )
 
     @classmethod
-    def from_fields(cls, fields: Mapping[str, Any]) -> SourceInfo:
-        """Validates plain fields from the network; `InvalidSourceError` names the bad field."""
-        name = _typed(fields, "agent_name", str)
-        metadata = _typed(fields, "metadata", bytes)
-        aux = _typed(fields, "aux", bytes)
-        token = fields.get("token", "")
-        if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS or ":" in token:
-            raise InvalidSourceError("token: expected a short string without ':'")
-        regions = _seq(fields, "regions", MAX_BUFFERS)
-        run_rows = _seq(fields, "runs", MAX_RUNS)
-        if not name or len(name) > MAX_NAME_CHARS:
-            raise InvalidSourceError("agent_name: empty or too long")
-        if not metadata or len(metadata) > MAX_METADATA_BYTES:
-            raise InvalidSourceError("metadata: empty or larger than the limit")
-        if len(aux) > MAX_AUX_BYTES:
-            raise InvalidSourceError("aux: larger than the limit")
+    def from_proto(cls, source: dpb.SourceDescriptor) -> SourceInfo:
+        """Validates a descriptor from the network; `InvalidSourceError` names the bad field."""
+        ep = source.endpoint
+        _limit(len(ep.agent_name), MAX_NAME_CHARS, "endpoint.agent_name")
+        _limit(len(ep.agent_metadata), MAX_METADATA_BYTES, "endpoint.agent_metadata")
+        _limit(len(ep.regions), MAX_BUFFERS, "endpoint.regions")
+        _limit(len(source.page_runs), MAX_RUNS, "page_runs")
+        if len(source.aux) > MAX_AUX_BYTES:
+            raise InvalidSourceError(f"aux: {len(source.aux)} bytes exceed the limit of {MAX_AUX_BYTES}")
+        token = source.read_token
+        if len(token) > MAX_TOKEN_CHARS or ":" in token:
+            raise InvalidSourceError("read_token: expected a short string without ':'")
+        for i, r in enumerate(ep.regions):
+            if not r.device or len(r.device) > MAX_DEVICE_CHARS:
+                raise InvalidSourceError(f"endpoint.regions[{i}].device: empty or too long")
+        buffers = tuple(KvBuffer(r.base_address, r.length, r.bytes_per_page, r.device) for r in ep.regions)
         try:
-            buffers = tuple(
-                KvBuffer(_int(addr), _int(nbytes), _int(bpp), str(dev)) for addr, nbytes, bpp, dev in regions
+            runs = tuple(PageRun(r.first_page, r.count) for r in source.page_runs)
+        except InvalidPagesError as exc:
+            raise InvalidSourceError(f"page_runs: malformed entry ({exc})") from exc
+        return cls(ep.agent_name, ep.agent_metadata, buffers, runs, source.aux, token)
+
+
+def endpoint_proto(
+    agent_name: str, metadata: bytes, buffers: tuple[KvBuffer, ...] | list[KvBuffer], host_id: str = ""
+) -> types_pb2.TransferEndpoint:
+    """A NIXL agent's endpoint message: what a peer needs to load it and address its buffers."""
+    return types_pb2.TransferEndpoint(
+        kind=types_pb2.TRANSPORT_KIND_NIXL,
+        agent_name=agent_name,
+        agent_metadata=metadata,
+        regions=[
+            types_pb2.MemoryRegion(
+                base_address=b.addr, length=b.nbytes, device=b.device, bytes_per_page=b.bytes_per_page
             )
-            runs = tuple(PageRun(_int(first), _int(count)) for first, count in run_rows)
-        except (TypeError, ValueError, InvalidPagesError) as exc:
-            raise InvalidSourceError(f"regions/runs: malformed entry ({exc})") from exc
-        if not buffers:
-            raise InvalidSourceError("regions: empty")
-        return cls(name, metadata, buffers, runs, aux, token)
+            for b in buffers
+        ],
+        host_id=host_id,
+    )
 
 
-def _typed(fields: Mapping[str, Any], key: str, kind: type) -> Any:
-    value = fields.get(key)
-    if not isinstance(value, kind):
-        raise InvalidSourceError(f"{key}: expected {kind.__name__}, got {type(value).__name__}")
-    return value
-
-
-def _seq(fields: Mapping[str, Any], key: str, limit: int) -> Sequence[Any]:
-    value = fields.get(key)
-    if not isinstance(value, list | tuple):
-        raise InvalidSourceError(f"{key}: expected a list")
-    if len(value) > limit:
-        raise InvalidSourceError(f"{key}: {len(value)} entries exceed the limit of {limit}")
-    return value
-
-
-def _int(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or int(value) < 0:
-        raise ValueError(f"expected a non-negative integer, got {value!r}")
-    return int(value)
+def _limit(size: int, limit: int, field: str) -> None:
+    """Empty or over the limit: both are malformed for every field checked with this."""
+    if size == 0:
+        raise InvalidSourceError(f"{field}: empty")
+    if size > limit:
+        raise InvalidSourceError(f"{field}: {size} exceeds the limit of {limit}")

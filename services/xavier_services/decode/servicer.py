@@ -27,14 +27,10 @@ from xavier_core.runtime.errors import (
     LeaseExpired,
     Unavailable,
 )
+from xavier_core.transfer.peers import peer_key
 from xavier_services.peer.convert import check_prompt, check_room_id, finish_to_pb, sampling_from_pb, seconds
 from xavier_services.peer.host import PeerHost
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
-
-
-def _source_key(room: dpb.Room) -> str:
-    """The NIXL peer key of a room's source: its prefill at the room's epoch."""
-    return f"{room.prefill_peer_id}@{room.prefill_epoch}"
 
 
 def _delta(ev: TokenEvent) -> pb.TokenDelta:
@@ -93,7 +89,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             nbytes, transfer_s = await host.kv.pull(
                 request.room_id,
                 src,
-                _source_key(room),
+                peer_key(room.prefill_peer_id, room.prefill_epoch),
                 pages,
                 handoff.transfer_timeout_seconds,
                 handoff.park_timeout_seconds,
@@ -123,7 +119,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 yield msg
         finally:
             if begun is not None and not pulling:
-                decline = host.kv.decline(request.room_id, begun.source, _source_key(begun))
+                key = peer_key(begun.prefill_peer_id, begun.prefill_epoch)
+                decline = host.kv.decline(request.room_id, begun.source, key)
                 await asyncio.shield(decline)
             await asyncio.shield(self._finish(rid, request.room_id, completed, read_posted=pulling))
 

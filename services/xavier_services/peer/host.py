@@ -24,8 +24,8 @@ from xavier_core.runtime.errors import (
     XavierError,
 )
 from xavier_core.runtime.logging import get_logger
+from xavier_core.transfer.port import KvPort
 from xavier_services.peer.config import PeerServiceConfig
-from xavier_services.peer.kv_port import KvPort
 from xavier_services.peer.room_feed import RoomFeed
 
 log = get_logger(__name__)

@@ -1,17 +1,19 @@
-"""The P/D data plane as the prefill and decode servicers see it, over the engine-neutral transfer layer.
+"""The data plane as a service drives it (a prefill publishes a room's pages, a decode pulls them),
+over the transfer layer's KV manager and one NIXL agent per process.
 
-All NIXL calls of a process run on one dedicated thread: the agent is not shared across threads, and no
-NIXL call ever blocks the asyncio loop. While any source is published or any read is live, that thread
-also polls NIXL between calls, every `poll_interval`: notifications (which also drive progress without a
-busy-spinning progress thread), the state of each published source and of each live read. It hands results
-to the asyncio loop only when something ended, so a poll costs the loop nothing.
+All NIXL calls of a process run on one dedicated thread (`NixlThread`): the agent is not shared across
+threads, and no NIXL call ever blocks the asyncio loop. While any source is published or any read is live,
+that thread also polls NIXL between calls, every `poll_interval`: notifications (which also drive progress
+without a busy-spinning progress thread), the state of each published source and of each live read. It
+hands results to the asyncio loop only when something ended, so a poll costs the loop nothing.
+
+The port knows buffers (addresses, lengths, bytes per page, a device string), page ids and peer keys;
+it speaks the contract's `SourceDescriptor` / `TransferEndpoint` on the wire, never an engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,23 +22,23 @@ from typing import Any, TypeVar
 
 from xavier.v1 import directory_service_pb2, types_pb2
 
-from xavier_core.engine.api import KvBuffer
 from xavier_core.runtime.errors import FailedPrecondition, LayoutMismatch, Unavailable
 from xavier_core.runtime.logging import get_logger
-from xavier_core.transfer import (
-    InvalidSourceError,
-    KvManager,
-    KvPoll,
-    KvReceiver,
-    KvSender,
-    NixlAgent,
-    SourceInfo,
-    TransferError,
-    fail_notif,
-)
+from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.errors import InvalidSourceError, TransferError
+from xavier_core.transfer.kv_transfer import KvManager, KvPoll, KvReceiver, KvSender, fail_notif
+from xavier_core.transfer.nixl_backend import NixlAgent
+from xavier_core.transfer.nixl_thread import NixlThread
+from xavier_core.transfer.runs import Mode
+from xavier_core.transfer.source import SourceInfo, endpoint_proto
 
 T = TypeVar("T")
 log = get_logger(__name__)
+
+DEFAULT_POLL_INTERVAL_S = 0.0005
+# A standalone notification (a decline, a failed read's "fail") leaves only when this side's NIXL worker
+# progresses: the thread keeps polling this long after sending one, even with nothing else live.
+NOTIF_FLUSH_S = 1.0
 
 
 @dataclass
@@ -59,74 +61,21 @@ class _Published:
     outcome: str = ""
 
 
-_Job = tuple[Callable[..., Any], tuple[Any, ...], "concurrent.futures.Future[Any]"]
-
-
-class _NixlThread:
-    """Runs submitted calls in order on one thread; polls with `tick` between them while `busy()`."""
-
-    def __init__(
-        self,
-        tick: Callable[[], None],
-        busy: Callable[[], bool],
-        poll_interval: float,
-        lock: threading.Lock | None,
-    ) -> None:
-        self._tick, self._busy, self._poll, self._lock = tick, busy, poll_interval, lock
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name="xavier-nixl", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._jobs.put((fn, args, fut))
-        return fut
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
-
-    def _locked(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._lock is None:
-            return fn(*args)
-        with self._lock:
-            return fn(*args)
-
-    def _main(self) -> None:
-        last = time.monotonic()
-        while True:
-            busy = self._busy()
-            try:
-                job = self._jobs.get(timeout=max(0.0, last + self._poll - time.monotonic()) if busy else None)
-            except queue.Empty:
-                pass  # time to poll
-            else:
-                if job is None:
-                    return
-                fn, args, fut = job
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(self._locked(fn, *args))
-                    except BaseException as err:  # handed to the caller
-                        fut.set_exception(err)
-            if self._busy() and time.monotonic() - last >= self._poll:
-                last = time.monotonic()
-                try:
-                    self._locked(self._tick)
-                except Exception:
-                    log.exception("NIXL poll failed")
-
-
 class KvPort:
-    """Publishes prefill sources and pulls them into decode pages, one NIXL agent per process."""
+    """Publishes sources and pulls them into local pages, one NIXL agent per process.
+
+    `buffers` are the process's KV buffers (registered with NIXL here), `page_size` the tokens per page
+    (the manager's bookkeeping only). `device_lock`, when given, is held around every NIXL call: a caller
+    that captures CUDA graphs on the same device passes its lock. Async methods run on one event loop.
+    """
 
     def __init__(
         self,
         agent_name: str,
         buffers: Sequence[KvBuffer],
         page_size: int,
-        poll_interval: float,
-        mode: str = "coalesced",
+        poll_interval: float = DEFAULT_POLL_INTERVAL_S,
+        mode: Mode = "coalesced",
         device_lock: threading.Lock | None = None,
     ) -> None:
         self._buffers = list(buffers)
@@ -134,9 +83,9 @@ class KvPort:
         # Owned by the NIXL thread: sources not yet reported ended, and live reads with their futures.
         self._senders: dict[int, KvSender] = {}
         self._reads: dict[KvReceiver, asyncio.Future[KvPoll]] = {}
+        self._flush_until = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Held around every NIXL call when the engine captures CUDA graphs on the same device.
-        self._thread = _NixlThread(self._tick, self._busy, poll_interval, device_lock)
+        self._thread = NixlThread(self._tick, self._busy, poll_interval, device_lock)
         self.agent: NixlAgent = self._thread.submit(NixlAgent, agent_name, self._buffers).result()
         self.manager = KvManager(self.agent, self._buffers, page_size)
         # Owned by the asyncio loop.
@@ -154,26 +103,15 @@ class KvPort:
     def endpoint(self, host_id: str) -> types_pb2.TransferEndpoint:
         """This process's endpoint: built once (metadata is fixed after registration), then reused."""
         if self._endpoint is None or self._endpoint.host_id != host_id:
-            self._endpoint = self._make_endpoint(host_id)
+            self._endpoint = endpoint_proto(self.agent.name, self.agent.metadata(), self._buffers, host_id)
         return self._endpoint
 
-    def _make_endpoint(self, host_id: str) -> types_pb2.TransferEndpoint:
-        regions = [
-            types_pb2.MemoryRegion(
-                base_address=b.addr, length=b.nbytes, device=b.device, bytes_per_page=b.bytes_per_page
-            )
-            for b in self._buffers
-        ]
-        return types_pb2.TransferEndpoint(
-            kind=types_pb2.TRANSPORT_KIND_NIXL,
-            agent_name=self.agent.name,
-            agent_metadata=self.agent.metadata(),
-            regions=regions,
-            host_id=host_id,
-        )
-
     def _busy(self) -> bool:
-        return bool(self._senders or self._reads)
+        return bool(self._senders or self._reads) or time.monotonic() < self._flush_until
+
+    def _flush_notifs(self) -> None:
+        """On the NIXL thread, after something may have sent a notification: keep polling a while."""
+        self._flush_until = time.monotonic() + NOTIF_FLUSH_S
 
     def _tick(self) -> None:
         """On the NIXL thread: one NIXL poll, then what it ended, handed to the loop in one call."""
@@ -190,6 +128,8 @@ class KvPort:
             if state in (KvPoll.SUCCESS, KvPoll.FAILED):
                 reads.append((fut, state))
                 del self._reads[receiver]
+                if state == KvPoll.FAILED:
+                    self._flush_notifs()  # the receiver may have told the source it failed
         if (ended or reads) and self._loop is not None:
             self._loop.call_soon_threadsafe(self._deliver, ended, reads)
 
@@ -205,12 +145,13 @@ class KvPort:
             if not fut.done():
                 fut.set_result(state)
 
-    # -- prefill side ---------------------------------------------------------------------------------------
+    # -- source side --------------------------------------------------------------------------------------
 
     async def publish(
         self, room_id: int, page_ids: Sequence[int], aux: bytes, fingerprint: str, host_id: str
     ) -> directory_service_pb2.SourceDescriptor:
-        """Registers a room's source pages; the returned descriptor goes into PublishSource."""
+        """Registers a room's source pages; the returned descriptor goes into PublishSource. The reader
+        must report the read's end (its NIXL notification) or `unpublish` ends the room."""
 
         def _send() -> tuple[KvSender, SourceInfo]:
             sender = KvSender(self.manager, str(room_id))
@@ -221,14 +162,7 @@ class KvPort:
 
         sender, info = await self._run(_send)
         self._published[room_id] = _Published(sender)
-        return directory_service_pb2.SourceDescriptor(
-            endpoint=self.endpoint(host_id),
-            page_runs=[types_pb2.PageRun(first_page=r.first, count=r.count) for r in info.runs],
-            num_pages=len(page_ids),
-            contract_fingerprint=fingerprint,
-            aux=aux,
-            read_token=info.token,
-        )
+        return info.to_proto(fingerprint, self.endpoint(host_id))
 
     async def wait_read_end(self, room_id: int, timeout: float) -> str:
         """Waits until the reader of a room reports done or failed; "" on timeout or unknown room."""
@@ -266,44 +200,36 @@ class KvPort:
     def published(self) -> int:
         return len(self._published)
 
-    # -- decode side ----------------------------------------------------------------------------------------
+    # -- reader side --------------------------------------------------------------------------------------
 
     async def pull(
         self,
         room_id: int,
         source: directory_service_pb2.SourceDescriptor,
-        peer_key: str,
+        peer: str,
         dest_pages: Sequence[int],
         timeout: float,
         park_timeout: float,
     ) -> tuple[int, float]:
-        """Reads the source pages into `dest_pages`; returns (bytes, seconds).
+        """Reads the source pages into `dest_pages`; returns (bytes, seconds). `peer` is the source's
+        `peer_key(peer_id, epoch)`: a newer epoch of the same peer replaces the cached older one.
 
         If cancelled or timed out while the read is in flight, this waits (bounded by `timeout`) until the
         NIXL handle is no longer in progress before returning, so the caller may free the pages (I1).
         """
         if source.num_pages != len(dest_pages):
             raise FailedPrecondition(
-                f"source has {source.num_pages} pages, decode reserved {len(dest_pages)}",
+                f"source has {source.num_pages} pages, the reader reserved {len(dest_pages)}",
                 reason="PAGE_COUNT_MISMATCH",
             )
         ep = source.endpoint
         if len(ep.regions) != len(self._buffers):
             raise LayoutMismatch(
-                f"source has {len(ep.regions)} KV buffers, decode has {len(self._buffers)}",
+                f"source has {len(ep.regions)} KV buffers, the reader has {len(self._buffers)}",
                 fields="num_buffers",
             )
         try:
-            info = SourceInfo.from_fields(
-                {
-                    "agent_name": ep.agent_name,
-                    "metadata": ep.agent_metadata,
-                    "regions": [(r.base_address, r.length, r.bytes_per_page, r.device) for r in ep.regions],
-                    "runs": [(r.first_page, r.count) for r in source.page_runs],
-                    "aux": source.aux,
-                    "token": source.read_token,
-                }
-            )
+            info = SourceInfo.from_proto(source)
         except InvalidSourceError as err:
             raise FailedPrecondition(f"bad source descriptor: {err}", reason="INVALID_SOURCE") from None
         receiver = KvReceiver(self.manager, str(room_id))
@@ -314,7 +240,7 @@ class KvPort:
             nonlocal posted
             receiver.init()
             receiver.send_metadata(list(dest_pages))
-            receiver.start(info, peer_key, self._mode)  # type: ignore[arg-type]
+            receiver.start(info, peer, self._mode)
             posted = True  # from here the receiver tells the source how its read ended
             self._reads[receiver] = done
 
@@ -336,7 +262,7 @@ class KvPort:
         except BaseException:
             await asyncio.shield(self._run(_forget))
             if not posted:
-                await asyncio.shield(self.decline(room_id, source, peer_key))
+                await asyncio.shield(self.decline(room_id, source, peer))
             await asyncio.shield(self._quiesce(receiver, park_timeout))
             raise
         elapsed = time.perf_counter() - started
@@ -347,16 +273,15 @@ class KvPort:
         await self._run(receiver.clear)
         return nbytes, elapsed
 
-    async def decline(
-        self, room_id: int, source: directory_service_pb2.SourceDescriptor, peer_key: str
-    ) -> None:
+    async def decline(self, room_id: int, source: directory_service_pb2.SourceDescriptor, peer: str) -> None:
         """Tells a room's source that no read will come (the room began, the read never started), so
-        the prefill unpins at once instead of parking its pages until the park timeout."""
+        the source unpins at once instead of parking its pages until the park timeout."""
 
         def _send() -> None:
             try:
-                self.agent.add_peer(peer_key, source.endpoint.agent_metadata)
-                self.agent.send_notif(peer_key, fail_notif(str(room_id), source.read_token))
+                self.agent.add_peer(peer, source.endpoint.agent_metadata)
+                self.agent.send_notif(peer, fail_notif(str(room_id), source.read_token))
+                self._flush_notifs()
             except TransferError as err:
                 log.info("decline not delivered", room_id=room_id, error=str(err))
 
@@ -365,6 +290,7 @@ class KvPort:
     async def _quiesce(self, receiver: KvReceiver, timeout: float) -> None:
         """Aborts a receiver and waits until its read can no longer touch the destination pages."""
         await self._run(receiver.abort)
+        await self._run(self._flush_notifs)  # its "fail" leaves now or once the read ends
         deadline = time.monotonic() + timeout
         while not await self._run(receiver.wait_idle, 0.05):
             if time.monotonic() > deadline:

@@ -1,0 +1,160 @@
+"""`KvPort` between two processes, driven only with buffer pointers, page ids and peer keys.
+
+Each side is what SGLang's KV sender / receiver would hand the data plane: numpy buffers' addresses,
+lengths, bytes per page and "cpu", then page indices. No engine exists in either process; the descriptor
+travels as bytes, as it does through the directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+from collections.abc import AsyncIterator, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pytest
+from xavier.v1 import directory_service_pb2 as dpb
+
+from tests.transfer.kvpool import PAGE_SIZE, kv_buffers, make_pool, page_bytes
+from xavier_core.runtime.errors import FailedPrecondition, LayoutMismatch
+from xavier_core.transfer import KvPort, peer_key
+
+pytestmark = pytest.mark.integration
+
+SRC_SEED = 23
+SRC_KEY = peer_key("port-src", 1)
+
+
+async def _serve(conn: Connection, name: str, seed: int) -> None:
+    pool = make_pool(seed)  # held for the life of the port: NIXL reads these addresses
+    port = KvPort(name, kv_buffers(pool), PAGE_SIZE)
+    conn.send("ready")
+    while True:
+        cmd, *args = await asyncio.to_thread(conn.recv)
+        reply: Any = None
+        if cmd == "stop":
+            break
+        if cmd == "publish":
+            room, pages = args
+            desc = await port.publish(room, pages, b"\x07aux", "fp", "host-a")
+            reply = desc.SerializeToString()
+        elif cmd == "wait":
+            reply = await port.wait_read_end(args[0], 10)
+        elif cmd == "unpublish":
+            await port.unpublish(args[0], completed=args[1])
+            reply = (port.published, port.totals.transfers)
+        conn.send(reply)
+    await port.close()
+    conn.send("closed")
+
+
+def _source_main(conn: Connection, name: str, seed: int) -> None:
+    asyncio.run(_serve(conn, name, seed))
+
+
+class PortSource:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.pool = make_pool(SRC_SEED)  # the bytes the source process holds
+
+    async def call(self, *cmd: Any) -> Any:
+        self.conn.send(cmd)
+        if not await asyncio.to_thread(self.conn.poll, 15):
+            raise TimeoutError(f"source did not answer {cmd[0]!r}")
+        return self.conn.recv()
+
+    async def publish(self, room: int, pages: list[int]) -> dpb.SourceDescriptor:
+        return dpb.SourceDescriptor.FromString(await self.call("publish", room, pages))
+
+
+@pytest.fixture(scope="module")
+def source_conn() -> Iterator[Connection]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_source_main, args=(child, f"port-src-{os.getpid()}", SRC_SEED), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise TimeoutError("source process did not start")
+        assert parent.recv() == "ready"
+        yield parent
+    finally:
+        with contextlib.suppress(OSError):
+            parent.send(("stop",))
+            parent.poll(10)
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+@pytest.fixture
+async def reader(request: pytest.FixtureRequest) -> AsyncIterator[tuple[KvPort, list[np.ndarray]]]:
+    pool = make_pool(None)
+    name = f"port-dst-{os.getpid()}-{request.node.name}"  # a fresh agent per test: names must not repeat
+    port = KvPort(name, kv_buffers(pool), PAGE_SIZE, device_lock=None)
+    try:
+        yield port, pool
+    finally:
+        await port.close()
+
+
+async def test_pull_copies_exactly_the_published_pages_and_ends_the_room(
+    source_conn: Connection, reader: tuple[KvPort, list[np.ndarray]]
+) -> None:
+    port, pool = reader
+    src = PortSource(source_conn)
+    src_pages, dst_pages = [9, 10, 11, 40, 2], [60, 61, 62, 0, 33]
+    desc = await src.publish(101, src_pages)
+    assert desc.num_pages == 5 and desc.contract_fingerprint == "fp" and desc.endpoint.host_id == "host-a"
+    assert [(r.first_page, r.count) for r in desc.page_runs] == [(9, 3), (40, 1), (2, 1)]
+    nbytes, seconds = await port.pull(101, desc, SRC_KEY, dst_pages, timeout=10, park_timeout=5)
+    assert nbytes == sum(a.nbytes // (a.shape[0] // PAGE_SIZE) for a in pool) * len(dst_pages)
+    assert seconds > 0
+    assert page_bytes(pool, dst_pages) == page_bytes(src.pool, src_pages)
+    untouched = sorted(set(range(64)) - set(dst_pages))
+    assert not any(np.frombuffer(b, np.uint8).any() for b in page_bytes(pool, untouched))
+    # The reader's done notification ends the source's room without any directory.
+    assert await src.call("wait", 101) == "done"
+    assert await src.call("unpublish", 101, True) == (0, 1)
+    assert port.totals.transfers == 1 and port.totals.bytes == nbytes
+    assert port.manager.stats()["receivers"] == 0
+
+
+async def test_decline_tells_the_source_no_read_will_come(
+    source_conn: Connection, reader: tuple[KvPort, list[np.ndarray]]
+) -> None:
+    port, _ = reader
+    src = PortSource(source_conn)
+    desc = await src.publish(102, [1, 2])
+    await port.decline(102, desc, SRC_KEY)
+    assert await src.call("wait", 102) == "fail"
+    assert await src.call("unpublish", 102, False) == (0, 1)
+
+
+async def test_bad_descriptors_fail_before_any_read(
+    source_conn: Connection, reader: tuple[KvPort, list[np.ndarray]]
+) -> None:
+    port, _ = reader
+    src = PortSource(source_conn)
+    desc = await src.publish(103, [3, 4])
+    forged = dpb.SourceDescriptor()
+    forged.CopyFrom(desc)
+    forged.read_token = "a:b"
+    with pytest.raises(FailedPrecondition, match="read_token") as err:
+        await port.pull(103, forged, SRC_KEY, [5, 6], timeout=5, park_timeout=5)
+    assert err.value.reason == "INVALID_SOURCE"
+    with pytest.raises(FailedPrecondition) as err:
+        await port.pull(103, desc, SRC_KEY, [5], timeout=5, park_timeout=5)
+    assert err.value.reason == "PAGE_COUNT_MISMATCH"
+    del forged.endpoint.regions[1:]
+    with pytest.raises(LayoutMismatch):
+        await port.pull(103, forged, SRC_KEY, [5, 6], timeout=5, park_timeout=5)
+    # None of those touched the source: the real read still works.
+    await port.pull(103, desc, SRC_KEY, [5, 6], timeout=10, park_timeout=5)
+    assert await src.call("wait", 103) == "done"
+    await src.call("unpublish", 103, True)
