@@ -10,7 +10,9 @@ then for each concurrency level and mode streams fixed-seed prompts through the 
   scheduler, paging, KV pool and NIXL transfer, with a zero-compute model): TTFT of a two-token request,
   i.e. tokenization, peer selection, OpenRoom, the Prefill RPC and the streaming hops; and the whole
   lifecycle (publish, BeginTransfer, NIXL read, CompleteRoom, the second token). Beside it a bare
-  grpc.aio unary round trip (health Check on the directory process) at the same concurrency. Two tokens,
+  grpc.aio unary round trip (health Check on the directory process) at the same concurrency, and the CPU
+  of one bare round trip, client and server together (a server process that serves only health, so the
+  CPU ratio says how many bare RPCs' worth of work one P/D request costs all processes). Two tokens,
   not one, so every request runs the whole P/D lifecycle as real traffic does: a one-token request ends
   at the prefill and takes the abort path instead. The model mesh is stopped first: both never share
   the CPU.
@@ -72,6 +74,34 @@ def cpu_seconds(pids: dict[int, str]) -> dict[str, float]:
             continue
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
+
+
+_BARE_SERVER = """
+import asyncio, grpc
+from grpc_health.v1 import health, health_pb2_grpc
+
+async def main():
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+    await server.start()
+    await server.wait_for_termination()
+
+try:
+    import uvloop  # the services run on uvloop when it is installed; the baseline does too
+except ImportError:
+    asyncio.run(main())
+else:
+    uvloop.run(main())
+"""
+
+
+def start_bare_server() -> tuple[subprocess.Popen[bytes], str]:
+    """A process serving only grpc.aio health: the bare-RPC CPU baseline's server side."""
+    proc = subprocess.Popen([sys.executable, "-c", _BARE_SERVER], stdout=subprocess.PIPE)
+    if proc.stdout is None:
+        raise RuntimeError("the bare server's stdout is not a pipe")
+    return proc, f"127.0.0.1:{int(proc.stdout.readline())}"
 
 
 def start_mesh(
@@ -157,7 +187,27 @@ async def level(address: str, mode: str, conc: int, n: int, max_tokens: int, see
     }
 
 
-async def overhead(address: str, directory: str, conc: int, n: int, pids: dict[int, str]) -> dict[str, Any]:
+async def bare_rpc_cpu(address: str, pid: int, conc: int, n: int) -> float:
+    """CPU ms of one bare grpc.aio unary round trip at `conc`: this process plus the bare server's."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for _ in range(50):
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        sem = asyncio.Semaphore(conc)
+        server0, me0 = cpu_seconds({pid: "bare"})["bare"], time.process_time()
+
+        async def rt() -> None:
+            async with sem:
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+
+        await asyncio.gather(*(rt() for _ in range(n)))
+        server1, me1 = cpu_seconds({pid: "bare"})["bare"], time.process_time()
+    return (server1 - server0 + me1 - me0) * 1e3 / n
+
+
+async def overhead(
+    address: str, directory: str, conc: int, n: int, pids: dict[int, str], bare_server: tuple[str, int]
+) -> dict[str, Any]:
     """P/D control-plane cost per request on a zero-compute mesh, beside a bare grpc.aio round trip."""
     ps = prompts(n, 99)
     ttft: list[float] = []
@@ -196,6 +246,8 @@ async def overhead(address: str, directory: str, conc: int, n: int, pids: dict[i
                 bare.append((time.perf_counter() - t0) * 1e3)
 
         await asyncio.gather(*(rt() for _ in range(n)))
+    bare_cpu = await bare_rpc_cpu(*bare_server, conc, max(n, 2000))
+    cpu_total = sum(cpu.values())
     return {
         "concurrency": conc,
         "requests": n,
@@ -209,9 +261,11 @@ async def overhead(address: str, directory: str, conc: int, n: int, pids: dict[i
         "engine_prefill_ms_p50": pct(engine, 50),
         "bare_grpc_ms_p50": pct(bare, 50),
         "bare_grpc_ms_p99": pct(bare, 99),
+        "cpu_ms_per_bare_rpc": round(bare_cpu, 4),
         "requests_per_s": n / wall,
         "cpu_ms_per_request": {k: round(v, 3) for k, v in sorted(cpu.items())},
-        "cpu_ms_per_request_total": round(sum(cpu.values()), 3),
+        "cpu_ms_per_request_total": round(cpu_total, 3),
+        "cpu_per_request_over_bare_rpc": round(cpu_total / bare_cpu, 1),
     }
 
 
@@ -221,7 +275,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    fig, axes = plt.subplots(1, 5, figsize=(22, 4))
     for mode in ("pd", "colocated"):
         rows = [r for r in result.get("levels", []) if r["mode"] == mode]
         xs = [r["concurrency"] for r in rows]
@@ -242,6 +296,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     axes[3].set_xticks(list(xs), labels)
     axes[3].set_title("control-plane overhead (ms)")
     axes[3].legend()
+    axes[4].bar([x - 0.2 for x in xs], [o["cpu_ms_per_request_total"] for o in ov], 0.4, label="P/D request")
+    axes[4].bar([x + 0.2 for x in xs], [o["cpu_ms_per_bare_rpc"] for o in ov], 0.4, label="bare grpc.aio RPC")
+    axes[4].set_xticks(list(xs), labels)
+    axes[4].set_title("CPU ms per call, all processes")
+    axes[4].legend()
     fig.suptitle(f"Xavier serving on {result['device']} ({result['model']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -259,9 +318,16 @@ async def run_levels(args: argparse.Namespace, info: dict[str, Any]) -> list[dic
 
 async def run_overhead(info: dict[str, Any], pids: dict[int, str]) -> list[dict[str, Any]]:
     out = []
-    for conc, n in ((1, 300), (16, 640)):
-        out.append(await overhead(info["grpc"], info["directory"], conc, n, pids))
-        print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+    bare, bare_address = start_bare_server()
+    try:
+        for conc, n in ((1, 300), (16, 640)):
+            out.append(
+                await overhead(info["grpc"], info["directory"], conc, n, pids, (bare_address, bare.pid))
+            )
+            print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+    finally:
+        bare.terminate()
+        bare.wait(10)
     return out
 
 

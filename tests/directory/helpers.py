@@ -5,7 +5,7 @@ from __future__ import annotations
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
-from xavier_core.directory_client import DirectoryClient, Registration
+from xavier_core.directory import DirectoryClient, Registration
 
 
 def layout(**changes: object) -> types_pb2.KvLayout:

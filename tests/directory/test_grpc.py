@@ -1,4 +1,4 @@
-"""The directory as a real process over gRPC, driven through ``xavier_core.directory_client``."""
+"""The directory as a real process over gRPC, driven through ``xavier_core.directory``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from xavier_services.peer.room_feed import RoomFeed
 
 from tests.directory.helpers import lifecycle, register_request, source
 from tests.support.procs import ServiceProc, start_service
-from xavier_core.directory_client import DirectoryClient, PeerSession
+from xavier_core.directory import DirectoryClient, PeerSession
 from xavier_core.runtime.errors import (
     CapacityExhausted,
     FailedPrecondition,

@@ -18,7 +18,7 @@ from xavier.v1 import decode_service_pb2 as pb
 from xavier.v1 import decode_service_pb2_grpc, types_pb2
 from xavier.v1 import directory_service_pb2 as dpb
 
-from xavier_core.directory_client import TERMINAL_ROOM_STATES
+from xavier_core.directory import TERMINAL_ROOM_STATES
 from xavier_core.engine.api import TokenEvent
 from xavier_core.runtime.errors import (
     Aborted,

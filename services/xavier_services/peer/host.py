@@ -16,7 +16,7 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
 from xavier_core.contract import KvLayout, layout_from_model_dir
-from xavier_core.directory_client import DirectoryClient, PeerSession, Registration
+from xavier_core.directory import DirectoryClient, PeerSession, Registration
 from xavier_core.engine.api import Engine
 from xavier_core.runtime.errors import (
     InvalidArgument,

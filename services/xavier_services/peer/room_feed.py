@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from xavier.v1 import directory_service_pb2 as dpb
 
-from xavier_core.directory_client import TERMINAL_ROOM_STATES, DirectoryClient
+from xavier_core.directory import TERMINAL_ROOM_STATES, DirectoryClient
 from xavier_core.runtime.errors import NotFound, XavierError
 from xavier_core.runtime.logging import get_logger
 

@@ -7,6 +7,7 @@ background, so the client never waits for cleanup.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -116,18 +117,17 @@ async def _open_and_prefill(prep: Prepared, env: FlowEnv) -> tuple[Pair, dpb.Roo
         pair = await pool.pick_pair(key)
         p, d = pair.prefill, pair.decode
         room_id = secrets.randbits(63) or 1
-        opening = directory.OpenRoom(
-            dpb.OpenRoomRequest(
-                request_id=f"{prep.request_id}/{room_id}",
-                prefill_peer_id=p.peer_id,
-                prefill_epoch=p.epoch,
-                decode_peer_id=d.peer_id,
-                decode_epoch=d.epoch,
+        opening = asyncio.ensure_future(
+            directory.open_room(
+                p.peer_id,
+                p.epoch,
+                d.peer_id,
+                d.epoch,
                 prompt_fingerprint=prompt_fingerprint(prep.token_ids),
                 num_tokens=len(prep.token_ids),
+                request_id=f"{prep.request_id}/{room_id}",
                 room_id=room_id,
-            ),
-            timeout=env.rpc_timeout,
+            )
         )
         pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(
             pfpb.PrefillRequest(
@@ -140,11 +140,11 @@ async def _open_and_prefill(prep: Prepared, env: FlowEnv) -> tuple[Pair, dpb.Roo
             timeout=env.request_timeout,
         )
         try:
-            resp = await opening
+            room = await opening
         except BaseException:
             pf_call.cancel()
             raise
-        return pair, resp.room, pf_call
+        return pair, room, pf_call
 
     return await pool.retry_unavailable(attempt)
 
@@ -153,11 +153,10 @@ async def abort_room(env: FlowEnv, request_id: str, room_id: int, reason: str) -
     """Best-effort AbortRoom with a deadline (the room's lease bounds it if this fails)."""
     if env.pool.directory is None:
         return
-    req = dpb.AbortRoomRequest(request_id=f"{request_id}/abort", room_id=room_id, reason=reason)
     try:
-        await env.pool.directory.AbortRoom(req, timeout=env.rpc_timeout)
-    except grpc.aio.AioRpcError as exc:
-        _log.info("abort room failed", room_id=room_id, code=exc.code().name)
+        await env.pool.directory.abort_room(room_id, reason, request_id=f"{request_id}/abort")
+    except XavierError as exc:
+        _log.info("abort room failed", room_id=room_id, code=exc.code.name)
 
 
 async def pd_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:

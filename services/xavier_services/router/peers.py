@@ -13,14 +13,16 @@ from typing import TypeVar
 
 import grpc
 from xavier.v1 import directory_service_pb2 as dpb
-from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
 from xavier.v1 import types_pb2
 
-from xavier_core.runtime import FailedPrecondition, Unavailable, XavierError, from_rpc_error
+from xavier_core.directory import DirectoryClient
+from xavier_core.runtime import FailedPrecondition, Unavailable
+from xavier_core.runtime.channels import open_channel
+from xavier_core.runtime.retry import retry_unavailable
 
 T = TypeVar("T")
-_LIST_PAGE = 500
-_MAX_PAGES = 100
+_RETRY_BASE_DELAY = 0.04
+_RETRY_MAX_DELAY = 0.5
 
 
 @dataclass
@@ -42,7 +44,10 @@ def affinity_key(token_ids: Sequence[int], cache_salt: str, prefix_tokens: int) 
 
 
 class PeerPool:
-    """Caches ListPeers for `refresh_seconds`, keeps one channel per address, counts in-flight work.
+    """Caches ListPeers for `refresh_seconds`, keeps one channel per peer address, counts in-flight work.
+
+    The directory is reached through a `DirectoryClient` that does not retry by itself: the router's
+    steps retry as a whole (`retry_unavailable`), with a fresh peer list, so retries do not multiply.
 
     Selection scores a peer by the load it last reported plus the router's own in-flight requests on it
     (the report lags, the local count does not); ties break at random so equal peers share the work.
@@ -72,13 +77,17 @@ class PeerPool:
         self._fetched_at = -1e9
         self._lock = asyncio.Lock()
         self.inflight: dict[str, int] = defaultdict(int)
-        self.directory = dpb_grpc.DirectoryServiceStub(self.channel(directory)) if directory else None
+        self.directory = (
+            DirectoryClient(channel=self.channel(directory), timeout=rpc_timeout, retries=0)
+            if directory
+            else None
+        )
 
     def channel(self, address: str) -> grpc.aio.Channel:
         """A shared channel to `address` (created on first use)."""
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=(("grpc.max_receive_message_length", 16 << 20),))
+            ch = open_channel(address)
             self._channels[address] = ch
         return ch
 
@@ -89,18 +98,13 @@ class PeerPool:
 
     async def retry_unavailable(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Runs an idempotent step, retrying on UNAVAILABLE (bounded, with backoff and a fresh peer list)."""
-        for attempt in range(1, self.attempts + 1):
-            try:
-                return await fn()
-            except grpc.aio.AioRpcError as exc:
-                err: XavierError = from_rpc_error(exc)
-            except Unavailable as exc:
-                err = exc
-            if err.code != grpc.StatusCode.UNAVAILABLE or attempt == self.attempts:
-                raise err
-            self.invalidate()
-            await asyncio.sleep(min(0.5, 0.02 * 2**attempt) * (0.5 + random.random()))
-        raise Unavailable("retries exhausted")  # unreachable
+        return await retry_unavailable(
+            fn,
+            attempts=self.attempts,
+            base_delay=_RETRY_BASE_DELAY,
+            max_delay=_RETRY_MAX_DELAY,
+            on_retry=lambda _err: self.invalidate(),
+        )
 
     def invalidate(self) -> None:
         """Forgets the cached peer list (after a peer failed)."""
@@ -119,17 +123,7 @@ class PeerPool:
     async def _list_all(self) -> list[dpb.Peer]:
         if self.directory is None:
             return []
-        out: list[dpb.Peer] = []
-        token = ""
-        for _ in range(_MAX_PAGES):
-            resp = await self.directory.ListPeers(
-                dpb.ListPeersRequest(page_size=_LIST_PAGE, page_token=token), timeout=self.rpc_timeout
-            )
-            out.extend(resp.peers)
-            token = resp.next_page_token
-            if not token:
-                break
-        return out
+        return await self.directory.list_peers()
 
     async def by_role(self, role: int) -> list[dpb.Peer]:
         return [p for p in await self.peers() if p.role == role]

@@ -70,7 +70,7 @@ async def model_entry(router: Router) -> rpb.Model:
 async def _peers_or_empty(router: Router) -> list[dpb.Peer]:
     try:
         return await router.pool.peers()
-    except grpc.aio.AioRpcError:
+    except XavierError:
         return []
 
 
@@ -129,11 +129,8 @@ async def cluster_status(router: Router) -> rpb.GetClusterStatusResponse:
     resp.peers.extend(statuses)
     if router.pool.directory is not None:
         try:
-            stats = await router.pool.directory.GetDirectoryStats(
-                dpb.GetDirectoryStatsRequest(), timeout=router.config.rpc_timeout_seconds
-            )
-            resp.rooms.CopyFrom(cluster_rooms(stats))
-        except grpc.aio.AioRpcError:
+            resp.rooms.CopyFrom(cluster_rooms(await router.pool.directory.get_stats()))
+        except XavierError:
             pass  # rooms stays unset: the contract's sign that the directory could not be read
     try:
         resp.default_mode = await router.default_mode()

@@ -1,21 +1,15 @@
 """Async client of ``xavier.v1.DirectoryService`` for peers and the router.
 
-:class:`DirectoryClient` wraps each RPC with a deadline, bounded retries of UNAVAILABLE (mutating calls
-carry a request id, so a retry is idempotent) and typed errors (``from_rpc_error``).
-:class:`PeerSession` keeps one peer registered: it registers with retry, heartbeats, and registers again
-(new epoch) when the directory says ``must_register`` or no longer knows the peer, e.g. after a directory
-restart. The channel reconnects quickly (backoff capped at one second) so that happens within about one
-heartbeat interval of the directory coming back.
+:class:`DirectoryClient` has one typed method per RPC. Each call has a deadline, UNAVAILABLE is retried
+a bounded number of times (mutating calls carry a request id, so a retry is idempotent) and errors come
+back typed (``from_rpc_error``). The channel comes from ``open_channel``: it reconnects quickly, so a
+restarted directory is reached again within about one heartbeat interval.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import inspect
-import random
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -25,27 +19,15 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
 from xavier.v1 import types_pb2
 
-from xavier_core.runtime.errors import NotFound, Unavailable, XavierError, from_rpc_error
-from xavier_core.runtime.logging import get_logger
+from xavier_core.runtime.channels import open_channel
+from xavier_core.runtime.errors import Unavailable, from_rpc_error
+from xavier_core.runtime.retry import retry_unavailable
 
-__all__ = [
-    "CHANNEL_OPTIONS",
-    "TERMINAL_ROOM_STATES",
-    "DirectoryClient",
-    "PeerSession",
-    "Registration",
-    "register_all",
-]
+__all__ = ["TERMINAL_ROOM_STATES", "DirectoryClient", "Registration"]
 
 T = TypeVar("T")
-_log = get_logger("xavier.directory_client")
-
-CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
-"""Reconnect fast: a restarted directory must see its peers again within one heartbeat interval."""
+_MAX_RETRY_BACKOFF = 2.0
+_LIST_PAGE_SIZE = 500
 
 TERMINAL_ROOM_STATES = frozenset({dpb.ROOM_STATE_RELEASED, dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED})
 
@@ -97,7 +79,7 @@ class DirectoryClient:
             raise ValueError("DirectoryClient needs a target or a channel")
         self._own_channel = channel is None
         if channel is None:
-            channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            channel = open_channel(target)
         self.channel = channel
         self.stub = dpb_grpc.DirectoryServiceStub(self.channel)
         self.timeout = timeout
@@ -124,18 +106,13 @@ class DirectoryClient:
         timeout: float | None = None,
         retries: int | None = None,
     ) -> T:
-        attempts = 1 + (self.retries if retries is None else retries)
-        delay = self.retry_backoff
-        for attempt in range(attempts):
-            try:
-                return await method(request, timeout=timeout or self.timeout)
-            except grpc.aio.AioRpcError as rpc_err:
-                err = from_rpc_error(rpc_err)
-            if not isinstance(err, Unavailable) or attempt + 1 == attempts:
-                raise err
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 2.0)
-        raise AssertionError("unreachable")  # the loop always returns or raises
+        deadline = timeout or self.timeout
+        return await retry_unavailable(
+            lambda: method(request, timeout=deadline),
+            attempts=1 + (self.retries if retries is None else retries),
+            base_delay=self.retry_backoff,
+            max_delay=_MAX_RETRY_BACKOFF,
+        )
 
     # --- peers --------------------------------------------------------------------
 
@@ -172,6 +149,7 @@ class DirectoryClient:
         token = ""
         for _ in range(max_pages):
             req = dpb.ListPeersRequest(
+                page_size=_LIST_PAGE_SIZE,
                 page_token=token,
                 role=role,
                 contract_fingerprint=contract_fingerprint,
@@ -376,127 +354,3 @@ async def _typed_stream(call: Any) -> AsyncIterator[Any]:
         raise from_rpc_error(rpc_err) from None
     finally:
         call.cancel()
-
-
-OnRegistered = Callable[[Registration], Awaitable[None] | None]
-
-
-class PeerSession:
-    """Keeps one peer registered with the directory.
-
-    ``start()`` registers (retrying UNAVAILABLE, bounded) and starts the heartbeat loop. Each heartbeat
-    reports ``load()``; when the directory answers ``must_register`` or NOT_FOUND (it restarted, or the
-    peer's lease lapsed), the session registers again and gets a new epoch; ``on_registered`` runs after
-    every registration so the service can drop work tied to the old epoch. A heartbeat that fails with
-    UNAVAILABLE is simply tried again at the next tick. STALE_EPOCH (another process registered the same
-    peer id) is logged and not fought over.
-    """
-
-    def __init__(
-        self,
-        client: DirectoryClient,
-        request: dpb.RegisterPeerRequest,
-        *,
-        load: Callable[[], dpb.PeerLoad] | None = None,
-        on_registered: OnRegistered | None = None,
-        heartbeat_interval: float | None = None,
-        register_attempts: int = 5,
-    ) -> None:
-        self.client = client
-        self._template = dpb.RegisterPeerRequest()
-        self._template.CopyFrom(request)
-        self._template.request_id = ""
-        self._load = load
-        self._on_registered = on_registered
-        self._interval_override = heartbeat_interval
-        self._attempts = register_attempts
-        self._registration: Registration | None = None
-        self._registered = asyncio.Condition()
-        self._task: asyncio.Task[None] | None = None
-        self.registrations = 0
-        """How many times this session registered (1 after ``start``; more after re-registrations)."""
-
-    @property
-    def registration(self) -> Registration:
-        """The current registration (``start`` must have returned)."""
-        if self._registration is None:
-            raise RuntimeError("PeerSession is not registered; call start() first")
-        return self._registration
-
-    @property
-    def interval(self) -> float:
-        """Seconds between heartbeats."""
-        if self._interval_override is not None:
-            return self._interval_override
-        return self._registration.heartbeat_interval if self._registration is not None else 1.0
-
-    async def start(self) -> Registration:
-        """Registers and starts heartbeating; returns the registration."""
-        registration = await self._register()
-        self._task = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{registration.peer_id}")
-        return registration
-
-    async def stop(self, *, unregister: bool = True) -> None:
-        """Stops heartbeating and (by default) unregisters, best effort."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if unregister and self._registration is not None:
-            with contextlib.suppress(XavierError):
-                reg = self._registration
-                await self.client.unregister_peer(reg.peer_id, reg.epoch)
-
-    async def wait_registered(self, newer_than: int = 0, *, timeout: float) -> Registration:
-        """The first registration with an epoch above ``newer_than``; TimeoutError after ``timeout``."""
-
-        def ready() -> bool:
-            return self._registration is not None and self._registration.epoch > newer_than
-
-        async with asyncio.timeout(timeout), self._registered:
-            await self._registered.wait_for(ready)
-        return self.registration
-
-    async def _register(self) -> Registration:
-        req = dpb.RegisterPeerRequest()
-        req.CopyFrom(self._template)
-        if self._registration is not None:
-            req.peer_id = self._registration.peer_id  # keep a directory-assigned id across re-registrations
-        registration = await self.client.register_peer(req, attempts=self._attempts)
-        self._registration = registration
-        self.registrations += 1
-        _log.info("registered", peer_id=registration.peer_id, epoch=registration.epoch)
-        if self._on_registered is not None:
-            result = self._on_registered(registration)
-            if inspect.isawaitable(result):
-                await result
-        async with self._registered:
-            self._registered.notify_all()
-        return registration
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            reg = self.registration
-            try:
-                load = self._load() if self._load is not None else None
-                resp = await self.client.heartbeat(reg.peer_id, reg.epoch, load)
-                if resp.must_register:
-                    await self._try_register()
-            except NotFound:
-                await self._try_register()
-            except XavierError as err:
-                if err.reason == "STALE_EPOCH":
-                    _log.error("peer id registered elsewhere", peer_id=reg.peer_id, epoch=reg.epoch)
-                else:
-                    _log.debug("heartbeat failed", peer_id=reg.peer_id, reason=err.reason)
-
-    async def _try_register(self) -> None:
-        with contextlib.suppress(XavierError):
-            await self._register()
-
-
-async def register_all(sessions: Sequence[PeerSession]) -> list[Registration]:
-    """Starts several sessions concurrently (tests and ``xavier up`` start a mesh at once)."""
-    return list(await asyncio.gather(*(s.start() for s in sessions)))
