@@ -118,7 +118,7 @@ async def test_channel_enforces_the_message_size_limit(serve: Any) -> None:
 
 async def test_retry_helper_calls_on_retry_and_rejects_no_attempts() -> None:
     failures: list[str] = []
-    outcomes: list[Exception | str] = [Unavailable("a", reason="R1"), Unavailable("b", reason="R2"), "ok"]
+    outcomes: list[Exception | str] = [Unavailable("a", reason="SHUTTING_DOWN"), Unavailable("b", reason="PEER_UNAVAILABLE"), "ok"]
 
     async def step() -> str:
         out = outcomes.pop(0)
@@ -129,6 +129,6 @@ async def test_retry_helper_calls_on_retry_and_rejects_no_attempts() -> None:
     got = await retry_unavailable(
         step, attempts=3, base_delay=0.001, max_delay=0.001, on_retry=lambda e: failures.append(e.reason)
     )
-    assert got == "ok" and failures == ["R1", "R2"]
+    assert got == "ok" and failures == ["SHUTTING_DOWN", "PEER_UNAVAILABLE"]
     with pytest.raises(ValueError):
         await retry_unavailable(step, attempts=0, base_delay=0.001, max_delay=0.001)
