@@ -11,8 +11,8 @@ from xavier_services.router.prompts import ModelInfo, PromptCache, PromptEncoder
 from xavier_services.router.request import prepare
 
 from xavier_core.engine.tiny import make_tiny
-from xavier_core.engine.tokenizer import TextTokenizer
 from xavier_core.runtime import InvalidArgument
+from xavier_core.text.tokenizer import TextTokenizer
 
 
 @pytest.fixture(scope="module")
