@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.
 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -n 15 | tee "$out/gpu_tests.txt"
 XAVIER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/pd 2>&1 | tail -n 25 | tee "$out/pd_gpu_tests.txt"
 model="${XAVIER_BENCH_MODEL:-/tmp/xavier-qwen2.5-0.5b-shape}"
-[ -f "$model/config.json" ] || python3 -m xavier_core.cli.main models make-tiny "$model" --arch qwen2 \
+[ -f "$model/config.json" ] || python3 -m xavier_cli.main models make-tiny "$model" --arch qwen2 \
   --shape qwen2.5-0.5b --dtype float16
 python3 benchmarks/serving.py --device cuda --model "$model" --concurrency 1 16 32 --max-tokens 64 \
   --out "$out/serving_gpu" > "$out/serving_gpu.stdout" 2> "$out/serving_gpu.stderr"

@@ -52,12 +52,13 @@ def start_up(workdir: Path, cache: Path, *extra: str, timeout: float = 180.0) ->
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / "up.json"
     log = workdir / "up.log"
-    exe = Path(sys.executable).parent / "xavier"
     env = {**os.environ, "XAVIER_CACHE_DIR": str(cache)}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [
-                str(exe),
+                sys.executable,
+                "-m",
+                "xavier_cli",
                 "up",
                 "--grpc",
                 "127.0.0.1:0",

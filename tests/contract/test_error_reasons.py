@@ -130,7 +130,21 @@ def scan(sources: list[tuple[str, ast.Module]]) -> tuple[list[Use], list[Use]]:
                         emitted.append(Use(value, at))
             elif isinstance(node, ast.Compare):
                 compared.extend(Use(r, at) for r in _compared(node))
+            elif isinstance(node, ast.Assign) and (reason := _reason_constant(node)) is not None:
+                emitted.append(Use(reason, at))
     return emitted, compared
+
+
+def _reason_constant(node: ast.Assign) -> str | None:
+    """A named reason constant, `INVALID_SAMPLING = "INVALID_SAMPLING"`, as modules that pass reasons
+    around as values declare them."""
+    if len(node.targets) != 1 or not isinstance(node.targets[0], ast.Name):
+        return None
+    value = node.value
+    if not isinstance(value, ast.Constant) or not isinstance(value.value, str):
+        return None
+    name = node.targets[0].id
+    return name if name == value.value and _UPPER_SNAKE.fullmatch(name) else None
 
 
 @pytest.fixture(scope="module")

@@ -118,7 +118,11 @@ async def test_channel_enforces_the_message_size_limit(serve: Any) -> None:
 
 async def test_retry_helper_calls_on_retry_and_rejects_no_attempts() -> None:
     failures: list[str] = []
-    outcomes: list[Exception | str] = [Unavailable("a", reason="SHUTTING_DOWN"), Unavailable("b", reason="PEER_UNAVAILABLE"), "ok"]
+    outcomes: list[Exception | str] = [
+        Unavailable("a", reason="SHUTTING_DOWN"),
+        Unavailable("b", reason="PEER_UNAVAILABLE"),
+        "ok",
+    ]
 
     async def step() -> str:
         out = outcomes.pop(0)

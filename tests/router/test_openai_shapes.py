@@ -1,14 +1,21 @@
-"""OpenAI request parsing and SSE framing."""
+"""OpenAI request parsing and SSE framing, and the sampling limits HTTP and gRPC share."""
 
 from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 from xavier.v1 import router_service_pb2 as rpb
+from xavier.v1 import types_pb2
+from xavier_services.peer.convert import sampling_from_pb
+from xavier_services.router.openai_http import error_response
 from xavier_services.router.openai_shapes import choice, envelope, logprobs_json, parse, sse
+from xavier_services.router.request import check_sampling_pb
 
 from xavier_core.runtime import InvalidArgument
+from xavier_core.runtime.domain_errors import sampling_status
+from xavier_core.sampling import MAX_TOKENS, SamplingError
 
 
 def test_sse_framing() -> None:
@@ -55,3 +62,64 @@ def test_chat_shapes() -> None:
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "ok"
     assert logprobs_json(True, ["a"], [-0.5])["content"][0]["logprob"] == -0.5
     assert logprobs_json(False, ["ab", "c"], [-1.0, -2.0])["text_offset"] == [0, 2]
+
+
+# Out-of-range values both wire shapes can carry: (OpenAI JSON fields, SamplingParams fields, field named).
+_OUT_OF_RANGE = [
+    ({"temperature": 2.5}, {"temperature": 2.5}, "temperature"),
+    ({"temperature": -1}, {"temperature": -1}, "temperature"),
+    ({"top_p": 1.5}, {"top_p": 1.5}, "top_p"),
+    ({"top_p": -0.5}, {"top_p": -0.5}, "top_p"),
+    ({"max_tokens": 0}, {"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": MAX_TOKENS + 1}, {"max_tokens": MAX_TOKENS + 1}, "max_tokens"),
+    ({"stop": ["s"] * 17}, {"stop": ["s"] * 17}, "stop"),
+    ({"stop": ["x" * 257]}, {"stop": ["x" * 257]}, "stop"),
+    ({"stop": [""]}, {"stop": [""]}, "stop"),
+]
+
+
+@pytest.mark.parametrize(("http", "grpc_fields", "field"), _OUT_OF_RANGE)
+def test_http_and_grpc_reject_the_same_values_the_same_way(
+    http: dict[str, object], grpc_fields: dict[str, object], field: str
+) -> None:
+    with pytest.raises(InvalidArgument) as over_http:
+        parse({"prompt": "a", **http}, False, "m", 16)
+    sampling = types_pb2.SamplingParams(**{"max_tokens": 4, **grpc_fields})  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument) as over_router:
+        check_sampling_pb(sampling)
+    seen = {(e.code, e.reason, e.message, e.metadata["field"]) for e in (over_http.value, over_router.value)}
+    if sampling.max_tokens:  # a peer reads max_tokens 0 as "unset" (its default); the router rejects it
+        with pytest.raises(SamplingError) as at_peer:
+            sampling_from_pb(sampling)
+        over_peer = sampling_status(at_peer.value)
+        seen.add((over_peer.code, over_peer.reason, over_peer.message, over_peer.metadata["field"]))
+    assert len(seen) == 1, seen
+    code, reason, _, named = seen.pop()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and named == field
+    assert reason == ("INVALID_MAX_TOKENS" if field == "max_tokens" else "INVALID_SAMPLING")
+    # The HTTP front answers 400 with the OpenAI error shape naming the parameter.
+    response = error_response(over_http.value)
+    body = json.loads(response.body)  # type: ignore[arg-type]
+    assert response.status == 400
+    assert body["error"]["param"] == field and body["error"]["code"] == reason
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [({"top_k": 10**6}, "top_k"), ({"stop_token_ids": list(range(65))}, "stop_token_ids")],
+)
+def test_grpc_only_fields_share_the_limits(fields: dict[str, object], field: str) -> None:
+    sampling = types_pb2.SamplingParams(max_tokens=4, **fields)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument) as over_router:
+        check_sampling_pb(sampling)
+    with pytest.raises(SamplingError) as at_peer:
+        sampling_from_pb(sampling)
+    assert over_router.value.metadata["field"] == at_peer.value.field == field
+    assert str(over_router.value.message) == str(at_peer.value)
+
+
+def test_a_huge_seed_is_a_clear_error_over_http() -> None:
+    with pytest.raises(InvalidArgument) as err:
+        parse({"prompt": "a", "seed": 2**64}, False, "m", 16)
+    assert (err.value.reason, err.value.metadata["param"]) == ("INVALID_SAMPLING", "seed")

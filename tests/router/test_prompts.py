@@ -11,8 +11,8 @@ from xavier_services.router.prompts import ModelInfo, PromptCache, PromptEncoder
 from xavier_services.router.request import prepare
 
 from xavier_core.engine.tiny import make_tiny
-from xavier_core.engine.tokenizer import TextTokenizer
 from xavier_core.runtime import InvalidArgument
+from xavier_core.text.tokenizer import TextTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +123,11 @@ def test_prepare_uses_the_cache_and_fills_request_id(encoder: PromptEncoder, mod
     assert encoder.cache.hits == 1
     chat = prepare(_req(chat={"messages": [{"role": "user", "content": "Hi"}]}), encoder, info)
     assert encoder.tokenizer.decode(chat.token_ids, skip_special_tokens=False).endswith("assistant\n")
+
+
+def test_a_long_cache_salt_is_rejected(encoder: PromptEncoder, model_dir: Path) -> None:
+    info = load_model_info(model_dir)
+    assert prepare(_req(text="hi", cache_salt="s" * 256), encoder, info).cache_salt == "s" * 256
+    with pytest.raises(InvalidArgument) as err:
+        prepare(_req(text="hi", cache_salt="s" * 5000), encoder, info)
+    assert (err.value.reason, err.value.metadata["field"]) == ("INVALID_CACHE_SALT", "cache_salt")

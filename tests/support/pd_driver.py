@@ -18,7 +18,8 @@ from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
 from xavier.v1 import prefill_service_pb2 as pre
 from xavier.v1 import prefill_service_pb2_grpc as pre_grpc
 from xavier.v1 import types_pb2
-from xavier_services.peer.convert import prompt_fingerprint
+
+from xavier_core.text.fingerprint import prompt_fingerprint
 
 
 @dataclass

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import duration_pb2, timestamp_pb2
+from google.protobuf import timestamp_pb2
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
 from xavier.v1 import types_pb2
 
 from xavier_core.runtime.channels import open_channel
+from xavier_core.runtime.durations import to_duration, to_seconds
 from xavier_core.runtime.errors import Unavailable, from_rpc_error
 from xavier_core.runtime.retry import retry_unavailable
 
@@ -30,15 +31,6 @@ _MAX_RETRY_BACKOFF = 2.0
 _LIST_PAGE_SIZE = 500
 
 TERMINAL_ROOM_STATES = frozenset({dpb.ROOM_STATE_RELEASED, dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED})
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    whole = int(seconds)
-    return duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
-
-
-def _seconds(msg: duration_pb2.Duration) -> float:
-    return msg.seconds + msg.nanos / 1e9
 
 
 def _rid(request_id: str | None) -> str:
@@ -122,7 +114,7 @@ class DirectoryClient:
         req.CopyFrom(request)
         req.request_id = req.request_id or uuid.uuid4().hex
         resp: dpb.RegisterPeerResponse = await self._call(self.stub.RegisterPeer, req, retries=attempts - 1)
-        return Registration(resp.peer, _seconds(resp.lease), _seconds(resp.heartbeat_interval))
+        return Registration(resp.peer, to_seconds(resp.lease), to_seconds(resp.heartbeat_interval))
 
     async def heartbeat(
         self, peer_id: str, epoch: int, load: dpb.PeerLoad | None = None
@@ -185,7 +177,7 @@ class DirectoryClient:
             decode_epoch=decode_epoch,
             prompt_fingerprint=prompt_fingerprint,
             num_tokens=num_tokens,
-            lease=_duration(lease) if lease is not None else None,
+            lease=to_duration(lease) if lease is not None else None,
             room_id=room_id,
         )
         resp: dpb.OpenRoomResponse = await self._call(self.stub.OpenRoom, req)
@@ -252,7 +244,7 @@ class DirectoryClient:
             peer_id=peer_id,
             epoch=epoch,
             bytes_transferred=bytes_transferred,
-            transfer_duration=_duration(transfer_seconds),
+            transfer_duration=to_duration(transfer_seconds),
             release=release,
         )
         resp: dpb.CompleteRoomResponse = await self._call(self.stub.CompleteRoom, req)
@@ -262,7 +254,7 @@ class DirectoryClient:
         self, room_id: int, peer_id: str, epoch: int, lease: float | None = None
     ) -> timestamp_pb2.Timestamp:
         """Extends a live or completed room's lease; returns the new expiry."""
-        duration = _duration(lease) if lease is not None else None
+        duration = to_duration(lease) if lease is not None else None
         req = dpb.RenewLeaseRequest(room_id=room_id, peer_id=peer_id, epoch=epoch, lease=duration)
         resp: dpb.RenewLeaseResponse = await self._call(self.stub.RenewLease, req)
         expires: timestamp_pb2.Timestamp = resp.lease_expires_at

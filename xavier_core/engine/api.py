@@ -1,49 +1,40 @@
 """The engine-neutral interface the services call.
 
-Both the reference engine and the SGLang adapter implement `Engine`. Pages are engine KV pages in
-SGLang's MHA layout: per layer one K and one V buffer `[num_slots, kv_heads, head_dim]`, page p owning
-slots [p*page_size, (p+1)*page_size). The transfer layer only needs `kv_buffers()` and page ids.
+The reference engine (`xavier_core.engine.reference`) implements `Engine`; any other engine a peer serves
+must offer the same members. Pages are engine KV pages in SGLang's MHA layout: per layer one K and one V
+buffer `[num_slots, kv_heads, head_dim]`, page p owning slots [p*page_size, (p+1)*page_size). The transfer
+layer only needs `kv_buffers()`, page ids and the optional `device_lock`.
+
+Engine errors are plain exceptions: the engine knows nothing of gRPC. The service runtime maps them to
+statuses in one place (`xavier_core.runtime.domain_errors`).
 """
 
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
-import grpc
-
-from xavier_core.runtime.errors import XavierError
+from xavier_core.sampling import check_sampling
 from xavier_core.transfer.buffers import KvBuffer
 
 
-class EngineError(XavierError):
-    """Base class of engine errors; each carries the gRPC status the services answer with."""
-
-    code = grpc.StatusCode.INTERNAL
-    reason = "ENGINE_ERROR"
+class EngineError(Exception):
+    """Base class of engine errors (a failure of the engine itself when no subclass fits)."""
 
 
 class InvalidRequestError(EngineError):
     """The request cannot be served as asked (empty prompt, too long, bad sampling values)."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
-    reason = "INVALID_REQUEST"
-
 
 class OutOfPagesError(EngineError):
     """The KV pool cannot hold the request even after eviction and preemption."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = "OUT_OF_PAGES"
-
 
 class RequestNotFoundError(EngineError):
     """No live request with that id."""
-
-    code = grpc.StatusCode.NOT_FOUND
-    reason = "REQUEST_NOT_FOUND"
 
 
 class FinishReason(enum.Enum):
@@ -65,16 +56,39 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
+    def check(self) -> None:
+        """Raises `xavier_core.sampling.SamplingError` naming the first value outside the shared limits."""
+        check_sampling(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+        )
+
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One generated token. `finish` is set on the last event of a request."""
+    """One generated token. `finish` (STOP or LENGTH) is set on the last token of a request."""
 
     token_id: int
     logprob: float
     finish: FinishReason | None = None
     # Text delta for this token (incremental detokenization; may be "" while a UTF-8 char is incomplete).
     text: str = ""
+
+
+@dataclass(frozen=True)
+class AbortEvent:
+    """The last event of an aborted request: it carries no token and no text."""
+
+    finish: Literal[FinishReason.ABORT] = FinishReason.ABORT
+
+
+# What a token stream yields: tokens, and for an aborted request an `AbortEvent` last.
+StreamEvent = TokenEvent | AbortEvent
 
 
 @dataclass(frozen=True)
@@ -102,19 +116,46 @@ class EngineStats:
 
 
 class Engine(Protocol):
-    """What a prefill, decode or unified service needs from an engine."""
+    """What a prefill, decode or unified service needs from an engine: every member a service uses."""
 
     @property
-    def page_size(self) -> int: ...
+    def page_size(self) -> int:
+        """Tokens per KV page."""
+        ...
 
     @property
-    def max_context(self) -> int: ...
+    def max_context(self) -> int:
+        """Longest prompt plus output a request may reach."""
+        ...
 
-    def kv_buffers(self) -> list[KvBuffer]: ...
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model accepts: [0, vocab_size)."""
+        ...
+
+    @property
+    def dtype_name(self) -> str:
+        """KV dtype as a short name ("float16", "bfloat16", "float32"), part of the KV layout."""
+        ...
+
+    @property
+    def device_lock(self) -> threading.Lock | None:
+        """Held by callers around their own device work (KV transfers) so it never overlaps a CUDA graph
+        capture; None when the engine needs no such exclusion."""
+        ...
+
+    def kv_buffers(self) -> list[KvBuffer]:
+        """The registered KV buffers, stable for the engine's lifetime."""
+        ...
+
+    def capture_decode_graphs(self) -> int:
+        """Captures decode CUDA graphs now, before any transfer agent uses the device; returns how many
+        (0 for an engine without graphs)."""
+        ...
 
     def generate(
         self, request_id: str, token_ids: Sequence[int], sampling: Sampling, *, cache_salt: str = ""
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncIterator[StreamEvent]:
         """Runs a whole request (unified/colocated role) and streams its tokens."""
         ...
 
@@ -139,7 +180,7 @@ class Engine(Protocol):
         first_token: int,
         first_logprob: float,
         sampling: Sampling,
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncIterator[StreamEvent]:
         """Continues a request whose prompt KV was written into its reserved pages.
 
         The first event is `first_token` itself; generation continues from it.
@@ -147,7 +188,7 @@ class Engine(Protocol):
         ...
 
     async def abort(self, request_id: str) -> None:
-        """Stops a request; its generate/decode stream ends with FinishReason.ABORT. Never blocks the loop."""
+        """Stops a request; its generate/decode stream ends with an `AbortEvent`. Never blocks the loop."""
         ...
 
     def stats(self) -> EngineStats: ...

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from xavier_core.engine.api import FinishReason, TokenEvent
+from xavier_core.engine.api import AbortEvent
 from xavier_core.engine.decode_graph import DecodeRunner
 from xavier_core.engine.errors import EngineClosedError
 from xavier_core.engine.kv_pool import KvPool
@@ -25,9 +25,6 @@ from xavier_core.engine.runner import build_batch, sample
 from xavier_core.engine.scheduler import Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
-
-# An ABORT event carries no token: token_id is -1 and the event must not be shown as output.
-ABORT_TOKEN_ID = -1
 
 
 class ForwardModel(Protocol):
@@ -121,7 +118,7 @@ class EngineLoop:
         for rid in self._aborts:
             req = self.sched.abort(rid)
             if req is not None:
-                out.append((req, TokenEvent(ABORT_TOKEN_ID, 0.0, FinishReason.ABORT)))
+                out.append((req, AbortEvent()))
             else:
                 self.cache.release(self.cache.allocator.unpin(rid))
         self._aborts.clear()

@@ -17,11 +17,13 @@ from pathlib import Path
 import torch
 
 from xavier_core.engine.api import (
+    AbortEvent,
     EngineStats,
     InvalidRequestError,
     PrefillResult,
     RequestNotFoundError,
     Sampling,
+    StreamEvent,
     TokenEvent,
 )
 from xavier_core.engine.checkpoint import ModelConfig, load_config, load_weights, resolve_dtype
@@ -33,11 +35,13 @@ from xavier_core.engine.model import CausalLM
 from xavier_core.engine.null_model import NullLM
 from xavier_core.engine.page_allocator import PageAllocator
 from xavier_core.engine.prefix_cache import PrefixCache
-from xavier_core.engine.request import Delivery, Request, Role, check_prompt, pages_for, validate_sampling
+from xavier_core.engine.request import Delivery, Request, Role, check_prompt, pages_for
 from xavier_core.engine.scheduler import Scheduler
 from xavier_core.engine.stream import TokenStream
-from xavier_core.engine.tokenizer import TextTokenizer
 from xavier_core.prefix_keys import chain_seed
+from xavier_core.sampling import check_cache_salt
+from xavier_core.text.errors import ModelFilesError
+from xavier_core.text.tokenizer import TextTokenizer
 from xavier_core.transfer.buffers import KvBuffer
 
 log = logging.getLogger(__name__)
@@ -136,7 +140,10 @@ class ReferenceEngine:
             device = f"cuda:{torch.cuda.current_device()}"
         cfg = load_config(path)
         torch_dtype = resolve_dtype(device, dtype)
-        tokenizer = TextTokenizer.load(path)
+        try:
+            tokenizer = TextTokenizer.load(path)
+        except ModelFilesError as exc:
+            raise CheckpointError(str(exc)) from exc
         model: CausalLM | NullLM
         if compute == "null":
             model = NullLM(cfg, device, torch_dtype)
@@ -192,6 +199,11 @@ class ReferenceEngine:
     def head_dim(self) -> int:
         """Size of one attention head."""
         return self.config.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model accepts (the model's, possibly padded, vocabulary)."""
+        return self.config.vocab_size
 
     @property
     def dtype_name(self) -> str:
@@ -259,7 +271,7 @@ class ReferenceEngine:
                 future.set_result(item)
             elif isinstance(item, BaseException):
                 future.set_exception(item)
-            else:
+            else:  # an AbortEvent: a prefill-role request gets no TokenEvent
                 future.set_exception(RequestAbortedError(f"request {request_id} was aborted"))
 
         req.deliver = deliver
@@ -333,8 +345,10 @@ class ReferenceEngine:
     def _new_request(
         self, request_id: str, token_ids: Sequence[int], sampling: Sampling, role: Role, salt: str | None
     ) -> Request:
-        validate_sampling(sampling)
+        sampling.check()
         prompt = check_prompt(token_ids, self.config.vocab_size, self.max_context)
+        if salt is not None:
+            check_cache_salt(salt)
         seed = None if salt is None else chain_seed(self.layout_fingerprint, salt)
         return Request(
             id=request_id,
@@ -351,7 +365,7 @@ class ReferenceEngine:
 
     async def _stream(
         self, req: Request, first: tuple[int, float] | None
-    ) -> AsyncGenerator[TokenEvent, None]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Delivery] = asyncio.Queue()
         req.deliver = queue.put_nowait
@@ -370,7 +384,7 @@ class ReferenceEngine:
                 if isinstance(item, BaseException):
                     done = True
                     raise item
-                if isinstance(item, TokenEvent):
+                if isinstance(item, TokenEvent | AbortEvent):
                     done = item.finish is not None
                     yield item
         finally:

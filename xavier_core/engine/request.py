@@ -9,29 +9,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from xavier_core.engine.api import FinishReason, InvalidRequestError, PrefillResult, Sampling, TokenEvent
-from xavier_core.engine.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+from xavier_core.engine.api import (
+    AbortEvent,
+    FinishReason,
+    InvalidRequestError,
+    PrefillResult,
+    Sampling,
+    TokenEvent,
+)
+from xavier_core.text.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 
 # What the engine loop hands back to the asyncio side for one request.
-Delivery = TokenEvent | PrefillResult | BaseException
+Delivery = TokenEvent | AbortEvent | PrefillResult | BaseException
 
 
 class Role(enum.Enum):
     GENERATE = "generate"  # prompt in, tokens out
     PREFILL = "prefill"  # prompt in, first token out, pages pinned afterwards
     DECODE = "decode"  # prompt KV already in reserved pages, continues from a given first token
-
-
-def validate_sampling(sampling: Sampling) -> None:
-    """Raises InvalidRequestError naming the first bad sampling field."""
-    if sampling.max_tokens < 1:
-        raise InvalidRequestError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
-    if not sampling.temperature >= 0.0:
-        raise InvalidRequestError(f"temperature must be >= 0, got {sampling.temperature}")
-    if not 0.0 < sampling.top_p <= 1.0:
-        raise InvalidRequestError(f"top_p must be in (0, 1], got {sampling.top_p}")
-    if sampling.top_k < 0:
-        raise InvalidRequestError(f"top_k must be >= 0, got {sampling.top_k}")
 
 
 @dataclass(eq=False)

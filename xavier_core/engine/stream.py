@@ -1,6 +1,6 @@
 """The token stream `generate` and `decode_from_pages` return.
 
-`Engine.generate` is declared `async def ... -> AsyncIterator[TokenEvent]` without a `yield`, which type
+`Engine.generate` is declared `async def ... -> AsyncIterator[StreamEvent]` without a `yield`, which type
 checkers read as a coroutine *returning* an iterator, while the natural call is `async for ev in
 engine.generate(...)`. `TokenStream` serves both: it is an async iterator, and awaiting it (or driving it
 as a coroutine) immediately returns the stream itself.
@@ -12,19 +12,19 @@ from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Generator
 from types import TracebackType
 from typing import Any
 
-from xavier_core.engine.api import TokenEvent
+from xavier_core.engine.api import StreamEvent
 
 
-class TokenStream(AsyncIterator[TokenEvent], Coroutine[Any, Any, "TokenStream"]):
-    """An async iterator of `TokenEvent` that is also awaitable (yielding itself)."""
+class TokenStream(AsyncIterator[StreamEvent], Coroutine[Any, Any, "TokenStream"]):
+    """An async iterator of `StreamEvent`s that is also awaitable (yielding itself)."""
 
-    def __init__(self, events: AsyncGenerator[TokenEvent, None]) -> None:
+    def __init__(self, events: AsyncGenerator[StreamEvent, None]) -> None:
         self._events = events
 
     def __aiter__(self) -> TokenStream:
         return self
 
-    async def __anext__(self) -> TokenEvent:
+    async def __anext__(self) -> StreamEvent:
         return await self._events.__anext__()
 
     async def aclose(self) -> None:

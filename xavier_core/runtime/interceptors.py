@@ -15,7 +15,8 @@ cached per method, so steady-state calls allocate no handler objects.
   sending their own). A handler that sets its own trailing metadata replaces it.
 * Metrics: ``xavier_rpc_total{service,method,code}`` and
   ``xavier_rpc_seconds{service,method}`` (whole stream for streaming RPCs).
-* Errors: a :class:`XavierError` becomes its rich status; ``context.abort``
+* Errors: a :class:`XavierError` becomes its rich status, and so do the core's
+  gRPC-free errors (engine, sampling) through :mod:`.domain_errors`; ``context.abort``
   passes through; anything else is logged with its traceback and the client
   gets INTERNAL / reason ``INTERNAL`` with only the request id.
 """
@@ -36,7 +37,8 @@ import grpc
 import structlog
 from prometheus_client import Counter
 
-from .errors import Internal, XavierError, to_rpc_status
+from .domain_errors import as_xavier_error
+from .errors import Internal, to_rpc_status
 from .logging import get_logger
 from .metrics import RpcMetrics, rpc_metrics
 
@@ -98,10 +100,11 @@ class _Call:
 
     async def fail(self, context: Context, exc: BaseException) -> None:
         """Record the outcome of ``exc`` and abort the call accordingly (re-raises)."""
-        if isinstance(exc, XavierError):
-            self.code = exc.code.name
+        err = as_xavier_error(exc)
+        if err is not None:
+            self.code = err.code.name
             trailing = ((REQUEST_ID_KEY, self.request_id),)
-            await context.abort_with_status(to_rpc_status(exc, trailing))
+            await context.abort_with_status(to_rpc_status(err, trailing))
         if isinstance(exc, grpc.aio.AbortError):
             code = context.code()
             self.code = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"

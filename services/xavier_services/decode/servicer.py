@@ -19,7 +19,8 @@ from xavier.v1 import decode_service_pb2_grpc, types_pb2
 from xavier.v1 import directory_service_pb2 as dpb
 
 from xavier_core.directory import TERMINAL_ROOM_STATES
-from xavier_core.engine.api import TokenEvent
+from xavier_core.engine.api import AbortEvent, StreamEvent
+from xavier_core.runtime.durations import to_duration
 from xavier_core.runtime.errors import (
     Aborted,
     FailedPrecondition,
@@ -28,13 +29,13 @@ from xavier_core.runtime.errors import (
     Unavailable,
 )
 from xavier_core.transfer.peers import peer_key
-from xavier_services.peer.convert import check_prompt, check_room_id, finish_to_pb, sampling_from_pb, seconds
+from xavier_services.peer.convert import check_prompt, check_room_id, finish_to_pb, sampling_from_pb
 from xavier_services.peer.host import PeerHost
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
 
 
-def _delta(ev: TokenEvent) -> pb.TokenDelta:
-    if ev.token_id < 0:  # an ABORT event carries no token
+def _delta(ev: StreamEvent) -> pb.TokenDelta:
+    if isinstance(ev, AbortEvent):  # ends an aborted stream; it carries no token
         return pb.TokenDelta()
     return pb.TokenDelta(token_ids=[ev.token_id], logprobs=[ev.logprob], text=ev.text)
 
@@ -150,7 +151,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             await host.abort_room(room_id, "decode failed or was cancelled", no_read=not read_posted)
 
     async def _stream(
-        self, events: AsyncIterator[TokenEvent], prompt_tokens: int, started: float, transfer_s: float
+        self, events: AsyncIterator[StreamEvent], prompt_tokens: int, started: float, transfer_s: float
     ) -> AsyncIterator[pb.DecodeResponse]:
         n = 0
         async for ev in events:
@@ -161,7 +162,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 msg.usage.CopyFrom(types_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=n))
                 msg.timings.CopyFrom(
                     types_pb2.Timings(
-                        transfer=seconds(transfer_s), total=seconds(time.perf_counter() - started)
+                        transfer=to_duration(transfer_s), total=to_duration(time.perf_counter() - started)
                     )
                 )
             yield msg
@@ -195,8 +196,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                     msg.usage.CopyFrom(types_pb2.Usage(prompt_tokens=len(token_ids), completion_tokens=n))
                     msg.timings.CopyFrom(
                         types_pb2.Timings(
-                            time_to_first_token=seconds(first_at),
-                            total=seconds(time.perf_counter() - started),
+                            time_to_first_token=to_duration(first_at),
+                            total=to_duration(time.perf_counter() - started),
                         )
                     )
                 yield msg

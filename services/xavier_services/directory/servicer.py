@@ -20,6 +20,7 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
 from xavier.v1 import types_pb2
 
+from xavier_core.runtime.durations import to_duration, to_seconds
 from xavier_core.runtime.errors import CapacityExhausted, InvalidArgument, Unavailable
 from xavier_services.directory.config import DirectorySettings
 from xavier_services.directory.records import (
@@ -39,15 +40,10 @@ Ctx = Any  # grpc.aio.ServicerContext; typed loosely to keep handler signatures 
 
 
 def _seconds(msg: duration_pb2.Duration) -> float:
-    value = msg.seconds + msg.nanos / 1e9
+    value = to_seconds(msg)
     if value <= 0:
         raise InvalidArgument(f"duration must be positive, got {value}s", field="lease")
     return value
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    whole = int(seconds)
-    return duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
 
 
 K = TypeVar("K")
@@ -150,8 +146,8 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         )
         return dpb.RegisterPeerResponse(
             peer=peer_to_proto(peer, self._offset),
-            lease=_duration(self.settings.peer_lease_seconds),
-            heartbeat_interval=_duration(self.settings.heartbeat_interval_seconds),
+            lease=to_duration(self.settings.peer_lease_seconds),
+            heartbeat_interval=to_duration(self.settings.heartbeat_interval_seconds),
         )
 
     async def Heartbeat(self, req: dpb.HeartbeatRequest, ctx: Ctx) -> dpb.HeartbeatResponse:

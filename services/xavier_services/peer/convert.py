@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
-import numpy as np
-from google.protobuf import duration_pb2
 from xavier.v1 import types_pb2
 
 from xavier_core.engine.api import FinishReason, Sampling
 from xavier_core.runtime.errors import InvalidArgument
 
 MAX_ROOM_ID = (1 << 63) - 1
-MAX_STOP_STRINGS = 16
-MAX_STOP_TOKEN_IDS = 64
 
 _FINISH_TO_PB = {
     None: types_pb2.FINISH_REASON_UNSPECIFIED,
@@ -29,28 +24,20 @@ def finish_to_pb(finish: FinishReason | None) -> types_pb2.FinishReason.ValueTyp
 
 
 def sampling_from_pb(p: types_pb2.SamplingParams, default_max_tokens: int = 16) -> Sampling:
-    """Validates and converts sampling parameters; errors name the field."""
-    if p.temperature < 0 or p.temperature != p.temperature:
-        raise InvalidArgument("sampling.temperature must be >= 0", field="sampling.temperature")
-    if not 0 <= p.top_p <= 1:
-        raise InvalidArgument("sampling.top_p must be in [0, 1]", field="sampling.top_p")
-    if len(p.stop) > MAX_STOP_STRINGS or any(len(s) > 256 or not s for s in p.stop):
-        raise InvalidArgument(
-            f"sampling.stop takes at most {MAX_STOP_STRINGS} non-empty strings of <= 256 chars",
-            field="sampling.stop",
-        )
-    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidArgument("too many sampling.stop_token_ids", field="sampling.stop_token_ids")
-    return Sampling(
+    """Converts sampling parameters (0 max_tokens: the default; 0 top_p: off) and checks them against the
+    shared limits: a `SamplingError` naming the field reaches the client as INVALID_ARGUMENT."""
+    sampling = Sampling(
         max_tokens=p.max_tokens or default_max_tokens,
         temperature=p.temperature,
-        top_p=p.top_p if p.top_p > 0 else 1.0,
+        top_p=p.top_p or 1.0,
         top_k=p.top_k,
         seed=p.seed if p.HasField("seed") else None,
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
     )
+    sampling.check()
+    return sampling
 
 
 def check_room_id(room_id: int) -> None:
@@ -68,14 +55,3 @@ def check_prompt(token_ids: Sequence[int], max_context: int, vocab_size: int) ->
         )
     if max(token_ids) >= vocab_size:
         raise InvalidArgument(f"token id {max(token_ids)} >= vocab size {vocab_size}", field="token_ids")
-
-
-def prompt_fingerprint(token_ids: Sequence[int]) -> bytes:
-    """SHA-256 of the token ids as little-endian uint32 (the room's prompt fingerprint)."""
-    return hashlib.sha256(np.asarray(token_ids, dtype="<u4").tobytes()).digest()
-
-
-def seconds(value: float) -> duration_pb2.Duration:
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(int(value * 1e9))
-    return d

@@ -44,7 +44,7 @@ def _version() -> str:
         return "0+unknown"
 
 
-def load_engine(config: PeerServiceConfig, role: int = types_pb2.ROLE_UNIFIED) -> Any:
+def load_engine(config: PeerServiceConfig, role: int = types_pb2.ROLE_UNIFIED) -> Engine:
     """Loads the reference engine named by the config (blocking; call off the event loop)."""
     from xavier_core.engine.reference import ReferenceEngine
 
@@ -53,7 +53,7 @@ def load_engine(config: PeerServiceConfig, role: int = types_pb2.ROLE_UNIFIED) -
         raise InvalidArgument(
             "engine.model is required (a local Hugging Face checkpoint directory)", key="engine.model"
         )
-    engine = ReferenceEngine.load(
+    engine: Engine = ReferenceEngine.load(
         e.model,
         device=e.device,
         dtype=e.dtype,
@@ -74,11 +74,11 @@ def load_engine(config: PeerServiceConfig, role: int = types_pb2.ROLE_UNIFIED) -
 class PeerHost:
     """Everything a prefill/decode/unified servicer needs besides its own request logic."""
 
-    def __init__(self, config: PeerServiceConfig, role: types_pb2.Role.ValueType, engine: Any) -> None:
+    def __init__(self, config: PeerServiceConfig, role: types_pb2.Role.ValueType, engine: Engine) -> None:
         self.config = config
         self.role = role
-        self.engine: Engine = engine
-        self.vocab_size: int = engine.config.vocab_size
+        self.engine = engine
+        self.vocab_size = engine.vocab_size
         e = config.engine
         assert e.model is not None
         self.layout: KvLayout = layout_from_model_dir(
@@ -113,7 +113,7 @@ class PeerHost:
                 self.engine.page_size,
                 cfg.handoff.poll_interval_seconds,
                 cfg.handoff.transfer_mode,
-                getattr(self.engine, "device_lock", None),
+                self.engine.device_lock,
             )
         self.directory = DirectoryClient(cfg.peer.directory, timeout=cfg.peer.rpc_timeout_seconds)
         req = dpb.RegisterPeerRequest(

@@ -20,6 +20,7 @@ from xavier.v1 import prefill_service_pb2_grpc, types_pb2
 
 from xavier_core.directory import TERMINAL_ROOM_STATES
 from xavier_core.engine.api import PrefillResult
+from xavier_core.runtime.durations import to_duration
 from xavier_core.runtime.errors import Aborted, FailedPrecondition, NotFound
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.convert import (
@@ -27,7 +28,6 @@ from xavier_services.peer.convert import (
     check_room_id,
     finish_to_pb,
     sampling_from_pb,
-    seconds,
 )
 from xavier_services.peer.host import PeerHost
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
@@ -104,7 +104,9 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             first_logprob=res.first_logprob,
             finish_reason=finish_to_pb(res.finish),
             usage=types_pb2.Usage(prompt_tokens=len(token_ids), cached_tokens=res.cached_tokens),
-            timings=types_pb2.Timings(prefill=seconds(prefill_s), time_to_first_token=seconds(prefill_s)),
+            timings=types_pb2.Timings(
+                prefill=to_duration(prefill_s), time_to_first_token=to_duration(prefill_s)
+            ),
             num_pages=len(res.page_ids),
         )
 

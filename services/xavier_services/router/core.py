@@ -14,12 +14,12 @@ from contextlib import aclosing
 from typing import Any
 
 import aiohttp
-from google.protobuf import duration_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 
 from xavier_core.runtime import Unavailable, get_registry
+from xavier_core.runtime.durations import to_duration
 from xavier_services.router.config import RouterConfig
 from xavier_services.router.flows import FlowEnv, Step, colocated_flow, pd_flow
 from xavier_services.router.native import native_flow
@@ -35,12 +35,6 @@ _MODE_NAMES = {
 _BY_NAME = {v: k for k, v in _MODE_NAMES.items()}
 _END = object()
 _ABORTED = object()
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(int(seconds * 1e9))
-    return d
 
 
 class _Metrics:
@@ -211,10 +205,10 @@ class Router:
                     )
             total = time.monotonic() - prep.arrival
             timings = types_pb2.Timings(
-                time_to_first_token=_duration(ttft if ttft is not None else total),
-                prefill=_duration(prefill_s or 0.0),
-                transfer=_duration(transfer_s or 0.0),
-                total=_duration(total),
+                time_to_first_token=to_duration(ttft if ttft is not None else total),
+                prefill=to_duration(prefill_s or 0.0),
+                transfer=to_duration(transfer_s or 0.0),
+                total=to_duration(total),
             )
             yield rpb.GenerateResponse(
                 request_id=rid,

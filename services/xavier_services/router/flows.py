@@ -22,9 +22,10 @@ from xavier.v1 import prefill_service_pb2 as pfpb
 from xavier.v1 import prefill_service_pb2_grpc as pfpb_grpc
 from xavier.v1 import types_pb2
 
-from xavier_core.engine.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 from xavier_core.runtime import XavierError, from_rpc_error, get_logger
-from xavier_services.peer.convert import prompt_fingerprint
+from xavier_core.runtime.durations import to_seconds
+from xavier_core.text.fingerprint import prompt_fingerprint
+from xavier_core.text.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 from xavier_services.router.peers import Pair, PeerPool, affinity_key
 from xavier_services.router.request import Prepared
 
@@ -57,10 +58,6 @@ class FlowEnv:
     affinity_tokens: int = 0  # leading tokens keying prefix affinity in pair selection (0: off)
 
 
-def _seconds(d: Any) -> float:
-    return float(d.seconds) + float(d.nanos) / 1e9
-
-
 def _typed(exc: grpc.aio.AioRpcError, pool: PeerPool) -> XavierError:
     if exc.code() == grpc.StatusCode.UNAVAILABLE:
         pool.invalidate()
@@ -88,7 +85,7 @@ async def colocated_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
                 list(msg.delta.logprobs),
                 msg.finish_reason,
                 cached_tokens=msg.usage.cached_tokens if msg.HasField("usage") else None,
-                prefill_seconds=_seconds(msg.timings.prefill) if msg.HasField("timings") else None,
+                prefill_seconds=to_seconds(msg.timings.prefill) if msg.HasField("timings") else None,
             )
             if msg.finish_reason:
                 return
@@ -188,7 +185,7 @@ async def pd_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
             [pf.first_logprob] if s.logprobs else [],
             pf.finish_reason,
             cached_tokens=pf.usage.cached_tokens,
-            prefill_seconds=_seconds(pf.timings.prefill),
+            prefill_seconds=to_seconds(pf.timings.prefill),
         )
         if pf.finish_reason:
             return  # the finally cancels the decode and aborts the room
@@ -203,7 +200,7 @@ async def pd_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
             decoded += msg.delta.text
             text = decoded[sent:]
             sent = max(sent, len(decoded))
-            transfer = _seconds(msg.timings.transfer) if msg.HasField("timings") else None
+            transfer = to_seconds(msg.timings.transfer) if msg.HasField("timings") else None
             yield Step(ids, text, lps if s.logprobs else [], msg.finish_reason, transfer_seconds=transfer)
             if msg.finish_reason:
                 finished_cleanly = True

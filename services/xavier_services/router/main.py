@@ -17,8 +17,6 @@ import grpc
 from aiohttp import web
 from xavier.v1 import router_service_pb2_grpc as rpb_grpc
 
-from xavier_core.engine.errors import CheckpointError
-from xavier_core.engine.tokenizer import TextTokenizer
 from xavier_core.runtime import (
     ConfigError,
     ServerHandle,
@@ -29,6 +27,8 @@ from xavier_core.runtime import (
     run_service,
     serve,
 )
+from xavier_core.text.errors import ModelFilesError
+from xavier_core.text.tokenizer import TextTokenizer
 from xavier_services.router.config import RouterConfig
 from xavier_services.router.core import Router
 from xavier_services.router.openai_http import OpenAiFront
@@ -70,9 +70,9 @@ def load(argv: Sequence[str] | None = None) -> RouterConfig:
 
 
 def load_model(config: RouterConfig) -> tuple[PromptEncoder, ModelInfo]:
-    """Loads the tokenizer and the model facts (raises CheckpointError)."""
+    """Loads the tokenizer and the model facts (raises ModelFilesError)."""
     if config.model is None:
-        raise CheckpointError("no model directory configured")
+        raise ModelFilesError("no model directory configured")
     info = load_model_info(config.model, config.model_name, config.max_context)
     tokenizer = TextTokenizer.load(config.model)
     return PromptEncoder(tokenizer, PromptCache(config.prompt_cache_size, info.tokenizer_fingerprint)), info
@@ -81,7 +81,7 @@ def load_model(config: RouterConfig) -> tuple[PromptEncoder, ModelInfo]:
 async def run(config: RouterConfig) -> int:
     try:
         encoder, info = await asyncio.to_thread(load_model, config)
-    except CheckpointError as exc:
+    except ModelFilesError as exc:
         exit_on_config_error(ConfigError([("model", str(exc), "flag --model")]))
     router = Router(config, encoder, info)
     runner: web.AppRunner | None = None

@@ -13,6 +13,8 @@ from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 
 from xavier_core.runtime import InvalidArgument
+from xavier_core.runtime.domain_errors import sampling_status
+from xavier_core.sampling import SamplingError, check_sampling
 
 FINISH_NAMES = {
     types_pb2.FINISH_REASON_STOP: "stop",
@@ -33,12 +35,12 @@ def sse(payload: Mapping[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def _number(body: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+def _number(body: Mapping[str, Any], key: str, default: float) -> float:
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-        raise InvalidArgument(f"{key} must be a number in [{lo}, {hi}]", reason="INVALID_SAMPLING", param=key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgument(f"{key} must be a number", reason="INVALID_SAMPLING", param=key)
     return float(value)
 
 
@@ -58,11 +60,24 @@ def _max_tokens(body: Mapping[str, Any], default: int) -> int:
     value = body.get("max_completion_tokens", body.get("max_tokens"))
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgument(
             "max_tokens must be a positive integer", reason="INVALID_MAX_TOKENS", param="max_tokens"
         )
     return value
+
+
+def _check_limits(
+    max_tokens: int, temperature: float, top_p: float, seed: int | None, stop: list[str]
+) -> None:
+    """The shared sampling limits, checked before the values enter a SamplingParams (a seed out of the
+    uint64 range could not); `param` names the field as OpenAI's error shape expects."""
+    try:
+        check_sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+    except SamplingError as err:
+        status = sampling_status(err)
+        status.metadata["param"] = err.field
+        raise status from None
 
 
 @dataclass
@@ -130,19 +145,22 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
             )
     lp = body.get("logprobs")
     logprobs = bool(lp) if chat else lp is not None and lp is not False
-    s = req.sampling
-    s.max_tokens = _max_tokens(body, default_max_tokens)
-    s.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    s.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    s.logprobs = logprobs
+    max_tokens = _max_tokens(body, default_max_tokens)
+    temperature = _number(body, "temperature", 1.0)
+    top_p = _number(body, "top_p", 1.0)
     seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise InvalidArgument("seed must be a non-negative integer", reason="INVALID_SAMPLING", param="seed")
+    stops = _stops(body.get("stop"))
+    _check_limits(max_tokens, temperature, top_p, seed, stops)
+    s = req.sampling
+    s.max_tokens = max_tokens
+    s.temperature = temperature
+    s.top_p = top_p
+    s.logprobs = logprobs
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-            raise InvalidArgument(
-                "seed must be a non-negative integer", reason="INVALID_SAMPLING", param="seed"
-            )
         s.seed = seed
-    s.stop.extend(_stops(body.get("stop")))
+    s.stop.extend(stops)
     s.ignore_eos = bool(body.get("ignore_eos", False))  # the vLLM / SGLang extension
     mode = body.get("xavier_mode")
     if mode is not None:

@@ -13,9 +13,9 @@ from typing import Any
 import jinja2
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from xavier_core.engine.errors import CheckpointError
-from xavier_core.engine.tokenizer import TextTokenizer
 from xavier_core.runtime import InvalidArgument, get_registry
+from xavier_core.text.errors import ModelFilesError
+from xavier_core.text.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,10 @@ def load_model_info(model_dir: Path, name: str = "", max_context: int | None = N
     try:
         cfg: dict[str, Any] = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {cfg_path}: {exc}") from exc
+        raise ModelFilesError(f"cannot read {cfg_path}: {exc}") from exc
     limit = max_context or int(cfg.get("max_position_embeddings") or 0)
     if limit < 2:
-        raise CheckpointError(f"{cfg_path}: max_position_embeddings missing; set max_context")
+        raise ModelFilesError(f"{cfg_path}: max_position_embeddings missing; set max_context")
     digest = _file_digest([model_dir / "tokenizer.json", model_dir / "tokenizer_config.json"])
     return ModelInfo(
         name=name or model_dir.resolve().name,
@@ -134,7 +134,7 @@ class PromptEncoder:
                 )
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except CheckpointError as exc:
+        except ModelFilesError as exc:
             raise InvalidArgument(str(exc), reason="NO_CHAT_TEMPLATE") from None
         except jinja2.TemplateError as exc:
             raise InvalidArgument(f"chat template failed: {exc}", reason="CHAT_TEMPLATE_ERROR") from None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -11,11 +10,9 @@ from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 
 from xavier_core.runtime import InvalidArgument
+from xavier_core.runtime.domain_errors import sampling_status
+from xavier_core.sampling import SamplingError, check_cache_salt, check_sampling
 from xavier_services.router.prompts import ModelInfo, PromptEncoder
-
-_MAX_STOPS = 16
-_MAX_STOP_LEN = 256
-_MAX_STOP_IDS = 64
 
 
 @dataclass
@@ -30,9 +27,25 @@ class Prepared:
     arrival: float = field(default_factory=time.monotonic)
 
 
+def check_sampling_pb(s: types_pb2.SamplingParams) -> None:
+    """The shared sampling limits over a SamplingParams as the wire reads it (top_p 0: off); raises
+    INVALID_ARGUMENT naming the field (`field` metadata)."""
+    try:
+        check_sampling(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p or 1.0,
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+            stop=s.stop,
+            stop_token_ids=s.stop_token_ids,
+        )
+    except SamplingError as err:
+        raise sampling_status(err) from None
+
+
 def _check_sampling(s: types_pb2.SamplingParams, prompt_len: int, model: ModelInfo) -> None:
-    if s.max_tokens <= 0:
-        raise InvalidArgument("max_tokens must be at least 1", reason="INVALID_MAX_TOKENS", max_tokens=0)
+    check_sampling_pb(s)
     if prompt_len + s.max_tokens > model.max_context:
         raise InvalidArgument(
             f"prompt ({prompt_len} tokens) + max_tokens ({s.max_tokens}) exceeds the context limit "
@@ -42,17 +55,6 @@ def _check_sampling(s: types_pb2.SamplingParams, prompt_len: int, model: ModelIn
             prompt_tokens=prompt_len,
             max_context=model.max_context,
         )
-    if not math.isfinite(s.temperature) or s.temperature < 0 or s.temperature > 100:
-        raise InvalidArgument(f"temperature {s.temperature} must be in [0, 100]", reason="INVALID_SAMPLING")
-    if not math.isfinite(s.top_p) or s.top_p < 0 or s.top_p > 1:
-        raise InvalidArgument(f"top_p {s.top_p} must be in [0, 1]", reason="INVALID_SAMPLING")
-    if len(s.stop) > _MAX_STOPS or any(not x or len(x) > _MAX_STOP_LEN for x in s.stop):
-        raise InvalidArgument(
-            f"at most {_MAX_STOPS} non-empty stop strings of at most {_MAX_STOP_LEN} characters",
-            reason="INVALID_SAMPLING",
-        )
-    if len(s.stop_token_ids) > _MAX_STOP_IDS:
-        raise InvalidArgument(f"at most {_MAX_STOP_IDS} stop token ids", reason="INVALID_SAMPLING")
 
 
 def tokenize(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) -> tuple[int, ...]:
@@ -97,6 +99,10 @@ def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) 
             max_context=model.max_context,
         )
     _check_sampling(req.sampling, len(ids), model)
+    try:
+        check_cache_salt(req.cache_salt)
+    except SamplingError as err:
+        raise sampling_status(err) from None
     return Prepared(
         request_id=req.request_id or uuid.uuid4().hex,
         token_ids=ids,

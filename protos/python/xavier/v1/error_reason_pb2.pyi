@@ -157,6 +157,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The engine's KV pool cannot hold the request even after eviction; status RESOURCE_EXHAUSTED."""
     ERROR_REASON_REQUEST_NOT_FOUND: _ErrorReason.ValueType  # 36
     """The engine has no live request (or no reserved pages) with the given id; status NOT_FOUND."""
+    ERROR_REASON_CHECKPOINT_ERROR: _ErrorReason.ValueType  # 60
+    """The engine could not load its checkpoint or tokenizer files; status INTERNAL."""
     ERROR_REASON_NO_PEERS: _ErrorReason.ValueType  # 37
     """Router: routing.
 
@@ -202,15 +204,18 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     "prompt_tokens" and "max_context".
     """
     ERROR_REASON_INVALID_MAX_TOKENS: _ErrorReason.ValueType  # 50
-    """max_tokens is not a positive integer; status INVALID_ARGUMENT."""
+    """max_tokens is not an integer in [1, 2^20]; status INVALID_ARGUMENT, metadata "field"."""
     ERROR_REASON_MAX_TOKENS_TOO_LARGE: _ErrorReason.ValueType  # 51
     """The prompt plus max_tokens exceeds the model's context; status INVALID_ARGUMENT, metadata
     "max_tokens", "prompt_tokens" and "max_context".
     """
     ERROR_REASON_INVALID_SAMPLING: _ErrorReason.ValueType  # 52
-    """A sampling value is out of range (temperature in [0, 100], top_p in [0, 1], top_k, seed, stop
-    strings and stop token ids within their limits); status INVALID_ARGUMENT, metadata "param".
+    """A sampling value is out of range (the limits are in xavier_core/sampling.py: temperature in [0, 2],
+    top_p in (0, 1], top_k <= 10,000, seed, stop strings and stop token ids within their counts);
+    status INVALID_ARGUMENT, metadata "field" (and "param" over HTTP).
     """
+    ERROR_REASON_INVALID_CACHE_SALT: _ErrorReason.ValueType  # 61
+    """cache_salt is longer than 256 characters; status INVALID_ARGUMENT, metadata "field"."""
     ERROR_REASON_NO_CHAT_TEMPLATE: _ErrorReason.ValueType  # 53
     """The model has no chat template, so a chat prompt cannot be rendered; status INVALID_ARGUMENT."""
     ERROR_REASON_CHAT_TEMPLATE_ERROR: _ErrorReason.ValueType  # 54
@@ -371,6 +376,8 @@ ERROR_REASON_OUT_OF_PAGES: ErrorReason.ValueType  # 35
 """The engine's KV pool cannot hold the request even after eviction; status RESOURCE_EXHAUSTED."""
 ERROR_REASON_REQUEST_NOT_FOUND: ErrorReason.ValueType  # 36
 """The engine has no live request (or no reserved pages) with the given id; status NOT_FOUND."""
+ERROR_REASON_CHECKPOINT_ERROR: ErrorReason.ValueType  # 60
+"""The engine could not load its checkpoint or tokenizer files; status INTERNAL."""
 ERROR_REASON_NO_PEERS: ErrorReason.ValueType  # 37
 """Router: routing.
 
@@ -416,15 +423,18 @@ ERROR_REASON_PROMPT_TOO_LONG: ErrorReason.ValueType  # 49
 "prompt_tokens" and "max_context".
 """
 ERROR_REASON_INVALID_MAX_TOKENS: ErrorReason.ValueType  # 50
-"""max_tokens is not a positive integer; status INVALID_ARGUMENT."""
+"""max_tokens is not an integer in [1, 2^20]; status INVALID_ARGUMENT, metadata "field"."""
 ERROR_REASON_MAX_TOKENS_TOO_LARGE: ErrorReason.ValueType  # 51
 """The prompt plus max_tokens exceeds the model's context; status INVALID_ARGUMENT, metadata
 "max_tokens", "prompt_tokens" and "max_context".
 """
 ERROR_REASON_INVALID_SAMPLING: ErrorReason.ValueType  # 52
-"""A sampling value is out of range (temperature in [0, 100], top_p in [0, 1], top_k, seed, stop
-strings and stop token ids within their limits); status INVALID_ARGUMENT, metadata "param".
+"""A sampling value is out of range (the limits are in xavier_core/sampling.py: temperature in [0, 2],
+top_p in (0, 1], top_k <= 10,000, seed, stop strings and stop token ids within their counts);
+status INVALID_ARGUMENT, metadata "field" (and "param" over HTTP).
 """
+ERROR_REASON_INVALID_CACHE_SALT: ErrorReason.ValueType  # 61
+"""cache_salt is longer than 256 characters; status INVALID_ARGUMENT, metadata "field"."""
 ERROR_REASON_NO_CHAT_TEMPLATE: ErrorReason.ValueType  # 53
 """The model has no chat template, so a chat prompt cannot be rendered; status INVALID_ARGUMENT."""
 ERROR_REASON_CHAT_TEMPLATE_ERROR: ErrorReason.ValueType  # 54

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from xavier_core.cli.supervisor import Child, Supervisor
+from xavier_cli.supervisor import Child, Supervisor
 
 DEFAULT_GRPC = "127.0.0.1:50051"
 DEFAULT_HTTP = "127.0.0.1:8000"

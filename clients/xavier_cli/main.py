@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 
 def _parser() -> argparse.ArgumentParser:
-    from xavier_core.cli.commands import add_client_args, add_generate_args
-    from xavier_core.cli.up import add_up_args
+    from xavier_cli.commands import add_client_args, add_generate_args
+    from xavier_cli.up import add_up_args
 
     p = argparse.ArgumentParser(prog="xavier", description="Xavier LLM serving mesh")
     sub = p.add_subparsers(dest="command", required=True)
@@ -37,14 +37,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return make_tiny_main(argv[2:])
     args = _parser().parse_args(argv)
     if args.command == "up":
-        from xavier_core.cli.up import run_up
+        from xavier_cli.up import run_up
 
         return run_up(args)
     if args.command == "generate":
-        from xavier_core.cli.commands import run_generate
+        from xavier_cli.commands import run_generate
 
         return run_generate(args)
-    from xavier_core.cli.commands import run_status
+    from xavier_cli.commands import run_status
 
     return run_status(args)
 

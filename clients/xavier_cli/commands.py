@@ -10,7 +10,7 @@ from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 from xavier_client import Client, Prompt, XavierError, mode_name
 
-from xavier_core.cli.up import DEFAULT_GRPC
+from xavier_cli.up import DEFAULT_GRPC
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from xavier_core.engine.errors import CheckpointError
+from xavier_core.text.errors import ModelFilesError
 
 
 def _token_text(value: Any) -> str | None:
@@ -44,25 +44,25 @@ class TextTokenizer:
             try:
                 self._template = env.from_string(chat_template)
             except jinja2.TemplateError as exc:
-                raise CheckpointError(f"chat template does not compile: {exc}") from exc
+                raise ModelFilesError(f"chat template does not compile: {exc}") from exc
 
     @classmethod
     def load(cls, model_dir: Path) -> TextTokenizer:
         """Loads tokenizer.json, tokenizer_config.json and an optional chat_template.jinja."""
         tok_path = model_dir / "tokenizer.json"
         if not tok_path.is_file():
-            raise CheckpointError(f"missing file {tok_path}")
+            raise ModelFilesError(f"missing file {tok_path}")
         try:
             tokenizer = Tokenizer.from_file(str(tok_path))
         except Exception as exc:  # the Rust side raises a bare Exception on malformed files
-            raise CheckpointError(f"cannot parse {tok_path}: {exc}") from exc
+            raise ModelFilesError(f"cannot parse {tok_path}: {exc}") from exc
         config: dict[str, Any] = {}
         cfg_path = model_dir / "tokenizer_config.json"
         if cfg_path.is_file():
             try:
                 config = json.loads(cfg_path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise CheckpointError(f"cannot parse {cfg_path}: {exc}") from exc
+                raise ModelFilesError(f"cannot parse {cfg_path}: {exc}") from exc
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: pick "default"
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -99,7 +99,7 @@ class TextTokenizer:
     ) -> str:
         """Renders `messages` with the checkpoint's chat template."""
         if self._template is None:
-            raise CheckpointError("the checkpoint has no chat template")
+            raise ModelFilesError("the checkpoint has no chat template")
         return self._template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,

@@ -1,0 +1,82 @@
+"""The one set of sampling limits, checked the same way by the HTTP front, the router's and the peers'
+gRPC servicers and the engine.
+
+`check_sampling` takes plain values so every front reads its own wire shape (OpenAI JSON, `SamplingParams`,
+the engine's `Sampling`) and then applies the same rules. A violation raises `SamplingError` naming the
+field; it is a plain exception (the engine imports this module and knows no gRPC) that the runtime maps to
+INVALID_ARGUMENT with the error's `reason` and `field` (`xavier_core.runtime.domain_errors`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+MAX_TEMPERATURE = 2.0  # OpenAI's range; 0 is greedy
+# A top-k cut above a few thousand candidates samples the same tokens as no cut; 0 turns it off.
+MAX_TOP_K = 10_000
+MAX_TOKENS = 1 << 20  # an upper bound on any context; the router also checks prompt + max_tokens <= context
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_SEED = (1 << 64) - 1  # SamplingParams.seed is a uint64
+MAX_CACHE_SALT_CHARS = 256
+
+INVALID_SAMPLING = "INVALID_SAMPLING"
+INVALID_MAX_TOKENS = "INVALID_MAX_TOKENS"
+INVALID_CACHE_SALT = "INVALID_CACHE_SALT"
+
+
+class SamplingError(ValueError):
+    """A sampling value is out of range; `field` names it (e.g. "top_p") and `reason` is its ErrorInfo
+    reason (INVALID_MAX_TOKENS for max_tokens, INVALID_CACHE_SALT for the salt, else INVALID_SAMPLING)."""
+
+    def __init__(self, message: str, field: str, reason: str = INVALID_SAMPLING) -> None:
+        super().__init__(message)
+        self.field = field
+        self.reason = reason
+
+
+def check_sampling(
+    *,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+) -> None:
+    """Raises `SamplingError` for the first value outside the limits above."""
+    if not 1 <= max_tokens <= MAX_TOKENS:
+        raise SamplingError(
+            f"max_tokens must be in [1, {MAX_TOKENS}], got {max_tokens}", "max_tokens", INVALID_MAX_TOKENS
+        )
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
+        raise SamplingError(
+            f"temperature must be in [0, {MAX_TEMPERATURE}], got {temperature}", "temperature"
+        )
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise SamplingError(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    if not 0 <= top_k <= MAX_TOP_K:
+        raise SamplingError(f"top_k must be in [0, {MAX_TOP_K}] (0: off), got {top_k}", "top_k")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise SamplingError(f"seed must be in [0, 2^64), got {seed}", "seed")
+    if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stop):
+        raise SamplingError(
+            f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
+            f"{MAX_STOP_STRING_CHARS} characters",
+            "stop",
+        )
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in stop_token_ids):
+        raise SamplingError(
+            f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} non-negative ids", "stop_token_ids"
+        )
+
+
+def check_cache_salt(salt: str) -> None:
+    """Raises `SamplingError` when the prefix-cache salt is longer than `MAX_CACHE_SALT_CHARS`."""
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise SamplingError(
+            f"cache_salt is longer than {MAX_CACHE_SALT_CHARS} characters", "cache_salt", INVALID_CACHE_SALT
+        )
