@@ -208,13 +208,16 @@ class KvPort:
     # -- prefill side ---------------------------------------------------------------------------------------
 
     async def publish(
-        self, room_id: int, page_ids: Sequence[int], aux: bytes, fingerprint: str, host_id: str
+        self, room_id: int, page_ids: Sequence[int], fingerprint: str
     ) -> directory_service_pb2.SourceDescriptor:
-        """Registers a room's source pages; the returned descriptor goes into PublishSource."""
+        """Registers a room's source pages; the returned descriptor goes into PublishSource.
+
+        The descriptor leaves out this peer's endpoint: readers have it from the directory, once per epoch.
+        """
 
         def _send() -> tuple[KvSender, SourceInfo]:
             sender = KvSender(self.manager, str(room_id))
-            sender.init(len(page_ids), aux)
+            sender.init(len(page_ids), b"")
             info = sender.send(list(page_ids))
             self._senders[room_id] = sender
             return sender, info
@@ -222,11 +225,9 @@ class KvPort:
         sender, info = await self._run(_send)
         self._published[room_id] = _Published(sender)
         return directory_service_pb2.SourceDescriptor(
-            endpoint=self.endpoint(host_id),
             page_runs=[types_pb2.PageRun(first_page=r.first, count=r.count) for r in info.runs],
             num_pages=len(page_ids),
             contract_fingerprint=fingerprint,
-            aux=aux,
             read_token=info.token,
         )
 
@@ -272,12 +273,13 @@ class KvPort:
         self,
         room_id: int,
         source: directory_service_pb2.SourceDescriptor,
+        ep: types_pb2.TransferEndpoint,
         peer_key: str,
         dest_pages: Sequence[int],
         timeout: float,
         park_timeout: float,
     ) -> tuple[int, float]:
-        """Reads the source pages into `dest_pages`; returns (bytes, seconds).
+        """Reads the source pages (at endpoint `ep`) into `dest_pages`; returns (bytes, seconds).
 
         If cancelled or timed out while the read is in flight, this waits (bounded by `timeout`) until the
         NIXL handle is no longer in progress before returning, so the caller may free the pages (I1).
@@ -287,7 +289,6 @@ class KvPort:
                 f"source has {source.num_pages} pages, decode reserved {len(dest_pages)}",
                 reason="PAGE_COUNT_MISMATCH",
             )
-        ep = source.endpoint
         if len(ep.regions) != len(self._buffers):
             raise LayoutMismatch(
                 f"source has {len(ep.regions)} KV buffers, decode has {len(self._buffers)}",
@@ -300,7 +301,7 @@ class KvPort:
                     "metadata": ep.agent_metadata,
                     "regions": [(r.base_address, r.length, r.bytes_per_page, r.device) for r in ep.regions],
                     "runs": [(r.first_page, r.count) for r in source.page_runs],
-                    "aux": source.aux,
+                    "aux": b"",
                     "token": source.read_token,
                 }
             )
@@ -336,7 +337,7 @@ class KvPort:
         except BaseException:
             await asyncio.shield(self._run(_forget))
             if not posted:
-                await asyncio.shield(self.decline(room_id, source, peer_key))
+                await asyncio.shield(self.decline(room_id, source.read_token, ep, peer_key))
             await asyncio.shield(self._quiesce(receiver, park_timeout))
             raise
         elapsed = time.perf_counter() - started
@@ -348,15 +349,15 @@ class KvPort:
         return nbytes, elapsed
 
     async def decline(
-        self, room_id: int, source: directory_service_pb2.SourceDescriptor, peer_key: str
+        self, room_id: int, read_token: str, ep: types_pb2.TransferEndpoint, peer_key: str
     ) -> None:
         """Tells a room's source that no read will come (the room began, the read never started), so
         the prefill unpins at once instead of parking its pages until the park timeout."""
 
         def _send() -> None:
             try:
-                self.agent.add_peer(peer_key, source.endpoint.agent_metadata)
-                self.agent.send_notif(peer_key, fail_notif(str(room_id), source.read_token))
+                self.agent.add_peer(peer_key, ep.agent_metadata)
+                self.agent.send_notif(peer_key, fail_notif(str(room_id), read_token))
             except TransferError as err:
                 log.info("decline not delivered", room_id=room_id, error=str(err))
 
