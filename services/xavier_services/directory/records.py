@@ -109,7 +109,7 @@ def room_to_proto(
         decode_peer_id=room.decode_peer_id,
         decode_epoch=room.decode_epoch,
         lease_expires_at=timestamp(room.expires_at + wall_offset),
-        end_cause=room.end_cause,  # type: ignore[arg-type]
+        end_cause=room.end_cause,
         end_detail=room.end_detail,
         read_declined=room.read_declined,
     )
