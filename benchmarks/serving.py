@@ -8,8 +8,8 @@ then for each concurrency level and mode streams fixed-seed prompts through the 
 * output tok/s: generated tokens / wall time of the level.
 * control-plane overhead (P/D), on a second mesh whose engines run with `--compute null` (the real
   scheduler, paging, KV pool and NIXL transfer, with a zero-compute model): TTFT of a two-token request,
-  i.e. tokenization, peer selection, OpenRoom, the Prefill RPC and the streaming hops; and the whole
-  lifecycle (publish, BeginTransfer, NIXL read, CompleteRoom, the second token). Beside it a bare
+  i.e. tokenization, peer selection, the Prefill RPC and the streaming hops; and the whole
+  lifecycle (publish, Decode, BeginTransfer, NIXL read, CompleteRoom, the second token). Beside it a bare
   grpc.aio unary round trip (health Check on the directory process) at the same concurrency. Two tokens,
   not one, so every request runs the whole P/D lifecycle as real traffic does: a one-token request ends
   at the prefill and takes the abort path instead. The model mesh is stopped first: both never share

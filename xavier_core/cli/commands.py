@@ -92,7 +92,7 @@ def format_status(st: rpb.GetClusterStatusResponse) -> str:
     d = st.directory
     lines.append(
         f"rooms: {d.rooms_active} active, {d.rooms_opened} opened, {d.rooms_completed} completed, "
-        f"{d.rooms_released} released, {d.rooms_aborted} aborted, {d.rooms_expired} expired"
+        f"{d.rooms_aborted} aborted, {d.rooms_expired} expired"
     )
     return "\n".join(lines)
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
-import numpy as np
 from google.protobuf import duration_pb2
 from xavier.v1 import types_pb2
 
@@ -68,11 +66,6 @@ def check_prompt(token_ids: Sequence[int], max_context: int, vocab_size: int) ->
         )
     if max(token_ids) >= vocab_size:
         raise InvalidArgument(f"token id {max(token_ids)} >= vocab size {vocab_size}", field="token_ids")
-
-
-def prompt_fingerprint(token_ids: Sequence[int]) -> bytes:
-    """SHA-256 of the token ids as little-endian uint32 (the room's prompt fingerprint)."""
-    return hashlib.sha256(np.asarray(token_ids, dtype="<u4").tobytes()).digest()
 
 
 def seconds(value: float) -> duration_pb2.Duration:
