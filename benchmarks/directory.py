@@ -98,51 +98,32 @@ async def lifecycle_worker(
         page_runs=[types_pb2.PageRun(first_page=rng.randrange(1000), count=8)],
         num_pages=8,
         num_tokens=128,
-        first_token=1,
+    )
+    pair = dict(
+        prefill_peer_id=p.peer_id, prefill_epoch=p.epoch, decode_peer_id=d.peer_id, decode_epoch=d.epoch
     )
     while clock() < stop_at:
-        t = clock()
-        open_req = dpb.OpenRoomRequest(
-            request_id=f"o{rng.getrandbits(64)}",
-            prefill_peer_id=p.peer_id,
-            prefill_epoch=p.epoch,
-            decode_peer_id=d.peer_id,
-            decode_epoch=d.epoch,
-            num_tokens=128,
+        # A P/D request as the services make it: the decode opens the room and waits in BeginTransfer,
+        # the prefill publishes into it, the decode completes it.
+        rid = rng.getrandbits(63) or 1
+        begin = stub.BeginTransfer(
+            dpb.BeginTransferRequest(request_id=f"b{rid}", room_id=rid, wait_for_source=True, **pair),
+            timeout=10,
         )
-        room = (await stub.OpenRoom(open_req, timeout=5)).room
-        lat["OpenRoom"].append(clock() - t)
-        rid = room.room_id
         t = clock()
-        watch = stub.WatchRoom(dpb.WatchRoomRequest(room_id=rid), timeout=10)
-        it = watch.__aiter__()
-        first = await it.__anext__()
-        lat["WatchRoom.first"].append(clock() - t)
-        assert first.room.state == dpb.ROOM_STATE_OPEN
-        t = clock()
-        pub = dpb.PublishSourceRequest(
-            request_id=f"p{rid}", room_id=rid, peer_id=p.peer_id, epoch=p.epoch, source=src
-        )
+        pub = dpb.PublishSourceRequest(request_id=f"p{rid}", room_id=rid, source=src, **pair)
         await stub.PublishSource(pub, timeout=5)
         lat["PublishSource"].append(clock() - t)
-        ready = await it.__anext__()
-        lat["WatchRoom.publish_to_ready"].append(clock() - t)
-        assert ready.room.state == dpb.ROOM_STATE_SOURCE_READY
+        began = await begin
+        lat["BeginTransfer.wait"].append(clock() - t)
+        assert began.room.state == dpb.ROOM_STATE_TRANSFERRING
         t = clock()
         done_req = dpb.CompleteRoomRequest(
             request_id=f"c{rid}", room_id=rid, peer_id=d.peer_id, epoch=d.epoch
         )
-        await stub.CompleteRoom(done_req, timeout=5)
+        completed = await stub.CompleteRoom(done_req, timeout=5)
         lat["CompleteRoom"].append(clock() - t)
-        for role, peer in ((types_pb2.ROLE_PREFILL, p), (types_pb2.ROLE_DECODE, d)):
-            t = clock()
-            rel = dpb.ReleaseRoomRequest(
-                request_id=f"r{role}{rid}", room_id=rid, role=role, peer_id=peer.peer_id, epoch=peer.epoch
-            )
-            await stub.ReleaseRoom(rel, timeout=5)
-            lat["ReleaseRoom"].append(clock() - t)
-        states = [m.room.state async for m in watch]
-        assert states[-1] == dpb.ROOM_STATE_RELEASED, states
+        assert completed.room.state == dpb.ROOM_STATE_COMPLETED
         done += 1
     return done
 
@@ -187,7 +168,7 @@ async def run(address: str, seconds: float, clients: list[int]) -> dict[str, Any
                 )
             )
             elapsed = time.perf_counter() - start
-            unary = [v for k, vs in lats.items() if not k.startswith("WatchRoom") for v in vs]
+            unary = [v for k, vs in lats.items() if not k.endswith(".wait") for v in vs]
             out["lifecycles"][str(n)] = {
                 "lifecycles_per_s": round(sum(done) / elapsed, 1),
                 "unary_rpc_per_s": round(len(unary) / elapsed, 1),
@@ -197,7 +178,7 @@ async def run(address: str, seconds: float, clients: list[int]) -> dict[str, Any
             }
         stats = await stub.GetDirectoryStats(dpb.GetDirectoryStatsRequest(), timeout=5)
         out["rooms_active_after"] = stats.rooms_active
-        out["rooms_released"] = stats.rooms_released
+        out["rooms_completed"] = stats.rooms_completed
     return out
 
 

@@ -8,8 +8,8 @@ then for each concurrency level and mode streams fixed-seed prompts through the 
 * output tok/s: generated tokens / wall time of the level.
 * control-plane overhead (P/D), on a second mesh whose engines run with `--compute null` (the real
   scheduler, paging, KV pool and NIXL transfer, with a zero-compute model): TTFT of a two-token request,
-  i.e. tokenization, peer selection, OpenRoom, the Prefill RPC and the streaming hops; and the whole
-  lifecycle (publish, BeginTransfer, NIXL read, CompleteRoom, the second token). Beside it a bare
+  i.e. tokenization, peer selection, the Prefill RPC and the streaming hops; and the whole
+  lifecycle (publish, Decode, BeginTransfer, NIXL read, CompleteRoom, the second token). Beside it a bare
   grpc.aio unary round trip (health Check on the directory process) at the same concurrency, and the CPU
   of one bare round trip, client and server together (a server process that serves only health, so the
   CPU ratio says how many bare RPCs' worth of work one P/D request costs all processes). Two tokens,

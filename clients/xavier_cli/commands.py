@@ -92,7 +92,7 @@ def format_status(st: rpb.GetClusterStatusResponse) -> str:
     r = st.rooms
     lines.append(
         f"rooms: {r.active} active, {r.opened} opened, {r.completed} completed, "
-        f"{r.released} released, {r.aborted} aborted, {r.expired} expired"
+        f"{r.aborted} aborted, {r.expired} expired"
         if st.HasField("rooms")
         else "rooms: unknown (directory unreachable)"
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 from xavier_services.directory.config import DirectorySettings
@@ -26,9 +25,8 @@ class FakeClock:
 
 
 def make_state(clock: FakeClock, **settings: Any) -> tuple[DirectoryState, list[tuple[int, int]]]:
-    """A state on ``clock`` with sequential room ids; the list collects (room_id, new state) changes."""
+    """A state on ``clock``; the list collects (room_id, new state) changes."""
     changes: list[tuple[int, int]] = []
-    ids = itertools.count(1)
 
     def listener(room: RoomRecord) -> None:
         changes.append((room.room_id, room.state))
@@ -37,7 +35,6 @@ def make_state(clock: FakeClock, **settings: Any) -> tuple[DirectoryState, list[
         DirectorySettings(**settings),
         clock=clock,
         wall=lambda: clock() + WALL_BASE,
-        room_ids=lambda: next(ids),
         listener=listener,
     )
     return state, changes

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
 from xavier_core.directory import DirectoryClient, Registration
+from xavier_core.runtime.errors import NotFound
 
 
 def layout(**changes: object) -> types_pb2.KvLayout:
@@ -52,20 +56,23 @@ def source(num_pages: int = 3) -> dpb.SourceDescriptor:
         page_runs=[types_pb2.PageRun(first_page=10, count=num_pages)],
         num_pages=num_pages,
         num_tokens=num_pages * 4,
-        first_token=7,
     )
 
 
-async def lifecycle(client: DirectoryClient, prefill: Registration, decode: Registration) -> list[int]:
-    """open → watch → publish → complete → release both; returns the states the watcher saw."""
-    room = await client.open_room(prefill.peer_id, prefill.epoch, decode.peer_id, decode.epoch, num_tokens=12)
-    watch = client.watch_room(room.room_id, timeout=30)
-    seen = [(await anext(watch)).state]
-    await client.publish_source(room.room_id, prefill.peer_id, prefill.epoch, source())
-    ready = await anext(watch)
-    seen.append(ready.state)
-    await client.complete_room(room.room_id, decode.peer_id, decode.epoch)
-    await client.release_room(room.room_id, types_pb2.ROLE_PREFILL, prefill.peer_id, prefill.epoch)
-    await client.release_room(room.room_id, types_pb2.ROLE_DECODE, decode.peer_id, decode.epoch)
-    seen.extend([r.state async for r in watch])
+async def lifecycle(
+    client: DirectoryClient, prefill: Registration, decode: Registration, room_id: int
+) -> list[int]:
+    """decode opens and waits → prefill publishes → decode begins → completes; returns the states seen."""
+    p, d = (prefill.peer_id, prefill.epoch), (decode.peer_id, decode.epoch)
+    begin = asyncio.ensure_future(client.begin_transfer(room_id, p, d, wait_for_source=10))
+    while True:  # the decode's BeginTransfer opens the room, then waits in it
+        with contextlib.suppress(NotFound):
+            if (await client.get_room(room_id)).state == dpb.ROOM_STATE_OPEN:
+                break
+        await asyncio.sleep(0.005)
+    seen = [dpb.ROOM_STATE_OPEN, (await client.publish_source(room_id, p, d, source())).state]
+    resp = await begin
+    assert resp.source_endpoint.agent_name == prefill.peer_id and resp.room.source.num_pages == 3
+    seen.append(resp.room.state)
+    seen.append((await client.complete_room(room_id, *d)).state)
     return seen

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ from xavier_services.peer.room_feed import RoomFeed
 
 from tests.directory.helpers import lifecycle, register_request, source
 from tests.support.procs import ServiceProc, start_service
-from xavier_core.directory import DirectoryClient, PeerSession
+from xavier_core.directory import DirectoryClient, PeerSession, Registration
 from xavier_core.runtime.errors import (
     CapacityExhausted,
     FailedPrecondition,
@@ -32,8 +33,11 @@ ENV = {
     "XAVIER_DIRECTORY__SWEEP_INTERVAL_SECONDS": "0.05",
     "XAVIER_DIRECTORY__MAX_ROOMS": "256",
     "XAVIER_DIRECTORY__MAX_PAGE_RUNS": "64",
+    "XAVIER_DIRECTORY__ROOM_LEASE_SECONDS": "2",
 }
 PREFILL, DECODE = types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE
+ROUTER = dpb.ROOM_END_CAUSE_ROUTER_ABORT
+Id = tuple[str, int]
 
 
 @pytest.fixture(scope="module")
@@ -57,56 +61,68 @@ async def _pair(client: DirectoryClient, tag: str) -> tuple[PeerSession, PeerSes
     return p, d
 
 
+def new_id() -> int:
+    return secrets.randbits(63) or 1
+
+
+def ids(p: PeerSession | Registration, d: PeerSession | Registration) -> tuple[Id, Id]:
+    pr = p.registration if isinstance(p, PeerSession) else p
+    dr = d.registration if isinstance(d, PeerSession) else d
+    return (pr.peer_id, pr.epoch), (dr.peer_id, dr.epoch)
+
+
+async def decode_waits(
+    client: DirectoryClient, p: Id, d: Id, room_id: int, wait: float = 10
+) -> asyncio.Future[dpb.BeginTransferResponse]:
+    """The decode's BeginTransfer, once it opened the room and waits in it."""
+    begin = asyncio.ensure_future(client.begin_transfer(room_id, p, d, wait_for_source=wait))
+    for _ in range(400):
+        try:
+            if (await client.get_room(room_id)).state == dpb.ROOM_STATE_OPEN:
+                return begin
+        except NotFound:
+            pass
+        await asyncio.sleep(0.005)
+    raise AssertionError("the decode never opened the room")
+
+
 async def test_concurrent_lifecycles_return_stats_to_zero(client: DirectoryClient) -> None:
     p, d = await _pair(client, "conc")
     before = await client.get_stats()
-    seen = await asyncio.gather(*(lifecycle(client, p.registration, d.registration) for _ in range(200)))
+    seen = await asyncio.gather(
+        *(lifecycle(client, p.registration, d.registration, new_id()) for _ in range(200))
+    )
     want = [
         dpb.ROOM_STATE_OPEN,
         dpb.ROOM_STATE_SOURCE_READY,
+        dpb.ROOM_STATE_TRANSFERRING,
         dpb.ROOM_STATE_COMPLETED,
-        dpb.ROOM_STATE_RELEASED,
     ]
     assert all(s == want for s in seen)
     stats = await client.get_stats()
     assert stats.rooms_active == 0
-    assert stats.rooms_released - before.rooms_released == 200
+    assert stats.rooms_completed - before.rooms_completed == 200
     assert stats.rooms_opened - before.rooms_opened == 200
-    for state in ("OPEN", "SOURCE_READY", "TRANSFERRING", "COMPLETED"):
+    for state in ("OPEN", "SOURCE_READY", "TRANSFERRING"):
         assert stats.rooms_by_state[f"ROOM_STATE_{state}"] == 0
     await p.stop()
     await d.stop()
 
 
-async def test_short_lease_expiry_notifies_watchers(client: DirectoryClient) -> None:
+async def test_room_lease_expiry_ends_waits_and_calls(client: DirectoryClient) -> None:
     p, d = await _pair(client, "lease")
-    pr, dr = p.registration, d.registration
-    room = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch, lease=0.3)
+    pi, di = ids(p, d)
+    room_id = new_id()
     start = time.monotonic()
-    states = [r async for r in client.watch_room(room.room_id, timeout=10)]
-    assert [s.state for s in states] == [dpb.ROOM_STATE_OPEN, dpb.ROOM_STATE_EXPIRED]
-    assert 0.25 <= time.monotonic() - start < 2.0
-    assert states[-1].end_reason == "lease expired"
+    begin = await decode_waits(client, pi, di, room_id)
+    ended = (await asyncio.wait_for(begin, 5)).room
+    assert 1.9 <= time.monotonic() - start < 4.0
+    assert ended.state == dpb.ROOM_STATE_EXPIRED and ended.end_cause == dpb.ROOM_END_CAUSE_LEASE_EXPIRED
+    # A publication after the room ended is answered with the ended room: nobody will read it.
+    late = await client.publish_source(room_id, pi, di, source())
+    assert late.state == dpb.ROOM_STATE_EXPIRED
     with pytest.raises(LeaseExpired):
-        await client.publish_source(room.room_id, pr.peer_id, pr.epoch, source())
-    await p.stop()
-    await d.stop()
-
-
-async def test_completed_room_renewed_past_its_retention(client: DirectoryClient) -> None:
-    p, d = await _pair(client, "renew")
-    pr, dr = p.registration, d.registration
-    room = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch, lease=5)
-    await client.publish_source(room.room_id, pr.peer_id, pr.epoch, source())
-    await client.begin_transfer(room.room_id, dr.peer_id, dr.epoch)
-    await client.complete_room(room.room_id, dr.peer_id, dr.epoch)
-    for _ in range(3):
-        await client.renew_lease(room.room_id, dr.peer_id, dr.epoch, lease=0.4)
-        await asyncio.sleep(0.25)
-    assert (await client.get_room(room.room_id)).state == dpb.ROOM_STATE_COMPLETED
-    await client.release_room(room.room_id, PREFILL, pr.peer_id, pr.epoch)
-    released = await client.release_room(room.room_id, DECODE, dr.peer_id, dr.epoch)
-    assert released.state == dpb.ROOM_STATE_RELEASED
+        await client.begin_transfer(room_id, pi, di)
     await p.stop()
     await d.stop()
 
@@ -114,66 +130,68 @@ async def test_completed_room_renewed_past_its_retention(client: DirectoryClient
 async def test_peer_restart_gets_new_epoch_and_old_epoch_is_rejected(client: DirectoryClient) -> None:
     p, d = await _pair(client, "restart")
     old, dr = p.registration, d.registration
-    room = await client.open_room(old.peer_id, old.epoch, dr.peer_id, dr.epoch)
+    pi, di = ids(old, dr)
+    room = await client.publish_source(new_id(), pi, di, source())
     await p.stop(unregister=False)
     # The restarted process registers the same peer id again.
     p2 = PeerSession(client, register_request("p-restart", PREFILL))
     new = await p2.start()
     assert new.epoch > old.epoch
     ended = await client.get_room(room.room_id)
-    assert ended.state == dpb.ROOM_STATE_ABORTED and "restarted" in ended.end_reason
+    assert ended.state == dpb.ROOM_STATE_ABORTED and ended.end_cause == dpb.ROOM_END_CAUSE_PEER_LOST
+    assert "restarted" in ended.end_detail
     with pytest.raises(FailedPrecondition) as err:
-        await client.publish_source(room.room_id, old.peer_id, old.epoch, source())
+        await client.publish_source(new_id(), pi, di, source())
     assert err.value.reason == "STALE_EPOCH" and err.value.metadata["current_epoch"] == str(new.epoch)
     with pytest.raises(FailedPrecondition, match="stale") as err:
-        await client.open_room(old.peer_id, old.epoch, dr.peer_id, dr.epoch)
+        await client.begin_transfer(new_id(), pi, di, wait_for_source=1)
     assert err.value.reason == "STALE_EPOCH"
     with pytest.raises(FailedPrecondition) as err:
         await client.heartbeat(old.peer_id, old.epoch)
     assert err.value.reason == "STALE_EPOCH"
-    assert await lifecycle(client, new, dr)
+    assert await lifecycle(client, new, dr, new_id())
     await p2.stop()
     await d.stop()
 
 
 async def test_bad_input(client: DirectoryClient) -> None:
     p, d = await _pair(client, "bad")
-    pr, dr = p.registration, d.registration
+    pi, di = ids(p, d)
     with pytest.raises(NotFound) as nf:
         await client.get_room(12345)
     assert nf.value.reason == "ROOM_NOT_FOUND"
     for bad_id in (0, 1 << 63, (1 << 64) - 1):
         with pytest.raises(InvalidArgument):
             await client.get_room(bad_id)
+    with pytest.raises(InvalidArgument):
+        await client.publish_source(1 << 63, pi, di, source())
     with pytest.raises(NotFound) as nf:
-        await client.open_room("nobody", 1, dr.peer_id, dr.epoch)
+        await client.begin_transfer(new_id(), ("nobody", 1), di, wait_for_source=1)
     assert nf.value.reason == "PEER_NOT_FOUND"
     with pytest.raises(FailedPrecondition) as fp:
-        await client.open_room(dr.peer_id, dr.epoch, pr.peer_id, pr.epoch)
+        await client.publish_source(new_id(), di, pi, source())
     assert fp.value.reason == "WRONG_ROLE"
-    room = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+    room = await client.publish_source(new_id(), pi, di, source())
     with pytest.raises(FailedPrecondition) as fp:
-        await client.publish_source(room.room_id, dr.peer_id, dr.epoch, source())
+        await client.complete_room(room.room_id, *pi)
     assert fp.value.reason == "WRONG_ROLE"
-    with pytest.raises(FailedPrecondition) as fp:
-        await client.complete_room(room.room_id, dr.peer_id, dr.epoch)
-    assert fp.value.reason == "WRONG_STATE"
     runs = [types_pb2.PageRun(first_page=i, count=1) for i in range(65)]
     huge = dpb.SourceDescriptor(page_runs=runs, num_pages=65)
     with pytest.raises(InvalidArgument, match="page_runs"):
-        await client.publish_source(room.room_id, pr.peer_id, pr.epoch, huge)
+        await client.publish_source(new_id(), pi, di, huge)
     with pytest.raises(InvalidArgument, match="num_pages"):
-        await client.publish_source(room.room_id, pr.peer_id, pr.epoch, dpb.SourceDescriptor(num_pages=3))
-    with pytest.raises(InvalidArgument, match="lease"):
-        await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch, lease=10_000)
+        await client.publish_source(new_id(), pi, di, dpb.SourceDescriptor(num_pages=3))
+    with pytest.raises(InvalidArgument, match="cause"):
+        await client.abort_room(room.room_id, dpb.ROOM_END_CAUSE_UNSPECIFIED)
     with pytest.raises(InvalidArgument):
         await client.register_peer(dpb.RegisterPeerRequest(peer_id="x" * 200, role=PREFILL, address="a:1"))
     with pytest.raises(InvalidArgument, match="layout"):
         await client.register_peer(dpb.RegisterPeerRequest(peer_id="nolayout", role=PREFILL, address="a:1"))
     # The room is still usable after every rejected call.
-    assert (await client.get_room(room.room_id)).state == dpb.ROOM_STATE_OPEN
-    aborted = await client.abort_room(room.room_id, "client went away")
-    assert aborted.state == dpb.ROOM_STATE_ABORTED and aborted.end_reason == "client went away"
+    assert (await client.get_room(room.room_id)).state == dpb.ROOM_STATE_SOURCE_READY
+    aborted = await client.abort_room(room.room_id, ROUTER, "client went away")
+    assert aborted.state == dpb.ROOM_STATE_ABORTED and aborted.end_detail == "client went away"
+    assert aborted.end_cause == ROUTER
     await p.stop()
     await d.stop()
 
@@ -181,9 +199,10 @@ async def test_bad_input(client: DirectoryClient) -> None:
 async def test_layout_mismatch_names_every_field(client: DirectoryClient) -> None:
     p = PeerSession(client, register_request("p-mm", PREFILL))
     d = PeerSession(client, register_request("d-mm", DECODE, dtype="float16", page_size=16))
-    pr, dr = await asyncio.gather(p.start(), d.start())
+    await asyncio.gather(p.start(), d.start())
+    pi, di = ids(p, d)
     with pytest.raises(LayoutMismatch) as err:
-        await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+        await client.publish_source(new_id(), pi, di, source())
     assert err.value.reason == "LAYOUT_MISMATCH"
     assert err.value.metadata["fields"] == "dtype,page_size"
     assert "dtype" in err.value.message and "page_size" in err.value.message
@@ -198,19 +217,19 @@ async def test_capacity_and_list_peers(tmp_path: Path) -> None:
     try:
         async with DirectoryClient(proc.address) as client:
             p, d = await _pair(client, "cap")
-            pr, dr = p.registration, d.registration
-            rooms = [await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch) for _ in range(3)]
+            pi, di = ids(p, d)
+            rooms = [await client.publish_source(new_id(), pi, di, source()) for _ in range(3)]
             with pytest.raises(CapacityExhausted):
-                await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
-            await client.abort_room(rooms[0].room_id, "make room")
-            await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+                await client.publish_source(new_id(), pi, di, source())
+            await client.abort_room(rooms[0].room_id, ROUTER, "make room")
+            await client.publish_source(new_id(), pi, di, source())
             for i in range(3):
                 await PeerSession(client, register_request(f"u-{i}", types_pb2.ROLE_UNIFIED)).start()
             peers = await client.list_peers()
             assert [x.peer_id for x in peers] == sorted(["p-cap", "d-cap", "u-0", "u-1", "u-2"])
             unified = await client.list_peers(role=types_pb2.ROLE_UNIFIED)
             assert [x.peer_id for x in unified] == ["u-0", "u-1", "u-2"]
-            assert (await client.unregister_peer(pr.peer_id, pr.epoch)) == 3
+            assert (await client.unregister_peer(*pi)) == 3
             assert (await client.get_stats()).rooms_active == 0
     finally:
         proc.stop()
@@ -237,7 +256,7 @@ async def test_directory_restart_peers_reregister_within_one_heartbeat(tmp_path:
             assert new_p.epoch > old_p.epoch and new_d.epoch > old_d.epoch
             stats = await client.get_stats()
             assert stats.peers_by_role["ROLE_PREFILL"] == 1 and stats.peers_by_role["ROLE_DECODE"] == 1
-            assert (await lifecycle(client, new_p, new_d))[-1] == dpb.ROOM_STATE_RELEASED
+            assert (await lifecycle(client, new_p, new_d, new_id()))[-1] == dpb.ROOM_STATE_COMPLETED
             await p.stop()
             await d.stop()
     finally:
@@ -246,93 +265,101 @@ async def test_directory_restart_peers_reregister_within_one_heartbeat(tmp_path:
 
 async def test_begin_transfer_waits_for_the_source(client: DirectoryClient) -> None:
     p, d = await _pair(client, "wait")
-    pr, dr = p.registration, d.registration
-    room = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
-    begin = asyncio.ensure_future(
-        client.begin_transfer(room.room_id, dr.peer_id, dr.epoch, request_id="b1", wait_for_source=10)
-    )
+    pi, di = ids(p, d)
+    room_id = new_id()
+    begin = asyncio.ensure_future(client.begin_transfer(room_id, pi, di, request_id="b1", wait_for_source=10))
     await asyncio.sleep(0.3)
-    assert not begin.done()  # still OPEN: the call waits in the directory
+    assert not begin.done()  # the decode opened the room and waits in it
+    assert (await client.get_room(room_id)).state == dpb.ROOM_STATE_OPEN
     src = source()
     src.read_token = "secret"
-    await client.publish_source(room.room_id, pr.peer_id, pr.epoch, src)
+    assert (await client.publish_source(room_id, pi, di, src)).source.read_token == ""
     began = await asyncio.wait_for(begin, 5)
-    assert began.state == dpb.ROOM_STATE_TRANSFERRING
-    assert began.source.num_pages == 3
-    # The read token goes to the room's decode only: never in GetRoom or WatchRoom answers.
-    assert began.source.read_token == "secret"
-    seen = await client.get_room(room.room_id)
+    assert began.room.state == dpb.ROOM_STATE_TRANSFERRING
+    assert began.room.source.num_pages == 3
+    assert began.source_endpoint.agent_name == pi[0]
+    # The read token goes to the room's decode only: never in GetRoom answers.
+    assert began.room.source.read_token == "secret"
+    seen = await client.get_room(room_id)
     assert seen.source.num_pages == 3 and seen.source.read_token == ""
-    watch = client.watch_room(room.room_id, timeout=5)
-    assert (await anext(watch)).source.read_token == ""
-    await watch.aclose()
-    # A retry of the same request id is answered from the applied change.
+    # A retry of the same request id is answered from the applied change; a cached endpoint is left out.
     again = await client.begin_transfer(
-        room.room_id, dr.peer_id, dr.epoch, request_id="b1", wait_for_source=5
+        room_id, pi, di, request_id="b1", wait_for_source=5, source_endpoint_cached=True
     )
-    assert again.state == dpb.ROOM_STATE_TRANSFERRING
-    done = await client.complete_room(room.room_id, dr.peer_id, dr.epoch, release=True)
-    assert done.state == dpb.ROOM_STATE_RELEASED
-    assert done.prefill_released and done.decode_released
-    # Both sides are done: a late ReleaseRoom is a no-op on the ended room.
-    late = await client.release_room(room.room_id, PREFILL, pr.peer_id, pr.epoch)
-    assert late.state == dpb.ROOM_STATE_RELEASED
+    assert again.room.state == dpb.ROOM_STATE_TRANSFERRING and not again.HasField("source_endpoint")
+    done = await client.complete_room(room_id, *di)
+    assert done.state == dpb.ROOM_STATE_COMPLETED and done.end_cause == dpb.ROOM_END_CAUSE_UNSPECIFIED
     await p.stop()
     await d.stop()
 
 
 async def test_begin_transfer_wait_returns_an_ended_room(client: DirectoryClient) -> None:
     p, d = await _pair(client, "wait-end")
-    pr, dr = p.registration, d.registration
-    room = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
-    begin = asyncio.ensure_future(
-        client.begin_transfer(room.room_id, dr.peer_id, dr.epoch, wait_for_source=10)
-    )
-    await asyncio.sleep(0.2)
-    await client.abort_room(room.room_id, "client went away")
-    ended = await asyncio.wait_for(begin, 5)
-    assert ended.state == dpb.ROOM_STATE_ABORTED
-    assert ended.end_reason == "client went away"
-    # Only the decode of the room may wait on it.
-    other = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
-    with pytest.raises(FailedPrecondition) as err:
-        await client.begin_transfer(other.room_id, pr.peer_id, pr.epoch, wait_for_source=1)
-    assert err.value.reason == "WRONG_ROLE"
+    pi, di = ids(p, d)
+    room_id = new_id()
+    begin = await decode_waits(client, pi, di, room_id)
+    await client.abort_room(room_id, ROUTER, "client went away")
+    ended = (await asyncio.wait_for(begin, 5)).room
+    assert ended.state == dpb.ROOM_STATE_ABORTED and ended.end_cause == ROUTER
+    assert ended.end_detail == "client went away"
     # The wait is bounded by the call's deadline.
+    other = new_id()
     t0 = time.monotonic()
     with pytest.raises(Exception) as late:
-        await client.begin_transfer(other.room_id, dr.peer_id, dr.epoch, wait_for_source=0.3)
+        await client.begin_transfer(other, pi, di, wait_for_source=0.3)
     assert "DEADLINE" in type(late.value).__name__.upper() or "deadline" in str(late.value).lower()
     assert time.monotonic() - t0 < 3
-    await client.abort_room(other.room_id, "done")
+    await client.abort_room(other, ROUTER, "done")
+    await p.stop()
+    await d.stop()
+
+
+async def test_abort_before_either_side_came_is_seen_by_both(client: DirectoryClient) -> None:
+    p, d = await _pair(client, "tomb")
+    pi, di = ids(p, d)
+    before = await client.get_stats()
+    room_id = new_id()
+    tomb = await client.abort_room(room_id, dpb.ROOM_END_CAUSE_PREFILL_FAILED, "prefill failed", *pi)
+    assert tomb.state == dpb.ROOM_STATE_ABORTED and not tomb.prefill_peer_id
+    begun = await asyncio.wait_for(client.begin_transfer(room_id, pi, di, wait_for_source=5), 2)
+    assert begun.room.end_cause == dpb.ROOM_END_CAUSE_PREFILL_FAILED
+    assert (await client.publish_source(room_id, pi, di, source())).state == dpb.ROOM_STATE_ABORTED
+    after = await client.get_stats()
+    assert after.rooms_opened == before.rooms_opened and after.rooms_active == before.rooms_active
+    await p.stop()
+    await d.stop()
+
+
+async def test_a_pair_other_than_the_rooms_is_refused(client: DirectoryClient) -> None:
+    p, d = await _pair(client, "pairs")
+    pi, di = ids(p, d)
+    room = await client.publish_source(new_id(), pi, di, source())
+    with pytest.raises(FailedPrecondition) as err:
+        await client.begin_transfer(room.room_id, (pi[0], pi[1] + 1), di, wait_for_source=1)
+    assert err.value.reason == "PAIR_MISMATCH"
+    await client.abort_room(room.room_id, ROUTER)
     await p.stop()
     await d.stop()
 
 
 async def test_peer_feed_streams_every_room_of_the_peer(client: DirectoryClient) -> None:
     p, d = await _pair(client, "feed")
-    pr, dr = p.registration, d.registration
-    live = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
-    feed = client.watch_peer_rooms(pr.peer_id, pr.epoch)
+    pi, di = ids(p, d)
+    live = await client.publish_source(new_id(), pi, di, source())
+    feed = client.watch_peer_rooms(*pi)
     snapshot = await anext(feed)
     assert [r.room_id for r in snapshot] == [live.room_id]
-    await client.publish_source(live.room_id, pr.peer_id, pr.epoch, source())
-    await client.begin_transfer(live.room_id, dr.peer_id, dr.epoch)
-    await client.complete_room(live.room_id, dr.peer_id, dr.epoch, release=True)
+    await client.begin_transfer(live.room_id, pi, di)
+    await client.complete_room(live.room_id, *di)
     states: list[int] = []
-    while len(states) < 4:
+    while len(states) < 2:
         batch = await asyncio.wait_for(anext(feed), 5)
         assert all(not r.HasField("source") for r in batch)  # the feed leaves the page runs out
         states += [r.state for r in batch if r.room_id == live.room_id]
-    assert states == [
-        dpb.ROOM_STATE_SOURCE_READY,
-        dpb.ROOM_STATE_TRANSFERRING,
-        dpb.ROOM_STATE_COMPLETED,
-        dpb.ROOM_STATE_RELEASED,
-    ]
+    assert states == [dpb.ROOM_STATE_TRANSFERRING, dpb.ROOM_STATE_COMPLETED]
     await feed.aclose()
     with pytest.raises(FailedPrecondition) as err:
-        await anext(client.watch_peer_rooms(pr.peer_id, pr.epoch + 1))
+        await anext(client.watch_peer_rooms(pi[0], pi[1] + 1))
     assert err.value.reason == "STALE_EPOCH"
     with pytest.raises(NotFound):
         await anext(client.watch_peer_rooms("nobody", 1))
@@ -349,32 +376,29 @@ async def _connected_feed(client: DirectoryClient, peer_id: str, epoch: int) -> 
 
 async def test_room_feed_outcomes(client: DirectoryClient) -> None:
     p, d = await _pair(client, "roomfeed")
-    pr, dr = p.registration, d.registration
-    feed = await _connected_feed(client, pr.peer_id, pr.epoch)
-    # Completed and released by the decode; the change lands before anyone waits for it.
-    read = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
-    await client.publish_source(read.room_id, pr.peer_id, pr.epoch, source())
-    await client.begin_transfer(read.room_id, dr.peer_id, dr.epoch)
-    await client.complete_room(read.room_id, dr.peer_id, dr.epoch, release=True)
+    pi, di = ids(p, d)
+    feed = await _connected_feed(client, *pi)
+    # Completed by the decode; the change lands before anyone waits for it.
+    read = await client.publish_source(new_id(), pi, di, source())
+    await client.begin_transfer(read.room_id, pi, di)
+    await client.complete_room(read.room_id, *di)
     await asyncio.sleep(0.2)
-    assert await feed.outcome(read.room_id, 5) == (dpb.ROOM_STATE_RELEASED, True)
+    assert await feed.outcome(read.room_id, 5) == (dpb.ROOM_STATE_COMPLETED, True)
     # Aborted before any read began: no reader can exist.
-    unread = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
-    await client.publish_source(unread.room_id, pr.peer_id, pr.epoch, source())
+    unread = await client.publish_source(new_id(), pi, di, source())
     waiting = asyncio.ensure_future(feed.outcome(unread.room_id, 5))
     await asyncio.sleep(0.1)
-    await client.abort_room(unread.room_id, "cancelled")
+    await client.abort_room(unread.room_id, ROUTER, "cancelled")
     assert await waiting == (dpb.ROOM_STATE_ABORTED, False)
     # Aborted during the read: a read may have started.
-    mid = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
-    await client.publish_source(mid.room_id, pr.peer_id, pr.epoch, source())
-    await client.begin_transfer(mid.room_id, dr.peer_id, dr.epoch)
-    await client.abort_room(mid.room_id, "cancelled")
+    mid = await client.publish_source(new_id(), pi, di, source())
+    await client.begin_transfer(mid.room_id, pi, di)
+    await client.abort_room(mid.room_id, ROUTER, "cancelled")
     assert await feed.outcome(mid.room_id, 5) == (dpb.ROOM_STATE_ABORTED, True)
     # A room that never ends within the timeout: the caller must assume a reader.
-    stuck = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+    stuck = await client.publish_source(new_id(), pi, di, source())
     assert await feed.outcome(stuck.room_id, 0.2) == (dpb.ROOM_STATE_UNSPECIFIED, True)
-    await client.abort_room(stuck.room_id, "done")
+    await client.abort_room(stuck.room_id, ROUTER, "done")
     for r in (read, unread, mid, stuck):
         feed.forget(r.room_id)
     await feed.stop()
@@ -382,55 +406,36 @@ async def test_room_feed_outcomes(client: DirectoryClient) -> None:
     await d.stop()
 
 
-async def test_open_room_with_a_chosen_id(client: DirectoryClient) -> None:
-    p, d = await _pair(client, "chosen")
-    pr, dr = p.registration, d.registration
-    room = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch, room_id=12345, request_id="c1")
-    assert room.room_id == 12345
-    # The same request again is the same room; another request for the id is refused.
-    again = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch, room_id=12345, request_id="c1")
-    assert again.room_id == 12345
-    with pytest.raises(FailedPrecondition) as err:
-        await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch, room_id=12345, request_id="c2")
-    assert err.value.reason == "ROOM_EXISTS"
-    with pytest.raises(InvalidArgument):
-        await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch, room_id=1 << 63)
-    await client.abort_room(12345, "done")
-    await p.stop()
-    await d.stop()
-
-
 async def test_decode_declines_the_read(client: DirectoryClient) -> None:
     p, d = await _pair(client, "decline")
-    pr, dr = p.registration, d.registration
-    feed = await _connected_feed(client, pr.peer_id, pr.epoch)
+    pi, di = ids(p, d)
+    declined_cause = dpb.ROOM_END_CAUSE_DECODE_DECLINED
+    feed = await _connected_feed(client, *pi)
     # The decode began the transfer, then ended the room saying it never posted a read.
-    a = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
-    await client.publish_source(a.room_id, pr.peer_id, pr.epoch, source())
-    await client.begin_transfer(a.room_id, dr.peer_id, dr.epoch)
-    ended = await client.abort_room(a.room_id, "cancelled", dr.peer_id, dr.epoch, no_read=True)
-    assert ended.state == dpb.ROOM_STATE_ABORTED and ended.read_declined
+    a = await client.publish_source(new_id(), pi, di, source())
+    await client.begin_transfer(a.room_id, pi, di)
+    ended = await client.abort_room(a.room_id, declined_cause, "cancelled", *di)
+    assert ended.state == dpb.ROOM_STATE_ABORTED and ended.read_declined and ended.end_cause == declined_cause
     assert await feed.outcome(a.room_id, 5) == (dpb.ROOM_STATE_ABORTED, False)
     # The router ended it first (a read may have begun); the decode's word comes after and still counts.
-    b = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
-    await client.publish_source(b.room_id, pr.peer_id, pr.epoch, source())
-    await client.begin_transfer(b.room_id, dr.peer_id, dr.epoch)
-    await client.abort_room(b.room_id, "client went away")
+    b = await client.publish_source(new_id(), pi, di, source())
+    await client.begin_transfer(b.room_id, pi, di)
+    await client.abort_room(b.room_id, ROUTER, "client went away")
     assert await feed.outcome(b.room_id, 5) == (dpb.ROOM_STATE_ABORTED, True)
     declined = asyncio.ensure_future(feed.read_declined(b.room_id, 5))
     await asyncio.sleep(0.1)
     assert not declined.done()
-    late = await client.abort_room(b.room_id, "cancelled", dr.peer_id, dr.epoch, no_read=True)
-    assert late.state == dpb.ROOM_STATE_ABORTED and late.read_declined
+    late = await client.abort_room(b.room_id, declined_cause, "cancelled", *di)
+    assert late.state == dpb.ROOM_STATE_ABORTED and late.read_declined and late.end_cause == ROUTER
     assert await asyncio.wait_for(declined, 5)
     # Only the room's decode may say so.
-    c = await client.open_room(pr.peer_id, pr.epoch, dr.peer_id, dr.epoch)
+    c = await client.publish_source(new_id(), pi, di, source())
     with pytest.raises(FailedPrecondition) as err:
-        await client.abort_room(c.room_id, "x", pr.peer_id, pr.epoch, no_read=True)
+        await client.abort_room(c.room_id, declined_cause, "x", *pi)
     assert err.value.reason == "WRONG_ROLE"
     with pytest.raises(FailedPrecondition):
-        await client.abort_room(c.room_id, "x", no_read=True)
-    await client.abort_room(c.room_id, "done")
+        await client.abort_room(c.room_id, declined_cause, "x")
+    await client.abort_room(c.room_id, ROUTER, "done")
     for r in (a, b, c):
         feed.forget(r.room_id)
     await feed.stop()

@@ -6,7 +6,7 @@ import pytest
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 from xavier_services.directory.records import PeerRecord
-from xavier_services.directory.state import DirectoryState
+from xavier_services.directory.state import DirectoryState, Pair
 
 from tests.directory.fakes import FakeClock, make_state
 from tests.directory.helpers import endpoint, layout, source
@@ -21,12 +21,16 @@ from xavier_core.runtime.errors import (
 
 PREFILL, DECODE = types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE
 OPEN, READY, XFER = dpb.ROOM_STATE_OPEN, dpb.ROOM_STATE_SOURCE_READY, dpb.ROOM_STATE_TRANSFERRING
-DONE, RELEASED = dpb.ROOM_STATE_COMPLETED, dpb.ROOM_STATE_RELEASED
-ABORTED, EXPIRED = dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED
+DONE, ABORTED, EXPIRED = dpb.ROOM_STATE_COMPLETED, dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED
+ROUTER, PEER_LOST = dpb.ROOM_END_CAUSE_ROUTER_ABORT, dpb.ROOM_END_CAUSE_PEER_LOST
 
 
 def reg(state: DirectoryState, peer_id: str, role: int, request_id: str = "", **lay: object) -> PeerRecord:
-    return state.peers.register(request_id, peer_id, role, "127.0.0.1:1", layout(**lay), endpoint())
+    return state.peers.register(request_id, peer_id, role, "127.0.0.1:1", layout(**lay), endpoint(peer_id))
+
+
+def pair(p: PeerRecord, d: PeerRecord) -> Pair:
+    return Pair(p.peer_id, p.epoch, d.peer_id, d.epoch)
 
 
 @pytest.fixture
@@ -41,92 +45,129 @@ def setup(
     return state, changes, reg(state, "p", PREFILL), reg(state, "d", DECODE)
 
 
-def test_full_lifecycle_and_counters(clock: FakeClock) -> None:
+def test_decode_first_lifecycle_and_counters(clock: FakeClock) -> None:
     state, changes, p, d = setup(clock)
-    room = state.open_room("o1", "p", p.epoch, "d", d.epoch, b"\x01" * 32, 12, None)
-    state.publish_source("s1", room.room_id, "p", p.epoch, source())
-    state.begin_transfer("b1", room.room_id, "d", d.epoch)
-    state.complete_room("c1", room.room_id, "d", d.epoch)
-    assert state.release_room("r1", room.room_id, PREFILL, "p", p.epoch).state == DONE
-    assert state.release_room("r2", room.room_id, DECODE, "d", d.epoch).state == RELEASED
-    assert [s for _, s in changes] == [READY, XFER, DONE, RELEASED]
+    room = state.join_as_decode(1, pair(p, d))
+    assert room.state == OPEN and 1 in p.rooms and 1 in d.rooms
+    assert state.publish_source("s1", 1, pair(p, d), source()) is room
+    state.begin_transfer("b1", 1, "d", d.epoch)
+    assert state.source_endpoint(room).agent_name == "p"
+    assert state.complete_room("c1", 1, "d", d.epoch).state == DONE
+    assert [s for _, s in changes] == [OPEN, READY, XFER, DONE]
     stats = state.room_stats()
-    assert (stats.active, stats.opened, stats.completed, stats.released) == (0, 1, 1, 1)
+    assert (stats.active, stats.opened, stats.completed, stats.aborted) == (0, 1, 1, 0)
     assert not p.rooms and not d.rooms
     # Ended rooms stay visible (without their page runs) and never change again.
-    ended = state.get_room(room.room_id)
-    assert ended.state == RELEASED and ended.source is None
-    assert state.abort_room("", room.room_id, "late", "", 0).state == RELEASED
+    ended = state.get_room(1)
+    assert ended.state == DONE and ended.source is None
+    assert state.abort_room("", 1, ROUTER, "late", "", 0).state == DONE
 
 
-def test_release_before_completion_aborts(clock: FakeClock) -> None:
+def test_prefill_first_opens_source_ready_and_decode_adopts(clock: FakeClock) -> None:
+    state, changes, p, d = setup(clock)
+    room = state.publish_source("s1", 7, pair(p, d), source())
+    assert room.state == READY and changes == [(7, READY)]
+    assert state.join_as_decode(7, pair(p, d)) is room
+    state.begin_transfer("b1", 7, "d", d.epoch)
+    assert state.complete_room("c1", 7, "d", d.epoch).state == DONE
+    assert state.room_stats().opened == 1
+
+
+def test_a_pair_other_than_the_rooms_is_refused(clock: FakeClock) -> None:
     state, _, p, d = setup(clock)
-    room = state.open_room("", "p", p.epoch, "d", d.epoch, b"", 0, None)
-    state.publish_source("", room.room_id, "p", p.epoch, source())
-    out = state.release_room("", room.room_id, DECODE, "d", d.epoch)
-    assert out.state == ABORTED and "before completion" in out.end_reason
+    d2 = reg(state, "d2", DECODE)
+    state.publish_source("", 3, pair(p, d), source())
+    for call in (
+        lambda: state.join_as_decode(3, pair(p, d2)),
+        lambda: state.publish_source("", 3, Pair("p", p.epoch, "d", d.epoch + 1), source()),
+    ):
+        with pytest.raises(FailedPrecondition) as err:
+            call()
+        assert err.value.reason == "PAIR_MISMATCH" and "room 3 was opened for p@" in str(err.value)
+
+
+def test_abort_before_anyone_opened_leaves_a_tombstone(clock: FakeClock) -> None:
+    state, _, p, d = setup(clock, room_lease_seconds=2.0)
+    tomb = state.abort_room("a", 9, ROUTER, "client went away", "", 0)
+    assert tomb.state == ABORTED and tomb.end_cause == ROUTER
+    # Late openers see it ended; nothing is opened or counted.
+    assert state.publish_source("s", 9, pair(p, d), source()).state == ABORTED
+    assert state.join_as_decode(9, pair(p, d)).end_cause == ROUTER
+    stats = state.room_stats()
+    assert (stats.active, stats.opened, stats.aborted) == (0, 0, 0)
+    # A tombstone lasts one room lease; then the id is free again.
+    clock.advance(2.0)
+    state.sweep()
+    assert state.join_as_decode(9, pair(p, d)).state == OPEN
+
+
+def test_decode_declines_even_after_the_room_ended(clock: FakeClock) -> None:
+    state, changes, p, d = setup(clock)
+    state.publish_source("", 4, pair(p, d), source())
+    state.abort_room("", 4, ROUTER, "", "", 0)
+    room = state.abort_room("", 4, dpb.ROOM_END_CAUSE_DECODE_DECLINED, "", "d", d.epoch)
+    assert room.end_cause == ROUTER and room.read_declined and changes[-1] == (4, ABORTED)
     with pytest.raises(FailedPrecondition) as err:
-        state.complete_room("", room.room_id, "d", d.epoch)
-    assert err.value.reason == "WRONG_STATE"
+        state.abort_room("", 4, dpb.ROOM_END_CAUSE_DECODE_DECLINED, "", "", 0)
+    assert err.value.reason == "WRONG_ROLE"
+    with pytest.raises(FailedPrecondition) as err:
+        state.abort_room("", 4, dpb.ROOM_END_CAUSE_DECODE_DECLINED, "", "p", p.epoch)
+    assert err.value.reason == "WRONG_ROLE"
 
 
 def test_leases_expire_lazily_and_by_sweep(clock: FakeClock) -> None:
-    state, changes, p, d = setup(clock, room_lease_seconds=1.0, completed_retention_seconds=2.0)
-    lazy = state.open_room("", "p", p.epoch, "d", d.epoch, b"", 0, None)
-    swept = state.open_room("", "p", p.epoch, "d", d.epoch, b"", 0, 5.0)
-    clock.advance(1.0)
+    state, changes, p, d = setup(clock, room_lease_seconds=1.0)
+    state.join_as_decode(1, pair(p, d))
+    clock.advance(0.5)
+    state.join_as_decode(2, pair(p, d))
+    clock.advance(0.5)
     with pytest.raises(LeaseExpired):
-        state.publish_source("", lazy.room_id, "p", p.epoch, source())
-    assert state.sweep() == 0 and state.get_room(swept.room_id).state == OPEN
-    state.publish_source("", swept.room_id, "p", p.epoch, source())
-    state.complete_room("", swept.room_id, "d", d.epoch)
-    for _ in range(3):  # a completed room outlives its retention while renewed
-        clock.advance(1.5)
-        state.renew_lease(swept.room_id, "d", d.epoch, None)
-    assert state.sweep() == 0
-    clock.advance(2.0)
+        state.begin_transfer("", 1, "d", d.epoch)
+    assert state.get_room(1).end_cause == dpb.ROOM_END_CAUSE_LEASE_EXPIRED
+    assert state.sweep() == 0 and state.get_room(2).state == OPEN
+    clock.advance(0.5)
     assert state.sweep() == 1
-    assert (swept.room_id, EXPIRED) in changes and state.room_stats().expired == 2
+    assert (2, EXPIRED) in changes and state.room_stats().expired == 2
 
 
-def test_dead_peer_aborts_live_rooms_and_releases_completed(clock: FakeClock) -> None:
+def test_dead_peer_aborts_live_rooms(clock: FakeClock) -> None:
     state, _, p, d = setup(clock, peer_lease_seconds=4.0, heartbeat_interval_seconds=1.0)
-    live = state.open_room("", "p", p.epoch, "d", d.epoch, b"", 0, 60.0)
-    done = state.open_room("", "p", p.epoch, "d", d.epoch, b"", 0, 60.0)
-    state.publish_source("", done.room_id, "p", p.epoch, source())
-    state.complete_room("", done.room_id, "d", d.epoch)
+    state.join_as_decode(1, pair(p, d))
+    state.publish_source("", 2, pair(p, d), source())
+    state.join_as_decode(2, pair(p, d))
+    state.complete_room("", 2, "d", d.epoch)
     clock.advance(3.0)
-    assert state.peers.heartbeat("d", d.epoch, None) is d
+    assert state.peers.heartbeat("", "d", d.epoch, None) is d
     clock.advance(1.5)  # the prefill missed its lease; the decode did not
     state.sweep()
-    assert state.get_room(live.room_id).state == ABORTED
-    kept = state.get_room(done.room_id)
-    assert kept.state == DONE and kept.prefill_released and not kept.decode_released
-    assert state.peers.heartbeat("p", p.epoch, None) is None  # must register again
-    assert state.release_room("", done.room_id, DECODE, "d", d.epoch).state == RELEASED
+    lost = state.get_room(1)
+    assert lost.state == ABORTED and lost.end_cause == PEER_LOST and "lease expired" in lost.end_detail
+    assert state.get_room(2).state == DONE
+    assert state.peers.heartbeat("", "p", p.epoch, None) is None  # must register again
     assert state.room_stats().active == 0
 
 
 def test_peer_restart_new_epoch_and_stale_calls(clock: FakeClock) -> None:
     state, _, p, d = setup(clock)
-    old_epoch = p.epoch
-    room = state.open_room("", "p", p.epoch, "d", d.epoch, b"", 0, None)
+    old = pair(p, d)
+    state.join_as_decode(1, old)
     p2 = reg(state, "p", PREFILL)
-    assert p2.epoch > old_epoch
-    assert state.get_room(room.room_id).state == ABORTED
+    assert p2.epoch > old.prefill_epoch
+    assert state.get_room(1).end_cause == PEER_LOST
     for call in (
-        lambda: state.publish_source("", room.room_id, "p", old_epoch, source()),
-        lambda: state.open_room("", "p", old_epoch, "d", d.epoch, b"", 0, None),
-        lambda: state.peers.heartbeat("p", old_epoch, None),
-        lambda: state.peers.unregister("p", old_epoch),
+        lambda: state.publish_source("", 2, old, source()),
+        lambda: state.join_as_decode(3, old),
+        lambda: state.peers.heartbeat("", "p", old.prefill_epoch, None),
+        lambda: state.peers.unregister("p", old.prefill_epoch),
     ):
         with pytest.raises(FailedPrecondition) as err:
             call()
         assert err.value.reason == "STALE_EPOCH"
-    # The new epoch works on new rooms but not on the old epoch's room.
-    assert state.open_room("", "p", p2.epoch, "d", d.epoch, b"", 0, None).state == OPEN
-    with pytest.raises(FailedPrecondition, match="stale"):
-        state.publish_source("", room.room_id, "p", p2.epoch, source())
+    # The new epoch works on new rooms but not in the old epoch's room.
+    assert state.join_as_decode(4, pair(p2, d)).state == OPEN
+    with pytest.raises(FailedPrecondition) as err:
+        state.publish_source("", 1, pair(p2, d), source())
+    assert err.value.reason == "PAIR_MISMATCH"
 
 
 def test_epochs_grow_across_directory_restarts(clock: FakeClock) -> None:
@@ -141,24 +182,22 @@ def test_idempotent_retries(clock: FakeClock) -> None:
     state, _, p, d = setup(clock)
     assert reg(state, "p", PREFILL, request_id="r").epoch == reg(state, "p", PREFILL, request_id="r").epoch
     p = state.peers.get("p")  # type: ignore[assignment]
-    a = state.open_room("same", "p", p.epoch, "d", d.epoch, b"x", 1, None)
-    assert state.open_room("same", "p", p.epoch, "d", d.epoch, b"x", 1, None) is a
-    with pytest.raises(FailedPrecondition) as err:
-        state.open_room("same", "p", p.epoch, "d", d.epoch, b"y", 1, None)
-    assert err.value.reason == "REQUEST_ID_REUSED"
-    state.publish_source("pub", a.room_id, "p", p.epoch, source())
-    assert state.publish_source("pub", a.room_id, "p", p.epoch, source()).state == READY
+    a = state.publish_source("pub", 5, pair(p, d), source())
+    assert state.publish_source("pub", 5, pair(p, d), source()) is a
     with pytest.raises(FailedPrecondition, match="SOURCE_READY"):
-        state.publish_source("other", a.room_id, "p", p.epoch, source())
+        state.publish_source("other", 5, pair(p, d), source())
+    state.begin_transfer("b", 5, "d", d.epoch)
+    assert state.begin_transfer("b", 5, "d", d.epoch).state == XFER
+    state.complete_room("c", 5, "d", d.epoch)
+    assert state.complete_room("c", 5, "d", d.epoch).state == DONE
     assert state.room_stats().opened == 1
 
 
 def test_request_ids_per_room_are_bounded(clock: FakeClock) -> None:
     state, _, p, d = setup(clock, request_ids_per_room=2)
-    room = state.open_room("", "p", p.epoch, "d", d.epoch, b"", 0, None)
-    state.publish_source("a", room.room_id, "p", p.epoch, source())
-    state.begin_transfer("b", room.room_id, "d", d.epoch)
-    state.complete_room("c", room.room_id, "d", d.epoch)
+    room = state.publish_source("a", 1, pair(p, d), source())
+    state.begin_transfer("b", 1, "d", d.epoch)
+    state.complete_room("c", 1, "d", d.epoch)
     assert room.request_ids is not None and list(room.request_ids) == ["b", "c"]
 
 
@@ -167,19 +206,24 @@ def test_bad_input(clock: FakeClock) -> None:
     for bad in (0, 1 << 63):
         with pytest.raises(InvalidArgument):
             state.get_room(bad)
+        with pytest.raises(InvalidArgument):
+            state.join_as_decode(bad, pair(p, d))
     with pytest.raises(NotFound) as nf:
         state.get_room(99)
     assert nf.value.reason == "ROOM_NOT_FOUND"
-    room = state.open_room("", "p", p.epoch, "d", d.epoch, b"", 0, None)
+    state.join_as_decode(1, pair(p, d))
     with pytest.raises(CapacityExhausted):
-        state.open_room("", "p", p.epoch, "d", d.epoch, b"", 0, None)
+        state.join_as_decode(2, pair(p, d))
     runs = [types_pb2.PageRun(first_page=i, count=1) for i in range(3)]
     with pytest.raises(InvalidArgument):
-        state.publish_source(
-            "", room.room_id, "p", p.epoch, dpb.SourceDescriptor(page_runs=runs, num_pages=3)
-        )
+        state.publish_source("", 1, pair(p, d), dpb.SourceDescriptor(page_runs=runs, num_pages=3))
     with pytest.raises(InvalidArgument):
-        state.open_room("", "p", p.epoch, "d", d.epoch, b"z" * 65, 0, None)
+        state.publish_source("", 1, pair(p, d), dpb.SourceDescriptor(page_runs=runs[:1], num_pages=2))
+    for cause in (dpb.ROOM_END_CAUSE_UNSPECIFIED, 99):
+        with pytest.raises(InvalidArgument):
+            state.abort_room("", 1, cause, "", "", 0)
+    with pytest.raises(InvalidArgument):
+        state.abort_room("", 1, ROUTER, "x" * 1025, "", 0)
     with pytest.raises(InvalidArgument):
         state.peers.register("", "bad id!", PREFILL, "a:1", layout(), endpoint())
     with pytest.raises(InvalidArgument):
@@ -187,9 +231,12 @@ def test_bad_input(clock: FakeClock) -> None:
     with pytest.raises(InvalidArgument):
         state.peers.register("", "x", DECODE, "a:1", layout(), None)
     with pytest.raises(FailedPrecondition) as fp:
-        state.release_room("", room.room_id, types_pb2.ROLE_UNIFIED, "p", p.epoch)
+        state.join_as_decode(2, Pair("p", p.epoch, "p", p.epoch))
     assert fp.value.reason == "WRONG_ROLE"
-    assert state.get_room(room.room_id).state == OPEN
+    with pytest.raises(FailedPrecondition) as fp:
+        state.join_as_decode(2, Pair("d", d.epoch, "p", p.epoch))
+    assert fp.value.reason == "WRONG_ROLE"
+    assert state.get_room(1).state == OPEN
 
 
 def test_layout_mismatch_names_fields(clock: FakeClock) -> None:
@@ -197,19 +244,24 @@ def test_layout_mismatch_names_fields(clock: FakeClock) -> None:
     p = reg(state, "p", PREFILL)
     d = reg(state, "d", DECODE, num_kv_heads=4, weights_fingerprint="other")
     with pytest.raises(LayoutMismatch) as err:
-        state.open_room("", "p", p.epoch, "d", d.epoch, b"", 0, None)
+        state.join_as_decode(1, pair(p, d))
     assert err.value.metadata["fields"] == "num_kv_heads,weights_fingerprint"
+    with pytest.raises(LayoutMismatch):
+        state.publish_source("", 1, pair(p, d), source())
 
 
-def test_ended_rooms_and_expiry_heap_are_bounded(clock: FakeClock) -> None:
-    state, _, p, d = setup(clock, ended_rooms_retained=2)
-    rooms = [state.open_room("", "p", p.epoch, "d", d.epoch, b"", 0, None) for _ in range(3)]
-    for room in rooms:
-        state.abort_room("", room.room_id, "", "", 0)
+def test_ended_rooms_tombstones_and_expiry_heap_are_bounded(clock: FakeClock) -> None:
+    state, _, p, d = setup(clock, ended_rooms_retained=2, max_rooms=4)
+    for room_id in (1, 2, 3):
+        state.join_as_decode(room_id, pair(p, d))
+        state.abort_room("", room_id, ROUTER, "", "", 0)
     with pytest.raises(NotFound):
-        state.get_room(rooms[0].room_id)
-    live = state.open_room("", "p", p.epoch, "d", d.epoch, b"", 0, None)
-    for _ in range(5000):
-        state.renew_lease(live.room_id, "d", d.epoch, 30.0)
+        state.get_room(1)
+    for room_id in range(100, 110):
+        state.abort_room("", room_id, ROUTER, "", "", 0)
+    assert len(state._tombstones) == 4
+    for room_id in range(1000, 4000):
+        state.join_as_decode(room_id, pair(p, d))
+        state.abort_room("", room_id, ROUTER, "", "", 0)
     state.sweep()
-    assert len(state._expiry) <= 2 * 1 + 1024
+    assert len(state._expiry) <= 2 * 4 + 1024

@@ -1,4 +1,5 @@
-"""Random sequences of peer and room operations (with expiries and restarts) against the state machine."""
+"""Random sequences of peer and room operations (with expiries, restarts, openings from either side and
+aborts before anyone opened the room) against the state machine."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 from xavier_services.directory.records import LIVE_STATES, TERMINAL_STATES
+from xavier_services.directory.state import Pair
 
 from tests.directory.fakes import FakeClock, make_state
 from tests.directory.helpers import endpoint, layout, source
@@ -18,14 +20,16 @@ ROLE = {"p0": types_pb2.ROLE_PREFILL, "p1": types_pb2.ROLE_PREFILL, "d0": types_
 ROLE["d1"] = types_pb2.ROLE_DECODE
 OPEN, READY, XFER, DONE = (dpb.ROOM_STATE_OPEN, dpb.ROOM_STATE_SOURCE_READY,
                            dpb.ROOM_STATE_TRANSFERRING, dpb.ROOM_STATE_COMPLETED)  # fmt: skip
-RELEASED, ABORTED, EXPIRED = dpb.ROOM_STATE_RELEASED, dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED
+ABORTED, EXPIRED = dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED
+NEW = dpb.ROOM_STATE_UNSPECIFIED  # before a room's first report: the decode opens OPEN, the prefill READY
+CAUSES = [c for c in dpb.RoomEndCause.values() if c != dpb.ROOM_END_CAUSE_UNSPECIFIED]
 
 # Every edge the lifecycle allows; anything else the listener reports is a bug.
 ALLOWED = {
+    NEW: {OPEN, READY},
     OPEN: {READY, ABORTED, EXPIRED},
     READY: {XFER, DONE, ABORTED, EXPIRED},
     XFER: {DONE, ABORTED, EXPIRED},
-    DONE: {RELEASED, ABORTED, EXPIRED},
 }
 LEASE = 5.0
 SEEN: set[tuple[int, int]] = set()
@@ -39,15 +43,16 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.state, self.changes = make_state(
             self.clock,
             room_lease_seconds=LEASE,
-            completed_retention_seconds=3.0,
             peer_lease_seconds=6.0,
             heartbeat_interval_seconds=1.0,
             max_rooms=6,
             ended_rooms_retained=10_000,
         )
         self.epochs: dict[str, list[int]] = {p: [] for p in ROLE}
-        self.rooms: list[int] = []
+        self.ids: list[int] = []  # room ids the router handed out, in order
+        self.pairs: dict[int, tuple[str, str]] = {}
         self.last_state: dict[int, int] = {}
+        self.opened_pairs: dict[int, tuple[str, str]] = {}
 
     @initialize()
     def register_everyone(self) -> None:
@@ -84,102 +89,93 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     @rule(peer=st.sampled_from(sorted(ROLE)), stale=st.sampled_from([False, False, True]))
     def heartbeat(self, peer: str, stale: bool) -> None:
-        self._try(lambda: self.state.peers.heartbeat(peer, self._epoch(peer, stale), None))
+        self._try(lambda: self.state.peers.heartbeat("", peer, self._epoch(peer, stale), None))
 
-    @rule(p=st.sampled_from(PREFILLS), d=st.sampled_from(DECODES), lease=st.sampled_from([None, 0.5, 2.0]))
-    def open_room(self, p: str, d: str, lease: float | None) -> None:
-        try:
-            room = self.state.open_room("", p, self._epoch(p, False), d, self._epoch(d, False), b"", 0, lease)
-        except XavierError:
-            return
-        self.rooms.append(room.room_id)
-        self.last_state[room.room_id] = OPEN
+    @rule(p=st.sampled_from(PREFILLS), d=st.sampled_from(DECODES))
+    def route(self, p: str, d: str) -> None:
+        """The router names a room for a pair; nothing reaches the directory yet."""
+        room_id = len(self.ids) + 1
+        self.ids.append(room_id)
+        self.pairs[room_id] = (p, d)
+
+    def _pair(self, data: st.DataObject) -> tuple[int, Pair]:
+        # Recent ids are the likely live ones; older ones exercise calls on ended rooms and tombstones.
+        recent = data.draw(st.sampled_from([True, True, True, False]))
+        room_id = self.ids[-1] if recent else data.draw(st.sampled_from(self.ids))
+        p, d = self.pairs[room_id]
+        if data.draw(st.sampled_from([False] * 9 + [True])):  # a pair other than the router's
+            p, d = data.draw(st.sampled_from(PREFILLS)), data.draw(st.sampled_from(DECODES))
+        stale = data.draw(st.sampled_from([False] * 5 + [True]))
+        return room_id, Pair(p, self._epoch(p, stale), d, self._epoch(d, stale))
 
     def _room_op(self, data: st.DataObject, op: str) -> None:
-        if not self.rooms:
+        if not self.ids:
             return
-        # Recent rooms are the likely live ones; older ones exercise calls on ended rooms.
-        recent = data.draw(st.sampled_from([True, True, True, False]))
-        room_id = self.rooms[-1] if recent else data.draw(st.sampled_from(self.rooms))
-        room = self.state.get_room(room_id)
-        stale = data.draw(st.sampled_from([False] * 5 + [True]))
-        p, d = room.prefill_peer_id, room.decode_peer_id
-        pe, de = self._epoch(p, stale), self._epoch(d, stale)
+        room_id, pair = self._pair(data)
+        p, pe, d, de = pair.prefill_peer_id, pair.prefill_epoch, pair.decode_peer_id, pair.decode_epoch
         rid = data.draw(st.sampled_from(["", "r1", "r2"]))
         calls = {
-            "publish": lambda: self.state.publish_source(rid, room_id, p, pe, source()),
+            "publish": lambda: self.state.publish_source(rid, room_id, pair, source()),
+            "join": lambda: self.state.join_as_decode(room_id, pair),
             "begin": lambda: self.state.begin_transfer(rid, room_id, d, de),
             "complete": lambda: self.state.complete_room(rid, room_id, d, de),
             "abort": lambda: self.state.abort_room(
-                rid, room_id, "test", data.draw(st.sampled_from(["", p])), pe
+                rid,
+                room_id,
+                data.draw(st.sampled_from(CAUSES)),
+                "test",
+                *data.draw(st.sampled_from([("", 0), (p, pe), (d, de)])),
             ),
-            "renew": lambda: self.state.renew_lease(room_id, d, de, data.draw(st.sampled_from([None, 1.0]))),
         }
-        if op == "release":
-            role = data.draw(st.sampled_from([types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE]))
-            who, who_epoch = data.draw(st.sampled_from([(p, pe), (d, de), (p, de)]))
-            self._try(lambda: self.state.release_room(rid, room_id, role, who, who_epoch))
-        else:
-            self._try(calls[op])
+        self._try(calls[op])
 
-    @rule(skip_transfer=st.booleans(), release_prefill=st.booleans())
-    def progress(self, skip_transfer: bool, release_prefill: bool) -> None:
-        """Takes the newest live room one step along the happy path."""
-        live = [r for r in self.rooms if self.state.get_room(r).state not in TERMINAL_STATES]
-        if not live:
+    @rule(skip_transfer=st.booleans(), decode_first=st.booleans())
+    def progress(self, skip_transfer: bool, decode_first: bool) -> None:
+        """Takes the newest routed room one step along the happy path."""
+        if not self.ids:
             return
-        room = self.state.get_room(live[-1])
-        p, d, rid = room.prefill_peer_id, room.decode_peer_id, room.room_id
-        pe, de = self._epoch(p, False), self._epoch(d, False)
-        if room.state == OPEN:
-            self._try(lambda: self.state.publish_source("", rid, p, pe, source()))
-        elif room.state == READY and not skip_transfer:
-            self._try(lambda: self.state.begin_transfer("", rid, d, de))
-        elif room.state in (READY, XFER):
-            self._try(lambda: self.state.complete_room("", rid, d, de))
-        elif release_prefill and not room.prefill_released:
-            self._try(lambda: self.state.release_room("", rid, types_pb2.ROLE_PREFILL, p, pe))
-        else:
-            self._try(lambda: self.state.release_room("", rid, types_pb2.ROLE_DECODE, d, de))
+        room_id = self.ids[-1]
+        p, d = self.pairs[room_id]
+        pair = Pair(p, self._epoch(p, False), d, self._epoch(d, False))
+        state = self.state._find(room_id)
+        if state is None:
+            opener = self.state.join_as_decode if decode_first else None
+            if opener is not None:
+                self._try(lambda: opener(room_id, pair))
+            else:
+                self._try(lambda: self.state.publish_source("", room_id, pair, source()))
+        elif state.state == OPEN:
+            self._try(lambda: self.state.publish_source("", room_id, pair, source()))
+        elif state.state == READY and not skip_transfer:
+            self._try(lambda: self.state.begin_transfer("", room_id, d, pair.decode_epoch))
+        elif state.state in (READY, XFER):
+            self._try(lambda: self.state.complete_room("", room_id, d, pair.decode_epoch))
 
-    @rule(data=st.data())
-    def publish(self, data: st.DataObject) -> None:
-        self._room_op(data, "publish")
-
-    @rule(data=st.data())
-    def begin(self, data: st.DataObject) -> None:
-        self._room_op(data, "begin")
-
-    @rule(data=st.data())
-    def complete(self, data: st.DataObject) -> None:
-        self._room_op(data, "complete")
-
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
-        self._room_op(data, "release")
-
-    @rule(data=st.data(), abort=st.booleans())
-    def abort_or_renew(self, data: st.DataObject, abort: bool) -> None:
-        self._room_op(data, "abort" if abort else "renew")
+    @rule(data=st.data(), op=st.sampled_from(["publish", "join", "begin", "complete", "abort"]))
+    def room_call(self, data: st.DataObject, op: str) -> None:
+        self._room_op(data, op)
 
     @rule(seconds=st.sampled_from([0.1, 0.6, 1.5, 4.5]), heartbeat=st.sampled_from([True, True, False]))
     def tick(self, seconds: float, heartbeat: bool) -> None:
         if heartbeat:
             for peer in ROLE:
-                self._try(lambda peer=peer: self.state.peers.heartbeat(peer, self._epoch(peer, False), None))
+                self._try(
+                    lambda peer=peer: self.state.peers.heartbeat("", peer, self._epoch(peer, False), None)
+                )
         self.clock.advance(seconds)
         self.state.sweep()
         now = self.clock()
-        for room_id in self.rooms:
-            room = self.state.get_room(room_id)
+        for room in self.state._rooms.values():
             # Every room ends within its lease: once swept, nothing lapsed is still live.
-            assert room.state in TERMINAL_STATES or room.expires_at > now
+            assert room.expires_at > now
+        for tomb in self.state._tombstones.values():
+            assert tomb.expires_at > now and tomb.state == ABORTED
 
     @invariant()
     def transitions_follow_the_lifecycle(self) -> None:
         for room_id, new in self.changes:
-            SEEN.add((self.last_state[room_id], new))
-            old = self.last_state[room_id]
+            old = self.last_state.get(room_id, NEW)
+            SEEN.add((old, new))
             assert old not in TERMINAL_STATES, f"room {room_id} left terminal state {old}"
             assert new in ALLOWED[old], f"room {room_id}: {old} -> {new}"
             self.last_state[room_id] = new
@@ -188,24 +184,25 @@ class DirectoryMachine(RuleBasedStateMachine):
     @invariant()
     def counters_add_up(self) -> None:
         stats = self.state.room_stats()
-        live = [r for r in self.state._rooms.values()]
-        assert stats.active == len(live) <= 6
-        assert stats.opened == len(self.rooms)
-        assert stats.opened == stats.active + stats.released + stats.aborted + stats.expired
-        assert sum(stats.by_state[s] for s in (*LIVE_STATES, DONE)) == stats.active
-        assert stats.completed >= stats.released
+        assert stats.active == len(self.state._rooms) <= 6
+        reported = set(self.last_state) | {room_id for room_id, _ in self.changes}
+        assert stats.opened == len(reported)  # tombstones are never counted as rooms
+        assert stats.opened == stats.active + stats.completed + stats.aborted + stats.expired
+        assert sum(stats.by_state[s] for s in LIVE_STATES) == stats.active
 
     @invariant()
-    def live_rooms_belong_to_current_epochs(self) -> None:
+    def live_rooms_keep_their_first_pair_at_current_epochs(self) -> None:
         peers = self.state.peers._peers
         for room in self.state._rooms.values():
-            for peer_id, epoch, released in (
-                (room.prefill_peer_id, room.prefill_epoch, room.prefill_released),
-                (room.decode_peer_id, room.decode_epoch, room.decode_released),
+            # The first opener's pair (normally the router's) sticks: a later caller cannot change it.
+            first = self.opened_pairs.setdefault(room.room_id, (room.prefill_peer_id, room.decode_peer_id))
+            assert (room.prefill_peer_id, room.decode_peer_id) == first
+            for peer_id, epoch in (
+                (room.prefill_peer_id, room.prefill_epoch),
+                (room.decode_peer_id, room.decode_epoch),
             ):
                 peer = peers.get(peer_id)
-                if room.state in LIVE_STATES or not released:
-                    assert peer is not None and peer.epoch == epoch and room.room_id in peer.rooms
+                assert peer is not None and peer.epoch == epoch and room.room_id in peer.rooms
 
 
 DirectoryMachine.TestCase.settings = settings(

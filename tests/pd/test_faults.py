@@ -9,14 +9,19 @@ import time
 
 import grpc
 import pytest
-from xavier.v1 import decode_service_pb2 as dec
 from xavier.v1 import decode_service_pb2_grpc as dec_grpc
-from xavier.v1 import prefill_service_pb2 as pre
 from xavier.v1 import prefill_service_pb2_grpc as pre_grpc
 from xavier.v1 import types_pb2
 
 from tests.pd.conftest import Mesh, mesh_stats, wait_drained
-from tests.support.pd_driver import open_room, pd_generate, peer, unified_generate
+from tests.support.pd_driver import (
+    decode_request,
+    new_room_id,
+    pd_generate,
+    peer,
+    prefill_request,
+    unified_generate,
+)
 from xavier_core.runtime.errors import from_rpc_error
 
 pytestmark = pytest.mark.integration
@@ -51,13 +56,10 @@ async def test_prefill_killed_mid_request(mesh: Mesh) -> None:
         grpc.aio.insecure_channel(mesh.directory) as d,
         grpc.aio.insecure_channel(mesh.procs["decode-0"].address) as c,
     ):
-        pp, dd = await peer(d, types_pb2.ROLE_PREFILL), await peer(d, types_pb2.ROLE_DECODE)
-        room = await open_room(d, pp, dd, toks)
+        pp = await peer(d, types_pb2.ROLE_PREFILL)
+        # The decode opens the room and waits there for a source that never comes.
         call = dec_grpc.DecodeServiceStub(c).Decode(
-            dec.DecodeRequest(
-                room_id=room.room_id, token_ids=toks, sampling=types_pb2.SamplingParams(max_tokens=4)
-            ),
-            timeout=30,
+            decode_request(new_room_id(), pp, toks, types_pb2.SamplingParams(max_tokens=4)), timeout=30
         )
 
         async def decode_holds_pages() -> bool:
@@ -90,13 +92,10 @@ async def test_decode_killed_prefill_unpins(mesh: Mesh) -> None:
         grpc.aio.insecure_channel(mesh.directory) as d,
         grpc.aio.insecure_channel(mesh.procs["prefill-0"].address) as p,
     ):
-        pp, dd = await peer(d, types_pb2.ROLE_PREFILL), await peer(d, types_pb2.ROLE_DECODE)
-        room = await open_room(d, pp, dd, toks)
+        dd = await peer(d, types_pb2.ROLE_DECODE)
+        # The prefill's publication opens the room; its decode never comes.
         resp = await pre_grpc.PrefillServiceStub(p).Prefill(
-            pre.PrefillRequest(
-                room_id=room.room_id, token_ids=toks, sampling=types_pb2.SamplingParams(max_tokens=4)
-            ),
-            timeout=30,
+            prefill_request(new_room_id(), dd, toks, types_pb2.SamplingParams(max_tokens=4)), timeout=30
         )
         assert resp.num_pages == 13
         assert (await mesh_stats(mesh))["prefill-0.pages_pinned"] >= 13
@@ -119,7 +118,7 @@ async def test_decode_killed_prefill_unpins(mesh: Mesh) -> None:
 
 
 async def test_old_epoch_is_rejected_after_restart(mesh: Mesh) -> None:
-    """A room opened with a peer's old epoch gets STALE_EPOCH after that peer restarted (I6)."""
+    """A room asked for with a peer's old epoch gets STALE_EPOCH after that peer restarted (I6)."""
     toks = prompt(20, 5)
     async with grpc.aio.insecure_channel(mesh.directory) as d:
         old_p = await peer(d, types_pb2.ROLE_PREFILL)
@@ -128,9 +127,13 @@ async def test_old_epoch_is_rejected_after_restart(mesh: Mesh) -> None:
         mesh.start_peer("prefill-0", "prefill")
         new_p = await peer(d, types_pb2.ROLE_PREFILL)
         assert new_p.epoch > old_p.epoch
-        dd = await peer(d, types_pb2.ROLE_DECODE)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await open_room(d, old_p, dd, toks)
+        async with grpc.aio.insecure_channel(mesh.procs["decode-0"].address) as c:
+            call = dec_grpc.DecodeServiceStub(c).Decode(
+                decode_request(new_room_id(), old_p, toks, types_pb2.SamplingParams(max_tokens=4)), timeout=10
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in call:
+                    pass
         assert from_rpc_error(info.value).reason == "STALE_EPOCH"
     async with grpc.aio.insecure_channel(mesh.procs["unified-0"].address) as u:
         assert await pd_once(mesh, toks) == await unified_generate(u, toks, 6)

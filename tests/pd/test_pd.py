@@ -9,12 +9,21 @@ import grpc
 import pytest
 from xavier.v1 import decode_service_pb2 as dec
 from xavier.v1 import decode_service_pb2_grpc as dec_grpc
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
 from xavier.v1 import prefill_service_pb2 as pre
 from xavier.v1 import prefill_service_pb2_grpc as pre_grpc
 from xavier.v1 import types_pb2
 
 from tests.pd.conftest import Mesh, wait_drained
-from tests.support.pd_driver import open_room, pd_generate, peer, unified_generate
+from tests.support.pd_driver import (
+    decode_request,
+    new_room_id,
+    pd_generate,
+    peer,
+    prefill_request,
+    unified_generate,
+)
 from xavier_core.runtime.errors import from_rpc_error
 
 pytestmark = pytest.mark.integration
@@ -36,7 +45,7 @@ class Channels:
         self.decode = grpc.aio.insecure_channel(mesh.procs["decode-0"].address)
         self.unified = grpc.aio.insecure_channel(mesh.procs["unified-0"].address)
 
-    async def peers(self) -> tuple[object, object]:
+    async def peers(self) -> tuple[dpb.Peer, dpb.Peer]:
         return await peer(self.directory, types_pb2.ROLE_PREFILL), await peer(
             self.directory, types_pb2.ROLE_DECODE
         )
@@ -110,19 +119,24 @@ async def test_bad_input_gets_clear_errors_and_leaks_nothing(mesh: Mesh) -> None
         prefill = pre_grpc.PrefillServiceStub(ch.prefill)
         decode = dec_grpc.DecodeServiceStub(ch.decode)
         sampling = types_pb2.SamplingParams(max_tokens=4)
-        room = await open_room(ch.directory, p, d, [5, 6, 7])
+        room_id = new_room_id()
         cases = [
             (
-                prefill.Prefill(pre.PrefillRequest(room_id=room.room_id, sampling=sampling), timeout=5),
-                "INVALID_ARGUMENT",
-            ),
-            (
-                prefill.Prefill(pre.PrefillRequest(room_id=0, token_ids=[1], sampling=sampling), timeout=5),
+                prefill.Prefill(
+                    pre.PrefillRequest(room_id=room_id, decode_peer_id=d.peer_id, sampling=sampling),
+                    timeout=5,
+                ),
                 "INVALID_ARGUMENT",
             ),
             (
                 prefill.Prefill(
-                    pre.PrefillRequest(room_id=room.room_id, token_ids=[1, 10**6], sampling=sampling),
+                    pre.PrefillRequest(room_id=room_id, token_ids=[1], sampling=sampling), timeout=5
+                ),
+                "INVALID_ARGUMENT",
+            ),
+            (
+                prefill.Prefill(
+                    pre.PrefillRequest(room_id=0, decode_peer_id=d.peer_id, token_ids=[1], sampling=sampling),
                     timeout=5,
                 ),
                 "INVALID_ARGUMENT",
@@ -130,7 +144,17 @@ async def test_bad_input_gets_clear_errors_and_leaks_nothing(mesh: Mesh) -> None
             (
                 prefill.Prefill(
                     pre.PrefillRequest(
-                        room_id=room.room_id,
+                        room_id=room_id, decode_peer_id=d.peer_id, token_ids=[1, 10**6], sampling=sampling
+                    ),
+                    timeout=5,
+                ),
+                "INVALID_ARGUMENT",
+            ),
+            (
+                prefill.Prefill(
+                    pre.PrefillRequest(
+                        room_id=room_id,
+                        decode_peer_id=d.peer_id,
                         token_ids=[1, 2],
                         sampling=types_pb2.SamplingParams(max_tokens=4, temperature=-1),
                     ),
@@ -145,15 +169,26 @@ async def test_bad_input_gets_clear_errors_and_leaks_nothing(mesh: Mesh) -> None
             err = from_rpc_error(info.value)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.reason == reason, err
-        # Decode of a room the directory never opened: ROOM_NOT_FOUND, and its reserved pages come back.
-        call = decode.Decode(
-            dec.DecodeRequest(room_id=(1 << 62) + 12345, token_ids=[1, 2, 3], sampling=sampling)
-        )
+        # Decode paired with a prefill the directory does not know: PEER_NOT_FOUND, and its reserved pages
+        # come back.
+        ghost = dpb.Peer(peer_id="prefill-ghost", epoch=1)
+        call = decode.Decode(decode_request(new_room_id(), ghost, [1, 2, 3], sampling), timeout=5)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for _ in call:
                 pass
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
-        assert from_rpc_error(info.value).reason == "ROOM_NOT_FOUND"
+        assert from_rpc_error(info.value).reason == "PEER_NOT_FOUND"
+        # A decode paired with the wrong prefill for an existing room: PAIR_MISMATCH.
+        taken = new_room_id()
+        await prefill.Prefill(prefill_request(taken, d, [5, 6, 7], sampling), timeout=5)
+        wrong = dpb.Peer(peer_id=p.peer_id, epoch=p.epoch + 1)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in decode.Decode(decode_request(taken, wrong, [5, 6, 7], sampling), timeout=5):
+                pass
+        assert from_rpc_error(info.value).reason == "PAIR_MISMATCH"
+        await dpb_grpc.DirectoryServiceStub(ch.directory).AbortRoom(
+            dpb.AbortRoomRequest(room_id=taken, cause=dpb.ROOM_END_CAUSE_ROUTER_ABORT), timeout=5
+        )
         # A unified-only RPC on a decode peer is refused by role.
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for _ in decode.GenerateUnified(dec.GenerateUnifiedRequest(token_ids=[1, 2]), timeout=5):
@@ -169,16 +204,17 @@ async def test_layout_mismatch_is_refused_naming_fields(mesh: Mesh) -> None:
     other = mesh.start_peer("prefill-pagesize32", "prefill", "--page-size", "32")
     ch = Channels(mesh)
     try:
-        _, d = await ch.peers()
-        from xavier.v1 import directory_service_pb2 as dpb
-        from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
-
         peers = await dpb_grpc.DirectoryServiceStub(ch.directory).ListPeers(
             dpb.ListPeersRequest(role=types_pb2.ROLE_PREFILL), timeout=5
         )
         odd = next(x for x in peers.peers if x.peer_id == "prefill-pagesize32")
+        sampling = types_pb2.SamplingParams(max_tokens=4)
+        call = dec_grpc.DecodeServiceStub(ch.decode).Decode(
+            decode_request(new_room_id(), odd, [1, 2, 3], sampling), timeout=5
+        )
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await open_room(ch.directory, odd, d, [1, 2, 3])
+            async for _ in call:
+                pass
         err = from_rpc_error(info.value)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert err.reason == "LAYOUT_MISMATCH"

@@ -9,19 +9,18 @@ restarted directory is reached again within about one heartbeat interval.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import timestamp_pb2
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
 from xavier.v1 import types_pb2
 
 from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.durations import to_duration, to_seconds
-from xavier_core.runtime.errors import Unavailable, from_rpc_error
+from xavier_core.runtime.errors import from_rpc_error
 from xavier_core.runtime.retry import retry_unavailable
 
 __all__ = ["TERMINAL_ROOM_STATES", "DirectoryClient", "Registration"]
@@ -30,7 +29,7 @@ T = TypeVar("T")
 _MAX_RETRY_BACKOFF = 2.0
 _LIST_PAGE_SIZE = 500
 
-TERMINAL_ROOM_STATES = frozenset({dpb.ROOM_STATE_RELEASED, dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED})
+TERMINAL_ROOM_STATES = frozenset({dpb.ROOM_STATE_COMPLETED, dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED})
 
 
 def _rid(request_id: str | None) -> str:
@@ -120,7 +119,7 @@ class DirectoryClient:
         self, peer_id: str, epoch: int, load: dpb.PeerLoad | None = None
     ) -> dpb.HeartbeatResponse:
         """Renews the peer's lease; ``must_register`` in the answer means register again."""
-        req = dpb.HeartbeatRequest(peer_id=peer_id, epoch=epoch, load=load)
+        req = dpb.HeartbeatRequest(request_id=uuid.uuid4().hex, peer_id=peer_id, epoch=epoch, load=load)
         return await self._call(self.stub.Heartbeat, req, retries=0)
 
     async def unregister_peer(self, peer_id: str, epoch: int, *, request_id: str | None = None) -> int:
@@ -155,46 +154,27 @@ class DirectoryClient:
 
     # --- rooms --------------------------------------------------------------------
 
-    async def open_room(
-        self,
-        prefill_peer_id: str,
-        prefill_epoch: int,
-        decode_peer_id: str,
-        decode_epoch: int,
-        *,
-        prompt_fingerprint: bytes = b"",
-        num_tokens: int = 0,
-        lease: float | None = None,
-        request_id: str | None = None,
-        room_id: int = 0,
-    ) -> dpb.Room:
-        """Opens a room between a prefill and a decode peer (at their current epochs)."""
-        req = dpb.OpenRoomRequest(
-            request_id=_rid(request_id),
-            prefill_peer_id=prefill_peer_id,
-            prefill_epoch=prefill_epoch,
-            decode_peer_id=decode_peer_id,
-            decode_epoch=decode_epoch,
-            prompt_fingerprint=prompt_fingerprint,
-            num_tokens=num_tokens,
-            lease=to_duration(lease) if lease is not None else None,
-            room_id=room_id,
-        )
-        resp: dpb.OpenRoomResponse = await self._call(self.stub.OpenRoom, req)
-        return resp.room
-
     async def publish_source(
         self,
         room_id: int,
-        peer_id: str,
-        epoch: int,
+        prefill: tuple[str, int],
+        decode: tuple[str, int],
         source: dpb.SourceDescriptor,
         *,
         request_id: str | None = None,
     ) -> dpb.Room:
-        """Prefill: the source pages are ready (OPEN → SOURCE_READY)."""
+        """Prefill: the source pages are ready; opens the room for the (peer id, epoch) pair or adopts it.
+
+        A room that already ended comes back as it ended (check ``state``): nobody will read the source.
+        """
         req = dpb.PublishSourceRequest(
-            request_id=_rid(request_id), room_id=room_id, peer_id=peer_id, epoch=epoch, source=source
+            request_id=_rid(request_id),
+            room_id=room_id,
+            prefill_peer_id=prefill[0],
+            prefill_epoch=prefill[1],
+            decode_peer_id=decode[0],
+            decode_epoch=decode[1],
+            source=source,
         )
         resp: dpb.PublishSourceResponse = await self._call(self.stub.PublishSource, req)
         return resp.room
@@ -202,29 +182,34 @@ class DirectoryClient:
     async def begin_transfer(
         self,
         room_id: int,
-        peer_id: str,
-        epoch: int,
+        prefill: tuple[str, int],
+        decode: tuple[str, int],
         *,
         request_id: str | None = None,
         wait_for_source: float | None = None,
-    ) -> dpb.Room:
+        source_endpoint_cached: bool = False,
+    ) -> dpb.BeginTransferResponse:
         """Decode: the read starts (SOURCE_READY → TRANSFERRING).
 
-        With ``wait_for_source`` (seconds) an OPEN room is first waited on, in the directory, until the
-        prefill publishes or the room ends; an ended room comes back as it ended (check ``state``).
+        With ``wait_for_source`` (seconds) the room is opened for the pair when the prefill has not yet,
+        and waited on, in the directory, until the prefill publishes or the room ends; an ended room
+        comes back as it ended (check ``room.state``). The answer carries the prefill's transfer endpoint
+        unless ``source_endpoint_cached``.
         """
-        rid = _rid(request_id)
         req = dpb.BeginTransferRequest(
-            request_id=rid,
+            request_id=_rid(request_id),
             room_id=room_id,
-            peer_id=peer_id,
-            epoch=epoch,
+            prefill_peer_id=prefill[0],
+            prefill_epoch=prefill[1],
+            decode_peer_id=decode[0],
+            decode_epoch=decode[1],
             wait_for_source=wait_for_source is not None,
+            source_endpoint_cached=source_endpoint_cached,
         )
         resp: dpb.BeginTransferResponse = await self._call(
             self.stub.BeginTransfer, req, timeout=wait_for_source
         )
-        return resp.room
+        return resp
 
     async def complete_room(
         self,
@@ -235,9 +220,8 @@ class DirectoryClient:
         bytes_transferred: int = 0,
         transfer_seconds: float = 0.0,
         request_id: str | None = None,
-        release: bool = False,
     ) -> dpb.Room:
-        """Decode: every page arrived (→ COMPLETED, retention lease starts; with ``release`` → RELEASED)."""
+        """Decode: every page arrived; the room ends COMPLETED."""
         req = dpb.CompleteRoomRequest(
             request_id=_rid(request_id),
             room_id=room_id,
@@ -245,59 +229,28 @@ class DirectoryClient:
             epoch=epoch,
             bytes_transferred=bytes_transferred,
             transfer_duration=to_duration(transfer_seconds),
-            release=release,
         )
         resp: dpb.CompleteRoomResponse = await self._call(self.stub.CompleteRoom, req)
-        return resp.room
-
-    async def renew_lease(
-        self, room_id: int, peer_id: str, epoch: int, lease: float | None = None
-    ) -> timestamp_pb2.Timestamp:
-        """Extends a live or completed room's lease; returns the new expiry."""
-        duration = to_duration(lease) if lease is not None else None
-        req = dpb.RenewLeaseRequest(room_id=room_id, peer_id=peer_id, epoch=epoch, lease=duration)
-        resp: dpb.RenewLeaseResponse = await self._call(self.stub.RenewLease, req)
-        expires: timestamp_pb2.Timestamp = resp.lease_expires_at
-        return expires
-
-    async def release_room(
-        self,
-        room_id: int,
-        role: types_pb2.Role.ValueType,
-        peer_id: str,
-        epoch: int,
-        *,
-        request_id: str | None = None,
-    ) -> dpb.Room:
-        """Releases ``role``'s hold; before completion this aborts the room."""
-        req = dpb.ReleaseRoomRequest(
-            request_id=_rid(request_id),
-            room_id=room_id,
-            role=role,
-            peer_id=peer_id,
-            epoch=epoch,
-        )
-        resp: dpb.ReleaseRoomResponse = await self._call(self.stub.ReleaseRoom, req)
         return resp.room
 
     async def abort_room(
         self,
         room_id: int,
-        reason: str,
+        cause: dpb.RoomEndCause.ValueType,
+        detail: str = "",
         peer_id: str = "",
         epoch: int = 0,
         *,
         request_id: str | None = None,
-        no_read: bool = False,
     ) -> dpb.Room:
-        """Ends a room (``peer_id`` empty: as the router); ``no_read``: the decode never posted a read."""
+        """Ends a room (``peer_id`` empty: as the router); an id not yet opened is recorded as aborted."""
         req = dpb.AbortRoomRequest(
             request_id=_rid(request_id),
             room_id=room_id,
-            reason=reason,
+            cause=cause,
+            detail=detail,
             peer_id=peer_id,
             epoch=epoch,
-            no_read=no_read,
         )
         resp: dpb.AbortRoomResponse = await self._call(self.stub.AbortRoom, req)
         return resp.room
@@ -311,13 +264,6 @@ class DirectoryClient:
         """Room and peer counters."""
         return await self._call(self.stub.GetDirectoryStats, dpb.GetDirectoryStatsRequest())
 
-    async def watch_room(self, room_id: int, *, timeout: float | None = None) -> AsyncIterator[dpb.Room]:
-        """Yields the room now and after each state change; ends after a terminal state."""
-        req = dpb.WatchRoomRequest(room_id=room_id)
-        call = self.stub.WatchRoom(req, timeout=timeout or self.watch_timeout)
-        async for msg in _typed_stream(call):
-            yield msg.room
-
     async def watch_peer_rooms(
         self, peer_id: str, epoch: int, *, timeout: float | None = None
     ) -> AsyncIterator[list[dpb.Room]]:
@@ -326,15 +272,6 @@ class DirectoryClient:
         call = self.stub.WatchPeerRooms(req, timeout=timeout)
         async for msg in _typed_stream(call):
             yield list(msg.rooms)
-
-    async def wait_for_state(
-        self, room_id: int, states: Collection[int], *, timeout: float | None = None
-    ) -> dpb.Room:
-        """The room once it reaches one of ``states`` or a terminal state, whichever comes first."""
-        async for room in self.watch_room(room_id, timeout=timeout):
-            if room.state in states or room.state in TERMINAL_ROOM_STATES:
-                return room
-        raise Unavailable(f"watch of room {room_id} ended early", reason="WATCH_ENDED", room_id=room_id)
 
 
 async def _typed_stream(call: Any) -> AsyncIterator[Any]:

@@ -148,21 +148,24 @@ class KvPort:
     # -- source side --------------------------------------------------------------------------------------
 
     async def publish(
-        self, room_id: int, page_ids: Sequence[int], aux: bytes, fingerprint: str, host_id: str
+        self, room_id: int, page_ids: Sequence[int], fingerprint: str
     ) -> directory_service_pb2.SourceDescriptor:
         """Registers a room's source pages; the returned descriptor goes into PublishSource. The reader
-        must report the read's end (its NIXL notification) or `unpublish` ends the room."""
+        must report the read's end (its NIXL notification) or `unpublish` ends the room.
+
+        The descriptor leaves out this peer's endpoint: readers have it from the directory, once per epoch.
+        """
 
         def _send() -> tuple[KvSender, SourceInfo]:
             sender = KvSender(self.manager, str(room_id))
-            sender.init(len(page_ids), aux)
+            sender.init(len(page_ids), b"")
             info = sender.send(list(page_ids))
             self._senders[room_id] = sender
             return sender, info
 
         sender, info = await self._run(_send)
         self._published[room_id] = _Published(sender)
-        return info.to_proto(fingerprint, self.endpoint(host_id))
+        return info.to_proto(fingerprint)
 
     async def wait_read_end(self, room_id: int, timeout: float) -> str:
         """Waits until the reader of a room reports done or failed; "" on timeout or unknown room."""
@@ -206,13 +209,14 @@ class KvPort:
         self,
         room_id: int,
         source: directory_service_pb2.SourceDescriptor,
+        endpoint: types_pb2.TransferEndpoint,
         peer: str,
         dest_pages: Sequence[int],
         timeout: float,
         park_timeout: float,
     ) -> tuple[int, float]:
-        """Reads the source pages into `dest_pages`; returns (bytes, seconds). `peer` is the source's
-        `peer_key(peer_id, epoch)`: a newer epoch of the same peer replaces the cached older one.
+        """Reads the source pages (at `endpoint`) into `dest_pages`; returns (bytes, seconds). `peer` is the
+        source's `peer_key(peer_id, epoch)`: a newer epoch of the same peer replaces the cached older one.
 
         If cancelled or timed out while the read is in flight, this waits (bounded by `timeout`) until the
         NIXL handle is no longer in progress before returning, so the caller may free the pages (I1).
@@ -222,14 +226,13 @@ class KvPort:
                 f"source has {source.num_pages} pages, the reader reserved {len(dest_pages)}",
                 reason="PAGE_COUNT_MISMATCH",
             )
-        ep = source.endpoint
-        if len(ep.regions) != len(self._buffers):
+        if len(endpoint.regions) != len(self._buffers):
             raise LayoutMismatch(
-                f"source has {len(ep.regions)} KV buffers, the reader has {len(self._buffers)}",
+                f"source has {len(endpoint.regions)} KV buffers, the reader has {len(self._buffers)}",
                 fields="num_buffers",
             )
         try:
-            info = SourceInfo.from_proto(source)
+            info = SourceInfo.from_proto(source, endpoint)
         except InvalidSourceError as err:
             raise FailedPrecondition(f"bad source descriptor: {err}", reason="INVALID_SOURCE") from None
         receiver = KvReceiver(self.manager, str(room_id))
@@ -262,7 +265,7 @@ class KvPort:
         except BaseException:
             await asyncio.shield(self._run(_forget))
             if not posted:
-                await asyncio.shield(self.decline(room_id, source, peer))
+                await asyncio.shield(self.decline(room_id, source.read_token, endpoint, peer))
             await asyncio.shield(self._quiesce(receiver, park_timeout))
             raise
         elapsed = time.perf_counter() - started
@@ -273,14 +276,16 @@ class KvPort:
         await self._run(receiver.clear)
         return nbytes, elapsed
 
-    async def decline(self, room_id: int, source: directory_service_pb2.SourceDescriptor, peer: str) -> None:
+    async def decline(
+        self, room_id: int, read_token: str, endpoint: types_pb2.TransferEndpoint, peer: str
+    ) -> None:
         """Tells a room's source that no read will come (the room began, the read never started), so
         the source unpins at once instead of parking its pages until the park timeout."""
 
         def _send() -> None:
             try:
-                self.agent.add_peer(peer, source.endpoint.agent_metadata)
-                self.agent.send_notif(peer, fail_notif(str(room_id), source.read_token))
+                self.agent.add_peer(peer, endpoint.agent_metadata)
+                self.agent.send_notif(peer, fail_notif(str(room_id), read_token))
                 self._flush_notifs()
             except TransferError as err:
                 log.info("decline not delivered", room_id=room_id, error=str(err))

@@ -18,7 +18,6 @@ from xavier_core.transfer.runs import PageRun, runs_to_pages
 MAX_METADATA_BYTES = 1 << 20
 MAX_BUFFERS = 4096
 MAX_RUNS = 1 << 20
-MAX_AUX_BYTES = 64 << 10
 MAX_NAME_CHARS = 256
 MAX_TOKEN_CHARS = 128
 MAX_DEVICE_CHARS = 32
@@ -26,7 +25,8 @@ MAX_DEVICE_CHARS = 32
 
 @dataclass(frozen=True)
 class SourceInfo:
-    """A published source: the NIXL endpoint, its KV buffers, the pages (as runs) and the aux bytes."""
+    """A published source: the NIXL endpoint, its KV buffers, the pages (as runs), and aux bytes that
+    stay in process (the network form, `SourceDescriptor`, carries none)."""
 
     agent_name: str
     metadata: bytes
@@ -42,30 +42,25 @@ class SourceInfo:
     def page_ids(self) -> npt.NDArray[np.int64]:
         return runs_to_pages(self.runs)
 
-    def to_proto(
-        self, fingerprint: str = "", endpoint: types_pb2.TransferEndpoint | None = None
-    ) -> dpb.SourceDescriptor:
-        """The descriptor a source hands to the directory (PublishSource). `endpoint`: the agent's
-        endpoint message when the caller keeps one built (it must describe this agent and buffers)."""
+    def to_proto(self, fingerprint: str = "") -> dpb.SourceDescriptor:
+        """The descriptor a source hands to the directory (PublishSource). It names pages, not memory:
+        readers get the source's endpoint once per peer epoch, apart from any one room."""
         return dpb.SourceDescriptor(
-            endpoint=endpoint or endpoint_proto(self.agent_name, self.metadata, self.buffers),
             page_runs=[types_pb2.PageRun(first_page=r.first, count=r.count) for r in self.runs],
             num_pages=self.num_pages,
             contract_fingerprint=fingerprint,
-            aux=self.aux,
             read_token=self.token,
         )
 
     @classmethod
-    def from_proto(cls, source: dpb.SourceDescriptor) -> SourceInfo:
-        """Validates a descriptor from the network; `InvalidSourceError` names the bad field."""
-        ep = source.endpoint
+    def from_proto(cls, source: dpb.SourceDescriptor, endpoint: types_pb2.TransferEndpoint) -> SourceInfo:
+        """Validates a descriptor and its source's endpoint from the network; `InvalidSourceError` names
+        the bad field."""
+        ep = endpoint
         _limit(len(ep.agent_name), MAX_NAME_CHARS, "endpoint.agent_name")
         _limit(len(ep.agent_metadata), MAX_METADATA_BYTES, "endpoint.agent_metadata")
         _limit(len(ep.regions), MAX_BUFFERS, "endpoint.regions")
         _limit(len(source.page_runs), MAX_RUNS, "page_runs")
-        if len(source.aux) > MAX_AUX_BYTES:
-            raise InvalidSourceError(f"aux: {len(source.aux)} bytes exceed the limit of {MAX_AUX_BYTES}")
         token = source.read_token
         if len(token) > MAX_TOKEN_CHARS or ":" in token:
             raise InvalidSourceError("read_token: expected a short string without ':'")
@@ -77,7 +72,7 @@ class SourceInfo:
             runs = tuple(PageRun(r.first_page, r.count) for r in source.page_runs)
         except InvalidPagesError as exc:
             raise InvalidSourceError(f"page_runs: malformed entry ({exc})") from exc
-        return cls(ep.agent_name, ep.agent_metadata, buffers, runs, source.aux, token)
+        return cls(ep.agent_name, ep.agent_metadata, buffers, runs, b"", token)
 
 
 def endpoint_proto(

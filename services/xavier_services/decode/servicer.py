@@ -1,9 +1,11 @@
 """DecodeService: pulls a room's prompt KV into pages reserved up front and streams the answer.
 
-Roles: `decode` serves Decode (P/D); `unified` serves GenerateUnified (colocated). Destination pages are
-reserved before the source exists (while the prefill runs), so the read starts the moment the room turns
-SOURCE_READY. A read that may still be writing into the pages keeps them reserved until the NIXL handle is
-no longer in progress (invariant I1); only then are they returned to the engine.
+Roles: `decode` serves Decode (P/D); `unified` serves GenerateUnified (colocated). The router calls
+Decode with the first token the prefill returned; destination pages are reserved at once and BeginTransfer
+opens the room for the pair (or adopts the one the prefill's publication opened), so the read starts the
+moment the room turns SOURCE_READY. The prefill's transfer endpoint comes from the directory once per
+prefill epoch and is cached here. A read that may still be writing into the pages keeps them reserved until
+the NIXL handle is no longer in progress (invariant I1); only then are they returned to the engine.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from xavier_core.runtime.durations import to_duration
 from xavier_core.runtime.errors import (
     Aborted,
     FailedPrecondition,
+    InvalidArgument,
     LayoutMismatch,
     LeaseExpired,
     Unavailable,
@@ -32,6 +35,11 @@ from xavier_core.transfer.peers import peer_key
 from xavier_services.peer.convert import check_prompt, check_room_id, finish_to_pb, sampling_from_pb
 from xavier_services.peer.host import PeerHost
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
+
+# Room endings that mean a peer went away (retry elsewhere), not that the request was given up.
+_PEER_CAUSES = frozenset((dpb.ROOM_END_CAUSE_PEER_LOST, dpb.ROOM_END_CAUSE_SHUTDOWN))
+_ENDPOINT_CACHE = 256
+"""Prefill endpoints (one per peer epoch) cached; a mesh has far fewer prefill peers than this."""
 
 
 def _delta(ev: StreamEvent) -> pb.TokenDelta:
@@ -45,6 +53,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         self.host = host
         # engine request id -> (room id, 0 for unified requests; client request id)
         self._live: dict[str, tuple[int, str]] = {}
+        # (prefill peer id, epoch) -> its transfer endpoint, fixed for the epoch (oldest first).
+        self._endpoints: dict[tuple[str, int], types_pb2.TransferEndpoint] = {}
         register_peer_metrics(
             PeerCollector(
                 "decode" if host.role == types_pb2.ROLE_DECODE else "unified",
@@ -63,20 +73,25 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         if host.role != types_pb2.ROLE_DECODE:
             raise FailedPrecondition("this replica is unified: use GenerateUnified", reason="WRONG_ROLE")
         check_room_id(request.room_id)
+        if not request.prefill_peer_id:
+            raise InvalidArgument("prefill_peer_id is required", field="prefill_peer_id")
         token_ids = list(request.token_ids)
         check_prompt(token_ids, host.engine.max_context, host.vocab_size)
         sampling = sampling_from_pb(request.sampling)
         rid = f"decode-{request.room_id}"
         if rid in self._live:
             raise FailedPrecondition(f"room {request.room_id} is already decoding here", reason="ROOM_BUSY")
+        source_key = (request.prefill_peer_id, request.prefill_epoch)
         started = time.perf_counter()
         pages = host.engine.reserve_pages(rid, len(token_ids))
         self._live[rid] = (request.room_id, request.request_id)
         completed = False
         begun: dpb.Room | None = None  # the room, once this decode moved it to TRANSFERRING
+        endpoint: types_pb2.TransferEndpoint | None = None
         pulling = False
         try:
-            room = begun = await self._begin(request.room_id, rid)
+            room, endpoint = await self._begin(request.room_id, source_key, rid)
+            begun = room
             src = room.source
             if src.contract_fingerprint != host.fingerprint:
                 raise LayoutMismatch(
@@ -90,13 +105,14 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
             nbytes, transfer_s = await host.kv.pull(
                 request.room_id,
                 src,
-                peer_key(room.prefill_peer_id, room.prefill_epoch),
+                endpoint,
+                peer_key(*source_key),
                 pages,
                 handoff.transfer_timeout_seconds,
                 handoff.park_timeout_seconds,
             )
-            # The room's work is done once the pages are here: completing it releases it as well, so the
-            # decode neither renews nor releases it while it streams the answer.
+            # The room's work is done once the pages are here: completing it ends it, so the decode
+            # keeps nothing in the directory while it streams the answer.
             await host.dir.complete_room(
                 request.room_id,
                 host.peer_id,
@@ -104,7 +120,6 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 bytes_transferred=nbytes,
                 transfer_seconds=transfer_s,
                 request_id=f"{rid}-complete",
-                release=True,
             )
             completed = True
             digest = b""
@@ -112,33 +127,51 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 data = await asyncio.to_thread(host.engine.read_pages, pages)
                 digest = hashlib.sha256(data).digest()
             events = host.engine.decode_from_pages(
-                rid, token_ids, src.first_token, src.first_logprob, sampling
+                rid, token_ids, request.first_token, request.first_logprob, sampling
             )
             async for msg in self._stream(events, len(token_ids), started, transfer_s):
                 if digest:
                     msg.kv_digest, digest = digest, b""
                 yield msg
         finally:
-            if begun is not None and not pulling:
-                key = peer_key(begun.prefill_peer_id, begun.prefill_epoch)
-                decline = host.kv.decline(request.room_id, begun.source, key)
+            if begun is not None and endpoint is not None and not pulling:
+                decline = host.kv.decline(
+                    request.room_id, begun.source.read_token, endpoint, peer_key(*source_key)
+                )
                 await asyncio.shield(decline)
             await asyncio.shield(self._finish(rid, request.room_id, completed, read_posted=pulling))
 
-    async def _begin(self, room_id: int, rid: str) -> dpb.Room:
-        """Waits in the directory for the source, then moves the room to TRANSFERRING, in one call."""
+    async def _begin(
+        self, room_id: int, source: tuple[str, int], rid: str
+    ) -> tuple[dpb.Room, types_pb2.TransferEndpoint]:
+        """Opens or adopts the room, waits in the directory for the source, then moves the room to
+        TRANSFERRING, in one call; returns the room and the source's endpoint (cached per epoch)."""
         host = self.host
         lease = host.config.handoff.room_lease_seconds
-        room = await host.dir.begin_transfer(
-            room_id, host.peer_id, host.epoch, request_id=f"{rid}-begin", wait_for_source=lease
+        cached = self._endpoints.get(source)
+        resp = await host.dir.begin_transfer(
+            room_id,
+            source,
+            (host.peer_id, host.epoch),
+            request_id=f"{rid}-begin",
+            wait_for_source=lease,
+            source_endpoint_cached=cached is not None,
         )
-        if room.state == dpb.ROOM_STATE_EXPIRED:
-            raise LeaseExpired(f"room {room_id} expired before its source was ready", room_id=str(room_id))
-        if room.state in TERMINAL_ROOM_STATES and room.end_reason.startswith("peer "):
-            raise Unavailable(f"room {room_id} ended: {room.end_reason}", reason="PEER_UNAVAILABLE")
+        room = resp.room
         if room.state in TERMINAL_ROOM_STATES:
-            raise Aborted(f"room {room_id} ended: {room.end_reason or 'aborted'}", room_id=str(room_id))
-        return room
+            detail = room.end_detail or dpb.RoomEndCause.Name(room.end_cause)
+            if room.end_cause == dpb.ROOM_END_CAUSE_LEASE_EXPIRED:
+                raise LeaseExpired(
+                    f"room {room_id} expired before its source was ready", room_id=str(room_id)
+                )
+            if room.end_cause in _PEER_CAUSES:
+                raise Unavailable(f"room {room_id} ended: {detail}", reason="PEER_UNAVAILABLE")
+            raise Aborted(f"room {room_id} ended: {detail}", room_id=str(room_id))
+        if cached is None:
+            cached = self._endpoints[source] = resp.source_endpoint
+            while len(self._endpoints) > _ENDPOINT_CACHE:
+                del self._endpoints[next(iter(self._endpoints))]
+        return room, cached
 
     async def _finish(self, rid: str, room_id: int, completed: bool, read_posted: bool) -> None:
         host = self.host
@@ -148,7 +181,10 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         if not completed:
             # Without a posted read this decode never touched the source: say so, so the prefill unpins
             # at once even if this decode's BeginTransfer was applied but its answer never arrived.
-            await host.abort_room(room_id, "decode failed or was cancelled", no_read=not read_posted)
+            if read_posted:
+                await host.abort_room(room_id, dpb.ROOM_END_CAUSE_DECODE_FAILED, "decode failed or cancelled")
+            else:
+                await host.abort_room(room_id, dpb.ROOM_END_CAUSE_DECODE_DECLINED, "decode never read")
 
     async def _stream(
         self, events: AsyncIterator[StreamEvent], prompt_tokens: int, started: float, transfer_s: float
@@ -156,7 +192,9 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         n = 0
         async for ev in events:
             n += 1
-            msg = pb.DecodeResponse(delta=_delta(ev))
+            if n == 1 and ev.finish is None:
+                continue  # the first token: the router already sent it (its text came from the prefill)
+            msg = pb.DecodeResponse(delta=_delta(ev) if n > 1 else pb.TokenDelta())
             if ev.finish is not None:
                 msg.finish_reason = finish_to_pb(ev.finish)
                 msg.usage.CopyFrom(types_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=n))
@@ -204,16 +242,6 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         finally:
             self._live.pop(rid, None)
             await asyncio.shield(host.engine.abort(rid))
-
-    async def AbortDecode(
-        self,
-        request: pb.AbortDecodeRequest,
-        context: grpc.aio.ServicerContext[pb.AbortDecodeRequest, pb.AbortDecodeResponse],
-    ) -> pb.AbortDecodeResponse:
-        rids = [rid for rid, (_, client) in self._live.items() if request.request_id in (rid, client)]
-        for rid in rids:
-            await self.host.engine.abort(rid)
-        return pb.AbortDecodeResponse(found=bool(rids))
 
     async def GetDecodeStats(
         self,

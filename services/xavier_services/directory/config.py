@@ -18,11 +18,8 @@ class DirectorySettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     room_lease_seconds: float = Field(default=30.0, gt=0.0, le=86400.0)
-    """Default lease of an open room; a room not completed within it expires."""
-    max_room_lease_seconds: float = Field(default=600.0, gt=0.0, le=86400.0)
-    """Largest lease a caller may ask for in OpenRoom / RenewLease."""
-    completed_retention_seconds: float = Field(default=60.0, gt=0.0, le=86400.0)
-    """How long a completed room stays unless both roles release it first (renewable)."""
+    """Lease of a room from its opening; a room not completed within it expires. Tombstones of ids
+    aborted before anyone opened them are kept this long."""
     peer_lease_seconds: float = Field(default=10.0, gt=0.0, le=3600.0)
     """A peer that does not heartbeat within this is dead; its live rooms are aborted."""
     heartbeat_interval_seconds: float = Field(default=2.0, gt=0.0, le=3600.0)
@@ -30,11 +27,12 @@ class DirectorySettings(BaseModel):
     sweep_interval_seconds: float = Field(default=0.25, gt=0.0, le=60.0)
     """How often the sweeper ends lapsed rooms and peers (calls also check leases lazily)."""
     max_rooms: int = Field(default=65536, ge=1, le=10_000_000)
-    """Live rooms (open, source ready, transferring, completed) before CAPACITY_EXHAUSTED."""
+    """Live rooms (open, source ready, transferring) before CAPACITY_EXHAUSTED; also the bound on
+    tombstones."""
     max_peers: int = Field(default=4096, ge=1, le=1_000_000)
     """Registered peers before CAPACITY_EXHAUSTED."""
     max_watchers_per_room: int = Field(default=8, ge=1, le=1024)
-    """Concurrent WatchRoom streams (and waiting BeginTransfer calls) per room, and feeds per peer."""
+    """Waiting BeginTransfer calls per room, and WatchPeerRooms feeds per peer."""
     max_feed_batch: int = Field(default=256, ge=1, le=65536)
     """Room changes one WatchPeerRooms message carries at most."""
     max_page_runs: int = Field(default=16384, ge=1, le=1_000_000)
@@ -43,8 +41,6 @@ class DirectorySettings(BaseModel):
     """Memory regions in one transfer endpoint."""
     max_metadata_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)
     """NIXL agent metadata bytes in one transfer endpoint."""
-    max_aux_bytes: int = Field(default=4096, ge=0, le=1 << 20)
-    """Auxiliary bytes in one published source."""
     list_page_size: int = Field(default=100, ge=1, le=1000)
     """ListPeers page size when the request gives none."""
     max_list_page_size: int = Field(default=1000, ge=1, le=100_000)
@@ -52,7 +48,7 @@ class DirectorySettings(BaseModel):
     request_ids_per_room: int = Field(default=8, ge=1, le=1024)
     """Recent request ids remembered per room for idempotent retries."""
     idempotency_entries: int = Field(default=65536, ge=16, le=10_000_000)
-    """Recent OpenRoom / RegisterPeer request ids remembered for idempotent retries."""
+    """Recent RegisterPeer request ids remembered for idempotent retries."""
     ended_rooms_retained: int = Field(default=16384, ge=0, le=10_000_000)
     """Ended rooms kept (without their page runs) so late calls see the end state, not NOT_FOUND."""
 
@@ -63,8 +59,6 @@ class DirectorySettings(BaseModel):
                 "heartbeat_interval_seconds must be at most half of peer_lease_seconds "
                 f"({self.heartbeat_interval_seconds} vs {self.peer_lease_seconds})"
             )
-        if self.room_lease_seconds > self.max_room_lease_seconds:
-            raise ValueError("room_lease_seconds must not exceed max_room_lease_seconds")
         if self.list_page_size > self.max_list_page_size:
             raise ValueError("list_page_size must not exceed max_list_page_size")
         return self

@@ -120,8 +120,15 @@ class PeerTable:
                 self._register_ids.popitem(last=False)
         return peer
 
-    def heartbeat(self, peer_id: str, epoch: int, load: types_pb2.PeerLoad | None) -> PeerRecord | None:
-        """Renews the lease; None when the directory does not know this peer (it must register)."""
+    def heartbeat(
+        self, request_id: str, peer_id: str, epoch: int, load: types_pb2.PeerLoad | None
+    ) -> PeerRecord | None:
+        """Renews the lease; None when the directory does not know this peer (it must register).
+
+        A heartbeat is idempotent by nature (a repeat renews the same lease), so its request id is only
+        checked, not remembered.
+        """
+        check_request_id(request_id)
         check_peer_id(peer_id)
         peer = self.get(peer_id)
         if peer is None or epoch > peer.epoch:

@@ -24,13 +24,12 @@ OPEN = dpb.ROOM_STATE_OPEN
 SOURCE_READY = dpb.ROOM_STATE_SOURCE_READY
 TRANSFERRING = dpb.ROOM_STATE_TRANSFERRING
 COMPLETED = dpb.ROOM_STATE_COMPLETED
-RELEASED = dpb.ROOM_STATE_RELEASED
 ABORTED = dpb.ROOM_STATE_ABORTED
 EXPIRED = dpb.ROOM_STATE_EXPIRED
 
 LIVE_STATES = frozenset({OPEN, SOURCE_READY, TRANSFERRING})
 """States in which the handoff is still in progress (aborted when a peer dies)."""
-TERMINAL_STATES = frozenset({RELEASED, ABORTED, EXPIRED})
+TERMINAL_STATES = frozenset({COMPLETED, ABORTED, EXPIRED})
 """States a room never leaves."""
 
 
@@ -49,12 +48,15 @@ class PeerRecord:
     expires_at: float
     load: types_pb2.PeerLoad | None = None
     rooms: set[int] = field(default_factory=set)
-    """Ids of this peer's rooms that are not terminal (live or completed)."""
+    """Ids of this peer's live rooms."""
 
 
 @dataclass(slots=True, eq=False)
 class RoomRecord:
-    """One room. ``expires_at`` is on the directory's monotonic clock."""
+    """One room (or the tombstone of an id aborted before anyone opened it: no members).
+
+    ``expires_at`` is on the directory's monotonic clock.
+    """
 
     room_id: int
     state: int
@@ -62,13 +64,10 @@ class RoomRecord:
     prefill_epoch: int
     decode_peer_id: str
     decode_epoch: int
-    prompt_fingerprint: bytes
-    num_tokens: int
     expires_at: float
     source: dpb.SourceDescriptor | None = None
-    end_reason: str = ""
-    prefill_released: bool = False
-    decode_released: bool = False
+    end_cause: int = dpb.ROOM_END_CAUSE_UNSPECIFIED
+    end_detail: str = ""
     read_declined: bool = False
     request_ids: dict[str, None] | None = None
     """Recent mutating request ids (insertion-ordered, bounded) for idempotent retries."""
@@ -109,12 +108,9 @@ def room_to_proto(
         prefill_epoch=room.prefill_epoch,
         decode_peer_id=room.decode_peer_id,
         decode_epoch=room.decode_epoch,
-        prompt_fingerprint=room.prompt_fingerprint,
-        num_tokens=room.num_tokens,
         lease_expires_at=timestamp(room.expires_at + wall_offset),
-        end_reason=room.end_reason,
-        prefill_released=room.prefill_released,
-        decode_released=room.decode_released,
+        end_cause=room.end_cause,
+        end_detail=room.end_detail,
         read_declined=room.read_declined,
     )
     if with_source and room.source is not None:

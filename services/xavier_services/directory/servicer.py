@@ -1,8 +1,9 @@
 """``xavier.v1.DirectoryService`` over the state machine.
 
 Handlers are thin: convert the request, call :class:`DirectoryState`, convert the answer. Domain errors
-propagate as typed exceptions and the runtime interceptor turns them into rich statuses. Watchers wait on
-a per-watcher queue that the state machine's listener fills on every state change, so nothing polls.
+propagate as typed exceptions and the runtime interceptor turns them into rich statuses. Peer feeds wait
+on a per-feed queue, and BeginTransfer calls waiting for a source on a future, that the state machine's
+listener fills on every state change, so nothing polls.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import duration_pb2
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
 from xavier.v1 import types_pb2
 
-from xavier_core.runtime.durations import to_duration, to_seconds
+from xavier_core.runtime.durations import to_duration
 from xavier_core.runtime.errors import CapacityExhausted, InvalidArgument, Unavailable
 from xavier_services.directory.config import DirectorySettings
 from xavier_services.directory.records import (
@@ -31,19 +31,12 @@ from xavier_services.directory.records import (
     room_to_proto,
     timestamp,
 )
-from xavier_services.directory.state import DirectoryState
+from xavier_services.directory.state import DirectoryState, Pair
 
 __all__ = ["SERVICE_NAME", "DirectoryServicer"]
 
 SERVICE_NAME = dpb.DESCRIPTOR.services_by_name["DirectoryService"].full_name
 Ctx = Any  # grpc.aio.ServicerContext; typed loosely to keep handler signatures short
-
-
-def _seconds(msg: duration_pb2.Duration) -> float:
-    value = to_seconds(msg)
-    if value <= 0:
-        raise InvalidArgument(f"duration must be positive, got {value}s", field="lease")
-    return value
 
 
 K = TypeVar("K")
@@ -75,7 +68,6 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         self.state = state if state is not None else DirectoryState(settings)
         self.state.listener = self._changed
         self._offset = self.state.wall_offset
-        self._watchers: dict[int, list[asyncio.Queue[dpb.Room | None]]] = {}
         # Per-peer feeds (WatchPeerRooms) and BeginTransfer calls waiting for a room to leave OPEN.
         self._feeds: dict[str, list[asyncio.Queue[dpb.Room | None]]] = {}
         self._waiters: dict[int, list[asyncio.Future[None]]] = {}
@@ -93,12 +85,12 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="directory-sweeper")
 
     async def stop(self, _handle: object = None) -> None:
-        """Stops the sweeper and ends every watch stream with UNAVAILABLE (SHUTTING_DOWN)."""
+        """Stops the sweeper and ends every peer feed with UNAVAILABLE (SHUTTING_DOWN)."""
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
-        for queues in (*self._watchers.values(), *self._feeds.values()):
+        for queues in self._feeds.values():
             for queue in queues:
                 queue.put_nowait(None)
 
@@ -108,11 +100,6 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
             self.state.sweep()
 
     def _changed(self, room: RoomRecord) -> None:
-        queues = self._watchers.get(room.room_id)
-        if queues:
-            msg = room_to_proto(room, self._offset)
-            for queue in queues:
-                queue.put_nowait(msg)
         feeds = [q for p in (room.prefill_peer_id, room.decode_peer_id) for q in self._feeds.get(p, ())]
         if feeds:
             brief = room_to_proto(room, self._offset, with_source=False)
@@ -152,7 +139,7 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
 
     async def Heartbeat(self, req: dpb.HeartbeatRequest, ctx: Ctx) -> dpb.HeartbeatResponse:
         load = req.load if req.HasField("load") else None
-        peer = self.state.peers.heartbeat(req.peer_id, req.epoch, load)
+        peer = self.state.peers.heartbeat(req.request_id, req.peer_id, req.epoch, load)
         if peer is None:
             return dpb.HeartbeatResponse(must_register=True)
         return dpb.HeartbeatResponse(lease_expires_at=timestamp(peer.expires_at + self._offset))
@@ -179,73 +166,36 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
 
     # --- rooms --------------------------------------------------------------------
 
-    async def OpenRoom(self, req: dpb.OpenRoomRequest, ctx: Ctx) -> dpb.OpenRoomResponse:
-        room = self.state.open_room(
-            req.request_id,
-            req.prefill_peer_id,
-            req.prefill_epoch,
-            req.decode_peer_id,
-            req.decode_epoch,
-            req.prompt_fingerprint,
-            req.num_tokens,
-            _seconds(req.lease) if req.HasField("lease") else None,
-            req.room_id,
-        )
-        return dpb.OpenRoomResponse(room=self._room(room))
-
     async def PublishSource(self, req: dpb.PublishSourceRequest, ctx: Ctx) -> dpb.PublishSourceResponse:
-        room = self.state.publish_source(req.request_id, req.room_id, req.peer_id, req.epoch, req.source)
+        pair = Pair(req.prefill_peer_id, req.prefill_epoch, req.decode_peer_id, req.decode_epoch)
+        room = self.state.publish_source(req.request_id, req.room_id, pair, req.source)
         return dpb.PublishSourceResponse(room=self._room(room))
 
     async def BeginTransfer(self, req: dpb.BeginTransferRequest, ctx: Ctx) -> dpb.BeginTransferResponse:
         if req.wait_for_source:
-            room = self.state.member_room(req.room_id, req.peer_id, req.epoch, types_pb2.ROLE_DECODE)
+            pair = Pair(req.prefill_peer_id, req.prefill_epoch, req.decode_peer_id, req.decode_epoch)
+            room = self.state.join_as_decode(req.room_id, pair)
             await self._until_not_open(room)
             if room.state in TERMINAL_STATES:
                 return dpb.BeginTransferResponse(room=self._room(room))
-        room = self.state.begin_transfer(req.request_id, req.room_id, req.peer_id, req.epoch)
-        return dpb.BeginTransferResponse(room=room_to_proto(room, self._offset, with_token=True))
+        room = self.state.begin_transfer(req.request_id, req.room_id, req.decode_peer_id, req.decode_epoch)
+        resp = dpb.BeginTransferResponse(room=room_to_proto(room, self._offset, with_token=True))
+        if not req.source_endpoint_cached:
+            resp.source_endpoint.CopyFrom(self.state.source_endpoint(room))
+        return resp
 
     async def CompleteRoom(self, req: dpb.CompleteRoomRequest, ctx: Ctx) -> dpb.CompleteRoomResponse:
-        room = self.state.complete_room(req.request_id, req.room_id, req.peer_id, req.epoch, req.release)
+        room = self.state.complete_room(req.request_id, req.room_id, req.peer_id, req.epoch)
         return dpb.CompleteRoomResponse(room=self._room(room))
-
-    async def RenewLease(self, req: dpb.RenewLeaseRequest, ctx: Ctx) -> dpb.RenewLeaseResponse:
-        lease = _seconds(req.lease) if req.HasField("lease") else None
-        room = self.state.renew_lease(req.room_id, req.peer_id, req.epoch, lease)
-        return dpb.RenewLeaseResponse(lease_expires_at=timestamp(room.expires_at + self._offset))
-
-    async def ReleaseRoom(self, req: dpb.ReleaseRoomRequest, ctx: Ctx) -> dpb.ReleaseRoomResponse:
-        room = self.state.release_room(req.request_id, req.room_id, req.role, req.peer_id, req.epoch)
-        return dpb.ReleaseRoomResponse(room=self._room(room))
 
     async def AbortRoom(self, req: dpb.AbortRoomRequest, ctx: Ctx) -> dpb.AbortRoomResponse:
         room = self.state.abort_room(
-            req.request_id, req.room_id, req.reason, req.peer_id, req.epoch, req.no_read
+            req.request_id, req.room_id, req.cause, req.detail, req.peer_id, req.epoch
         )
         return dpb.AbortRoomResponse(room=self._room(room))
 
     async def GetRoom(self, req: dpb.GetRoomRequest, ctx: Ctx) -> dpb.GetRoomResponse:
         return dpb.GetRoomResponse(room=self._room(self.state.get_room(req.room_id)))
-
-    async def WatchRoom(self, req: dpb.WatchRoomRequest, ctx: Ctx) -> AsyncIterator[dpb.WatchRoomResponse]:
-        room = self.state.get_room(req.room_id)
-        first = self._room(room)
-        if room.state in TERMINAL_STATES:
-            yield dpb.WatchRoomResponse(room=first)
-            return
-        limit = self.settings.max_watchers_per_room
-        # Registered in the same step as the snapshot: no change can fall between the two.
-        queue: asyncio.Queue[dpb.Room | None] = asyncio.Queue()
-        with _subscribed(self._watchers, room.room_id, queue, limit, f"room {room.room_id}", "watchers"):
-            yield dpb.WatchRoomResponse(room=first)
-            while True:
-                msg = await queue.get()
-                if msg is None:
-                    raise Unavailable("directory is shutting down", reason="SHUTTING_DOWN")
-                yield dpb.WatchRoomResponse(room=msg)
-                if msg.state in TERMINAL_STATES:
-                    return
 
     async def WatchPeerRooms(
         self, req: dpb.WatchPeerRoomsRequest, ctx: Ctx
@@ -276,7 +226,6 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
             rooms_by_state={dpb.RoomState.Name(k): v for k, v in stats.by_state.items()},
             rooms_opened=stats.opened,
             rooms_completed=stats.completed,
-            rooms_released=stats.released,
             rooms_aborted=stats.aborted,
             rooms_expired=stats.expired,
             peers_by_role={types_pb2.Role.Name(k): v for k, v in self.state.peers.by_role().items()},

@@ -13,9 +13,7 @@ from xavier_services.directory.config import DirectorySettings
 __all__ = [
     "MAX_ROOM_ID",
     "check_endpoint",
-    "check_fingerprint",
     "check_layout",
-    "check_lease",
     "check_peer_id",
     "check_request_id",
     "check_room_id",
@@ -27,7 +25,6 @@ MAX_ROOM_ID = (1 << 63) - 1
 _PEER_ID = re.compile(r"[A-Za-z0-9._:@\-]{1,128}")
 _MAX_TEXT = 256
 _MAX_REQUEST_ID = 128
-_MAX_FINGERPRINT = 64
 
 
 def check_room_id(room_id: int) -> None:
@@ -54,20 +51,6 @@ def check_text(value: str, name: str, *, required: bool = False, limit: int = _M
         raise InvalidArgument(f"{name} is required", field=name)
     if len(value) > limit:
         raise InvalidArgument(f"{name} longer than {limit} characters", field=name)
-
-
-def check_fingerprint(value: bytes) -> None:
-    """A prompt fingerprint is a digest (SHA-256: 32 bytes), never a payload."""
-    if len(value) > _MAX_FINGERPRINT:
-        raise InvalidArgument(
-            f"prompt_fingerprint longer than {_MAX_FINGERPRINT} bytes", field="prompt_fingerprint"
-        )
-
-
-def check_lease(seconds: float | None, limit: float, name: str = "lease") -> None:
-    """A requested lease must be positive and at most ``limit`` (None: the default applies)."""
-    if seconds is not None and not 0.0 < seconds <= limit:
-        raise InvalidArgument(f"{name} {seconds:.3f}s out of range (0, {limit}]", field=name)
 
 
 def check_layout(layout: types_pb2.KvLayout) -> None:
@@ -104,7 +87,7 @@ def check_endpoint(endpoint: types_pb2.TransferEndpoint, settings: DirectorySett
 
 
 def check_source(source: dpb.SourceDescriptor, settings: DirectorySettings) -> None:
-    """Page runs bounded and adding up to ``num_pages``; aux bounded."""
+    """Page runs bounded and adding up to ``num_pages``; text fields bounded."""
     runs = source.page_runs
     if len(runs) > settings.max_page_runs:
         raise InvalidArgument(
@@ -120,11 +103,5 @@ def check_source(source: dpb.SourceDescriptor, settings: DirectorySettings) -> N
             f"source.page_runs hold {total} pages but num_pages is {source.num_pages}",
             field="source.num_pages",
         )
-    if len(source.aux) > settings.max_aux_bytes:
-        raise InvalidArgument(f"source.aux larger than {settings.max_aux_bytes} bytes", field="source.aux")
     check_text(source.read_token, "source.read_token", limit=128)
-    if source.first_finish_reason not in types_pb2.FinishReason.values():
-        raise InvalidArgument("source.first_finish_reason unknown", field="source.first_finish_reason")
     check_text(source.contract_fingerprint, "source.contract_fingerprint", limit=128)
-    if source.HasField("endpoint"):
-        check_endpoint(source.endpoint, settings, "source.endpoint")

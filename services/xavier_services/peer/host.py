@@ -162,21 +162,10 @@ class PeerHost:
             raise Unavailable("not connected to the directory", reason="DIRECTORY_UNAVAILABLE")
         return self.directory
 
-    async def abort_room(self, room_id: int, reason: str, no_read: bool = False) -> None:
+    async def abort_room(self, room_id: int, cause: dpb.RoomEndCause.ValueType, detail: str) -> None:
         with contextlib.suppress(XavierError):
             await self.dir.abort_room(
-                room_id,
-                reason,
-                self.peer_id,
-                self.epoch,
-                request_id=f"abort-{room_id}-{self.peer_id}",
-                no_read=no_read,
-            )
-
-    async def release_room(self, room_id: int, role: types_pb2.Role.ValueType) -> None:
-        with contextlib.suppress(XavierError):
-            await self.dir.release_room(
-                room_id, role, self.peer_id, self.epoch, request_id=f"release-{room_id}-{role}"
+                room_id, cause, detail, self.peer_id, self.epoch, request_id=f"abort-{room_id}-{self.peer_id}"
             )
 
     def engine_stats_pb(self, pages_parked: int) -> types_pb2.EngineStats:

@@ -1,4 +1,4 @@
-"""RoomFeed: one WatchPeerRooms stream per peer, instead of one WatchRoom stream per room.
+"""RoomFeed: one WatchPeerRooms stream per peer, instead of one stream or poll per room.
 
 The directory sends every change of every room the peer is a member of, batched; the feed keeps each
 room's latest state (bounded) so a waiter that arrives after the change still sees it. After a
@@ -24,7 +24,7 @@ from xavier_core.runtime.logging import get_logger
 log = get_logger(__name__)
 
 # States after which a decode may have read the source (BeginTransfer refuses an ended room).
-_READ_STATES = frozenset((dpb.ROOM_STATE_TRANSFERRING, dpb.ROOM_STATE_COMPLETED, dpb.ROOM_STATE_RELEASED))
+_READ_STATES = frozenset((dpb.ROOM_STATE_TRANSFERRING, dpb.ROOM_STATE_COMPLETED))
 
 
 @dataclass
@@ -34,7 +34,7 @@ class RoomView:
     state: int = dpb.ROOM_STATE_UNSPECIFIED
     may_read: bool = False  # it passed TRANSFERRING: a read may have started
     declined: bool = False  # its decode said it never posted a read
-    end_reason: str = ""
+    end_cause: int = dpb.ROOM_END_CAUSE_UNSPECIFIED
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -72,14 +72,12 @@ class RoomFeed:
             self._views.pop(room_id, None)
 
     async def outcome(self, room_id: int, timeout: float) -> tuple[int, bool]:
-        """(COMPLETED or the terminal state, whether a read may have started) once the room gets there.
+        """(The terminal state, whether a read may have started) once the room gets there.
 
         On `timeout` (or if the room is unknown to the directory) the answer is (UNSPECIFIED, True): the
         caller must then assume a read may still run.
         """
-        view = await self._wait_until(
-            room_id, lambda v: v.state == dpb.ROOM_STATE_COMPLETED or v.state in TERMINAL_ROOM_STATES, timeout
-        )
+        view = await self._wait_until(room_id, lambda v: v.state in TERMINAL_ROOM_STATES, timeout)
         if view is None:
             log.warning("room outcome timed out", room_id=room_id)
             return dpb.ROOM_STATE_UNSPECIFIED, True
@@ -133,7 +131,7 @@ class RoomFeed:
             return
         view.state = room.state
         view.may_read = (view.may_read or room.state in _READ_STATES) and not view.declined
-        view.end_reason = room.end_reason
+        view.end_cause = room.end_cause
         view.changed.set()
 
     async def _resync(self, live: set[int]) -> None:
@@ -145,7 +143,13 @@ class RoomFeed:
             try:
                 self._apply(await self._client.get_room(room_id))
             except NotFound:
-                self._apply(dpb.Room(room_id=room_id, state=dpb.ROOM_STATE_EXPIRED, end_reason="unknown"))
+                gone = dpb.Room(
+                    room_id=room_id,
+                    state=dpb.ROOM_STATE_EXPIRED,
+                    end_cause=dpb.ROOM_END_CAUSE_LEASE_EXPIRED,
+                    end_detail="the directory no longer knows the room",
+                )
+                self._apply(gone)
             except XavierError as err:
                 log.info("room resync failed", room_id=room_id, error=str(err))
 

@@ -1,9 +1,11 @@
 """PrefillService: computes a prompt's KV and first token, publishes the pages, unpins them when done.
 
-Page lifetime of one room (invariant I1): pinned by the engine's prefill; published to the directory;
-unpinned when the decode reports done (NIXL notification) or the room completes (directory), whichever
-comes first. If the room ends any other way after publication, a read may still be in flight, so the pages
-stay *parked* until the reader reports done/failed or `park_timeout_seconds` passes.
+Page lifetime of one room (invariant I1): pinned by the engine's prefill; published to the directory
+(PublishSource opens the room for the router's pair, or adopts the one the decode opened); unpinned when
+the decode reports done (NIXL notification) or the room completes (directory), whichever comes first. If
+the room ends any other way after publication, a read may still be in flight, so the pages stay *parked*
+until the reader reports done/failed or `park_timeout_seconds` passes. A first token that already ends the
+request publishes nothing: its pages are freed at once and no room is opened.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from xavier.v1 import prefill_service_pb2_grpc, types_pb2
 from xavier_core.directory import TERMINAL_ROOM_STATES
 from xavier_core.engine.api import PrefillResult
 from xavier_core.runtime.durations import to_duration
-from xavier_core.runtime.errors import Aborted, FailedPrecondition, NotFound
+from xavier_core.runtime.errors import Aborted, FailedPrecondition, InvalidArgument
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.convert import (
     check_prompt,
@@ -69,6 +71,8 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
     ) -> pb.PrefillResponse:
         host = self.host
         check_room_id(request.room_id)
+        if not request.decode_peer_id:
+            raise InvalidArgument("decode_peer_id is required", field="decode_peer_id")
         token_ids = list(request.token_ids)
         check_prompt(token_ids, host.engine.max_context, host.vocab_size)
         sampling = sampling_from_pb(request.sampling)
@@ -89,10 +93,26 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             await asyncio.shield(self._fail(hold, published=False))
             raise
         prefill_s = time.perf_counter() - started
+        usage = types_pb2.Usage(prompt_tokens=len(token_ids), cached_tokens=res.cached_tokens)
+        timings = types_pb2.Timings(
+            prefill=to_duration(prefill_s), time_to_first_token=to_duration(prefill_s)
+        )
+        if res.finish is not None:
+            # The first token ends the request: no decode will come, so nothing is published.
+            host.engine.release_pages(hold.request_id)
+            self._holds.pop(request.room_id, None)
+            return pb.PrefillResponse(
+                first_token=res.first_token,
+                first_logprob=res.first_logprob,
+                finish_reason=finish_to_pb(res.finish),
+                usage=usage,
+                timings=timings,
+            )
         # The first token goes back at once (TTFT = prefill time); publication runs beside it and the
-        # decode learns of it through WatchRoom. A failed publication aborts the room.
+        # decode, which the router starts on this answer, finds the source through BeginTransfer.
+        decode = (request.decode_peer_id, request.decode_epoch)
         hold.task = asyncio.get_running_loop().create_task(
-            self._publish_and_hold(hold, res, len(token_ids), request.request_id or hold.request_id)
+            self._publish_and_hold(hold, res, len(token_ids), decode)
         )
         digest = b""
         if request.return_kv_digest:
@@ -102,54 +122,39 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             kv_digest=digest,
             first_token=res.first_token,
             first_logprob=res.first_logprob,
-            finish_reason=finish_to_pb(res.finish),
-            usage=types_pb2.Usage(prompt_tokens=len(token_ids), cached_tokens=res.cached_tokens),
-            timings=types_pb2.Timings(
-                prefill=to_duration(prefill_s), time_to_first_token=to_duration(prefill_s)
-            ),
+            usage=usage,
+            timings=timings,
             num_pages=len(res.page_ids),
         )
 
     async def _publish_and_hold(
-        self, hold: _Hold, res: PrefillResult, num_tokens: int, request_id: str
+        self, hold: _Hold, res: PrefillResult, num_tokens: int, decode: tuple[str, int]
     ) -> None:
         host = self.host
         published = False
         try:
-            source = await host.kv.publish(hold.room_id, res.page_ids, b"", host.fingerprint, host.host_id)
+            source = await host.kv.publish(hold.room_id, res.page_ids, host.fingerprint)
             source.num_tokens = num_tokens
-            source.first_token = res.first_token
-            source.first_logprob = res.first_logprob
-            source.first_finish_reason = finish_to_pb(res.finish)
             published = True
-            await self._publish_source(hold.room_id, source, request_id)
+            room = await host.dir.publish_source(
+                hold.room_id, (host.peer_id, host.epoch), decode, source, request_id=f"{hold.request_id}-pub"
+            )
         except BaseException as err:
             log.info("publication failed", room_id=hold.room_id, error=str(err))
             await asyncio.shield(self._fail(hold, published))
             return
+        if room.state in TERMINAL_ROOM_STATES:
+            # The room ended before the source was in it (the router aborted, the decode gave up): no
+            # decode saw the source, so no read can run.
+            await self._unpin(hold, completed=False)
+            return
         await self._hold_until_read(hold)
-
-    async def _publish_source(
-        self, room_id: int, source: dpb.SourceDescriptor, request_id: str, attempts: int = 8
-    ) -> None:
-        """PublishSource; the router opens the room while the prefill runs, so the room may arrive
-        a moment after the pages: ROOM_NOT_FOUND is retried a bounded number of times (I7)."""
-        host = self.host
-        for attempt in range(attempts):
-            try:
-                await host.dir.publish_source(
-                    room_id, host.peer_id, host.epoch, source, request_id=request_id
-                )
-                return
-            except NotFound as err:
-                if err.reason != "ROOM_NOT_FOUND" or attempt + 1 == attempts:
-                    raise
-                await asyncio.sleep(0.001 * 2**attempt)
 
     async def _fail(self, hold: _Hold, published: bool) -> None:
         host = self.host
         await host.engine.abort(hold.request_id)
-        await host.abort_room(hold.room_id, "prefill failed or was cancelled")
+        # Before the room exists this leaves a tombstone, so a decode waiting for the source learns now.
+        await host.abort_room(hold.room_id, dpb.ROOM_END_CAUSE_PREFILL_FAILED, "prefill failed or cancelled")
         if published:
             # The directory may have shown the source to the decode: unpin only once no read can run.
             await self._hold_until_read(hold)
@@ -202,10 +207,9 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             if outcome == "done":
                 # The read is over: unpin now; release the room only once the decode completed it.
                 await self._unpin(hold, completed=True)
-                state, _ = await watch
             else:
                 state, may_read = await watch
-                if state in (dpb.ROOM_STATE_COMPLETED, dpb.ROOM_STATE_RELEASED):
+                if state == dpb.ROOM_STATE_COMPLETED:
                     await self._unpin(hold, completed=True)
                 elif not may_read or (notif.done() and notif.result() == "fail"):
                     await self._unpin(hold, completed=False)
@@ -215,28 +219,11 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
             for t in (notif, watch):
                 t.cancel()
             host.rooms.forget(room_id)
-        if state not in TERMINAL_ROOM_STATES:
-            # A room the decode completed without releasing it (or whose outcome is unknown).
-            await host.release_room(room_id, types_pb2.ROLE_PREFILL)
 
     async def _unpin(self, hold: _Hold, completed: bool) -> None:
         await self.host.kv.unpublish(hold.room_id, completed=completed)
         self.host.engine.release_pages(hold.request_id)
         self._holds.pop(hold.room_id, None)
-
-    async def AbortPrefill(
-        self,
-        request: pb.AbortPrefillRequest,
-        context: grpc.aio.ServicerContext[pb.AbortPrefillRequest, pb.AbortPrefillResponse],
-    ) -> pb.AbortPrefillResponse:
-        check_room_id(request.room_id)
-        hold = self._holds.get(request.room_id)
-        if hold is None:
-            return pb.AbortPrefillResponse(found=False)
-        hold.aborted.set()
-        await self.host.engine.abort(hold.request_id)
-        await self.host.abort_room(request.room_id, request.reason or "prefill aborted")
-        return pb.AbortPrefillResponse(found=True)
 
     async def GetPrefillStats(
         self,
@@ -256,7 +243,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         for hold in list(self._holds.values()):
             hold.aborted.set()
             await self.host.engine.abort(hold.request_id)
-            await self.host.abort_room(hold.room_id, "prefill shutting down")
+            await self.host.abort_room(hold.room_id, dpb.ROOM_END_CAUSE_SHUTDOWN, "prefill shutting down")
         tasks = [h.task for h in self._holds.values() if h.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=self.host.config.grace_seconds)

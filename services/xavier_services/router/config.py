@@ -59,7 +59,7 @@ class RouterConfig(ServiceConfig):
     prefix_affinity_slack: float = Field(default=4.0, ge=0)
     """Outstanding requests a remembered prefill may carry above the least-loaded one and still win."""
     retry_attempts: int = Field(default=3, ge=1, le=10)
-    """Attempts of idempotent phases (peer selection, OpenRoom) on UNAVAILABLE."""
+    """Attempts of idempotent phases (peer selection) on UNAVAILABLE."""
     api_token: str = ""
     """Bearer token required on the public gRPC and HTTP APIs; empty disables the check."""
     native: NativeConfig = NativeConfig()

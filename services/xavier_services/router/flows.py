@@ -1,13 +1,16 @@
 """Routing flows over Xavier peers: P/D (prefill + decode through a room) and colocated (unified).
 
 A flow is an async generator of `Step`s. Cancelling the task that runs it (client cancel, disconnect or
-Abort) runs its `finally`: both downstream calls are cancelled and, in P/D, the room is aborted in the
+Abort) runs its `finally`: the downstream calls are cancelled and, in P/D, the room is aborted in the
 background, so the client never waits for cleanup.
+
+P/D takes three hops on the router's side: the prefill (which returns the first token and publishes its
+pages under a room id chosen here), then the decode with that first token, whose stream continues after
+it. The two peers meet in the directory by room id; the router never opens the room.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -24,9 +27,8 @@ from xavier.v1 import types_pb2
 
 from xavier_core.runtime import XavierError, from_rpc_error, get_logger
 from xavier_core.runtime.durations import to_seconds
-from xavier_core.text.fingerprint import prompt_fingerprint
 from xavier_core.text.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
-from xavier_services.router.peers import Pair, PeerPool, affinity_key
+from xavier_services.router.peers import PeerPool, affinity_key
 from xavier_services.router.request import Prepared
 
 _log = get_logger("xavier.router.flows")
@@ -97,86 +99,52 @@ async def colocated_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
         pool.release(peer)
 
 
-async def _open_and_prefill(prep: Prepared, env: FlowEnv) -> tuple[Pair, dpb.Room, Any]:
-    """Picks a pair, then opens the room and starts the prefill at once under a room id chosen here.
+async def abort_room(env: FlowEnv, request_id: str, room_id: int, detail: str) -> None:
+    """Best-effort AbortRoom with a deadline (the room's lease bounds it if this fails).
 
-    The prefill computes while the room opens (its publication waits for the room if it gets there
-    first), so OpenRoom is off the TTFT path. If the room cannot be opened the prefill is cancelled.
+    The room may not exist yet (the prefill had not published): the directory then keeps a tombstone so
+    the late publication sees the room ended and the prefill unpins at once.
     """
-    pool = env.pool
-    directory = pool.directory
-    if directory is None:
-        raise XavierError("no directory configured")
-
-    key = affinity_key(prep.token_ids, prep.cache_salt, env.affinity_tokens)
-
-    async def attempt() -> tuple[Pair, dpb.Room, Any]:
-        pair = await pool.pick_pair(key)
-        p, d = pair.prefill, pair.decode
-        room_id = secrets.randbits(63) or 1
-        opening = asyncio.ensure_future(
-            directory.open_room(
-                p.peer_id,
-                p.epoch,
-                d.peer_id,
-                d.epoch,
-                prompt_fingerprint=prompt_fingerprint(prep.token_ids),
-                num_tokens=len(prep.token_ids),
-                request_id=f"{prep.request_id}/{room_id}",
-                room_id=room_id,
-            )
-        )
-        pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(
-            pfpb.PrefillRequest(
-                request_id=prep.request_id,
-                room_id=room_id,
-                token_ids=prep.token_ids,
-                sampling=prep.sampling,
-                cache_salt=prep.cache_salt,
-            ),
-            timeout=env.request_timeout,
-        )
-        try:
-            room = await opening
-        except BaseException:
-            pf_call.cancel()
-            raise
-        return pair, room, pf_call
-
-    return await pool.retry_unavailable(attempt)
-
-
-async def abort_room(env: FlowEnv, request_id: str, room_id: int, reason: str) -> None:
-    """Best-effort AbortRoom with a deadline (the room's lease bounds it if this fails)."""
     if env.pool.directory is None:
         return
     try:
-        await env.pool.directory.abort_room(room_id, reason, request_id=f"{request_id}/abort")
+        await env.pool.directory.abort_room(
+            room_id, dpb.ROOM_END_CAUSE_ROUTER_ABORT, detail, request_id=f"{request_id}/abort"
+        )
     except XavierError as exc:
         _log.info("abort room failed", room_id=room_id, code=exc.code.name)
 
 
 async def pd_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
-    """Prefill and decode started together; the first token goes out as soon as the prefill returns it."""
+    """Prefill, then decode from the prefill's first token; the first token goes out as soon as it exists."""
     pool = env.pool
-    pair, room, pf_call = await _open_and_prefill(prep, env)
+    key = affinity_key(prep.token_ids, prep.cache_salt, env.affinity_tokens)
+    pair = await pool.retry_unavailable(lambda: pool.pick_pair(key))
+    p, d = pair.prefill, pair.decode
+    room_id = secrets.randbits(63) or 1
     s = prep.sampling
-    dec_stub = decpb_grpc.DecodeServiceStub(pool.channel(pair.decode.address))
-    pool.acquire(pair.prefill, pair.decode)
+    pool.acquire(p, d)
     prefill_held = True
-    dec_call = dec_stub.Decode(
-        decpb.DecodeRequest(
-            request_id=prep.request_id, room_id=room.room_id, token_ids=prep.token_ids, sampling=s
+    pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(
+        pfpb.PrefillRequest(
+            request_id=prep.request_id,
+            room_id=room_id,
+            decode_peer_id=d.peer_id,
+            decode_epoch=d.epoch,
+            token_ids=prep.token_ids,
+            sampling=s,
+            cache_salt=prep.cache_salt,
         ),
         timeout=env.request_timeout,
     )
+    dec_call: Any = None
     finished_cleanly = False
     try:
         pf = await pf_call
-        pool.release(pair.prefill)
+        pool.release(p)
         prefill_held = False
-        # The router renders the first token's text the way the decode will, so the decode's cumulative
-        # text continues exactly where this one stops.
+        # The router renders the first token's text the way the decode's detokenizer does (primed with
+        # the prompt and this token), so the decode's text deltas continue exactly where this one stops.
         detok = IncrementalDetokenizer(env.tokenizer, prep.token_ids)
         first_text, _ = StopMatcher(list(s.stop)).feed(detok.push(pf.first_token))
         yield Step(
@@ -188,20 +156,30 @@ async def pd_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
             prefill_seconds=to_seconds(pf.timings.prefill),
         )
         if pf.finish_reason:
-            return  # the finally cancels the decode and aborts the room
-        sent = len(first_text)
-        decoded = ""
-        skipped_first = False
+            finished_cleanly = True  # the prefill published nothing and opened no room
+            return
+        dec_call = decpb_grpc.DecodeServiceStub(pool.channel(d.address)).Decode(
+            decpb.DecodeRequest(
+                request_id=prep.request_id,
+                room_id=room_id,
+                prefill_peer_id=p.peer_id,
+                prefill_epoch=p.epoch,
+                token_ids=prep.token_ids,
+                first_token=pf.first_token,
+                first_logprob=pf.first_logprob,
+                sampling=s,
+            ),
+            timeout=env.request_timeout,
+        )
         async for msg in dec_call:
-            ids, lps = list(msg.delta.token_ids), list(msg.delta.logprobs)
-            if not skipped_first and ids:
-                # The decode stream opens with the prefill's first token: drop it by position.
-                ids, lps, skipped_first = ids[1:], lps[1:], True
-            decoded += msg.delta.text
-            text = decoded[sent:]
-            sent = max(sent, len(decoded))
             transfer = to_seconds(msg.timings.transfer) if msg.HasField("timings") else None
-            yield Step(ids, text, lps if s.logprobs else [], msg.finish_reason, transfer_seconds=transfer)
+            yield Step(
+                list(msg.delta.token_ids),
+                msg.delta.text,
+                list(msg.delta.logprobs) if s.logprobs else [],
+                msg.finish_reason,
+                transfer_seconds=transfer,
+            )
             if msg.finish_reason:
                 finished_cleanly = True
                 return
@@ -210,13 +188,14 @@ async def pd_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
         raise _typed(exc, pool) from None
     finally:
         pf_call.cancel()
-        dec_call.cancel()
-        pool.release(pair.decode)
+        if dec_call is not None:
+            dec_call.cancel()
+        pool.release(d)
         if prefill_held:
-            pool.release(pair.prefill)
+            pool.release(p)
         if not finished_cleanly:
             with contextlib.suppress(RuntimeError):
-                env.spawn(abort_room(env, prep.request_id, room.room_id, "router: request ended early"))
+                env.spawn(abort_room(env, prep.request_id, room_id, "router: request ended early"))
 
 
 async def drain(gen: AsyncIterator[Step]) -> list[Step]:
@@ -224,4 +203,4 @@ async def drain(gen: AsyncIterator[Step]) -> list[Step]:
     return [step async for step in gen]
 
 
-__all__ = ["FlowEnv", "Step", "abort_room", "colocated_flow", "drain", "pd_flow", "prompt_fingerprint"]
+__all__ = ["FlowEnv", "Step", "abort_room", "colocated_flow", "drain", "pd_flow"]

@@ -29,14 +29,16 @@ class TokenDelta(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
-    """Text of those tokens (incremental detokenization)."""
+    """The text those tokens add to the answer: a plain delta that continues the text sent before it (stop
+    strings removed, incomplete UTF-8 held back).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Token ids, in order."""
+        """The token ids, in order."""
 
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """Log probabilities of those tokens (when requested)."""
+        """The natural-log probabilities of those tokens, when the request asked for them."""
 
     def __init__(
         self,
@@ -55,41 +57,57 @@ Global___TokenDelta: _TypeAlias = TokenDelta  # noqa: Y015
 
 @_typing.final
 class DecodeRequest(_message.Message):
-    """DecodeRequest asks to continue a P/D request."""
+    """DecodeRequest asks to continue a P/D request whose first token the prefill already produced."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     ROOM_ID_FIELD_NUMBER: _builtins.int
+    PREFILL_PEER_ID_FIELD_NUMBER: _builtins.int
+    PREFILL_EPOCH_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FIELD_NUMBER: _builtins.int
+    FIRST_LOGPROB_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     RETURN_KV_DIGEST_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Idempotency key (the client request id)."""
+    """The client's request id (at most 128 characters), for logs."""
     room_id: _builtins.int
-    """Room opened for this request."""
+    """The room id chosen by the router (1 to 2^63-1); one live decode per room and peer."""
+    prefill_peer_id: _builtins.str
+    """The prefill peer the router paired with this decode; the room is opened for this pair."""
+    prefill_epoch: _builtins.int
+    """The prefill peer's epoch, as the router saw it."""
+    first_token: _builtins.int
+    """The first token, as the prefill returned it; the stream continues after it."""
+    first_logprob: _builtins.float
+    """The first token's natural-log probability."""
     return_kv_digest: _builtins.bool
-    """Return a SHA-256 of the received KV pages' bytes on the first message (end-to-end verification)."""
+    """Whether to return a SHA-256 of the received KV pages' bytes on the first message."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Prompt token ids (the decode needs them for its context and page count)."""
+        """The prompt's token ids (the decode needs them for its context and page count)."""
 
     @_builtins.property
     def sampling(self) -> _types_pb2.SamplingParams:
-        """Sampling for the rest of the answer."""
+        """The sampling parameters of the rest of the answer (max_tokens counts the first token)."""
 
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         room_id: _builtins.int = ...,
+        prefill_peer_id: _builtins.str = ...,
+        prefill_epoch: _builtins.int = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        first_token: _builtins.int = ...,
+        first_logprob: _builtins.float = ...,
         sampling: _types_pb2.SamplingParams | None = ...,
         return_kv_digest: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "return_kv_digest", b"return_kv_digest", "room_id", b"room_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_logprob", b"first_logprob", "first_token", b"first_token", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "request_id", b"request_id", "return_kv_digest", b"return_kv_digest", "room_id", b"room_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -107,20 +125,20 @@ class DecodeResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     KV_DIGEST_FIELD_NUMBER: _builtins.int
     finish_reason: _types_pb2.FinishReason.ValueType
-    """Set on the last message."""
+    """Why the request ended; set on the last message only."""
     kv_digest: _builtins.bytes
-    """SHA-256 of the received pages' bytes, on the first message when asked for."""
+    """The SHA-256 of the received pages' bytes, on the first message when asked for."""
     @_builtins.property
     def delta(self) -> Global___TokenDelta:
-        """New tokens."""
+        """The new tokens; the first message starts with the second token of the answer."""
 
     @_builtins.property
     def usage(self) -> _types_pb2.Usage:
-        """Token counts, on the last message."""
+        """The token counts, on the last message; completion_tokens includes the first token."""
 
     @_builtins.property
     def timings(self) -> _types_pb2.Timings:
-        """Timings, on the last message."""
+        """The decode's timings (transfer and total), on the last message."""
 
     def __init__(
         self,
@@ -150,16 +168,16 @@ class GenerateUnifiedRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Idempotency key (the client request id)."""
+    """The client's request id (at most 128 characters); one live request per id and replica."""
     cache_salt: _builtins.str
-    """Tenant salt isolating prefix-cache pages."""
+    """The tenant salt isolating prefix-cache pages (at most 256 characters)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Prompt token ids."""
+        """The prompt's token ids: non-empty, each below the vocabulary size, fewer than the context limit."""
 
     @_builtins.property
     def sampling(self) -> _types_pb2.SamplingParams:
-        """Sampling."""
+        """The sampling parameters."""
 
     def __init__(
         self,
@@ -188,18 +206,18 @@ class GenerateUnifiedResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     finish_reason: _types_pb2.FinishReason.ValueType
-    """Set on the last message."""
+    """Why the request ended; set on the last message only."""
     @_builtins.property
     def delta(self) -> Global___TokenDelta:
-        """New tokens."""
+        """The new tokens; the text is a plain delta."""
 
     @_builtins.property
     def usage(self) -> _types_pb2.Usage:
-        """Token counts, on the last message."""
+        """The token counts, on the last message."""
 
     @_builtins.property
     def timings(self) -> _types_pb2.Timings:
-        """Timings, on the last message."""
+        """The timings, on the last message."""
 
     def __init__(
         self,
@@ -218,56 +236,8 @@ class GenerateUnifiedResponse(_message.Message):
 Global___GenerateUnifiedResponse: _TypeAlias = GenerateUnifiedResponse  # noqa: Y015
 
 @_typing.final
-class AbortDecodeRequest(_message.Message):
-    """AbortDecodeRequest aborts a request."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    REASON_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
-    """The request id given to Decode or GenerateUnified."""
-    reason: _builtins.str
-    """Why."""
-    def __init__(
-        self,
-        *,
-        request_id: _builtins.str = ...,
-        reason: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_id", b"request_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___AbortDecodeRequest: _TypeAlias = AbortDecodeRequest  # noqa: Y015
-
-@_typing.final
-class AbortDecodeResponse(_message.Message):
-    """AbortDecodeResponse acknowledges an abort."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    FOUND_FIELD_NUMBER: _builtins.int
-    found: _builtins.bool
-    """True when the request was live on this peer."""
-    def __init__(
-        self,
-        *,
-        found: _builtins.bool = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___AbortDecodeResponse: _TypeAlias = AbortDecodeResponse  # noqa: Y015
-
-@_typing.final
 class GetDecodeStatsRequest(_message.Message):
-    """GetDecodeStatsRequest asks for stats."""
+    """GetDecodeStatsRequest asks for the decode peer's stats; it has no fields."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -294,18 +264,18 @@ class GetDecodeStatsResponse(_message.Message):
     PEER_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     rooms_active: _builtins.int
-    """Rooms this peer still holds destination pages for."""
+    """The number of rooms this peer still holds destination pages for."""
     peer: _builtins.str
-    """Peer id and epoch, e.g. "decode-0@2"."""
+    """The peer's id and epoch, for example "decode-0@2"."""
     role: _types_pb2.Role.ValueType
-    """Role of this replica (decode or unified)."""
+    """The replica's role (decode or unified)."""
     @_builtins.property
     def engine(self) -> _types_pb2.EngineStats:
-        """Engine pool and queues."""
+        """The engine's pool and queues."""
 
     @_builtins.property
     def transfer(self) -> _types_pb2.TransferStats:
-        """Bytes pulled from prefill peers."""
+        """The bytes pulled from prefill peers since start."""
 
     def __init__(
         self,

@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class DecodeServiceStub:
     """DecodeService hosts an engine in the decode role (pulls prompt KV, continues, streams tokens) or in the
-    unified role (serves whole requests: colocated mode).
+    unified role (serves whole requests: colocated mode). Cancelling a call aborts its request.
     """
 
     def __init__(self, channel):
@@ -46,11 +46,6 @@ class DecodeServiceStub:
                 request_serializer=xavier_dot_v1_dot_decode__service__pb2.GenerateUnifiedRequest.SerializeToString,
                 response_deserializer=xavier_dot_v1_dot_decode__service__pb2.GenerateUnifiedResponse.FromString,
                 _registered_method=True)
-        self.AbortDecode = channel.unary_unary(
-                '/xavier.v1.DecodeService/AbortDecode',
-                request_serializer=xavier_dot_v1_dot_decode__service__pb2.AbortDecodeRequest.SerializeToString,
-                response_deserializer=xavier_dot_v1_dot_decode__service__pb2.AbortDecodeResponse.FromString,
-                _registered_method=True)
         self.GetDecodeStats = channel.unary_unary(
                 '/xavier.v1.DecodeService/GetDecodeStats',
                 request_serializer=xavier_dot_v1_dot_decode__service__pb2.GetDecodeStatsRequest.SerializeToString,
@@ -60,12 +55,12 @@ class DecodeServiceStub:
 
 class DecodeServiceServicer:
     """DecodeService hosts an engine in the decode role (pulls prompt KV, continues, streams tokens) or in the
-    unified role (serves whole requests: colocated mode).
+    unified role (serves whole requests: colocated mode). Cancelling a call aborts its request.
     """
 
     def Decode(self, request, context):
-        """Decode allocates destination pages at once, waits for the room's source, pulls the KV and streams the
-        answer starting with the prefill's first token.
+        """Decode reserves destination pages, opens or adopts the room, waits for the source, pulls the KV and
+        streams the answer from the second token on (the router already sent the first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -73,13 +68,6 @@ class DecodeServiceServicer:
 
     def GenerateUnified(self, request, context):
         """GenerateUnified serves a whole request on this replica (unified role).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def AbortDecode(self, request, context):
-        """AbortDecode aborts a request by request id; its stream ends with FINISH_REASON_ABORT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,11 +93,6 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     request_deserializer=xavier_dot_v1_dot_decode__service__pb2.GenerateUnifiedRequest.FromString,
                     response_serializer=xavier_dot_v1_dot_decode__service__pb2.GenerateUnifiedResponse.SerializeToString,
             ),
-            'AbortDecode': grpc.unary_unary_rpc_method_handler(
-                    servicer.AbortDecode,
-                    request_deserializer=xavier_dot_v1_dot_decode__service__pb2.AbortDecodeRequest.FromString,
-                    response_serializer=xavier_dot_v1_dot_decode__service__pb2.AbortDecodeResponse.SerializeToString,
-            ),
             'GetDecodeStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetDecodeStats,
                     request_deserializer=xavier_dot_v1_dot_decode__service__pb2.GetDecodeStatsRequest.FromString,
@@ -125,7 +108,7 @@ def add_DecodeServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class DecodeService:
     """DecodeService hosts an engine in the decode role (pulls prompt KV, continues, streams tokens) or in the
-    unified role (serves whole requests: colocated mode).
+    unified role (serves whole requests: colocated mode). Cancelling a call aborts its request.
     """
 
     @staticmethod
@@ -172,33 +155,6 @@ class DecodeService:
             '/xavier.v1.DecodeService/GenerateUnified',
             xavier_dot_v1_dot_decode__service__pb2.GenerateUnifiedRequest.SerializeToString,
             xavier_dot_v1_dot_decode__service__pb2.GenerateUnifiedResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def AbortDecode(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/xavier.v1.DecodeService/AbortDecode',
-            xavier_dot_v1_dot_decode__service__pb2.AbortDecodeRequest.SerializeToString,
-            xavier_dot_v1_dot_decode__service__pb2.AbortDecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

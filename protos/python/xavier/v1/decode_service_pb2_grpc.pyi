@@ -28,7 +28,7 @@ GRPC_VERSION: str
 
 class DecodeServiceStub:
     """DecodeService hosts an engine in the decode role (pulls prompt KV, continues, streams tokens) or in the
-    unified role (serves whole requests: colocated mode).
+    unified role (serves whole requests: colocated mode). Cancelling a call aborts its request.
     """
 
     @_typing.overload
@@ -36,37 +36,33 @@ class DecodeServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> DecodeServiceAsyncStub: ...
     Decode: _grpc.UnaryStreamMultiCallable[_decode_service_pb2.DecodeRequest, _decode_service_pb2.DecodeResponse]
-    """Decode allocates destination pages at once, waits for the room's source, pulls the KV and streams the
-    answer starting with the prefill's first token.
+    """Decode reserves destination pages, opens or adopts the room, waits for the source, pulls the KV and
+    streams the answer from the second token on (the router already sent the first).
     """
     GenerateUnified: _grpc.UnaryStreamMultiCallable[_decode_service_pb2.GenerateUnifiedRequest, _decode_service_pb2.GenerateUnifiedResponse]
     """GenerateUnified serves a whole request on this replica (unified role)."""
-    AbortDecode: _grpc.UnaryUnaryMultiCallable[_decode_service_pb2.AbortDecodeRequest, _decode_service_pb2.AbortDecodeResponse]
-    """AbortDecode aborts a request by request id; its stream ends with FINISH_REASON_ABORT."""
     GetDecodeStats: _grpc.UnaryUnaryMultiCallable[_decode_service_pb2.GetDecodeStatsRequest, _decode_service_pb2.GetDecodeStatsResponse]
     """GetDecodeStats reports pages, rooms and transfers."""
 
 @_typing.type_check_only
 class DecodeServiceAsyncStub(DecodeServiceStub):
     """DecodeService hosts an engine in the decode role (pulls prompt KV, continues, streams tokens) or in the
-    unified role (serves whole requests: colocated mode).
+    unified role (serves whole requests: colocated mode). Cancelling a call aborts its request.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Decode: _aio.UnaryStreamMultiCallable[_decode_service_pb2.DecodeRequest, _decode_service_pb2.DecodeResponse]  # type: ignore[assignment]
-    """Decode allocates destination pages at once, waits for the room's source, pulls the KV and streams the
-    answer starting with the prefill's first token.
+    """Decode reserves destination pages, opens or adopts the room, waits for the source, pulls the KV and
+    streams the answer from the second token on (the router already sent the first).
     """
     GenerateUnified: _aio.UnaryStreamMultiCallable[_decode_service_pb2.GenerateUnifiedRequest, _decode_service_pb2.GenerateUnifiedResponse]  # type: ignore[assignment]
     """GenerateUnified serves a whole request on this replica (unified role)."""
-    AbortDecode: _aio.UnaryUnaryMultiCallable[_decode_service_pb2.AbortDecodeRequest, _decode_service_pb2.AbortDecodeResponse]  # type: ignore[assignment]
-    """AbortDecode aborts a request by request id; its stream ends with FINISH_REASON_ABORT."""
     GetDecodeStats: _aio.UnaryUnaryMultiCallable[_decode_service_pb2.GetDecodeStatsRequest, _decode_service_pb2.GetDecodeStatsResponse]  # type: ignore[assignment]
     """GetDecodeStats reports pages, rooms and transfers."""
 
 class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
     """DecodeService hosts an engine in the decode role (pulls prompt KV, continues, streams tokens) or in the
-    unified role (serves whole requests: colocated mode).
+    unified role (serves whole requests: colocated mode). Cancelling a call aborts its request.
     """
 
     @_abc_1.abstractmethod
@@ -75,8 +71,8 @@ class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _decode_service_pb2.DecodeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_decode_service_pb2.DecodeResponse], _abc.AsyncIterator[_decode_service_pb2.DecodeResponse]]:
-        """Decode allocates destination pages at once, waits for the room's source, pulls the KV and streams the
-        answer starting with the prefill's first token.
+        """Decode reserves destination pages, opens or adopts the room, waits for the source, pulls the KV and
+        streams the answer from the second token on (the router already sent the first).
         """
 
     @_abc_1.abstractmethod
@@ -86,14 +82,6 @@ class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_decode_service_pb2.GenerateUnifiedResponse], _abc.AsyncIterator[_decode_service_pb2.GenerateUnifiedResponse]]:
         """GenerateUnified serves a whole request on this replica (unified role)."""
-
-    @_abc_1.abstractmethod
-    def AbortDecode(
-        self,
-        request: _decode_service_pb2.AbortDecodeRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_decode_service_pb2.AbortDecodeResponse, _abc.Awaitable[_decode_service_pb2.AbortDecodeResponse]]:
-        """AbortDecode aborts a request by request id; its stream ends with FINISH_REASON_ABORT."""
 
     @_abc_1.abstractmethod
     def GetDecodeStats(

@@ -29,42 +29,84 @@ class _RoomState:
 class _RoomStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RoomState.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     ROOM_STATE_UNSPECIFIED: _RoomState.ValueType  # 0
-    """Never used."""
+    """Never used in a room; a zero state means the field was not set."""
     ROOM_STATE_OPEN: _RoomState.ValueType  # 1
-    """Opened; the decode may already hold destination pages."""
+    """The decode opened the room and waits for the source; it may already hold destination pages."""
     ROOM_STATE_SOURCE_READY: _RoomState.ValueType  # 2
-    """The prefill published its source pages and first token."""
+    """The prefill published its source pages."""
     ROOM_STATE_TRANSFERRING: _RoomState.ValueType  # 3
     """The decode is reading the source pages."""
     ROOM_STATE_COMPLETED: _RoomState.ValueType  # 4
-    """The decode received every page; retained until released or its retention lease ends."""
-    ROOM_STATE_RELEASED: _RoomState.ValueType  # 5
-    """Both roles released the room (terminal)."""
-    ROOM_STATE_ABORTED: _RoomState.ValueType  # 6
-    """Aborted by a peer, a client or a dead peer (terminal)."""
-    ROOM_STATE_EXPIRED: _RoomState.ValueType  # 7
-    """Its lease lapsed (terminal)."""
+    """The decode received every page; the handoff is over (terminal)."""
+    ROOM_STATE_ABORTED: _RoomState.ValueType  # 5
+    """A peer, the router or a dead peer ended the room before it completed (terminal)."""
+    ROOM_STATE_EXPIRED: _RoomState.ValueType  # 6
+    """The room's lease lapsed before it completed (terminal)."""
 
 class RoomState(_RoomState, metaclass=_RoomStateEnumTypeWrapper):
-    """RoomState is a room's place in the P/D lifecycle."""
+    """RoomState is a room's place in the P/D lifecycle: OPEN → SOURCE_READY → TRANSFERRING → COMPLETED, or
+    ABORTED / EXPIRED from any state before COMPLETED. COMPLETED, ABORTED and EXPIRED never change.
+    """
 
 ROOM_STATE_UNSPECIFIED: RoomState.ValueType  # 0
-"""Never used."""
+"""Never used in a room; a zero state means the field was not set."""
 ROOM_STATE_OPEN: RoomState.ValueType  # 1
-"""Opened; the decode may already hold destination pages."""
+"""The decode opened the room and waits for the source; it may already hold destination pages."""
 ROOM_STATE_SOURCE_READY: RoomState.ValueType  # 2
-"""The prefill published its source pages and first token."""
+"""The prefill published its source pages."""
 ROOM_STATE_TRANSFERRING: RoomState.ValueType  # 3
 """The decode is reading the source pages."""
 ROOM_STATE_COMPLETED: RoomState.ValueType  # 4
-"""The decode received every page; retained until released or its retention lease ends."""
-ROOM_STATE_RELEASED: RoomState.ValueType  # 5
-"""Both roles released the room (terminal)."""
-ROOM_STATE_ABORTED: RoomState.ValueType  # 6
-"""Aborted by a peer, a client or a dead peer (terminal)."""
-ROOM_STATE_EXPIRED: RoomState.ValueType  # 7
-"""Its lease lapsed (terminal)."""
+"""The decode received every page; the handoff is over (terminal)."""
+ROOM_STATE_ABORTED: RoomState.ValueType  # 5
+"""A peer, the router or a dead peer ended the room before it completed (terminal)."""
+ROOM_STATE_EXPIRED: RoomState.ValueType  # 6
+"""The room's lease lapsed before it completed (terminal)."""
 Global___RoomState: _TypeAlias = RoomState  # noqa: Y015
+
+class _RoomEndCause:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RoomEndCauseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RoomEndCause.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROOM_END_CAUSE_UNSPECIFIED: _RoomEndCause.ValueType  # 0
+    """The room has not ended, or it completed."""
+    ROOM_END_CAUSE_ROUTER_ABORT: _RoomEndCause.ValueType  # 1
+    """The router ended the request: the client cancelled or disconnected, or the router gave up on it."""
+    ROOM_END_CAUSE_PREFILL_FAILED: _RoomEndCause.ValueType  # 2
+    """The prefill failed or was cancelled before its source could be read."""
+    ROOM_END_CAUSE_DECODE_FAILED: _RoomEndCause.ValueType  # 3
+    """The decode failed or was cancelled after it may have posted a read of the source."""
+    ROOM_END_CAUSE_DECODE_DECLINED: _RoomEndCause.ValueType  # 4
+    """The decode failed or was cancelled and never posted a read: the source may unpin at once."""
+    ROOM_END_CAUSE_PEER_LOST: _RoomEndCause.ValueType  # 5
+    """A member peer's epoch ended: its lease lapsed, it unregistered or it registered again."""
+    ROOM_END_CAUSE_LEASE_EXPIRED: _RoomEndCause.ValueType  # 6
+    """The room's own lease lapsed before it completed."""
+    ROOM_END_CAUSE_SHUTDOWN: _RoomEndCause.ValueType  # 7
+    """A member peer is shutting down and ended its rooms."""
+
+class RoomEndCause(_RoomEndCause, metaclass=_RoomEndCauseEnumTypeWrapper):
+    """RoomEndCause says why a room ended without completing. Peers branch on it, never on end_detail."""
+
+ROOM_END_CAUSE_UNSPECIFIED: RoomEndCause.ValueType  # 0
+"""The room has not ended, or it completed."""
+ROOM_END_CAUSE_ROUTER_ABORT: RoomEndCause.ValueType  # 1
+"""The router ended the request: the client cancelled or disconnected, or the router gave up on it."""
+ROOM_END_CAUSE_PREFILL_FAILED: RoomEndCause.ValueType  # 2
+"""The prefill failed or was cancelled before its source could be read."""
+ROOM_END_CAUSE_DECODE_FAILED: RoomEndCause.ValueType  # 3
+"""The decode failed or was cancelled after it may have posted a read of the source."""
+ROOM_END_CAUSE_DECODE_DECLINED: RoomEndCause.ValueType  # 4
+"""The decode failed or was cancelled and never posted a read: the source may unpin at once."""
+ROOM_END_CAUSE_PEER_LOST: RoomEndCause.ValueType  # 5
+"""A member peer's epoch ended: its lease lapsed, it unregistered or it registered again."""
+ROOM_END_CAUSE_LEASE_EXPIRED: RoomEndCause.ValueType  # 6
+"""The room's own lease lapsed before it completed."""
+ROOM_END_CAUSE_SHUTDOWN: RoomEndCause.ValueType  # 7
+"""A member peer is shutting down and ended its rooms."""
+Global___RoomEndCause: _TypeAlias = RoomEndCause  # noqa: Y015
 
 @_typing.final
 class Peer(_message.Message):
@@ -82,30 +124,32 @@ class Peer(_message.Message):
     LEASE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
     peer_id: _builtins.str
-    """Stable peer id (the peer's name); a restart keeps it and gets a new epoch."""
+    """The stable peer id (the peer's name, 1 to 128 of [A-Za-z0-9._:@-]); a restart keeps it."""
     epoch: _builtins.int
-    """Registration epoch; increases on every registration of the same peer id."""
+    """The registration epoch; it grows on every registration of the same peer id, across directory
+    restarts too (it is at least the wall clock in microseconds).
+    """
     role: _types_pb2.Role.ValueType
-    """Role of the peer."""
+    """The peer's role."""
     address: _builtins.str
-    """gRPC address (host:port) of the peer's service."""
+    """The gRPC address (host:port) of the peer's service."""
     contract_fingerprint: _builtins.str
-    """Contract fingerprint (hex digest of the layout)."""
+    """The contract fingerprint: the hex digest of the layout; empty for peers without a layout."""
     @_builtins.property
     def layout(self) -> _types_pb2.KvLayout:
-        """KV layout of the peer's engine."""
+        """The KV layout of the peer's engine; set for prefill, decode and unified peers."""
 
     @_builtins.property
     def endpoint(self) -> _types_pb2.TransferEndpoint:
-        """Transfer endpoint of the peer."""
+        """The peer's transfer endpoint; set for prefill and decode peers."""
 
     @_builtins.property
     def lease_expires_at(self) -> _timestamp_pb2.Timestamp:
-        """When the peer's lease ends unless renewed."""
+        """When the peer's lease ends unless a heartbeat renews it."""
 
     @_builtins.property
     def load(self) -> Global___PeerLoad:
-        """Latest load the peer reported."""
+        """The latest load the peer reported; unset before its first heartbeat."""
 
     def __init__(
         self,
@@ -130,7 +174,7 @@ Global___Peer: _TypeAlias = Peer  # noqa: Y015
 
 @_typing.final
 class PeerLoad(_message.Message):
-    """PeerLoad is what a peer reports about its work, used for routing."""
+    """PeerLoad is what a peer reports about its work; the router uses it to pick peers."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -138,11 +182,11 @@ class PeerLoad(_message.Message):
     PAGES_FREE_FIELD_NUMBER: _builtins.int
     PAGES_TOTAL_FIELD_NUMBER: _builtins.int
     outstanding_requests: _builtins.int
-    """Requests in progress."""
+    """The number of requests in progress (running and waiting)."""
     pages_free: _builtins.int
-    """Free KV pages."""
+    """The number of free KV pages."""
     pages_total: _builtins.int
-    """Total KV pages."""
+    """The total number of KV pages."""
     def __init__(
         self,
         *,
@@ -171,20 +215,22 @@ class RegisterPeerRequest(_message.Message):
     LAYOUT_FIELD_NUMBER: _builtins.int
     ENDPOINT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Idempotency key."""
+    """The idempotency key (at most 128 characters): a retry returns the registration it made."""
     peer_id: _builtins.str
-    """Stable peer id; empty lets the directory assign one."""
+    """The stable peer id; empty lets the directory assign one."""
     role: _types_pb2.Role.ValueType
-    """Role of the peer."""
+    """The peer's role; required."""
     address: _builtins.str
-    """gRPC address of the peer's service."""
+    """The gRPC address of the peer's service; required (at most 256 characters)."""
     @_builtins.property
     def layout(self) -> _types_pb2.KvLayout:
-        """KV layout of the peer's engine (required for prefill, decode and unified peers)."""
+        """The KV layout of the peer's engine; required for prefill, decode and unified peers."""
 
     @_builtins.property
     def endpoint(self) -> _types_pb2.TransferEndpoint:
-        """Transfer endpoint (required for prefill and decode peers)."""
+        """The transfer endpoint; required for prefill and decode peers. The directory hands it to the room's
+        reader once per epoch, so sources do not carry it.
+        """
 
     def __init__(
         self,
@@ -219,11 +265,11 @@ class RegisterPeerResponse(_message.Message):
 
     @_builtins.property
     def lease(self) -> _duration_pb2.Duration:
-        """Lease length; the peer must heartbeat well within it."""
+        """The lease's length; the peer must heartbeat well within it."""
 
     @_builtins.property
     def heartbeat_interval(self) -> _duration_pb2.Duration:
-        """Suggested heartbeat interval."""
+        """The suggested heartbeat interval (at most half the lease)."""
 
     def __init__(
         self,
@@ -246,27 +292,31 @@ class HeartbeatRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     PEER_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The idempotency key (at most 128 characters); a heartbeat is safe to repeat."""
     peer_id: _builtins.str
-    """Peer id."""
+    """The peer's id."""
     epoch: _builtins.int
-    """Epoch the peer registered with."""
+    """The epoch the peer registered with; an older one gets STALE_EPOCH."""
     @_builtins.property
     def load(self) -> Global___PeerLoad:
-        """Current load."""
+        """The peer's current load; unset keeps the last one reported."""
 
     def __init__(
         self,
         *,
+        request_id: _builtins.str = ...,
         peer_id: _builtins.str = ...,
         epoch: _builtins.int = ...,
         load: Global___PeerLoad | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "load", b"load", "peer_id", b"peer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "load", b"load", "peer_id", b"peer_id", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -281,12 +331,12 @@ class HeartbeatResponse(_message.Message):
     MUST_REGISTER_FIELD_NUMBER: _builtins.int
     LEASE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
     must_register: _builtins.bool
-    """True when the directory does not know this peer (for example after a directory restart):
-    the peer must register again.
+    """Whether the directory does not know this peer (for example after a directory restart): if true the
+    peer must register again.
     """
     @_builtins.property
     def lease_expires_at(self) -> _timestamp_pb2.Timestamp:
-        """When the lease now ends."""
+        """When the lease now ends; unset when must_register is true."""
 
     def __init__(
         self,
@@ -312,11 +362,11 @@ class UnregisterPeerRequest(_message.Message):
     PEER_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Idempotency key."""
+    """The idempotency key (at most 128 characters)."""
     peer_id: _builtins.str
-    """Peer id."""
+    """The peer's id; an unknown peer is a no-op."""
     epoch: _builtins.int
-    """Epoch being unregistered; a stale epoch is rejected."""
+    """The epoch being unregistered; any other epoch gets STALE_EPOCH."""
     def __init__(
         self,
         *,
@@ -340,7 +390,7 @@ class UnregisterPeerResponse(_message.Message):
 
     ROOMS_ABORTED_FIELD_NUMBER: _builtins.int
     rooms_aborted: _builtins.int
-    """Number of live rooms that were aborted because the peer left."""
+    """The number of rooms in the handoff that ended because the peer left."""
     def __init__(
         self,
         *,
@@ -365,13 +415,13 @@ class ListPeersRequest(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     CONTRACT_FINGERPRINT_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
-    """Maximum peers per page (default 100, at most 1000)."""
+    """The maximum number of peers per page: 0 means the default (100); more than 1000 is reduced to 1000."""
     page_token: _builtins.str
-    """Token from a previous response."""
+    """The token from a previous response's next_page_token; empty starts at the beginning."""
     role: _types_pb2.Role.ValueType
-    """Only peers of this role; unspecified means all."""
+    """Only peers of this role; ROLE_UNSPECIFIED means every role."""
     contract_fingerprint: _builtins.str
-    """Only peers with this contract fingerprint; empty means all."""
+    """Only peers with this contract fingerprint; empty means every fingerprint."""
     def __init__(
         self,
         *,
@@ -397,10 +447,10 @@ class ListPeersResponse(_message.Message):
     PEERS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
-    """Token for the next page; empty at the end."""
+    """The token for the next page; empty on the last page."""
     @_builtins.property
     def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___Peer]:
-        """Peers, ordered by peer id."""
+        """The peers, ordered by peer id."""
 
     def __init__(
         self,
@@ -418,63 +468,46 @@ Global___ListPeersResponse: _TypeAlias = ListPeersResponse  # noqa: Y015
 
 @_typing.final
 class SourceDescriptor(_message.Message):
-    """SourceDescriptor says where a room's prompt KV lives on the prefill peer."""
+    """SourceDescriptor says where a room's prompt KV lives on the prefill peer. The prefill's transfer
+    endpoint is not part of it: the reader gets that once per prefill epoch (BeginTransferResponse).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    ENDPOINT_FIELD_NUMBER: _builtins.int
     PAGE_RUNS_FIELD_NUMBER: _builtins.int
     NUM_PAGES_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
-    FIRST_TOKEN_FIELD_NUMBER: _builtins.int
-    FIRST_LOGPROB_FIELD_NUMBER: _builtins.int
-    FIRST_FINISH_REASON_FIELD_NUMBER: _builtins.int
-    AUX_FIELD_NUMBER: _builtins.int
     CONTRACT_FINGERPRINT_FIELD_NUMBER: _builtins.int
     READ_TOKEN_FIELD_NUMBER: _builtins.int
     num_pages: _builtins.int
-    """Total pages in the runs."""
+    """The total number of pages in the runs; must equal their sum."""
     num_tokens: _builtins.int
-    """Prompt tokens whose KV the pages hold."""
-    first_token: _builtins.int
-    """The first generated token."""
-    first_logprob: _builtins.float
-    """Log probability of the first token."""
-    first_finish_reason: _types_pb2.FinishReason.ValueType
-    """Finish reason if the first token already ends the request."""
-    aux: _builtins.bytes
-    """Engine-specific auxiliary bytes (at most 4 KiB)."""
+    """The number of prompt tokens whose KV the pages hold."""
     contract_fingerprint: _builtins.str
-    """Contract fingerprint the pages were computed under."""
+    """The contract fingerprint the pages were computed under (at most 128 characters); it must be the
+    publishing peer's.
+    """
     read_token: _builtins.str
-    """A secret of the source that the reader puts in its NIXL done/fail notifications; the source ignores
-    notifications without it. The directory returns it only to the room's decode, in BeginTransfer.
+    """A secret of the source (at most 128 characters) that the reader puts in its NIXL done/fail
+    notifications; the source ignores notifications without it. Only the room's decode receives it, in
+    BeginTransferResponse.
     """
     @_builtins.property
-    def endpoint(self) -> _types_pb2.TransferEndpoint:
-        """Endpoint of the prefill peer (epoch-scoped)."""
-
-    @_builtins.property
     def page_runs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.PageRun]:
-        """Source pages as contiguous runs, in prompt order."""
+        """The source pages as contiguous runs in prompt order; at most the directory's max_page_runs."""
 
     def __init__(
         self,
         *,
-        endpoint: _types_pb2.TransferEndpoint | None = ...,
         page_runs: _abc.Iterable[_types_pb2.PageRun] | None = ...,
         num_pages: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
-        first_token: _builtins.int = ...,
-        first_logprob: _builtins.float = ...,
-        first_finish_reason: _types_pb2.FinishReason.ValueType = ...,
-        aux: _builtins.bytes = ...,
         contract_fingerprint: _builtins.str = ...,
         read_token: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aux", b"aux", "contract_fingerprint", b"contract_fingerprint", "endpoint", b"endpoint", "first_finish_reason", b"first_finish_reason", "first_logprob", b"first_logprob", "first_token", b"first_token", "num_pages", b"num_pages", "num_tokens", b"num_tokens", "page_runs", b"page_runs", "read_token", b"read_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["contract_fingerprint", b"contract_fingerprint", "num_pages", b"num_pages", "num_tokens", b"num_tokens", "page_runs", b"page_runs", "read_token", b"read_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -482,7 +515,7 @@ Global___SourceDescriptor: _TypeAlias = SourceDescriptor  # noqa: Y015
 
 @_typing.final
 class Room(_message.Message):
-    """Room is one P/D request's rendezvous."""
+    """Room is one P/D request's rendezvous between a prefill and a decode peer."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -492,45 +525,38 @@ class Room(_message.Message):
     PREFILL_EPOCH_FIELD_NUMBER: _builtins.int
     DECODE_PEER_ID_FIELD_NUMBER: _builtins.int
     DECODE_EPOCH_FIELD_NUMBER: _builtins.int
-    PROMPT_FINGERPRINT_FIELD_NUMBER: _builtins.int
-    NUM_TOKENS_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     LEASE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
-    END_REASON_FIELD_NUMBER: _builtins.int
-    PREFILL_RELEASED_FIELD_NUMBER: _builtins.int
-    DECODE_RELEASED_FIELD_NUMBER: _builtins.int
+    END_CAUSE_FIELD_NUMBER: _builtins.int
+    END_DETAIL_FIELD_NUMBER: _builtins.int
     READ_DECLINED_FIELD_NUMBER: _builtins.int
     room_id: _builtins.int
-    """63-bit room id."""
+    """The room id: chosen by the router, 63-bit and never 0."""
     state: Global___RoomState.ValueType
-    """Current state."""
+    """The room's current state."""
     prefill_peer_id: _builtins.str
-    """Prefill peer id."""
+    """The prefill peer's id; empty in a room aborted before any member opened it."""
     prefill_epoch: _builtins.int
-    """Prefill peer epoch."""
+    """The prefill peer's epoch."""
     decode_peer_id: _builtins.str
-    """Decode peer id."""
+    """The decode peer's id; empty in a room aborted before any member opened it."""
     decode_epoch: _builtins.int
-    """Decode peer epoch."""
-    prompt_fingerprint: _builtins.bytes
-    """SHA-256 of the prompt token ids."""
-    num_tokens: _builtins.int
-    """Prompt tokens."""
-    end_reason: _builtins.str
-    """Why the room was aborted or expired."""
-    prefill_released: _builtins.bool
-    """True once the prefill role released the room."""
-    decode_released: _builtins.bool
-    """True once the decode role released the room."""
+    """The decode peer's epoch."""
+    end_cause: Global___RoomEndCause.ValueType
+    """Why the room ended, when it is ABORTED or EXPIRED."""
+    end_detail: _builtins.str
+    """A human-readable detail of the ending for logs (at most 1024 characters); never parsed."""
     read_declined: _builtins.bool
-    """The room's decode ended it and said it never posted a read: the source may unpin at once."""
+    """Whether the room's decode said it never posted a read of the source (it may say so after the room
+    ended); if true the source unpins at once.
+    """
     @_builtins.property
     def source(self) -> Global___SourceDescriptor:
-        """Source, once published."""
+        """The source, once published; absent in rooms streamed by WatchPeerRooms and in ended rooms."""
 
     @_builtins.property
     def lease_expires_at(self) -> _timestamp_pb2.Timestamp:
-        """When the lease ends unless renewed."""
+        """When the room's lease ends; a room not completed by then expires."""
 
     def __init__(
         self,
@@ -541,124 +567,45 @@ class Room(_message.Message):
         prefill_epoch: _builtins.int = ...,
         decode_peer_id: _builtins.str = ...,
         decode_epoch: _builtins.int = ...,
-        prompt_fingerprint: _builtins.bytes = ...,
-        num_tokens: _builtins.int = ...,
         source: Global___SourceDescriptor | None = ...,
         lease_expires_at: _timestamp_pb2.Timestamp | None = ...,
-        end_reason: _builtins.str = ...,
-        prefill_released: _builtins.bool = ...,
-        decode_released: _builtins.bool = ...,
+        end_cause: Global___RoomEndCause.ValueType = ...,
+        end_detail: _builtins.str = ...,
         read_declined: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_expires_at", b"lease_expires_at", "source", b"source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_epoch", b"decode_epoch", "decode_peer_id", b"decode_peer_id", "decode_released", b"decode_released", "end_reason", b"end_reason", "lease_expires_at", b"lease_expires_at", "num_tokens", b"num_tokens", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "prefill_released", b"prefill_released", "prompt_fingerprint", b"prompt_fingerprint", "read_declined", b"read_declined", "room_id", b"room_id", "source", b"source", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_epoch", b"decode_epoch", "decode_peer_id", b"decode_peer_id", "end_cause", b"end_cause", "end_detail", b"end_detail", "lease_expires_at", b"lease_expires_at", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "read_declined", b"read_declined", "room_id", b"room_id", "source", b"source", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Room: _TypeAlias = Room  # noqa: Y015
 
 @_typing.final
-class OpenRoomRequest(_message.Message):
-    """OpenRoomRequest opens a room."""
+class PublishSourceRequest(_message.Message):
+    """PublishSourceRequest publishes the prefill's source pages, opening the room if the decode has not."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ROOM_ID_FIELD_NUMBER: _builtins.int
     PREFILL_PEER_ID_FIELD_NUMBER: _builtins.int
     PREFILL_EPOCH_FIELD_NUMBER: _builtins.int
     DECODE_PEER_ID_FIELD_NUMBER: _builtins.int
     DECODE_EPOCH_FIELD_NUMBER: _builtins.int
-    PROMPT_FINGERPRINT_FIELD_NUMBER: _builtins.int
-    NUM_TOKENS_FIELD_NUMBER: _builtins.int
-    LEASE_FIELD_NUMBER: _builtins.int
-    ROOM_ID_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
-    """Idempotency key."""
-    prefill_peer_id: _builtins.str
-    """Prefill peer id."""
-    prefill_epoch: _builtins.int
-    """Prefill peer epoch."""
-    decode_peer_id: _builtins.str
-    """Decode peer id."""
-    decode_epoch: _builtins.int
-    """Decode peer epoch."""
-    prompt_fingerprint: _builtins.bytes
-    """SHA-256 of the prompt token ids."""
-    num_tokens: _builtins.int
-    """Prompt tokens."""
-    room_id: _builtins.int
-    """A room id chosen by the caller (non-zero, below 2^63), so it can start the prefill while the room
-    opens; FAILED_PRECONDITION with reason ROOM_EXISTS if it is taken. 0: the directory picks one.
-    """
-    @_builtins.property
-    def lease(self) -> _duration_pb2.Duration:
-        """Requested lease; unset means the directory's default."""
-
-    def __init__(
-        self,
-        *,
-        request_id: _builtins.str = ...,
-        prefill_peer_id: _builtins.str = ...,
-        prefill_epoch: _builtins.int = ...,
-        decode_peer_id: _builtins.str = ...,
-        decode_epoch: _builtins.int = ...,
-        prompt_fingerprint: _builtins.bytes = ...,
-        num_tokens: _builtins.int = ...,
-        lease: _duration_pb2.Duration | None = ...,
-        room_id: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_epoch", b"decode_epoch", "decode_peer_id", b"decode_peer_id", "lease", b"lease", "num_tokens", b"num_tokens", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "prompt_fingerprint", b"prompt_fingerprint", "request_id", b"request_id", "room_id", b"room_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___OpenRoomRequest: _TypeAlias = OpenRoomRequest  # noqa: Y015
-
-@_typing.final
-class OpenRoomResponse(_message.Message):
-    """OpenRoomResponse is the room's ticket."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    ROOM_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def room(self) -> Global___Room:
-        """The new room."""
-
-    def __init__(
-        self,
-        *,
-        room: Global___Room | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___OpenRoomResponse: _TypeAlias = OpenRoomResponse  # noqa: Y015
-
-@_typing.final
-class PublishSourceRequest(_message.Message):
-    """PublishSourceRequest publishes the prefill's source pages."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    ROOM_ID_FIELD_NUMBER: _builtins.int
-    PEER_ID_FIELD_NUMBER: _builtins.int
-    EPOCH_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Idempotency key."""
+    """The idempotency key (at most 128 characters)."""
     room_id: _builtins.int
-    """Room id."""
-    peer_id: _builtins.str
-    """Prefill peer id."""
-    epoch: _builtins.int
-    """Prefill peer epoch."""
+    """The room id chosen by the router (1 to 2^63-1)."""
+    prefill_peer_id: _builtins.str
+    """The prefill peer's id (the caller)."""
+    prefill_epoch: _builtins.int
+    """The prefill peer's current epoch."""
+    decode_peer_id: _builtins.str
+    """The decode peer's id, as the router chose it; it must match an existing room's."""
+    decode_epoch: _builtins.int
+    """The decode peer's epoch, as the router chose it; it must match an existing room's."""
     @_builtins.property
     def source(self) -> Global___SourceDescriptor:
         """Where the pages are."""
@@ -668,13 +615,15 @@ class PublishSourceRequest(_message.Message):
         *,
         request_id: _builtins.str = ...,
         room_id: _builtins.int = ...,
-        peer_id: _builtins.str = ...,
-        epoch: _builtins.int = ...,
+        prefill_peer_id: _builtins.str = ...,
+        prefill_epoch: _builtins.int = ...,
+        decode_peer_id: _builtins.str = ...,
+        decode_epoch: _builtins.int = ...,
         source: Global___SourceDescriptor | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "peer_id", b"peer_id", "request_id", b"request_id", "room_id", b"room_id", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_epoch", b"decode_epoch", "decode_peer_id", b"decode_peer_id", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "request_id", b"request_id", "room_id", b"room_id", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -682,14 +631,16 @@ Global___PublishSourceRequest: _TypeAlias = PublishSourceRequest  # noqa: Y015
 
 @_typing.final
 class PublishSourceResponse(_message.Message):
-    """PublishSourceResponse returns the updated room."""
+    """PublishSourceResponse returns the room."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     ROOM_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def room(self) -> Global___Room:
-        """The room in SOURCE_READY (or later) state."""
+        """The room in SOURCE_READY (or a later) state, or the room as it ended when it ended before the
+        publication (for example aborted by the router); then nobody reads the source.
+        """
 
     def __init__(
         self,
@@ -706,40 +657,54 @@ Global___PublishSourceResponse: _TypeAlias = PublishSourceResponse  # noqa: Y015
 
 @_typing.final
 class BeginTransferRequest(_message.Message):
-    """BeginTransferRequest marks the start of the read."""
+    """BeginTransferRequest marks the start of the decode's read."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     ROOM_ID_FIELD_NUMBER: _builtins.int
-    PEER_ID_FIELD_NUMBER: _builtins.int
-    EPOCH_FIELD_NUMBER: _builtins.int
+    PREFILL_PEER_ID_FIELD_NUMBER: _builtins.int
+    PREFILL_EPOCH_FIELD_NUMBER: _builtins.int
+    DECODE_PEER_ID_FIELD_NUMBER: _builtins.int
+    DECODE_EPOCH_FIELD_NUMBER: _builtins.int
     WAIT_FOR_SOURCE_FIELD_NUMBER: _builtins.int
+    SOURCE_ENDPOINT_CACHED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Idempotency key."""
+    """The idempotency key (at most 128 characters)."""
     room_id: _builtins.int
-    """Room id."""
-    peer_id: _builtins.str
-    """Decode peer id."""
-    epoch: _builtins.int
-    """Decode peer epoch."""
+    """The room id chosen by the router (1 to 2^63-1)."""
+    prefill_peer_id: _builtins.str
+    """The prefill peer's id, as the router chose it; it must match an existing room's."""
+    prefill_epoch: _builtins.int
+    """The prefill peer's epoch, as the router chose it; it must match an existing room's."""
+    decode_peer_id: _builtins.str
+    """The decode peer's id (the caller)."""
+    decode_epoch: _builtins.int
+    """The decode peer's current epoch."""
     wait_for_source: _builtins.bool
-    """When the room is still OPEN, wait (within the call's deadline and the room's lease) until it is not.
-    If the room then ended instead of turning SOURCE_READY, the response carries the ended room and
-    nothing changes; the caller reads room.state.
+    """Whether to open the room when it does not exist yet and to wait, within the call's deadline and the
+    room's lease, while it is OPEN. If the room then ended instead of turning SOURCE_READY, the response
+    carries the ended room and nothing changes; the caller reads room.state and room.end_cause.
+    """
+    source_endpoint_cached: _builtins.bool
+    """Whether the caller already holds the prefill's transfer endpoint for prefill_epoch; if true the
+    response omits it.
     """
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         room_id: _builtins.int = ...,
-        peer_id: _builtins.str = ...,
-        epoch: _builtins.int = ...,
+        prefill_peer_id: _builtins.str = ...,
+        prefill_epoch: _builtins.int = ...,
+        decode_peer_id: _builtins.str = ...,
+        decode_epoch: _builtins.int = ...,
         wait_for_source: _builtins.bool = ...,
+        source_endpoint_cached: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "peer_id", b"peer_id", "request_id", b"request_id", "room_id", b"room_id", "wait_for_source", b"wait_for_source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_epoch", b"decode_epoch", "decode_peer_id", b"decode_peer_id", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "request_id", b"request_id", "room_id", b"room_id", "source_endpoint_cached", b"source_endpoint_cached", "wait_for_source", b"wait_for_source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -747,73 +712,37 @@ Global___BeginTransferRequest: _TypeAlias = BeginTransferRequest  # noqa: Y015
 
 @_typing.final
 class BeginTransferResponse(_message.Message):
-    """BeginTransferResponse returns the updated room."""
+    """BeginTransferResponse returns the room and what the reader needs to read it."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     ROOM_FIELD_NUMBER: _builtins.int
+    SOURCE_ENDPOINT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def room(self) -> Global___Room:
-        """The room in TRANSFERRING state (or, after wait_for_source, the room as it ended)."""
+        """The room in TRANSFERRING state with its source and read token (or, after wait_for_source, the room
+        as it ended).
+        """
+
+    @_builtins.property
+    def source_endpoint(self) -> _types_pb2.TransferEndpoint:
+        """The prefill's transfer endpoint at the room's prefill epoch; unset when source_endpoint_cached was
+        true or the room ended.
+        """
 
     def __init__(
         self,
         *,
         room: Global___Room | None = ...,
+        source_endpoint: _types_pb2.TransferEndpoint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["room", b"room", "source_endpoint", b"source_endpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["room", b"room", "source_endpoint", b"source_endpoint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BeginTransferResponse: _TypeAlias = BeginTransferResponse  # noqa: Y015
-
-@_typing.final
-class WatchRoomRequest(_message.Message):
-    """WatchRoomRequest watches a room."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    ROOM_ID_FIELD_NUMBER: _builtins.int
-    room_id: _builtins.int
-    """Room id."""
-    def __init__(
-        self,
-        *,
-        room_id: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["room_id", b"room_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___WatchRoomRequest: _TypeAlias = WatchRoomRequest  # noqa: Y015
-
-@_typing.final
-class WatchRoomResponse(_message.Message):
-    """WatchRoomResponse is one state change."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    ROOM_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def room(self) -> Global___Room:
-        """The room after the change."""
-
-    def __init__(
-        self,
-        *,
-        room: Global___Room | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___WatchRoomResponse: _TypeAlias = WatchRoomResponse  # noqa: Y015
 
 @_typing.final
 class WatchPeerRoomsRequest(_message.Message):
@@ -843,14 +772,14 @@ Global___WatchPeerRoomsRequest: _TypeAlias = WatchPeerRoomsRequest  # noqa: Y015
 
 @_typing.final
 class WatchPeerRoomsResponse(_message.Message):
-    """WatchPeerRoomsResponse carries one or more room changes, in the order they happened."""
+    """WatchPeerRoomsResponse carries one or more room changes in the order they happened."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     ROOMS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def rooms(self) -> _containers.RepeatedCompositeFieldContainer[Global___Room]:
-        """The rooms after their changes, without their source page runs."""
+        """The rooms after their changes, without their sources; at most the directory's max_feed_batch."""
 
     def __init__(
         self,
@@ -867,7 +796,7 @@ Global___WatchPeerRoomsResponse: _TypeAlias = WatchPeerRoomsResponse  # noqa: Y0
 
 @_typing.final
 class CompleteRoomRequest(_message.Message):
-    """CompleteRoomRequest marks the transfer done."""
+    """CompleteRoomRequest marks the transfer done; the room ends COMPLETED."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -877,21 +806,16 @@ class CompleteRoomRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     BYTES_TRANSFERRED_FIELD_NUMBER: _builtins.int
     TRANSFER_DURATION_FIELD_NUMBER: _builtins.int
-    RELEASE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Idempotency key."""
+    """The idempotency key (at most 128 characters)."""
     room_id: _builtins.int
-    """Room id."""
+    """The room id."""
     peer_id: _builtins.str
-    """Decode peer id."""
+    """The decode peer's id (the caller)."""
     epoch: _builtins.int
-    """Decode peer epoch."""
+    """The decode peer's current epoch."""
     bytes_transferred: _builtins.int
-    """Bytes the decode read."""
-    release: _builtins.bool
-    """Also ends the handoff: the decode needs the room no more and the source pages were read, so the room
-    goes on to RELEASED at once and neither role calls ReleaseRoom.
-    """
+    """The number of bytes the decode read."""
     @_builtins.property
     def transfer_duration(self) -> _duration_pb2.Duration:
         """How long the read took."""
@@ -905,11 +829,10 @@ class CompleteRoomRequest(_message.Message):
         epoch: _builtins.int = ...,
         bytes_transferred: _builtins.int = ...,
         transfer_duration: _duration_pb2.Duration | None = ...,
-        release: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["transfer_duration", b"transfer_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "epoch", b"epoch", "peer_id", b"peer_id", "release", b"release", "request_id", b"request_id", "room_id", b"room_id", "transfer_duration", b"transfer_duration"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "epoch", b"epoch", "peer_id", b"peer_id", "request_id", b"request_id", "room_id", b"room_id", "transfer_duration", b"transfer_duration"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -917,14 +840,14 @@ Global___CompleteRoomRequest: _TypeAlias = CompleteRoomRequest  # noqa: Y015
 
 @_typing.final
 class CompleteRoomResponse(_message.Message):
-    """CompleteRoomResponse returns the updated room."""
+    """CompleteRoomResponse returns the completed room."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     ROOM_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def room(self) -> Global___Room:
-        """The room in COMPLETED state (RELEASED with release)."""
+        """The room in COMPLETED state."""
 
     def __init__(
         self,
@@ -940,166 +863,44 @@ class CompleteRoomResponse(_message.Message):
 Global___CompleteRoomResponse: _TypeAlias = CompleteRoomResponse  # noqa: Y015
 
 @_typing.final
-class RenewLeaseRequest(_message.Message):
-    """RenewLeaseRequest extends a room's lease."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    ROOM_ID_FIELD_NUMBER: _builtins.int
-    PEER_ID_FIELD_NUMBER: _builtins.int
-    EPOCH_FIELD_NUMBER: _builtins.int
-    LEASE_FIELD_NUMBER: _builtins.int
-    room_id: _builtins.int
-    """Room id."""
-    peer_id: _builtins.str
-    """Peer id of either role."""
-    epoch: _builtins.int
-    """That peer's epoch."""
-    @_builtins.property
-    def lease(self) -> _duration_pb2.Duration:
-        """New lease from now; unset means the directory's default for the room's state."""
-
-    def __init__(
-        self,
-        *,
-        room_id: _builtins.int = ...,
-        peer_id: _builtins.str = ...,
-        epoch: _builtins.int = ...,
-        lease: _duration_pb2.Duration | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "lease", b"lease", "peer_id", b"peer_id", "room_id", b"room_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___RenewLeaseRequest: _TypeAlias = RenewLeaseRequest  # noqa: Y015
-
-@_typing.final
-class RenewLeaseResponse(_message.Message):
-    """RenewLeaseResponse returns the new expiry."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    LEASE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def lease_expires_at(self) -> _timestamp_pb2.Timestamp:
-        """When the lease now ends."""
-
-    def __init__(
-        self,
-        *,
-        lease_expires_at: _timestamp_pb2.Timestamp | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_expires_at", b"lease_expires_at"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_expires_at", b"lease_expires_at"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___RenewLeaseResponse: _TypeAlias = RenewLeaseResponse  # noqa: Y015
-
-@_typing.final
-class ReleaseRoomRequest(_message.Message):
-    """ReleaseRoomRequest releases one role's hold."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    ROOM_ID_FIELD_NUMBER: _builtins.int
-    ROLE_FIELD_NUMBER: _builtins.int
-    PEER_ID_FIELD_NUMBER: _builtins.int
-    EPOCH_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
-    """Idempotency key."""
-    room_id: _builtins.int
-    """Room id."""
-    role: _types_pb2.Role.ValueType
-    """The releasing role (prefill or decode)."""
-    peer_id: _builtins.str
-    """Peer id of that role."""
-    epoch: _builtins.int
-    """That peer's epoch."""
-    def __init__(
-        self,
-        *,
-        request_id: _builtins.str = ...,
-        room_id: _builtins.int = ...,
-        role: _types_pb2.Role.ValueType = ...,
-        peer_id: _builtins.str = ...,
-        epoch: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "peer_id", b"peer_id", "request_id", b"request_id", "role", b"role", "room_id", b"room_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ReleaseRoomRequest: _TypeAlias = ReleaseRoomRequest  # noqa: Y015
-
-@_typing.final
-class ReleaseRoomResponse(_message.Message):
-    """ReleaseRoomResponse returns the room."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    ROOM_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def room(self) -> Global___Room:
-        """The room after the release."""
-
-    def __init__(
-        self,
-        *,
-        room: Global___Room | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ReleaseRoomResponse: _TypeAlias = ReleaseRoomResponse  # noqa: Y015
-
-@_typing.final
 class AbortRoomRequest(_message.Message):
-    """AbortRoomRequest aborts a room."""
+    """AbortRoomRequest ends a room."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     ROOM_ID_FIELD_NUMBER: _builtins.int
-    REASON_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
     PEER_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
-    NO_READ_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Idempotency key."""
+    """The idempotency key (at most 128 characters)."""
     room_id: _builtins.int
-    """Room id."""
-    reason: _builtins.str
-    """Why, for logs and watchers."""
-    peer_id: _builtins.str
-    """Peer id of the caller; empty for the router."""
-    epoch: _builtins.int
-    """Epoch of the caller."""
-    no_read: _builtins.bool
-    """Set by the room's decode when it never posted a read of the source (it may have begun the
-    transfer): the room's watchers see read_declined and the source unpins without waiting.
+    """The room id (1 to 2^63-1). An id no member opened yet is recorded as an aborted room for one room
+    lease, so a late PublishSource or BeginTransfer sees it ended.
     """
+    cause: Global___RoomEndCause.ValueType
+    """Why the room ends; required. Only the room's decode may give ROOM_END_CAUSE_DECODE_DECLINED."""
+    detail: _builtins.str
+    """A human-readable detail for logs (at most 1024 characters)."""
+    peer_id: _builtins.str
+    """The caller's peer id; empty for the router."""
+    epoch: _builtins.int
+    """The caller's current epoch; ignored for the router."""
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         room_id: _builtins.int = ...,
-        reason: _builtins.str = ...,
+        cause: Global___RoomEndCause.ValueType = ...,
+        detail: _builtins.str = ...,
         peer_id: _builtins.str = ...,
         epoch: _builtins.int = ...,
-        no_read: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "no_read", b"no_read", "peer_id", b"peer_id", "reason", b"reason", "request_id", b"request_id", "room_id", b"room_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "detail", b"detail", "epoch", b"epoch", "peer_id", b"peer_id", "request_id", b"request_id", "room_id", b"room_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1114,7 +915,7 @@ class AbortRoomResponse(_message.Message):
     ROOM_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def room(self) -> Global___Room:
-        """The room after the abort (terminal)."""
+        """The room after the abort; an already ended room is returned as it ended."""
 
     def __init__(
         self,
@@ -1137,7 +938,7 @@ class GetRoomRequest(_message.Message):
 
     ROOM_ID_FIELD_NUMBER: _builtins.int
     room_id: _builtins.int
-    """Room id."""
+    """The room id (1 to 2^63-1)."""
     def __init__(
         self,
         *,
@@ -1160,7 +961,7 @@ class GetRoomResponse(_message.Message):
     ROOM_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def room(self) -> Global___Room:
-        """The room."""
+        """The room, live or recently ended, without its read token."""
 
     def __init__(
         self,
@@ -1177,7 +978,7 @@ Global___GetRoomResponse: _TypeAlias = GetRoomResponse  # noqa: Y015
 
 @_typing.final
 class GetDirectoryStatsRequest(_message.Message):
-    """GetDirectoryStatsRequest asks for counters."""
+    """GetDirectoryStatsRequest asks for the directory's counters; it has no fields."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1242,29 +1043,28 @@ class GetDirectoryStatsResponse(_message.Message):
     ROOMS_BY_STATE_FIELD_NUMBER: _builtins.int
     ROOMS_OPENED_FIELD_NUMBER: _builtins.int
     ROOMS_COMPLETED_FIELD_NUMBER: _builtins.int
-    ROOMS_RELEASED_FIELD_NUMBER: _builtins.int
     ROOMS_ABORTED_FIELD_NUMBER: _builtins.int
     ROOMS_EXPIRED_FIELD_NUMBER: _builtins.int
     PEERS_BY_ROLE_FIELD_NUMBER: _builtins.int
     rooms_active: _builtins.int
-    """Live rooms (not in a terminal state, plus completed rooms not yet released)."""
+    """The number of rooms in the handoff (OPEN, SOURCE_READY or TRANSFERRING)."""
     rooms_opened: _builtins.int
-    """Rooms opened since start."""
+    """The number of rooms opened since start."""
     rooms_completed: _builtins.int
-    """Rooms completed since start."""
-    rooms_released: _builtins.int
-    """Rooms released since start."""
+    """The number of rooms completed since start."""
     rooms_aborted: _builtins.int
-    """Rooms aborted since start."""
+    """The number of opened rooms aborted since start (ids aborted before anyone opened them excluded)."""
     rooms_expired: _builtins.int
-    """Rooms expired since start."""
+    """The number of rooms expired since start."""
     @_builtins.property
     def rooms_by_state(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
-        """Rooms by state name (e.g. "ROOM_STATE_OPEN"), terminal states counted since start."""
+        """Rooms by state name (for example "ROOM_STATE_OPEN"): live states as current counts, terminal states
+        as totals since start.
+        """
 
     @_builtins.property
     def peers_by_role(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
-        """Live peers by role name (e.g. "ROLE_PREFILL")."""
+        """Live peers by role name (for example "ROLE_PREFILL")."""
 
     def __init__(
         self,
@@ -1273,14 +1073,13 @@ class GetDirectoryStatsResponse(_message.Message):
         rooms_by_state: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         rooms_opened: _builtins.int = ...,
         rooms_completed: _builtins.int = ...,
-        rooms_released: _builtins.int = ...,
         rooms_aborted: _builtins.int = ...,
         rooms_expired: _builtins.int = ...,
         peers_by_role: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["peers_by_role", b"peers_by_role", "rooms_aborted", b"rooms_aborted", "rooms_active", b"rooms_active", "rooms_by_state", b"rooms_by_state", "rooms_completed", b"rooms_completed", "rooms_expired", b"rooms_expired", "rooms_opened", b"rooms_opened", "rooms_released", b"rooms_released"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["peers_by_role", b"peers_by_role", "rooms_aborted", b"rooms_aborted", "rooms_active", b"rooms_active", "rooms_by_state", b"rooms_by_state", "rooms_completed", b"rooms_completed", "rooms_expired", b"rooms_expired", "rooms_opened", b"rooms_opened"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

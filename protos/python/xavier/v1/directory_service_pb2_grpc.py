@@ -26,8 +26,12 @@ if _version_not_supported:
 
 
 class DirectoryServiceStub:
-    """DirectoryService keeps the mesh's soft state: peers with epochs and leases, and one room per P/D request.
-    Peers rebuild it by re-registering after a directory restart.
+    """DirectoryService keeps the mesh's soft state: peers with epochs and leases, and one room per P/D
+    request. Peers rebuild it by registering again after a directory restart.
+
+    A room has no separate open call. The router chooses the room id and the prefill/decode pair and tells
+    both peers; whichever of PublishSource (prefill) and BeginTransfer (decode) reaches the directory first
+    opens the room and the other adopts it, so neither can arrive too early.
     """
 
     def __init__(self, channel):
@@ -56,11 +60,6 @@ class DirectoryServiceStub:
                 request_serializer=xavier_dot_v1_dot_directory__service__pb2.ListPeersRequest.SerializeToString,
                 response_deserializer=xavier_dot_v1_dot_directory__service__pb2.ListPeersResponse.FromString,
                 _registered_method=True)
-        self.OpenRoom = channel.unary_unary(
-                '/xavier.v1.DirectoryService/OpenRoom',
-                request_serializer=xavier_dot_v1_dot_directory__service__pb2.OpenRoomRequest.SerializeToString,
-                response_deserializer=xavier_dot_v1_dot_directory__service__pb2.OpenRoomResponse.FromString,
-                _registered_method=True)
         self.PublishSource = channel.unary_unary(
                 '/xavier.v1.DirectoryService/PublishSource',
                 request_serializer=xavier_dot_v1_dot_directory__service__pb2.PublishSourceRequest.SerializeToString,
@@ -71,11 +70,6 @@ class DirectoryServiceStub:
                 request_serializer=xavier_dot_v1_dot_directory__service__pb2.BeginTransferRequest.SerializeToString,
                 response_deserializer=xavier_dot_v1_dot_directory__service__pb2.BeginTransferResponse.FromString,
                 _registered_method=True)
-        self.WatchRoom = channel.unary_stream(
-                '/xavier.v1.DirectoryService/WatchRoom',
-                request_serializer=xavier_dot_v1_dot_directory__service__pb2.WatchRoomRequest.SerializeToString,
-                response_deserializer=xavier_dot_v1_dot_directory__service__pb2.WatchRoomResponse.FromString,
-                _registered_method=True)
         self.WatchPeerRooms = channel.unary_stream(
                 '/xavier.v1.DirectoryService/WatchPeerRooms',
                 request_serializer=xavier_dot_v1_dot_directory__service__pb2.WatchPeerRoomsRequest.SerializeToString,
@@ -85,16 +79,6 @@ class DirectoryServiceStub:
                 '/xavier.v1.DirectoryService/CompleteRoom',
                 request_serializer=xavier_dot_v1_dot_directory__service__pb2.CompleteRoomRequest.SerializeToString,
                 response_deserializer=xavier_dot_v1_dot_directory__service__pb2.CompleteRoomResponse.FromString,
-                _registered_method=True)
-        self.RenewLease = channel.unary_unary(
-                '/xavier.v1.DirectoryService/RenewLease',
-                request_serializer=xavier_dot_v1_dot_directory__service__pb2.RenewLeaseRequest.SerializeToString,
-                response_deserializer=xavier_dot_v1_dot_directory__service__pb2.RenewLeaseResponse.FromString,
-                _registered_method=True)
-        self.ReleaseRoom = channel.unary_unary(
-                '/xavier.v1.DirectoryService/ReleaseRoom',
-                request_serializer=xavier_dot_v1_dot_directory__service__pb2.ReleaseRoomRequest.SerializeToString,
-                response_deserializer=xavier_dot_v1_dot_directory__service__pb2.ReleaseRoomResponse.FromString,
                 _registered_method=True)
         self.AbortRoom = channel.unary_unary(
                 '/xavier.v1.DirectoryService/AbortRoom',
@@ -114,12 +98,16 @@ class DirectoryServiceStub:
 
 
 class DirectoryServiceServicer:
-    """DirectoryService keeps the mesh's soft state: peers with epochs and leases, and one room per P/D request.
-    Peers rebuild it by re-registering after a directory restart.
+    """DirectoryService keeps the mesh's soft state: peers with epochs and leases, and one room per P/D
+    request. Peers rebuild it by registering again after a directory restart.
+
+    A room has no separate open call. The router chooses the room id and the prefill/decode pair and tells
+    both peers; whichever of PublishSource (prefill) and BeginTransfer (decode) reaches the directory first
+    opens the room and the other adopts it, so neither can arrive too early.
     """
 
     def RegisterPeer(self, request, context):
-        """RegisterPeer adds a peer, or re-registers a restarted one under a new epoch.
+        """RegisterPeer adds a peer, or registers a restarted one again under a new epoch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,86 +121,59 @@ class DirectoryServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UnregisterPeer(self, request, context):
-        """UnregisterPeer removes a peer; its live rooms are aborted.
+        """UnregisterPeer removes a peer; its rooms still in the handoff end with ROOM_END_CAUSE_PEER_LOST.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListPeers(self, request, context):
-        """ListPeers lists live peers, paginated, optionally filtered.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def OpenRoom(self, request, context):
-        """OpenRoom opens a room for one P/D request and returns its ticket.
+        """ListPeers lists live peers in pages, optionally filtered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PublishSource(self, request, context):
-        """PublishSource records where the prefill's KV pages are; idempotent by request_id.
+        """PublishSource records where the prefill's KV pages are, opening the room or adopting the one the
+        decode opened; idempotent by request_id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def BeginTransfer(self, request, context):
-        """BeginTransfer records that the decode started reading the source pages; with wait_for_source it
-        first waits for the prefill to publish them.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def WatchRoom(self, request, context):
-        """WatchRoom streams a room's state changes, starting with its current state; ends at a terminal state.
+        """BeginTransfer records that the decode starts reading the source pages. With wait_for_source it opens
+        the room (or adopts it) and first waits for the prefill to publish.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def WatchPeerRooms(self, request, context):
-        """WatchPeerRooms streams the state changes of every room a peer is a member of, over one stream per
-        peer instead of one per room: first the peer's live rooms, then each change, batched.
+        """WatchPeerRooms streams the state changes of every room a peer is a member of over one stream per
+        peer: first the peer's live rooms, then each change, batched.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CompleteRoom(self, request, context):
-        """CompleteRoom records that the decode received every page.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def RenewLease(self, request, context):
-        """RenewLease extends a live or completed room's lease.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReleaseRoom(self, request, context):
-        """ReleaseRoom releases one role's hold on a room; the room ends when both roles released it.
+        """CompleteRoom records that the decode received every page; the room ends COMPLETED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AbortRoom(self, request, context):
-        """AbortRoom ends a live room and tells its watchers.
+        """AbortRoom ends a room that has not ended, or records an aborted room under an id not yet opened.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetRoom(self, request, context):
-        """GetRoom returns a room's current state.
+        """GetRoom returns a room's current state (a peer's room feed uses it to catch up after a reconnect).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -248,11 +209,6 @@ def add_DirectoryServiceServicer_to_server(servicer, server):
                     request_deserializer=xavier_dot_v1_dot_directory__service__pb2.ListPeersRequest.FromString,
                     response_serializer=xavier_dot_v1_dot_directory__service__pb2.ListPeersResponse.SerializeToString,
             ),
-            'OpenRoom': grpc.unary_unary_rpc_method_handler(
-                    servicer.OpenRoom,
-                    request_deserializer=xavier_dot_v1_dot_directory__service__pb2.OpenRoomRequest.FromString,
-                    response_serializer=xavier_dot_v1_dot_directory__service__pb2.OpenRoomResponse.SerializeToString,
-            ),
             'PublishSource': grpc.unary_unary_rpc_method_handler(
                     servicer.PublishSource,
                     request_deserializer=xavier_dot_v1_dot_directory__service__pb2.PublishSourceRequest.FromString,
@@ -263,11 +219,6 @@ def add_DirectoryServiceServicer_to_server(servicer, server):
                     request_deserializer=xavier_dot_v1_dot_directory__service__pb2.BeginTransferRequest.FromString,
                     response_serializer=xavier_dot_v1_dot_directory__service__pb2.BeginTransferResponse.SerializeToString,
             ),
-            'WatchRoom': grpc.unary_stream_rpc_method_handler(
-                    servicer.WatchRoom,
-                    request_deserializer=xavier_dot_v1_dot_directory__service__pb2.WatchRoomRequest.FromString,
-                    response_serializer=xavier_dot_v1_dot_directory__service__pb2.WatchRoomResponse.SerializeToString,
-            ),
             'WatchPeerRooms': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchPeerRooms,
                     request_deserializer=xavier_dot_v1_dot_directory__service__pb2.WatchPeerRoomsRequest.FromString,
@@ -277,16 +228,6 @@ def add_DirectoryServiceServicer_to_server(servicer, server):
                     servicer.CompleteRoom,
                     request_deserializer=xavier_dot_v1_dot_directory__service__pb2.CompleteRoomRequest.FromString,
                     response_serializer=xavier_dot_v1_dot_directory__service__pb2.CompleteRoomResponse.SerializeToString,
-            ),
-            'RenewLease': grpc.unary_unary_rpc_method_handler(
-                    servicer.RenewLease,
-                    request_deserializer=xavier_dot_v1_dot_directory__service__pb2.RenewLeaseRequest.FromString,
-                    response_serializer=xavier_dot_v1_dot_directory__service__pb2.RenewLeaseResponse.SerializeToString,
-            ),
-            'ReleaseRoom': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReleaseRoom,
-                    request_deserializer=xavier_dot_v1_dot_directory__service__pb2.ReleaseRoomRequest.FromString,
-                    response_serializer=xavier_dot_v1_dot_directory__service__pb2.ReleaseRoomResponse.SerializeToString,
             ),
             'AbortRoom': grpc.unary_unary_rpc_method_handler(
                     servicer.AbortRoom,
@@ -312,8 +253,12 @@ def add_DirectoryServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class DirectoryService:
-    """DirectoryService keeps the mesh's soft state: peers with epochs and leases, and one room per P/D request.
-    Peers rebuild it by re-registering after a directory restart.
+    """DirectoryService keeps the mesh's soft state: peers with epochs and leases, and one room per P/D
+    request. Peers rebuild it by registering again after a directory restart.
+
+    A room has no separate open call. The router chooses the room id and the prefill/decode pair and tells
+    both peers; whichever of PublishSource (prefill) and BeginTransfer (decode) reaches the directory first
+    opens the room and the other adopts it, so neither can arrive too early.
     """
 
     @staticmethod
@@ -425,33 +370,6 @@ class DirectoryService:
             _registered_method=True)
 
     @staticmethod
-    def OpenRoom(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/xavier.v1.DirectoryService/OpenRoom',
-            xavier_dot_v1_dot_directory__service__pb2.OpenRoomRequest.SerializeToString,
-            xavier_dot_v1_dot_directory__service__pb2.OpenRoomResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def PublishSource(request,
             target,
             options=(),
@@ -506,33 +424,6 @@ class DirectoryService:
             _registered_method=True)
 
     @staticmethod
-    def WatchRoom(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/xavier.v1.DirectoryService/WatchRoom',
-            xavier_dot_v1_dot_directory__service__pb2.WatchRoomRequest.SerializeToString,
-            xavier_dot_v1_dot_directory__service__pb2.WatchRoomResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def WatchPeerRooms(request,
             target,
             options=(),
@@ -576,60 +467,6 @@ class DirectoryService:
             '/xavier.v1.DirectoryService/CompleteRoom',
             xavier_dot_v1_dot_directory__service__pb2.CompleteRoomRequest.SerializeToString,
             xavier_dot_v1_dot_directory__service__pb2.CompleteRoomResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def RenewLease(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/xavier.v1.DirectoryService/RenewLease',
-            xavier_dot_v1_dot_directory__service__pb2.RenewLeaseRequest.SerializeToString,
-            xavier_dot_v1_dot_directory__service__pb2.RenewLeaseResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReleaseRoom(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/xavier.v1.DirectoryService/ReleaseRoom',
-            xavier_dot_v1_dot_directory__service__pb2.ReleaseRoomRequest.SerializeToString,
-            xavier_dot_v1_dot_directory__service__pb2.ReleaseRoomResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,8 +27,12 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class DirectoryServiceStub:
-    """DirectoryService keeps the mesh's soft state: peers with epochs and leases, and one room per P/D request.
-    Peers rebuild it by re-registering after a directory restart.
+    """DirectoryService keeps the mesh's soft state: peers with epochs and leases, and one room per P/D
+    request. Peers rebuild it by registering again after a directory restart.
+
+    A room has no separate open call. The router chooses the room id and the prefill/decode pair and tells
+    both peers; whichever of PublishSource (prefill) and BeginTransfer (decode) reaches the directory first
+    opens the room and the other adopts it, so neither can arrive too early.
     """
 
     @_typing.overload
@@ -36,85 +40,81 @@ class DirectoryServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> DirectoryServiceAsyncStub: ...
     RegisterPeer: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.RegisterPeerRequest, _directory_service_pb2.RegisterPeerResponse]
-    """RegisterPeer adds a peer, or re-registers a restarted one under a new epoch."""
+    """RegisterPeer adds a peer, or registers a restarted one again under a new epoch."""
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.HeartbeatRequest, _directory_service_pb2.HeartbeatResponse]
     """Heartbeat renews a peer's lease and reports its load."""
     UnregisterPeer: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.UnregisterPeerRequest, _directory_service_pb2.UnregisterPeerResponse]
-    """UnregisterPeer removes a peer; its live rooms are aborted."""
+    """UnregisterPeer removes a peer; its rooms still in the handoff end with ROOM_END_CAUSE_PEER_LOST."""
     ListPeers: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.ListPeersRequest, _directory_service_pb2.ListPeersResponse]
-    """ListPeers lists live peers, paginated, optionally filtered."""
-    OpenRoom: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.OpenRoomRequest, _directory_service_pb2.OpenRoomResponse]
-    """OpenRoom opens a room for one P/D request and returns its ticket."""
+    """ListPeers lists live peers in pages, optionally filtered."""
     PublishSource: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.PublishSourceRequest, _directory_service_pb2.PublishSourceResponse]
-    """PublishSource records where the prefill's KV pages are; idempotent by request_id."""
-    BeginTransfer: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.BeginTransferRequest, _directory_service_pb2.BeginTransferResponse]
-    """BeginTransfer records that the decode started reading the source pages; with wait_for_source it
-    first waits for the prefill to publish them.
+    """PublishSource records where the prefill's KV pages are, opening the room or adopting the one the
+    decode opened; idempotent by request_id.
     """
-    WatchRoom: _grpc.UnaryStreamMultiCallable[_directory_service_pb2.WatchRoomRequest, _directory_service_pb2.WatchRoomResponse]
-    """WatchRoom streams a room's state changes, starting with its current state; ends at a terminal state."""
+    BeginTransfer: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.BeginTransferRequest, _directory_service_pb2.BeginTransferResponse]
+    """BeginTransfer records that the decode starts reading the source pages. With wait_for_source it opens
+    the room (or adopts it) and first waits for the prefill to publish.
+    """
     WatchPeerRooms: _grpc.UnaryStreamMultiCallable[_directory_service_pb2.WatchPeerRoomsRequest, _directory_service_pb2.WatchPeerRoomsResponse]
-    """WatchPeerRooms streams the state changes of every room a peer is a member of, over one stream per
-    peer instead of one per room: first the peer's live rooms, then each change, batched.
+    """WatchPeerRooms streams the state changes of every room a peer is a member of over one stream per
+    peer: first the peer's live rooms, then each change, batched.
     """
     CompleteRoom: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.CompleteRoomRequest, _directory_service_pb2.CompleteRoomResponse]
-    """CompleteRoom records that the decode received every page."""
-    RenewLease: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.RenewLeaseRequest, _directory_service_pb2.RenewLeaseResponse]
-    """RenewLease extends a live or completed room's lease."""
-    ReleaseRoom: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.ReleaseRoomRequest, _directory_service_pb2.ReleaseRoomResponse]
-    """ReleaseRoom releases one role's hold on a room; the room ends when both roles released it."""
+    """CompleteRoom records that the decode received every page; the room ends COMPLETED."""
     AbortRoom: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.AbortRoomRequest, _directory_service_pb2.AbortRoomResponse]
-    """AbortRoom ends a live room and tells its watchers."""
+    """AbortRoom ends a room that has not ended, or records an aborted room under an id not yet opened."""
     GetRoom: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.GetRoomRequest, _directory_service_pb2.GetRoomResponse]
-    """GetRoom returns a room's current state."""
+    """GetRoom returns a room's current state (a peer's room feed uses it to catch up after a reconnect)."""
     GetDirectoryStats: _grpc.UnaryUnaryMultiCallable[_directory_service_pb2.GetDirectoryStatsRequest, _directory_service_pb2.GetDirectoryStatsResponse]
     """GetDirectoryStats counts rooms and peers."""
 
 @_typing.type_check_only
 class DirectoryServiceAsyncStub(DirectoryServiceStub):
-    """DirectoryService keeps the mesh's soft state: peers with epochs and leases, and one room per P/D request.
-    Peers rebuild it by re-registering after a directory restart.
+    """DirectoryService keeps the mesh's soft state: peers with epochs and leases, and one room per P/D
+    request. Peers rebuild it by registering again after a directory restart.
+
+    A room has no separate open call. The router chooses the room id and the prefill/decode pair and tells
+    both peers; whichever of PublishSource (prefill) and BeginTransfer (decode) reaches the directory first
+    opens the room and the other adopts it, so neither can arrive too early.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     RegisterPeer: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.RegisterPeerRequest, _directory_service_pb2.RegisterPeerResponse]  # type: ignore[assignment]
-    """RegisterPeer adds a peer, or re-registers a restarted one under a new epoch."""
+    """RegisterPeer adds a peer, or registers a restarted one again under a new epoch."""
     Heartbeat: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.HeartbeatRequest, _directory_service_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Heartbeat renews a peer's lease and reports its load."""
     UnregisterPeer: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.UnregisterPeerRequest, _directory_service_pb2.UnregisterPeerResponse]  # type: ignore[assignment]
-    """UnregisterPeer removes a peer; its live rooms are aborted."""
+    """UnregisterPeer removes a peer; its rooms still in the handoff end with ROOM_END_CAUSE_PEER_LOST."""
     ListPeers: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.ListPeersRequest, _directory_service_pb2.ListPeersResponse]  # type: ignore[assignment]
-    """ListPeers lists live peers, paginated, optionally filtered."""
-    OpenRoom: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.OpenRoomRequest, _directory_service_pb2.OpenRoomResponse]  # type: ignore[assignment]
-    """OpenRoom opens a room for one P/D request and returns its ticket."""
+    """ListPeers lists live peers in pages, optionally filtered."""
     PublishSource: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.PublishSourceRequest, _directory_service_pb2.PublishSourceResponse]  # type: ignore[assignment]
-    """PublishSource records where the prefill's KV pages are; idempotent by request_id."""
-    BeginTransfer: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.BeginTransferRequest, _directory_service_pb2.BeginTransferResponse]  # type: ignore[assignment]
-    """BeginTransfer records that the decode started reading the source pages; with wait_for_source it
-    first waits for the prefill to publish them.
+    """PublishSource records where the prefill's KV pages are, opening the room or adopting the one the
+    decode opened; idempotent by request_id.
     """
-    WatchRoom: _aio.UnaryStreamMultiCallable[_directory_service_pb2.WatchRoomRequest, _directory_service_pb2.WatchRoomResponse]  # type: ignore[assignment]
-    """WatchRoom streams a room's state changes, starting with its current state; ends at a terminal state."""
+    BeginTransfer: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.BeginTransferRequest, _directory_service_pb2.BeginTransferResponse]  # type: ignore[assignment]
+    """BeginTransfer records that the decode starts reading the source pages. With wait_for_source it opens
+    the room (or adopts it) and first waits for the prefill to publish.
+    """
     WatchPeerRooms: _aio.UnaryStreamMultiCallable[_directory_service_pb2.WatchPeerRoomsRequest, _directory_service_pb2.WatchPeerRoomsResponse]  # type: ignore[assignment]
-    """WatchPeerRooms streams the state changes of every room a peer is a member of, over one stream per
-    peer instead of one per room: first the peer's live rooms, then each change, batched.
+    """WatchPeerRooms streams the state changes of every room a peer is a member of over one stream per
+    peer: first the peer's live rooms, then each change, batched.
     """
     CompleteRoom: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.CompleteRoomRequest, _directory_service_pb2.CompleteRoomResponse]  # type: ignore[assignment]
-    """CompleteRoom records that the decode received every page."""
-    RenewLease: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.RenewLeaseRequest, _directory_service_pb2.RenewLeaseResponse]  # type: ignore[assignment]
-    """RenewLease extends a live or completed room's lease."""
-    ReleaseRoom: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.ReleaseRoomRequest, _directory_service_pb2.ReleaseRoomResponse]  # type: ignore[assignment]
-    """ReleaseRoom releases one role's hold on a room; the room ends when both roles released it."""
+    """CompleteRoom records that the decode received every page; the room ends COMPLETED."""
     AbortRoom: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.AbortRoomRequest, _directory_service_pb2.AbortRoomResponse]  # type: ignore[assignment]
-    """AbortRoom ends a live room and tells its watchers."""
+    """AbortRoom ends a room that has not ended, or records an aborted room under an id not yet opened."""
     GetRoom: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.GetRoomRequest, _directory_service_pb2.GetRoomResponse]  # type: ignore[assignment]
-    """GetRoom returns a room's current state."""
+    """GetRoom returns a room's current state (a peer's room feed uses it to catch up after a reconnect)."""
     GetDirectoryStats: _aio.UnaryUnaryMultiCallable[_directory_service_pb2.GetDirectoryStatsRequest, _directory_service_pb2.GetDirectoryStatsResponse]  # type: ignore[assignment]
     """GetDirectoryStats counts rooms and peers."""
 
 class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
-    """DirectoryService keeps the mesh's soft state: peers with epochs and leases, and one room per P/D request.
-    Peers rebuild it by re-registering after a directory restart.
+    """DirectoryService keeps the mesh's soft state: peers with epochs and leases, and one room per P/D
+    request. Peers rebuild it by registering again after a directory restart.
+
+    A room has no separate open call. The router chooses the room id and the prefill/decode pair and tells
+    both peers; whichever of PublishSource (prefill) and BeginTransfer (decode) reaches the directory first
+    opens the room and the other adopts it, so neither can arrive too early.
     """
 
     @_abc_1.abstractmethod
@@ -123,7 +123,7 @@ class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _directory_service_pb2.RegisterPeerRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_directory_service_pb2.RegisterPeerResponse, _abc.Awaitable[_directory_service_pb2.RegisterPeerResponse]]:
-        """RegisterPeer adds a peer, or re-registers a restarted one under a new epoch."""
+        """RegisterPeer adds a peer, or registers a restarted one again under a new epoch."""
 
     @_abc_1.abstractmethod
     def Heartbeat(
@@ -139,7 +139,7 @@ class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _directory_service_pb2.UnregisterPeerRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_directory_service_pb2.UnregisterPeerResponse, _abc.Awaitable[_directory_service_pb2.UnregisterPeerResponse]]:
-        """UnregisterPeer removes a peer; its live rooms are aborted."""
+        """UnregisterPeer removes a peer; its rooms still in the handoff end with ROOM_END_CAUSE_PEER_LOST."""
 
     @_abc_1.abstractmethod
     def ListPeers(
@@ -147,15 +147,7 @@ class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _directory_service_pb2.ListPeersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_directory_service_pb2.ListPeersResponse, _abc.Awaitable[_directory_service_pb2.ListPeersResponse]]:
-        """ListPeers lists live peers, paginated, optionally filtered."""
-
-    @_abc_1.abstractmethod
-    def OpenRoom(
-        self,
-        request: _directory_service_pb2.OpenRoomRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_directory_service_pb2.OpenRoomResponse, _abc.Awaitable[_directory_service_pb2.OpenRoomResponse]]:
-        """OpenRoom opens a room for one P/D request and returns its ticket."""
+        """ListPeers lists live peers in pages, optionally filtered."""
 
     @_abc_1.abstractmethod
     def PublishSource(
@@ -163,7 +155,9 @@ class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _directory_service_pb2.PublishSourceRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_directory_service_pb2.PublishSourceResponse, _abc.Awaitable[_directory_service_pb2.PublishSourceResponse]]:
-        """PublishSource records where the prefill's KV pages are; idempotent by request_id."""
+        """PublishSource records where the prefill's KV pages are, opening the room or adopting the one the
+        decode opened; idempotent by request_id.
+        """
 
     @_abc_1.abstractmethod
     def BeginTransfer(
@@ -171,17 +165,9 @@ class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _directory_service_pb2.BeginTransferRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_directory_service_pb2.BeginTransferResponse, _abc.Awaitable[_directory_service_pb2.BeginTransferResponse]]:
-        """BeginTransfer records that the decode started reading the source pages; with wait_for_source it
-        first waits for the prefill to publish them.
+        """BeginTransfer records that the decode starts reading the source pages. With wait_for_source it opens
+        the room (or adopts it) and first waits for the prefill to publish.
         """
-
-    @_abc_1.abstractmethod
-    def WatchRoom(
-        self,
-        request: _directory_service_pb2.WatchRoomRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_directory_service_pb2.WatchRoomResponse], _abc.AsyncIterator[_directory_service_pb2.WatchRoomResponse]]:
-        """WatchRoom streams a room's state changes, starting with its current state; ends at a terminal state."""
 
     @_abc_1.abstractmethod
     def WatchPeerRooms(
@@ -189,8 +175,8 @@ class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _directory_service_pb2.WatchPeerRoomsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_directory_service_pb2.WatchPeerRoomsResponse], _abc.AsyncIterator[_directory_service_pb2.WatchPeerRoomsResponse]]:
-        """WatchPeerRooms streams the state changes of every room a peer is a member of, over one stream per
-        peer instead of one per room: first the peer's live rooms, then each change, batched.
+        """WatchPeerRooms streams the state changes of every room a peer is a member of over one stream per
+        peer: first the peer's live rooms, then each change, batched.
         """
 
     @_abc_1.abstractmethod
@@ -199,23 +185,7 @@ class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _directory_service_pb2.CompleteRoomRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_directory_service_pb2.CompleteRoomResponse, _abc.Awaitable[_directory_service_pb2.CompleteRoomResponse]]:
-        """CompleteRoom records that the decode received every page."""
-
-    @_abc_1.abstractmethod
-    def RenewLease(
-        self,
-        request: _directory_service_pb2.RenewLeaseRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_directory_service_pb2.RenewLeaseResponse, _abc.Awaitable[_directory_service_pb2.RenewLeaseResponse]]:
-        """RenewLease extends a live or completed room's lease."""
-
-    @_abc_1.abstractmethod
-    def ReleaseRoom(
-        self,
-        request: _directory_service_pb2.ReleaseRoomRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_directory_service_pb2.ReleaseRoomResponse, _abc.Awaitable[_directory_service_pb2.ReleaseRoomResponse]]:
-        """ReleaseRoom releases one role's hold on a room; the room ends when both roles released it."""
+        """CompleteRoom records that the decode received every page; the room ends COMPLETED."""
 
     @_abc_1.abstractmethod
     def AbortRoom(
@@ -223,7 +193,7 @@ class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _directory_service_pb2.AbortRoomRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_directory_service_pb2.AbortRoomResponse, _abc.Awaitable[_directory_service_pb2.AbortRoomResponse]]:
-        """AbortRoom ends a live room and tells its watchers."""
+        """AbortRoom ends a room that has not ended, or records an aborted room under an id not yet opened."""
 
     @_abc_1.abstractmethod
     def GetRoom(
@@ -231,7 +201,7 @@ class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _directory_service_pb2.GetRoomRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_directory_service_pb2.GetRoomResponse, _abc.Awaitable[_directory_service_pb2.GetRoomResponse]]:
-        """GetRoom returns a room's current state."""
+        """GetRoom returns a room's current state (a peer's room feed uses it to catch up after a reconnect)."""
 
     @_abc_1.abstractmethod
     def GetDirectoryStats(

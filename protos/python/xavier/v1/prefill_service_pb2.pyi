@@ -21,37 +21,45 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
 class PrefillRequest(_message.Message):
-    """PrefillRequest asks for one prompt's prefill."""
+    """PrefillRequest asks for one prompt's prefill in a room the router chose."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     ROOM_ID_FIELD_NUMBER: _builtins.int
+    DECODE_PEER_ID_FIELD_NUMBER: _builtins.int
+    DECODE_EPOCH_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     RETURN_KV_DIGEST_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Idempotency key (the client request id)."""
+    """The client's request id (at most 128 characters), for logs."""
     room_id: _builtins.int
-    """Room opened for this request."""
+    """The room id chosen by the router (1 to 2^63-1); one live prefill per room and peer."""
+    decode_peer_id: _builtins.str
+    """The decode peer the router paired with this prefill; the room is opened for this pair."""
+    decode_epoch: _builtins.int
+    """The decode peer's epoch, as the router saw it."""
     cache_salt: _builtins.str
-    """Tenant salt isolating prefix-cache pages."""
+    """The tenant salt isolating prefix-cache pages (at most 256 characters)."""
     return_kv_digest: _builtins.bool
-    """Return a SHA-256 of the published KV pages' bytes (for end-to-end verification; costs a hash)."""
+    """Whether to return a SHA-256 of the published KV pages' bytes (end-to-end verification; costs a hash)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Prompt token ids."""
+        """The prompt's token ids: non-empty, each below the vocabulary size, fewer than the context limit."""
 
     @_builtins.property
     def sampling(self) -> _types_pb2.SamplingParams:
-        """Sampling for the first token."""
+        """The sampling parameters of the first token."""
 
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         room_id: _builtins.int = ...,
+        decode_peer_id: _builtins.str = ...,
+        decode_epoch: _builtins.int = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _types_pb2.SamplingParams | None = ...,
         cache_salt: _builtins.str = ...,
@@ -59,7 +67,7 @@ class PrefillRequest(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "request_id", b"request_id", "return_kv_digest", b"return_kv_digest", "room_id", b"room_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "decode_epoch", b"decode_epoch", "decode_peer_id", b"decode_peer_id", "request_id", b"request_id", "return_kv_digest", b"return_kv_digest", "room_id", b"room_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -81,20 +89,22 @@ class PrefillResponse(_message.Message):
     first_token: _builtins.int
     """The first generated token."""
     first_logprob: _builtins.float
-    """Its log probability."""
+    """The first token's natural-log probability."""
     finish_reason: _types_pb2.FinishReason.ValueType
-    """Set when the first token already ends the request."""
+    """Why the request ended, when the first token already ends it; then nothing was published, no room
+    was opened and the pages are already free.
+    """
     num_pages: _builtins.int
-    """Pages published for the room."""
+    """The number of pages published for the room (0 when finish_reason is set)."""
     kv_digest: _builtins.bytes
-    """SHA-256 of the published pages' bytes, when asked for."""
+    """The SHA-256 of the published pages' bytes, when asked for."""
     @_builtins.property
     def usage(self) -> _types_pb2.Usage:
-        """Token counts."""
+        """The token counts of the prefill (prompt and cached tokens)."""
 
     @_builtins.property
     def timings(self) -> _types_pb2.Timings:
-        """Prefill timings."""
+        """The prefill's timings; the time to the first token is the prefill time."""
 
     def __init__(
         self,
@@ -116,60 +126,8 @@ class PrefillResponse(_message.Message):
 Global___PrefillResponse: _TypeAlias = PrefillResponse  # noqa: Y015
 
 @_typing.final
-class AbortPrefillRequest(_message.Message):
-    """AbortPrefillRequest aborts a prefill."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    REQUEST_ID_FIELD_NUMBER: _builtins.int
-    ROOM_ID_FIELD_NUMBER: _builtins.int
-    REASON_FIELD_NUMBER: _builtins.int
-    request_id: _builtins.str
-    """Idempotency key."""
-    room_id: _builtins.int
-    """Room to abort."""
-    reason: _builtins.str
-    """Why."""
-    def __init__(
-        self,
-        *,
-        request_id: _builtins.str = ...,
-        room_id: _builtins.int = ...,
-        reason: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "request_id", b"request_id", "room_id", b"room_id"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___AbortPrefillRequest: _TypeAlias = AbortPrefillRequest  # noqa: Y015
-
-@_typing.final
-class AbortPrefillResponse(_message.Message):
-    """AbortPrefillResponse acknowledges an abort."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    FOUND_FIELD_NUMBER: _builtins.int
-    found: _builtins.bool
-    """True when the room was live on this peer."""
-    def __init__(
-        self,
-        *,
-        found: _builtins.bool = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___AbortPrefillResponse: _TypeAlias = AbortPrefillResponse  # noqa: Y015
-
-@_typing.final
 class GetPrefillStatsRequest(_message.Message):
-    """GetPrefillStatsRequest asks for stats."""
+    """GetPrefillStatsRequest asks for the prefill peer's stats; it has no fields."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -195,16 +153,16 @@ class GetPrefillStatsResponse(_message.Message):
     TRANSFER_FIELD_NUMBER: _builtins.int
     PEER_FIELD_NUMBER: _builtins.int
     rooms_active: _builtins.int
-    """Rooms this peer still holds pages for."""
+    """The number of rooms this peer still holds pages for."""
     peer: _builtins.str
-    """Peer id and epoch, e.g. "prefill-0@3"."""
+    """The peer's id and epoch, for example "prefill-0@3"."""
     @_builtins.property
     def engine(self) -> _types_pb2.EngineStats:
-        """Engine pool and queues."""
+        """The engine's pool and queues."""
 
     @_builtins.property
     def transfer(self) -> _types_pb2.TransferStats:
-        """Bytes served to decode peers."""
+        """The bytes served to decode peers since start."""
 
     def __init__(
         self,

@@ -27,8 +27,8 @@ if _version_not_supported:
 
 class PrefillServiceStub:
     """PrefillService hosts an engine in the prefill role: it computes a prompt's KV and first token, pins the
-    pages, publishes them in the room and serves the decode's read; it unpins on completion, release, abort
-    or expiry.
+    pages, publishes them in the room and serves the decode's read; it unpins on completion, abort or
+    expiry. Cancelling a Prefill call aborts its room.
     """
 
     def __init__(self, channel):
@@ -42,11 +42,6 @@ class PrefillServiceStub:
                 request_serializer=xavier_dot_v1_dot_prefill__service__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=xavier_dot_v1_dot_prefill__service__pb2.PrefillResponse.FromString,
                 _registered_method=True)
-        self.AbortPrefill = channel.unary_unary(
-                '/xavier.v1.PrefillService/AbortPrefill',
-                request_serializer=xavier_dot_v1_dot_prefill__service__pb2.AbortPrefillRequest.SerializeToString,
-                response_deserializer=xavier_dot_v1_dot_prefill__service__pb2.AbortPrefillResponse.FromString,
-                _registered_method=True)
         self.GetPrefillStats = channel.unary_unary(
                 '/xavier.v1.PrefillService/GetPrefillStats',
                 request_serializer=xavier_dot_v1_dot_prefill__service__pb2.GetPrefillStatsRequest.SerializeToString,
@@ -56,19 +51,13 @@ class PrefillServiceStub:
 
 class PrefillServiceServicer:
     """PrefillService hosts an engine in the prefill role: it computes a prompt's KV and first token, pins the
-    pages, publishes them in the room and serves the decode's read; it unpins on completion, release, abort
-    or expiry.
+    pages, publishes them in the room and serves the decode's read; it unpins on completion, abort or
+    expiry. Cancelling a Prefill call aborts its room.
     """
 
     def Prefill(self, request, context):
-        """Prefill runs a prompt's prefill for a room and returns the first token as soon as it exists.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def AbortPrefill(self, request, context):
-        """AbortPrefill aborts a room's prefill; pages a read may still touch are parked, not freed.
+        """Prefill runs a prompt's prefill for a room and returns the first token as soon as it exists; the
+        publication of the source pages continues after the response.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -89,11 +78,6 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     request_deserializer=xavier_dot_v1_dot_prefill__service__pb2.PrefillRequest.FromString,
                     response_serializer=xavier_dot_v1_dot_prefill__service__pb2.PrefillResponse.SerializeToString,
             ),
-            'AbortPrefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.AbortPrefill,
-                    request_deserializer=xavier_dot_v1_dot_prefill__service__pb2.AbortPrefillRequest.FromString,
-                    response_serializer=xavier_dot_v1_dot_prefill__service__pb2.AbortPrefillResponse.SerializeToString,
-            ),
             'GetPrefillStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPrefillStats,
                     request_deserializer=xavier_dot_v1_dot_prefill__service__pb2.GetPrefillStatsRequest.FromString,
@@ -109,8 +93,8 @@ def add_PrefillServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class PrefillService:
     """PrefillService hosts an engine in the prefill role: it computes a prompt's KV and first token, pins the
-    pages, publishes them in the room and serves the decode's read; it unpins on completion, release, abort
-    or expiry.
+    pages, publishes them in the room and serves the decode's read; it unpins on completion, abort or
+    expiry. Cancelling a Prefill call aborts its room.
     """
 
     @staticmethod
@@ -130,33 +114,6 @@ class PrefillService:
             '/xavier.v1.PrefillService/Prefill',
             xavier_dot_v1_dot_prefill__service__pb2.PrefillRequest.SerializeToString,
             xavier_dot_v1_dot_prefill__service__pb2.PrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def AbortPrefill(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/xavier.v1.PrefillService/AbortPrefill',
-            xavier_dot_v1_dot_prefill__service__pb2.AbortPrefillRequest.SerializeToString,
-            xavier_dot_v1_dot_prefill__service__pb2.AbortPrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,8 +28,8 @@ GRPC_VERSION: str
 
 class PrefillServiceStub:
     """PrefillService hosts an engine in the prefill role: it computes a prompt's KV and first token, pins the
-    pages, publishes them in the room and serves the decode's read; it unpins on completion, release, abort
-    or expiry.
+    pages, publishes them in the room and serves the decode's read; it unpins on completion, abort or
+    expiry. Cancelling a Prefill call aborts its room.
     """
 
     @_typing.overload
@@ -37,31 +37,31 @@ class PrefillServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> PrefillServiceAsyncStub: ...
     Prefill: _grpc.UnaryUnaryMultiCallable[_prefill_service_pb2.PrefillRequest, _prefill_service_pb2.PrefillResponse]
-    """Prefill runs a prompt's prefill for a room and returns the first token as soon as it exists."""
-    AbortPrefill: _grpc.UnaryUnaryMultiCallable[_prefill_service_pb2.AbortPrefillRequest, _prefill_service_pb2.AbortPrefillResponse]
-    """AbortPrefill aborts a room's prefill; pages a read may still touch are parked, not freed."""
+    """Prefill runs a prompt's prefill for a room and returns the first token as soon as it exists; the
+    publication of the source pages continues after the response.
+    """
     GetPrefillStats: _grpc.UnaryUnaryMultiCallable[_prefill_service_pb2.GetPrefillStatsRequest, _prefill_service_pb2.GetPrefillStatsResponse]
     """GetPrefillStats reports pages, rooms and transfers."""
 
 @_typing.type_check_only
 class PrefillServiceAsyncStub(PrefillServiceStub):
     """PrefillService hosts an engine in the prefill role: it computes a prompt's KV and first token, pins the
-    pages, publishes them in the room and serves the decode's read; it unpins on completion, release, abort
-    or expiry.
+    pages, publishes them in the room and serves the decode's read; it unpins on completion, abort or
+    expiry. Cancelling a Prefill call aborts its room.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Prefill: _aio.UnaryUnaryMultiCallable[_prefill_service_pb2.PrefillRequest, _prefill_service_pb2.PrefillResponse]  # type: ignore[assignment]
-    """Prefill runs a prompt's prefill for a room and returns the first token as soon as it exists."""
-    AbortPrefill: _aio.UnaryUnaryMultiCallable[_prefill_service_pb2.AbortPrefillRequest, _prefill_service_pb2.AbortPrefillResponse]  # type: ignore[assignment]
-    """AbortPrefill aborts a room's prefill; pages a read may still touch are parked, not freed."""
+    """Prefill runs a prompt's prefill for a room and returns the first token as soon as it exists; the
+    publication of the source pages continues after the response.
+    """
     GetPrefillStats: _aio.UnaryUnaryMultiCallable[_prefill_service_pb2.GetPrefillStatsRequest, _prefill_service_pb2.GetPrefillStatsResponse]  # type: ignore[assignment]
     """GetPrefillStats reports pages, rooms and transfers."""
 
 class PrefillServiceServicer(metaclass=_abc_1.ABCMeta):
     """PrefillService hosts an engine in the prefill role: it computes a prompt's KV and first token, pins the
-    pages, publishes them in the room and serves the decode's read; it unpins on completion, release, abort
-    or expiry.
+    pages, publishes them in the room and serves the decode's read; it unpins on completion, abort or
+    expiry. Cancelling a Prefill call aborts its room.
     """
 
     @_abc_1.abstractmethod
@@ -70,15 +70,9 @@ class PrefillServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _prefill_service_pb2.PrefillRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_prefill_service_pb2.PrefillResponse, _abc.Awaitable[_prefill_service_pb2.PrefillResponse]]:
-        """Prefill runs a prompt's prefill for a room and returns the first token as soon as it exists."""
-
-    @_abc_1.abstractmethod
-    def AbortPrefill(
-        self,
-        request: _prefill_service_pb2.AbortPrefillRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_prefill_service_pb2.AbortPrefillResponse, _abc.Awaitable[_prefill_service_pb2.AbortPrefillResponse]]:
-        """AbortPrefill aborts a room's prefill; pages a read may still touch are parked, not freed."""
+        """Prefill runs a prompt's prefill for a room and returns the first token as soon as it exists; the
+        publication of the source pages continues after the response.
+        """
 
     @_abc_1.abstractmethod
     def GetPrefillStats(

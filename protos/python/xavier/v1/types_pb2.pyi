@@ -27,29 +27,29 @@ class _Role:
 class _RoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Role.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     ROLE_UNSPECIFIED: _Role.ValueType  # 0
-    """The role was not set; always rejected."""
+    """The role was not set; a request that needs a role rejects it with INVALID_ARGUMENT."""
     ROLE_PREFILL: _Role.ValueType  # 1
-    """Computes prompt KV and the first token, then serves the KV to a decode peer."""
+    """The peer computes prompt KV and the first token, then serves the KV pages to a decode peer."""
     ROLE_DECODE: _Role.ValueType  # 2
-    """Pulls prompt KV from a prefill peer and generates the rest of the answer."""
+    """The peer pulls prompt KV from a prefill peer and generates the rest of the answer."""
     ROLE_UNIFIED: _Role.ValueType  # 3
-    """An ordinary replica that serves whole requests (colocated mode)."""
+    """The peer is an ordinary replica that serves whole requests (colocated mode)."""
     ROLE_PAGE_STORE: _Role.ValueType  # 4
-    """A page store (HiCache L3) shared by replicas."""
+    """The peer is a page store (HiCache L3) shared by replicas."""
 
 class Role(_Role, metaclass=_RoleEnumTypeWrapper):
-    """Role is what a peer does in the mesh."""
+    """Role is what a peer does in the mesh; a peer has exactly one role per registration."""
 
 ROLE_UNSPECIFIED: Role.ValueType  # 0
-"""The role was not set; always rejected."""
+"""The role was not set; a request that needs a role rejects it with INVALID_ARGUMENT."""
 ROLE_PREFILL: Role.ValueType  # 1
-"""Computes prompt KV and the first token, then serves the KV to a decode peer."""
+"""The peer computes prompt KV and the first token, then serves the KV pages to a decode peer."""
 ROLE_DECODE: Role.ValueType  # 2
-"""Pulls prompt KV from a prefill peer and generates the rest of the answer."""
+"""The peer pulls prompt KV from a prefill peer and generates the rest of the answer."""
 ROLE_UNIFIED: Role.ValueType  # 3
-"""An ordinary replica that serves whole requests (colocated mode)."""
+"""The peer is an ordinary replica that serves whole requests (colocated mode)."""
 ROLE_PAGE_STORE: Role.ValueType  # 4
-"""A page store (HiCache L3) shared by replicas."""
+"""The peer is a page store (HiCache L3) shared by replicas."""
 Global___Role: _TypeAlias = Role  # noqa: Y015
 
 class _TransportKind:
@@ -59,21 +59,17 @@ class _TransportKind:
 class _TransportKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TransportKind.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     TRANSPORT_KIND_UNSPECIFIED: _TransportKind.ValueType  # 0
-    """The transport was not set; always rejected."""
+    """The transport was not set; the directory rejects an endpoint without one."""
     TRANSPORT_KIND_NIXL: _TransportKind.ValueType  # 1
-    """NIXL (UCX) one-sided READs of registered memory, DRAM or VRAM."""
-    TRANSPORT_KIND_CUDA_IPC: _TransportKind.ValueType  # 2
-    """CUDA IPC: the importer maps the exporter's pool once and copies pages peer-to-peer (one host)."""
+    """NIXL (UCX) one-sided READs of registered memory, DRAM or VRAM; the only transport implemented."""
 
 class TransportKind(_TransportKind, metaclass=_TransportKindEnumTypeWrapper):
     """TransportKind names how KV bytes move between two peers."""
 
 TRANSPORT_KIND_UNSPECIFIED: TransportKind.ValueType  # 0
-"""The transport was not set; always rejected."""
+"""The transport was not set; the directory rejects an endpoint without one."""
 TRANSPORT_KIND_NIXL: TransportKind.ValueType  # 1
-"""NIXL (UCX) one-sided READs of registered memory, DRAM or VRAM."""
-TRANSPORT_KIND_CUDA_IPC: TransportKind.ValueType  # 2
-"""CUDA IPC: the importer maps the exporter's pool once and copies pages peer-to-peer (one host)."""
+"""NIXL (UCX) one-sided READs of registered memory, DRAM or VRAM; the only transport implemented."""
 Global___TransportKind: _TypeAlias = TransportKind  # noqa: Y015
 
 class _FinishReason:
@@ -83,31 +79,32 @@ class _FinishReason:
 class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishReason.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     FINISH_REASON_UNSPECIFIED: _FinishReason.ValueType  # 0
-    """The request has not finished."""
+    """The request has not finished (every message of a stream but the last)."""
     FINISH_REASON_STOP: _FinishReason.ValueType  # 1
     """An end-of-sequence token, a stop token id or a stop string ended the request."""
     FINISH_REASON_LENGTH: _FinishReason.ValueType  # 2
     """max_tokens or the model's context limit ended the request."""
     FINISH_REASON_ABORT: _FinishReason.ValueType  # 3
-    """The request was aborted (client cancel, disconnect or fault)."""
+    """The request was aborted (client cancel, disconnect or a fault)."""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """FinishReason says why a generation ended."""
 
 FINISH_REASON_UNSPECIFIED: FinishReason.ValueType  # 0
-"""The request has not finished."""
+"""The request has not finished (every message of a stream but the last)."""
 FINISH_REASON_STOP: FinishReason.ValueType  # 1
 """An end-of-sequence token, a stop token id or a stop string ended the request."""
 FINISH_REASON_LENGTH: FinishReason.ValueType  # 2
 """max_tokens or the model's context limit ended the request."""
 FINISH_REASON_ABORT: FinishReason.ValueType  # 3
-"""The request was aborted (client cancel, disconnect or fault)."""
+"""The request was aborted (client cancel, disconnect or a fault)."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
 class KvLayout(_message.Message):
     """KvLayout describes a peer's KV cache exactly enough to decide whether two peers may exchange KV pages.
-    Its canonical digest is the contract fingerprint; peers exchange KV only when fingerprints match.
+    Its canonical digest is the contract fingerprint; peers exchange KV only when the fingerprints match.
+    Text fields hold at most 256 characters and fingerprints at most 128.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -125,29 +122,29 @@ class KvLayout(_message.Message):
     CONFIG_FINGERPRINT_FIELD_NUMBER: _builtins.int
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
-    """Engine name, e.g. "reference" or "sglang"."""
+    """The engine's name, for example "reference" or "sglang"; required."""
     engine_version: _builtins.str
-    """Engine version string."""
+    """The engine's version string."""
     dtype: _builtins.str
-    """KV element dtype, e.g. "float16" or "float32"."""
+    """The KV element dtype, for example "float16" or "float32"; required."""
     num_layers: _builtins.int
-    """Number of transformer layers (each has one K and one V buffer)."""
+    """The number of transformer layers; each has one K and one V buffer. Must be positive."""
     num_kv_heads: _builtins.int
-    """Number of KV heads per layer."""
+    """The number of KV heads per layer. Must be positive."""
     head_dim: _builtins.int
-    """Dimension of one head."""
+    """The dimension of one attention head, in elements. Must be positive."""
     page_size: _builtins.int
-    """Tokens per KV page."""
+    """The number of tokens one KV page holds. Must be positive."""
     memory_layout: _builtins.str
-    """Memory layout name, e.g. "mha_layer_kv_slot_head_dim"."""
+    """The memory layout's name, for example "mha_layer_kv_slot_head_dim"; required."""
     weights_fingerprint: _builtins.str
-    """Hex SHA-256 over the weight files' contents."""
+    """The hex SHA-256 over the weight files' contents."""
     tokenizer_fingerprint: _builtins.str
-    """Hex SHA-256 over the tokenizer files."""
+    """The hex SHA-256 over the tokenizer files."""
     config_fingerprint: _builtins.str
-    """Hex SHA-256 over config.json."""
+    """The hex SHA-256 over the model's config.json."""
     model_name: _builtins.str
-    """Served model name (informational, not part of the fingerprint)."""
+    """The served model's name; informational and not part of the fingerprint."""
     def __init__(
         self,
         *,
@@ -174,7 +171,7 @@ Global___KvLayout: _TypeAlias = KvLayout  # noqa: Y015
 
 @_typing.final
 class MemoryRegion(_message.Message):
-    """MemoryRegion is one registered KV buffer of a peer (one layer's K or V)."""
+    """MemoryRegion is one registered KV buffer of a peer (one layer's K or V buffer)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -183,13 +180,13 @@ class MemoryRegion(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     BYTES_PER_PAGE_FIELD_NUMBER: _builtins.int
     base_address: _builtins.int
-    """Base address of the buffer in the owner's address space (or device pointer)."""
+    """The buffer's base address in the owner's address space (a device pointer for GPU memory)."""
     length: _builtins.int
-    """Length of the buffer in bytes."""
+    """The buffer's length in bytes."""
     device: _builtins.str
-    """Device of the buffer: "cpu" or "cuda:N"."""
+    """The buffer's device: "cpu" or "cuda:N" (at most 32 characters)."""
     bytes_per_page: _builtins.int
-    """Bytes of one KV page in this buffer."""
+    """The bytes one KV page occupies in this buffer."""
     def __init__(
         self,
         *,
@@ -208,7 +205,9 @@ Global___MemoryRegion: _TypeAlias = MemoryRegion  # noqa: Y015
 
 @_typing.final
 class TransferEndpoint(_message.Message):
-    """TransferEndpoint is how another peer reaches this peer's KV memory. Exchanged once per peer epoch."""
+    """TransferEndpoint is how another peer reaches this peer's KV memory. It is fixed for one peer epoch:
+    peers send it once, at registration, and readers cache it by (peer id, epoch).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -218,16 +217,20 @@ class TransferEndpoint(_message.Message):
     REGIONS_FIELD_NUMBER: _builtins.int
     HOST_ID_FIELD_NUMBER: _builtins.int
     kind: Global___TransportKind.ValueType
-    """Transport kind."""
+    """The transport kind; required."""
     agent_name: _builtins.str
-    """NIXL agent name (unique per process and epoch)."""
+    """The NIXL agent's name, unique per process and epoch (at most 256 characters)."""
     agent_metadata: _builtins.bytes
-    """Opaque NIXL agent metadata (connection info and registered descriptors)."""
+    """The opaque NIXL agent metadata (connection info and registered descriptors), bounded by the
+    directory's max_metadata_bytes.
+    """
     host_id: _builtins.str
-    """Identifies the host, so peers on one host may prefer CUDA IPC."""
+    """The host's identity, so peers know which endpoints share a host (at most 256 characters)."""
     @_builtins.property
     def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemoryRegion]:
-        """Registered KV buffers, in layer order: layer 0 K, layer 0 V, layer 1 K, ..."""
+        """The registered KV buffers in layer order: layer 0 K, layer 0 V, layer 1 K, and so on; bounded by the
+        directory's max_regions.
+        """
 
     def __init__(
         self,
@@ -248,16 +251,16 @@ Global___TransferEndpoint: _TypeAlias = TransferEndpoint  # noqa: Y015
 
 @_typing.final
 class PageRun(_message.Message):
-    """PageRun is a run of contiguous source pages, so contiguous pages travel as one descriptor."""
+    """PageRun is a run of contiguous source pages, so contiguous pages travel as one transfer descriptor."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     FIRST_PAGE_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
     first_page: _builtins.int
-    """First page id of the run."""
+    """The first page id of the run."""
     count: _builtins.int
-    """Number of pages in the run."""
+    """The number of pages in the run; never 0."""
     def __init__(
         self,
         *,
@@ -288,26 +291,26 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
-    """Maximum number of tokens to generate, including the first one."""
+    """The maximum number of tokens to generate, including the first one."""
     temperature: _builtins.float
-    """Sampling temperature; 0 means greedy."""
+    """The sampling temperature; 0 means greedy."""
     top_p: _builtins.float
-    """Nucleus sampling mass; 0 or 1 means off."""
+    """The nucleus sampling mass in (0, 1]; 0 or 1 turns it off."""
     top_k: _builtins.int
-    """Top-k cut; 0 means off."""
+    """The top-k cut; 0 turns it off."""
     seed: _builtins.int
-    """Seed for reproducible sampling; unset means a random seed."""
+    """The seed for reproducible sampling; unset means a random seed."""
     ignore_eos: _builtins.bool
-    """Keep generating past the end-of-sequence token."""
+    """Whether to keep generating past the end-of-sequence token."""
     logprobs: _builtins.bool
-    """Return the log probability of each chosen token."""
+    """Whether to return the natural-log probability of each chosen token."""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Stop strings; the returned text never includes them."""
+        """Strings that stop generation; the returned text never includes them."""
 
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Token ids that stop generation."""
+        """Token ids that stop generation; the stopping token is returned."""
 
     def __init__(
         self,
@@ -342,11 +345,11 @@ class Usage(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
-    """Tokens in the prompt."""
+    """The number of tokens in the prompt."""
     completion_tokens: _builtins.int
-    """Tokens generated."""
+    """The number of tokens generated, the first one included."""
     cached_tokens: _builtins.int
-    """Prompt tokens served from a prefix cache or the page store instead of computed."""
+    """The number of prompt tokens served from a prefix cache or the page store instead of computed."""
     def __init__(
         self,
         *,
@@ -364,7 +367,7 @@ Global___Usage: _TypeAlias = Usage  # noqa: Y015
 
 @_typing.final
 class Timings(_message.Message):
-    """Timings breaks down where a request's time went."""
+    """Timings breaks down where a request's time went; a phase that did not run is unset."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -374,19 +377,19 @@ class Timings(_message.Message):
     TOTAL_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def time_to_first_token(self) -> _duration_pb2.Duration:
-        """Time from arrival to the first token."""
+        """The time from the request's arrival to its first token."""
 
     @_builtins.property
     def prefill(self) -> _duration_pb2.Duration:
-        """Prefill compute time."""
+        """The prefill's compute time."""
 
     @_builtins.property
     def transfer(self) -> _duration_pb2.Duration:
-        """KV transfer time (P/D only)."""
+        """The KV transfer's time (P/D only)."""
 
     @_builtins.property
     def total(self) -> _duration_pb2.Duration:
-        """Total time of the request."""
+        """The request's total time."""
 
     def __init__(
         self,
@@ -406,7 +409,7 @@ Global___Timings: _TypeAlias = Timings  # noqa: Y015
 
 @_typing.final
 class TransferStats(_message.Message):
-    """TransferStats counts KV moved by a peer."""
+    """TransferStats counts the KV a peer moved since it started."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -415,13 +418,13 @@ class TransferStats(_message.Message):
     TRANSFERS_FIELD_NUMBER: _builtins.int
     FAILURES_FIELD_NUMBER: _builtins.int
     bytes: _builtins.int
-    """Bytes read from or served to other peers."""
+    """The bytes read from (decode) or served to (prefill) other peers."""
     seconds: _builtins.float
-    """Seconds spent in transfers."""
+    """The seconds spent in transfers."""
     transfers: _builtins.int
-    """Number of completed transfers."""
+    """The number of completed transfers."""
     failures: _builtins.int
-    """Number of failed transfers."""
+    """The number of failed transfers."""
     def __init__(
         self,
         *,
@@ -453,21 +456,21 @@ class EngineStats(_message.Message):
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_CACHED_FIELD_NUMBER: _builtins.int
     pages_total: _builtins.int
-    """Pages in the pool."""
+    """The number of pages in the pool."""
     pages_free: _builtins.int
-    """Pages free to allocate."""
+    """The number of pages free to allocate."""
     pages_pinned: _builtins.int
-    """Pages pinned for a transfer (prefill sources, decode destinations)."""
+    """The number of pages pinned for a transfer (prefill sources, decode destinations)."""
     pages_parked: _builtins.int
-    """Pages parked: released by their request but possibly still read by an in-flight transfer."""
+    """The number of pages released by their request but possibly still read by an in-flight transfer."""
     running: _builtins.int
-    """Requests running."""
+    """The number of requests running."""
     waiting: _builtins.int
-    """Requests waiting."""
+    """The number of requests waiting."""
     prompt_tokens_computed: _builtins.int
-    """Prompt tokens computed since start."""
+    """The number of prompt tokens computed since the engine started."""
     prompt_tokens_cached: _builtins.int
-    """Prompt tokens served from caches since start."""
+    """The number of prompt tokens served from caches since the engine started."""
     def __init__(
         self,
         *,
