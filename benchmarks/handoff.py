@@ -118,7 +118,7 @@ def source_main(conn: Connection, args: argparse.Namespace, pool_pages: int) -> 
         room, pages = rest
         if cmd == "publish":
             s = senders[room] = KvSender(manager, room)
-            s.init(len(pages), b"")
+            s.init(len(pages))
             conn.send(s.send(pages))  # a SourceInfo pickles
         elif cmd == "clear":
             senders.pop(room).clear()

@@ -22,7 +22,7 @@ ClusterPeer = rpb.ClusterPeer
 """One peer's public status: id, role, epoch, address, model, contract fingerprint, load, engine stats,
 rooms; never its transfer endpoint, NIXL metadata or memory addresses."""
 ClusterRooms = rpb.ClusterRooms
-"""Room counters: live rooms now, and rooms opened, completed, released, aborted, expired since start."""
+"""Room counters: live rooms now, and rooms opened, completed, aborted, expired since start."""
 
 _MODES: dict[str, int] = {
     "pd": rpb.ROUTING_MODE_PD,

@@ -49,10 +49,6 @@ KEPT_FOR_CLIENTS = {
     # carries no ErrorInfo: the channel's own deadline and cancellation reach clients this way.
     "DEADLINE_EXCEEDED",
     "CANCELLED",
-    # Declared now by the P/D room protocol rewrite on another branch, which emits them; the merge brings
-    # the emitters (remove from here once they are in).
-    "ROOM_MISMATCH",
-    "ROOM_ENDED",
 }
 
 

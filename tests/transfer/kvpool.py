@@ -14,8 +14,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import types_pb2
 
-from xavier_core.transfer import KvBuffer, KvManager, KvPoll, KvReceiver, SourceInfo
+from xavier_core.transfer import KvBuffer, KvManager, KvPoll, KvReceiver, SourceInfo, endpoint_proto
 
 _T = TypeVar("_T")
 
@@ -62,10 +63,12 @@ def _serve(conn: Connection, name: str, seed: int) -> None:
                 polling = bool(args[0])
                 reply: Any = polling
             elif cmd == "publish":
-                room, pages, aux = args
+                room, pages = args
                 sender = senders[room] = KvSender(manager, room)
-                sender.init(len(pages), aux)
-                reply = sender.send(pages).to_proto().SerializeToString()
+                sender.init(len(pages))
+                info = sender.send(pages)
+                endpoint = endpoint_proto(info.agent_name, info.metadata, info.buffers)
+                reply = (info.to_proto().SerializeToString(), endpoint.SerializeToString())
             elif cmd == "state":
                 s = senders[args[0]]
                 reply = (s.poll().name, s.in_flight(), s.error)
@@ -133,9 +136,11 @@ def poll_until(fn: Callable[[], _T], want: Container[_T], timeout: float = 10.0)
     return got
 
 
-def publish(source: Source, room: str, pages: list[int], aux: bytes = b"tok") -> SourceInfo:
-    wire = source.call("publish", room, pages, aux)
-    return SourceInfo.from_proto(dpb.SourceDescriptor.FromString(wire))
+def publish(source: Source, room: str, pages: list[int]) -> SourceInfo:
+    desc, endpoint = source.call("publish", room, pages)
+    return SourceInfo.from_proto(
+        dpb.SourceDescriptor.FromString(desc), types_pb2.TransferEndpoint.FromString(endpoint)
+    )
 
 
 def receive(manager: KvManager, room: str, dest: list[int]) -> KvReceiver:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import types_pb2
 
 from tests.transfer.kvpool import PAGE_SIZE, kv_buffers, make_pool, page_bytes
 from xavier_core.runtime.errors import FailedPrecondition, LayoutMismatch
@@ -40,8 +41,8 @@ async def _serve(conn: Connection, name: str, seed: int) -> None:
             break
         if cmd == "publish":
             room, pages = args
-            desc = await port.publish(room, pages, b"\x07aux", "fp", "host-a")
-            reply = desc.SerializeToString()
+            desc = await port.publish(room, pages, "fp")
+            reply = (desc.SerializeToString(), port.endpoint("host-a").SerializeToString())
         elif cmd == "wait":
             reply = await port.wait_read_end(args[0], 10)
         elif cmd == "unpublish":
@@ -67,8 +68,11 @@ class PortSource:
             raise TimeoutError(f"source did not answer {cmd[0]!r}")
         return self.conn.recv()
 
-    async def publish(self, room: int, pages: list[int]) -> dpb.SourceDescriptor:
-        return dpb.SourceDescriptor.FromString(await self.call("publish", room, pages))
+    async def publish(
+        self, room: int, pages: list[int]
+    ) -> tuple[dpb.SourceDescriptor, types_pb2.TransferEndpoint]:
+        desc, endpoint = await self.call("publish", room, pages)
+        return dpb.SourceDescriptor.FromString(desc), types_pb2.TransferEndpoint.FromString(endpoint)
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +113,10 @@ async def test_pull_copies_exactly_the_published_pages_and_ends_the_room(
     port, pool = reader
     src = PortSource(source_conn)
     src_pages, dst_pages = [9, 10, 11, 40, 2], [60, 61, 62, 0, 33]
-    desc = await src.publish(101, src_pages)
-    assert desc.num_pages == 5 and desc.contract_fingerprint == "fp" and desc.endpoint.host_id == "host-a"
+    desc, endpoint = await src.publish(101, src_pages)
+    assert desc.num_pages == 5 and desc.contract_fingerprint == "fp" and endpoint.host_id == "host-a"
     assert [(r.first_page, r.count) for r in desc.page_runs] == [(9, 3), (40, 1), (2, 1)]
-    nbytes, seconds = await port.pull(101, desc, SRC_KEY, dst_pages, timeout=10, park_timeout=5)
+    nbytes, seconds = await port.pull(101, desc, endpoint, SRC_KEY, dst_pages, timeout=10, park_timeout=5)
     assert nbytes == sum(a.nbytes // (a.shape[0] // PAGE_SIZE) for a in pool) * len(dst_pages)
     assert seconds > 0
     assert page_bytes(pool, dst_pages) == page_bytes(src.pool, src_pages)
@@ -130,8 +134,8 @@ async def test_decline_tells_the_source_no_read_will_come(
 ) -> None:
     port, _ = reader
     src = PortSource(source_conn)
-    desc = await src.publish(102, [1, 2])
-    await port.decline(102, desc, SRC_KEY)
+    desc, endpoint = await src.publish(102, [1, 2])
+    await port.decline(102, desc.read_token, endpoint, SRC_KEY)
     assert await src.call("wait", 102) == "fail"
     assert await src.call("unpublish", 102, False) == (0, 1)
 
@@ -141,20 +145,22 @@ async def test_bad_descriptors_fail_before_any_read(
 ) -> None:
     port, _ = reader
     src = PortSource(source_conn)
-    desc = await src.publish(103, [3, 4])
+    desc, endpoint = await src.publish(103, [3, 4])
     forged = dpb.SourceDescriptor()
     forged.CopyFrom(desc)
     forged.read_token = "a:b"
     with pytest.raises(FailedPrecondition, match="read_token") as err:
-        await port.pull(103, forged, SRC_KEY, [5, 6], timeout=5, park_timeout=5)
+        await port.pull(103, forged, endpoint, SRC_KEY, [5, 6], timeout=5, park_timeout=5)
     assert err.value.reason == "INVALID_SOURCE"
     with pytest.raises(FailedPrecondition) as err:
-        await port.pull(103, desc, SRC_KEY, [5], timeout=5, park_timeout=5)
+        await port.pull(103, desc, endpoint, SRC_KEY, [5], timeout=5, park_timeout=5)
     assert err.value.reason == "PAGE_COUNT_MISMATCH"
-    del forged.endpoint.regions[1:]
+    short = types_pb2.TransferEndpoint()
+    short.CopyFrom(endpoint)
+    del short.regions[1:]
     with pytest.raises(LayoutMismatch):
-        await port.pull(103, forged, SRC_KEY, [5, 6], timeout=5, park_timeout=5)
+        await port.pull(103, desc, short, SRC_KEY, [5, 6], timeout=5, park_timeout=5)
     # None of those touched the source: the real read still works.
-    await port.pull(103, desc, SRC_KEY, [5, 6], timeout=10, park_timeout=5)
+    await port.pull(103, desc, endpoint, SRC_KEY, [5, 6], timeout=10, park_timeout=5)
     assert await src.call("wait", 103) == "done"
     await src.call("unpublish", 103, True)

@@ -20,6 +20,7 @@ from xavier_core.transfer import (
     SourceInfo,
     coalesce,
     descriptors,
+    endpoint_proto,
     expand,
     pair_stretches,
 )
@@ -102,56 +103,59 @@ def test_contiguous_pages_need_one_descriptor_per_buffer() -> None:
 
 
 def _info() -> SourceInfo:
-    return SourceInfo(
-        "prefill-a", b"md", (KvBuffer(4096, 8192, 1024, "cuda:1"),), (PageRun(3, 2),), b"aux", "tok"
-    )
+    return SourceInfo("prefill-a", b"md", (KvBuffer(4096, 8192, 1024, "cuda:1"),), (PageRun(3, 2),), "tok")
+
+
+def _wire(info: SourceInfo) -> tuple[dpb.SourceDescriptor, types_pb2.TransferEndpoint]:
+    endpoint = endpoint_proto(info.agent_name, info.metadata, info.buffers)
+    return info.to_proto("fp"), endpoint
 
 
 def test_source_info_round_trips_the_descriptor() -> None:
     info = _info()
-    desc = dpb.SourceDescriptor.FromString(info.to_proto("fp").SerializeToString())
-    assert desc.num_pages == 2 and desc.contract_fingerprint == "fp"
-    assert desc.endpoint.kind == types_pb2.TRANSPORT_KIND_NIXL
-    assert [(r.base_address, r.length, r.bytes_per_page, r.device) for r in desc.endpoint.regions] == [
+    desc, endpoint = _wire(info)
+    desc = dpb.SourceDescriptor.FromString(desc.SerializeToString())
+    assert desc.num_pages == 2 and desc.contract_fingerprint == "fp" and desc.read_token == "tok"
+    assert endpoint.kind == types_pb2.TRANSPORT_KIND_NIXL
+    assert [(r.base_address, r.length, r.bytes_per_page, r.device) for r in endpoint.regions] == [
         (4096, 8192, 1024, "cuda:1")
     ]
-    assert SourceInfo.from_proto(desc) == info
+    assert SourceInfo.from_proto(desc, endpoint) == info
     assert info.page_ids().tolist() == [3, 4]
 
 
-def _bad_name(d: dpb.SourceDescriptor) -> None:
-    d.endpoint.agent_name = "n" * 300
+Spoil = Callable[[dpb.SourceDescriptor, types_pb2.TransferEndpoint], None]
 
 
-def _no_metadata(d: dpb.SourceDescriptor) -> None:
-    d.endpoint.agent_metadata = b""
+def _bad_name(d: dpb.SourceDescriptor, e: types_pb2.TransferEndpoint) -> None:
+    e.agent_name = "n" * 300
 
 
-def _empty_run(d: dpb.SourceDescriptor) -> None:
+def _no_metadata(d: dpb.SourceDescriptor, e: types_pb2.TransferEndpoint) -> None:
+    e.agent_metadata = b""
+
+
+def _empty_run(d: dpb.SourceDescriptor, e: types_pb2.TransferEndpoint) -> None:
     d.page_runs.add(first_page=1, count=0)
 
 
-def _no_runs(d: dpb.SourceDescriptor) -> None:
+def _no_runs(d: dpb.SourceDescriptor, e: types_pb2.TransferEndpoint) -> None:
     del d.page_runs[:]
 
 
-def _no_regions(d: dpb.SourceDescriptor) -> None:
-    del d.endpoint.regions[:]
+def _no_regions(d: dpb.SourceDescriptor, e: types_pb2.TransferEndpoint) -> None:
+    del e.regions[:]
 
 
-def _no_device(d: dpb.SourceDescriptor) -> None:
-    d.endpoint.regions[0].device = ""
+def _no_device(d: dpb.SourceDescriptor, e: types_pb2.TransferEndpoint) -> None:
+    e.regions[0].device = ""
 
 
-def _big_aux(d: dpb.SourceDescriptor) -> None:
-    d.aux = b"x" * (1 << 17)
-
-
-def _colon_token(d: dpb.SourceDescriptor) -> None:
+def _colon_token(d: dpb.SourceDescriptor, e: types_pb2.TransferEndpoint) -> None:
     d.read_token = "a:b"
 
 
-def _long_token(d: dpb.SourceDescriptor) -> None:
+def _long_token(d: dpb.SourceDescriptor, e: types_pb2.TransferEndpoint) -> None:
     d.read_token = "t" * 200
 
 
@@ -164,15 +168,12 @@ def _long_token(d: dpb.SourceDescriptor) -> None:
         (_no_runs, "page_runs: empty"),
         (_no_regions, "endpoint.regions: empty"),
         (_no_device, r"endpoint.regions\[0\].device"),
-        (_big_aux, "aux"),
         (_colon_token, "read_token"),
         (_long_token, "read_token"),
     ],
 )
-def test_source_info_rejects_bad_descriptors(
-    spoil: Callable[[dpb.SourceDescriptor], None], match: str
-) -> None:
-    desc = _info().to_proto()
-    spoil(desc)
+def test_source_info_rejects_bad_descriptors(spoil: Spoil, match: str) -> None:
+    desc, endpoint = _wire(_info())
+    spoil(desc, endpoint)
     with pytest.raises(InvalidSourceError, match=match):
-        SourceInfo.from_proto(desc)
+        SourceInfo.from_proto(desc, endpoint)

@@ -147,7 +147,6 @@ class KvSender:
         self._lock = threading.Lock()
         self._state = KvPoll.BOOTSTRAPPING
         self._num_pages = 0
-        self._aux = b""
         self._published = False
         self._reader_ended = False
         self.error: str | None = None
@@ -155,12 +154,12 @@ class KvSender:
         self.token = secrets.token_hex(16)
         manager._add(manager._senders, room, self)
 
-    def init(self, num_pages: int, aux: bytes = b"") -> None:
-        """Declares how many pages will be sent and the aux bytes (first token, logprob) that go along."""
+    def init(self, num_pages: int) -> None:
+        """Declares how many pages will be sent."""
         with self._lock:
             if num_pages < 1:
                 raise TransferError(f"num_pages must be positive, got {num_pages}")
-            self._num_pages, self._aux = num_pages, bytes(aux)
+            self._num_pages = num_pages
             if self._state == KvPoll.BOOTSTRAPPING:
                 self._state = KvPoll.WAITING_FOR_INPUT
 
@@ -177,9 +176,7 @@ class KvSender:
             if int(pages.max()) >= self.manager.num_pages:
                 raise TransferError(f"room {self.room!r}: page {int(pages.max())} is outside the pool")
             agent = self.manager.agent
-            info = SourceInfo(
-                agent.name, agent.metadata(), agent.buffers, tuple(coalesce(pages)), self._aux, self.token
-            )
+            info = SourceInfo(agent.name, agent.metadata(), agent.buffers, tuple(coalesce(pages)), self.token)
             self._published = True
             self._state = KvPoll.TRANSFERRING
             return info
@@ -240,24 +237,19 @@ class KvReceiver:
         self._peer_key: str | None = None
         self._token = ""
         self._notify_fail_when_idle = False
-        self.aux_index: int | None = None
-        self.aux: bytes | None = None  # the source's aux bytes, set on SUCCESS
-        self._aux_pending = b""
         self.error: str | None = None
 
     def init(self) -> None:
         """Registers the room with the manager (idempotent)."""
         self.manager._add(self.manager._receivers, self.room, self)
 
-    def send_metadata(
-        self, dest_page_ids: Sequence[int] | npt.NDArray[np.integer], aux_index: int | None = None
-    ) -> None:
+    def send_metadata(self, dest_page_ids: Sequence[int] | npt.NDArray[np.integer]) -> None:
         """Names the destination pages (already allocated); the room then waits for its source."""
         dest = as_page_array(dest_page_ids)
         with self._lock:
             if self._state != KvPoll.BOOTSTRAPPING:
                 raise TransferError(f"room {self.room!r}: send_metadata() in state {self._state.name}")
-            self._dest, self.aux_index = dest, aux_index
+            self._dest = dest
             self._state = KvPoll.WAITING_FOR_INPUT
 
     def start(self, source: SourceInfo, peer_key: str, mode: Mode = "coalesced") -> None:
@@ -286,7 +278,6 @@ class KvReceiver:
                 self._fail(str(exc))
                 return
             self._state = KvPoll.TRANSFERRING
-            self._aux_pending = source.aux
             self._check()
 
     def poll(self) -> KvPoll:
@@ -336,7 +327,7 @@ class KvReceiver:
             return
         if self._state == KvPoll.TRANSFERRING:
             if state == "DONE":
-                self._state, self.aux = KvPoll.SUCCESS, self._aux_pending
+                self._state = KvPoll.SUCCESS
             else:
                 self._fail(f"READ failed: {xfer.error}")
         if self._notify_fail_when_idle and state == "ERR":

@@ -158,7 +158,7 @@ class KvPort:
 
         def _send() -> tuple[KvSender, SourceInfo]:
             sender = KvSender(self.manager, str(room_id))
-            sender.init(len(page_ids), b"")
+            sender.init(len(page_ids))
             info = sender.send(list(page_ids))
             self._senders[room_id] = sender
             return sender, info

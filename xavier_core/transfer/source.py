@@ -25,14 +25,12 @@ MAX_DEVICE_CHARS = 32
 
 @dataclass(frozen=True)
 class SourceInfo:
-    """A published source: the NIXL endpoint, its KV buffers, the pages (as runs), and aux bytes that
-    stay in process (the network form, `SourceDescriptor`, carries none)."""
+    """A published source: the NIXL endpoint, its KV buffers and the pages (as runs)."""
 
     agent_name: str
     metadata: bytes
     buffers: tuple[KvBuffer, ...]
     runs: tuple[PageRun, ...]
-    aux: bytes = b""
     token: str = ""  # the source's read token: the reader's notifications carry it
 
     @property
@@ -72,7 +70,7 @@ class SourceInfo:
             runs = tuple(PageRun(r.first_page, r.count) for r in source.page_runs)
         except InvalidPagesError as exc:
             raise InvalidSourceError(f"page_runs: malformed entry ({exc})") from exc
-        return cls(ep.agent_name, ep.agent_metadata, buffers, runs, b"", token)
+        return cls(ep.agent_name, ep.agent_metadata, buffers, runs, token)
 
 
 def endpoint_proto(

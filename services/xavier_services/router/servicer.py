@@ -93,7 +93,6 @@ def cluster_rooms(stats: dpb.GetDirectoryStatsResponse) -> rpb.ClusterRooms:
         active=stats.rooms_active,
         opened=stats.rooms_opened,
         completed=stats.rooms_completed,
-        released=stats.rooms_released,
         aborted=stats.rooms_aborted,
         expired=stats.rooms_expired,
     )

@@ -86,8 +86,6 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """No room with the given id exists (never opened, or released and forgotten); status NOT_FOUND,
     metadata "room_id".
     """
-    ERROR_REASON_ROOM_EXISTS: _ErrorReason.ValueType  # 17
-    """OpenRoom asked for a room id that is already in use; status FAILED_PRECONDITION, metadata "room_id"."""
     ERROR_REASON_WRONG_STATE: _ErrorReason.ValueType  # 18
     """The room is not in a state that allows the call (for example CompleteRoom before the source is
     published); status FAILED_PRECONDITION, metadata "state".
@@ -96,29 +94,17 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The room's or peer's lease ended before the call; status FAILED_PRECONDITION (not DEADLINE_EXCEEDED,
     which belongs to the caller's own deadline), metadata "room_id".
     """
-    ERROR_REASON_REQUEST_ID_REUSED: _ErrorReason.ValueType  # 20
-    """A request_id already used for one room was reused with other arguments; status FAILED_PRECONDITION,
-    metadata "request_id".
-    """
     ERROR_REASON_LAYOUT_MISMATCH: _ErrorReason.ValueType  # 21
     """Two KV layouts differ (different contract fingerprints), so no KV may cross between them; status
     FAILED_PRECONDITION, and the metadata "fields" names each differing field.
     """
-    ERROR_REASON_ROOM_MISMATCH: _ErrorReason.ValueType  # 22
-    """The room named in a call belongs to another request or pair than the caller's; status
-    FAILED_PRECONDITION. Declared for the P/D room protocol, which emits it.
-    """
-    ERROR_REASON_ROOM_ENDED: _ErrorReason.ValueType  # 23
-    """The room already ended (released, aborted or expired) when the call needed it live; status
-    FAILED_PRECONDITION. Declared for the P/D room protocol, which emits it.
+    ERROR_REASON_PAIR_MISMATCH: _ErrorReason.ValueType  # 22
+    """PublishSource or BeginTransfer named a prefill/decode pair (peer ids and epochs) other than the one
+    the room was opened for; status FAILED_PRECONDITION, metadata "room_id".
     """
     ERROR_REASON_SHUTTING_DOWN: _ErrorReason.ValueType  # 24
     """The directory is shutting down and closed a room watch or a waiting call; status UNAVAILABLE, safe to
     retry against another directory.
-    """
-    ERROR_REASON_WATCH_ENDED: _ErrorReason.ValueType  # 25
-    """A room watch stream ended before the room reached a final state; status UNAVAILABLE, metadata
-    "room_id".
     """
     ERROR_REASON_DIRECTORY_UNAVAILABLE: _ErrorReason.ValueType  # 26
     """Prefill and decode services.
@@ -305,8 +291,6 @@ ERROR_REASON_ROOM_NOT_FOUND: ErrorReason.ValueType  # 16
 """No room with the given id exists (never opened, or released and forgotten); status NOT_FOUND,
 metadata "room_id".
 """
-ERROR_REASON_ROOM_EXISTS: ErrorReason.ValueType  # 17
-"""OpenRoom asked for a room id that is already in use; status FAILED_PRECONDITION, metadata "room_id"."""
 ERROR_REASON_WRONG_STATE: ErrorReason.ValueType  # 18
 """The room is not in a state that allows the call (for example CompleteRoom before the source is
 published); status FAILED_PRECONDITION, metadata "state".
@@ -315,29 +299,17 @@ ERROR_REASON_LEASE_EXPIRED: ErrorReason.ValueType  # 19
 """The room's or peer's lease ended before the call; status FAILED_PRECONDITION (not DEADLINE_EXCEEDED,
 which belongs to the caller's own deadline), metadata "room_id".
 """
-ERROR_REASON_REQUEST_ID_REUSED: ErrorReason.ValueType  # 20
-"""A request_id already used for one room was reused with other arguments; status FAILED_PRECONDITION,
-metadata "request_id".
-"""
 ERROR_REASON_LAYOUT_MISMATCH: ErrorReason.ValueType  # 21
 """Two KV layouts differ (different contract fingerprints), so no KV may cross between them; status
 FAILED_PRECONDITION, and the metadata "fields" names each differing field.
 """
-ERROR_REASON_ROOM_MISMATCH: ErrorReason.ValueType  # 22
-"""The room named in a call belongs to another request or pair than the caller's; status
-FAILED_PRECONDITION. Declared for the P/D room protocol, which emits it.
-"""
-ERROR_REASON_ROOM_ENDED: ErrorReason.ValueType  # 23
-"""The room already ended (released, aborted or expired) when the call needed it live; status
-FAILED_PRECONDITION. Declared for the P/D room protocol, which emits it.
+ERROR_REASON_PAIR_MISMATCH: ErrorReason.ValueType  # 22
+"""PublishSource or BeginTransfer named a prefill/decode pair (peer ids and epochs) other than the one
+the room was opened for; status FAILED_PRECONDITION, metadata "room_id".
 """
 ERROR_REASON_SHUTTING_DOWN: ErrorReason.ValueType  # 24
 """The directory is shutting down and closed a room watch or a waiting call; status UNAVAILABLE, safe to
 retry against another directory.
-"""
-ERROR_REASON_WATCH_ENDED: ErrorReason.ValueType  # 25
-"""A room watch stream ended before the room reached a final state; status UNAVAILABLE, metadata
-"room_id".
 """
 ERROR_REASON_DIRECTORY_UNAVAILABLE: ErrorReason.ValueType  # 26
 """Prefill and decode services.

@@ -484,19 +484,16 @@ class ClusterRooms(_message.Message):
     ACTIVE_FIELD_NUMBER: _builtins.int
     OPENED_FIELD_NUMBER: _builtins.int
     COMPLETED_FIELD_NUMBER: _builtins.int
-    RELEASED_FIELD_NUMBER: _builtins.int
     ABORTED_FIELD_NUMBER: _builtins.int
     EXPIRED_FIELD_NUMBER: _builtins.int
     active: _builtins.int
-    """Live rooms: not in a terminal state, plus completed rooms not yet released. Returns to 0 when the
-    cluster is idle (invariant I2).
+    """Live rooms: not yet completed, aborted or expired. Returns to 0 when the cluster is idle (invariant
+    I2).
     """
     opened: _builtins.int
     """Rooms opened since the directory started."""
     completed: _builtins.int
     """Rooms whose transfer completed since the directory started."""
-    released: _builtins.int
-    """Rooms released since the directory started."""
     aborted: _builtins.int
     """Rooms aborted since the directory started."""
     expired: _builtins.int
@@ -507,13 +504,12 @@ class ClusterRooms(_message.Message):
         active: _builtins.int = ...,
         opened: _builtins.int = ...,
         completed: _builtins.int = ...,
-        released: _builtins.int = ...,
         aborted: _builtins.int = ...,
         expired: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "active", b"active", "completed", b"completed", "expired", b"expired", "opened", b"opened", "released", b"released"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "active", b"active", "completed", b"completed", "expired", b"expired", "opened", b"opened"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
