@@ -51,10 +51,10 @@ def test_greedy_pd_equals_colocated(mesh: Mesh) -> None:
 def test_first_token_only_request(mesh: Mesh) -> None:
     """A request the first token ends stops at the prefill: no room is opened, no decode is called."""
     with Client(mesh.grpc) as client:
-        opened = client.cluster_status().directory.rooms_opened
+        opened = client.cluster_status().rooms.opened
         res = client.generate("Hello", max_tokens=1, mode="pd")
         assert len(res.token_ids) == 1 and res.finish_reason == "length"
-        assert client.cluster_status().directory.rooms_opened == opened
+        assert client.cluster_status().rooms.opened == opened
     _idle(mesh)
 
 
