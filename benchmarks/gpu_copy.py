@@ -1,0 +1,273 @@
+"""GPU-to-GPU KV page copy: the fused Triton kernel against torch gather→copy→scatter and per-page copies.
+
+Source pool on cuda:0, destination on cuda:1 (one GPU: both on cuda:0), SGLang MHA layout (per layer a K
+and a V buffer [slots, kv_heads, head_dim] fp16). Pages are placed in runs of 1, 4 or one contiguous run,
+independently on each side. Times are host wall clock from the call to the end of the copy (what a
+transfer waits for), median of `--reps`; `gpu_ms` is the copy stream's own time. Prints JSON, writes a
+PNG when matplotlib is there. Example: `python benchmarks/gpu_copy.py --out-dir /tmp/gpu-copy`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from xavier_core.engine.api import KvBuffer
+from xavier_core.transfer.copy_plan import PoolView
+from xavier_core.transfer.cuda_copy import copy_pages, copy_stream
+
+# name: (layers, kv_heads, head_dim); 0.5B/7B as Qwen2.5 (the handoff benchmark's shapes), 8B as Llama-3.
+SHAPES = {"0.5b": (24, 2, 64), "7b": (28, 4, 128), "8b": (32, 8, 128)}
+CASES = "0.5b:1024,0.5b:8192,0.5b:32768,7b:8192,7b:32768,8b:8192"
+RUNS = (1, 4, 0)
+PER_PAGE_MAX_COPIES = 30_000  # the per-page loop costs ~5 µs a copy: skip it beyond this
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=CASES, help="shape:tokens,...")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out-dir", default="benchmarks/results")
+    p.add_argument("--tag", default="2xh200")
+    return p.parse_args(argv)
+
+
+def placement(n: int, pool_pages: int, run: int, rng: np.random.Generator) -> np.ndarray:
+    if run == 0:
+        return np.arange(n)
+    runs = [np.arange(p, min(p + run, pool_pages)) for p in range(0, pool_pages, run)]
+    return np.concatenate([runs[i] for i in rng.permutation(len(runs))])[:n]
+
+
+def pool(shape: str, pages: int, ps: int, device: str, fill: bool) -> list[torch.Tensor]:
+    layers, heads, dim = SHAPES[shape]
+    make = torch.randn if fill else torch.zeros
+    return [make(pages * ps, heads, dim, dtype=torch.float16, device=device) for _ in range(2 * layers)]
+
+
+def view(bufs: list[torch.Tensor], pages: int) -> PoolView:
+    n = bufs[0].numel() * 2
+    return PoolView.from_buffers(
+        [KvBuffer(t.data_ptr(), n, n // pages, f"cuda:{t.device.index}") for t in bufs]
+    )
+
+
+def timed(fn: Callable[[], Any], reps: int) -> tuple[list[float], list[float]]:
+    """Wall and copy-stream times (seconds) of `reps` calls after one warm-up; fn returns a handle."""
+    walls, gpus = [], []
+    for i in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if out is not None:
+            out.wait()
+        torch.cuda.synchronize()
+        if i:
+            walls.append(time.perf_counter() - t0)
+            gpus.append(getattr(out, "gpu_s", float("nan")))
+    return walls, gpus
+
+
+class _Timed:
+    """A copy bracketed by timing events on the copy stream."""
+
+    def __init__(self, run_on: int, fn: Callable[[], Any]) -> None:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(copy_stream(run_on))
+        self.handle = fn()
+        e.record(copy_stream(run_on))
+        self.s, self.e = s, e
+
+    def wait(self) -> None:
+        self.handle.wait()
+        self.e.synchronize()
+        self.gpu_s = self.s.elapsed_time(self.e) / 1e3
+
+
+def per_page(
+    src: list[torch.Tensor], dst: list[torch.Tensor], s: np.ndarray, d: np.ndarray, pages: int
+) -> None:
+    """One cudaMemcpyPeerAsync per page per buffer, as one descriptor per page would issue."""
+    sl, dl = s.tolist(), d.tolist()
+    for a, b in zip(src, dst, strict=True):
+        av, bv = a.view(pages, -1), b.view(pages, -1)
+        for i, j in zip(sl, dl, strict=True):
+            bv[j].copy_(av[i], non_blocking=True)
+
+
+def methods(
+    src: list[torch.Tensor],
+    dst: list[torch.Tensor],
+    s: np.ndarray,
+    d: np.ndarray,
+    pages: int,
+    devs: tuple[int, int],
+) -> dict[str, Callable[[], Any]]:
+    """The timed copies of one placement: the kernel pulling and pushing, and the baselines."""
+    sv, dv = view(src, pages), view(dst, pages)
+    out: dict[str, Callable[[], Any]] = {
+        "triton_pull": lambda: _Timed(devs[1], lambda: copy_pages(sv, dv, s, d)),
+        "triton_push": lambda: _Timed(devs[0], lambda: copy_pages(sv, dv, s, d, device=devs[0])),
+        "torch_gather_copy_scatter": lambda: _Timed(
+            devs[1], lambda: copy_pages(sv, dv, s, d, engine="torch")
+        ),
+    }
+    if s.size * len(src) <= PER_PAGE_MAX_COPIES:
+        out["per_page_copies"] = lambda: per_page(src, dst, s, d, pages)
+    return out
+
+
+def bench_case(
+    shape: str, tokens: int, args: argparse.Namespace, devs: tuple[int, int]
+) -> list[dict[str, Any]]:
+    n = -(-tokens // args.page_size)
+    pages = 2 * n
+    src = pool(shape, pages, args.page_size, f"cuda:{devs[0]}", True)
+    dst = pool(shape, pages, args.page_size, f"cuda:{devs[1]}", False)
+    nbytes = n * sum(view(src, pages).bytes_per_page)
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for run in RUNS:
+        s, d = placement(n, pages, run, rng), placement(n, pages, run, rng)
+        for name, fn in methods(src, dst, s, d, pages, devs).items():
+            for t in dst:
+                t.zero_()
+            reps = args.reps if name.startswith("triton") else max(3, args.reps // 3)
+            walls, gpus = timed(fn, 1 if name == "per_page_copies" else reps)
+            med = statistics.median(walls)
+            rows.append(
+                {
+                    "shape": shape,
+                    "tokens": tokens,
+                    "run": run or "contiguous",
+                    "method": name,
+                    "bytes": nbytes,
+                    "median_ms": round(med * 1e3, 4),
+                    "min_ms": round(min(walls) * 1e3, 4),
+                    "gpu_ms": None if np.isnan(gpus[0]) else round(statistics.median(gpus) * 1e3, 4),
+                    "gb_per_s": round(nbytes / med / 1e9, 1),
+                    "verified": verify(src, dst, s, d, pages),
+                }
+            )
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def verify(
+    src: list[torch.Tensor], dst: list[torch.Tensor], s: np.ndarray, d: np.ndarray, pages: int
+) -> bool:
+    si, di = torch.from_numpy(s).to(src[0].device), torch.from_numpy(d).to(dst[0].device)
+    for k in (0, len(src) // 2, len(src) - 1):
+        want = src[k].view(pages, -1)[si].to(dst[k].device)
+        if not torch.equal(dst[k].view(pages, -1)[di], want):
+            return False
+    return True
+
+
+def warps_sweep(args: argparse.Namespace, devs: tuple[int, int]) -> list[dict[str, Any]]:
+    """num_warps against GB/s for 0.5B, 8,192 tokens, runs of 4 (the issue's scattered case)."""
+    n, ps = 512, args.page_size
+    src = pool("0.5b", 2 * n, ps, f"cuda:{devs[0]}", True)
+    dst = pool("0.5b", 2 * n, ps, f"cuda:{devs[1]}", False)
+    sv, dv = view(src, 2 * n), view(dst, 2 * n)
+    rng = np.random.default_rng(0)
+    s, d = placement(n, 2 * n, 4, rng), placement(n, 2 * n, 4, rng)
+    out = []
+    for w in (1, 2, 4, 8):
+        _, gpus = timed(lambda w=w: _Timed(devs[1], lambda: copy_pages(sv, dv, s, d, num_warps=w)), args.reps)
+        med = statistics.median(gpus)
+        out.append(
+            {
+                "num_warps": w,
+                "gpu_ms": round(med * 1e3, 4),
+                "gb_per_s": round(n * sum(sv.bytes_per_page) / med / 1e9, 1),
+            }
+        )
+    return out
+
+
+def ptx_vector_ops(cache_dir: str) -> dict[str, int]:
+    text = "".join(Path(p).read_text() for p in glob.glob(f"{cache_dir}/**/*.ptx", recursive=True))
+    return {
+        k: text.count(k)
+        for k in (
+            "ld.global.cg.v2.b64",
+            "ld.global.cg.v4.b32",
+            "st.global.cs.v2.b64",
+            "st.global.cs.v4.b32",
+            "ld.global.cg.b64",
+        )
+    }
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({(r["shape"], r["tokens"], str(r["run"])) for r in rows}, key=str)
+    methods = sorted({r["method"] for r in rows})
+    fig, ax = plt.subplots(figsize=(14, 4.8))
+    width = 0.8 / len(methods)
+    for k, m in enumerate(methods):
+        by = {(r["shape"], r["tokens"], str(r["run"])): r["gb_per_s"] for r in rows if r["method"] == m}
+        ax.bar([i + k * width for i in range(len(cases))], [by.get(c, 0) for c in cases], width, label=m)
+    ax.set_xticks(
+        [i + 0.4 for i in range(len(cases))], [f"{s} {t}\nrun {r}" for s, t, r in cases], fontsize=7
+    )
+    ax.axhline(394, color="gray", linestyle="--", linewidth=1, label="peer copy limit 394 GB/s")
+    ax.set_yscale("log")
+    ax.set_ylabel("GB/s (wall, median)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cache = os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton-gpu-copy-"))
+    devs = (0, 1) if torch.cuda.device_count() > 1 else (0, 0)
+    rows = []
+    for case in args.cases.split(","):
+        shape, tokens = case.split(":")
+        rows.extend(bench_case(shape, int(tokens), args, devs))
+    report = {
+        "config": {
+            **vars(args),
+            "devices": [torch.cuda.get_device_name(d) for d in devs],
+            "torch": torch.__version__,
+            "peer_access": torch.cuda.can_device_access_peer(*devs) if devs[0] != devs[1] else None,
+        },
+        "results": rows,
+        "num_warps_0.5b_8192_run4": warps_sweep(args, devs),
+        "ptx_vector_ops": ptx_vector_ops(cache),
+    }
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"gpu-copy-{args.tag}.json").write_text(json.dumps(report, indent=2))
+    json.dump(report, sys.stdout, indent=2)
+    print()
+    try:
+        plot(rows, out / f"gpu-copy-{args.tag}.png")
+    except ImportError as exc:
+        print(f"no plot: {exc}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
