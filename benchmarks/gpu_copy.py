@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=CASES, help="shape:tokens,...")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--reps", type=int, default=15)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--tag", default="2xh200")
@@ -66,36 +66,43 @@ def view(bufs: list[torch.Tensor], pages: int) -> PoolView:
     )
 
 
-def timed(fn: Callable[[], Any], reps: int) -> tuple[list[float], list[float]]:
-    """Wall and copy-stream times (seconds) of `reps` calls after one warm-up; fn returns a handle."""
-    walls, gpus = [], []
+GATE_CYCLES = 4_000_000  # ~2 ms of GPU sleep: the host enqueues the whole copy before the GPU reaches it
+
+
+def timed(run_on: int | None, fn: Callable[[], Any], reps: int) -> dict[str, float | None]:
+    """Medians over `reps` calls (after one warm-up), in ms: `wall` from the call to the end of the copy
+    (what a transfer waits for), `issue` until the call returns, and `gpu`, the copy stream's own time
+    measured behind a GPU sleep so host overhead is excluded (Triton paths, `run_on` set)."""
+    walls, issues, gpus = [], [], []
     for i in range(reps + 1):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = fn()
+        t1 = time.perf_counter()
         if out is not None:
             out.wait()
-        torch.cuda.synchronize()
+        else:
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
         if i:
-            walls.append(time.perf_counter() - t0)
-            gpus.append(getattr(out, "gpu_s", float("nan")))
-    return walls, gpus
-
-
-class _Timed:
-    """A copy bracketed by timing events on the copy stream."""
-
-    def __init__(self, run_on: int, fn: Callable[[], Any]) -> None:
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(copy_stream(run_on))
-        self.handle = fn()
-        e.record(copy_stream(run_on))
-        self.s, self.e = s, e
-
-    def wait(self) -> None:
-        self.handle.wait()
-        self.e.synchronize()
-        self.gpu_s = self.s.elapsed_time(self.e) / 1e3
+            walls.append(t2 - t0)
+            issues.append(t1 - t0)
+    for i in range(reps + 1 if run_on is not None else 0):
+        torch.cuda.synchronize()
+        stream = copy_stream(run_on)  # type: ignore[arg-type]
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(GATE_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        if i:
+            gpus.append(start.elapsed_time(end) / 1e3)
+    ms = {"wall": statistics.median(walls), "min": min(walls), "issue": statistics.median(issues)}
+    out_ms: dict[str, float | None] = {k: round(v * 1e3, 4) for k, v in ms.items()}
+    out_ms["gpu"] = round(statistics.median(gpus) * 1e3, 4) if gpus else None
+    return out_ms
 
 
 def per_page(
@@ -116,18 +123,16 @@ def methods(
     d: np.ndarray,
     pages: int,
     devs: tuple[int, int],
-) -> dict[str, Callable[[], Any]]:
-    """The timed copies of one placement: the kernel pulling and pushing, and the baselines."""
+) -> dict[str, tuple[int | None, Callable[[], Any]]]:
+    """The timed copies of one placement, each with the device whose copy stream runs it (GPU timing)."""
     sv, dv = view(src, pages), view(dst, pages)
-    out: dict[str, Callable[[], Any]] = {
-        "triton_pull": lambda: _Timed(devs[1], lambda: copy_pages(sv, dv, s, d)),
-        "triton_push": lambda: _Timed(devs[0], lambda: copy_pages(sv, dv, s, d, device=devs[0])),
-        "torch_gather_copy_scatter": lambda: _Timed(
-            devs[1], lambda: copy_pages(sv, dv, s, d, engine="torch")
-        ),
+    out: dict[str, tuple[int | None, Callable[[], Any]]] = {
+        "triton_pull": (devs[1], lambda: copy_pages(sv, dv, s, d)),
+        "triton_push": (devs[0], lambda: copy_pages(sv, dv, s, d, device=devs[0])),
+        "torch_gather_copy_scatter": (None, lambda: copy_pages(sv, dv, s, d, engine="torch")),
     }
     if s.size * len(src) <= PER_PAGE_MAX_COPIES:
-        out["per_page_copies"] = lambda: per_page(src, dst, s, d, pages)
+        out["per_page_copies"] = (None, lambda: per_page(src, dst, s, d, pages))
     return out
 
 
@@ -143,12 +148,11 @@ def bench_case(
     rows = []
     for run in RUNS:
         s, d = placement(n, pages, run, rng), placement(n, pages, run, rng)
-        for name, fn in methods(src, dst, s, d, pages, devs).items():
+        for name, (run_on, fn) in methods(src, dst, s, d, pages, devs).items():
             for t in dst:
                 t.zero_()
-            reps = args.reps if name.startswith("triton") else max(3, args.reps // 3)
-            walls, gpus = timed(fn, 1 if name == "per_page_copies" else reps)
-            med = statistics.median(walls)
+            reps = 1 if name == "per_page_copies" else args.reps
+            ms = timed(run_on, fn, reps)
             rows.append(
                 {
                     "shape": shape,
@@ -156,10 +160,12 @@ def bench_case(
                     "run": run or "contiguous",
                     "method": name,
                     "bytes": nbytes,
-                    "median_ms": round(med * 1e3, 4),
-                    "min_ms": round(min(walls) * 1e3, 4),
-                    "gpu_ms": None if np.isnan(gpus[0]) else round(statistics.median(gpus) * 1e3, 4),
-                    "gb_per_s": round(nbytes / med / 1e9, 1),
+                    "median_ms": ms["wall"],
+                    "min_ms": ms["min"],
+                    "issue_ms": ms["issue"],
+                    "gpu_ms": ms["gpu"],
+                    "gb_per_s": round(nbytes / ms["wall"] / 1e6, 1),  # type: ignore[operator]
+                    "gpu_gb_per_s": round(nbytes / ms["gpu"] / 1e6, 1) if ms["gpu"] else None,
                     "verified": verify(src, dst, s, d, pages),
                 }
             )
@@ -179,7 +185,7 @@ def verify(
 
 
 def warps_sweep(args: argparse.Namespace, devs: tuple[int, int]) -> list[dict[str, Any]]:
-    """num_warps against GB/s for 0.5B, 8,192 tokens, runs of 4 (the issue's scattered case)."""
+    """num_warps against GPU time for 0.5B, 8,192 tokens, runs of 4 (the issue's scattered case)."""
     n, ps = 512, args.page_size
     src = pool("0.5b", 2 * n, ps, f"cuda:{devs[0]}", True)
     dst = pool("0.5b", 2 * n, ps, f"cuda:{devs[1]}", False)
@@ -188,15 +194,9 @@ def warps_sweep(args: argparse.Namespace, devs: tuple[int, int]) -> list[dict[st
     s, d = placement(n, 2 * n, 4, rng), placement(n, 2 * n, 4, rng)
     out = []
     for w in (1, 2, 4, 8):
-        _, gpus = timed(lambda w=w: _Timed(devs[1], lambda: copy_pages(sv, dv, s, d, num_warps=w)), args.reps)
-        med = statistics.median(gpus)
-        out.append(
-            {
-                "num_warps": w,
-                "gpu_ms": round(med * 1e3, 4),
-                "gb_per_s": round(n * sum(sv.bytes_per_page) / med / 1e9, 1),
-            }
-        )
+        ms = timed(devs[1], lambda w=w: copy_pages(sv, dv, s, d, num_warps=w), args.reps)
+        gb = round(n * sum(sv.bytes_per_page) / ms["gpu"] / 1e6, 1)  # type: ignore[operator]
+        out.append({"num_warps": w, "wall_ms": ms["wall"], "gpu_ms": ms["gpu"], "gpu_gb_per_s": gb})
     return out
 
 

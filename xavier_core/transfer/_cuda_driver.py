@@ -35,6 +35,23 @@ class _Driver:
         except OSError as exc:
             raise CudaDriverError(f"the CUDA driver library is not available: {exc}") from exc
         self.lock = threading.Lock()
+        c = ctypes
+        # Declared signatures: ctypes must pass the 64-byte handle by value and 64-bit addresses whole.
+        signatures: dict[str, list[type]] = {
+            "cuGetErrorName": [c.c_int, c.POINTER(c.c_char_p)],
+            "cuMemGetAddressRange_v2": [c.POINTER(c.c_uint64), c.POINTER(c.c_size_t), c.c_uint64],
+            "cuIpcGetMemHandle": [c.POINTER(_IpcMemHandle), c.c_uint64],
+            "cuIpcOpenMemHandle_v2": [c.POINTER(c.c_uint64), _IpcMemHandle, c.c_uint],
+            "cuIpcCloseMemHandle": [c.c_uint64],
+            "cuDeviceGet": [c.POINTER(c.c_int), c.c_int],
+            "cuDevicePrimaryCtxRetain": [c.POINTER(c.c_void_p), c.c_int],
+            "cuDevicePrimaryCtxRelease_v2": [c.c_int],
+            "cuCtxEnablePeerAccess": [c.c_void_p, c.c_uint],
+        }
+        for name, argtypes in signatures.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes = argtypes
+            fn.restype = c.c_int
 
     def call(self, name: str, *args: object) -> None:
         rc = int(getattr(self.lib, name)(*args))
@@ -68,15 +85,15 @@ def current_device(device: int) -> Iterator[None]:
 def allocation_range(ptr: int) -> tuple[int, int]:
     """(base, size) of the cudaMalloc allocation holding device address `ptr`."""
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    _driver().call("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    _driver().call("cuMemGetAddressRange_v2", ctypes.byref(base), ctypes.byref(size), ptr)
     return int(base.value), int(size.value)
 
 
 def ipc_get_handle(base: int) -> bytes:
     """The IPC handle of the allocation starting at `base` (current context)."""
     handle = _IpcMemHandle()
-    _driver().call("cuIpcGetMemHandle", ctypes.byref(handle), ctypes.c_uint64(base))
-    return bytes(handle.reserved)
+    _driver().call("cuIpcGetMemHandle", ctypes.byref(handle), base)
+    return bytes(handle)  # the whole struct: `.reserved` would stop at the first zero byte
 
 
 def ipc_open(handle: bytes) -> int:
@@ -86,12 +103,12 @@ def ipc_open(handle: bytes) -> int:
     h = _IpcMemHandle()
     ctypes.memmove(h.reserved, handle, IPC_HANDLE_SIZE)
     ptr = ctypes.c_uint64()
-    _driver().call("cuIpcOpenMemHandle_v2", ctypes.byref(ptr), h, ctypes.c_uint(_LAZY_ENABLE_PEER_ACCESS))
+    _driver().call("cuIpcOpenMemHandle_v2", ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS)
     return int(ptr.value)
 
 
 def ipc_close(ptr: int) -> None:
-    _driver().call("cuIpcCloseMemHandle", ctypes.c_uint64(ptr))
+    _driver().call("cuIpcCloseMemHandle", ptr)
 
 
 def enable_peer_access(accessor: int, owner: int) -> None:
@@ -101,12 +118,12 @@ def enable_peer_access(accessor: int, owner: int) -> None:
     drv = _driver()
     dev, ctx = ctypes.c_int(), ctypes.c_void_p()
     with drv.lock:
-        drv.call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(owner))
+        drv.call("cuDeviceGet", ctypes.byref(dev), owner)
         # Retained only to learn the handle: torch keeps the primary context alive, so release at once.
         drv.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
         try:
             with current_device(accessor):
-                rc = int(drv.lib.cuCtxEnablePeerAccess(ctx, ctypes.c_uint(0)))
+                rc = int(drv.lib.cuCtxEnablePeerAccess(ctx, 0))
         finally:
             drv.call("cuDevicePrimaryCtxRelease_v2", dev)
     if rc not in (0, _PEER_ACCESS_ALREADY_ENABLED):

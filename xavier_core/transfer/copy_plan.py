@@ -8,6 +8,8 @@ alignment, which it cannot do for addresses loaded from a table, and so emit 16-
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -131,7 +133,8 @@ def check_pages(src: PoolView, dst: PoolView, src_pages: object, dst_pages: obje
         raise InvalidPagesError(
             f"destination page {int(d.max())} is outside the pool ({dst.num_pages} pages)"
         )
-    if np.unique(d).size != d.size:
+    ordered = np.sort(d)
+    if ordered.size > 1 and bool((ordered[1:] == ordered[:-1]).any()):
         # Two programs would write one page in an unspecified order.
         raise InvalidPagesError("a destination page appears twice")
     return s, d
@@ -145,17 +148,14 @@ def check_layout(src: PoolView, dst: PoolView) -> None:
         raise LayoutError("bytes per page differ between source and destination buffers")
 
 
-def plan_copy(
-    src: PoolView, dst: PoolView, src_pages: object, dst_pages: object, anchor: int
-) -> list[CopyPlan]:
-    """Launch arguments copying `src_pages[i]` to `dst_pages[i]` in every buffer; one plan per page size."""
+@functools.lru_cache(maxsize=64)
+def _launch_layouts(src: PoolView, dst: PoolView, anchor: int) -> tuple[CopyPlan, ...]:
+    """Per page size, everything but the pages; computed once per pair of pools (views are frozen)."""
     check_layout(src, dst)
     if anchor <= 0 or anchor % _VECTOR_BYTES:
         raise LayoutError(f"the anchor address must be positive and {_VECTOR_BYTES}-byte aligned")
-    s, d = check_pages(src, dst, src_pages, dst_pages)
-    if s.size == 0:
-        return []
-    plans = []
+    none = np.zeros(0, dtype=np.int64)
+    out = []
     for bpp in sorted(set(src.bytes_per_page)):
         idx = [i for i, b in enumerate(src.bytes_per_page) if b == bpp]
         src_bases = [src.bases[i] for i in idx]
@@ -163,18 +163,33 @@ def plan_copy(
         elem, align = _widths([bpp, *src_bases, *dst_bases])
         page_elems = bpp // elem
         block = min(1 << (page_elems - 1).bit_length(), _pow2_floor(MAX_BLOCK_BYTES // elem))
-        chunks = -(-page_elems // block)
-        plan = CopyPlan(
-            elem_bytes=elem,
-            align=align,
-            page_elems=page_elems,
-            block=block,
-            chunks=chunks,
-            src_off=np.array([(b - anchor) // elem for b in src_bases], dtype=np.int64),
-            dst_off=np.array([(b - anchor) // elem for b in dst_bases], dtype=np.int64),
-            src_pages=s,
-            dst_pages=d,
+        out.append(
+            CopyPlan(
+                elem_bytes=elem,
+                align=align,
+                page_elems=page_elems,
+                block=block,
+                chunks=-(-page_elems // block),
+                src_off=np.array([(b - anchor) // elem for b in src_bases], dtype=np.int64),
+                dst_off=np.array([(b - anchor) // elem for b in dst_bases], dtype=np.int64),
+                src_pages=none,
+                dst_pages=none,
+            )
         )
-        per_launch = max(1, MAX_GRID // (len(idx) * chunks))
+    return tuple(out)
+
+
+def plan_copy(
+    src: PoolView, dst: PoolView, src_pages: object, dst_pages: object, anchor: int
+) -> list[CopyPlan]:
+    """Launch arguments copying `src_pages[i]` to `dst_pages[i]` in every buffer; one plan per page size."""
+    layouts = _launch_layouts(src, dst, anchor)
+    s, d = check_pages(src, dst, src_pages, dst_pages)
+    if s.size == 0:
+        return []
+    plans = []
+    for layout in layouts:
+        plan = dataclasses.replace(layout, src_pages=s, dst_pages=d)
+        per_launch = max(1, MAX_GRID // (layout.src_off.size * layout.chunks))
         plans.extend(plan.split(per_launch) if s.size > per_launch else [plan])
     return plans

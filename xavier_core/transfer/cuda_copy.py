@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 _streams: dict[int, torch.cuda.Stream] = {}
 _anchors: dict[int, torch.Tensor] = {}
+_peers_enabled: set[tuple[int, int]] = set()
 _lock = threading.Lock()
 
 
@@ -115,8 +116,10 @@ def copy_pages(
         engine = "triton" if triton_available() else "torch"
     # The torch path ends on the destination device, so its event must be recorded there.
     run_on = dst.device if device is None or engine == "torch" else device
-    for pool in (src, dst):
-        enable_peer_access(run_on, pool.device)
+    for owner in (src.device, dst.device):
+        if (run_on, owner) not in _peers_enabled:
+            enable_peer_access(run_on, owner)
+            _peers_enabled.add((run_on, owner))
     stream = copy_stream(run_on)
     stream.wait_stream(torch.cuda.current_stream(run_on))
     for s in after:
@@ -178,19 +181,19 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit  # type: ignore[untyped-decorator,misc,unused-ignore]
-    def _copy_pages_kernel(
-        anchor: Any,
-        src_off: Any,
-        dst_off: Any,
-        src_pages: Any,
-        dst_pages: Any,
-        n_pairs: Any,
-        page_elems: Any,
+    def _copy_pages_kernel(  # type: ignore[no-untyped-def]
+        anchor,
+        src_off,
+        dst_off,
+        src_pages,
+        dst_pages,
+        n_pairs,
+        page_elems,
         CHUNKS: tl.constexpr,
         BLOCK: tl.constexpr,
         ALIGN: tl.constexpr,
         EVEN: tl.constexpr,
-    ) -> None:
+    ):
         # Program id -> (buffer, page pair, chunk of the page): consecutive programs read consecutive
         # chunks and page pairs of one buffer, so contiguous runs stream like one bulk copy.
         pid = tl.program_id(0).to(tl.int64)
