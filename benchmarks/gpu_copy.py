@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import multiprocessing as mp
 import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ import torch
 from xavier_core.engine.api import KvBuffer
 from xavier_core.transfer.copy_plan import PoolView
 from xavier_core.transfer.cuda_copy import copy_pages, copy_stream
+from xavier_core.transfer.cuda_ipc import IpcImporter, export_pool
 
 # name: (layers, kv_heads, head_dim); 0.5B/7B as Qwen2.5 (the handoff benchmark's shapes), 8B as Llama-3.
 SHAPES = {"0.5b": (24, 2, 64), "7b": (28, 4, 128), "8b": (32, 8, 128)}
@@ -59,11 +62,13 @@ def pool(shape: str, pages: int, ps: int, device: str, fill: bool) -> list[torch
     return [make(pages * ps, heads, dim, dtype=torch.float16, device=device) for _ in range(2 * layers)]
 
 
-def view(bufs: list[torch.Tensor], pages: int) -> PoolView:
+def _kv_buffers(bufs: list[torch.Tensor], pages: int) -> list[KvBuffer]:
     n = bufs[0].numel() * 2
-    return PoolView.from_buffers(
-        [KvBuffer(t.data_ptr(), n, n // pages, f"cuda:{t.device.index}") for t in bufs]
-    )
+    return [KvBuffer(t.data_ptr(), n, n // pages, f"cuda:{t.device.index}") for t in bufs]
+
+
+def view(bufs: list[torch.Tensor], pages: int) -> PoolView:
+    return PoolView.from_buffers(_kv_buffers(bufs, pages))
 
 
 GATE_CYCLES = 4_000_000  # ~2 ms of GPU sleep: the host enqueues the whole copy before the GPU reaches it
@@ -184,6 +189,56 @@ def verify(
     return True
 
 
+def _exporter(conn: Connection, shape: str, pages: int, ps: int, seed: int) -> None:
+    torch.cuda.set_device(0)
+    torch.manual_seed(seed)
+    src = pool(shape, pages, ps, "cuda:0", True)
+    torch.cuda.synchronize()
+    conn.send(export_pool(_kv_buffers(src, pages)).to_bytes())
+    conn.recv()
+
+
+def ipc_rows(args: argparse.Namespace, devs: tuple[int, int]) -> list[dict[str, Any]]:
+    """The kernel pulling from another process's pool through CUDA IPC (0.5B and 7B, 8,192 tokens)."""
+    rows = []
+    for shape in ("0.5b", "7b"):
+        n = 8192 // args.page_size
+        pages = 2 * n
+        ctx = mp.get_context("spawn")
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=_exporter, args=(child, shape, pages, args.page_size, args.seed))
+        proc.start()
+        importer = IpcImporter(devs[1])
+        try:
+            src = importer.open("bench-exporter", 1, conn.recv())
+            torch.manual_seed(args.seed)  # the exporter's bytes, regenerated here to verify the copy
+            expected = pool(shape, pages, args.page_size, f"cuda:{devs[1]}", True)
+            dst = pool(shape, pages, args.page_size, f"cuda:{devs[1]}", False)
+            dv = view(dst, pages)
+            rng = np.random.default_rng(args.seed)
+            for run in RUNS:
+                s, d = placement(n, pages, run, rng), placement(n, pages, run, rng)
+                ms = timed(devs[1], lambda s=s, d=d, src=src, dv=dv: copy_pages(src, dv, s, d), args.reps)
+                nbytes = n * sum(src.bytes_per_page)
+                row = {
+                    "shape": shape,
+                    "tokens": 8192,
+                    "run": run or "contiguous",
+                    "method": "triton_pull_ipc",
+                }
+                row.update(bytes=nbytes, median_ms=ms["wall"], issue_ms=ms["issue"], gpu_ms=ms["gpu"])
+                row.update(gb_per_s=round(nbytes / ms["wall"] / 1e6, 1))  # type: ignore[operator]
+                row.update(gpu_gb_per_s=round(nbytes / ms["gpu"] / 1e6, 1))  # type: ignore[operator]
+                row.update(verified=verify(expected, dst, s, d, pages))
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+        finally:
+            importer.close()
+            conn.send("stop")
+            proc.join(30)
+    return rows
+
+
 def warps_sweep(args: argparse.Namespace, devs: tuple[int, int]) -> list[dict[str, Any]]:
     """num_warps against GPU time for 0.5B, 8,192 tokens, runs of 4 (the issue's scattered case)."""
     n, ps = 512, args.page_size
@@ -254,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             "peer_access": torch.cuda.can_device_access_peer(*devs) if devs[0] != devs[1] else None,
         },
         "results": rows,
+        "ipc_results": ipc_rows(args, devs) if devs[0] != devs[1] else [],
         "num_warps_0.5b_8192_run4": warps_sweep(args, devs),
         "ptx_vector_ops": ptx_vector_ops(cache),
     }

@@ -150,7 +150,7 @@ def test_copy_from_another_process_through_cuda_ipc() -> None:
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_exporter, args=(child, shape, pages, seed), daemon=True)
     proc.start()
-    importer = IpcImporter()
+    importer = IpcImporter(dst_dev)
     try:
         assert conn.poll(120), "exporter did not start"
         blob = conn.recv()

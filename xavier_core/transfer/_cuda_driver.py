@@ -25,7 +25,9 @@ class CudaDriverError(TransferError):
 
 
 class _IpcMemHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_SIZE)]
+    # CUipcMemHandle is `char reserved[64]`; spelled as eight words because ctypes mis-describes a struct
+    # holding an array when passing it by value (cuIpcOpenMemHandle then reads garbage: INVALID_VALUE).
+    _fields_ = [(f"w{i}", ctypes.c_uint64) for i in range(IPC_HANDLE_SIZE // 8)]
 
 
 class _Driver:
@@ -93,7 +95,7 @@ def ipc_get_handle(base: int) -> bytes:
     """The IPC handle of the allocation starting at `base` (current context)."""
     handle = _IpcMemHandle()
     _driver().call("cuIpcGetMemHandle", ctypes.byref(handle), base)
-    return bytes(handle)  # the whole struct: `.reserved` would stop at the first zero byte
+    return bytes(handle)
 
 
 def ipc_open(handle: bytes) -> int:
@@ -101,7 +103,7 @@ def ipc_open(handle: bytes) -> int:
     if len(handle) != IPC_HANDLE_SIZE:
         raise CudaDriverError(f"an IPC handle has {IPC_HANDLE_SIZE} bytes, not {len(handle)}")
     h = _IpcMemHandle()
-    ctypes.memmove(h.reserved, handle, IPC_HANDLE_SIZE)
+    ctypes.memmove(ctypes.addressof(h), handle, IPC_HANDLE_SIZE)
     ptr = ctypes.c_uint64()
     _driver().call("cuIpcOpenMemHandle_v2", ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS)
     return int(ptr.value)

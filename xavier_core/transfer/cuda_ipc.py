@@ -4,8 +4,9 @@ The exporter (prefill) describes its pool as legacy IPC handles, one per cudaMal
 a KV buffer, plus each buffer's offset in its allocation; `PoolExport.to_bytes()` travels over the
 control plane with the peer's other metadata. The importer (decode) maps each allocation once per peer
 epoch and gets a `PoolView` whose addresses the fused copy kernel reads directly (a pull over NVLink).
-As torch does, a handle is opened in the context of the exporter's GPU (found by UUID among this
-process's devices); the kernel on the importer's GPU then reaches it through peer access.
+Handles are opened in the context of the GPU that runs the copies (lazily enabling peer access to
+the exporter's GPU): a mapping made in another device's context is not reachable from kernels here,
+even with peer access between the two devices.
 
 Lifetimes: a mapping must outlive every copy that reads it, so copies are tracked per peer and a peer
 whose epoch changes is retired, then unmapped by `collect()` once its copies have finished; nothing
@@ -115,20 +116,9 @@ def export_pool(buffers: Sequence[KvBuffer]) -> PoolExport:
     return PoolExport(host_id(), os.getpid(), uuid, tuple(handles), tuple(rows))
 
 
-def local_ordinal(device_uuid: str) -> int:
-    """This process's CUDA ordinal of the GPU with `device_uuid`."""
-    import torch
-
-    for i in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(i).uuid) == device_uuid:
-            return i
-    raise CudaIpcError(f"GPU {device_uuid} is not visible to this process")
-
-
 @dataclass
 class _Imported:
     epoch: int
-    device: int  # the exporter's GPU as this process numbers it; the mapping lives in its context
     bases: list[int]  # mapped allocation bases, to unmap
     view: PoolView
     copies: list[CopyHandle] = field(default_factory=list)
@@ -139,17 +129,17 @@ class _Imported:
 
 
 class IpcImporter:
-    """Peers' pools mapped into this process, cached by peer id, one epoch at a time.
-
-    Not thread-safe: one owner (the transfer port's thread) calls it.
+    """Peers' pools mapped into the context of `device`, this process's GPU that runs the copies;
+    cached by peer id, one epoch at a time. Not thread-safe: one owner (the transfer port) calls it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: int) -> None:
+        self.device = device
         self._peers: dict[str, _Imported] = {}
         self._retired: list[_Imported] = []
 
     def open(self, peer_id: str, epoch: int, blob: bytes) -> PoolView:
-        """The peer's pool as seen from this process; maps it on the first call of each epoch.
+        """The peer's pool as seen from `device`; maps it on the first call of each epoch.
 
         A newer epoch retires the older mapping; an older epoch than the one mapped raises
         `StaleEpochError`.
@@ -172,8 +162,7 @@ class IpcImporter:
 
     def _map(self, export: PoolExport, epoch: int) -> _Imported:
         bases: list[int] = []
-        device = local_ordinal(export.device_uuid)
-        with current_device(device):
+        with current_device(self.device):
             try:
                 for handle in export.allocations:
                     bases.append(ipc_open(handle))
@@ -185,9 +174,9 @@ class IpcImporter:
             bases=tuple(bases[a] + off for a, off, _, _ in export.buffers),
             bytes_per_page=tuple(bpp for _, _, _, bpp in export.buffers),
             num_pages=min(n // bpp for _, _, n, bpp in export.buffers),
-            device=device,
+            device=self.device,
         )
-        return _Imported(epoch, device, bases, view)
+        return _Imported(epoch, bases, view)
 
     def track(self, peer_id: str, copy: CopyHandle) -> None:
         """Records a copy that reads the peer's pool: the mapping stays until the copy is done."""
@@ -207,10 +196,11 @@ class IpcImporter:
         """Unmaps retired mappings whose copies have finished; returns how many. Never blocks."""
         done = [r for r in self._retired if r.idle()]
         self._retired = [r for r in self._retired if r not in done]
-        for r in done:
-            with current_device(r.device):
-                for b in r.bases:
-                    ipc_close(b)
+        if done:
+            with current_device(self.device):
+                for r in done:
+                    for b in r.bases:
+                        ipc_close(b)
         return len(done)
 
     def mapped(self) -> dict[str, int]:
