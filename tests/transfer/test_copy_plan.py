@@ -8,6 +8,7 @@ import pytest
 
 from xavier_core.engine.api import KvBuffer
 from xavier_core.transfer.copy_plan import CopyPlan, PoolView, plan_copy
+from xavier_core.transfer.cuda_copy import copy_pages
 from xavier_core.transfer.cuda_ipc import PoolExport, host_id
 from xavier_core.transfer.errors import InvalidPagesError, InvalidSourceError, LayoutError
 
@@ -125,3 +126,12 @@ def test_pool_export_round_trip_and_malformed_input() -> None:
     ):
         with pytest.raises(InvalidSourceError):
             PoolExport.from_bytes(blob)
+
+
+def test_imported_pools_are_copied_only_by_the_kernel_on_their_device() -> None:
+    local = _layout([4096] * 2, 8, 0, ANCHOR)
+    imported = PoolView((ANCHOR * 4, ANCHOR * 5), (4096, 4096), 8, 1, imported=True)
+    with pytest.raises(LayoutError, match="needs the Triton copy"):
+        copy_pages(imported, local, [1], [1], engine="torch")
+    with pytest.raises(LayoutError, match="mapped on cuda:1, not cuda:0"):
+        copy_pages(imported, local, [1], [1], engine="triton")

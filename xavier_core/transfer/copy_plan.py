@@ -36,6 +36,9 @@ class PoolView:
     bytes_per_page: tuple[int, ...]
     num_pages: int
     device: int  # the CUDA ordinal whose memory this is, in the process that holds the view
+    # Mapped from another process (CUDA IPC): reachable only by kernels on `device`, whose context
+    # holds the mapping, and unknown to torch.
+    imported: bool = False
 
     def __post_init__(self) -> None:
         if not self.bases or len(self.bases) != len(self.bytes_per_page):

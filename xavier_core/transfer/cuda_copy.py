@@ -2,7 +2,8 @@
 
 Per-descriptor transports (NIXL, cudaMemcpy per page) pay a fixed cost per page per buffer, so scattered
 pages fall to a few GB/s. Here one launch copies every (page pair, buffer) as its own program straight
-from the source pool to the destination pool: no staging buffer, 16-byte loads and stores, and the
+from the source pool to the destination pool: no staging buffer, vector loads and stores (16 bytes
+where Triton proves the alignment the page layout has), and the
 source may be this device, a peer device (peer access) or another process's pool (CUDA IPC, see
 `cuda_ipc`). Without Triton a torch path gathers, copies and scatters per buffer (slower, same bytes).
 
@@ -17,12 +18,13 @@ import functools
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from xavier_core.transfer._cuda_driver import enable_peer_access
 from xavier_core.transfer.copy_plan import CopyPlan, PoolView, check_layout, check_pages, plan_copy
+from xavier_core.transfer.errors import LayoutError
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +101,7 @@ def copy_pages(
     *,
     device: int | None = None,
     after: Sequence[torch.cuda.Stream] = (),
-    engine: str = "auto",
+    engine: Literal["auto", "triton", "torch"] = "auto",
     max_pages_per_launch: int | None = None,
     num_warps: int | None = None,
 ) -> CopyHandle:
@@ -110,12 +112,17 @@ def copy_pages(
     read there are ordered before the copy). `engine`: "triton", "torch" or "auto" (Triton if
     importable). `max_pages_per_launch` splits a very large copy into several launches.
     """
-    import torch
-
     if engine == "auto":
         engine = "triton" if triton_available() else "torch"
     # The torch path ends on the destination device, so its event must be recorded there.
     run_on = dst.device if device is None or engine == "torch" else device
+    for pool in (src, dst):
+        if pool.imported and engine == "torch":
+            raise LayoutError("an IPC-imported pool needs the Triton copy: torch cannot address it")
+        if pool.imported and pool.device != run_on:
+            raise LayoutError(f"an IPC-imported pool is mapped on cuda:{pool.device}, not cuda:{run_on}")
+    import torch
+
     for owner in (src.device, dst.device):
         if (run_on, owner) not in _peers_enabled:
             enable_peer_access(run_on, owner)

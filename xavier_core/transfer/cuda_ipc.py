@@ -175,6 +175,7 @@ class IpcImporter:
             bytes_per_page=tuple(bpp for _, _, _, bpp in export.buffers),
             num_pages=min(n // bpp for _, _, n, bpp in export.buffers),
             device=self.device,
+            imported=True,
         )
         return _Imported(epoch, bases, view)
 
