@@ -84,7 +84,7 @@ class ServerTls:
         )
 
     def credentials(self) -> grpc.ServerCredentials:
-        """Credentials for ``server.add_secure_port``; plaintext and unknown client certificates are refused."""
+        """Credentials for ``add_secure_port``: plaintext and unknown client certificates are refused."""
         return grpc.dynamic_ssl_server_credentials(
             self._configuration(self._files), self.fetch, require_client_authentication=True
         )
