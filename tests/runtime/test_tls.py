@@ -1,4 +1,4 @@
-"""mTLS on a real service process: a valid client is served, plaintext and unknown CAs refused; SIGHUP reloads."""
+"""mTLS on a real service: a valid client is served, plaintext and unknown CAs refused; SIGHUP reloads."""
 
 from __future__ import annotations
 
