@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from xavier_services.router.config import RouterConfig
 
 from xavier_core.runtime.config import ConfigError, load_config
-from xavier_services.router.config import RouterConfig
 
 
 def test_token_read_from_file(tmp_path: Path) -> None:
