@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 __all__ = [
     "ConfigError",
     "ServiceConfig",
+    "TlsSettings",
     "add_common_args",
     "config_from_args",
     "exit_on_config_error",
@@ -80,6 +81,21 @@ def parse_host_port(value: str) -> tuple[str, int]:
     return host, port
 
 
+class TlsSettings(BaseModel):
+    """mTLS between services (``[tls]``): PEM files, re-read on SIGHUP (see ``xavier_core.runtime.tls``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cert_file: Path
+    """This service's certificate chain, presented to callers and, as a client, to servers."""
+    key_file: Path
+    """The private key of ``cert_file``."""
+    ca_file: Path
+    """CA bundle that peers' certificates must chain to (client and server side)."""
+    server_name: str = ""
+    """As a client: the name checked against the server's certificate; empty uses the target host."""
+
+
 class ServiceConfig(BaseModel):
     """Settings every service shares; services subclass it and add their own sections."""
 
@@ -98,6 +114,8 @@ class ServiceConfig(BaseModel):
     log_format: Literal["auto", "json", "console"] = "auto"
     watchdog_seconds: float | None = Field(default=None, ge=0.0)
     """sd_notify WATCHDOG=1 interval; None: half of systemd's WATCHDOG_USEC; 0: off."""
+    tls: TlsSettings | None = None
+    """mTLS for gRPC: with it the service serves TLS only and requires a client certificate."""
 
     @field_validator("listen")
     @classmethod

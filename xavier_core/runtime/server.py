@@ -28,6 +28,7 @@ from .config import ConfigError, ServiceConfig, exit_on_config_error, parse_host
 from .interceptors import RuntimeInterceptor
 from .logging import configure_logging, get_logger
 from .metrics import MetricsServer, start_metrics_server
+from .tls import ServerTls
 
 __all__ = ["ServerHandle", "run_service", "serve", "start_service"]
 
@@ -79,6 +80,8 @@ class ServerHandle:
         self._stop_requested = asyncio.Event()
         self._shutdown_task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self.tls: ServerTls | None = None
+        """Set when ``[tls]`` built the credentials; ``tls.request_reload()`` is what SIGHUP calls."""
 
     @property
     def metrics_address(self) -> str | None:
@@ -148,7 +151,11 @@ async def start_service(
     ``on_start(handle)`` runs after bind and before SERVING (e.g. register
     with the directory using ``handle.address``); a mapping it returns is
     merged into the ready file. No signal handlers are installed here.
+    Without ``credentials``, a ``[tls]`` config section makes the port mTLS-only.
     """
+    tls = ServerTls(config.tls) if credentials is None and config.tls is not None else None
+    if tls is not None:
+        credentials = tls.credentials()
     limit = config.max_message_bytes
     server = grpc.aio.server(
         interceptors=(RuntimeInterceptor(), *interceptors),
@@ -176,6 +183,7 @@ async def start_service(
         raise OSError(f"cannot bind {config.listen}")
     await server.start()
     handle = ServerHandle(config, service_name, server, health_servicer, names, port, on_stop)
+    handle.tls = tls
     try:
         if config.metrics_listen:
             handle.metrics = await asyncio.to_thread(start_metrics_server, config.metrics_listen)
@@ -204,6 +212,10 @@ async def start_service(
     return handle
 
 
+def _nothing_to_reload() -> None:
+    _log.info("SIGHUP ignored: no [tls] files to reload")
+
+
 async def serve(
     config: ServiceConfig,
     *,
@@ -218,6 +230,8 @@ async def serve(
     started: Callable[[ServerHandle], None] | None = None,
 ) -> int:
     """Run a service until SIGTERM/SIGINT (or ``handle.request_stop()``); return the exit code 0.
+
+    SIGHUP re-reads the ``[tls]`` certificate files for the next connections (a no-op without TLS).
 
     ``started(handle)`` is called once SERVING (in-process callers keep the
     handle to stop it). Signal handlers are installed only when
@@ -244,6 +258,11 @@ async def serve(
         )
         if started is not None:
             started(handle)
+        if handle_signals:
+            # SIGHUP (systemctl reload) must never kill a service, with or without TLS to reload.
+            reload = handle.tls.request_reload if handle.tls is not None else _nothing_to_reload
+            loop.add_signal_handler(signal.SIGHUP, reload)
+            installed.append(signal.SIGHUP)
         signal_wait = asyncio.create_task(stop_signal.wait())
         request_wait = asyncio.create_task(handle.wait_for_stop_request())
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator
 
 from xavier_core.runtime import ServiceConfig, parse_host_port
 
@@ -30,6 +30,16 @@ class NativeConfig(BaseModel):
     @property
     def enabled(self) -> bool:
         return bool(self.prefill_url and self.decode_url)
+
+
+def _read_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not token:
+        raise ValueError(f"{path} is empty")
+    return token
 
 
 class RouterConfig(ServiceConfig):
@@ -62,7 +72,29 @@ class RouterConfig(ServiceConfig):
     """Attempts of idempotent phases (peer selection) on UNAVAILABLE."""
     api_token: str = ""
     """Bearer token required on the public gRPC and HTTP APIs; empty disables the check."""
+    api_token_file: Path | None = None
+    """File holding the bearer token (read once at start, surrounding whitespace dropped), so the secret
+    stays out of the config and the environment; excludes ``api_token``."""
     native: NativeConfig = NativeConfig()
+    _file_token: str = PrivateAttr(default="")
+
+    @field_validator("api_token_file")
+    @classmethod
+    def _check_token_file(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is not None:
+            if info.data.get("api_token"):
+                raise ValueError("set api_token or api_token_file, not both")
+            _read_token(value)
+        return value
+
+    def model_post_init(self, context: object, /) -> None:
+        if self.api_token_file is not None:
+            self._file_token = _read_token(self.api_token_file)
+
+    @property
+    def bearer_token(self) -> str:
+        """The token the public APIs require (``api_token`` or the file's); empty: no check."""
+        return self.api_token or self._file_token
 
     @field_validator("http_listen")
     @classmethod

@@ -108,7 +108,7 @@ async def run(config: RouterConfig) -> int:
             await runner.cleanup()
         await router.close()
 
-    interceptors = [TokenInterceptor(config.api_token)] if config.api_token else []
+    interceptors = [TokenInterceptor(config.bearer_token)] if config.bearer_token else []
     return await serve(
         config,
         service_name="router",

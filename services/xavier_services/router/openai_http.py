@@ -73,7 +73,7 @@ class OpenAiFront:
         return app
 
     def _auth(self) -> list[Any]:
-        token = self.router.config.api_token
+        token = self.router.config.bearer_token
         if not token:
             return []
         expected = f"Bearer {token}".encode()

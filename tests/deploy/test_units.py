@@ -1,0 +1,105 @@
+"""`systemd-analyze verify` on every unit in deploy/systemd, templates as instances, binaries as installed."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+UNITS = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze") or "/usr/bin/systemd-analyze"
+VENV_BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.skipif(
+    not Path(SYSTEMD_ANALYZE).exists(),
+    reason="systemd-analyze is not installed (Debian: apt install systemd)",
+)
+
+
+def _stage(target: Path, units: dict[str, str]) -> list[Path]:
+    """Write units under their instance names, ExecStart pointed at this venv's console scripts.
+
+    verify checks that ExecStart names an executable; the units name the install prefix
+    /opt/xavier/.venv, so the same scripts from the venv running the tests stand in for it.
+    """
+    staged = []
+    for name, text in units.items():
+        instance = name.replace("@.", "@0.")
+        path = target / instance
+        path.write_text(text.replace("/opt/xavier/.venv/bin/", f"{VENV_BIN}/"))
+        staged.append(path)
+    return staged
+
+
+def _verify(paths: list[Path]) -> str:
+    """Everything verify says; it exits 0 on unknown keys and bad values, warning on stderr instead."""
+    result = subprocess.run(
+        [SYSTEMD_ANALYZE, "verify", "--man=no", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=paths[0].parent,
+    )
+    return (
+        f"exit {result.returncode}\n{result.stdout}{result.stderr}"
+        if result.returncode
+        else result.stdout + result.stderr
+    )
+
+
+def _units() -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(UNITS.iterdir()) if p.suffix in (".service", ".target")}
+
+
+def test_every_service_has_a_unit() -> None:
+    assert set(_units()) == {
+        "xavier.target",
+        "xavier-directory.service",
+        "xavier-router.service",
+        "xavier-pagestore.service",
+        "xavier-prefill@.service",
+        "xavier-decode@.service",
+    }
+
+
+def test_units_verify_clean(tmp_path: Path) -> None:
+    units = _units()
+    for name, text in units.items():
+        match = re.search(r"^ExecStart=/opt/xavier/\.venv/bin/(\S+)", text, re.M)
+        if name.endswith(".service"):
+            assert match and (VENV_BIN / match.group(1)).exists(), (
+                f"{name}: ExecStart names no console script"
+            )
+    assert _verify(_stage(tmp_path, units)) == ""
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        ("Type=notify", "Unknown key"),  # replaced by a misspelt key
+        ("NotifyAccess=main", "Failed to parse"),  # replaced by a bad value
+    ],
+)
+def test_verify_reports_a_broken_unit(tmp_path: Path, edit: str, expected: str) -> None:
+    bad = "Tpye=notify" if edit == "Type=notify" else "NotifyAccess=mainly"
+    units = {"xavier-prefill@.service": _units()["xavier-prefill@.service"].replace(edit, bad)}
+    assert expected in _verify(_stage(tmp_path, units))
+
+
+def test_hardening_as_promised() -> None:
+    for name, text in _units().items():
+        if not name.endswith(".service"):
+            continue
+        keys = dict(
+            line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#")
+        )
+        assert keys["Type"] == "notify" and keys["NotifyAccess"] == "main", name
+        assert keys["Restart"] == "on-failure" and int(keys["WatchdogSec"]) > 0, name
+        assert keys["ProtectSystem"] == "strict" and keys["NoNewPrivileges"] == "yes", name
+        assert keys["EnvironmentFile"] == "/etc/xavier/%N.env", name
+        gpu = "@" in name
+        assert ("DynamicUser" in keys) is not gpu, name
+        assert ("PrivateDevices" in keys) is not gpu and ("DeviceAllow" in keys) is gpu, name
