@@ -1,48 +1,36 @@
-"""`xavier-pagestore`: the HiCache L3 page store.
-
-The store's data path is part 6 of the plan; until it lands every RPC answers UNIMPLEMENTED with reason
-NOT_IMPLEMENTED (never a fake success), while the process serves health, reflection and metrics.
-"""
+"""``xavier-pagestore``: the HiCache L3 page store (DRAM arena over NIXL, leases over gRPC)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
-from typing import Any
 
-import grpc
-from xavier.v1 import page_store_service_pb2, page_store_service_pb2_grpc
-
-from xavier_core.runtime import ServiceConfig, run_service, serve
+from xavier_core.runtime import run_service, serve
 from xavier_core.runtime.config import ConfigError, add_common_args, config_from_args, exit_on_config_error
-from xavier_core.runtime.errors import Unimplemented
-
-SERVICE = page_store_service_pb2.DESCRIPTOR.services_by_name["PageStoreService"].full_name
-
-
-class PageStoreServicer(page_store_service_pb2_grpc.PageStoreServiceServicer):
-    async def _unimplemented(self, request: Any, context: Any) -> Any:
-        raise Unimplemented("the page store data path is not built yet", service=SERVICE)
-
-    ExistsPages = GetPages = PutPages = GetPageStoreStats = _unimplemented
+from xavier_services.pagestore.config import PageStoreConfig
+from xavier_services.pagestore.servicer import PageStoreServicer
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parses flags, loads config (``[pagestore]``) and serves until SIGTERM."""
     parser = argparse.ArgumentParser(prog="xavier-pagestore", description="Xavier page store")
     add_common_args(parser)
+    parser.add_argument("--arena-bytes", type=int, default=None, help="DRAM arena size in bytes")
     args = parser.parse_args(argv)
     try:
-        config = config_from_args(ServiceConfig, args)
+        config = config_from_args(PageStoreConfig, args, {"pagestore.arena_bytes": args.arena_bytes})
     except ConfigError as err:
         exit_on_config_error(err)
 
-    def register(server: grpc.aio.Server) -> Sequence[str]:
-        page_store_service_pb2_grpc.add_PageStoreServiceServicer_to_server(PageStoreServicer(), server)
-        return [SERVICE]
-
     async def run() -> int:
-        return await serve(config, service_name="pagestore", register=register)
+        servicer = PageStoreServicer(config.pagestore)
+        return await serve(
+            config,
+            service_name="pagestore",
+            register=servicer.register,
+            on_start=servicer.start,
+            on_stop=servicer.stop,
+        )
 
     return run_service(run)
 

@@ -6,7 +6,9 @@ isort:skip_file
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from xavier.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -19,52 +21,145 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
-class StoredPage(_message.Message):
-    """StoredPage is one page's KV bytes."""
+class PageNamespace(_message.Message):
+    """PageNamespace isolates pages: a page put under one namespace is never served under another (I5)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    KEY_FIELD_NUMBER: _builtins.int
-    DATA_FIELD_NUMBER: _builtins.int
-    key: _builtins.bytes
-    """32-byte prefix chain key."""
-    data: _builtins.bytes
-    """The page's bytes, buffer by buffer."""
+    CONTRACT_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    contract_fingerprint: _builtins.str
+    """Contract fingerprint of the KV layout (hex); 1 to 256 characters."""
+    cache_salt: _builtins.str
+    """Tenant cache salt; at most 1024 bytes of UTF-8. The store keeps only a digest of it."""
+    rank: _builtins.int
+    """Rank of the writer within a sharded engine (0 without sharding); below 65536."""
     def __init__(
         self,
         *,
-        key: _builtins.bytes = ...,
-        data: _builtins.bytes = ...,
+        contract_fingerprint: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
+        rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "key", b"key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "contract_fingerprint", b"contract_fingerprint", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___StoredPage: _TypeAlias = StoredPage  # noqa: Y015
+Global___PageNamespace: _TypeAlias = PageNamespace  # noqa: Y015
+
+@_typing.final
+class PageSpan(_message.Message):
+    """PageSpan is a run of consecutive slots of one arena chunk holding consecutive pages of a call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_ADDRESS_FIELD_NUMBER: _builtins.int
+    CHUNK_SLOTS_FIELD_NUMBER: _builtins.int
+    FIRST_SLOT_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    chunk_address: _builtins.int
+    """Address of the chunk in the store's address space (inside the arena region of the endpoint)."""
+    chunk_slots: _builtins.int
+    """Slots in the chunk; it scales each segment's offset (see the service comment)."""
+    first_slot: _builtins.int
+    """First slot of the span within the chunk."""
+    count: _builtins.int
+    """Number of consecutive slots (and pages) in the span; at least 1."""
+    def __init__(
+        self,
+        *,
+        chunk_address: _builtins.int = ...,
+        chunk_slots: _builtins.int = ...,
+        first_slot: _builtins.int = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_address", b"chunk_address", "chunk_slots", b"chunk_slots", "count", b"count", "first_slot", b"first_slot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PageSpan: _TypeAlias = PageSpan  # noqa: Y015
+
+@_typing.final
+class GetStoreEndpointRequest(_message.Message):
+    """GetStoreEndpointRequest asks for the store's transfer endpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStoreEndpointRequest: _TypeAlias = GetStoreEndpointRequest  # noqa: Y015
+
+@_typing.final
+class GetStoreEndpointResponse(_message.Message):
+    """GetStoreEndpointResponse is how a client reaches the arena with NIXL."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    STORE_INSTANCE_FIELD_NUMBER: _builtins.int
+    CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_KEYS_PER_CALL_FIELD_NUMBER: _builtins.int
+    store_instance: _builtins.str
+    """Identifies this store process; it changes when the store restarts (then the arena is empty)."""
+    chunk_bytes: _builtins.int
+    """Bytes of one arena chunk; a page (the sum of its segment sizes) may not exceed it."""
+    max_keys_per_call: _builtins.int
+    """Most keys one call accepts."""
+    @_builtins.property
+    def endpoint(self) -> _types_pb2.TransferEndpoint:
+        """NIXL agent metadata and the arena region (one region, device "cpu", bytes_per_page 0)."""
+
+    def __init__(
+        self,
+        *,
+        endpoint: _types_pb2.TransferEndpoint | None = ...,
+        store_instance: _builtins.str = ...,
+        chunk_bytes: _builtins.int = ...,
+        max_keys_per_call: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "endpoint", b"endpoint", "max_keys_per_call", b"max_keys_per_call", "store_instance", b"store_instance"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStoreEndpointResponse: _TypeAlias = GetStoreEndpointResponse  # noqa: Y015
 
 @_typing.final
 class ExistsPagesRequest(_message.Message):
-    """ExistsPagesRequest asks about keys."""
+    """ExistsPagesRequest asks how long the stored prefix of a key chain is."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     NAMESPACE_FIELD_NUMBER: _builtins.int
     KEYS_FIELD_NUMBER: _builtins.int
-    namespace: _builtins.str
-    """Namespace (contract fingerprint)."""
+    @_builtins.property
+    def namespace(self) -> Global___PageNamespace:
+        """Namespace to look in."""
+
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
-        """Keys in prefix order (at most 1024)."""
+        """32-byte page keys in chain order; 1 to max_keys_per_call (1024 by default) keys."""
 
     def __init__(
         self,
         *,
-        namespace: _builtins.str = ...,
+        namespace: Global___PageNamespace | None = ...,
         keys: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "namespace", b"namespace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
@@ -74,21 +169,21 @@ Global___ExistsPagesRequest: _TypeAlias = ExistsPagesRequest  # noqa: Y015
 
 @_typing.final
 class ExistsPagesResponse(_message.Message):
-    """ExistsPagesResponse answers with a prefix count."""
+    """ExistsPagesResponse reports the stored prefix."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    PREFIX_HITS_FIELD_NUMBER: _builtins.int
-    prefix_hits: _builtins.int
-    """Number of leading keys that are stored."""
+    HIT_COUNT_FIELD_NUMBER: _builtins.int
+    hit_count: _builtins.int
+    """Number of leading keys that are stored and committed; 0 when the namespace is unknown."""
     def __init__(
         self,
         *,
-        prefix_hits: _builtins.int = ...,
+        hit_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefix_hits", b"prefix_hits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hit_count", b"hit_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -96,27 +191,43 @@ Global___ExistsPagesResponse: _TypeAlias = ExistsPagesResponse  # noqa: Y015
 
 @_typing.final
 class GetPagesRequest(_message.Message):
-    """GetPagesRequest fetches pages."""
+    """GetPagesRequest pins and locates the longest stored prefix of a key chain."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     NAMESPACE_FIELD_NUMBER: _builtins.int
     KEYS_FIELD_NUMBER: _builtins.int
-    namespace: _builtins.str
-    """Namespace (contract fingerprint)."""
+    SEGMENT_BYTES_FIELD_NUMBER: _builtins.int
+    LEASE_SECONDS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Idempotency key: a retry with the same id returns the same lease; 1 to 128 characters."""
+    lease_seconds: _builtins.float
+    """Read lease length in seconds; 0 takes the store's default, larger than its maximum is cut to it."""
+    @_builtins.property
+    def namespace(self) -> Global___PageNamespace:
+        """Namespace to look in."""
+
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
-        """Keys to fetch (at most 128)."""
+        """32-byte page keys in chain order; 1 to max_keys_per_call (1024 by default) keys."""
+
+    @_builtins.property
+    def segment_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Bytes of each segment of one page, in the reader's buffer order; must equal the namespace's sizes."""
 
     def __init__(
         self,
         *,
-        namespace: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        namespace: Global___PageNamespace | None = ...,
         keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        segment_bytes: _abc.Iterable[_builtins.int] | None = ...,
+        lease_seconds: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "namespace", b"namespace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "lease_seconds", b"lease_seconds", "namespace", b"namespace", "request_id", b"request_id", "segment_bytes", b"segment_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -124,23 +235,47 @@ Global___GetPagesRequest: _TypeAlias = GetPagesRequest  # noqa: Y015
 
 @_typing.final
 class GetPagesResponse(_message.Message):
-    """GetPagesResponse returns the stored pages among the keys, in request order."""
+    """GetPagesResponse locates the pinned pages."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    PAGES_FIELD_NUMBER: _builtins.int
+    HIT_COUNT_FIELD_NUMBER: _builtins.int
+    SPANS_FIELD_NUMBER: _builtins.int
+    CHECKSUMS_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    LEASE_EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    STORE_INSTANCE_FIELD_NUMBER: _builtins.int
+    hit_count: _builtins.int
+    """Number of leading keys that hit; the pages of keys[0..hit_count) are pinned."""
+    lease_id: _builtins.str
+    """Read lease pinning the pages; empty when hit_count is 0 (no lease is taken then)."""
+    store_instance: _builtins.str
+    """Identifies the store process whose arena the spans point into."""
     @_builtins.property
-    def pages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoredPage]:
-        """Stored pages; missing keys are skipped."""
+    def spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageSpan]:
+        """Spans covering the hit pages in key order; empty when hit_count is 0."""
+
+    @_builtins.property
+    def checksums(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Checksum of each hit page, in key order, for the reader to verify after its READ."""
+
+    @_builtins.property
+    def lease_expire_time(self) -> _timestamp_pb2.Timestamp:
+        """When the lease ends unless released earlier; the pages are unpinned then."""
 
     def __init__(
         self,
         *,
-        pages: _abc.Iterable[Global___StoredPage] | None = ...,
+        hit_count: _builtins.int = ...,
+        spans: _abc.Iterable[Global___PageSpan] | None = ...,
+        checksums: _abc.Iterable[_builtins.bytes] | None = ...,
+        lease_id: _builtins.str = ...,
+        lease_expire_time: _timestamp_pb2.Timestamp | None = ...,
+        store_instance: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_expire_time", b"lease_expire_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pages", b"pages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksums", b"checksums", "hit_count", b"hit_count", "lease_expire_time", b"lease_expire_time", "lease_id", b"lease_id", "spans", b"spans", "store_instance", b"store_instance"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -148,31 +283,45 @@ Global___GetPagesResponse: _TypeAlias = GetPagesResponse  # noqa: Y015
 
 @_typing.final
 class PutPagesRequest(_message.Message):
-    """PutPagesRequest stores pages."""
+    """PutPagesRequest reserves slots for pages about to be written."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     NAMESPACE_FIELD_NUMBER: _builtins.int
-    PAGES_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    SEGMENT_BYTES_FIELD_NUMBER: _builtins.int
+    LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Idempotency key."""
-    namespace: _builtins.str
-    """Namespace (contract fingerprint)."""
+    """Idempotency key: a retry with the same id returns the same reservation; 1 to 128 characters."""
+    lease_seconds: _builtins.float
+    """Write lease length in seconds; 0 takes the store's default, larger than its maximum is cut to it."""
     @_builtins.property
-    def pages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoredPage]:
-        """Pages (at most 128)."""
+    def namespace(self) -> Global___PageNamespace:
+        """Namespace to store under; created at first use with these segment sizes."""
+
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Distinct 32-byte page keys; 1 to max_keys_per_call (1024 by default) keys."""
+
+    @_builtins.property
+    def segment_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Bytes of each segment of one page; 1 to 4096 segments, each at least 1 byte, summing to at most
+        chunk_bytes. A namespace's first Put declares them; later calls must repeat them exactly.
+        """
 
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
-        namespace: _builtins.str = ...,
-        pages: _abc.Iterable[Global___StoredPage] | None = ...,
+        namespace: Global___PageNamespace | None = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        segment_bytes: _abc.Iterable[_builtins.int] | None = ...,
+        lease_seconds: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "pages", b"pages", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "lease_seconds", b"lease_seconds", "namespace", b"namespace", "request_id", b"request_id", "segment_bytes", b"segment_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -180,33 +329,171 @@ Global___PutPagesRequest: _TypeAlias = PutPagesRequest  # noqa: Y015
 
 @_typing.final
 class PutPagesResponse(_message.Message):
-    """PutPagesResponse acknowledges a put."""
+    """PutPagesResponse says which keys to write and where."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    STORED_FIELD_NUMBER: _builtins.int
+    RESERVED_INDICES_FIELD_NUMBER: _builtins.int
+    SPANS_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    LEASE_EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    STORE_INSTANCE_FIELD_NUMBER: _builtins.int
     EVICTED_FIELD_NUMBER: _builtins.int
-    stored: _builtins.int
-    """Pages newly stored."""
+    lease_id: _builtins.str
+    """Write lease of the reservation; empty when nothing was reserved."""
+    store_instance: _builtins.str
+    """Identifies the store process whose arena the spans point into."""
     evicted: _builtins.int
-    """Pages evicted to make room."""
+    """Committed pages evicted (least recently used first) to make room."""
+    @_builtins.property
+    def reserved_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Indices into the request's keys that got a slot, ascending; keys already stored or being written by
+        another writer, and keys beyond the arena's unleased capacity, are left out.
+        """
+
+    @_builtins.property
+    def spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageSpan]:
+        """Spans covering the reserved pages in the order of reserved_indices."""
+
+    @_builtins.property
+    def lease_expire_time(self) -> _timestamp_pb2.Timestamp:
+        """When uncommitted reservations expire and their slots are freed."""
+
     def __init__(
         self,
         *,
-        stored: _builtins.int = ...,
+        reserved_indices: _abc.Iterable[_builtins.int] | None = ...,
+        spans: _abc.Iterable[Global___PageSpan] | None = ...,
+        lease_id: _builtins.str = ...,
+        lease_expire_time: _timestamp_pb2.Timestamp | None = ...,
+        store_instance: _builtins.str = ...,
         evicted: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_expire_time", b"lease_expire_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["evicted", b"evicted", "stored", b"stored"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evicted", b"evicted", "lease_expire_time", b"lease_expire_time", "lease_id", b"lease_id", "reserved_indices", b"reserved_indices", "spans", b"spans", "store_instance", b"store_instance"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PutPagesResponse: _TypeAlias = PutPagesResponse  # noqa: Y015
 
 @_typing.final
+class CommitPutRequest(_message.Message):
+    """CommitPutRequest makes written pages visible."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    CHECKSUMS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Idempotency key: a retry with the same id returns the same result; 1 to 128 characters."""
+    lease_id: _builtins.str
+    """Write lease from PutPages."""
+    @_builtins.property
+    def checksums(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """One 16-byte checksum per reserved page, in the order of reserved_indices."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        lease_id: _builtins.str = ...,
+        checksums: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksums", b"checksums", "lease_id", b"lease_id", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitPutRequest: _TypeAlias = CommitPutRequest  # noqa: Y015
+
+@_typing.final
+class CommitPutResponse(_message.Message):
+    """CommitPutResponse reports what became visible."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMITTED_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FAILURES_FIELD_NUMBER: _builtins.int
+    committed: _builtins.int
+    """Pages whose arena bytes matched their checksum; they are visible now."""
+    checksum_failures: _builtins.int
+    """Pages whose arena bytes did not match; they were dropped and counted."""
+    def __init__(
+        self,
+        *,
+        committed: _builtins.int = ...,
+        checksum_failures: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksum_failures", b"checksum_failures", "committed", b"committed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitPutResponse: _TypeAlias = CommitPutResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseLeaseRequest(_message.Message):
+    """ReleaseLeaseRequest ends a lease early."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    CORRUPT_INDICES_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Idempotency key; 1 to 128 characters. Releasing an already released lease succeeds again."""
+    lease_id: _builtins.str
+    """Lease from GetPages or PutPages."""
+    @_builtins.property
+    def corrupt_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """For a read lease: indices (into the GetPages keys) of pages whose READ bytes failed their checksum;
+        the store drops those pages and counts them. At most max_keys_per_call entries.
+        """
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        lease_id: _builtins.str = ...,
+        corrupt_indices: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["corrupt_indices", b"corrupt_indices", "lease_id", b"lease_id", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseLeaseRequest: _TypeAlias = ReleaseLeaseRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseLeaseResponse(_message.Message):
+    """ReleaseLeaseResponse acknowledges a release."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    released: _builtins.bool
+    """False when the lease had already been released."""
+    def __init__(
+        self,
+        *,
+        released: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseLeaseResponse: _TypeAlias = ReleaseLeaseResponse  # noqa: Y015
+
+@_typing.final
 class GetPageStoreStatsRequest(_message.Message):
-    """GetPageStoreStatsRequest asks for stats."""
+    """GetPageStoreStatsRequest asks for the store's counters."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -222,64 +509,122 @@ class GetPageStoreStatsRequest(_message.Message):
 Global___GetPageStoreStatsRequest: _TypeAlias = GetPageStoreStatsRequest  # noqa: Y015
 
 @_typing.final
-class GetPageStoreStatsResponse(_message.Message):
-    """GetPageStoreStatsResponse reports store usage."""
+class NamespaceStats(_message.Message):
+    """NamespaceStats are the counters of one namespace since the store started."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    @_typing.final
-    class PagesByNamespaceEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.int
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.int = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
+    CONTRACT_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    SALT_DIGEST_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    PAGE_BYTES_FIELD_NUMBER: _builtins.int
     PAGES_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
-    CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
     HITS_FIELD_NUMBER: _builtins.int
     MISSES_FIELD_NUMBER: _builtins.int
-    PAGES_BY_NAMESPACE_FIELD_NUMBER: _builtins.int
+    EVICTIONS_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FAILURES_FIELD_NUMBER: _builtins.int
+    LEASES_EXPIRED_FIELD_NUMBER: _builtins.int
+    RESERVATIONS_DROPPED_FIELD_NUMBER: _builtins.int
+    RESERVED_PAGES_FIELD_NUMBER: _builtins.int
+    PINNED_PAGES_FIELD_NUMBER: _builtins.int
+    contract_fingerprint: _builtins.str
+    """Contract fingerprint of the namespace."""
+    salt_digest: _builtins.str
+    """First 8 bytes of the SHA-256 of the cache salt, hex (the salt itself is not kept)."""
+    rank: _builtins.int
+    """Rank of the namespace."""
+    page_bytes: _builtins.int
+    """Bytes of one page (the sum of its segment sizes)."""
     pages: _builtins.int
-    """Pages stored."""
+    """Committed pages stored now."""
     bytes: _builtins.int
-    """Bytes stored."""
-    capacity_bytes: _builtins.int
-    """Capacity in bytes."""
+    """Bytes of the committed pages stored now."""
     hits: _builtins.int
-    """Lookups that hit."""
+    """Pages found by GetPages."""
     misses: _builtins.int
-    """Lookups that missed."""
+    """Keys GetPages did not find (those after the first miss included)."""
+    evictions: _builtins.int
+    """Committed pages evicted to make room."""
+    leases: _builtins.int
+    """Live read and write leases now."""
+    checksum_failures: _builtins.int
+    """Pages dropped because their bytes failed a checksum, at commit or reported by a reader."""
+    leases_expired: _builtins.int
+    """Leases that ended by expiry instead of a release or commit."""
+    reservations_dropped: _builtins.int
+    """Reserved pages dropped uncommitted (write lease released or expired)."""
+    reserved_pages: _builtins.int
+    """Slots reserved for uncommitted writes now."""
+    pinned_pages: _builtins.int
+    """Pages pinned by read leases now."""
+    def __init__(
+        self,
+        *,
+        contract_fingerprint: _builtins.str = ...,
+        salt_digest: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        page_bytes: _builtins.int = ...,
+        pages: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+        hits: _builtins.int = ...,
+        misses: _builtins.int = ...,
+        evictions: _builtins.int = ...,
+        leases: _builtins.int = ...,
+        checksum_failures: _builtins.int = ...,
+        leases_expired: _builtins.int = ...,
+        reservations_dropped: _builtins.int = ...,
+        reserved_pages: _builtins.int = ...,
+        pinned_pages: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "checksum_failures", b"checksum_failures", "contract_fingerprint", b"contract_fingerprint", "evictions", b"evictions", "hits", b"hits", "leases", b"leases", "leases_expired", b"leases_expired", "misses", b"misses", "page_bytes", b"page_bytes", "pages", b"pages", "pinned_pages", b"pinned_pages", "rank", b"rank", "reservations_dropped", b"reservations_dropped", "reserved_pages", b"reserved_pages", "salt_digest", b"salt_digest"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NamespaceStats: _TypeAlias = NamespaceStats  # noqa: Y015
+
+@_typing.final
+class GetPageStoreStatsResponse(_message.Message):
+    """GetPageStoreStatsResponse reports usage."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
+    ALLOCATED_BYTES_FIELD_NUMBER: _builtins.int
+    PAGES_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
+    NAMESPACES_FIELD_NUMBER: _builtins.int
+    STORE_INSTANCE_FIELD_NUMBER: _builtins.int
+    capacity_bytes: _builtins.int
+    """Arena capacity in bytes."""
+    allocated_bytes: _builtins.int
+    """Bytes of chunks assigned to namespaces."""
+    pages: _builtins.int
+    """Committed pages over all namespaces."""
+    leases: _builtins.int
+    """Live leases over all namespaces."""
+    store_instance: _builtins.str
+    """Identifies this store process."""
     @_builtins.property
-    def pages_by_namespace(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
-        """Pages by namespace."""
+    def namespaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamespaceStats]:
+        """One entry per namespace ever used, ordered by fingerprint, salt digest, rank."""
 
     def __init__(
         self,
         *,
-        pages: _builtins.int = ...,
-        bytes: _builtins.int = ...,
         capacity_bytes: _builtins.int = ...,
-        hits: _builtins.int = ...,
-        misses: _builtins.int = ...,
-        pages_by_namespace: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        allocated_bytes: _builtins.int = ...,
+        pages: _builtins.int = ...,
+        leases: _builtins.int = ...,
+        namespaces: _abc.Iterable[Global___NamespaceStats] | None = ...,
+        store_instance: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "capacity_bytes", b"capacity_bytes", "hits", b"hits", "misses", b"misses", "pages", b"pages", "pages_by_namespace", b"pages_by_namespace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated_bytes", b"allocated_bytes", "capacity_bytes", b"capacity_bytes", "leases", b"leases", "namespaces", b"namespaces", "pages", b"pages", "store_instance", b"store_instance"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

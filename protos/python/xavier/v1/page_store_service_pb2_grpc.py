@@ -26,8 +26,26 @@ if _version_not_supported:
 
 
 class PageStoreServiceStub:
-    """PageStoreService is the HiCache L3 store: a bounded CPU store of full KV pages shared by replicas, keyed
-    by the salted prefix hash chain and isolated per namespace (the contract fingerprint).
+    """PageStoreService is the HiCache L3 store: a byte-bounded DRAM arena of full KV pages shared by replicas,
+    keyed by the salted prefix key chain and isolated per namespace. Page bytes never travel over gRPC: the
+    calls carry keys, arena descriptors, leases and checksums, and the client moves the bytes with one-sided
+    NIXL READs (Get) and WRITEs (Put) against the arena the store registered once.
+
+    Arena descriptors. A namespace's pages live in chunks of the arena. A chunk of `chunk_slots` slots is laid
+    out segment-major: segment b of slot s (b indexes `segment_bytes`) starts at
+    `chunk_address + segment_offset(b) * chunk_slots + s * segment_bytes[b]`, where `segment_offset(b)` is the
+    sum of `segment_bytes[0..b)`. So consecutive slots of one chunk are one contiguous range per segment, and
+    a run of pages travels as one NIXL descriptor per segment.
+
+    Checksums are BLAKE2b with a 16-byte digest over a page's segments concatenated in segment order.
+
+    Errors carry one google.rpc.ErrorInfo (domain "xavier.v1") with these reasons: INVALID_ARGUMENT (the
+    metadata key "field" names the offending field), PAGE_SIZE_MISMATCH (INVALID_ARGUMENT: the namespace was
+    declared with other segment sizes; "field" is "segment_bytes"), TOO_MANY_KEYS (INVALID_ARGUMENT: more keys
+    than the store's per-call limit, given in the metadata key "limit"), LEASE_NOT_FOUND (NOT_FOUND),
+    LEASE_EXPIRED (FAILED_PRECONDITION), WRONG_LEASE_KIND (FAILED_PRECONDITION: a read lease given to
+    CommitPut), CAPACITY_EXHAUSTED (RESOURCE_EXHAUSTED: too many namespaces or live leases) and SHUTTING_DOWN
+    (UNAVAILABLE).
     """
 
     def __init__(self, channel):
@@ -36,6 +54,11 @@ class PageStoreServiceStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.GetStoreEndpoint = channel.unary_unary(
+                '/xavier.v1.PageStoreService/GetStoreEndpoint',
+                request_serializer=xavier_dot_v1_dot_page__store__service__pb2.GetStoreEndpointRequest.SerializeToString,
+                response_deserializer=xavier_dot_v1_dot_page__store__service__pb2.GetStoreEndpointResponse.FromString,
+                _registered_method=True)
         self.ExistsPages = channel.unary_unary(
                 '/xavier.v1.PageStoreService/ExistsPages',
                 request_serializer=xavier_dot_v1_dot_page__store__service__pb2.ExistsPagesRequest.SerializeToString,
@@ -51,6 +74,16 @@ class PageStoreServiceStub:
                 request_serializer=xavier_dot_v1_dot_page__store__service__pb2.PutPagesRequest.SerializeToString,
                 response_deserializer=xavier_dot_v1_dot_page__store__service__pb2.PutPagesResponse.FromString,
                 _registered_method=True)
+        self.CommitPut = channel.unary_unary(
+                '/xavier.v1.PageStoreService/CommitPut',
+                request_serializer=xavier_dot_v1_dot_page__store__service__pb2.CommitPutRequest.SerializeToString,
+                response_deserializer=xavier_dot_v1_dot_page__store__service__pb2.CommitPutResponse.FromString,
+                _registered_method=True)
+        self.ReleaseLease = channel.unary_unary(
+                '/xavier.v1.PageStoreService/ReleaseLease',
+                request_serializer=xavier_dot_v1_dot_page__store__service__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=xavier_dot_v1_dot_page__store__service__pb2.ReleaseLeaseResponse.FromString,
+                _registered_method=True)
         self.GetPageStoreStats = channel.unary_unary(
                 '/xavier.v1.PageStoreService/GetPageStoreStats',
                 request_serializer=xavier_dot_v1_dot_page__store__service__pb2.GetPageStoreStatsRequest.SerializeToString,
@@ -59,33 +92,75 @@ class PageStoreServiceStub:
 
 
 class PageStoreServiceServicer:
-    """PageStoreService is the HiCache L3 store: a bounded CPU store of full KV pages shared by replicas, keyed
-    by the salted prefix hash chain and isolated per namespace (the contract fingerprint).
+    """PageStoreService is the HiCache L3 store: a byte-bounded DRAM arena of full KV pages shared by replicas,
+    keyed by the salted prefix key chain and isolated per namespace. Page bytes never travel over gRPC: the
+    calls carry keys, arena descriptors, leases and checksums, and the client moves the bytes with one-sided
+    NIXL READs (Get) and WRITEs (Put) against the arena the store registered once.
+
+    Arena descriptors. A namespace's pages live in chunks of the arena. A chunk of `chunk_slots` slots is laid
+    out segment-major: segment b of slot s (b indexes `segment_bytes`) starts at
+    `chunk_address + segment_offset(b) * chunk_slots + s * segment_bytes[b]`, where `segment_offset(b)` is the
+    sum of `segment_bytes[0..b)`. So consecutive slots of one chunk are one contiguous range per segment, and
+    a run of pages travels as one NIXL descriptor per segment.
+
+    Checksums are BLAKE2b with a 16-byte digest over a page's segments concatenated in segment order.
+
+    Errors carry one google.rpc.ErrorInfo (domain "xavier.v1") with these reasons: INVALID_ARGUMENT (the
+    metadata key "field" names the offending field), PAGE_SIZE_MISMATCH (INVALID_ARGUMENT: the namespace was
+    declared with other segment sizes; "field" is "segment_bytes"), TOO_MANY_KEYS (INVALID_ARGUMENT: more keys
+    than the store's per-call limit, given in the metadata key "limit"), LEASE_NOT_FOUND (NOT_FOUND),
+    LEASE_EXPIRED (FAILED_PRECONDITION), WRONG_LEASE_KIND (FAILED_PRECONDITION: a read lease given to
+    CommitPut), CAPACITY_EXHAUSTED (RESOURCE_EXHAUSTED: too many namespaces or live leases) and SHUTTING_DOWN
+    (UNAVAILABLE).
     """
 
+    def GetStoreEndpoint(self, request, context):
+        """GetStoreEndpoint returns the store's NIXL agent metadata and arena region. Clients call it once per
+        store instance (see `store_instance` in every response) and cache the answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ExistsPages(self, request, context):
-        """ExistsPages reports how many of the given keys, from the first, are stored.
+        """ExistsPages reports how many of the given keys, from the first, are stored and committed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetPages(self, request, context):
-        """GetPages returns stored pages.
+        """GetPages pins the longest stored prefix of the given keys under a read lease and returns where the pages
+        lie in the arena. The caller READs them, then calls ReleaseLease.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PutPages(self, request, context):
-        """PutPages stores pages; idempotent per key.
+        """PutPages reserves arena slots for the keys not yet stored under a write lease and returns where to
+        WRITE them. The caller WRITEs, then calls CommitPut; reservations not committed in time expire.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitPut(self, request, context):
+        """CommitPut verifies the written pages against the writer's checksums and makes the good ones visible.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLease(self, request, context):
+        """ReleaseLease ends a read lease (unpinning its pages) or a write lease (dropping uncommitted slots).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetPageStoreStats(self, request, context):
-        """GetPageStoreStats reports usage per namespace.
+        """GetPageStoreStats reports usage and counters per namespace.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,6 +169,11 @@ class PageStoreServiceServicer:
 
 def add_PageStoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'GetStoreEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStoreEndpoint,
+                    request_deserializer=xavier_dot_v1_dot_page__store__service__pb2.GetStoreEndpointRequest.FromString,
+                    response_serializer=xavier_dot_v1_dot_page__store__service__pb2.GetStoreEndpointResponse.SerializeToString,
+            ),
             'ExistsPages': grpc.unary_unary_rpc_method_handler(
                     servicer.ExistsPages,
                     request_deserializer=xavier_dot_v1_dot_page__store__service__pb2.ExistsPagesRequest.FromString,
@@ -109,6 +189,16 @@ def add_PageStoreServiceServicer_to_server(servicer, server):
                     request_deserializer=xavier_dot_v1_dot_page__store__service__pb2.PutPagesRequest.FromString,
                     response_serializer=xavier_dot_v1_dot_page__store__service__pb2.PutPagesResponse.SerializeToString,
             ),
+            'CommitPut': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitPut,
+                    request_deserializer=xavier_dot_v1_dot_page__store__service__pb2.CommitPutRequest.FromString,
+                    response_serializer=xavier_dot_v1_dot_page__store__service__pb2.CommitPutResponse.SerializeToString,
+            ),
+            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLease,
+                    request_deserializer=xavier_dot_v1_dot_page__store__service__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=xavier_dot_v1_dot_page__store__service__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
             'GetPageStoreStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPageStoreStats,
                     request_deserializer=xavier_dot_v1_dot_page__store__service__pb2.GetPageStoreStatsRequest.FromString,
@@ -123,9 +213,54 @@ def add_PageStoreServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PageStoreService:
-    """PageStoreService is the HiCache L3 store: a bounded CPU store of full KV pages shared by replicas, keyed
-    by the salted prefix hash chain and isolated per namespace (the contract fingerprint).
+    """PageStoreService is the HiCache L3 store: a byte-bounded DRAM arena of full KV pages shared by replicas,
+    keyed by the salted prefix key chain and isolated per namespace. Page bytes never travel over gRPC: the
+    calls carry keys, arena descriptors, leases and checksums, and the client moves the bytes with one-sided
+    NIXL READs (Get) and WRITEs (Put) against the arena the store registered once.
+
+    Arena descriptors. A namespace's pages live in chunks of the arena. A chunk of `chunk_slots` slots is laid
+    out segment-major: segment b of slot s (b indexes `segment_bytes`) starts at
+    `chunk_address + segment_offset(b) * chunk_slots + s * segment_bytes[b]`, where `segment_offset(b)` is the
+    sum of `segment_bytes[0..b)`. So consecutive slots of one chunk are one contiguous range per segment, and
+    a run of pages travels as one NIXL descriptor per segment.
+
+    Checksums are BLAKE2b with a 16-byte digest over a page's segments concatenated in segment order.
+
+    Errors carry one google.rpc.ErrorInfo (domain "xavier.v1") with these reasons: INVALID_ARGUMENT (the
+    metadata key "field" names the offending field), PAGE_SIZE_MISMATCH (INVALID_ARGUMENT: the namespace was
+    declared with other segment sizes; "field" is "segment_bytes"), TOO_MANY_KEYS (INVALID_ARGUMENT: more keys
+    than the store's per-call limit, given in the metadata key "limit"), LEASE_NOT_FOUND (NOT_FOUND),
+    LEASE_EXPIRED (FAILED_PRECONDITION), WRONG_LEASE_KIND (FAILED_PRECONDITION: a read lease given to
+    CommitPut), CAPACITY_EXHAUSTED (RESOURCE_EXHAUSTED: too many namespaces or live leases) and SHUTTING_DOWN
+    (UNAVAILABLE).
     """
+
+    @staticmethod
+    def GetStoreEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xavier.v1.PageStoreService/GetStoreEndpoint',
+            xavier_dot_v1_dot_page__store__service__pb2.GetStoreEndpointRequest.SerializeToString,
+            xavier_dot_v1_dot_page__store__service__pb2.GetStoreEndpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def ExistsPages(request,
@@ -198,6 +333,60 @@ class PageStoreService:
             '/xavier.v1.PageStoreService/PutPages',
             xavier_dot_v1_dot_page__store__service__pb2.PutPagesRequest.SerializeToString,
             xavier_dot_v1_dot_page__store__service__pb2.PutPagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitPut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xavier.v1.PageStoreService/CommitPut',
+            xavier_dot_v1_dot_page__store__service__pb2.CommitPutRequest.SerializeToString,
+            xavier_dot_v1_dot_page__store__service__pb2.CommitPutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xavier.v1.PageStoreService/ReleaseLease',
+            xavier_dot_v1_dot_page__store__service__pb2.ReleaseLeaseRequest.SerializeToString,
+            xavier_dot_v1_dot_page__store__service__pb2.ReleaseLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

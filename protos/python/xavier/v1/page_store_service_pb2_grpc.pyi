@@ -27,43 +27,131 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class PageStoreServiceStub:
-    """PageStoreService is the HiCache L3 store: a bounded CPU store of full KV pages shared by replicas, keyed
-    by the salted prefix hash chain and isolated per namespace (the contract fingerprint).
+    """PageStoreService is the HiCache L3 store: a byte-bounded DRAM arena of full KV pages shared by replicas,
+    keyed by the salted prefix key chain and isolated per namespace. Page bytes never travel over gRPC: the
+    calls carry keys, arena descriptors, leases and checksums, and the client moves the bytes with one-sided
+    NIXL READs (Get) and WRITEs (Put) against the arena the store registered once.
+
+    Arena descriptors. A namespace's pages live in chunks of the arena. A chunk of `chunk_slots` slots is laid
+    out segment-major: segment b of slot s (b indexes `segment_bytes`) starts at
+    `chunk_address + segment_offset(b) * chunk_slots + s * segment_bytes[b]`, where `segment_offset(b)` is the
+    sum of `segment_bytes[0..b)`. So consecutive slots of one chunk are one contiguous range per segment, and
+    a run of pages travels as one NIXL descriptor per segment.
+
+    Checksums are BLAKE2b with a 16-byte digest over a page's segments concatenated in segment order.
+
+    Errors carry one google.rpc.ErrorInfo (domain "xavier.v1") with these reasons: INVALID_ARGUMENT (the
+    metadata key "field" names the offending field), PAGE_SIZE_MISMATCH (INVALID_ARGUMENT: the namespace was
+    declared with other segment sizes; "field" is "segment_bytes"), TOO_MANY_KEYS (INVALID_ARGUMENT: more keys
+    than the store's per-call limit, given in the metadata key "limit"), LEASE_NOT_FOUND (NOT_FOUND),
+    LEASE_EXPIRED (FAILED_PRECONDITION), WRONG_LEASE_KIND (FAILED_PRECONDITION: a read lease given to
+    CommitPut), CAPACITY_EXHAUSTED (RESOURCE_EXHAUSTED: too many namespaces or live leases) and SHUTTING_DOWN
+    (UNAVAILABLE).
     """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> PageStoreServiceAsyncStub: ...
+    GetStoreEndpoint: _grpc.UnaryUnaryMultiCallable[_page_store_service_pb2.GetStoreEndpointRequest, _page_store_service_pb2.GetStoreEndpointResponse]
+    """GetStoreEndpoint returns the store's NIXL agent metadata and arena region. Clients call it once per
+    store instance (see `store_instance` in every response) and cache the answer.
+    """
     ExistsPages: _grpc.UnaryUnaryMultiCallable[_page_store_service_pb2.ExistsPagesRequest, _page_store_service_pb2.ExistsPagesResponse]
-    """ExistsPages reports how many of the given keys, from the first, are stored."""
+    """ExistsPages reports how many of the given keys, from the first, are stored and committed."""
     GetPages: _grpc.UnaryUnaryMultiCallable[_page_store_service_pb2.GetPagesRequest, _page_store_service_pb2.GetPagesResponse]
-    """GetPages returns stored pages."""
+    """GetPages pins the longest stored prefix of the given keys under a read lease and returns where the pages
+    lie in the arena. The caller READs them, then calls ReleaseLease.
+    """
     PutPages: _grpc.UnaryUnaryMultiCallable[_page_store_service_pb2.PutPagesRequest, _page_store_service_pb2.PutPagesResponse]
-    """PutPages stores pages; idempotent per key."""
+    """PutPages reserves arena slots for the keys not yet stored under a write lease and returns where to
+    WRITE them. The caller WRITEs, then calls CommitPut; reservations not committed in time expire.
+    """
+    CommitPut: _grpc.UnaryUnaryMultiCallable[_page_store_service_pb2.CommitPutRequest, _page_store_service_pb2.CommitPutResponse]
+    """CommitPut verifies the written pages against the writer's checksums and makes the good ones visible."""
+    ReleaseLease: _grpc.UnaryUnaryMultiCallable[_page_store_service_pb2.ReleaseLeaseRequest, _page_store_service_pb2.ReleaseLeaseResponse]
+    """ReleaseLease ends a read lease (unpinning its pages) or a write lease (dropping uncommitted slots)."""
     GetPageStoreStats: _grpc.UnaryUnaryMultiCallable[_page_store_service_pb2.GetPageStoreStatsRequest, _page_store_service_pb2.GetPageStoreStatsResponse]
-    """GetPageStoreStats reports usage per namespace."""
+    """GetPageStoreStats reports usage and counters per namespace."""
 
 @_typing.type_check_only
 class PageStoreServiceAsyncStub(PageStoreServiceStub):
-    """PageStoreService is the HiCache L3 store: a bounded CPU store of full KV pages shared by replicas, keyed
-    by the salted prefix hash chain and isolated per namespace (the contract fingerprint).
+    """PageStoreService is the HiCache L3 store: a byte-bounded DRAM arena of full KV pages shared by replicas,
+    keyed by the salted prefix key chain and isolated per namespace. Page bytes never travel over gRPC: the
+    calls carry keys, arena descriptors, leases and checksums, and the client moves the bytes with one-sided
+    NIXL READs (Get) and WRITEs (Put) against the arena the store registered once.
+
+    Arena descriptors. A namespace's pages live in chunks of the arena. A chunk of `chunk_slots` slots is laid
+    out segment-major: segment b of slot s (b indexes `segment_bytes`) starts at
+    `chunk_address + segment_offset(b) * chunk_slots + s * segment_bytes[b]`, where `segment_offset(b)` is the
+    sum of `segment_bytes[0..b)`. So consecutive slots of one chunk are one contiguous range per segment, and
+    a run of pages travels as one NIXL descriptor per segment.
+
+    Checksums are BLAKE2b with a 16-byte digest over a page's segments concatenated in segment order.
+
+    Errors carry one google.rpc.ErrorInfo (domain "xavier.v1") with these reasons: INVALID_ARGUMENT (the
+    metadata key "field" names the offending field), PAGE_SIZE_MISMATCH (INVALID_ARGUMENT: the namespace was
+    declared with other segment sizes; "field" is "segment_bytes"), TOO_MANY_KEYS (INVALID_ARGUMENT: more keys
+    than the store's per-call limit, given in the metadata key "limit"), LEASE_NOT_FOUND (NOT_FOUND),
+    LEASE_EXPIRED (FAILED_PRECONDITION), WRONG_LEASE_KIND (FAILED_PRECONDITION: a read lease given to
+    CommitPut), CAPACITY_EXHAUSTED (RESOURCE_EXHAUSTED: too many namespaces or live leases) and SHUTTING_DOWN
+    (UNAVAILABLE).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
+    GetStoreEndpoint: _aio.UnaryUnaryMultiCallable[_page_store_service_pb2.GetStoreEndpointRequest, _page_store_service_pb2.GetStoreEndpointResponse]  # type: ignore[assignment]
+    """GetStoreEndpoint returns the store's NIXL agent metadata and arena region. Clients call it once per
+    store instance (see `store_instance` in every response) and cache the answer.
+    """
     ExistsPages: _aio.UnaryUnaryMultiCallable[_page_store_service_pb2.ExistsPagesRequest, _page_store_service_pb2.ExistsPagesResponse]  # type: ignore[assignment]
-    """ExistsPages reports how many of the given keys, from the first, are stored."""
+    """ExistsPages reports how many of the given keys, from the first, are stored and committed."""
     GetPages: _aio.UnaryUnaryMultiCallable[_page_store_service_pb2.GetPagesRequest, _page_store_service_pb2.GetPagesResponse]  # type: ignore[assignment]
-    """GetPages returns stored pages."""
+    """GetPages pins the longest stored prefix of the given keys under a read lease and returns where the pages
+    lie in the arena. The caller READs them, then calls ReleaseLease.
+    """
     PutPages: _aio.UnaryUnaryMultiCallable[_page_store_service_pb2.PutPagesRequest, _page_store_service_pb2.PutPagesResponse]  # type: ignore[assignment]
-    """PutPages stores pages; idempotent per key."""
+    """PutPages reserves arena slots for the keys not yet stored under a write lease and returns where to
+    WRITE them. The caller WRITEs, then calls CommitPut; reservations not committed in time expire.
+    """
+    CommitPut: _aio.UnaryUnaryMultiCallable[_page_store_service_pb2.CommitPutRequest, _page_store_service_pb2.CommitPutResponse]  # type: ignore[assignment]
+    """CommitPut verifies the written pages against the writer's checksums and makes the good ones visible."""
+    ReleaseLease: _aio.UnaryUnaryMultiCallable[_page_store_service_pb2.ReleaseLeaseRequest, _page_store_service_pb2.ReleaseLeaseResponse]  # type: ignore[assignment]
+    """ReleaseLease ends a read lease (unpinning its pages) or a write lease (dropping uncommitted slots)."""
     GetPageStoreStats: _aio.UnaryUnaryMultiCallable[_page_store_service_pb2.GetPageStoreStatsRequest, _page_store_service_pb2.GetPageStoreStatsResponse]  # type: ignore[assignment]
-    """GetPageStoreStats reports usage per namespace."""
+    """GetPageStoreStats reports usage and counters per namespace."""
 
 class PageStoreServiceServicer(metaclass=_abc_1.ABCMeta):
-    """PageStoreService is the HiCache L3 store: a bounded CPU store of full KV pages shared by replicas, keyed
-    by the salted prefix hash chain and isolated per namespace (the contract fingerprint).
+    """PageStoreService is the HiCache L3 store: a byte-bounded DRAM arena of full KV pages shared by replicas,
+    keyed by the salted prefix key chain and isolated per namespace. Page bytes never travel over gRPC: the
+    calls carry keys, arena descriptors, leases and checksums, and the client moves the bytes with one-sided
+    NIXL READs (Get) and WRITEs (Put) against the arena the store registered once.
+
+    Arena descriptors. A namespace's pages live in chunks of the arena. A chunk of `chunk_slots` slots is laid
+    out segment-major: segment b of slot s (b indexes `segment_bytes`) starts at
+    `chunk_address + segment_offset(b) * chunk_slots + s * segment_bytes[b]`, where `segment_offset(b)` is the
+    sum of `segment_bytes[0..b)`. So consecutive slots of one chunk are one contiguous range per segment, and
+    a run of pages travels as one NIXL descriptor per segment.
+
+    Checksums are BLAKE2b with a 16-byte digest over a page's segments concatenated in segment order.
+
+    Errors carry one google.rpc.ErrorInfo (domain "xavier.v1") with these reasons: INVALID_ARGUMENT (the
+    metadata key "field" names the offending field), PAGE_SIZE_MISMATCH (INVALID_ARGUMENT: the namespace was
+    declared with other segment sizes; "field" is "segment_bytes"), TOO_MANY_KEYS (INVALID_ARGUMENT: more keys
+    than the store's per-call limit, given in the metadata key "limit"), LEASE_NOT_FOUND (NOT_FOUND),
+    LEASE_EXPIRED (FAILED_PRECONDITION), WRONG_LEASE_KIND (FAILED_PRECONDITION: a read lease given to
+    CommitPut), CAPACITY_EXHAUSTED (RESOURCE_EXHAUSTED: too many namespaces or live leases) and SHUTTING_DOWN
+    (UNAVAILABLE).
     """
+
+    @_abc_1.abstractmethod
+    def GetStoreEndpoint(
+        self,
+        request: _page_store_service_pb2.GetStoreEndpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_page_store_service_pb2.GetStoreEndpointResponse, _abc.Awaitable[_page_store_service_pb2.GetStoreEndpointResponse]]:
+        """GetStoreEndpoint returns the store's NIXL agent metadata and arena region. Clients call it once per
+        store instance (see `store_instance` in every response) and cache the answer.
+        """
 
     @_abc_1.abstractmethod
     def ExistsPages(
@@ -71,7 +159,7 @@ class PageStoreServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _page_store_service_pb2.ExistsPagesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_page_store_service_pb2.ExistsPagesResponse, _abc.Awaitable[_page_store_service_pb2.ExistsPagesResponse]]:
-        """ExistsPages reports how many of the given keys, from the first, are stored."""
+        """ExistsPages reports how many of the given keys, from the first, are stored and committed."""
 
     @_abc_1.abstractmethod
     def GetPages(
@@ -79,7 +167,9 @@ class PageStoreServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _page_store_service_pb2.GetPagesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_page_store_service_pb2.GetPagesResponse, _abc.Awaitable[_page_store_service_pb2.GetPagesResponse]]:
-        """GetPages returns stored pages."""
+        """GetPages pins the longest stored prefix of the given keys under a read lease and returns where the pages
+        lie in the arena. The caller READs them, then calls ReleaseLease.
+        """
 
     @_abc_1.abstractmethod
     def PutPages(
@@ -87,7 +177,25 @@ class PageStoreServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _page_store_service_pb2.PutPagesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_page_store_service_pb2.PutPagesResponse, _abc.Awaitable[_page_store_service_pb2.PutPagesResponse]]:
-        """PutPages stores pages; idempotent per key."""
+        """PutPages reserves arena slots for the keys not yet stored under a write lease and returns where to
+        WRITE them. The caller WRITEs, then calls CommitPut; reservations not committed in time expire.
+        """
+
+    @_abc_1.abstractmethod
+    def CommitPut(
+        self,
+        request: _page_store_service_pb2.CommitPutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_page_store_service_pb2.CommitPutResponse, _abc.Awaitable[_page_store_service_pb2.CommitPutResponse]]:
+        """CommitPut verifies the written pages against the writer's checksums and makes the good ones visible."""
+
+    @_abc_1.abstractmethod
+    def ReleaseLease(
+        self,
+        request: _page_store_service_pb2.ReleaseLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_page_store_service_pb2.ReleaseLeaseResponse, _abc.Awaitable[_page_store_service_pb2.ReleaseLeaseResponse]]:
+        """ReleaseLease ends a read lease (unpinning its pages) or a write lease (dropping uncommitted slots)."""
 
     @_abc_1.abstractmethod
     def GetPageStoreStats(
@@ -95,6 +203,6 @@ class PageStoreServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _page_store_service_pb2.GetPageStoreStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_page_store_service_pb2.GetPageStoreStatsResponse, _abc.Awaitable[_page_store_service_pb2.GetPageStoreStatsResponse]]:
-        """GetPageStoreStats reports usage per namespace."""
+        """GetPageStoreStats reports usage and counters per namespace."""
 
 def add_PageStoreServiceServicer_to_server(servicer: PageStoreServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
