@@ -136,7 +136,9 @@ async def test_chains_longer_than_one_call_are_split(store: ServiceProc) -> None
         keys = chain("fp-long", "", 9, 1100)
         assert await client.write(ns, keys, list(range(1100))) == 1100
         assert await reader.lookup_and_fetch(ns, keys, list(range(100, 1200))) == 1100
-        assert page_digest(dst_pool, list(range(100, 1200)), small) == page_digest(pool, list(range(1100)), small)
+        assert page_digest(dst_pool, list(range(100, 1200)), small) == page_digest(
+            pool, list(range(1100)), small
+        )
     finally:
         await client.close()
         await reader.close()
