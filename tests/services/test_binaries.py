@@ -88,7 +88,7 @@ def test_serving_and_listed_by_reflection(services: dict[str, ServiceProc], name
     assert EXPECTED[name] in names
 
 
-def test_unbuilt_rpc_is_unimplemented_with_reason(services: dict[str, ServiceProc]) -> None:
+def test_pagestore_bad_request_is_invalid_argument_with_reason(services: dict[str, ServiceProc]) -> None:
     out = subprocess.run(
         [
             BUF,
@@ -97,7 +97,7 @@ def test_unbuilt_rpc_is_unimplemented_with_reason(services: dict[str, ServicePro
             "grpc",
             "--http2-prior-knowledge",
             "-d",
-            '{"namespace": "x"}',
+            '{"namespace": {"contractFingerprint": "x"}}',
             f"http://{services['pagestore'].address}/xavier.v1.PageStoreService/ExistsPages",
         ],
         capture_output=True,
@@ -106,8 +106,9 @@ def test_unbuilt_rpc_is_unimplemented_with_reason(services: dict[str, ServicePro
     )
     assert out.returncode != 0
     body = json.loads(out.stdout or out.stderr)
-    assert body["code"] == "unimplemented"
+    assert body["code"] == "invalid_argument"
     assert body["details"][0]["type"] == "google.rpc.ErrorInfo"
+    assert "keys" in body["message"]
 
 
 def test_directory_error_carries_error_info(services: dict[str, ServiceProc]) -> None:
