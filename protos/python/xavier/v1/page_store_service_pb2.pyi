@@ -214,7 +214,9 @@ class GetPagesRequest(_message.Message):
 
     @_builtins.property
     def segment_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Bytes of each segment of one page, in the reader's buffer order; must equal the namespace's sizes."""
+        """Bytes of each segment of one page, in the reader's buffer order; when given, they must equal the
+        namespace's sizes (PAGE_SIZE_MISMATCH otherwise). At most 4096 entries.
+        """
 
     def __init__(
         self,

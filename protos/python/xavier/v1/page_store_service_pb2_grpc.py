@@ -42,9 +42,10 @@ class PageStoreServiceStub:
     Errors carry one google.rpc.ErrorInfo (domain "xavier.v1") with these reasons: INVALID_ARGUMENT (the
     metadata key "field" names the offending field), PAGE_SIZE_MISMATCH (INVALID_ARGUMENT: the namespace was
     declared with other segment sizes; "field" is "segment_bytes"), TOO_MANY_KEYS (INVALID_ARGUMENT: more keys
-    than the store's per-call limit, given in the metadata key "limit"), LEASE_NOT_FOUND (NOT_FOUND),
-    LEASE_EXPIRED (FAILED_PRECONDITION), WRONG_LEASE_KIND (FAILED_PRECONDITION: a read lease given to
-    CommitPut), CAPACITY_EXHAUSTED (RESOURCE_EXHAUSTED: too many namespaces or live leases) and SHUTTING_DOWN
+    than the store's per-call limit, given in the metadata key "limit"), LEASE_NOT_FOUND (NOT_FOUND: unknown
+    or already ended), LEASE_EXPIRED (FAILED_PRECONDITION), WRONG_LEASE_KIND (FAILED_PRECONDITION: a read
+    lease given to CommitPut), LEASE_BUSY (FAILED_PRECONDITION: the lease is being committed),
+    CAPACITY_EXHAUSTED (RESOURCE_EXHAUSTED: too many namespaces or live leases) and SHUTTING_DOWN
     (UNAVAILABLE).
     """
 
@@ -108,9 +109,10 @@ class PageStoreServiceServicer:
     Errors carry one google.rpc.ErrorInfo (domain "xavier.v1") with these reasons: INVALID_ARGUMENT (the
     metadata key "field" names the offending field), PAGE_SIZE_MISMATCH (INVALID_ARGUMENT: the namespace was
     declared with other segment sizes; "field" is "segment_bytes"), TOO_MANY_KEYS (INVALID_ARGUMENT: more keys
-    than the store's per-call limit, given in the metadata key "limit"), LEASE_NOT_FOUND (NOT_FOUND),
-    LEASE_EXPIRED (FAILED_PRECONDITION), WRONG_LEASE_KIND (FAILED_PRECONDITION: a read lease given to
-    CommitPut), CAPACITY_EXHAUSTED (RESOURCE_EXHAUSTED: too many namespaces or live leases) and SHUTTING_DOWN
+    than the store's per-call limit, given in the metadata key "limit"), LEASE_NOT_FOUND (NOT_FOUND: unknown
+    or already ended), LEASE_EXPIRED (FAILED_PRECONDITION), WRONG_LEASE_KIND (FAILED_PRECONDITION: a read
+    lease given to CommitPut), LEASE_BUSY (FAILED_PRECONDITION: the lease is being committed),
+    CAPACITY_EXHAUSTED (RESOURCE_EXHAUSTED: too many namespaces or live leases) and SHUTTING_DOWN
     (UNAVAILABLE).
     """
 
@@ -229,9 +231,10 @@ class PageStoreService:
     Errors carry one google.rpc.ErrorInfo (domain "xavier.v1") with these reasons: INVALID_ARGUMENT (the
     metadata key "field" names the offending field), PAGE_SIZE_MISMATCH (INVALID_ARGUMENT: the namespace was
     declared with other segment sizes; "field" is "segment_bytes"), TOO_MANY_KEYS (INVALID_ARGUMENT: more keys
-    than the store's per-call limit, given in the metadata key "limit"), LEASE_NOT_FOUND (NOT_FOUND),
-    LEASE_EXPIRED (FAILED_PRECONDITION), WRONG_LEASE_KIND (FAILED_PRECONDITION: a read lease given to
-    CommitPut), CAPACITY_EXHAUSTED (RESOURCE_EXHAUSTED: too many namespaces or live leases) and SHUTTING_DOWN
+    than the store's per-call limit, given in the metadata key "limit"), LEASE_NOT_FOUND (NOT_FOUND: unknown
+    or already ended), LEASE_EXPIRED (FAILED_PRECONDITION), WRONG_LEASE_KIND (FAILED_PRECONDITION: a read
+    lease given to CommitPut), LEASE_BUSY (FAILED_PRECONDITION: the lease is being committed),
+    CAPACITY_EXHAUSTED (RESOURCE_EXHAUSTED: too many namespaces or live leases) and SHUTTING_DOWN
     (UNAVAILABLE).
     """
 
