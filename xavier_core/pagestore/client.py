@@ -30,6 +30,7 @@ from xavier_core.engine.api import KvBuffer
 from xavier_core.pagestore.layout import PageGeometry, Span, local_page_checksums
 from xavier_core.pagestore.metrics import ClientCounters, client_metrics
 from xavier_core.pagestore.nixl import Op, PageAgent, wait
+from xavier_core.pagestore.writer import WriteQueue
 from xavier_core.runtime.errors import XavierError, from_rpc_error
 from xavier_core.transfer.errors import InvalidPagesError, PeerError
 
@@ -84,9 +85,6 @@ class _StoreChanged(Exception):
     """The store restarted between two calls of one operation; the operation ends as a miss."""
 
 
-_Write = tuple[PageNamespace, list[bytes], list[int], Callable[[int], None] | None]
-
-
 class PageStoreClient:
     """Async client of one page store for one set of local KV buffers (see the module docstring)."""
 
@@ -111,8 +109,7 @@ class PageStoreClient:
         self._stub_: pb_grpc.PageStoreServiceStub | None = None
         self._store: _Store | None = None
         self._store_lock: asyncio.Lock | None = None
-        self._queue: asyncio.Queue[_Write] | None = None
-        self._writer: asyncio.Task[None] | None = None
+        self._writes = WriteQueue(self.write, self.settings.write_queue, self._dropped)
 
     # --- public API ---------------------------------------------------------------------------------
 
@@ -164,17 +161,7 @@ class PageStoreClient:
         (after the write, after a failure, or at once when the queue is full): the caller keeps the pages
         unchanged until then. False means the write was dropped (queue full) and counted.
         """
-        pages = self._check_pages(keys, src_pages)
-        queue = self._write_queue()
-        try:
-            queue.put_nowait((namespace, list(keys), pages, done))
-        except asyncio.QueueFull:
-            self.counters.writes_dropped += 1
-            self._metrics.writes_dropped.inc()
-            if done is not None:
-                done(0)
-            return False
-        return True
+        return self._writes.submit(namespace, list(keys), self._check_pages(keys, src_pages), done)
 
     async def write(self, namespace: PageNamespace, keys: Sequence[bytes], src_pages: Sequence[int]) -> int:
         """Writes now: returns the pages newly committed (keys already stored count as nothing)."""
@@ -193,8 +180,7 @@ class PageStoreClient:
 
     async def flush(self) -> None:
         """Waits until every queued write-through has finished."""
-        if self._queue is not None:
-            await self._queue.join()
+        await self._writes.flush()
 
     async def stats(self) -> pb.GetPageStoreStatsResponse:
         """The store's stats; raises `XavierError` when the store cannot answer."""
@@ -205,14 +191,7 @@ class PageStoreClient:
 
     async def close(self) -> None:
         """Stops the writer (queued writes are dropped), closes the channel and the NIXL agent."""
-        if self._writer is not None:
-            self._writer.cancel()
-            await asyncio.gather(self._writer, return_exceptions=True)
-        if self._queue is not None:
-            while not self._queue.empty():
-                *_, done = self._queue.get_nowait()
-                if done is not None:
-                    done(0)
+        await self._writes.close()
         if self._channel is not None:
             await self._channel.close()
         await asyncio.to_thread(self.agent.close)
@@ -276,16 +255,19 @@ class PageStoreClient:
     async def _transfer(self, op: Op, store: _Store, spans: list[Span], pages: list[int]) -> None:
         rows = self.geometry.span_descriptors(spans, self._bases, pages)
 
-        def run() -> str:
-            return wait(self.agent.post(op, rows, store.agent_name, self.settings.transfer_timeout_s))
+        def run() -> tuple[str, bool]:
+            xfer = self.agent.post(op, rows, store.agent_name, self.settings.transfer_timeout_s)
+            return wait(xfer), xfer.in_flight
 
         try:
-            state = await asyncio.to_thread(run)
+            state, in_flight = await asyncio.to_thread(run)
         except PeerError:
             self._forget_store(store)
             raise
         if state != "DONE":
             self._forget_store(store)
+            if in_flight:  # NIXL refused to cancel: the pages may still change under the caller
+                log.error("page store: a timed-out NIXL %s could not be cancelled", op)
             raise PeerError(f"NIXL {op} of {len(pages)} pages ended {state}")
         self._metrics.transfer_bytes.labels(op.lower()).inc(int(rows[:, 2].sum()))
 
@@ -333,6 +315,10 @@ class PageStoreClient:
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
 
+    def _dropped(self) -> None:
+        self.counters.writes_dropped += 1
+        self._metrics.writes_dropped.inc()
+
     def _failed(self, op: str, exc: BaseException) -> None:
         reason = exc.reason if isinstance(exc, XavierError) else type(exc).__name__
         self.counters.errors += 1
@@ -348,25 +334,6 @@ class PageStoreClient:
         if len(set(out)) != len(out):
             raise InvalidPagesError("local pages repeat")
         return out
-
-    def _write_queue(self) -> asyncio.Queue[_Write]:
-        if self._queue is None:
-            self._queue = asyncio.Queue(self.settings.write_queue)
-            self._writer = asyncio.get_running_loop().create_task(
-                self._write_loop(self._queue), name="pagestore-writer"
-            )
-        return self._queue
-
-    async def _write_loop(self, queue: asyncio.Queue[_Write]) -> None:
-        while True:
-            namespace, keys, pages, done = await queue.get()
-            committed = 0
-            try:
-                committed = await self.write(namespace, keys, pages)
-            finally:
-                if done is not None:
-                    done(committed)
-                queue.task_done()
 
 
 def _spans(spans: Sequence[pb.PageSpan]) -> list[Span]:
