@@ -16,7 +16,7 @@ class PageStoreSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    arena_bytes: int = Field(default=1024 * MiB, ge=64 * 1024, le=1 << 42)
+    arena_bytes: int = Field(default=256 * MiB, ge=64 * 1024, le=1 << 42)
     """DRAM arena registered with NIXL once; the byte bound of stored and reserved pages."""
     chunk_bytes: int = Field(default=16 * MiB, ge=4096, le=1 << 32)
     """Arena chunk given to one namespace at a time; a page may not exceed it, runs never cross it."""
