@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from xavier_core.engine.api import KvBuffer
+from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.copy_plan import PoolView
 from xavier_core.transfer.cuda_copy import copy_pages, copy_stream
 from xavier_core.transfer.cuda_ipc import IpcImporter, export_pool

@@ -51,6 +51,7 @@ EXPECTED = {
     "directory": "xavier.v1.DirectoryService",
     "prefill": "xavier.v1.PrefillService",
     "decode": "xavier.v1.DecodeService",
+    "pagestore": "xavier.v1.PageStoreService",
     "router": "xavier.v1.RouterService",
 }
 
@@ -61,7 +62,21 @@ def test_serving_and_listed_by_reflection(services: dict[str, ServiceProc], name
     assert health_status(svc.address) == health_pb2.HealthCheckResponse.SERVING
     assert health_status(svc.address, EXPECTED[name]) == health_pb2.HealthCheckResponse.SERVING
     # A generic reflection client, as a grpcurl user would run it.
-    out = _buf_list_services(svc.address)
+    out = subprocess.run(
+        [
+            BUF,
+            "curl",
+            "--protocol",
+            "grpc",
+            "--http2-prior-knowledge",
+            "--list-services",
+            f"http://{svc.address}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.split()
     assert EXPECTED[name] in out and "grpc.health.v1.Health" in out
     # The same through the reflection API from Python.
     with grpc.insecure_channel(svc.address) as ch:
@@ -73,32 +88,7 @@ def test_serving_and_listed_by_reflection(services: dict[str, ServiceProc], name
     assert EXPECTED[name] in names
 
 
-def _buf_list_services(address: str) -> list[str]:
-    return subprocess.run(
-        [
-            BUF,
-            "curl",
-            "--protocol",
-            "grpc",
-            "--http2-prior-knowledge",
-            "--list-services",
-            f"http://{address}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout.split()
-
-
-def test_pagestore_serves_health_and_reflection_only(services: dict[str, ServiceProc]) -> None:
-    """The store's contract is not in xavier.v1 yet: the binary runs, healthy, with no xavier service."""
-    store = services["pagestore"]
-    assert health_status(store.address) == health_pb2.HealthCheckResponse.SERVING
-    listed = _buf_list_services(store.address)
-    assert "grpc.health.v1.Health" in listed
-    assert not [s for s in listed if s.startswith("xavier.")], listed
-    # The store answers no xavier.v1 RPC (here one of the router's, schema from protos/): UNIMPLEMENTED.
+def test_pagestore_bad_request_is_invalid_argument_with_reason(services: dict[str, ServiceProc]) -> None:
     out = subprocess.run(
         [
             BUF,
@@ -106,19 +96,19 @@ def test_pagestore_serves_health_and_reflection_only(services: dict[str, Service
             "--protocol",
             "grpc",
             "--http2-prior-knowledge",
-            "--schema",
-            str(Path(__file__).resolve().parents[2] / "protos"),
             "-d",
-            "{}",
-            f"http://{store.address}/xavier.v1.RouterService/ListModels",
+            '{"namespace": {"contractFingerprint": "x"}}',
+            f"http://{services['pagestore'].address}/xavier.v1.PageStoreService/ExistsPages",
         ],
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert out.returncode != 0
-    assert json.loads(out.stdout or out.stderr)["code"] == "unimplemented"
-    assert "no xavier.v1 service" in store.log()
+    body = json.loads(out.stdout or out.stderr)
+    assert body["code"] == "invalid_argument"
+    assert body["details"][0]["type"] == "google.rpc.ErrorInfo"
+    assert "keys" in body["message"]
 
 
 def test_directory_error_carries_error_info(services: dict[str, ServiceProc]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xavier_core.engine.api import KvBuffer
+from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.copy_plan import CopyPlan, PoolView, plan_copy
 from xavier_core.transfer.cuda_copy import copy_pages
 from xavier_core.transfer.cuda_ipc import PoolExport, host_id

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from xavier_core.engine.api import KvBuffer  # noqa: E402
+from xavier_core.transfer.buffers import KvBuffer  # noqa: E402
 from xavier_core.transfer.copy_plan import PoolView  # noqa: E402
 from xavier_core.transfer.cuda_copy import copy_pages, triton_available  # noqa: E402
 from xavier_core.transfer.cuda_ipc import IpcImporter, export_pool  # noqa: E402

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from xavier_core.engine.api import KvBuffer
+from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import InvalidPagesError, LayoutError
 from xavier_core.transfer.runs import as_page_array
 

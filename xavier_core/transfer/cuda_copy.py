@@ -4,7 +4,8 @@ Per-descriptor transports (NIXL, cudaMemcpy per page) pay a fixed cost per page 
 pages fall to a few GB/s. Here one launch copies every (page pair, buffer) as its own program straight
 from the source pool to the destination pool: no staging buffer, vector loads and stores (16 bytes
 where Triton can prove the alignment), and the source may be this device, a peer device (peer access)
-or another process's pool (CUDA IPC, see `cuda_ipc`). Without Triton a torch path gathers, copies and scatters per buffer (slower, same bytes).
+or another process's pool (CUDA IPC, see `cuda_ipc`). Without Triton a torch path gathers, copies and
+scatters per buffer (slower, same bytes).
 
 The copy runs on a side stream and returns a `CopyHandle` at once. Invariant I1 on the GPU: neither the
 source nor the destination pages may be reused until `is_done()` is true; `wait_on(stream)` orders later

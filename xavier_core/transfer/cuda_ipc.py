@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xavier_core.engine.api import KvBuffer
 from xavier_core.transfer._cuda_driver import (
     IPC_HANDLE_SIZE,
     allocation_range,
@@ -31,6 +30,7 @@ from xavier_core.transfer._cuda_driver import (
     ipc_get_handle,
     ipc_open,
 )
+from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.copy_plan import PoolView
 from xavier_core.transfer.cuda_copy import CopyHandle
 from xavier_core.transfer.errors import InvalidSourceError, StaleEpochError, TransferError

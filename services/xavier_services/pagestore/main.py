@@ -1,43 +1,36 @@
-"""`xavier-pagestore`: the process that will host the HiCache L3 page store.
-
-The store's contract is not in xavier.v1 yet: it comes with the store itself, as an additive service whose
-gRPC messages carry keys, descriptors and leases while NIXL moves the page bytes. Until then the binary
-starts, serves health (overall status SERVING) and reflection and stops cleanly, so deployments and `xavier
-up` can already place it, and it says at start that it serves no xavier.v1 service.
-"""
+"""``xavier-pagestore``: the HiCache L3 page store (DRAM arena over NIXL, leases over gRPC)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 
-import grpc
-
-from xavier_core.runtime import ServiceConfig, get_logger, run_service, serve
+from xavier_core.runtime import run_service, serve
 from xavier_core.runtime.config import ConfigError, add_common_args, config_from_args, exit_on_config_error
-
-_log = get_logger("xavier.pagestore")
+from xavier_services.pagestore.config import PageStoreConfig
+from xavier_services.pagestore.servicer import PageStoreServicer
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parses flags, loads config (``[pagestore]``) and serves until SIGTERM."""
     parser = argparse.ArgumentParser(prog="xavier-pagestore", description="Xavier page store")
     add_common_args(parser)
+    parser.add_argument("--arena-bytes", type=int, default=None, help="DRAM arena size in bytes")
     args = parser.parse_args(argv)
     try:
-        config = config_from_args(ServiceConfig, args)
+        config = config_from_args(PageStoreConfig, args, {"pagestore.arena_bytes": args.arena_bytes})
     except ConfigError as err:
         exit_on_config_error(err)
 
-    def register(server: grpc.aio.Server) -> Sequence[str]:
-        _log.warning(
-            "page store not built yet: serving health and reflection only, no xavier.v1 service",
-            services=[],
-        )
-        return []
-
     async def run() -> int:
-        return await serve(config, service_name="pagestore", register=register)
+        servicer = PageStoreServicer(config.pagestore)
+        return await serve(
+            config,
+            service_name="pagestore",
+            register=servicer.register,
+            on_start=servicer.start,
+            on_stop=servicer.stop,
+        )
 
     return run_service(run)
 

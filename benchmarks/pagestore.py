@@ -1,0 +1,212 @@
+"""Page store: get and put GB/s through NIXL against page count and local run length, with baselines.
+
+Starts a real `xavier-pagestore` process and drives it with one `PageStoreClient` in this process, whose
+pool is shaped like a KV pool (per layer a K and a V buffer). Local pages are placed in runs of
+`--run-lengths` pages (runs apart from each other), so a run length of 1 is one NIXL descriptor per page
+per buffer and longer runs coalesce. Each point is the median of `--reps`. Reported per point: end-to-end
+put (`write`: reserve, checksum, WRITE, commit) and get (`lookup_and_fetch`: lease, READ, verify, release)
+GB/s, the NIXL transfer alone, and in-run baselines on the same bytes: a numpy gather/scatter memcpy and
+the BLAKE2b checksum pass. Prints JSON, writes a PNG.
+Example: `python benchmarks/pagestore.py --pages 16,64,256 --run-lengths 1,4,64 --reps 3`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.support.procs import start_service
+from xavier_core.pagestore import PageNamespace, PageStoreClient
+from xavier_core.pagestore import client as client_module
+from xavier_core.pagestore.layout import local_page_checksums
+from xavier_core.transfer.buffers import KvBuffer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--segment-bytes", type=int, default=4096, help="bytes of one page of one buffer")
+    p.add_argument("--pages", default="16,64,256")
+    p.add_argument("--run-lengths", default="1,4,64")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out-dir", default="benchmarks/results")
+    p.add_argument("--tag", default="")
+    return p.parse_args(argv)
+
+
+def placement(count: int, run: int) -> list[int]:
+    """`count` local pages in runs of `run`, each run followed by a gap of `run` pages."""
+    return [2 * (i // run) * run + i % run for i in range(count)]
+
+
+def keys_for(prompt: int, count: int) -> list[bytes]:
+    rng = np.random.default_rng(prompt)
+    return [rng.bytes(32) for _ in range(count)]
+
+
+def memcpy_baseline(pool: list[np.ndarray], pages: list[int], seg: int, reps: int) -> float:
+    views = [a.reshape(-1, seg) for a in pool]
+    dst = [np.empty((len(pages), seg), np.uint8) for _ in pool]
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for v, d in zip(views, dst, strict=True):
+            np.take(v, pages, axis=0, out=d)  # gather ...
+            v[pages] = d  # ... and scatter back: the same two copies a put + get make
+        times.append((time.perf_counter() - t) / 2)
+    return statistics.median(times)
+
+
+async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
+    seg = args.segment_bytes
+    counts = [int(x) for x in args.pages.split(",")]
+    runs = [int(x) for x in args.run_lengths.split(",")]
+    pool_pages = 2 * max(counts) + max(runs)
+    rng = np.random.default_rng(args.seed)
+    pool = [rng.integers(0, 256, pool_pages * seg, dtype=np.uint8) for _ in range(2 * args.layers)]
+    bufs = [KvBuffer(a.ctypes.data, a.nbytes, seg, "cpu") for a in pool]
+    client = PageStoreClient(
+        address, bufs, client_module.ClientSettings(rpc_timeout_s=30, transfer_timeout_s=60)
+    )
+    nixl_times: list[float] = []
+    real_transfer = client._transfer
+
+    async def timed_transfer(*a: Any) -> None:
+        t = time.perf_counter()
+        await real_transfer(*a)
+        nixl_times.append(time.perf_counter() - t)
+
+    client._transfer = timed_transfer  # type: ignore[method-assign]
+    page_bytes = seg * len(bufs)
+    points = []
+    prompt = 0
+    try:
+        for count in counts:
+            for run_len in runs:
+                if run_len > count:
+                    continue
+                pages = placement(count, run_len)
+                put_t, put_x, get_t, get_x = [], [], [], []
+                for _ in range(args.reps):
+                    prompt += 1
+                    ns = PageNamespace("bench", str(prompt))
+                    keys = keys_for(prompt, count)
+                    nixl_times.clear()
+                    t = time.perf_counter()
+                    if await client.write(ns, keys, pages) != count:
+                        raise RuntimeError("put did not commit every page")
+                    put_t.append(time.perf_counter() - t)
+                    put_x.append(nixl_times[-1])
+                    t = time.perf_counter()
+                    if await client.lookup_and_fetch(ns, keys, pages) != count:
+                        raise RuntimeError("get did not hit every page")
+                    get_t.append(time.perf_counter() - t)
+                    get_x.append(nixl_times[-1])
+                nbytes = count * page_bytes
+                t = time.perf_counter()
+                local_page_checksums(bufs, pages)
+                checksum_s = time.perf_counter() - t
+                memcpy_s = memcpy_baseline(pool, pages, seg, args.reps)
+
+                def gbps(seconds: list[float], n: int = nbytes) -> float:
+                    return n / statistics.median(seconds) / 1e9
+
+                points.append(
+                    {
+                        "pages": count,
+                        "run_length": run_len,
+                        "bytes": nbytes,
+                        "descriptors": (count // run_len + (count % run_len > 0)) * len(bufs),
+                        "put_gbps": gbps(put_t),
+                        "get_gbps": gbps(get_t),
+                        "put_nixl_gbps": gbps(put_x),
+                        "get_nixl_gbps": gbps(get_x),
+                        "memcpy_gbps": nbytes / memcpy_s / 1e9,
+                        "checksum_gbps": nbytes / checksum_s / 1e9,
+                        "put_ms": 1e3 * statistics.median(put_t),
+                        "get_ms": 1e3 * statistics.median(get_t),
+                    }
+                )
+                print(json.dumps(points[-1]), file=sys.stderr)
+        stats = await client.stats()
+    finally:
+        await client.close()
+    return {
+        "benchmark": "pagestore",
+        "segments": len(bufs),
+        "segment_bytes": seg,
+        "page_bytes": page_bytes,
+        "reps": args.reps,
+        "store_leases_after": stats.leases,
+        "points": points,
+    }
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    runs = sorted({p["run_length"] for p in report["points"]})
+    for ax, op in zip(axes, ("get", "put"), strict=True):
+        for r in runs:
+            pts = [p for p in report["points"] if p["run_length"] == r]
+            x = [p["pages"] for p in pts]
+            ax.plot(x, [p[f"{op}_gbps"] for p in pts], "o-", label=f"{op}, runs of {r}")
+            ax.plot(x, [p[f"{op}_nixl_gbps"] for p in pts], "x--", label=f"NIXL {op} only, runs of {r}")
+        base = [p for p in report["points"] if p["run_length"] == runs[-1]] or report["points"]
+        ax.plot([p["pages"] for p in base], [p["memcpy_gbps"] for p in base], "k:", label="local memcpy")
+        ax.plot([p["pages"] for p in base], [p["checksum_gbps"] for p in base], "k-.", label="BLAKE2b pass")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(f"pages ({report['page_bytes'] // 1024} KiB each)")
+        ax.set_title(f"page store {op}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("GB/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    counts = [int(x) for x in args.pages.split(",")]
+    page_bytes = args.segment_bytes * 2 * args.layers
+    arena = (sum(counts) * len(args.run_lengths.split(",")) * args.reps + 64) * page_bytes
+    chunk = max(16 << 20, page_bytes)
+    with tempfile.TemporaryDirectory() as work:
+        env = {
+            "XAVIER_PAGESTORE__ARENA_BYTES": str(max(arena, chunk)),
+            "XAVIER_PAGESTORE__CHUNK_BYTES": str(chunk),
+            "XAVIER_PAGESTORE__MAX_LEASE_SECONDS": "600",
+            "XAVIER_LOG_LEVEL": "warning",
+        }
+        svc = start_service("xavier-pagestore", ["--listen", "127.0.0.1:0"], Path(work), env=env)
+        try:
+            report = asyncio.run(run(args, svc.address))
+        finally:
+            svc.stop()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "pagestore" + (f"-{args.tag}" if args.tag else "")
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    json.dump(report, sys.stdout, indent=2)
+    print()
+    plot(report, out / f"{stem}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""The page store client: fetch the longest stored prefix into local pages, write pages through.
+
+One client per replica process. It owns a NIXL agent registered on the replica's KV buffers (the pool's
+`KvBuffer`s: one segment per buffer, page p of buffer b at `addr + p * bytes_per_page`) and one gRPC
+channel to the store. Failure policy, so that the store can only ever make a request faster:
+
+- reads: every RPC has a deadline; a store that is down, slow or answers an error, a failed READ, or a
+  page whose bytes fail their checksum ends the lookup as a (partial) miss, with a log line and a metric,
+  never an exception;
+- writes: `write_through` queues (bounded) and returns at once; a full queue drops the write and counts it;
+- the store's NIXL endpoint is fetched once per store instance; a restarted store (new instance) is
+  noticed in the next response and reloaded, and the gRPC channel reconnects by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from xavier.v1 import page_store_service_pb2 as pb
+from xavier.v1 import page_store_service_pb2_grpc as pb_grpc
+
+from xavier_core.pagestore.layout import PageGeometry, Span, local_page_checksums
+from xavier_core.pagestore.metrics import ClientCounters, client_metrics
+from xavier_core.pagestore.nixl import Op, PageAgent, wait
+from xavier_core.pagestore.writer import WriteQueue
+from xavier_core.runtime.errors import XavierError, from_rpc_error
+from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.errors import InvalidPagesError, PeerError
+
+__all__ = ["ClientSettings", "PageNamespace", "PageStoreClient"]
+
+log = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = (
+    # A restarted store should be found within about a second, not after gRPC's default 2-minute backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
+@dataclass(frozen=True)
+class PageNamespace:
+    """Where pages live: KV contract fingerprint + tenant salt (+ rank). Never shared across (I5)."""
+
+    contract_fingerprint: str
+    cache_salt: str = ""
+    rank: int = 0
+
+    def to_proto(self) -> pb.PageNamespace:
+        return pb.PageNamespace(
+            contract_fingerprint=self.contract_fingerprint, cache_salt=self.cache_salt, rank=self.rank
+        )
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """Deadlines and bounds of one client."""
+
+    rpc_timeout_s: float = 1.0
+    """Deadline of every RPC; a slower store counts as down for that call."""
+    transfer_timeout_s: float = 5.0
+    """A NIXL READ or WRITE still running after this is cancelled (and the call is a miss)."""
+    lease_seconds: float = 10.0
+    """Lease asked for Get and Put; it must cover the transfer and the commit."""
+    write_queue: int = 64
+    """Queued write-throughs; more are dropped and counted."""
+
+
+@dataclass(frozen=True)
+class _Store:
+    instance: str
+    agent_name: str
+    max_keys: int
+
+
+class _StoreChanged(Exception):
+    """The store restarted between two calls of one operation; the operation ends as a miss."""
+
+
+class PageStoreClient:
+    """Async client of one page store for one set of local KV buffers (see the module docstring)."""
+
+    def __init__(
+        self,
+        address: str,
+        buffers: Sequence[KvBuffer],
+        settings: ClientSettings | None = None,
+        *,
+        name: str | None = None,
+    ) -> None:
+        self.address = address
+        self.settings = settings or ClientSettings()
+        self.buffers = tuple(buffers)
+        self.geometry = PageGeometry(tuple(b.bytes_per_page for b in buffers))
+        self.agent = PageAgent(name or f"pagestore-client-{os.getpid()}-{uuid.uuid4().hex[:8]}", buffers)
+        self.counters = ClientCounters()
+        self._metrics = client_metrics()
+        self._bases = [b.addr for b in buffers]
+        self._num_pages = min(b.nbytes // b.bytes_per_page for b in buffers)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub_: pb_grpc.PageStoreServiceStub | None = None
+        self._store: _Store | None = None
+        self._store_lock: asyncio.Lock | None = None
+        self._writes = WriteQueue(self.write, self.settings.write_queue, self._dropped)
+
+    # --- public API ---------------------------------------------------------------------------------
+
+    async def lookup_and_fetch(
+        self, namespace: PageNamespace, keys: Sequence[bytes], dest_pages: Sequence[int]
+    ) -> int:
+        """READs the longest stored prefix of `keys` into `dest_pages` (same length, page i for key i) and
+        returns how many pages arrived verified; pages past that count hold unspecified bytes."""
+        pages = self._check_pages(keys, dest_pages)
+        self._metrics.lookups.inc()
+        hit = 0
+        try:
+            limit = (self._store.max_keys if self._store else None) or 1024
+            for at in range(0, len(keys), limit):
+                chunk = list(keys[at : at + limit])
+                got = await self._fetch(namespace, chunk, pages[at : at + len(chunk)])
+                hit += got
+                if got < len(chunk):
+                    break
+        except Exception as exc:
+            self._failed("get", exc)
+        self.counters.hit_pages += hit
+        self.counters.miss_pages += len(keys) - hit
+        self._metrics.hit_pages.inc(hit)
+        self._metrics.miss_pages.inc(len(keys) - hit)
+        return hit
+
+    async def exists(self, namespace: PageNamespace, keys: Sequence[bytes]) -> int:
+        """Length of the stored prefix of `keys` (0 when the store cannot be asked)."""
+        try:
+            resp = await self._call(
+                "ExistsPages", pb.ExistsPagesRequest(namespace=namespace.to_proto(), keys=keys)
+            )
+            return int(resp.hit_count)
+        except Exception as exc:
+            self._failed("exists", exc)
+            return 0
+
+    def write_through(
+        self,
+        namespace: PageNamespace,
+        keys: Sequence[bytes],
+        src_pages: Sequence[int],
+        done: Callable[[int], None] | None = None,
+    ) -> bool:
+        """Queues a write of local pages `src_pages` under `keys` and returns at once.
+
+        `done(committed_pages)` is called exactly once when the client no longer reads the source pages
+        (after the write, after a failure, or at once when the queue is full): the caller keeps the pages
+        unchanged until then. False means the write was dropped (queue full) and counted.
+        """
+        return self._writes.submit(namespace, list(keys), self._check_pages(keys, src_pages), done)
+
+    async def write(self, namespace: PageNamespace, keys: Sequence[bytes], src_pages: Sequence[int]) -> int:
+        """Writes now: returns the pages newly committed (keys already stored count as nothing)."""
+        pages = self._check_pages(keys, src_pages)
+        committed = 0
+        try:
+            limit = (self._store.max_keys if self._store else None) or 1024
+            for at in range(0, len(keys), limit):
+                committed += await self._put(namespace, list(keys[at : at + limit]), pages[at : at + limit])
+        except Exception as exc:
+            self._failed("put", exc)
+            self.counters.writes_failed += 1
+        self.counters.pages_written += committed
+        self._metrics.pages_written.inc(committed)
+        return committed
+
+    async def flush(self) -> None:
+        """Waits until every queued write-through has finished."""
+        await self._writes.flush()
+
+    async def stats(self) -> pb.GetPageStoreStatsResponse:
+        """The store's stats; raises `XavierError` when the store cannot answer."""
+        resp: pb.GetPageStoreStatsResponse = await self._call(
+            "GetPageStoreStats", pb.GetPageStoreStatsRequest()
+        )
+        return resp
+
+    async def close(self) -> None:
+        """Stops the writer (queued writes are dropped), closes the channel and the NIXL agent."""
+        await self._writes.close()
+        if self._channel is not None:
+            await self._channel.close()
+        await asyncio.to_thread(self.agent.close)
+
+    # --- one call's chunk -----------------------------------------------------------------------------
+
+    async def _fetch(self, namespace: PageNamespace, keys: list[bytes], pages: list[int]) -> int:
+        req = pb.GetPagesRequest(
+            request_id=uuid.uuid4().hex,
+            namespace=namespace.to_proto(),
+            keys=keys,
+            segment_bytes=self.geometry.segment_bytes,
+            lease_seconds=self.settings.lease_seconds,
+        )
+        resp: pb.GetPagesResponse = await self._call("GetPages", req)
+        hit = int(resp.hit_count)
+        if hit == 0:
+            return 0
+        corrupt: list[int] = []
+        try:
+            store = await self._ensure_store(resp.store_instance)
+            await self._transfer("READ", store, _spans(resp.spans), pages[:hit])
+            got = await asyncio.to_thread(local_page_checksums, self.buffers, pages[:hit])
+            corrupt = [i for i, (a, b) in enumerate(zip(got, resp.checksums, strict=True)) if a != b]
+            if corrupt:
+                log.warning("page store: %d fetched pages failed their checksum; dropped", len(corrupt))
+                self.counters.corrupt_pages += len(corrupt)
+                self._metrics.corrupt_pages.inc(len(corrupt))
+                hit = corrupt[0]
+        finally:
+            await self._release(resp.lease_id, corrupt)
+        return hit
+
+    async def _put(self, namespace: PageNamespace, keys: list[bytes], pages: list[int]) -> int:
+        req = pb.PutPagesRequest(
+            request_id=uuid.uuid4().hex,
+            namespace=namespace.to_proto(),
+            keys=keys,
+            segment_bytes=self.geometry.segment_bytes,
+            lease_seconds=self.settings.lease_seconds,
+        )
+        resp: pb.PutPagesResponse = await self._call("PutPages", req)
+        if not resp.reserved_indices:
+            return 0
+        mine = [pages[i] for i in resp.reserved_indices]
+        try:
+            store = await self._ensure_store(resp.store_instance)
+            sums = await asyncio.to_thread(local_page_checksums, self.buffers, mine)
+            await self._transfer("WRITE", store, _spans(resp.spans), mine)
+        except BaseException:
+            await self._release(resp.lease_id, [])
+            raise
+        commit = pb.CommitPutRequest(request_id=uuid.uuid4().hex, lease_id=resp.lease_id, checksums=sums)
+        done: pb.CommitPutResponse = await self._call("CommitPut", commit)
+        if done.checksum_failures:
+            log.warning("page store: %d written pages failed their checksum", done.checksum_failures)
+        return int(done.committed)
+
+    # --- plumbing -------------------------------------------------------------------------------------
+
+    async def _transfer(self, op: Op, store: _Store, spans: list[Span], pages: list[int]) -> None:
+        rows = self.geometry.span_descriptors(spans, self._bases, pages)
+
+        def run() -> tuple[str, bool]:
+            xfer = self.agent.post(op, rows, store.agent_name, self.settings.transfer_timeout_s)
+            return wait(xfer), xfer.in_flight
+
+        try:
+            state, in_flight = await asyncio.to_thread(run)
+        except PeerError:
+            self._forget_store(store)
+            raise
+        if state != "DONE":
+            self._forget_store(store)
+            if in_flight:  # NIXL refused to cancel: the pages may still change under the caller
+                log.error("page store: a timed-out NIXL %s could not be cancelled", op)
+            raise PeerError(f"NIXL {op} of {len(pages)} pages ended {state}")
+        self._metrics.transfer_bytes.labels(op.lower()).inc(int(rows[:, 2].sum()))
+
+    async def _ensure_store(self, instance: str) -> _Store:
+        """The store's NIXL peer for `instance`, loading its endpoint once per store instance."""
+        if self._store_lock is None:
+            self._store_lock = asyncio.Lock()
+        async with self._store_lock:
+            if self._store is not None and self._store.instance == instance:
+                return self._store
+            if self._store is not None:
+                self._forget_store(self._store)
+            resp: pb.GetStoreEndpointResponse = await self._call(
+                "GetStoreEndpoint", pb.GetStoreEndpointRequest()
+            )
+            if resp.store_instance != instance:
+                raise _StoreChanged(f"store restarted ({instance} -> {resp.store_instance})")
+            name = await asyncio.to_thread(self.agent.add_remote, resp.endpoint.agent_metadata)
+            self._store = _Store(instance, name, int(resp.max_keys_per_call) or 1024)
+            log.info("page store endpoint loaded: instance %s agent %s", instance, name)
+            return self._store
+
+    def _forget_store(self, store: _Store) -> None:
+        if self._store is store:
+            self._store = None
+        try:
+            with self.agent.lock:
+                self.agent.remove_remote(store.agent_name)
+        except Exception as exc:  # the agent may already be gone with its process
+            log.debug("removing the store's NIXL agent failed: %s", exc)
+
+    async def _release(self, lease_id: str, corrupt: list[int]) -> None:
+        req = pb.ReleaseLeaseRequest(request_id=uuid.uuid4().hex, lease_id=lease_id, corrupt_indices=corrupt)
+        try:
+            await self._call("ReleaseLease", req)
+        except Exception as exc:  # the lease expires on its own
+            self._failed("release", exc)
+
+    async def _call(self, method: str, request: Any) -> Any:
+        if self._stub_ is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            self._stub_ = pb_grpc.PageStoreServiceStub(self._channel)
+        try:
+            return await getattr(self._stub_, method)(request, timeout=self.settings.rpc_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+
+    def _dropped(self) -> None:
+        self.counters.writes_dropped += 1
+        self._metrics.writes_dropped.inc()
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        reason = exc.reason if isinstance(exc, XavierError) else type(exc).__name__
+        self.counters.errors += 1
+        self._metrics.errors.labels(op, reason).inc()
+        log.warning("page store %s failed, served as a miss: %s", op, exc)
+
+    def _check_pages(self, keys: Sequence[bytes], pages: Sequence[int]) -> list[int]:
+        if len(keys) != len(pages):
+            raise InvalidPagesError(f"{len(keys)} keys but {len(pages)} local pages")
+        out = [int(p) for p in pages]
+        if out and (min(out) < 0 or max(out) >= self._num_pages):
+            raise InvalidPagesError(f"local pages must lie in 0..{self._num_pages - 1}")
+        if len(set(out)) != len(out):
+            raise InvalidPagesError("local pages repeat")
+        return out
+
+
+def _spans(spans: Sequence[pb.PageSpan]) -> list[Span]:
+    return [Span(s.chunk_address, s.chunk_slots, s.first_slot, s.count) for s in spans]

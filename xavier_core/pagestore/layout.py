@@ -1,0 +1,105 @@
+"""Page geometry shared by the page store and its clients: segments, arena spans, checksums.
+
+A store page is one page index of every KV buffer of a replica (layer 0 K, layer 0 V, ...): one *segment*
+per buffer. The arena keeps a namespace's pages in chunks laid out segment-major, so a run of consecutive
+slots is one contiguous range per segment and travels as one NIXL descriptor per segment, whatever the
+number of pages in the run (the descriptor count, not the link, bounds NIXL throughput).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from xavier_core.transfer import runs
+from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.errors import InvalidPagesError
+
+CHECKSUM_BYTES = 16
+KEY_BYTES = 32
+
+
+@dataclass(frozen=True)
+class Span:
+    """`count` consecutive slots from `first_slot` of the chunk at `chunk_address` (`chunk_slots` slots)."""
+
+    chunk_address: int
+    chunk_slots: int
+    first_slot: int
+    count: int
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """Bytes of each segment of one page, in buffer order."""
+
+    segment_bytes: tuple[int, ...]
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(self.segment_bytes)
+
+    def segment_offsets(self) -> npt.NDArray[np.uint64]:
+        """Offset of each segment inside one slot's worth of a chunk row (the prefix sums)."""
+        sizes = np.asarray(self.segment_bytes, dtype=np.uint64)
+        return np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64)
+
+    def slot_addresses(self, span_base: int, chunk_slots: int, slot: int) -> list[int]:
+        """Address of each segment of `slot` in a chunk at `span_base` (the layout the proto documents)."""
+        offs = self.segment_offsets()
+        return [
+            span_base + int(o) * chunk_slots + slot * s for o, s in zip(offs, self.segment_bytes, strict=True)
+        ]
+
+    def span_descriptors(
+        self,
+        spans: Sequence[Span],
+        local_bases: Sequence[int],
+        local_pages: Sequence[int] | npt.NDArray[np.integer],
+    ) -> npt.NDArray[np.uint64]:
+        """Nx3 rows (arena address, local address, nbytes) moving span pages to/from `local_pages`.
+
+        Page i of the spans (in span order) pairs with `local_pages[i]`; local buffer b's page p lives at
+        `local_bases[b] + p * segment_bytes[b]`. Rows coalesce wherever both sides are consecutive.
+        """
+        pages = runs.as_page_array(local_pages)
+        total = sum(s.count for s in spans)
+        if total != pages.size:
+            raise InvalidPagesError(f"spans cover {total} pages, local side has {pages.size}")
+        offs = self.segment_offsets()
+        parts: list[npt.NDArray[np.uint64]] = []
+        at = 0
+        for span in spans:
+            bases = [span.chunk_address + int(o) * span.chunk_slots for o in offs]
+            slots = np.arange(span.first_slot, span.first_slot + span.count, dtype=np.int64)
+            parts.append(
+                runs.descriptors(bases, local_bases, self.segment_bytes, slots, pages[at : at + span.count])
+            )
+            at += span.count
+        if not parts:
+            return np.zeros((0, 3), dtype=np.uint64)
+        return np.ascontiguousarray(np.concatenate(parts))
+
+
+def page_checksum(segments: Sequence[memoryview | bytes]) -> bytes:
+    """BLAKE2b-128 over a page's segments in order (what CommitPut and readers compare)."""
+    h = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+    for seg in segments:
+        h.update(seg)
+    return h.digest()
+
+
+def buffer_view(addr: int, nbytes: int) -> memoryview:
+    """A byte view of `nbytes` of host memory at `addr` (a registered DRAM buffer or the arena)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+
+
+def local_page_checksums(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> list[bytes]:
+    """Checksums of pages of local DRAM buffers (buffer b's page p at addr + p * bytes_per_page)."""
+    views = [(buffer_view(b.addr, b.nbytes), b.bytes_per_page) for b in buffers]
+    return [page_checksum([v[p * s : (p + 1) * s] for v, s in views]) for p in pages]

@@ -1,0 +1,92 @@
+"""NIXL for the page store: one agent per side, READs and WRITEs of raw descriptor rows.
+
+The transfer package's `RawAgent` posts READs only and `NixlAgent` pairs pages of two identical pools; the
+store's arena is laid out differently from a replica's pool (segment-major chunks, see `layout`), so the
+page store posts its own rows (arena address, local address, nbytes) in either direction. Both sides run
+without NIXL's progress thread: the store polls while any lease is live, the client polls its transfer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Literal, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from xavier_core.transfer._nixl import MemType, RawAgent, XferState, _state
+from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.errors import PeerError
+from xavier_core.transfer.nixl_backend import check_buffers, device_mem
+from xavier_core.transfer.xfer import Transfer
+
+Op = Literal["READ", "WRITE"]
+
+
+class PageAgent(RawAgent):
+    """A `RawAgent` that also posts WRITEs; every call is serialised by `lock`."""
+
+    def __init__(self, name: str, buffers: Sequence[KvBuffer], *, backend: str = "UCX") -> None:
+        super().__init__(name, False, backend)
+        self.lock = threading.RLock()
+        self.mem: MemType = check_buffers(buffers, "local")
+        self.buffers = tuple(buffers)
+        regions = np.array([(b.addr, b.nbytes, device_mem(b.device)[1]) for b in buffers], dtype=np.uint64)
+        self._reg: object | None = self.register(regions, self.mem)
+        self._metadata = super().metadata()
+
+    def metadata(self) -> bytes:
+        return self._metadata
+
+    def post(
+        self, op: Op, rows: npt.NDArray[np.uint64], remote_name: str, timeout_s: float, notif: bytes = b""
+    ) -> Transfer:
+        """Posts one transfer of `rows` (remote DRAM address, local address, nbytes) and returns it."""
+        dev = np.zeros(rows.shape[0], dtype=np.uint64)
+        local = np.ascontiguousarray(np.stack((rows[:, 1], rows[:, 2], dev), axis=1))
+        remote = np.ascontiguousarray(np.stack((rows[:, 0], rows[:, 2], dev), axis=1))
+        with self.lock:
+            try:
+                ldescs = self._agent.get_xfer_descs(local, self.mem)
+                rdescs = self._agent.get_xfer_descs(remote, "DRAM")
+                handle = self._agent.initialize_xfer(op, ldescs, rdescs, remote_name, notif)
+            except Exception as exc:
+                raise PeerError(f"{op} to {remote_name!r} failed: {type(exc).__name__}: {exc}") from exc
+            try:
+                state: XferState = _state(self._agent.transfer(handle))
+            except Exception as exc:
+                handle.release()
+                raise PeerError(f"{op} to {remote_name!r} failed: {type(exc).__name__}: {exc}") from exc
+            xfer = Transfer(
+                self,
+                self.lock,
+                cast(object, handle),
+                int(rows[:, 2].sum()),
+                rows.shape[0],
+                timeout_s,
+                lambda _x: None,
+            )
+            xfer._settle(state)
+            return xfer
+
+    def progress(self) -> None:
+        """Drives passive-side progress (the store calls this while clients may read or write its arena)."""
+        with self.lock:
+            self.notifs()
+
+    def close(self) -> None:
+        with self.lock:
+            if self._reg is not None:
+                try:
+                    self.deregister(self._reg)
+                finally:
+                    self._reg = None
+
+
+def wait(xfer: Transfer, poll_s: float = 0.0002) -> XferState:
+    """Polls `xfer` until it ends (its own timeout cancels it); blocking, so run it off the event loop."""
+    while (state := xfer.poll()) == "PROC":
+        time.sleep(poll_s)
+    return state
