@@ -23,6 +23,7 @@ PREFILL, DECODE = types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE
 OPEN, READY, XFER = dpb.ROOM_STATE_OPEN, dpb.ROOM_STATE_SOURCE_READY, dpb.ROOM_STATE_TRANSFERRING
 DONE, ABORTED, EXPIRED = dpb.ROOM_STATE_COMPLETED, dpb.ROOM_STATE_ABORTED, dpb.ROOM_STATE_EXPIRED
 ROUTER, PEER_LOST = dpb.ROOM_END_CAUSE_ROUTER_ABORT, dpb.ROOM_END_CAUSE_PEER_LOST
+DECLINED = dpb.ROOM_END_CAUSE_DECODE_DECLINED
 
 
 def reg(state: DirectoryState, peer_id: str, role: int, request_id: str = "", **lay: object) -> PeerRecord:
@@ -99,6 +100,15 @@ def test_abort_before_anyone_opened_leaves_a_tombstone(clock: FakeClock) -> None
     clock.advance(2.0)
     state.sweep()
     assert state.join_as_decode(9, pair(p, d)).state == OPEN
+
+
+def test_a_decline_on_a_tombstone_tells_no_one(clock: FakeClock) -> None:
+    state, changes, p, d = setup(clock)
+    state.abort_room("a", 11, ROUTER, "client went away", "", 0)
+    state.abort_room("b", 11, DECLINED, "", d.peer_id, d.epoch)
+    # Nobody ever opened room 11: no member may hear of it, and it is never counted.
+    assert all(room_id != 11 for room_id, _ in changes)
+    assert state.room_stats().opened == 0
 
 
 def test_decode_declines_even_after_the_room_ended(clock: FakeClock) -> None:

@@ -48,7 +48,7 @@ def _delta(ev: StreamEvent) -> pb.TokenDelta:
     return pb.TokenDelta(token_ids=[ev.token_id], logprobs=[ev.logprob], text=ev.text)
 
 
-class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
+class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ignore[misc]
     def __init__(self, host: PeerHost) -> None:
         self.host = host
         # engine request id -> (room id, 0 for unified requests; client request id)
@@ -60,7 +60,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 "decode" if host.role == types_pb2.ROLE_DECODE else "unified",
                 lambda: host.engine_stats_pb(pages_parked=0),
                 lambda: self._rooms_active,
-                lambda: host.kv.totals.to_pb() if host.kv is not None else types_pb2.TransferStats(),
+                host.transfer_stats_pb,
             )
         )
 
@@ -102,7 +102,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 )
             handoff = host.config.handoff
             pulling = True  # from here the pull tells the source how the read ended
-            nbytes, transfer_s = await host.kv.pull(
+            nbytes, transfer_s = await host.port.pull(
                 request.room_id,
                 src,
                 endpoint,
@@ -135,7 +135,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
                 yield msg
         finally:
             if begun is not None and endpoint is not None and not pulling:
-                decline = host.kv.decline(
+                decline = host.port.decline(
                     request.room_id, begun.source.read_token, endpoint, peer_key(*source_key)
                 )
                 await asyncio.shield(decline)
@@ -252,7 +252,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):
         return pb.GetDecodeStatsResponse(
             engine=host.engine_stats_pb(pages_parked=0),
             rooms_active=self._rooms_active,
-            transfer=host.kv.totals.to_pb() if host.kv is not None else types_pb2.TransferStats(),
+            transfer=host.transfer_stats_pb(),
             peer=f"{host.peer_id}@{host.epoch}",
             role=host.role,
         )

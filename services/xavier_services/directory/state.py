@@ -214,7 +214,8 @@ class DirectoryState:
             room.remember(request_id, self.settings.request_ids_per_room)
             room.read_declined = room.read_declined or declined
             self._end(room, ABORTED, cause, detail or dpb.RoomEndCause.Name(cause))
-        elif declined and not room.read_declined and room.state != COMPLETED:
+        elif declined and room.prefill_peer_id and not room.read_declined and room.state != COMPLETED:
+            # A tombstone (never opened) has no members to tell: only a room that had peers is marked.
             room.read_declined = True
             if self.listener is not None:
                 self.listener(room)

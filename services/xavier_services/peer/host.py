@@ -19,6 +19,7 @@ from xavier_core.contract import KvLayout, layout_from_model_dir
 from xavier_core.directory import DirectoryClient, PeerSession, Registration
 from xavier_core.engine.api import Engine
 from xavier_core.runtime.errors import (
+    FailedPrecondition,
     InvalidArgument,
     Unavailable,
     XavierError,
@@ -80,7 +81,8 @@ class PeerHost:
         self.engine = engine
         self.vocab_size = engine.vocab_size
         e = config.engine
-        assert e.model is not None
+        if e.model is None:
+            raise InvalidArgument("engine.model is required", key="engine.model")
         self.layout: KvLayout = layout_from_model_dir(
             e.model,
             engine="reference-null" if e.compute == "null" else "reference",  # null never meets real KV
@@ -93,7 +95,7 @@ class PeerHost:
         self.peer_id = config.peer.peer_id
         self.epoch = 0
         self.address = ""
-        self.kv: KvPort | None = None  # type: ignore[assignment]
+        self.kv: KvPort | None = None  # prefill and decode roles only
         self.directory: DirectoryClient | None = None
         self.rooms: RoomFeed | None = None  # the prefill's feed of its rooms' states
         self._session: PeerSession | None = None
@@ -152,6 +154,26 @@ class PeerHost:
         return dpb.PeerLoad(
             outstanding_requests=s.running + s.waiting, pages_free=s.pages_free, pages_total=s.pages_total
         )
+
+    @property
+    def port(self) -> KvPort:
+        """The KV transfer port; only prefill and decode peers have one (a unified replica has none)."""
+        if self.kv is None:
+            raise FailedPrecondition(
+                f"a {ROLE_NAMES[self.role]} peer has no KV transfer port", reason="WRONG_ROLE"
+            )
+        return self.kv
+
+    @property
+    def feed(self) -> RoomFeed:
+        """The prefill's feed of its rooms' states (started with the peer)."""
+        if self.rooms is None:
+            raise FailedPrecondition("the room feed runs on prefill peers only", reason="WRONG_ROLE")
+        return self.rooms
+
+    def transfer_stats_pb(self) -> types_pb2.TransferStats:
+        """The port's transfer counters (zeros for a replica without a port)."""
+        return self.kv.totals.to_pb() if self.kv is not None else types_pb2.TransferStats()
 
     # -- directory calls ------------------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ class _Hold:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
+class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type: ignore[misc]
     def __init__(self, host: PeerHost) -> None:
         self.host = host
         self._holds: dict[int, _Hold] = {}
@@ -56,7 +56,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
                 "prefill",
                 lambda: host.engine_stats_pb(pages_parked=self.pages_parked),
                 lambda: len(self._holds),
-                lambda: host.kv.totals.to_pb() if host.kv is not None else types_pb2.TransferStats(),
+                host.transfer_stats_pb,
             )
         )
 
@@ -133,7 +133,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         host = self.host
         published = False
         try:
-            source = await host.kv.publish(hold.room_id, res.page_ids, host.fingerprint)
+            source = await host.port.publish(hold.room_id, res.page_ids, host.fingerprint)
             source.num_tokens = num_tokens
             published = True
             room = await host.dir.publish_source(
@@ -166,14 +166,13 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         """Keeps a published room's pages until its reader is done with them or says it never read
         them (NIXL notification, or its word through the directory), or the park timeout."""
         host = self.host
-        assert host.rooms is not None
         hold.parked = True
         timeout = host.config.handoff.park_timeout_seconds
         try:
-            if not host.kv.read_ended(hold.room_id):
+            if not host.port.read_ended(hold.room_id):
                 waits = {
-                    asyncio.ensure_future(host.kv.wait_read_end(hold.room_id, timeout)),
-                    asyncio.ensure_future(host.rooms.read_declined(hold.room_id, timeout)),
+                    asyncio.ensure_future(host.port.wait_read_end(hold.room_id, timeout)),
+                    asyncio.ensure_future(host.feed.read_declined(hold.room_id, timeout)),
                 }
                 try:
                     done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -194,13 +193,12 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         the room ended; so a room that ended without passing TRANSFERRING has no reader.
         """
         host = self.host
-        assert host.rooms is not None
         room_id = hold.room_id
         handoff = host.config.handoff
         notif = asyncio.ensure_future(
-            host.kv.wait_read_end(room_id, handoff.room_lease_seconds + handoff.park_timeout_seconds)
+            host.port.wait_read_end(room_id, handoff.room_lease_seconds + handoff.park_timeout_seconds)
         )
-        watch = asyncio.ensure_future(host.rooms.outcome(room_id, handoff.room_lease_seconds * 2))
+        watch = asyncio.ensure_future(host.feed.outcome(room_id, handoff.room_lease_seconds * 2))
         try:
             done, _ = await asyncio.wait({notif, watch}, return_when=asyncio.FIRST_COMPLETED)
             outcome = notif.result() if notif in done else ""
@@ -218,10 +216,10 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         finally:
             for t in (notif, watch):
                 t.cancel()
-            host.rooms.forget(room_id)
+            host.feed.forget(room_id)
 
     async def _unpin(self, hold: _Hold, completed: bool) -> None:
-        await self.host.kv.unpublish(hold.room_id, completed=completed)
+        await self.host.port.unpublish(hold.room_id, completed=completed)
         self.host.engine.release_pages(hold.request_id)
         self._holds.pop(hold.room_id, None)
 
@@ -234,7 +232,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):
         return pb.GetPrefillStatsResponse(
             engine=host.engine_stats_pb(pages_parked=self.pages_parked),
             rooms_active=len(self._holds),
-            transfer=host.kv.totals.to_pb(),
+            transfer=host.transfer_stats_pb(),
             peer=f"{host.peer_id}@{host.epoch}",
         )
 

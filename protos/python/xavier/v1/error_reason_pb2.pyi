@@ -216,6 +216,26 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The HTTP request uses echo, best_of or suffix, which are not supported; status INVALID_ARGUMENT."""
     ERROR_REASON_INVALID_MODE: _ErrorReason.ValueType  # 59
     """The HTTP field xavier_mode is not one of pd, colocated or native; status INVALID_ARGUMENT."""
+    ERROR_REASON_TOO_MANY_KEYS: _ErrorReason.ValueType  # 62
+    """Page store (services/xavier_services/pagestore).
+
+    A page store call named more keys than one call takes (max_keys_per_call, 1,024 by default); status
+    INVALID_ARGUMENT, metadata "field". Clients split longer chains into several calls.
+    """
+    ERROR_REASON_PAGE_SIZE_MISMATCH: _ErrorReason.ValueType  # 63
+    """A Put's page segment sizes differ from those the namespace was first written with; status
+    INVALID_ARGUMENT, metadata "field" = "segment_bytes".
+    """
+    ERROR_REASON_LEASE_NOT_FOUND: _ErrorReason.ValueType  # 64
+    """No live or recently ended lease has this id; status NOT_FOUND, metadata "lease_id"."""
+    ERROR_REASON_WRONG_LEASE_KIND: _ErrorReason.ValueType  # 65
+    """CommitPut named a read lease, or a read-only call named a write lease; status FAILED_PRECONDITION,
+    metadata "lease_id".
+    """
+    ERROR_REASON_LEASE_BUSY: _ErrorReason.ValueType  # 66
+    """The lease's commit is in progress, so it cannot be committed or released again yet; status
+    FAILED_PRECONDITION, metadata "lease_id". Safe to retry after the commit answers.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every `google.rpc.ErrorInfo.reason` that a xavier.v1 service or client emits.
@@ -421,4 +441,24 @@ ERROR_REASON_UNSUPPORTED_PARAMETER: ErrorReason.ValueType  # 58
 """The HTTP request uses echo, best_of or suffix, which are not supported; status INVALID_ARGUMENT."""
 ERROR_REASON_INVALID_MODE: ErrorReason.ValueType  # 59
 """The HTTP field xavier_mode is not one of pd, colocated or native; status INVALID_ARGUMENT."""
+ERROR_REASON_TOO_MANY_KEYS: ErrorReason.ValueType  # 62
+"""Page store (services/xavier_services/pagestore).
+
+A page store call named more keys than one call takes (max_keys_per_call, 1,024 by default); status
+INVALID_ARGUMENT, metadata "field". Clients split longer chains into several calls.
+"""
+ERROR_REASON_PAGE_SIZE_MISMATCH: ErrorReason.ValueType  # 63
+"""A Put's page segment sizes differ from those the namespace was first written with; status
+INVALID_ARGUMENT, metadata "field" = "segment_bytes".
+"""
+ERROR_REASON_LEASE_NOT_FOUND: ErrorReason.ValueType  # 64
+"""No live or recently ended lease has this id; status NOT_FOUND, metadata "lease_id"."""
+ERROR_REASON_WRONG_LEASE_KIND: ErrorReason.ValueType  # 65
+"""CommitPut named a read lease, or a read-only call named a write lease; status FAILED_PRECONDITION,
+metadata "lease_id".
+"""
+ERROR_REASON_LEASE_BUSY: ErrorReason.ValueType  # 66
+"""The lease's commit is in progress, so it cannot be committed or released again yet; status
+FAILED_PRECONDITION, metadata "lease_id". Safe to retry after the commit answers.
+"""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
