@@ -103,7 +103,7 @@ def test_abort_before_anyone_opened_leaves_a_tombstone(clock: FakeClock) -> None
 
 
 def test_a_decline_on_a_tombstone_tells_no_one(clock: FakeClock) -> None:
-    state, changes, p, d = setup(clock)
+    state, changes, _, d = setup(clock)
     state.abort_room("a", 11, ROUTER, "client went away", "", 0)
     state.abort_room("b", 11, DECLINED, "", d.peer_id, d.epoch)
     # Nobody ever opened room 11: no member may hear of it, and it is never counted.
