@@ -60,8 +60,9 @@ def test_chat_shapes() -> None:
     assert choice(oa, "", "stop", None, delta=True)["delta"] == {}
     body = envelope(oa, [choice(oa, "ok", "stop", None, delta=False)], chunk=False)
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "ok"
-    assert logprobs_json(True, ["a"], [-0.5])["content"][0]["logprob"] == -0.5
-    assert logprobs_json(False, ["ab", "c"], [-1.0, -2.0])["text_offset"] == [0, 2]
+    chat_lp = logprobs_json(True, ["\ufffd"], [-0.5], [b"\xe3"])["content"][0]
+    assert chat_lp["logprob"] == -0.5 and chat_lp["bytes"] == [0xE3]  # the token's bytes, not U+FFFD's
+    assert logprobs_json(False, ["ab", "c"], [-1.0, -2.0], [b"ab", b"c"])["text_offset"] == [0, 2]
 
 
 # Out-of-range values both wire shapes can carry: (OpenAI JSON fields, SamplingParams fields, field named).

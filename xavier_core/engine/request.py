@@ -72,16 +72,20 @@ class Request:
         self.tokens.append(token)
         self.output.append(token)
         self.logprobs.append(logprob)
-        delta = self._detok.push(token)
         if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
+            # The stop token's own text is not output; bytes held back before it end as U+FFFD.
             self.finish = FinishReason.STOP
-            return TokenEvent(token, logprob, self.finish, self._stop.flush())
-        text, hit = self._stop.feed(delta)
+            text, _ = self._stop.feed(self._detok.flush())
+            return TokenEvent(token, logprob, self.finish, text + self._stop.flush())
+        text, hit = self._stop.feed(self._detok.push(token))
         if hit:
             self.finish = FinishReason.STOP
         elif len(self.output) >= s.max_tokens or len(self.tokens) >= self.max_context:
             self.finish = FinishReason.LENGTH
-            text += self._stop.flush()
+            tail, hit = self._stop.feed(self._detok.flush())
+            text += tail if hit else tail + self._stop.flush()
+            if hit:
+                self.finish = FinishReason.STOP
         return TokenEvent(token, logprob, self.finish, text)
 
     def prefill_result(self, event: TokenEvent) -> PrefillResult:

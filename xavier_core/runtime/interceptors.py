@@ -38,7 +38,7 @@ import structlog
 from prometheus_client import Counter
 
 from .domain_errors import as_xavier_error
-from .errors import Internal, to_rpc_status
+from .errors import Internal, InvalidArgument, to_rpc_status
 from .logging import get_logger
 from .metrics import RpcMetrics, rpc_metrics
 
@@ -135,10 +135,44 @@ class _Call:
 Behaviour = Callable[..., Any]
 
 
+class _Undecodable:
+    """What the request deserializer hands over when the bytes do not parse (protobuf raises on a string
+    field that is not UTF-8): the handler wrapper answers INVALID_ARGUMENT instead of gRPC's UNKNOWN."""
+
+    __slots__ = ()
+
+
+_UNDECODABLE = _Undecodable()
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception:
+            return _UNDECODABLE
+
+    return parse
+
+
+def _undecodable(state: _MethodState) -> InvalidArgument:
+    return InvalidArgument(
+        f"the {state.method} request does not parse: a string field is not valid UTF-8, or the bytes are "
+        "not a protobuf message",
+        reason="INVALID_ENCODING",
+        method=state.method,
+    )
+
+
 def _wrap_unary(state: _MethodState, inner: Behaviour) -> Behaviour:
     async def behaviour(request: Any, context: Context) -> Any:
         call = _Call(state, context)
         try:
+            if request is _UNDECODABLE:
+                raise _undecodable(state)
             result = inner(request, context)
             if inspect.isawaitable(result):
                 result = await result
@@ -156,6 +190,8 @@ def _wrap_stream(state: _MethodState, inner: Behaviour) -> Behaviour:
     async def behaviour(request: Any, context: Context) -> AsyncIterator[Any]:
         call = _Call(state, context)
         try:
+            if request is _UNDECODABLE:
+                raise _undecodable(state)
             async with aclosing(inner(request, context)) as stream:
                 async for item in stream:
                     yield item
@@ -172,11 +208,13 @@ def _wrap_stream(state: _MethodState, inner: Behaviour) -> Behaviour:
 
 
 def _wrap_handler(state: _MethodState, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    de, se = handler.request_deserializer, handler.response_serializer
+    # Only a single request message is checked before the handler runs; streamed requests are unused.
+    raw_de, se = handler.request_deserializer, handler.response_serializer
+    de = _lenient(raw_de)
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(_wrap_unary(state, handler.unary_unary), de, se)
     if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(_wrap_unary(state, handler.stream_unary), de, se)
+        return grpc.stream_unary_rpc_method_handler(_wrap_unary(state, handler.stream_unary), raw_de, se)
     if handler.unary_stream is not None:
         inner = handler.unary_stream
         # Async generators are re-yielded; coroutines that use context.write() are awaited.
@@ -189,7 +227,7 @@ def _wrap_handler(state: _MethodState, handler: grpc.RpcMethodHandler) -> grpc.R
         wrapped = (
             _wrap_stream(state, inner) if inspect.isasyncgenfunction(inner) else _wrap_unary(state, inner)
         )
-        return grpc.stream_stream_rpc_method_handler(wrapped, de, se)
+        return grpc.stream_stream_rpc_method_handler(wrapped, raw_de, se)
     return handler
 
 

@@ -3,15 +3,38 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 from xavier_core.text.errors import ModelFilesError
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: each byte's stand-in character → the byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_OF = _byte_level_alphabet()
 
 
 def _token_text(value: Any) -> str | None:
@@ -89,6 +112,19 @@ class TextTokenizer:
         """Text of `token_ids`."""
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI logprobs `bytes`): for byte-level BPE and byte-fallback
+        tokens these may be part of a character, which `decode` would show as U+FFFD."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self._tok.decoder, decoders.ByteLevel) and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        match = _BYTE_TOKEN.fullmatch(piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()  # SentencePiece's word marker is a space
+
     def token_to_id(self, token: str) -> int | None:
         """Id of one vocabulary entry, or None."""
         value = self._tok.token_to_id(token)
@@ -113,7 +149,9 @@ class IncrementalDetokenizer:
     """Turns a growing token list into text deltas without splitting UTF-8 characters.
 
     Decodes a short window `[prefix_offset, len)` and compares it with `[prefix_offset, read_offset)`:
-    byte-level BPE tokens may carry half a character, which decodes to U+FFFD until the rest arrives.
+    byte-level BPE tokens may carry half a character, which decodes to U+FFFD until the rest arrives, so
+    such text is held back. `flush()` at the end releases what is still held, as U+FFFD where the bytes
+    never completed, so the deltas add up to what `decode` of the whole output gives (HF's behaviour).
     """
 
     def __init__(self, tokenizer: TextTokenizer, context: Sequence[int] = ()) -> None:
@@ -138,6 +176,13 @@ class IncrementalDetokenizer:
             self._prefix_offset -= drop
             self._read_offset -= drop
         return delta
+
+    def flush(self) -> str:
+        """The held-back text of the last tokens (U+FFFD for bytes that never formed a character)."""
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._tok.decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
 
 
 class StopMatcher:

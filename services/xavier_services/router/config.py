@@ -52,6 +52,8 @@ class RouterConfig(ServiceConfig):
     """Directory service address (HOST:PORT); empty serves native mode only."""
     http_listen: str = "127.0.0.1:0"
     """OpenAI-compatible HTTP address; "" disables the HTTP front."""
+    http_max_body_bytes: int = Field(default=8 << 20, ge=1024, le=1 << 30)
+    """Largest HTTP request body; a larger one is answered 413 with a JSON error."""
     default_mode: ModeName = "auto"
     """auto: pd when prefill and decode peers exist, else colocated, else native."""
     prompt_cache_size: int = Field(default=4096, ge=0, le=10_000_000)

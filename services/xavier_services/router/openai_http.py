@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -13,6 +13,7 @@ from xavier.v1 import router_service_pb2 as rpb
 
 from xavier_core.runtime import XavierError
 from xavier_services.router.core import Router
+from xavier_services.router.openai_body import decode_json
 from xavier_services.router.openai_shapes import (
     FINISH_NAMES,
     OpenAiRequest,
@@ -37,10 +38,18 @@ _ERROR_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
 }
-_MAX_BODY = 8 << 20
+_log = logging.getLogger("xavier.router.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_error(status: int, message: str, *, reason: str) -> web.Response:
+    """OpenAI's error shape for a status the gRPC mapping does not produce (413, 404, 405, 500)."""
+    kind = _ERROR_TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    body = {"error": {"message": message, "type": kind, "param": None, "code": reason}}
+    return web.json_response(body, status=status)
 
 
 def error_response(err: XavierError) -> web.Response:
@@ -65,7 +74,9 @@ class OpenAiFront:
         self.default_max_tokens = default_max_tokens
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=_MAX_BODY, middlewares=[self._errors, *self._auth()])
+        app = web.Application(
+            client_max_size=self.router.config.http_max_body_bytes, middlewares=[self._errors, *self._auth()]
+        )
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -96,6 +107,21 @@ class OpenAiFront:
             return await handler(request)
         except XavierError as err:
             return error_response(err)
+        except web.HTTPRequestEntityTooLarge:
+            limit = self.router.config.http_max_body_bytes
+            return json_error(
+                413, f"the request body is larger than {limit} bytes", reason="REQUEST_TOO_LARGE"
+            )
+        except web.HTTPException as exc:  # 404 / 405 from routing: the same JSON shape as every error
+            if exc.status < 400:
+                raise
+            if exc.status >= 500:
+                return json_error(exc.status, exc.reason, reason="INTERNAL")
+            return json_error(exc.status, exc.reason, reason="INVALID_REQUEST")
+        except Exception:
+            # A bug, not bad input: logged with its traceback; the client gets JSON, not aiohttp's text page.
+            _log.exception("unhandled error in %s %s", request.method, request.path)
+            return json_error(500, "internal error", reason="INTERNAL")
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -117,10 +143,8 @@ class OpenAiFront:
         return await self._generate(request, chat=True)
 
     async def _body(self, request: web.Request) -> Any:
-        try:
-            return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise XavierError("the body is not JSON", reason="INVALID_JSON") from None
+        # read() raises HTTPRequestEntityTooLarge past client_max_size: the middleware answers JSON 413.
+        return decode_json(await request.read())
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
@@ -135,15 +159,17 @@ class OpenAiFront:
             ids.extend(msg.token_ids)
             lps.extend(msg.logprobs)
             last = msg
-        lp = (
-            logprobs_json(chat, [self.router.encoder.token_text(i) for i in ids], lps)
-            if oa.logprobs
-            else None
-        )
+        lp = self._logprobs(oa, ids, lps) if oa.logprobs else None
         finish = FINISH_NAMES.get(last.finish_reason)
         out = envelope(oa, [choice(oa, text, finish, lp, delta=False)], chunk=False)
         out["usage"] = usage_json(last.usage)
         return web.json_response(out)
+
+    def _logprobs(self, oa: OpenAiRequest, ids: list[int], values: list[float]) -> dict[str, Any]:
+        enc = self.router.encoder
+        return logprobs_json(
+            oa.chat, [enc.token_text(i) for i in ids], values, [enc.token_bytes(i) for i in ids]
+        )
 
     async def _stream(self, request: web.Request, oa: OpenAiRequest, prep: Any) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -162,8 +188,7 @@ class OpenAiFront:
                     first = False
                 lp = None
                 if oa.logprobs and msg.token_ids:
-                    tokens = [self.router.encoder.token_text(i) for i in msg.token_ids]
-                    lp = logprobs_json(oa.chat, tokens, list(msg.logprobs))
+                    lp = self._logprobs(oa, list(msg.token_ids), list(msg.logprobs))
                 finish = FINISH_NAMES.get(msg.finish_reason)
                 if msg.text or msg.token_ids or finish:
                     chunk = envelope(oa, [choice(oa, msg.text, finish, lp, delta=True)], chunk=True)

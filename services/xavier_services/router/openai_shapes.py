@@ -15,6 +15,7 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime import InvalidArgument
 from xavier_core.runtime.domain_errors import sampling_status
 from xavier_core.sampling import SamplingError, check_sampling
+from xavier_services.router.openai_body import get_bool, get_int, get_number, get_object, get_str
 
 FINISH_NAMES = {
     types_pb2.FINISH_REASON_STOP: "stop",
@@ -35,13 +36,36 @@ def sse(payload: Mapping[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def _number(body: Mapping[str, Any], key: str, default: float) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidArgument(f"{key} must be a number", reason="INVALID_SAMPLING", param=key)
-    return float(value)
+_MAX_TOKEN_ID = (1 << 31) - 1  # PromptTokens.ids are uint32; the router checks the vocabulary later
+_MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits: completions `logprobs`, chat `top_logprobs`
+_MAX_TOP_LOGPROBS = 20
+# Parameters that change what is sampled: a value other than the no-op one is refused (400 naming the
+# parameter), never silently ignored. The no-op values are accepted because clients send them by default.
+_NOOP_NUMBERS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+_NOOP_EMPTY = ("logit_bias", "tools", "functions", "suffix")
+
+
+def _unsupported(param: str, what: str) -> InvalidArgument:
+    return InvalidArgument(f"{what} is not supported", reason="UNSUPPORTED_PARAMETER", param=param)
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    for key, noop in _NOOP_NUMBERS.items():
+        if get_number(body, key, noop) != noop:
+            raise _unsupported(key, f"{key} other than {noop:g}")
+    for key in _NOOP_EMPTY:
+        if body.get(key) not in (None, "", [], {}):
+            raise _unsupported(key, key)
+    n = get_int(body, "n", 1, 1 << 30, reason="UNSUPPORTED_N")
+    if n not in (None, 1):
+        raise InvalidArgument("only n=1 is supported", reason="UNSUPPORTED_N", param="n")
+    if get_int(body, "best_of", 0, 1 << 30) not in (None, 1):
+        raise _unsupported("best_of", "best_of other than 1")
+    if get_bool(body, "echo"):
+        raise _unsupported("echo", "echo")
+    fmt = get_object(body, "response_format")
+    if fmt and fmt.get("type") != "text":
+        raise _unsupported("response_format", "response_format other than text")
 
 
 def _stops(value: Any) -> list[str]:
@@ -57,27 +81,46 @@ def _stops(value: Any) -> list[str]:
 
 
 def _max_tokens(body: Mapping[str, Any], default: int) -> int:
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(
-            "max_tokens must be a positive integer", reason="INVALID_MAX_TOKENS", param="max_tokens"
-        )
+        raise InvalidArgument(f"{key} must be a positive integer", reason="INVALID_MAX_TOKENS", param=key)
     return value
 
 
 def _check_limits(
-    max_tokens: int, temperature: float, top_p: float, seed: int | None, stop: list[str]
+    max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None, stop: list[str]
 ) -> None:
     """The shared sampling limits, checked before the values enter a SamplingParams (a seed out of the
     uint64 range could not); `param` names the field as OpenAI's error shape expects."""
     try:
-        check_sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+        check_sampling(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop
+        )
     except SamplingError as err:
         status = sampling_status(err)
         status.metadata["param"] = err.field
         raise status from None
+
+
+def _logprobs(body: Mapping[str, Any], chat: bool) -> bool:
+    """Whether the chosen tokens' logprobs are asked for. Alternatives (completions `logprobs` > 0, chat
+    `top_logprobs` > 0) are refused: the engines return only the chosen token's logprob."""
+    if chat:
+        wanted = get_bool(body, "logprobs")
+        top = get_int(body, "top_logprobs", 0, _MAX_TOP_LOGPROBS)
+        if top:
+            raise _unsupported("top_logprobs", "top_logprobs above 0 (alternative tokens)")
+        return wanted
+    value = body.get("logprobs")
+    if value is None or value is False:
+        return False
+    count = get_int(body, "logprobs", 0, _MAX_COMPLETION_LOGPROBS)
+    if count:
+        raise _unsupported("logprobs", "logprobs above 0 (alternative tokens)")
+    return True
 
 
 @dataclass
@@ -94,85 +137,120 @@ class OpenAiRequest:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def _content(i: int, content: Any) -> str:
+    """A message's text: a string, null (an assistant turn with no text), or text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidArgument(
+            f"messages[{i}].content must be a string or a list of parts",
+            reason="INVALID_CHAT",
+            param=f"messages[{i}].content",
+        )
+    texts = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            if isinstance(kind, str):
+                raise _unsupported(f"{where}.type", f"content part type {kind!r} (text only)")
+            raise InvalidArgument(f"{where} must be a text part", reason="INVALID_CHAT", param=where)
+        if not isinstance(part.get("text"), str):
+            raise InvalidArgument(f"{where}.text must be a string", reason="INVALID_CHAT", param=where)
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _chat(req: rpb.GenerateRequest, body: Mapping[str, Any]) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or len(messages) > _MAX_MESSAGES:
+        raise InvalidArgument(
+            f"messages must be a non-empty list of at most {_MAX_MESSAGES}",
+            reason="EMPTY_PROMPT",
+            param="messages",
+        )
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidArgument(
+                f"messages[{i}] needs a string role", reason="INVALID_CHAT", param=f"messages[{i}].role"
+            )
+        req.chat.messages.add(role=m["role"], content=_content(i, m.get("content")))
+
+
+def _token_ids(prompt: list[Any]) -> list[int]:
+    for t in prompt:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _MAX_TOKEN_ID:
+            raise InvalidArgument(
+                f"prompt token ids must be integers in [0, {_MAX_TOKEN_ID}]",
+                reason="INVALID_TOKEN_ID",
+                param="prompt",
+            )
+    return prompt
+
+
+def _completion(req: rpb.GenerateRequest, body: Mapping[str, Any]) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if prompt in (None, "", []):
+        raise InvalidArgument("the prompt is empty", reason="EMPTY_PROMPT", param="prompt")
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        req.token_ids.ids.extend(_token_ids(prompt))
+    else:
+        raise InvalidArgument(
+            "prompt must be a string or a list of token ids (one prompt per request)",
+            reason="INVALID_PROMPT",
+            param="prompt",
+        )
+
+
 def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> OpenAiRequest:
     """Validates an OpenAI request body; every problem is INVALID_ARGUMENT naming the field."""
     if not isinstance(body, dict):
         raise InvalidArgument("the request body must be a JSON object", reason="INVALID_JSON")
-    n = body.get("n", 1)
-    if n != 1:
-        raise InvalidArgument("only n=1 is supported", reason="UNSUPPORTED_N", param="n")
-    if body.get("echo") or body.get("best_of", 1) not in (1, None) or body.get("suffix"):
-        raise InvalidArgument("echo, best_of and suffix are not supported", reason="UNSUPPORTED_PARAMETER")
-    model = body.get("model") or ""
-    if not isinstance(model, str):
-        raise InvalidArgument("model must be a string", reason="UNKNOWN_MODEL", param="model")
-    req = rpb.GenerateRequest(model=model, request_id=str(body.get("user_request_id") or ""))
+    _refuse_unsupported(body)
+    model = get_str(body, "model")
+    req = rpb.GenerateRequest(model=model, request_id=get_str(body, "user_request_id"))
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or len(messages) > _MAX_MESSAGES:
-            raise InvalidArgument(
-                "messages must be a non-empty list", reason="EMPTY_PROMPT", param="messages"
-            )
-        for i, m in enumerate(messages):
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # text parts only
-                parts = [
-                    p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-                ]
-                content = "".join(parts)
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
-                raise InvalidArgument(
-                    f"messages[{i}] needs a string role and content", reason="INVALID_CHAT", param="messages"
-                )
-            req.chat.messages.add(role=m["role"], content=content)
+        _chat(req, body)
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidArgument("the prompt is empty", reason="EMPTY_PROMPT", param="prompt")
-            req.text = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt):
-            req.token_ids.ids.extend(prompt)
-        elif prompt in (None, "", []):
-            raise InvalidArgument("the prompt is empty", reason="EMPTY_PROMPT", param="prompt")
-        else:
-            raise InvalidArgument(
-                "prompt must be a string or a list of token ids (one prompt per request)",
-                reason="INVALID_PROMPT",
-                param="prompt",
-            )
-    lp = body.get("logprobs")
-    logprobs = bool(lp) if chat else lp is not None and lp is not False
+        _completion(req, body)
+    logprobs = _logprobs(body, chat)
     max_tokens = _max_tokens(body, default_max_tokens)
-    temperature = _number(body, "temperature", 1.0)
-    top_p = _number(body, "top_p", 1.0)
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise InvalidArgument("seed must be a non-negative integer", reason="INVALID_SAMPLING", param="seed")
+    temperature = get_number(body, "temperature", 1.0)
+    top_p = get_number(body, "top_p", 1.0)
+    # vLLM / SGLang extension: -1 and 0 turn the cut off.
+    top_k = max(0, get_int(body, "top_k", -1, 1 << 30, reason="INVALID_SAMPLING") or 0)
+    seed = get_int(body, "seed", -(1 << 70), 1 << 70, reason="INVALID_SAMPLING")
     stops = _stops(body.get("stop"))
-    _check_limits(max_tokens, temperature, top_p, seed, stops)
+    _check_limits(max_tokens, temperature, top_p, top_k, seed, stops)
     s = req.sampling
     s.max_tokens = max_tokens
     s.temperature = temperature
     s.top_p = top_p
+    s.top_k = top_k
     s.logprobs = logprobs
     if seed is not None:
         s.seed = seed
     s.stop.extend(stops)
-    s.ignore_eos = bool(body.get("ignore_eos", False))  # the vLLM / SGLang extension
-    mode = body.get("xavier_mode")
-    if mode is not None:
+    s.ignore_eos = get_bool(body, "ignore_eos")  # the vLLM / SGLang extension
+    mode = get_str(body, "xavier_mode")
+    if mode:
         if mode not in _MODES:
-            raise InvalidArgument(f"xavier_mode must be one of {sorted(_MODES)}", reason="INVALID_MODE")
+            raise InvalidArgument(
+                f"xavier_mode must be one of {sorted(_MODES)}", reason="INVALID_MODE", param="xavier_mode"
+            )
         req.mode = _MODES[mode]
-    opts = body.get("stream_options") or {}
+    opts = get_object(body, "stream_options")
     return OpenAiRequest(
         request=req,
-        stream=bool(body.get("stream")),
+        stream=get_bool(body, "stream"),
         logprobs=logprobs,
-        include_usage=bool(isinstance(opts, dict) and opts.get("include_usage")),
+        include_usage=get_bool(opts, "include_usage"),
         model=model or served_model,
         chat=chat,
     )
@@ -187,12 +265,15 @@ def usage_json(usage: types_pb2.Usage) -> dict[str, Any]:
     }
 
 
-def logprobs_json(chat: bool, tokens: list[str], values: list[float]) -> dict[str, Any]:
-    """OpenAI logprobs of the chosen tokens (no alternatives: top_logprobs stay empty)."""
+def logprobs_json(
+    chat: bool, tokens: list[str], values: list[float], token_bytes: list[bytes]
+) -> dict[str, Any]:
+    """OpenAI logprobs of the chosen tokens (no alternatives: those are refused at parse time). `bytes` are
+    each token's own bytes, which for a token holding part of a character differ from its text's."""
     if chat:
         content = [
-            {"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, v in zip(tokens, values, strict=False)
+            {"token": t, "logprob": v, "bytes": list(b), "top_logprobs": []}
+            for t, v, b in zip(tokens, values, token_bytes, strict=False)
         ]
         return {"content": content}
     offsets, pos = [], 0

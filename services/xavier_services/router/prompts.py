@@ -155,3 +155,7 @@ class PromptEncoder:
     def token_text(self, token_id: int) -> str:
         """Text of one token (for OpenAI logprobs `tokens`)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token (for OpenAI logprobs `bytes`)."""
+        return self.tokenizer.token_bytes(token_id)

@@ -73,6 +73,7 @@ def tokenize(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo)
             raise InvalidArgument(
                 f"token ids must be below the vocabulary size {model.vocab_size}",
                 reason="INVALID_TOKEN_ID",
+                field="token_ids",
             )
         return ids
     raise InvalidArgument("the prompt is empty", reason="EMPTY_PROMPT")
@@ -85,6 +86,10 @@ def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) 
             f"unknown model {req.model!r}; this router serves {model.name!r}",
             reason="UNKNOWN_MODEL",
             model=req.model,
+        )
+    if req.mode not in rpb.RoutingMode.values():  # proto3 enums are open: 99 parses
+        raise InvalidArgument(
+            f"mode {int(req.mode)} is not a RoutingMode", reason="INVALID_MODE", field="mode"
         )
     if len(req.request_id) > 128:
         raise InvalidArgument("request_id is longer than 128 characters", reason="INVALID_REQUEST_ID")

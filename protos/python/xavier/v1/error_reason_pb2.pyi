@@ -213,9 +213,14 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     ERROR_REASON_UNSUPPORTED_N: _ErrorReason.ValueType  # 57
     """The HTTP request asks for n other than 1; status INVALID_ARGUMENT."""
     ERROR_REASON_UNSUPPORTED_PARAMETER: _ErrorReason.ValueType  # 58
-    """The HTTP request uses echo, best_of or suffix, which are not supported; status INVALID_ARGUMENT."""
+    """The HTTP request asks for something not implemented (echo, best_of, suffix, penalties, logit_bias,
+    tools, alternative logprobs, a non-text content part); status INVALID_ARGUMENT (HTTP 400), metadata
+    "param" names it.
+    """
     ERROR_REASON_INVALID_MODE: _ErrorReason.ValueType  # 59
-    """The HTTP field xavier_mode is not one of pd, colocated or native; status INVALID_ARGUMENT."""
+    """The HTTP field xavier_mode is not one of pd, colocated or native, or a gRPC request's mode is not a
+    RoutingMode value; status INVALID_ARGUMENT.
+    """
     ERROR_REASON_TOO_MANY_KEYS: _ErrorReason.ValueType  # 62
     """Page store (services/xavier_services/pagestore).
 
@@ -235,6 +240,20 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     ERROR_REASON_LEASE_BUSY: _ErrorReason.ValueType  # 66
     """The lease's commit is in progress, so it cannot be committed or released again yet; status
     FAILED_PRECONDITION, metadata "lease_id". Safe to retry after the commit answers.
+    """
+    ERROR_REASON_REQUEST_TOO_LARGE: _ErrorReason.ValueType  # 67
+    """Hostile input and admission.
+
+    The HTTP request body is larger than the router's http_max_body_bytes; HTTP 413 with the OpenAI error
+    shape (the HTTP front only, gRPC has grpc.max_receive_message_length).
+    """
+    ERROR_REASON_INVALID_ENCODING: _ErrorReason.ValueType  # 68
+    """A request message could not be parsed, typically a string field holding bytes that are not UTF-8;
+    status INVALID_ARGUMENT, metadata "method" (the RPC).
+    """
+    ERROR_REASON_ENGINE_QUEUE_FULL: _ErrorReason.ValueType  # 69
+    """The engine already holds engine.max_queued requests waiting for their first step; status
+    RESOURCE_EXHAUSTED, metadata "limit". Retry later or on another peer.
     """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
@@ -438,9 +457,14 @@ ERROR_REASON_INVALID_JSON: ErrorReason.ValueType  # 56
 ERROR_REASON_UNSUPPORTED_N: ErrorReason.ValueType  # 57
 """The HTTP request asks for n other than 1; status INVALID_ARGUMENT."""
 ERROR_REASON_UNSUPPORTED_PARAMETER: ErrorReason.ValueType  # 58
-"""The HTTP request uses echo, best_of or suffix, which are not supported; status INVALID_ARGUMENT."""
+"""The HTTP request asks for something not implemented (echo, best_of, suffix, penalties, logit_bias,
+tools, alternative logprobs, a non-text content part); status INVALID_ARGUMENT (HTTP 400), metadata
+"param" names it.
+"""
 ERROR_REASON_INVALID_MODE: ErrorReason.ValueType  # 59
-"""The HTTP field xavier_mode is not one of pd, colocated or native; status INVALID_ARGUMENT."""
+"""The HTTP field xavier_mode is not one of pd, colocated or native, or a gRPC request's mode is not a
+RoutingMode value; status INVALID_ARGUMENT.
+"""
 ERROR_REASON_TOO_MANY_KEYS: ErrorReason.ValueType  # 62
 """Page store (services/xavier_services/pagestore).
 
@@ -460,5 +484,19 @@ metadata "lease_id".
 ERROR_REASON_LEASE_BUSY: ErrorReason.ValueType  # 66
 """The lease's commit is in progress, so it cannot be committed or released again yet; status
 FAILED_PRECONDITION, metadata "lease_id". Safe to retry after the commit answers.
+"""
+ERROR_REASON_REQUEST_TOO_LARGE: ErrorReason.ValueType  # 67
+"""Hostile input and admission.
+
+The HTTP request body is larger than the router's http_max_body_bytes; HTTP 413 with the OpenAI error
+shape (the HTTP front only, gRPC has grpc.max_receive_message_length).
+"""
+ERROR_REASON_INVALID_ENCODING: ErrorReason.ValueType  # 68
+"""A request message could not be parsed, typically a string field holding bytes that are not UTF-8;
+status INVALID_ARGUMENT, metadata "method" (the RPC).
+"""
+ERROR_REASON_ENGINE_QUEUE_FULL: ErrorReason.ValueType  # 69
+"""The engine already holds engine.max_queued requests waiting for their first step; status
+RESOURCE_EXHAUSTED, metadata "limit". Retry later or on another peer.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

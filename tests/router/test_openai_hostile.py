@@ -1,0 +1,139 @@
+"""Hostile HTTP bodies: each is a 400 naming the field, decided before anything reaches protobuf."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from xavier.v1 import router_service_pb2 as rpb
+
+from xavier_core.runtime import InvalidArgument
+from xavier_services.router.openai_body import MAX_DEPTH, decode_json
+from xavier_services.router.openai_shapes import parse
+from xavier_services.router.prompts import ModelInfo
+from xavier_services.router.request import prepare
+
+_RAW = [
+    (b"", "INVALID_JSON"),
+    (b"  \n", "INVALID_JSON"),
+    (b"{", "INVALID_JSON"),
+    (b"\xff\xfe{}", "INVALID_JSON"),
+    (b"[1, 2]", "INVALID_JSON"),
+    (b'"text"', "INVALID_JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "INVALID_JSON"),
+    (b'{"a":' * (MAX_DEPTH + 1) + b"1" + b"}" * (MAX_DEPTH + 1), "INVALID_JSON"),
+    (b'{"prompt": "\\ud800"}', "INVALID_ARGUMENT"),
+    (b'{"\\udfff": 1}', "INVALID_ARGUMENT"),
+    (b'{"max_tokens": ' + b"9" * 5000 + b"}", "INVALID_JSON"),
+]
+
+
+@pytest.mark.parametrize(("raw", "reason"), _RAW)
+def test_raw_bodies_are_refused_with_a_reason(raw: bytes, reason: str) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        decode_json(raw)
+    assert err.value.reason == reason
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "\ud800"}, "prompt"),
+        ({"messages": [{"role": "user", "content": "\ud800x"}]}, "messages[0].content"),
+        ({"prompt": "a", "stop": ["ok", "\udc00"]}, "stop[1]"),
+        ({"prompt": "a", "model": "m\ud800"}, "model"),
+    ],
+)
+def test_lone_surrogates_name_the_field(body: dict[str, object], param: str) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        decode_json(json.dumps(body).encode())
+    assert err.value.metadata["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "reason"),
+    [
+        ({"prompt": "a", "max_tokens": 2**70}, "max_tokens", "INVALID_MAX_TOKENS"),
+        ({"prompt": [1, 2**64]}, "prompt", "INVALID_TOKEN_ID"),
+        ({"prompt": [1, -1]}, "prompt", "INVALID_TOKEN_ID"),
+        ({"prompt": [True, 2]}, "prompt", "INVALID_TOKEN_ID"),
+        ({"prompt": "a", "stream": "false"}, "stream", "INVALID_ARGUMENT"),
+        ({"prompt": "a", "stream": 1}, "stream", "INVALID_ARGUMENT"),
+        ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos", "INVALID_ARGUMENT"),
+        ({"prompt": "a", "stream_options": []}, "stream_options", "INVALID_ARGUMENT"),
+        ({"prompt": "a", "temperature": "0.5"}, "temperature", "INVALID_SAMPLING"),
+        ({"prompt": "a", "temperature": True}, "temperature", "INVALID_SAMPLING"),
+        ({"prompt": "a", "temperature": 1e400}, "temperature", "INVALID_SAMPLING"),
+        ({"prompt": "a", "top_p": 0}, "top_p", "INVALID_SAMPLING"),
+        ({"prompt": "a", "seed": 1.5}, "seed", "INVALID_SAMPLING"),
+        ({"prompt": "a", "seed": -1}, "seed", "INVALID_SAMPLING"),
+        ({"prompt": "a", "model": 3}, "model", "INVALID_ARGUMENT"),
+        ({"prompt": "a", "n": "2"}, "n", "UNSUPPORTED_N"),
+        ({"prompt": "a", "n": 2}, "n", "UNSUPPORTED_N"),
+        ({"prompt": "a", "logprobs": 5}, "logprobs", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "logprobs": "5"}, "logprobs", "INVALID_ARGUMENT"),
+        ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "presence_penalty": -1}, "presence_penalty", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "logit_bias": {"5": 10}}, "logit_bias", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "echo": True}, "echo", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "xavier_mode": 1}, "xavier_mode", "INVALID_ARGUMENT"),
+        ({"prompt": "a", "user_request_id": ["x"]}, "user_request_id", "INVALID_ARGUMENT"),
+    ],
+)
+def test_completion_fields_are_typed_and_named(body: dict[str, object], param: str, reason: str) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        parse(body, False, "m", 16)
+    assert (err.value.metadata.get("param"), err.value.reason) == (param, reason)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "reason"),
+    [
+        ({"logprobs": True, "top_logprobs": 3}, "top_logprobs", "UNSUPPORTED_PARAMETER"),
+        ({"logprobs": "true"}, "logprobs", "INVALID_ARGUMENT"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].type",
+            "UNSUPPORTED_PARAMETER",
+        ),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "INVALID_CHAT"),
+        ({"messages": [{"role": 5, "content": "a"}]}, "messages[0].role", "INVALID_CHAT"),
+        ({"messages": "hi"}, "messages", "EMPTY_PROMPT"),
+        ({"tools": [{"type": "function"}]}, "tools", "UNSUPPORTED_PARAMETER"),
+    ],
+)
+def test_chat_fields_are_typed_and_named(body: dict[str, object], param: str, reason: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], **body}
+    with pytest.raises(InvalidArgument) as err:
+        parse(body, True, "m", 16)
+    assert (err.value.metadata.get("param"), err.value.reason) == (param, reason)
+
+
+def test_no_op_values_clients_send_by_default_are_accepted() -> None:
+    body = {
+        "prompt": "a",
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "logit_bias": {},
+        "logprobs": 0,
+        "n": 1,
+        "best_of": 1,
+        "echo": False,
+        "stream": False,
+        "stream_options": None,
+        "top_k": -1,
+    }
+    oa = parse(body, False, "m", 16)
+    assert oa.logprobs and not oa.stream and oa.request.sampling.top_k == 0
+    chat = parse({"messages": [{"role": "user", "content": None}], "top_logprobs": 0}, True, "m", 16)
+    assert chat.request.chat.messages[0].content == ""
+
+
+def test_grpc_mode_out_of_the_enum_is_invalid_argument() -> None:
+    req = rpb.GenerateRequest(mode=99)  # type: ignore[arg-type]  # proto3 enums are open on the wire
+    req.token_ids.ids.extend([1, 2])
+    req.sampling.max_tokens = 2
+    model = ModelInfo(name="m", max_context=64, vocab_size=100, tokenizer_fingerprint="")
+    with pytest.raises(InvalidArgument) as err:
+        prepare(req, None, model)  # type: ignore[arg-type]  # token ids need no encoder
+    assert (err.value.reason, err.value.metadata["field"]) == ("INVALID_MODE", "mode")
