@@ -1,4 +1,7 @@
-"""`xavier up`: the whole mesh on this machine as child processes, until Ctrl-C or SIGTERM."""
+"""`xavier up`: the whole mesh on this machine as child processes, until Ctrl-C or SIGTERM.
+
+A service that dies is restarted with backoff while the rest keep serving; `xavier up` exits on Ctrl-C /
+SIGTERM (0) or when one service exhausts its restarts (1)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from xavier_cli.supervisor import Child, Supervisor
+from xavier_cli.supervisor import Child, GaveUp, Keeper, RestartPolicy, Supervisor
 
 DEFAULT_GRPC = "127.0.0.1:50051"
 DEFAULT_HTTP = "127.0.0.1:8000"
@@ -59,6 +62,24 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", type=Path, default=None, help="ready files and logs (default: a temp dir)")
     p.add_argument("--ready-file", type=Path, default=None, help="write the endpoints here once up (JSON)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every service")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=RestartPolicy.max_restarts,
+        help="restarts of one service within --restart-window before xavier up gives up (0: never restart)",
+    )
+    p.add_argument(
+        "--restart-window",
+        type=float,
+        default=RestartPolicy.window_seconds,
+        help="seconds (see --max-restarts)",
+    )
+    p.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=RestartPolicy.backoff_seconds,
+        help="seconds before the first restart; doubles per restart in the window, at most 10",
+    )
 
 
 class _Stop:
@@ -154,22 +175,22 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"\nXavier is up ({args.mode}, {model.name}).", flush=True)
         print(f'  gRPC    {endpoints["grpc"]}   (xavier generate --address {endpoints["grpc"]} "Hello")')
         print(f"  OpenAI  http://{endpoints['http']}/v1")
+        print(
+            "  metrics "
+            + ", ".join(f"{c.name} http://{c.metrics}/metrics" for c in sup.children if c.metrics)
+        )
         print(f"  logs    {workdir}\nPress Ctrl-C to stop.", flush=True)
         if args.ready_file is not None:
             tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
             tmp.write_text(json.dumps(endpoints) + "\n")
             os.replace(tmp, args.ready_file)
+        keeper = Keeper(sup, _policy(args, say), say)
         while not stop.requested:
-            dead = sup.dead()
-            if dead:
-                for child in dead:
-                    print(
-                        f"{child.name} exited with {child.proc.returncode}:\n{child.log_tail()}",
-                        file=sys.stderr,
-                    )
-                code = 1
-                break
+            keeper.tick()
             time.sleep(0.2)
+    except GaveUp as exc:
+        print(f"xavier up: {exc}", file=sys.stderr)
+        code = 1
     except (RuntimeError, TimeoutError) as exc:
         print(f"xavier up failed: {exc}", file=sys.stderr)
         code = 1
@@ -182,6 +203,20 @@ def run_up(args: argparse.Namespace) -> int:
     return code
 
 
+def _policy(args: argparse.Namespace, say: Callable[[str], None]) -> RestartPolicy:
+    policy = RestartPolicy(
+        max_restarts=max(0, args.max_restarts),
+        window_seconds=args.restart_window,
+        backoff_seconds=args.restart_backoff,
+        ready_timeout_seconds=args.timeout,
+    )
+    say(
+        f"supervising: a service that dies is restarted (at most {policy.max_restarts} times in "
+        f"{policy.window_seconds:.0f}s)"
+    )
+    return policy
+
+
 def _progress(say: Callable[[str], None]) -> Callable[[Child, float], None]:
     def note(child: Child, elapsed: float) -> None:
         say(f"  {child.name}: still starting ({elapsed:.0f}s)")
@@ -191,7 +226,8 @@ def _progress(say: Callable[[str], None]) -> Callable[[Child, float], None]:
 
 def _ready(say: Callable[[str], None]) -> Callable[[Child], None]:
     def note(child: Child) -> None:
-        say(f"  {child.name} ready at {child.address} ({time.monotonic() - child.started:.1f}s)")
+        metrics = f", metrics {child.metrics}" if child.metrics else ""
+        say(f"  {child.name} ready at {child.address} ({time.monotonic() - child.started:.1f}s{metrics})")
 
     return note
 

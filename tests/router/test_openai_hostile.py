@@ -6,12 +6,12 @@ import json
 
 import pytest
 from xavier.v1 import router_service_pb2 as rpb
-
-from xavier_core.runtime import InvalidArgument
 from xavier_services.router.openai_body import MAX_DEPTH, decode_json
 from xavier_services.router.openai_shapes import parse
 from xavier_services.router.prompts import ModelInfo
 from xavier_services.router.request import prepare
+
+from xavier_core.runtime import InvalidArgument
 
 _RAW = [
     (b"", "INVALID_JSON"),
