@@ -33,6 +33,11 @@ class OutOfPagesError(EngineError):
     """The KV pool cannot hold the request even after eviction and preemption."""
 
 
+class EngineBusyError(EngineError):
+    """The engine already holds its bound of requests waiting for their first step; retry later or
+    elsewhere. Nothing of the refused request was kept."""
+
+
 class RequestNotFoundError(EngineError):
     """No live request with that id."""
 

@@ -18,6 +18,7 @@ import torch
 
 from xavier_core.engine.api import (
     AbortEvent,
+    EngineBusyError,
     EngineStats,
     InvalidRequestError,
     PrefillResult,
@@ -76,11 +77,14 @@ class ReferenceEngine:
         chunk_tokens: int,
         layout_fingerprint: str,
         cuda_graphs: bool = True,
+        max_queued: int = 1024,
     ) -> None:
-        if max_running < 1 or chunk_tokens < 1:
+        if max_running < 1 or chunk_tokens < 1 or max_queued < 1:
             raise InvalidRequestError(
-                f"max_running ({max_running}) and chunk_tokens ({chunk_tokens}) must be >= 1"
+                f"max_running ({max_running}), chunk_tokens ({chunk_tokens}) and max_queued ({max_queued}) "
+                "must be >= 1"
             )
+        self.max_queued = max_queued
         self.model = model
         self.config = model.cfg
         self.tokenizer = tokenizer
@@ -115,6 +119,7 @@ class ReferenceEngine:
         layout_fingerprint: str | None = None,
         cuda_graphs: bool = True,
         compute: str = "model",
+        max_queued: int = 1024,
     ) -> ReferenceEngine:
         """Loads a checkpoint directory and starts the engine loop.
 
@@ -122,7 +127,8 @@ class ReferenceEngine:
         free GPU memory (1 GiB on CPU), capped at `max_running` full contexts. `layout_fingerprint` seeds the
         prefix key chain; by default a SHA-256 of config.json, the dtype and the page size. On CUDA,
         decode-only steps run from CUDA graphs unless `cuda_graphs` is False (then the same static-shape
-        decode runs eagerly); on the CPU the flag has no effect.
+        decode runs eagerly); on the CPU the flag has no effect. Past `max_queued` requests waiting for
+        their first step, `generate` and `prefill` raise `EngineBusyError`.
 
         `compute="null"` serves a `NullLM` built from config.json alone (no weights are read; the tokenizer
         still is): deterministic K/V and logits at near-zero cost, for measuring everything around the
@@ -165,6 +171,7 @@ class ReferenceEngine:
             chunk_tokens=chunk_tokens,
             layout_fingerprint=layout_fingerprint,
             cuda_graphs=cuda_graphs,
+            max_queued=max_queued,
         )
         engine.model_dir = path
         return engine
@@ -421,6 +428,11 @@ class ReferenceEngine:
         with self._lock:
             if req.role is not Role.DECODE:
                 self._check_open_and_unique(req.id)
+                # New work is bounded; a decode is not, its prefill already ran and its pages are held.
+                if len(self._sched.waiting) >= self.max_queued:
+                    raise EngineBusyError(
+                        f"the engine has {self.max_queued} requests waiting (engine.max_queued); retry later"
+                    )
             elif self._loop.closed:
                 self._cache.release(req.pages)
                 raise EngineClosedError("engine closed")

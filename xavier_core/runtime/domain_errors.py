@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from xavier_core.engine.api import EngineError, InvalidRequestError, OutOfPagesError, RequestNotFoundError
+from xavier_core.engine.api import (
+    EngineBusyError,
+    EngineError,
+    InvalidRequestError,
+    OutOfPagesError,
+    RequestNotFoundError,
+)
 from xavier_core.engine.errors import CheckpointError, EngineClosedError, RequestAbortedError
 from xavier_core.sampling import SamplingError
 
@@ -29,6 +35,7 @@ __all__ = ["as_xavier_error", "engine_status", "sampling_status"]
 _ENGINE: tuple[tuple[type[EngineError], Callable[[str], XavierError]], ...] = (
     (InvalidRequestError, lambda m: InvalidArgument(m, reason="INVALID_REQUEST")),
     (OutOfPagesError, lambda m: CapacityExhausted(m, reason="OUT_OF_PAGES")),
+    (EngineBusyError, lambda m: CapacityExhausted(m, reason="ENGINE_QUEUE_FULL")),
     (RequestNotFoundError, lambda m: NotFound(m, reason="REQUEST_NOT_FOUND")),
     (RequestAbortedError, lambda m: Aborted(m, reason="REQUEST_ABORTED")),
     (EngineClosedError, lambda m: Unavailable(m, reason="SHUTTING_DOWN")),

@@ -25,6 +25,9 @@ class EngineSection(_Section):
     page_size: int = Field(default=16, ge=1, le=1024)
     num_pages: int = Field(default=1024, ge=8, le=1 << 24)
     max_running: int = Field(default=32, ge=1, le=4096)
+    max_queued: int = Field(default=1024, ge=1, le=1 << 20)
+    """Requests waiting for their first step beyond which new generate/prefill calls are refused with
+    RESOURCE_EXHAUSTED / ENGINE_QUEUE_FULL (decodes of already prefilled requests are never refused)."""
     chunk_tokens: int = Field(default=2048, ge=16, le=1 << 20)
     compute: Literal["model", "null"] = "model"
     """What each step runs: "model", the checkpoint's forward pass; "null", a near-zero-cost stand-in (no

@@ -63,6 +63,7 @@ def load_engine(config: PeerServiceConfig, role: int = types_pb2.ROLE_UNIFIED) -
         max_running=e.max_running,
         chunk_tokens=e.chunk_tokens,
         compute=e.compute,
+        max_queued=e.max_queued,
     )
     if role != types_pb2.ROLE_PREFILL and e.device.startswith("cuda"):
         # Decode graphs are captured now, before the NIXL agent exists: a capture must not overlap

@@ -252,8 +252,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     status INVALID_ARGUMENT, metadata "method" (the RPC).
     """
     ERROR_REASON_ENGINE_QUEUE_FULL: _ErrorReason.ValueType  # 69
-    """The engine already holds engine.max_queued requests waiting for their first step; status
-    RESOURCE_EXHAUSTED, metadata "limit". Retry later or on another peer.
+    """The engine already holds engine.max_queued requests waiting for their first step, so a new generate or
+    prefill is refused before anything is allocated; status RESOURCE_EXHAUSTED. Retry later or elsewhere.
     """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
@@ -496,7 +496,7 @@ ERROR_REASON_INVALID_ENCODING: ErrorReason.ValueType  # 68
 status INVALID_ARGUMENT, metadata "method" (the RPC).
 """
 ERROR_REASON_ENGINE_QUEUE_FULL: ErrorReason.ValueType  # 69
-"""The engine already holds engine.max_queued requests waiting for their first step; status
-RESOURCE_EXHAUSTED, metadata "limit". Retry later or on another peer.
+"""The engine already holds engine.max_queued requests waiting for their first step, so a new generate or
+prefill is refused before anything is allocated; status RESOURCE_EXHAUSTED. Retry later or elsewhere.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
