@@ -128,8 +128,18 @@ class PeerSession:
                 load = self._load() if self._load is not None else None
                 resp = await self.client.heartbeat(reg.peer_id, reg.epoch, load)
                 if resp.must_register:
+                    _log.warning(
+                        "lost the directory lease; registering again",
+                        peer_id=reg.peer_id,
+                        epoch=reg.epoch,
+                        cause="must_register",
+                    )
                     await self._try_register()
             except NotFound:
+                # The lease lapsed (a stall past it) or the directory restarted and forgot this peer.
+                _log.warning(
+                    "lost the directory lease; registering again", peer_id=reg.peer_id, epoch=reg.epoch
+                )
                 await self._try_register()
             except XavierError as err:
                 if err.reason == "STALE_EPOCH":

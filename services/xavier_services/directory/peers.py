@@ -10,6 +10,7 @@ from xavier.v1 import types_pb2
 
 from xavier_core.contract import KvLayout, require_compatible
 from xavier_core.runtime.errors import CapacityExhausted, FailedPrecondition, InvalidArgument, NotFound
+from xavier_core.runtime.logging import get_logger
 from xavier_services.directory.config import DirectorySettings
 from xavier_services.directory.records import PeerRecord
 from xavier_services.directory.validate import (
@@ -21,6 +22,7 @@ from xavier_services.directory.validate import (
 )
 
 __all__ = ["PeerTable"]
+_log = get_logger("xavier.directory.peers")
 
 _KV_ROLES = (types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE, types_pb2.ROLE_UNIFIED)
 _ENDPOINT_ROLES = (types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE)
@@ -156,6 +158,9 @@ class PeerTable:
         peer = self._peers.get(peer_id)
         if peer is not None and peer.expires_at <= self.clock():
             del self._peers[peer_id]
+            _log.warning(
+                "peer lease expired", peer_id=peer_id, epoch=peer.epoch, role=types_pb2.Role.Name(peer.role)
+            )
             self.on_gone(peer, "lease expired")
             return None
         return peer
