@@ -184,7 +184,7 @@ class RestartPolicy:
     ready_timeout_seconds: float = 300.0
 
     def delay(self, attempt: int) -> float:
-        return min(self.max_backoff_seconds, self.backoff_seconds * 2 ** max(0, attempt - 1))
+        return min(self.max_backoff_seconds, self.backoff_seconds * 2.0 ** max(0, attempt - 1))
 
 
 class GaveUp(RuntimeError):
