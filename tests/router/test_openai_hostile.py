@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 
 import pytest
 from xavier.v1 import router_service_pb2 as rpb
@@ -11,6 +13,7 @@ from xavier_services.router.openai_shapes import parse
 from xavier_services.router.prompts import ModelInfo
 from xavier_services.router.request import prepare
 
+from tests.cli.mesh import Mesh
 from xavier_core.runtime import InvalidArgument
 
 _RAW = [
@@ -137,3 +140,47 @@ def test_grpc_mode_out_of_the_enum_is_invalid_argument() -> None:
     with pytest.raises(InvalidArgument) as err:
         prepare(req, None, model)  # type: ignore[arg-type]  # token ids need no encoder
     assert (err.value.reason, err.value.metadata["field"]) == ("INVALID_MODE", "mode")
+
+
+# The cases over real HTTP: (raw body, the field the 400 names or None for body-level errors).
+_OVER_HTTP = [
+    (b"{not json", None),
+    (b"", None),
+    (b'{"prompt": "\xff\xfe"}', None),
+    (b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+    (b'{"prompt": "a", "stop": "\\ud800"}', "stop"),
+    (b'{"prompt": "a", "model": "\\ud800"}', "model"),
+    (b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", None),
+    (b'{"prompt": "a", "max_tokens": 1180591620717411303424}', "max_tokens"),
+    (b'{"prompt": [1, 18446744073709551616]}', "prompt"),
+    (b'{"prompt": "a", "stream": "false"}', "stream"),
+    (b'{"prompt": "a", "top_p": 0}', "top_p"),
+    (b'{"prompt": "a", "logprobs": 5}', "logprobs"),
+    (
+        b'{"messages": [{"role": "user", "content": "a"}], "logprobs": true, "top_logprobs": 2}',
+        "top_logprobs",
+    ),
+    (b'{"prompt": "a", "frequency_penalty": 1.0}', "frequency_penalty"),
+    (b'{"prompt": "a", "presence_penalty": 1.0}', "presence_penalty"),
+    (b'{"prompt": "a", "logit_bias": {"1": 5}}', "logit_bias"),
+    (
+        b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+        "messages[0].content[0].type",
+    ),
+]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("raw", "param"), _OVER_HTTP)
+def test_the_reported_bodies_are_400_naming_the_field(mesh: Mesh, raw: bytes, param: str | None) -> None:
+    path = "/v1/chat/completions" if raw.startswith(b'{"messages"') else "/v1/completions"
+    request = urllib.request.Request(
+        f"http://{mesh.http}{path}", data=raw, headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=60)
+    assert info.value.code == 400
+    assert info.value.headers["Content-Type"].startswith("application/json")
+    err = json.loads(info.value.read())["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
