@@ -10,10 +10,12 @@ from xavier_client import Client
 
 from tests.cli.mesh import Mesh, mesh, stop_shared_mesh
 
-__all__ = ["TRIED", "assert_nothing_leaked", "mesh"]
+__all__ = ["OUTCOMES", "TRIED", "assert_nothing_leaked", "mesh"]
 
 TRIED: Counter[str] = Counter()
 """Inputs sent, by suite (reported at the end of the session)."""
+OUTCOMES: Counter[str] = Counter()
+"""Answers by HTTP status or gRPC code, to show how deep the inputs reached (some must be served)."""
 
 
 def pytest_sessionfinish() -> None:
@@ -24,6 +26,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if TRIED:
         parts = ", ".join(f"{name} {count}" for name, count in sorted(TRIED.items()))
         terminalreporter.write_line(f"fuzz inputs tried: {sum(TRIED.values())} ({parts})")
+        outcomes = ", ".join(f"{name} {count}" for name, count in sorted(OUTCOMES.items()))
+        terminalreporter.write_line(f"fuzz answers: {outcomes}")
 
 
 def _busy(mesh: Mesh) -> list[str]:

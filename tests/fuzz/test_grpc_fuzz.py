@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from xavier.v1 import router_service_pb2 as rpb
 
 from tests.cli.mesh import Mesh
-from tests.fuzz.conftest import TRIED, assert_nothing_leaked
+from tests.fuzz.conftest import OUTCOMES, TRIED, assert_nothing_leaked
 from tests.fuzz.strategies import fuzz, generate_requests, raw_generate_requests, string_field
 
 pytestmark = pytest.mark.integration
@@ -34,7 +34,9 @@ def _generate(channel: grpc.Channel, payload: bytes) -> grpc.StatusCode:
     except grpc.RpcError as err:
         code: grpc.StatusCode = err.code()  # type: ignore[attr-defined]
         assert code not in _BAD, (code, err.details())  # type: ignore[attr-defined]
+        OUTCOMES[f"grpc {code.name}"] += 1
         return code
+    OUTCOMES["grpc OK"] += 1
     return grpc.StatusCode.OK
 
 
@@ -45,7 +47,9 @@ def _unary(channel: grpc.Channel, method: str, payload: bytes) -> grpc.StatusCod
     except grpc.RpcError as err:
         code: grpc.StatusCode = err.code()  # type: ignore[attr-defined]
         assert code not in _BAD, (method, code, err.details())  # type: ignore[attr-defined]
+        OUTCOMES[f"grpc {code.name}"] += 1
         return code
+    OUTCOMES["grpc OK"] += 1
     return grpc.StatusCode.OK
 
 

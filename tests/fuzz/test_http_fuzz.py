@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.cli.mesh import Mesh
-from tests.fuzz.conftest import TRIED, assert_nothing_leaked
+from tests.fuzz.conftest import OUTCOMES, TRIED, assert_nothing_leaked
 from tests.fuzz.strategies import dump, fuzz, mangled_bodies, openai_bodies
 
 pytestmark = pytest.mark.integration
@@ -31,6 +31,7 @@ def _send(mesh: Mesh, method: str, path: str, body: bytes | None = None) -> tupl
 
 
 def _check(status: int, data: bytes, content_type: str) -> None:
+    OUTCOMES[f"http {status}"] += 1
     assert status < 500, (status, data[:500])
     if status == 200:
         if content_type.startswith("text/event-stream"):
