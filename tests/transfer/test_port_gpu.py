@@ -26,6 +26,7 @@ from xavier.v1 import directory_service_pb2 as dpb  # noqa: E402
 from xavier.v1 import types_pb2  # noqa: E402
 
 from xavier_core.transfer import KvBuffer, KvPort, peer_key  # noqa: E402
+from xavier_core.transfer.cuda_copy import copy_stream  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -191,9 +192,9 @@ async def test_abort_mid_copy_waits_for_the_copy_and_never_blocks_the_loop(sourc
         for attempt in range(3):
             room = 2000 + attempt
             desc, endpoint = await source.publish(room, src_pages)
-            # Keep the copy in flight: it is ordered after work already queued on the device's default
-            # stream, so a ~0.5 s spin there holds it back while the pull is cancelled.
-            with torch.cuda.device(pool[0].device):
+            # Keep the copy in flight: a ~0.5 s spin queued first on the copy stream holds it back while
+            # the pull is cancelled.
+            with torch.cuda.device(pool[0].device), torch.cuda.stream(copy_stream(pool[0].device.index)):
                 torch.cuda._sleep(1_000_000_000)
             pull = asyncio.create_task(
                 port.pull(room, desc, endpoint, SRC_KEY, dst_pages, timeout=30, park_timeout=30)

@@ -375,16 +375,18 @@ class KvPort:
             raise Unavailable("CUDA IPC is not set up", reason="TRANSFER_FAILED")
         peer_id = (split_peer_key(peer) or (peer, 0))[0]
         copy = _IpcCopy(str(room_id), info.token, peer, asyncio.get_running_loop().create_future())
+        posted = False
 
         def _start() -> None:
+            nonlocal posted
             self.agent.add_peer(peer, endpoint.agent_metadata)  # the read-end notification goes over NIXL
             handle = ipc.start(peer_id, view, src_pages, dst_pages)
             self._copies[handle] = copy
+            posted = True  # from here the copy's end tells the source (even if this task is cancelled)
 
         def _abort() -> None:
             copy.aborted = True  # its end is reported to the source as a failed read
 
-        posted = False
         try:
             try:
                 await self._run(_start)
@@ -392,7 +394,6 @@ class KvPort:
                 raise Unavailable(
                     f"KV copy of room {room_id} not started: {err}", reason="TRANSFER_FAILED"
                 ) from None
-            posted = True
             try:
                 state = await asyncio.wait_for(asyncio.shield(copy.done), timeout)
             except TimeoutError:
