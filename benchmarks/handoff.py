@@ -1,4 +1,7 @@
-"""P/D KV handoff: time and GB/s against prompt length, coalesced runs vs one descriptor per page.
+"""P/D KV handoff: time and GB/s against prompt length, by transport: NIXL with coalesced runs, NIXL with
+one descriptor per page, and (`--device cuda`) CUDA IPC with the fused page-copy kernel (`cuda_ipc`: the
+reader maps the source process's pool once, then each handoff is one launch, timed from issue until its
+CUDA event completes). Choose with `--modes`.
 
 Two processes: a source (prefill-like) that publishes pages through `KvSender` and keeps polling, and a
 reader (decode-like, this process) that times `KvReceiver.start()` → SUCCESS. Both modes run in the same
@@ -35,6 +38,7 @@ from xavier_core.transfer import (
 )
 
 MODES = ("coalesced", "per_page")
+ALL_MODES = ("coalesced", "per_page", "cuda_ipc")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix of the output file names")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {ALL_MODES}")
     return p.parse_args(argv)
 
 
@@ -116,7 +121,11 @@ def source_main(conn: Connection, args: argparse.Namespace, pool_pages: int) -> 
         if cmd == "stop":
             break
         room, pages = rest
-        if cmd == "publish":
+        if cmd == "export":
+            from xavier_core.transfer.cuda_ipc import export_pool
+
+            conn.send(export_pool(bufs).to_bytes())
+        elif cmd == "publish":
             s = senders[room] = KvSender(manager, room)
             s.init(len(pages))
             conn.send(s.send(pages))  # a SourceInfo pickles
@@ -142,7 +151,21 @@ def handoff(manager: KvManager, info: SourceInfo, room: str, dest: list[int], mo
     return elapsed, descs
 
 
+def handoff_ipc(view: Any, local: Any, src: list[int], dst: list[int]) -> tuple[float, int]:
+    """One fused copy from the mapped source pool, timed until its CUDA event completes."""
+    from xavier_core.transfer.cuda_copy import copy_pages
+
+    t0 = time.perf_counter()
+    h = copy_pages(view, local, src, dst, device=local.device)
+    while not h.is_done():
+        pass
+    return time.perf_counter() - t0, h.launches
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if set(modes) - set(ALL_MODES):
+        raise SystemExit(f"unknown modes {sorted(set(modes) - set(ALL_MODES))}")
     tokens = [int(t) for t in args.tokens.split(",")]
     pool_pages = max(-(-t // args.page_size) for t in tokens)
     src_dev, dst_dev = devices(args)
@@ -160,6 +183,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bufs = kv_buffers(pool, pool_pages)
     agent = NixlAgent(f"handoff-dst-{os.getpid()}", bufs)
     manager = KvManager(agent, bufs, args.page_size)
+    view = local = None
+    if "cuda_ipc" in modes:
+        from xavier_core.transfer.copy_plan import PoolView
+        from xavier_core.transfer.cuda_ipc import IpcImporter
+
+        conn.send(("export", "", []))
+        local = PoolView.from_buffers(bufs)
+        importer = IpcImporter(local.device)
+        view = importer.open("handoff-src", 1, conn.recv())
     rng = np.random.default_rng(args.seed)
     samples: dict[tuple[int, str], list[float]] = {}
     descs: dict[tuple[int, str], int] = {}
@@ -170,7 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 n = -(-n_tok // args.page_size)
                 src = page_list(n, pool_pages, args.mean_run, rng)
                 dst = page_list(n, pool_pages, args.mean_run, rng)
-                for mode in MODES if (rep + n_tok // 256) % 2 == 0 else MODES[::-1]:
+                for mode in modes if (rep + n_tok // 256) % 2 == 0 else modes[::-1]:
                     seq += 1
                     room = f"r{seq}"
                     conn.send(("publish", room, src))
@@ -178,7 +210,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if rep == 0:
                         for t in pool:
                             t.zero_()
-                    elapsed, descs[(n_tok, mode)] = handoff(manager, info, room, dst, mode)
+                    if mode == "cuda_ipc":
+                        elapsed, descs[(n_tok, mode)] = handoff_ipc(view, local, src, dst)
+                    else:
+                        elapsed, descs[(n_tok, mode)] = handoff(manager, info, room, dst, mode)
                     conn.send(("clear", room, []))
                     conn.recv()
                     if rep == 0:
@@ -225,7 +260,11 @@ def verify(
 
 def speedups(rows: list[dict[str, Any]]) -> dict[str, float]:
     by = {(r["tokens"], r["mode"]): r["median_ms"] for r in rows}
-    return {str(t): round(by[(t, "per_page")] / by[(t, "coalesced")], 2) for t, m in by if m == "coalesced"}
+    return {
+        f"{t}:{m}": round(by[(t, "per_page")] / by[(t, m)], 2)
+        for t, m in by
+        if m != "per_page" and (t, "per_page") in by
+    }
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -235,7 +274,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_bw) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode in MODES:
+    for mode in sorted({r["mode"] for r in report["results"]}):
         rows = [r for r in report["results"] if r["mode"] == mode]
         xs = [r["tokens"] for r in rows]
         ax_t.plot(xs, [r["median_ms"] for r in rows], marker="o", label=mode)

@@ -331,6 +331,45 @@ async def run_overhead(info: dict[str, Any], pids: dict[int, str]) -> list[dict[
     return out
 
 
+def decode_run_lengths(svc_dir: Path) -> dict[str, int]:
+    """The decodes' run-length histogram (`xavier_transfer_run_length_pages`, per bucket, summed over
+    decode peers) scraped from their /metrics now."""
+    import urllib.request
+
+    out: dict[str, int] = {}
+    for ready in svc_dir.glob("*decode*.ready"):
+        address = json.loads(ready.read_text()).get("metrics")
+        if not address:
+            continue
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            if line.startswith("xavier_transfer_run_length_pages_bucket"):
+                le = line.split('le="', 1)[1].split('"', 1)[0]
+                out[le] = out.get(le, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+async def run_lengths(args: argparse.Namespace, info: dict[str, Any], svc_dir: Path) -> list[dict[str, Any]]:
+    """Page-run lengths the decode pulled at each concurrency, after a warm-up level at that
+    concurrency (a pool that has served traffic hands out scattered pages)."""
+    out = []
+    for conc in args.run_length_concurrency:
+        n = max(8, conc * args.requests_per_client)
+        await level(info["grpc"], "pd", conc, n, args.max_tokens, seed=conc + 1)  # warm-up
+        before = decode_run_lengths(svc_dir)
+        await level(info["grpc"], "pd", conc, n, args.max_tokens, seed=conc + 2)
+        after = decode_run_lengths(svc_dir)
+        cumulative = {le: after[le] - before.get(le, 0) for le in after}
+        runs = max(cumulative.values(), default=0)
+        per_bucket, prev = {}, 0
+        for le, c in cumulative.items():  # the exposition lists buckets in increasing order
+            per_bucket[le], prev = c - prev, c
+        out.append({"concurrency": conc, "runs": runs, "runs_by_length_le": per_bucket})
+        print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+    return out
+
+
 def _run_loop(coro: Any) -> Any:
     try:
         import uvloop
@@ -348,6 +387,10 @@ def main() -> int:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu, or cuda to spread engines over the GPUs")
     p.add_argument("--overhead-only", action="store_true", help="only the zero-compute overhead part")
+    p.add_argument(
+        "--run-lengths", action="store_true", help="also record the page-run lengths the decode pulls"
+    )
+    p.add_argument("--run-length-concurrency", type=int, nargs="+", default=[32, 64])
     args = p.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="xavier-bench-"))
     meshes = {"model": ("levels", run_levels), "null": ("overhead", run_overhead)}
@@ -359,6 +402,8 @@ def main() -> int:
             result["model"] = Path(info["model"]).name
             coro = fn(args, info) if compute == "model" else fn(info, _services(workdir / compute / "svc"))
             result[key] = _run_loop(coro)
+            if compute == "model" and args.run_lengths:
+                result["run_lengths"] = _run_loop(run_lengths(args, info, workdir / compute / "svc"))
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)

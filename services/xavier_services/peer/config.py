@@ -74,6 +74,9 @@ class HandoffSection(_Section):
     """NIXL progress / notification polling period while transfers are live."""
     transfer_mode: Literal["coalesced", "per_page"] = "coalesced"
     """Descriptors per read: one per contiguous run (default) or one per page (baseline)."""
+    transport: Literal["auto", "nixl", "cuda_ipc"] = "auto"
+    """How a decode pulls KV: auto (CUDA IPC from a VRAM source on the same host with peer access, NIXL
+    otherwise), or forced. A VRAM source offers its pool through CUDA IPC unless this is nixl."""
 
 
 class PeerServiceConfig(ServiceConfig):

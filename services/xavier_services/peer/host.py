@@ -25,6 +25,7 @@ from xavier_core.runtime.errors import (
     XavierError,
 )
 from xavier_core.runtime.logging import get_logger
+from xavier_core.transfer.metrics import register_port_metrics
 from xavier_core.transfer.port import KvPort
 from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.peer.room_feed import RoomFeed
@@ -117,7 +118,9 @@ class PeerHost:
                 cfg.handoff.poll_interval_seconds,
                 cfg.handoff.transfer_mode,
                 self.engine.device_lock,
+                cfg.handoff.transport,
             )
+            register_port_metrics(ROLE_NAMES[self.role], self.kv.stats)
         self.directory = DirectoryClient(cfg.peer.directory, timeout=cfg.peer.rpc_timeout_seconds)
         req = dpb.RegisterPeerRequest(
             peer_id=self.peer_id, role=self.role, address=self.address, layout=self.layout.to_proto()

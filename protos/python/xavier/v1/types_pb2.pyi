@@ -61,7 +61,11 @@ class _TransportKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Transpo
     TRANSPORT_KIND_UNSPECIFIED: _TransportKind.ValueType  # 0
     """The transport was not set; the directory rejects an endpoint without one."""
     TRANSPORT_KIND_NIXL: _TransportKind.ValueType  # 1
-    """NIXL (UCX) one-sided READs of registered memory, DRAM or VRAM; the only transport implemented."""
+    """NIXL (UCX) one-sided READs of registered memory, DRAM or VRAM. Every endpoint offers it."""
+    TRANSPORT_KIND_CUDA_IPC: _TransportKind.ValueType  # 2
+    """CUDA IPC: a reader on the same host maps the peer's VRAM KV pool (TransferEndpoint.cuda_ipc_pool)
+    and copies pages GPU to GPU with one fused kernel. Offered in addition to NIXL, never instead.
+    """
 
 class TransportKind(_TransportKind, metaclass=_TransportKindEnumTypeWrapper):
     """TransportKind names how KV bytes move between two peers."""
@@ -69,7 +73,11 @@ class TransportKind(_TransportKind, metaclass=_TransportKindEnumTypeWrapper):
 TRANSPORT_KIND_UNSPECIFIED: TransportKind.ValueType  # 0
 """The transport was not set; the directory rejects an endpoint without one."""
 TRANSPORT_KIND_NIXL: TransportKind.ValueType  # 1
-"""NIXL (UCX) one-sided READs of registered memory, DRAM or VRAM; the only transport implemented."""
+"""NIXL (UCX) one-sided READs of registered memory, DRAM or VRAM. Every endpoint offers it."""
+TRANSPORT_KIND_CUDA_IPC: TransportKind.ValueType  # 2
+"""CUDA IPC: a reader on the same host maps the peer's VRAM KV pool (TransferEndpoint.cuda_ipc_pool)
+and copies pages GPU to GPU with one fused kernel. Offered in addition to NIXL, never instead.
+"""
 Global___TransportKind: _TypeAlias = TransportKind  # noqa: Y015
 
 class _FinishReason:
@@ -216,6 +224,7 @@ class TransferEndpoint(_message.Message):
     AGENT_METADATA_FIELD_NUMBER: _builtins.int
     REGIONS_FIELD_NUMBER: _builtins.int
     HOST_ID_FIELD_NUMBER: _builtins.int
+    CUDA_IPC_POOL_FIELD_NUMBER: _builtins.int
     kind: Global___TransportKind.ValueType
     """The transport kind; required."""
     agent_name: _builtins.str
@@ -226,6 +235,11 @@ class TransferEndpoint(_message.Message):
     """
     host_id: _builtins.str
     """The host's identity, so peers know which endpoints share a host (at most 256 characters)."""
+    cuda_ipc_pool: _builtins.bytes
+    """The peer's VRAM KV pool as CUDA IPC handles (TRANSPORT_KIND_CUDA_IPC), empty when the pool is not
+    shareable (DRAM, or the transport turned off). Opaque; a reader on the same host maps it once per
+    peer epoch, one on another host ignores it and reads over NIXL. At most 1 MiB.
+    """
     @_builtins.property
     def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemoryRegion]:
         """The registered KV buffers in layer order: layer 0 K, layer 0 V, layer 1 K, and so on; bounded by the
@@ -240,10 +254,11 @@ class TransferEndpoint(_message.Message):
         agent_metadata: _builtins.bytes = ...,
         regions: _abc.Iterable[Global___MemoryRegion] | None = ...,
         host_id: _builtins.str = ...,
+        cuda_ipc_pool: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "agent_name", b"agent_name", "host_id", b"host_id", "kind", b"kind", "regions", b"regions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "agent_name", b"agent_name", "cuda_ipc_pool", b"cuda_ipc_pool", "host_id", b"host_id", "kind", b"kind", "regions", b"regions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

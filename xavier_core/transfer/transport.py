@@ -1,0 +1,132 @@
+"""Which transport a pull takes, the CUDA IPC pull itself, and what pulls are counted by.
+
+Transports: "nixl" (NIXL READs of registered memory, DRAM or VRAM, any host: every endpoint offers it)
+and "cuda_ipc" (the reader maps the source's VRAM pool once per peer epoch and one fused Triton kernel
+copies every page of every buffer; same host and peer access only). "auto" takes CUDA IPC when the
+source's endpoint offers it and mapping it works, NIXL otherwise; a forced choice never falls back.
+
+Run lengths: scattered pages cost per-descriptor transports dearly, so every pull records how long the
+runs it moves are (stretches contiguous on both sides), as a histogram.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from xavier_core.runtime.logging import get_logger
+from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.errors import InvalidSourceError, TransferError
+from xavier_core.transfer.runs import pair_stretches
+
+if TYPE_CHECKING:
+    from xavier_core.transfer.copy_plan import PoolView
+    from xavier_core.transfer.cuda_copy import CopyHandle
+    from xavier_core.transfer.cuda_ipc import IpcImporter
+
+log = get_logger(__name__)
+
+Transport = Literal["nixl", "cuda_ipc"]
+TransportChoice = Literal["auto", "nixl", "cuda_ipc"]
+TRANSPORTS: tuple[Transport, ...] = ("nixl", "cuda_ipc")
+# Upper bounds (pages) of the run-length histogram's buckets; the last bucket is +Inf.
+RUN_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+
+
+@dataclass
+class RunLengths:
+    """Histogram of the page runs pulls moved: `counts[i]` runs of length <= RUN_BUCKETS[i] (not
+    cumulative; the last entry counts longer runs)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(RUN_BUCKETS) + 1))
+    runs: int = 0
+    pages: int = 0
+
+    def observe(self, src_pages: npt.NDArray[np.int64], dst_pages: npt.NDArray[np.int64]) -> None:
+        lengths = pair_stretches(src_pages, dst_pages)[:, 2]
+        idx = np.searchsorted(np.asarray(RUN_BUCKETS), lengths, side="left")
+        for i, n in zip(*np.unique(idx, return_counts=True), strict=True):
+            self.counts[int(i)] += int(n)
+        self.runs += int(lengths.size)
+        self.pages += int(lengths.sum())
+
+    def to_dict(self) -> dict[str, object]:
+        labels = [str(b) for b in RUN_BUCKETS] + ["inf"]
+        return {
+            "runs": self.runs,
+            "pages": self.pages,
+            "mean": self.pages / self.runs if self.runs else 0.0,
+            "buckets": dict(zip(labels, self.counts, strict=True)),
+        }
+
+
+def export_blob(buffers: Sequence[KvBuffer]) -> bytes:
+    """This process's VRAM pool as CUDA IPC handles (the endpoint's `cuda_ipc_pool`); raises
+    `TransferError` when it cannot be shared."""
+    from xavier_core.transfer.cuda_ipc import export_pool
+
+    try:
+        return export_pool(buffers).to_bytes()
+    except (TransferError, RuntimeError, OSError) as exc:
+        raise TransferError(f"the KV pool cannot be exported through CUDA IPC: {exc}") from exc
+
+
+def is_vram(buffers: Sequence[KvBuffer]) -> bool:
+    return all(b.device.startswith("cuda") for b in buffers)
+
+
+class IpcPuller:
+    """The reader's side of CUDA IPC: peers' pools mapped once per epoch, copies into the local pool.
+    Owned by the port's NIXL thread (not thread-safe)."""
+
+    def __init__(self, buffers: Sequence[KvBuffer]) -> None:
+        from xavier_core.transfer.copy_plan import PoolView
+        from xavier_core.transfer.cuda_ipc import IpcImporter
+
+        self.local: PoolView = PoolView.from_buffers(buffers)
+        self.importer: IpcImporter = IpcImporter(self.local.device)
+        self._unreachable: dict[str, int] = {}  # peer id -> epoch whose pool could not be mapped
+
+    def warm_up(self) -> None:
+        """Compiles the copy kernel now (a page copied onto itself), not inside the first pull."""
+        from xavier_core.transfer.cuda_copy import copy_pages
+
+        copy_pages(self.local, self.local, [0], [0]).wait(60.0)
+
+    def view(self, peer_id: str, epoch: int, blob: bytes) -> PoolView | None:
+        """The peer's pool mapped here, or None when CUDA IPC cannot reach it (another host, no peer
+        access, a bad export); one failed attempt per peer epoch."""
+        from xavier_core.transfer.cuda_ipc import CudaIpcError
+
+        if not blob or self._unreachable.get(peer_id) == epoch:
+            return None
+        try:
+            return self.importer.open(peer_id, epoch, blob)
+        except (CudaIpcError, InvalidSourceError) as exc:
+            self._unreachable[peer_id] = epoch
+            log.info("CUDA IPC not usable for this peer; reading over NIXL", peer=peer_id, error=str(exc))
+            return None
+
+    def start(
+        self,
+        peer_id: str,
+        view: PoolView,
+        src_pages: npt.NDArray[np.int64],
+        dst_pages: npt.NDArray[np.int64],
+    ) -> CopyHandle:
+        """Issues the copy (one fused launch per page size); the mapping lives until it is done."""
+        from xavier_core.transfer.cuda_copy import copy_pages
+
+        handle = copy_pages(view, self.local, src_pages, dst_pages, device=self.local.device)
+        self.importer.track(peer_id, handle)
+        return handle
+
+    def collect(self) -> None:
+        self.importer.collect()
+
+    def close(self) -> None:
+        self.importer.close()
