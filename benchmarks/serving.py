@@ -316,11 +316,14 @@ async def run_levels(args: argparse.Namespace, info: dict[str, Any]) -> list[dic
     return levels
 
 
-async def run_overhead(info: dict[str, Any], pids: dict[int, str]) -> list[dict[str, Any]]:
+async def run_overhead(
+    args: argparse.Namespace, info: dict[str, Any], pids: dict[int, str]
+) -> list[dict[str, Any]]:
     out = []
     bare, bare_address = start_bare_server()
     try:
-        for conc, n in ((1, 300), (16, 640)):
+        for conc in args.concurrency:
+            n = max(args.overhead_requests, 40 * conc)
             out.append(
                 await overhead(info["grpc"], info["directory"], conc, n, pids, (bare_address, bare.pid))
             )
@@ -391,6 +394,12 @@ def main() -> int:
         "--run-lengths", action="store_true", help="also record the page-run lengths the decode pulls"
     )
     p.add_argument("--run-length-concurrency", type=int, nargs="+", default=[32, 64])
+    p.add_argument(
+        "--overhead-requests",
+        type=int,
+        default=600,
+        help="requests per concurrency level of the overhead part (at least 40 per concurrent client)",
+    )
     args = p.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="xavier-bench-"))
     meshes = {"model": ("levels", run_levels), "null": ("overhead", run_overhead)}
@@ -400,7 +409,9 @@ def main() -> int:
         try:
             key, fn = meshes[compute]
             result["model"] = Path(info["model"]).name
-            coro = fn(args, info) if compute == "model" else fn(info, _services(workdir / compute / "svc"))
+            coro = (
+                fn(args, info) if compute == "model" else fn(args, info, _services(workdir / compute / "svc"))
+            )
             result[key] = _run_loop(coro)
             if compute == "model" and args.run_lengths:
                 result["run_lengths"] = _run_loop(run_lengths(args, info, workdir / compute / "svc"))

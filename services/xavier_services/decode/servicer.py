@@ -89,6 +89,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         begun: dpb.Room | None = None  # the room, once this decode moved it to TRANSFERRING
         endpoint: types_pb2.TransferEndpoint | None = None
         pulling = False
+        complete: asyncio.Future[dpb.Room] | None = None
         try:
             room, endpoint = await self._begin(request.room_id, source_key, rid)
             begun = room
@@ -112,16 +113,18 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
                 handoff.park_timeout_seconds,
             )
             # The room's work is done once the pages are here: completing it ends it, so the decode
-            # keeps nothing in the directory while it streams the answer.
-            await host.dir.complete_room(
-                request.room_id,
-                host.peer_id,
-                host.epoch,
-                bytes_transferred=nbytes,
-                transfer_seconds=transfer_s,
-                request_id=f"{rid}-complete",
+            # keeps nothing in the directory while it streams the answer. The engine's first step runs
+            # while the directory answers; no message goes out before it did.
+            complete = asyncio.ensure_future(
+                host.dir.complete_room(
+                    request.room_id,
+                    host.peer_id,
+                    host.epoch,
+                    bytes_transferred=nbytes,
+                    transfer_seconds=transfer_s,
+                    request_id=f"{rid}-complete",
+                )
             )
-            completed = True
             digest = b""
             if request.return_kv_digest:
                 data = await asyncio.to_thread(host.engine.read_pages, pages)
@@ -129,11 +132,17 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
             events = host.engine.decode_from_pages(
                 rid, token_ids, request.first_token, request.first_logprob, sampling
             )
-            async for msg in self._stream(events, len(token_ids), started, transfer_s):
+            async for msg in self._stream(events, len(token_ids), started, transfer_s, complete):
+                completed = True
                 if digest:
                     msg.kv_digest, digest = digest, b""
                 yield msg
         finally:
+            if complete is not None:
+                if not complete.done():
+                    complete.cancel()
+                elif not complete.cancelled() and complete.exception() is None:
+                    completed = True
             if begun is not None and endpoint is not None and not pulling:
                 decline = host.port.decline(
                     request.room_id, begun.source.read_token, endpoint, peer_key(*source_key)
@@ -187,7 +196,12 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
                 await host.abort_room(room_id, dpb.ROOM_END_CAUSE_DECODE_DECLINED, "decode never read")
 
     async def _stream(
-        self, events: AsyncIterator[StreamEvent], prompt_tokens: int, started: float, transfer_s: float
+        self,
+        events: AsyncIterator[StreamEvent],
+        prompt_tokens: int,
+        started: float,
+        transfer_s: float,
+        before_first: asyncio.Future[dpb.Room],
     ) -> AsyncIterator[pb.DecodeResponse]:
         n = 0
         async for ev in events:
@@ -203,6 +217,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
                         transfer=to_duration(transfer_s), total=to_duration(time.perf_counter() - started)
                     )
                 )
+            await before_first  # raises if the room could not be completed (done at once after the first)
             yield msg
 
     async def GenerateUnified(

@@ -35,6 +35,11 @@ class DirectorySettings(BaseModel):
     """Waiting BeginTransfer calls per room, and WatchPeerRooms feeds per peer."""
     max_feed_batch: int = Field(default=256, ge=1, le=65536)
     """Room changes one WatchPeerRooms message carries at most."""
+    feed_batch_window_seconds: float = Field(default=0.002, ge=0.0, le=1.0)
+    """After a change, how long a WatchPeerRooms feed waits for more before sending them in one
+    message. Under load a room's changes come a millisecond or two apart and each message costs the
+    directory and the peer a gRPC write and read; nothing on a request's path waits on the feed (the
+    prefill unpins on it, or earlier on the reader's NIXL notification). 0 sends each change at once."""
     max_page_runs: int = Field(default=16384, ge=1, le=1_000_000)
     """Page runs in one published source."""
     max_regions: int = Field(default=4096, ge=1, le=1_000_000)

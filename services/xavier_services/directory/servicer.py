@@ -208,8 +208,11 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
             yield dpb.WatchPeerRoomsResponse(
                 rooms=[room_to_proto(r, self._offset, with_source=False) for r in live]
             )
+            window = self.settings.feed_batch_window_seconds
             while True:
                 batch = [await queue.get()]
+                if window:
+                    await asyncio.sleep(window)  # lets changes of concurrent rooms share this message
                 while not queue.empty() and len(batch) < self.settings.max_feed_batch:
                     batch.append(queue.get_nowait())
                 if None in batch:

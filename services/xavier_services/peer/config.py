@@ -71,7 +71,12 @@ class HandoffSection(_Section):
     park_timeout_seconds: float = Field(default=60.0, gt=0, le=86400)
     """Longest an aborted source's pages stay parked waiting for a possibly in-flight read."""
     poll_interval_seconds: float = Field(default=0.0005, gt=0, le=1)
-    """NIXL progress / notification polling period while transfers are live."""
+    """NIXL progress / notification polling period of a decode while its reads are live."""
+    source_poll_interval_seconds: float = Field(default=0.005, gt=0, le=1)
+    """The same on a prefill while its published sources wait for their reader's notification. Slower,
+    as nothing on a request's path waits on it (the prefill also unpins when the decode's CompleteRoom
+    reaches it through the room feed); a read over a transport that needs the source's progress (UCX
+    over TCP) advances at this pace. Polling every 0.5 ms cost a prefill about 0.7 ms CPU per request."""
     transfer_mode: Literal["coalesced", "per_page"] = "coalesced"
     """Descriptors per read: one per contiguous run (default) or one per page (baseline)."""
     transport: Literal["auto", "nixl", "cuda_ipc"] = "auto"

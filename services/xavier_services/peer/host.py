@@ -115,7 +115,9 @@ class PeerHost:
                 name,
                 self.engine.kv_buffers(),
                 self.engine.page_size,
-                cfg.handoff.poll_interval_seconds,
+                cfg.handoff.source_poll_interval_seconds
+                if self.role == types_pb2.ROLE_PREFILL
+                else cfg.handoff.poll_interval_seconds,
                 cfg.handoff.transfer_mode,
                 self.engine.device_lock,
                 cfg.handoff.transport,

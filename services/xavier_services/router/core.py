@@ -149,6 +149,9 @@ class Router:
             async with aclosing(flow) as steps:  # type: ignore[type-var]
                 async for step in steps:
                     queue.put_nowait(step)
+                    # Let the reader send this step before the flow goes on: the first token must not
+                    # wait while the flow sets up the decode call.
+                    await asyncio.sleep(0)
             queue.put_nowait(_END)
         except asyncio.CancelledError:
             queue.put_nowait(_ABORTED)
