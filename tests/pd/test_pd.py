@@ -181,6 +181,16 @@ async def test_bad_input_gets_clear_errors_and_leaks_nothing(mesh: Mesh) -> None
         # A decode paired with the wrong prefill for an existing room: PAIR_MISMATCH.
         taken = new_room_id()
         await prefill.Prefill(prefill_request(taken, d, [5, 6, 7], sampling), timeout=5)
+        # The prefill publishes beside its answer: wait until its room exists, or the decode below would
+        # open the room itself and meet STALE_EPOCH for the made-up prefill epoch instead.
+        directory = dpb_grpc.DirectoryServiceStub(ch.directory)
+        for _ in range(500):
+            try:
+                await directory.GetRoom(dpb.GetRoomRequest(room_id=taken), timeout=5)
+                break
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.NOT_FOUND, exc
+                await asyncio.sleep(0.01)
         wrong = dpb.Peer(peer_id=p.peer_id, epoch=p.epoch + 1)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for _ in decode.Decode(decode_request(taken, wrong, [5, 6, 7], sampling), timeout=5):
