@@ -28,6 +28,7 @@ from .config import ConfigError, ServiceConfig, exit_on_config_error, parse_host
 from .interceptors import RuntimeInterceptor
 from .logging import configure_logging, get_logger
 from .metrics import MetricsServer, start_metrics_server
+from .channels import use_client_tls
 from .tls import ServerTls
 
 __all__ = ["ServerHandle", "run_service", "serve", "start_service"]
@@ -154,6 +155,8 @@ async def start_service(
     Without ``credentials``, a ``[tls]`` config section makes the port mTLS-only.
     """
     tls = ServerTls(config.tls) if credentials is None and config.tls is not None else None
+    # The same [tls] section makes this process dial every other service over mTLS.
+    use_client_tls(config.tls)
     if tls is not None:
         credentials = tls.credentials()
     limit = config.max_message_bytes
