@@ -24,11 +24,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from . import sdnotify
+from .channels import use_client_tls
 from .config import ConfigError, ServiceConfig, exit_on_config_error, parse_host_port
 from .interceptors import RuntimeInterceptor
 from .logging import configure_logging, get_logger
 from .metrics import MetricsServer, start_metrics_server
-from .channels import use_client_tls
 from .tls import ServerTls
 
 __all__ = ["ServerHandle", "run_service", "serve", "start_service"]

@@ -179,7 +179,7 @@ def _cryptography_certificates(names: tuple[str, ...]) -> tuple[bytes, bytes, by
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def build(
         subject: str, issuer: x509.Name | None, key: ec.EllipticCurvePrivateKey
