@@ -5,6 +5,8 @@ Environment: ``XAVIER_DIRECTORY__<KEY>`` (e.g. ``XAVIER_DIRECTORY__ROOM_LEASE_SE
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from xavier_core.runtime.config import ServiceConfig
@@ -51,6 +53,17 @@ class DirectorySettings(BaseModel):
     """Recent RegisterPeer request ids remembered for idempotent retries."""
     ended_rooms_retained: int = Field(default=16384, ge=0, le=10_000_000)
     """Ended rooms kept (without their page runs) so late calls see the end state, not NOT_FOUND."""
+
+    backend: Literal["memory", "etcd"] = "memory"
+    """Where peers and rooms live: this process's memory (lost on restart; one directory only) or etcd
+    (every directory process replays one command log there, so several serve the same mesh and any of
+    them may restart; see ``xavier_services.directory.etcd_store``)."""
+    etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"], min_length=1, max_length=16)
+    """etcd client addresses (host:port); several are tried in turn (IP addresses only when several)."""
+    etcd_prefix: str = Field(default="/xavier/directory/", min_length=1, max_length=256)
+    """Key prefix of this mesh's directory in etcd (several meshes may share one etcd)."""
+    etcd_timeout_seconds: float = Field(default=5.0, gt=0.0, le=300.0)
+    """How long a call waits for etcd (retrying while it is unreachable) before UNAVAILABLE."""
 
     @model_validator(mode="after")
     def _check(self) -> DirectorySettings:

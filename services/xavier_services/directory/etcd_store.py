@@ -1,0 +1,292 @@
+"""The directory on etcd: every directory process replays one command log kept in etcd.
+
+Why a log and not one etcd key per room: the room lifecycle has one implementation,
+:class:`~xavier_services.directory.state.DirectoryState`, and a second one written as etcd transactions
+would drift from it. Instead each mutating call (register, heartbeat, publish, join, begin, complete,
+abort, sweep) is *proposed*: written as a command to one etcd key. etcd orders the writes (the key's
+revisions), every directory process watches that key from the revision it has applied and applies each
+command, in that order, to its own in-memory ``DirectoryState``. The state machine is deterministic
+given the command and its time, so every replica holds the same peers and rooms, and each one fires
+its listener for every change: a WatchPeerRooms feed or a waiting BeginTransfer on any directory sees
+a room change proposed through any other.
+
+* Time: a command carries its proposer's wall clock; a replica's clock is the latest command time (never
+  going back), so leases lapse at the same log position everywhere. Leases end through commands: a
+  call touching the room or peer, or a ``sweep`` that any directory proposes once its replica has a lease
+  past due. Reads (GetRoom, ListPeers, a feed's snapshot) first wait until the replica has applied
+  everything etcd holds (a linearizable read of the key's revision), so a caller that wrote through one
+  directory reads its write through another.
+* Replies: the proposer's own replica computes the reply (the record or the typed error) when it
+  applies the command; the command names its proposer and a sequence number to find the waiting call.
+* Failure: a directory that dies loses nothing (the log is in etcd); a new or restarted one replays the
+  log from the start and serves once it has caught up. While etcd is unreachable calls retry for
+  ``etcd_timeout_seconds`` and then fail UNAVAILABLE; the watch resumes from the last applied revision.
+* A command applied twice (a write retried after a lost reply) is harmless: every mutating call is
+  idempotent (by request id, or by the room's state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import copy
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from aetcd.rpc import kv_pb2
+from aetcd.rpc import rpc_pb2 as epb
+from aetcd.rpc import rpc_pb2_grpc as egrpc
+from google.protobuf.message import Message
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import types_pb2
+
+from xavier_core.runtime.errors import Unavailable, XavierError
+from xavier_core.runtime.logging import get_logger
+from xavier_services.directory.config import DirectorySettings
+from xavier_services.directory.records import RoomRecord
+from xavier_services.directory.state import DirectoryState, Pair
+
+__all__ = ["EtcdLog", "decode_command", "encode_command"]
+
+_log = get_logger("xavier.directory.etcd")
+
+_MESSAGES: dict[str, type[Message]] = {
+    cls.DESCRIPTOR.full_name: cls
+    for cls in (dpb.SourceDescriptor, dpb.PeerLoad, types_pb2.KvLayout, types_pb2.TransferEndpoint)
+}
+Arg = str | int | float | bool | None | Message
+
+
+def _pair(a: list[Any]) -> Pair:
+    return Pair(a[0], a[1], a[2], a[3])
+
+
+# op -> how a replica applies it (args as proposed).
+_OPS: dict[str, Callable[[DirectoryState, list[Any]], Any]] = {
+    "register": lambda s, a: s.peers.register(*a),
+    "heartbeat": lambda s, a: s.peers.heartbeat(*a),
+    "unregister": lambda s, a: s.peers.unregister(*a),
+    "publish": lambda s, a: s.publish_source(a[0], a[1], _pair(a[2:6]), a[6]),
+    "join": lambda s, a: s.join_as_decode(a[0], _pair(a[1:5])),
+    "begin": lambda s, a: s.begin_transfer(*a),
+    "complete": lambda s, a: s.complete_room(*a),
+    "abort": lambda s, a: s.abort_room(*a),
+    "sweep": lambda s, a: s.sweep(),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One logged call: the op, its proposer's wall time, who proposed it (process, sequence) and args."""
+
+    op: str
+    time: float
+    source: str
+    seq: int
+    args: list[Any]
+
+
+def _encode_arg(value: Arg) -> Any:
+    if isinstance(value, Message):
+        body = base64.b64encode(value.SerializeToString(deterministic=True)).decode("ascii")
+        return {"pb": value.DESCRIPTOR.full_name, "b": body}
+    return value
+
+
+def _decode_arg(value: Any) -> Any:
+    if isinstance(value, dict):
+        msg = _MESSAGES[value["pb"]]()
+        msg.ParseFromString(base64.b64decode(value["b"]))
+        return msg
+    return value
+
+
+def encode_command(cmd: Command) -> bytes:
+    """The command as stored in etcd (JSON; messages as base64 of their deterministic bytes)."""
+    body = {"op": cmd.op, "t": cmd.time, "src": cmd.source, "n": cmd.seq}
+    return json.dumps({**body, "a": [_encode_arg(a) for a in cmd.args]}, separators=(",", ":")).encode()
+
+
+def decode_command(data: bytes) -> Command:
+    """Inverse of :func:`encode_command`; ValueError/KeyError on anything else."""
+    raw = json.loads(data)
+    if raw["op"] not in _OPS:
+        raise ValueError(f"unknown directory command {raw['op']!r}")
+    args = [_decode_arg(a) for a in raw["a"]]
+    return Command(raw["op"], float(raw["t"]), str(raw["src"]), int(raw["n"]), args)
+
+
+def _target(endpoints: list[str]) -> str:
+    return endpoints[0] if len(endpoints) == 1 else "ipv4:" + ",".join(endpoints)
+
+
+class EtcdLog:
+    """One directory process's replica of the shared state, and its way to propose changes."""
+
+    def __init__(self, settings: DirectorySettings, *, wall: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.wall = wall
+        self._time = 0.0
+        self.state = DirectoryState(settings, clock=self._clock, wall=self._clock)
+        self.applied = 0
+        """etcd revision of the last command applied to :attr:`state`."""
+        self._key = settings.etcd_prefix.encode() + b"log"
+        self._source = uuid.uuid4().hex
+        self._seq = 0
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._syncs: list[tuple[int, asyncio.Future[None]]] = []
+        self._channel: grpc.aio.Channel | None = None
+        self._kv: egrpc.KVStub | None = None
+        self._follower: asyncio.Task[None] | None = None
+        self.reconnects = 0
+
+    def _clock(self) -> float:
+        return self._time
+
+    async def start(self) -> None:
+        """Connects, follows the log and returns once the replica has caught up with etcd."""
+        self._channel = grpc.aio.insecure_channel(
+            _target(self.settings.etcd_endpoints),
+            options=(("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)),
+        )
+        self._kv = egrpc.KVStub(self._channel)
+        self._follower = asyncio.create_task(self._follow(), name="directory-etcd-follower")
+        await self.sync()
+
+    async def stop(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follower
+        if self._channel is not None:
+            await self._channel.close()
+
+    # --- proposing and reading --------------------------------------------------------
+
+    async def propose(self, op: str, *args: Arg) -> Any:
+        """Logs ``op(args)`` and returns what this replica's state machine answered (or raises its error)."""
+        self._seq += 1
+        seq = self._seq
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[seq] = fut
+        value = encode_command(Command(op, self.wall(), self._source, seq, list(args)))
+        try:
+            await self._call(lambda kv, t: kv.Put(epb.PutRequest(key=self._key, value=value), timeout=t))
+            return await self._bounded(fut, f"applying {op}")
+        finally:
+            self._pending.pop(seq, None)
+
+    async def register_peer(self, *args: Arg) -> Any:
+        """RegisterPeer: an id-less peer is named here, before logging, so every replica agrees."""
+        return await self.propose("register", *args, f"peer-{secrets.token_hex(8)}")
+
+    async def sync(self) -> None:
+        """Waits until every command etcd holds now is applied here (a linearizable read)."""
+        resp = await self._call(lambda kv, t: kv.Range(epb.RangeRequest(key=self._key), timeout=t))
+        revision = resp.kvs[0].mod_revision if resp.kvs else 0
+        if self.applied >= revision:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._syncs.append((revision, fut))
+        await self._bounded(fut, "catching up with etcd")
+
+    async def _bounded(self, fut: asyncio.Future[Any], what: str) -> Any:
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.settings.etcd_timeout_seconds)
+        except TimeoutError:
+            raise Unavailable(
+                f"directory store: {what} took over {self.settings.etcd_timeout_seconds}s"
+            ) from None
+
+    async def _call(self, fn: Callable[[egrpc.KVStub, float], Any]) -> Any:
+        """``fn(kv, timeout)``, retried while etcd is unreachable, up to ``etcd_timeout_seconds``."""
+        if self._kv is None:
+            raise Unavailable("directory store is not started")
+        deadline = time.monotonic() + self.settings.etcd_timeout_seconds
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return await fn(self._kv, max(left, 0.05))
+            except grpc.aio.AioRpcError as exc:
+                retry = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if not retry or left <= 0.1:
+                    raise Unavailable(f"directory store (etcd) unreachable: {exc.details()}") from None
+            await asyncio.sleep(0.1)
+
+    # --- following the log -------------------------------------------------------------
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                await self._watch()
+            except grpc.aio.AioRpcError as exc:
+                _log.warning("etcd watch broke; resuming", code=exc.code().name, applied=self.applied)
+            self.reconnects += 1
+            await asyncio.sleep(0.2)
+
+    async def _watch(self) -> None:
+        if self._channel is None:
+            return
+        create = epb.WatchCreateRequest(key=self._key, start_revision=self.applied + 1)
+
+        async def requests() -> AsyncIterator[epb.WatchRequest]:
+            yield epb.WatchRequest(create_request=create)
+            await asyncio.Event().wait()  # the watch lives as long as the request stream stays open
+
+        stream = egrpc.WatchStub(self._channel).Watch(requests())
+        async for resp in stream:
+            if resp.compact_revision:
+                # The log was compacted past what this replica applied: it cannot catch up by replay.
+                # Calls then fail UNAVAILABLE (reads time out) rather than serve a state with a hole.
+                _log.error("directory log compacted past this replica", compact=resp.compact_revision)
+                raise asyncio.CancelledError
+            if resp.canceled:
+                return
+            for event in resp.events:
+                if event.type == kv_pb2.Event.PUT:
+                    self._apply(event.kv.value, event.kv.mod_revision)
+
+    def _apply(self, data: bytes, revision: int) -> None:
+        if revision <= self.applied:
+            return
+        try:
+            cmd = decode_command(data)
+        except (ValueError, KeyError, TypeError) as exc:
+            _log.error("skipping an unreadable directory command", revision=revision, error=str(exc))
+            self.applied = revision
+            return
+        self._time = max(self._time, cmd.time)
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = _OPS[cmd.op](self.state, cmd.args)
+            if isinstance(result, RoomRecord) and cmd.op != "join":
+                # The reply shows the room as this command left it (later commands may apply before the
+                # caller resumes); a join's caller waits on the live record for the room to leave OPEN.
+                result = copy.copy(result)
+        except XavierError as exc:
+            error = exc
+        except Exception as exc:  # a bug: every replica hits it alike; the caller gets INTERNAL
+            _log.exception("directory command failed", op=cmd.op, revision=revision)
+            error = exc
+        self.applied = revision
+        if cmd.source == self._source:
+            fut = self._pending.pop(cmd.seq, None)
+            if fut is not None and not fut.done():
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(result)
+        if self._syncs:
+            due = [f for r, f in self._syncs if r <= revision]
+            self._syncs = [(r, f) for r, f in self._syncs if r > revision]
+            for sync in due:
+                if not sync.done():
+                    sync.set_result(None)
