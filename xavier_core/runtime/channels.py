@@ -14,6 +14,8 @@ SIGHUP that reloads the server side) use the new certificate.
 
 from __future__ import annotations
 
+import ipaddress
+
 import grpc
 
 from .config import TlsSettings
@@ -65,16 +67,36 @@ def channel_options(
 def open_channel(
     target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: TlsSettings | None = None
 ) -> grpc.aio.Channel:
-    """A ``grpc.aio`` channel to ``target`` (host:port) with the internal options.
+    """A ``grpc.aio`` channel to ``target`` (host:port, or several ip:port joined by commas).
 
     mTLS with ``tls`` when given, else with the process's settings (:func:`use_client_tls`), else
     plaintext. A bad certificate file raises :class:`~xavier_core.runtime.config.ConfigError`.
     """
     settings = tls if tls is not None else _client_tls
+    target, extra = _targets(target)
     if settings is None:
-        return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
+        return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes) + extra)
     return grpc.aio.secure_channel(
         target,
         channel_credentials(settings),
-        options=channel_options(max_message_bytes, settings.server_name),
+        options=channel_options(max_message_bytes, settings.server_name) + extra,
     )
+
+
+def _targets(target: str) -> tuple[str, tuple[tuple[str, int | str], ...]]:
+    """``host:port`` as is; ``ip:port,ip:port,...`` (replicas of one service, e.g. two directories on
+    etcd) as one channel spreading calls round-robin, so a dead replica's calls move to the others."""
+    if "," not in target:
+        return target, ()
+    parts = [p.strip() for p in target.split(",")]
+    hosts = [p.rpartition(":")[0] for p in parts]
+    try:
+        kinds = {ipaddress.ip_address(h.strip("[]")).version for h in hosts}
+    except ValueError:
+        raise ValueError(
+            f"several addresses must be IP literals (one address may be a name): {target!r}"
+        ) from None
+    if len(kinds) != 1:
+        raise ValueError(f"several addresses must all be IPv4 or all IPv6: {target!r}")
+    scheme = "ipv4" if kinds == {4} else "ipv6"
+    return f"{scheme}:{','.join(parts)}", (("grpc.lb_policy_name", "round_robin"),)
