@@ -25,6 +25,8 @@ ENV = {
     "XAVIER_DIRECTORY__PEER_LEASE_SECONDS": "20",
     "XAVIER_DIRECTORY__SWEEP_INTERVAL_SECONDS": "0.05",
     "XAVIER_DIRECTORY__ROOM_LEASE_SECONDS": "20",
+    # Snapshots (and compaction) every few commands: a restarted directory starts from one.
+    "XAVIER_DIRECTORY__ETCD_SNAPSHOT_EVERY": "10",
 }
 PREFILL, DECODE = types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE
 OPEN, READY = dpb.ROOM_STATE_OPEN, dpb.ROOM_STATE_SOURCE_READY
@@ -106,7 +108,7 @@ async def test_a_feed_on_one_directory_sees_rooms_opened_on_the_other(
 async def test_kill_9_of_one_directory_loses_no_peer_or_room(dirs: Pair) -> None:
     async with DirectoryClient(dirs.procs[0].address) as a:
         p, d = await _register(a, "kill")
-        rooms = [secrets.randbits(63) for _ in range(5)]
+        rooms = [secrets.randbits(63) for _ in range(12)]  # past a snapshot (every 10 commands)
         pid, did = (p.peer_id, p.epoch), (d.peer_id, d.epoch)
         for room_id in rooms:
             await a.publish_source(room_id, pid, did, source())
@@ -118,8 +120,9 @@ async def test_kill_9_of_one_directory_loses_no_peer_or_room(dirs: Pair) -> None
         assert peers[p.peer_id] == p.epoch and peers[d.peer_id] == d.epoch
         resp = await b.begin_transfer(rooms[0], pid, did, wait_for_source=5)
         assert resp.room.state == XFER
-    # The killed directory comes back, replays the log and agrees.
+    # The killed directory comes back from the newest snapshot plus the log after it, and agrees.
     dirs.procs[0] = dirs.start(0)
+    assert "directory snapshot loaded" in dirs.procs[0].log()
     async with DirectoryClient(dirs.procs[0].address) as a2:
         assert (await a2.get_room(rooms[0])).state == XFER
         assert (await a2.get_room(rooms[1])).state == READY

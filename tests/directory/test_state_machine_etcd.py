@@ -158,7 +158,10 @@ class EtcdDirectoryMachine(DirectoryMachine):
             backend="etcd",
             etcd_endpoints=[_SERVER[0].endpoint],
             etcd_prefix=f"/sm/{uuid.uuid4().hex}/",
+            etcd_snapshot_every=10,  # snapshots and compactions all along the walk
         )
+        self.cfg = cfg
+        self.steps = 0
         logs = [EtcdLog(cfg, wall=self.clock) for _ in range(2)]
         for log in logs:
             self.loop.run_until_complete(log.start())
@@ -176,10 +179,19 @@ class EtcdDirectoryMachine(DirectoryMachine):
             facade.run(log.sync())
         a, b = (_View(log.state).digest() for log in facade.logs)
         assert a == b
+        self.steps += 1
+        if self.steps % 8 == 0:
+            # A replica started now (newest snapshot + the log after it) holds the same state.
+            fresh = EtcdLog(self.cfg)
+            facade.run(fresh.start())
+            try:
+                assert _View(fresh.state).digest() == a
+            finally:
+                facade.run(fresh.stop())
 
 
 EtcdDirectoryMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=30, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestEtcdDirectoryMachine = EtcdDirectoryMachine.TestCase
 

@@ -64,6 +64,9 @@ class DirectorySettings(BaseModel):
     """Key prefix of this mesh's directory in etcd (several meshes may share one etcd)."""
     etcd_timeout_seconds: float = Field(default=5.0, gt=0.0, le=300.0)
     """How long a call waits for etcd (retrying while it is unreachable) before UNAVAILABLE."""
+    etcd_snapshot_every: int = Field(default=20000, ge=10, le=10_000_000)
+    """Commands between snapshots of the state in etcd; after each, the log history before the previous
+    snapshot is compacted, so etcd holds at most about two snapshots' worth of commands."""
 
     @model_validator(mode="after")
     def _check(self) -> DirectorySettings:

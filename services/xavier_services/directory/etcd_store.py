@@ -23,6 +23,10 @@ a room change proposed through any other.
   ``etcd_timeout_seconds`` and then fail UNAVAILABLE; the watch resumes from the last applied revision.
 * A command applied twice (a write retried after a lost reply) is harmless: every mutating call is
   idempotent (by request id, or by the room's state).
+* Snapshots: every ``etcd_snapshot_every`` commands a replica writes its state (``snapshot.py``; chunked
+  under ``snap/<revision>/``, the ``meta`` key last) and compacts etcd's history to the snapshot before,
+  so the log does not grow without bound. A starting replica loads the newest snapshot and replays only
+  what follows it; one that fell behind a compaction reloads the newest snapshot the same way.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ import asyncio
 import base64
 import contextlib
 import copy
+import functools
 import json
 import secrets
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +57,7 @@ from xavier_core.runtime.errors import Unavailable, XavierError
 from xavier_core.runtime.logging import get_logger
 from xavier_services.directory.config import DirectorySettings
 from xavier_services.directory.records import RoomRecord
+from xavier_services.directory.snapshot import dump_state, load_state
 from xavier_services.directory.state import DirectoryState, Pair
 
 __all__ = ["EtcdLog", "decode_command", "encode_command"]
@@ -62,6 +69,8 @@ _MESSAGES: dict[str, type[Message]] = {
     for cls in (dpb.SourceDescriptor, dpb.PeerLoad, types_pb2.KvLayout, types_pb2.TransferEndpoint)
 }
 Arg = str | int | float | bool | None | Message
+_CHUNK = 1 << 20
+"""Snapshot bytes per etcd value (etcd refuses requests over 1.5 MiB by default)."""
 
 
 def _pair(a: list[Any]) -> Pair:
@@ -123,6 +132,10 @@ def decode_command(data: bytes) -> Command:
     return Command(raw["op"], float(raw["t"]), str(raw["src"]), int(raw["n"]), args)
 
 
+def _put(req: epb.PutRequest, kv: egrpc.KVStub, timeout: float) -> Any:
+    return kv.Put(req, timeout=timeout)
+
+
 def _target(endpoints: list[str]) -> str:
     return endpoints[0] if len(endpoints) == 1 else "ipv4:" + ",".join(endpoints)
 
@@ -146,17 +159,23 @@ class EtcdLog:
         self._kv: egrpc.KVStub | None = None
         self._follower: asyncio.Task[None] | None = None
         self.reconnects = 0
+        self._since_snapshot = 0
+        self._snapshotting: asyncio.Task[None] | None = None
+        self.snapshots_written = 0
+        self.snapshot_loaded = 0
+        """Revision of the snapshot this replica last loaded (0: none)."""
 
     def _clock(self) -> float:
         return self._time
 
     async def start(self) -> None:
-        """Connects, follows the log and returns once the replica has caught up with etcd."""
+        """Connects, loads the newest snapshot, follows the log; returns once caught up with etcd."""
         self._channel = grpc.aio.insecure_channel(
             _target(self.settings.etcd_endpoints),
             options=(("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)),
         )
         self._kv = egrpc.KVStub(self._channel)
+        await self._restore()
         self._follower = asyncio.create_task(self._follow(), name="directory-etcd-follower")
         await self.sync()
 
@@ -220,6 +239,70 @@ class EtcdLog:
                     raise Unavailable(f"directory store (etcd) unreachable: {exc.details()}") from None
             await asyncio.sleep(0.1)
 
+    # --- snapshots ---------------------------------------------------------------------
+
+    def _snap_key(self, revision: int, part: str) -> bytes:
+        return self.settings.etcd_prefix.encode() + f"snap/{revision:020d}/{part}".encode()
+
+    async def _get(self, key: bytes) -> bytes:
+        resp = await self._call(lambda kv, t: kv.Range(epb.RangeRequest(key=key), timeout=t))
+        if not resp.kvs:
+            raise Unavailable(f"directory snapshot key {key!r} is missing")
+        value: bytes = resp.kvs[0].value
+        return value
+
+    async def _snapshot_revisions(self) -> list[int]:
+        """Revisions of the complete snapshots in etcd (their ``meta`` key written), oldest first."""
+        start = self.settings.etcd_prefix.encode() + b"snap/"
+        req = epb.RangeRequest(key=start, range_end=start[:-1] + b"0", keys_only=True)
+        resp = await self._call(lambda kv, t: kv.Range(req, timeout=t))
+        metas = [k.key[len(start) :] for k in resp.kvs if k.key.endswith(b"/meta")]
+        return sorted(int(k.split(b"/")[0]) for k in metas)
+
+    async def _restore(self) -> bool:
+        """Loads the newest complete snapshot if it is past what this replica applied; True if loaded."""
+        revisions = await self._snapshot_revisions()
+        if not revisions or revisions[-1] <= self.applied:
+            return False
+        revision = revisions[-1]
+        chunks = int(json.loads(await self._get(self._snap_key(revision, "meta")))["chunks"])
+        parts = [await self._get(self._snap_key(revision, f"c{i:05d}")) for i in range(chunks)]
+        self.applied, self._time = load_state(self.state, zlib.decompress(b"".join(parts)))
+        self.snapshot_loaded = revision
+        _log.info("directory snapshot loaded", revision=revision, rooms=len(self.state._rooms))
+        return True
+
+    async def _write_snapshot(self, revision: int, data: bytes) -> None:
+        """Writes the snapshot (chunks, then meta), drops older ones and compacts to the one before."""
+        try:
+            packed = zlib.compress(data, 1)
+            chunks = [packed[i : i + _CHUNK] for i in range(0, len(packed), _CHUNK)]
+            puts = [
+                epb.PutRequest(key=self._snap_key(revision, f"c{i:05d}"), value=c)
+                for i, c in enumerate(chunks)
+            ]
+            meta = json.dumps({"chunks": len(chunks)}).encode()
+            puts.append(epb.PutRequest(key=self._snap_key(revision, "meta"), value=meta))
+            for put in puts:
+                await self._call(functools.partial(_put, put))
+            self.snapshots_written += 1
+            older = [r for r in await self._snapshot_revisions() if r < revision]
+            if older:
+                # The previous snapshot stays, with its history: a replica a little behind still catches
+                # up by replay. Compaction is etcd-wide but drops only superseded revisions.
+                start = self.settings.etcd_prefix.encode() + b"snap/"
+                drop = epb.DeleteRangeRequest(key=start, range_end=self._snap_key(older[-1], ""))
+                await self._call(lambda kv, t: kv.DeleteRange(drop, timeout=t))
+                compact = epb.CompactionRequest(revision=older[-1])
+                try:
+                    await self._call(lambda kv, t: kv.Compact(compact, timeout=t))
+                except Unavailable as exc:  # already compacted further (by the other replica): fine
+                    _log.info("etcd compaction skipped", revision=older[-1], why=str(exc))
+        except Unavailable as exc:
+            _log.warning("directory snapshot not written", revision=revision, error=str(exc))
+        finally:
+            self._snapshotting = None
+
     # --- following the log -------------------------------------------------------------
 
     async def _follow(self) -> None:
@@ -228,13 +311,28 @@ class EtcdLog:
                 await self._watch()
             except grpc.aio.AioRpcError as exc:
                 _log.warning("etcd watch broke; resuming", code=exc.code().name, applied=self.applied)
+            except Unavailable as exc:
+                _log.error("directory replica cannot follow the log", error=str(exc), applied=self.applied)
             self.reconnects += 1
             await asyncio.sleep(0.2)
+
+    async def _start_revision(self) -> int:
+        """Where to follow from: after what was applied; for a replica that has applied nothing, the
+        log's first command (the key is never deleted), or the next revision when there is no log yet.
+
+        Never "revision 1": etcd compaction is store-wide, so on a shared, compacted etcd the early
+        revisions are gone even for a log that had none of them.
+        """
+        if self.applied:
+            return self.applied + 1
+        resp = await self._call(lambda kv, t: kv.Range(epb.RangeRequest(key=self._key), timeout=t))
+        first: int = resp.kvs[0].create_revision if resp.kvs else resp.header.revision + 1
+        return first
 
     async def _watch(self) -> None:
         if self._channel is None:
             return
-        create = epb.WatchCreateRequest(key=self._key, start_revision=self.applied + 1)
+        create = epb.WatchCreateRequest(key=self._key, start_revision=await self._start_revision())
 
         async def requests() -> AsyncIterator[epb.WatchRequest]:
             yield epb.WatchRequest(create_request=create)
@@ -243,10 +341,11 @@ class EtcdLog:
         stream = egrpc.WatchStub(self._channel).Watch(requests())
         async for resp in stream:
             if resp.compact_revision:
-                # The log was compacted past what this replica applied: it cannot catch up by replay.
-                # Calls then fail UNAVAILABLE (reads time out) rather than serve a state with a hole.
-                _log.error("directory log compacted past this replica", compact=resp.compact_revision)
-                raise asyncio.CancelledError
+                # Fell behind a compaction: the newest snapshot is at or past it; resume from there.
+                _log.warning("directory log compacted past this replica", compact=resp.compact_revision)
+                if not await self._restore() or self.applied < resp.compact_revision - 1:
+                    raise Unavailable("directory log compacted and no snapshot covers it")
+                return
             if resp.canceled:
                 return
             for event in resp.events:
@@ -277,6 +376,11 @@ class EtcdLog:
             _log.exception("directory command failed", op=cmd.op, revision=revision)
             error = exc
         self.applied = revision
+        self._since_snapshot += 1
+        if self._since_snapshot >= self.settings.etcd_snapshot_every and self._snapshotting is None:
+            self._since_snapshot = 0
+            data = dump_state(self.state, revision, self._time)
+            self._snapshotting = asyncio.create_task(self._write_snapshot(revision, data))
         if cmd.source == self._source:
             fut = self._pending.pop(cmd.seq, None)
             if fut is not None and not fut.done():
