@@ -18,122 +18,45 @@ a room change proposed through any other.
   directory reads its write through another.
 * Replies: the proposer's own replica computes the reply (the record or the typed error) when it
   applies the command; the command names its proposer and a sequence number to find the waiting call.
-* Failure: a directory that dies loses nothing (the log is in etcd); a new or restarted one replays the
-  log from the start and serves once it has caught up. While etcd is unreachable calls retry for
-  ``etcd_timeout_seconds`` and then fail UNAVAILABLE; the watch resumes from the last applied revision.
+* Failure: a directory that dies loses nothing (the log is in etcd); a new or restarted one loads the
+  newest snapshot, replays the log after it and serves once it has caught up. While etcd is unreachable
+  calls retry for ``etcd_timeout_seconds`` and then fail UNAVAILABLE; the watch resumes from the last
+  applied revision.
 * A command applied twice (a write retried after a lost reply) is harmless: every mutating call is
   idempotent (by request id, or by the room's state).
-* Snapshots: every ``etcd_snapshot_every`` commands a replica writes its state (``snapshot.py``; chunked
-  under ``snap/<revision>/``, the ``meta`` key last) and compacts etcd's history to the snapshot before,
-  so the log does not grow without bound. A starting replica loads the newest snapshot and replays only
-  what follows it; one that fell behind a compaction reloads the newest snapshot the same way.
+* Snapshots: every ``etcd_snapshot_every`` commands a replica writes its state (``etcd_snapshots.py``)
+  and compacts etcd's history to the snapshot before, so the log does not grow without bound. A replica
+  that fell behind a compaction reloads the newest snapshot and goes on from there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import copy
-import functools
-import json
 import secrets
 import time
 import uuid
-import zlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from aetcd.rpc import kv_pb2
 from aetcd.rpc import rpc_pb2 as epb
 from aetcd.rpc import rpc_pb2_grpc as egrpc
-from google.protobuf.message import Message
-from xavier.v1 import directory_service_pb2 as dpb
-from xavier.v1 import types_pb2
 
 from xavier_core.runtime.errors import Unavailable, XavierError
 from xavier_core.runtime.logging import get_logger
 from xavier_services.directory.config import DirectorySettings
+from xavier_services.directory.etcd_commands import OPS, Arg, Command, decode_command, encode_command
+from xavier_services.directory.etcd_snapshots import SnapshotStore
 from xavier_services.directory.records import RoomRecord
 from xavier_services.directory.snapshot import dump_state, load_state
-from xavier_services.directory.state import DirectoryState, Pair
+from xavier_services.directory.state import DirectoryState
 
-__all__ = ["EtcdLog", "decode_command", "encode_command"]
+__all__ = ["EtcdLog"]
 
 _log = get_logger("xavier.directory.etcd")
-
-_MESSAGES: dict[str, type[Message]] = {
-    cls.DESCRIPTOR.full_name: cls
-    for cls in (dpb.SourceDescriptor, dpb.PeerLoad, types_pb2.KvLayout, types_pb2.TransferEndpoint)
-}
-Arg = str | int | float | bool | None | Message
-_CHUNK = 1 << 20
-"""Snapshot bytes per etcd value (etcd refuses requests over 1.5 MiB by default)."""
-
-
-def _pair(a: list[Any]) -> Pair:
-    return Pair(a[0], a[1], a[2], a[3])
-
-
-# op -> how a replica applies it (args as proposed).
-_OPS: dict[str, Callable[[DirectoryState, list[Any]], Any]] = {
-    "register": lambda s, a: s.peers.register(*a),
-    "heartbeat": lambda s, a: s.peers.heartbeat(*a),
-    "unregister": lambda s, a: s.peers.unregister(*a),
-    "publish": lambda s, a: s.publish_source(a[0], a[1], _pair(a[2:6]), a[6]),
-    "join": lambda s, a: s.join_as_decode(a[0], _pair(a[1:5])),
-    "begin": lambda s, a: s.begin_transfer(*a),
-    "complete": lambda s, a: s.complete_room(*a),
-    "abort": lambda s, a: s.abort_room(*a),
-    "sweep": lambda s, a: s.sweep(),
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Command:
-    """One logged call: the op, its proposer's wall time, who proposed it (process, sequence) and args."""
-
-    op: str
-    time: float
-    source: str
-    seq: int
-    args: list[Any]
-
-
-def _encode_arg(value: Arg) -> Any:
-    if isinstance(value, Message):
-        body = base64.b64encode(value.SerializeToString(deterministic=True)).decode("ascii")
-        return {"pb": value.DESCRIPTOR.full_name, "b": body}
-    return value
-
-
-def _decode_arg(value: Any) -> Any:
-    if isinstance(value, dict):
-        msg = _MESSAGES[value["pb"]]()
-        msg.ParseFromString(base64.b64decode(value["b"]))
-        return msg
-    return value
-
-
-def encode_command(cmd: Command) -> bytes:
-    """The command as stored in etcd (JSON; messages as base64 of their deterministic bytes)."""
-    body = {"op": cmd.op, "t": cmd.time, "src": cmd.source, "n": cmd.seq}
-    return json.dumps({**body, "a": [_encode_arg(a) for a in cmd.args]}, separators=(",", ":")).encode()
-
-
-def decode_command(data: bytes) -> Command:
-    """Inverse of :func:`encode_command`; ValueError/KeyError on anything else."""
-    raw = json.loads(data)
-    if raw["op"] not in _OPS:
-        raise ValueError(f"unknown directory command {raw['op']!r}")
-    args = [_decode_arg(a) for a in raw["a"]]
-    return Command(raw["op"], float(raw["t"]), str(raw["src"]), int(raw["n"]), args)
-
-
-def _put(req: epb.PutRequest, kv: egrpc.KVStub, timeout: float) -> Any:
-    return kv.Put(req, timeout=timeout)
 
 
 def _target(endpoints: list[str]) -> str:
@@ -161,6 +84,7 @@ class EtcdLog:
         self.reconnects = 0
         self._since_snapshot = 0
         self._snapshotting: asyncio.Task[None] | None = None
+        self.snapshots = SnapshotStore(settings.etcd_prefix, self._call)
         self.snapshots_written = 0
         self.snapshot_loaded = 0
         """Revision of the snapshot this replica last loaded (0: none)."""
@@ -241,63 +165,21 @@ class EtcdLog:
 
     # --- snapshots ---------------------------------------------------------------------
 
-    def _snap_key(self, revision: int, part: str) -> bytes:
-        return self.settings.etcd_prefix.encode() + f"snap/{revision:020d}/{part}".encode()
-
-    async def _get(self, key: bytes) -> bytes:
-        resp = await self._call(lambda kv, t: kv.Range(epb.RangeRequest(key=key), timeout=t))
-        if not resp.kvs:
-            raise Unavailable(f"directory snapshot key {key!r} is missing")
-        value: bytes = resp.kvs[0].value
-        return value
-
-    async def _snapshot_revisions(self) -> list[int]:
-        """Revisions of the complete snapshots in etcd (their ``meta`` key written), oldest first."""
-        start = self.settings.etcd_prefix.encode() + b"snap/"
-        req = epb.RangeRequest(key=start, range_end=start[:-1] + b"0", keys_only=True)
-        resp = await self._call(lambda kv, t: kv.Range(req, timeout=t))
-        metas = [k.key[len(start) :] for k in resp.kvs if k.key.endswith(b"/meta")]
-        return sorted(int(k.split(b"/")[0]) for k in metas)
-
     async def _restore(self) -> bool:
-        """Loads the newest complete snapshot if it is past what this replica applied; True if loaded."""
-        revisions = await self._snapshot_revisions()
-        if not revisions or revisions[-1] <= self.applied:
+        """Loads the newest snapshot if it is past what this replica applied; True if loaded."""
+        found = await self.snapshots.latest(after=self.applied)
+        if found is None:
             return False
-        revision = revisions[-1]
-        chunks = int(json.loads(await self._get(self._snap_key(revision, "meta")))["chunks"])
-        parts = [await self._get(self._snap_key(revision, f"c{i:05d}")) for i in range(chunks)]
-        self.applied, self._time = load_state(self.state, zlib.decompress(b"".join(parts)))
+        revision, data = found
+        self.applied, self._time = load_state(self.state, data)
         self.snapshot_loaded = revision
         _log.info("directory snapshot loaded", revision=revision, rooms=len(self.state._rooms))
         return True
 
     async def _write_snapshot(self, revision: int, data: bytes) -> None:
-        """Writes the snapshot (chunks, then meta), drops older ones and compacts to the one before."""
         try:
-            packed = zlib.compress(data, 1)
-            chunks = [packed[i : i + _CHUNK] for i in range(0, len(packed), _CHUNK)]
-            puts = [
-                epb.PutRequest(key=self._snap_key(revision, f"c{i:05d}"), value=c)
-                for i, c in enumerate(chunks)
-            ]
-            meta = json.dumps({"chunks": len(chunks)}).encode()
-            puts.append(epb.PutRequest(key=self._snap_key(revision, "meta"), value=meta))
-            for put in puts:
-                await self._call(functools.partial(_put, put))
+            await self.snapshots.write(revision, data)
             self.snapshots_written += 1
-            older = [r for r in await self._snapshot_revisions() if r < revision]
-            if older:
-                # The previous snapshot stays, with its history: a replica a little behind still catches
-                # up by replay. Compaction is etcd-wide but drops only superseded revisions.
-                start = self.settings.etcd_prefix.encode() + b"snap/"
-                drop = epb.DeleteRangeRequest(key=start, range_end=self._snap_key(older[-1], ""))
-                await self._call(lambda kv, t: kv.DeleteRange(drop, timeout=t))
-                compact = epb.CompactionRequest(revision=older[-1])
-                try:
-                    await self._call(lambda kv, t: kv.Compact(compact, timeout=t))
-                except Unavailable as exc:  # already compacted further (by the other replica): fine
-                    _log.info("etcd compaction skipped", revision=older[-1], why=str(exc))
         except Unavailable as exc:
             _log.warning("directory snapshot not written", revision=revision, error=str(exc))
         finally:
@@ -365,7 +247,7 @@ class EtcdLog:
         result: Any = None
         error: BaseException | None = None
         try:
-            result = _OPS[cmd.op](self.state, cmd.args)
+            result = OPS[cmd.op](self.state, cmd.args)
             if isinstance(result, RoomRecord) and cmd.op != "join":
                 # The reply shows the room as this command left it (later commands may apply before the
                 # caller resumes); a join's caller waits on the live record for the room to leave OPEN.
