@@ -40,7 +40,11 @@ def _opt(req: Message, field: str) -> Message | None:
 
 
 class EtcdDirectoryServicer(DirectoryServicer):
-    """The directory RPCs over a replica of the etcd command log."""
+    """The directory RPCs over a replica of the etcd command log.
+
+    Reads go through the base handlers inside :meth:`EtcdLog.reading`, which relies on those handlers
+    not awaiting before they have read what they answer with.
+    """
 
     def __init__(self, settings: DirectorySettings, log: EtcdLog | None = None) -> None:
         self.log = log if log is not None else EtcdLog(settings)
@@ -89,7 +93,8 @@ class EtcdDirectoryServicer(DirectoryServicer):
 
     async def ListPeers(self, req: dpb.ListPeersRequest, ctx: Ctx) -> dpb.ListPeersResponse:
         await self.log.sync()
-        return await super().ListPeers(req, ctx)
+        with self.log.reading():  # the base handler does not await: nothing is applied meanwhile
+            return await super().ListPeers(req, ctx)
 
     # --- rooms --------------------------------------------------------------------
 
@@ -111,7 +116,8 @@ class EtcdDirectoryServicer(DirectoryServicer):
         )
         resp = dpb.BeginTransferResponse(room=room_to_proto(room, self._offset, with_token=True))
         if not req.source_endpoint_cached:
-            resp.source_endpoint.CopyFrom(self.state.source_endpoint(room))
+            with self.log.reading():
+                resp.source_endpoint.CopyFrom(self.state.source_endpoint(room))
         return resp
 
     async def CompleteRoom(self, req: dpb.CompleteRoomRequest, ctx: Ctx) -> dpb.CompleteRoomResponse:
@@ -126,13 +132,18 @@ class EtcdDirectoryServicer(DirectoryServicer):
 
     async def GetRoom(self, req: dpb.GetRoomRequest, ctx: Ctx) -> dpb.GetRoomResponse:
         await self.log.sync()
-        return await super().GetRoom(req, ctx)
+        with self.log.reading():
+            return await super().GetRoom(req, ctx)
 
     async def WatchPeerRooms(
         self, req: dpb.WatchPeerRoomsRequest, ctx: Ctx
     ) -> AsyncIterator[dpb.WatchPeerRoomsResponse]:
         await self.log.sync()
-        async for msg in super().WatchPeerRooms(req, ctx):
+        feed = super().WatchPeerRooms(req, ctx)
+        with self.log.reading():  # the snapshot and the subscription, in one step (no await before it)
+            first = await anext(feed)
+        yield first
+        async for msg in feed:
             yield msg
 
     async def GetDirectoryStats(

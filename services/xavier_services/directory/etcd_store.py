@@ -37,7 +37,7 @@ import copy
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -70,6 +70,7 @@ class EtcdLog:
         self.settings = settings
         self.wall = wall
         self._time = 0.0
+        self._reading = False
         self.state = DirectoryState(settings, clock=self._clock, wall=self._clock)
         self.applied = 0
         """etcd revision of the last command applied to :attr:`state`."""
@@ -90,7 +91,22 @@ class EtcdLog:
         """Revision of the snapshot this replica last loaded (0: none)."""
 
     def _clock(self) -> float:
-        return self._time
+        return float("-inf") if self._reading else self._time
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """A read of the replica that ends nothing: leases are seen as not yet lapsed.
+
+        The in-memory state ends a lapsed lease on any access, reads included; here that would end it on
+        this replica only (and perhaps with another cause than the command that ends it everywhere
+        does, e.g. LEASE_EXPIRED before PEER_LOST). Reads stay pure; the sweeper's ``sweep`` command
+        ends lapsed leases on every replica within ``sweep_interval_seconds``. The block must not await.
+        """
+        self._reading = True
+        try:
+            yield
+        finally:
+            self._reading = False
 
     async def start(self) -> None:
         """Connects, loads the newest snapshot, follows the log; returns once caught up with etcd."""
