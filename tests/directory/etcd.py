@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from xavier_core.runtime.tls import DevCertificates
+
 ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
 NO_ETCD = "etcd is not installed (scripts/setup.sh installs Debian's etcd-server; apt was unavailable here)"
 
@@ -34,7 +36,7 @@ def _free_port() -> int:
 class Etcd:
     """One single-member etcd on two free loopback ports."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, tls: DevCertificates | None = None) -> None:
         if ETCD is None:
             pytest.skip(NO_ETCD)
         base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else workdir
@@ -43,10 +45,12 @@ class Etcd:
         self.client_port, self.peer_port = _free_port(), _free_port()
         self.endpoint = f"127.0.0.1:{self.client_port}"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.tls = tls
+        """With it, clients must use https and present a certificate of the same CA."""
         self.start()
 
     def start(self) -> None:
-        url = f"http://{self.endpoint}"
+        url = f"{'https' if self.tls else 'http'}://{self.endpoint}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         args = [
             str(ETCD), "--name", "t", "--data-dir", str(self.data),
@@ -54,6 +58,9 @@ class Etcd:
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"t={peer}", "--log-level", "error",
         ]  # fmt: skip
+        if self.tls is not None:
+            args += ["--cert-file", str(self.tls.cert_file), "--key-file", str(self.tls.key_file),
+                     "--trusted-ca-file", str(self.tls.ca_file), "--client-cert-auth"]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 30

@@ -16,6 +16,7 @@ from tests.directory.etcd import Etcd, etcd, etcd_env
 from tests.directory.helpers import lifecycle, register_request, source
 from tests.support.procs import ServiceProc, start_service
 from xavier_core.directory import DirectoryClient, Registration
+from xavier_core.runtime.tls import make_dev_certificates
 
 pytestmark = pytest.mark.integration
 __all__ = ["etcd"]
@@ -142,3 +143,30 @@ async def test_an_etcd_restart_is_survived(etcd: Etcd, dirs: Pair) -> None:
         assert resp.room.state == XFER
         assert (await a.complete_room(room_id, *did)).state == DONE
         assert await lifecycle(a, p, d, secrets.randbits(63)) == [OPEN, READY, XFER, DONE]
+
+
+async def test_directory_to_etcd_over_mtls(tmp_path: Path) -> None:
+    """etcd demanding client certificates: a directory with ``etcd_tls`` serves; one without cannot start."""
+    certs = make_dev_certificates(tmp_path / "etcd-tls")
+    server = Etcd(tmp_path, tls=certs)
+    try:
+        env = {
+            **ENV,
+            **etcd_env(server),
+            "XAVIER_DIRECTORY__ETCD_TLS__CA_FILE": str(certs.ca_file),
+            "XAVIER_DIRECTORY__ETCD_TLS__CERT_FILE": str(certs.cert_file),
+            "XAVIER_DIRECTORY__ETCD_TLS__KEY_FILE": str(certs.key_file),
+            "XAVIER_DIRECTORY__ETCD_TIMEOUT_SECONDS": "2",
+        }
+        secure = start_service("xavier-directory", ["--listen", "127.0.0.1:0"], tmp_path, name="tls", env=env)
+        try:
+            async with DirectoryClient(secure.address) as client:
+                p, d = await _register(client, "tls")
+                assert await lifecycle(client, p, d, secrets.randbits(63)) == [OPEN, READY, XFER, DONE]
+        finally:
+            secure.stop()
+        plain = {k: v for k, v in env.items() if "ETCD_TLS" not in k}
+        with pytest.raises(RuntimeError, match="exited"):
+            start_service("xavier-directory", ["--listen", "127.0.0.1:0"], tmp_path, name="plain", env=plain)
+    finally:
+        server.close()

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from xavier_core.runtime.config import ServiceConfig
+from xavier_core.runtime.config import ServiceConfig, TlsSettings
 
 __all__ = ["DirectoryConfig", "DirectorySettings"]
 
@@ -64,6 +64,9 @@ class DirectorySettings(BaseModel):
     """Key prefix of this mesh's directory in etcd (several meshes may share one etcd)."""
     etcd_timeout_seconds: float = Field(default=5.0, gt=0.0, le=300.0)
     """How long a call waits for etcd (retrying while it is unreachable) before UNAVAILABLE."""
+    etcd_tls: TlsSettings | None = None
+    """mTLS to etcd (``https`` client URLs with ``--client-cert-auth``): etcd's CA, and the certificate
+    this directory presents to it. None: plaintext (keep etcd's client port on a private network)."""
     etcd_snapshot_every: int = Field(default=20000, ge=10, le=10_000_000)
     """Commands between snapshots of the state in etcd; after each, the log history before the previous
     snapshot is compacted, so etcd holds at most about two snapshots' worth of commands."""
