@@ -1,13 +1,16 @@
 """Directory throughput: full room lifecycles per second and per-RPC latency, against a bare baseline.
 
-Starts ``xavier-directory`` as a process on 127.0.0.1:0, registers one prefill and one decode peer, and
+Starts ``xavier-directory`` as a process on 127.0.0.1:0 once per backend (memory, and etcd: a private
+``etcd`` on a temporary data directory on disk, fsync and all), registers one prefill and one decode peer, and
 runs full lifecycles (open → watch → publish → see SOURCE_READY → complete → release prefill → release
 decode → watch ends RELEASED) from 1 and from 16 concurrent clients for a fixed time each. In the same
 run it measures a bare ``grpc.aio`` health-check round trip against the same process as the baseline.
 
-    python benchmarks/directory.py [--seconds 5] [--clients 1,16] [--out result.json] [--plot result.png]
+    python benchmarks/directory.py [--seconds 5] [--clients 1,16] [--backends memory,etcd]
+                                   [--out result.json] [--plot result.png]
 
-Prints one JSON object (rates, p50/p99 per RPC in milliseconds).
+Prints one JSON object: per backend, rates and p50/p99 per RPC in milliseconds; then one summary line of
+lifecycles/s per backend and client count.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import json
 import os
 import platform
 import random
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,10 +52,40 @@ def _summary(lat: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     }
 
 
-def start_directory(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_etcd(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A single-member etcd on free loopback ports (Debian's etcd-server; scripts/setup.sh installs it)."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    client, peer = (f"http://127.0.0.1:{p}" for p in ports)
+    args = [
+        shutil.which("etcd") or "/usr/bin/etcd", "--name", "b", "--data-dir", str(workdir / "etcd"),
+        "--listen-client-urls", client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
+        "--initial-advertise-peer-urls", peer, "--initial-cluster", f"b={peer}", "--log-level", "error",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(workdir / "etcd.log", "wb"))
+    deadline = time.monotonic() + 30
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", ports[0])) == 0:
+                return proc, f"127.0.0.1:{ports[0]}"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"etcd did not start: {(workdir / 'etcd.log').read_text()}")
+        time.sleep(0.05)
+
+
+def start_directory(workdir: Path, etcd: str = "") -> tuple[subprocess.Popen[bytes], str]:
     ready = workdir / "directory.ready"
+    backend = (
+        {"XAVIER_DIRECTORY__BACKEND": "etcd", "XAVIER_DIRECTORY__ETCD_ENDPOINTS": f'["{etcd}"]'}
+        if etcd
+        else {}
+    )
     env = {
         **os.environ,
+        **backend,
         "XAVIER_DIRECTORY__MAX_ROOMS": "100000",
         "XAVIER_DIRECTORY__PEER_LEASE_SECONDS": "3600",
         "XAVIER_LOG_LEVEL": "warning",
@@ -214,22 +249,30 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--clients", default="1,16")
+    parser.add_argument("--backends", default="memory,etcd", help="directory backends, one run each")
     parser.add_argument("--address", default="", help="use a running directory instead of starting one")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
     clients = [int(x) for x in args.clients.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = None
-        address = args.address
-        if not address:
-            proc, address = start_directory(Path(tmp))
-        try:
-            result = asyncio.run(run(address, args.seconds, clients))
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(10)
+    result: dict[str, Any] = {"backends": {}}
+    for backend in args.backends.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            procs: list[subprocess.Popen[bytes]] = []
+            address = args.address
+            try:
+                if not address:
+                    etcd = ""
+                    if backend == "etcd":
+                        etcd_proc, etcd = start_etcd(Path(tmp))
+                        procs.append(etcd_proc)
+                    proc, address = start_directory(Path(tmp), etcd)
+                    procs.insert(0, proc)
+                result["backends"][backend] = asyncio.run(run(address, args.seconds, clients))
+            finally:
+                for proc in procs:
+                    proc.terminate()
+                    proc.wait(10)
     result["machine"] = {
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
@@ -240,8 +283,16 @@ def main() -> int:
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+    print(
+        "lifecycles/s: "
+        + "; ".join(
+            f"{b} "
+            + ", ".join(f"{n} client(s) {r['lifecycles'][n]['lifecycles_per_s']}" for n in r["lifecycles"])
+            for b, r in result["backends"].items()
+        )
+    )
     if args.plot:
-        plot(result, args.plot)
+        plot(result["backends"][next(iter(result["backends"]))], args.plot)
     return 0
 
 

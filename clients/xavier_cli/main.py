@@ -1,10 +1,11 @@
 """`xavier`: run the mesh locally and talk to it.
 
 xavier up [--model DIR] [--mode pd|colocated] [--prefill N --decode N --unified N]
-          [--grpc HOST:PORT] [--http HOST:PORT] [--compute model|null] [--workdir DIR]
+          [--grpc HOST:PORT] [--http HOST:PORT] [--compute model|null] [--workdir DIR] [--tls]
 xavier generate "prompt" [--stream] [--mode pd|colocated|native] [--address HOST:PORT]
 xavier status [--address HOST:PORT]
 xavier models make-tiny DIR --arch qwen2|qwen3|llama [...]
+xavier deploy render --hosts FILE --host NAME --out DIR [--units DIR]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     add_up_args(sub.add_parser("up", help="start the whole mesh locally"))
     add_generate_args(sub.add_parser("generate", help="generate an answer"))
     add_client_args(sub.add_parser("status", help="peers, rooms, pages"))
+    sub.add_parser("deploy", help="render systemd units and configs for a host", add_help=False)
     models = sub.add_parser("models", help="model utilities")
     msub = models.add_subparsers(dest="models_command", required=True)
     msub.add_parser("make-tiny", help="write a tiny random checkpoint", add_help=False)
@@ -35,6 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from xavier_core.engine.tiny import make_tiny_main
 
         return make_tiny_main(argv[2:])
+    if argv[:1] == ["deploy"]:
+        from xavier_core.deploy.__main__ import main as deploy_main
+
+        return deploy_main(argv[1:], prog="xavier deploy")
     args = _parser().parse_args(argv)
     if args.command == "up":
         from xavier_cli.up import run_up

@@ -60,6 +60,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         "--compute", choices=["model", "null"], default="model", help="engine compute (null: no model math)"
     )
     p.add_argument("--workdir", type=Path, default=None, help="ready files and logs (default: a temp dir)")
+    p.add_argument("--tls", action="store_true", help="mTLS between all services (a throwaway CA)")
     p.add_argument("--ready-file", type=Path, default=None, help="write the endpoints here once up (JSON)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every service")
     p.add_argument(
@@ -122,7 +123,8 @@ def run_up(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     # The engine binaries take engine.compute from the environment; the directory and router have no
     # `engine` section, so they ignore the variable.
-    sup = Supervisor(workdir, env={"XAVIER_ENGINE__COMPUTE": args.compute})
+    env = {"XAVIER_ENGINE__COMPUTE": args.compute, **(_tls_env(workdir) if args.tls else {})}
+    sup = Supervisor(workdir, env=env)
     code = 0
     try:
         directory = sup.start("directory", "xavier-directory", ["--listen", "127.0.0.1:0"], stage=0)
@@ -171,6 +173,11 @@ def run_up(args: argparse.Namespace) -> int:
             "model": str(model),
             "workdir": str(workdir),
             "pid": os.getpid(),
+            **(
+                {"tls": {k.split("__")[1].lower(): v for k, v in env.items() if "TLS" in k}}
+                if args.tls
+                else {}
+            ),
         }
         print(f"\nXavier is up ({args.mode}, {model.name}).", flush=True)
         print(f'  gRPC    {endpoints["grpc"]}   (xavier generate --address {endpoints["grpc"]} "Hello")')
@@ -241,3 +248,15 @@ def _devices(device: str) -> list[str]:
 
     count = torch.cuda.device_count()
     return [f"cuda:{i}" for i in range(count)] or ["cuda:0"]
+
+
+def _tls_env(workdir: Path) -> dict[str, str]:
+    """A throwaway CA and one certificate for every service; the ``[tls]`` section as environment."""
+    from xavier_core.runtime.tls import make_dev_certificates
+
+    certs = make_dev_certificates(workdir / "tls")
+    return {
+        "XAVIER_TLS__CERT_FILE": str(certs.cert_file),
+        "XAVIER_TLS__KEY_FILE": str(certs.key_file),
+        "XAVIER_TLS__CA_FILE": str(certs.ca_file),
+    }

@@ -203,3 +203,27 @@ def test_rendered_units_verify(tmp_path: Path) -> None:
         timeout=120,
     )
     assert (done.returncode, done.stdout + done.stderr) == (0, "")
+
+
+REPLICAS = (
+    TWO_HOSTS.replace('directory = "ctl"', 'directory = ["ctl", "gpu"]').replace(
+        'roles = ["prefill", "decode"]', 'roles = ["directory", "prefill", "decode"]'
+    )
+    + '\n[service.directory.directory]\nbackend = "etcd"\netcd_endpoints = ["10.1.0.1:2379"]\n'
+)
+
+
+def test_directory_replicas_on_etcd(tmp_path: Path) -> None:
+    """Two directory hosts: each runs one, and every client dials both (one comma-separated address)."""
+    ctl, gpu = _render(tmp_path, REPLICAS, "ctl"), _render(tmp_path, REPLICAS, "gpu")
+    for out in (ctl, gpu):
+        directory = load_config(DirectoryConfig, out / "etc/xavier/xavier-directory.toml")
+        assert directory.directory.backend == "etcd"
+    router = _toml(ctl / "etc/xavier/xavier-router.toml")  # (its token file exists only under systemd)
+    decode = load_config(PeerServiceConfig, gpu / "etc/xavier/xavier-decode@2.toml")
+    assert router["directory"] == decode.peer.directory == "10.1.0.1:7100,10.1.0.2:7100"
+    # Replicas without etcd would each hold a different mesh: refused, naming the key.
+    (tmp_path / "mem").mkdir()
+    with pytest.raises(ConfigError) as info:
+        _render(tmp_path / "mem", REPLICAS.replace('backend = "etcd"', 'backend = "memory"'), "ctl")
+    assert [i[0] for i in info.value.issues] == ["service.directory.directory.backend"]

@@ -12,9 +12,9 @@ from .hosts import load_cluster
 from .render import DEFAULT_UNITS_DIR, render_host
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m xavier_core.deploy") -> int:
     """Render one host's units and configs; a bad description exits 2 naming the key."""
-    parser = argparse.ArgumentParser(prog="python -m xavier_core.deploy", description=__doc__)
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     render = commands.add_parser("render", help="write a host's units, env files and configs")
     render.add_argument(

@@ -39,8 +39,14 @@ def _check_env(env: dict[str, str]) -> dict[str, str]:
 class ClusterSection(_Model):
     """Settings of the whole mesh."""
 
-    directory: str
-    """Name of the host (a key of ``[hosts]``) whose directory every peer and router uses."""
+    directory: str | list[str]
+    """Name of the host (a key of ``[hosts]``) whose directory every peer and router uses; or several
+    (directory replicas, which need ``[service.directory.directory] backend = "etcd"``)."""
+
+    @property
+    def directory_hosts(self) -> list[str]:
+        return [self.directory] if isinstance(self.directory, str) else list(self.directory)
+
     model: Path
     """Checkpoint directory, at the same path on every host that runs a router or an engine."""
     prefix: Path = Path("/opt/xavier/.venv")
@@ -145,7 +151,10 @@ class Cluster(_Model):
 
     @property
     def directory_address(self) -> str:
-        return f"{self.hosts[self.cluster.directory].address}:{self.ports.directory}"
+        """The directory address peers and routers dial: ``ip:port``, comma-separated for replicas."""
+        return ",".join(
+            f"{self.hosts[h].address}:{self.ports.directory}" for h in self.cluster.directory_hosts
+        )
 
 
 def load_cluster(path: Path) -> Cluster:
@@ -154,18 +163,23 @@ def load_cluster(path: Path) -> Cluster:
         raise ConfigError([("hosts", f"file not found: {path}", "flag --hosts")])
     cluster = load_config(Cluster, path)
     source = f"file {path}"
-    name = cluster.cluster.directory
+    names = cluster.cluster.directory_hosts
     holders = [host for host, spec in cluster.hosts.items() if "directory" in spec.roles]
-    if name not in cluster.hosts:
-        raise ConfigError([("cluster.directory", f"{name!r} is not a host in [hosts]", source)])
-    if holders != [name]:
+    for name in names:
+        if name not in cluster.hosts:
+            raise ConfigError([("cluster.directory", f"{name!r} is not a host in [hosts]", source)])
+    if sorted(holders) != sorted(names) or not names:
         raise ConfigError(
             [
                 (
                     "cluster.directory",
-                    f"{name!r} must be the one host with the 'directory' role, found {holders}",
+                    f"{names} must be the hosts with the 'directory' role, found {holders}",
                     source,
                 )
             ]
         )
+    backend = cluster.service.get("directory", {}).get("directory", {}).get("backend", "memory")
+    if len(names) > 1 and backend != "etcd":
+        why = 'several directories share their state only through etcd: set backend = "etcd"'
+        raise ConfigError([("service.directory.directory.backend", why, source)])
     return cluster

@@ -30,6 +30,7 @@ from xavier_core.pagestore.layout import PageGeometry, Span, local_page_checksum
 from xavier_core.pagestore.metrics import ClientCounters, client_metrics
 from xavier_core.pagestore.nixl import Op, PageAgent, wait
 from xavier_core.pagestore.writer import WriteQueue
+from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.errors import XavierError, from_rpc_error
 from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import InvalidPagesError, PeerError
@@ -37,13 +38,6 @@ from xavier_core.transfer.errors import InvalidPagesError, PeerError
 __all__ = ["ClientSettings", "PageNamespace", "PageStoreClient"]
 
 log = logging.getLogger(__name__)
-
-_CHANNEL_OPTIONS = (
-    # A restarted store should be found within about a second, not after gRPC's default 2-minute backoff.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
 
 
 @dataclass(frozen=True)
@@ -308,7 +302,7 @@ class PageStoreClient:
 
     async def _call(self, method: str, request: Any) -> Any:
         if self._stub_ is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            self._channel = open_channel(self.address)
             self._stub_ = pb_grpc.PageStoreServiceStub(self._channel)
         try:
             return await getattr(self._stub_, method)(request, timeout=self.settings.rpc_timeout_s)

@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from . import sdnotify
+from .channels import use_client_tls
 from .config import ConfigError, ServiceConfig, exit_on_config_error, parse_host_port
 from .interceptors import RuntimeInterceptor
 from .logging import configure_logging, get_logger
@@ -154,6 +155,8 @@ async def start_service(
     Without ``credentials``, a ``[tls]`` config section makes the port mTLS-only.
     """
     tls = ServerTls(config.tls) if credentials is None and config.tls is not None else None
+    # The same [tls] section makes this process dial every other service over mTLS.
+    use_client_tls(config.tls)
     if tls is not None:
         credentials = tls.credentials()
     limit = config.max_message_bytes

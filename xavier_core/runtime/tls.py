@@ -21,7 +21,14 @@ import grpc
 from .config import ConfigError, TlsSettings
 from .logging import get_logger
 
-__all__ = ["ServerTls", "TlsFiles", "channel_credentials", "read_tls_files"]
+__all__ = [
+    "DevCertificates",
+    "ServerTls",
+    "TlsFiles",
+    "channel_credentials",
+    "make_dev_certificates",
+    "read_tls_files",
+]
 
 _log = get_logger("xavier.tls")
 
@@ -119,3 +126,95 @@ def channel_credentials(settings: TlsSettings) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(
         root_certificates=files.ca, private_key=files.key, certificate_chain=files.cert
     )
+
+
+@dataclass(frozen=True)
+class DevCertificates:
+    """Paths of a throwaway CA and one leaf certificate (``xavier up --tls``, tests)."""
+
+    ca_file: Path
+    cert_file: Path
+    key_file: Path
+
+    def settings(self, server_name: str = "") -> TlsSettings:
+        """The ``[tls]`` section that uses these files."""
+        return TlsSettings(
+            cert_file=self.cert_file, key_file=self.key_file, ca_file=self.ca_file, server_name=server_name
+        )
+
+
+def make_dev_certificates(
+    directory: Path, names: tuple[str, ...] = ("localhost", "127.0.0.1")
+) -> DevCertificates:
+    """A new CA and a leaf for ``names`` (client and server use) written under ``directory`` (mode 0600).
+
+    Uses ``trustme`` when installed, else the ``cryptography`` package directly. For a local mesh and
+    tests only: the CA key is not kept, so nothing else can ever be signed by it.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        import trustme
+    except ImportError:
+        ca_pem, cert_pem, key_pem = _cryptography_certificates(names)
+    else:
+        ca = trustme.CA()
+        leaf = ca.issue_cert(*names)
+        ca_pem = ca.cert_pem.bytes()
+        cert_pem = b"".join(blob.bytes() for blob in leaf.cert_chain_pems)
+        key_pem = leaf.private_key_pem.bytes()
+    files = DevCertificates(directory / "ca.pem", directory / "cert.pem", directory / "key.pem")
+    for path, data in ((files.ca_file, ca_pem), (files.cert_file, cert_pem), (files.key_file, key_pem)):
+        path.touch(mode=0o600)
+        path.write_bytes(data)
+    return files
+
+
+def _cryptography_certificates(names: tuple[str, ...]) -> tuple[bytes, bytes, bytes]:
+    """(CA PEM, leaf PEM, leaf key PEM) made with ``cryptography``: ECDSA P-256, valid one day."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def build(
+        subject: str, issuer: x509.Name | None, key: ec.EllipticCurvePrivateKey
+    ) -> x509.CertificateBuilder:
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+        return (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(issuer or name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = (
+        build("xavier dev CA", None, ca_key)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    alt: list[x509.GeneralName] = []
+    for n in names:
+        try:
+            alt.append(x509.IPAddress(ipaddress.ip_address(n)))
+        except ValueError:
+            alt.append(x509.DNSName(n))
+    key = ec.generate_private_key(ec.SECP256R1())
+    usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    leaf = (
+        build(names[0], ca_cert.subject, key)
+        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return ca_cert.public_bytes(pem), leaf.public_bytes(pem), key_pem

@@ -5,9 +5,11 @@ Environment: ``XAVIER_DIRECTORY__<KEY>`` (e.g. ``XAVIER_DIRECTORY__ROOM_LEASE_SE
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from xavier_core.runtime.config import ServiceConfig
+from xavier_core.runtime.config import ServiceConfig, TlsSettings
 
 __all__ = ["DirectoryConfig", "DirectorySettings"]
 
@@ -56,6 +58,23 @@ class DirectorySettings(BaseModel):
     """Recent RegisterPeer request ids remembered for idempotent retries."""
     ended_rooms_retained: int = Field(default=16384, ge=0, le=10_000_000)
     """Ended rooms kept (without their page runs) so late calls see the end state, not NOT_FOUND."""
+
+    backend: Literal["memory", "etcd"] = "memory"
+    """Where peers and rooms live: this process's memory (lost on restart; one directory only) or etcd
+    (every directory process replays one command log there, so several serve the same mesh and any of
+    them may restart; see ``xavier_services.directory.etcd_store``)."""
+    etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"], min_length=1, max_length=16)
+    """etcd client addresses (host:port); several are tried in turn (IP addresses only when several)."""
+    etcd_prefix: str = Field(default="/xavier/directory/", min_length=1, max_length=256)
+    """Key prefix of this mesh's directory in etcd (several meshes may share one etcd)."""
+    etcd_timeout_seconds: float = Field(default=5.0, gt=0.0, le=300.0)
+    """How long a call waits for etcd (retrying while it is unreachable) before UNAVAILABLE."""
+    etcd_tls: TlsSettings | None = None
+    """mTLS to etcd (``https`` client URLs with ``--client-cert-auth``): etcd's CA, and the certificate
+    this directory presents to it. None: plaintext (keep etcd's client port on a private network)."""
+    etcd_snapshot_every: int = Field(default=20000, ge=10, le=10_000_000)
+    """Commands between snapshots of the state in etcd; after each, the log history before the previous
+    snapshot is compacted, so etcd holds at most about two snapshots' worth of commands."""
 
     @model_validator(mode="after")
     def _check(self) -> DirectorySettings:

@@ -1,4 +1,8 @@
-"""``xavier-directory``: peers, epochs, leases and P/D rooms (soft state; peers re-register on restart)."""
+"""``xavier-directory``: peers, epochs, leases and P/D rooms.
+
+In memory by default (soft state: peers re-register on restart, open rooms are lost); with
+``[directory] backend = "etcd"`` the state lives in etcd and several directories serve one mesh.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> int:
         servicer = DirectoryServicer(config.directory)
+        if config.directory.backend == "etcd":
+            # Imported only here: the etcd client is needed only by directories that use it.
+            from xavier_services.directory.etcd_servicer import EtcdDirectoryServicer
+
+            servicer = EtcdDirectoryServicer(config.directory)
         return await serve(
             config,
             service_name="directory",

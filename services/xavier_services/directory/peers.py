@@ -65,8 +65,13 @@ class PeerTable:
         address: str,
         layout: types_pb2.KvLayout | None,
         endpoint: types_pb2.TransferEndpoint | None,
+        new_id: str = "",
     ) -> PeerRecord:
-        """Registers a peer under a new epoch (ending its previous epoch); idempotent by ``request_id``."""
+        """Registers a peer under a new epoch (ending its previous epoch); idempotent by ``request_id``.
+
+        Without ``peer_id`` the peer is named ``new_id``, else a random id (a replicated directory names
+        it before the command is logged, so every replica picks the same name).
+        """
         check_request_id(request_id)
         if request_id in self._register_ids:
             known_id, known_epoch = self._register_ids[request_id]
@@ -77,7 +82,7 @@ class PeerTable:
         if peer_id:
             check_peer_id(peer_id)
         else:
-            peer_id = f"peer-{secrets.token_hex(8)}"
+            peer_id = new_id or f"peer-{secrets.token_hex(8)}"
         if role not in types_pb2.Role.values() or role == types_pb2.ROLE_UNSPECIFIED:
             raise InvalidArgument(f"role {role} is not a valid role", field="role")
         check_text(address, "address", required=True)
@@ -195,6 +200,10 @@ class PeerTable:
         for peer_id in lapsed:
             self.get(peer_id)
         return len(lapsed)
+
+    def next_expiry(self) -> float:
+        """The earliest lease end among live peers (infinity with none)."""
+        return min((p.expires_at for p in self._peers.values()), default=float("inf"))
 
     def page(self, page_size: int, after: str, role: int, fingerprint: str) -> tuple[list[PeerRecord], str]:
         """Peers ordered by id after ``after``, filtered; returns the page and the next cursor ("" at end)."""

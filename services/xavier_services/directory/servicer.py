@@ -223,6 +223,9 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         self, req: dpb.GetDirectoryStatsRequest, ctx: Ctx
     ) -> dpb.GetDirectoryStatsResponse:
         self.state.sweep()
+        return self._stats()
+
+    def _stats(self) -> dpb.GetDirectoryStatsResponse:
         stats = self.state.room_stats()
         return dpb.GetDirectoryStatsResponse(
             rooms_active=stats.active,

@@ -241,6 +241,11 @@ class DirectoryState:
         by.pop(dpb.ROOM_STATE_UNSPECIFIED, None)
         return RoomStats(len(self._rooms), by, self._opened, by[COMPLETED], by[ABORTED], by[EXPIRED])
 
+    def next_deadline(self) -> float:
+        """When the next room, tombstone or peer lease lapses, on ``clock`` (a sweep before is a no-op)."""
+        room = self._expiry[0][0] if self._expiry else float("inf")
+        return min(room, self.peers.next_expiry())
+
     def sweep(self) -> int:
         """Ends every room and peer whose lease lapsed and drops lapsed tombstones; returns rooms ended."""
         before = self._by_state[EXPIRED] + self._by_state[ABORTED]

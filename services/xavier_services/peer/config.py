@@ -57,7 +57,8 @@ class PeerSection(_Section):
     @field_validator("directory")
     @classmethod
     def _check_directory(cls, value: str) -> str:
-        parse_host_port(value)
+        for address in value.split(","):  # several: directory replicas on etcd
+            parse_host_port(address)
         return value
 
 

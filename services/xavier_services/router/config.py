@@ -108,6 +108,6 @@ class RouterConfig(ServiceConfig):
     @field_validator("directory")
     @classmethod
     def _check_directory(cls, value: str) -> str:
-        if value:
-            parse_host_port(value)
+        for address in filter(None, value.split(",")):  # several: directory replicas on etcd
+            parse_host_port(address)
         return value

@@ -1,0 +1,77 @@
+"""The one channel factory: mTLS from the process's [tls] (with a server name override), replicas of a
+service behind one comma-separated address, and `xavier deploy render` from the CLI."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from xavier_core.runtime import channels
+from xavier_core.runtime.tls import ServerTls, make_dev_certificates
+
+
+@pytest.fixture
+async def tls_server(tmp_path: Path) -> AsyncIterator[tuple[str, Path]]:
+    # A certificate for a name only: dialling 127.0.0.1 needs the server name override.
+    certs = make_dev_certificates(tmp_path / "srv", names=("directory.xavier.internal",))
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", ServerTls(certs.settings()).credentials())
+    await server.start()
+    yield f"127.0.0.1:{port}", tmp_path / "srv"
+    await server.stop(None)
+
+
+async def _check(channel: grpc.aio.Channel) -> int:
+    async with channel:
+        resp = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return int(resp.status)
+
+
+async def test_process_tls_and_server_name(tls_server: tuple[str, Path]) -> None:
+    address, files = tls_server
+    # The client presents the same certificate (one per host serves both directions).
+    settings = channels.TlsSettings(
+        cert_file=files / "cert.pem", key_file=files / "key.pem", ca_file=files / "ca.pem"
+    )
+    assert channels.client_tls() is None
+    channels.use_client_tls(settings.model_copy(update={"server_name": "directory.xavier.internal"}))
+    try:
+        assert await _check(channels.open_channel(address)) == health_pb2.HealthCheckResponse.SERVING
+        # Without the override the server's certificate does not name 127.0.0.1: refused.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _check(channels.open_channel(address, tls=settings))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        channels.use_client_tls(None)
+    with pytest.raises(grpc.aio.AioRpcError):  # plaintext to a TLS-only server
+        await _check(channels.open_channel(address))
+
+
+def test_several_addresses_make_one_round_robin_channel() -> None:
+    assert channels._targets("10.0.0.1:7100") == ("10.0.0.1:7100", ())
+    target, options = channels._targets("10.0.0.1:7100,10.0.0.2:7100")
+    assert target == "ipv4:10.0.0.1:7100,10.0.0.2:7100"
+    assert options == (("grpc.lb_policy_name", "round_robin"),)
+    assert channels._targets("[::1]:1,[::2]:2")[0] == "ipv6:[::1]:1,[::2]:2"
+    with pytest.raises(ValueError, match="IP literals"):
+        channels._targets("dir-a:7100,dir-b:7100")
+    with pytest.raises(ValueError, match="all be IPv4 or all IPv6"):
+        channels._targets("10.0.0.1:1,[::1]:2")
+
+
+def test_xavier_deploy_render(tmp_path: Path) -> None:
+    from xavier_cli.main import main
+
+    root = Path(__file__).resolve().parents[2]
+    hosts = root / "deploy" / "examples" / "hosts.toml"
+    assert main(["deploy", "render", "--hosts", str(hosts), "--host", "ctl", "--out", str(tmp_path)]) == 0
+    units = {p.name for p in (tmp_path / "etc" / "systemd" / "system").iterdir()}
+    assert {"xavier-directory.service", "xavier-router.service"} <= units
+    with pytest.raises(SystemExit) as bad:
+        main(["deploy", "render", "--hosts", str(hosts), "--host", "nope", "--out", str(tmp_path / "x")])
+    assert bad.value.code == 2
