@@ -236,6 +236,25 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The lease's commit is in progress, so it cannot be committed or released again yet; status
     FAILED_PRECONDITION, metadata "lease_id". Safe to retry after the commit answers.
     """
+    ERROR_REASON_PEER_FAILED: _ErrorReason.ValueType  # 80
+    """Router: reliability (numbers from 80 so parallel additions do not collide).
+
+    Every peer the router tried for a request failed (refused the connection, answered UNAVAILABLE or
+    failed its health check) before the request streamed a token, and the failover attempts are spent;
+    status UNAVAILABLE (HTTP 503), metadata "role" (prefill, decode or unified), "peer_id" and "attempts".
+    """
+    ERROR_REASON_PROGRESS_TIMEOUT: _ErrorReason.ValueType  # 81
+    """No token arrived for the request within the router's progress deadline (a stalled peer); the router
+    ended the request and freed its room; status DEADLINE_EXCEEDED (HTTP 504), metadata "seconds".
+    """
+    ERROR_REASON_ROUTER_OVERLOADED: _ErrorReason.ValueType  # 82
+    """The router's in-flight and queued request limits are full; status RESOURCE_EXHAUSTED (HTTP 429 with
+    Retry-After), metadata "limit" and "retry_after_seconds".
+    """
+    ERROR_REASON_BODY_TOO_LARGE: _ErrorReason.ValueType  # 83
+    """The HTTP request body is larger than the router accepts; HTTP 413 only (no gRPC call carries it),
+    metadata "limit" (bytes).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every `google.rpc.ErrorInfo.reason` that a xavier.v1 service or client emits.
@@ -460,5 +479,24 @@ metadata "lease_id".
 ERROR_REASON_LEASE_BUSY: ErrorReason.ValueType  # 66
 """The lease's commit is in progress, so it cannot be committed or released again yet; status
 FAILED_PRECONDITION, metadata "lease_id". Safe to retry after the commit answers.
+"""
+ERROR_REASON_PEER_FAILED: ErrorReason.ValueType  # 80
+"""Router: reliability (numbers from 80 so parallel additions do not collide).
+
+Every peer the router tried for a request failed (refused the connection, answered UNAVAILABLE or
+failed its health check) before the request streamed a token, and the failover attempts are spent;
+status UNAVAILABLE (HTTP 503), metadata "role" (prefill, decode or unified), "peer_id" and "attempts".
+"""
+ERROR_REASON_PROGRESS_TIMEOUT: ErrorReason.ValueType  # 81
+"""No token arrived for the request within the router's progress deadline (a stalled peer); the router
+ended the request and freed its room; status DEADLINE_EXCEEDED (HTTP 504), metadata "seconds".
+"""
+ERROR_REASON_ROUTER_OVERLOADED: ErrorReason.ValueType  # 82
+"""The router's in-flight and queued request limits are full; status RESOURCE_EXHAUSTED (HTTP 429 with
+Retry-After), metadata "limit" and "retry_after_seconds".
+"""
+ERROR_REASON_BODY_TOO_LARGE: ErrorReason.ValueType  # 83
+"""The HTTP request body is larger than the router accepts; HTTP 413 only (no gRPC call carries it),
+metadata "limit" (bytes).
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
