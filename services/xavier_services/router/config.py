@@ -94,6 +94,9 @@ class RouterConfig(ServiceConfig):
     """The Retry-After an overloaded router suggests."""
     tokenizer_threads: int = Field(default=2, ge=1, le=64)
     """Threads that tokenize and render chats, off the event loop."""
+    offload_tokenize_chars: int = Field(default=262_144, ge=1)
+    """Prompts of at least this many characters are tokenized in a helper process (the tokenizer holds
+    the GIL on very large inputs, which would stall every other stream)."""
     api_token: str = ""
     """Bearer token required on the public gRPC and HTTP APIs; empty disables the check."""
     api_token_file: Path | None = None

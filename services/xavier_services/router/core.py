@@ -29,6 +29,7 @@ from xavier_services.router.flows import FlowEnv, Step, Trace, colocated_flow, p
 from xavier_services.router.health import role_name
 from xavier_services.router.native import native_flow
 from xavier_services.router.observe import RequestRecord, RouterMetrics
+from xavier_services.router.offload import ProcessEncoder
 from xavier_services.router.peers import PeerPool
 from xavier_services.router.prompts import ModelInfo, PromptEncoder
 from xavier_services.router.request import Prepared, prepare
@@ -81,6 +82,8 @@ class Router:
             config.retry_after_seconds,
         )
         self._tokenizers = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+        if config.model is not None and encoder.offload is None:
+            encoder.offload = ProcessEncoder(config.model, config.offload_tokenize_chars)
         self._live: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._session: aiohttp.ClientSession | None = None
@@ -124,6 +127,8 @@ class Router:
             await self._session.close()
         await self.pool.close()
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
+        if self.encoder.offload is not None:
+            self.encoder.offload.close()
 
     def prepare(self, req: rpb.GenerateRequest) -> Prepared:
         return prepare(req, self.encoder, self.model)
