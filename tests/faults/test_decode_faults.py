@@ -18,6 +18,7 @@ import grpc
 import pytest
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import router_service_pb2_grpc as rpb_grpc
+from xavier.v1 import types_pb2
 
 from tests.faults.conftest import (
     FaultMesh,
@@ -27,6 +28,7 @@ from tests.faults.conftest import (
     stream_completion,
     wait_idle,
 )
+from xavier_core.runtime.errors import from_rpc_error
 
 pytestmark = pytest.mark.integration
 
@@ -144,5 +146,36 @@ async def test_sigstop_decode_past_lease_ends_stalled_streams(fault_mesh: FaultM
 
     stats = await wait_idle(mesh, timeout=30.0)
     COUNTS["leaks"] += sum(1 for v in stats.values() if v)
+    assert not any(stats.values()), stats
+
+
+async def test_no_decode_left_is_a_clean_503(fault_mesh: FaultMesh) -> None:
+    """With every decode killed, a request gets a status before any byte: HTTP 503 / UNAVAILABLE with a
+    declared reason naming no internal address."""
+    mesh = fault_mesh.mesh
+    for name in ("decode-0", "decode-1"):
+        mesh.procs.pop(name).stop(signal.SIGKILL)
+        COUNTS["faults"] += 1
+    async with aiohttp.ClientSession() as session:
+        for i in range(3):
+            o = await stream_completion(
+                session, fault_mesh.router.http, f"after both died {i}", 8, timeout=20
+            )
+            assert o.status == 503, o
+            _no_internal_addresses(o)
+            assert json.loads(o.body)["error"]["code"] in ("PEER_FAILED", "NO_PEERS"), o.body
+    async with grpc.aio.insecure_channel(fault_mesh.router.grpc) as ch:
+        call = rpb_grpc.RouterServiceStub(ch).Generate(
+            rpb.GenerateRequest(text="grpc after both died", sampling=types_pb2.SamplingParams(max_tokens=4)),
+            timeout=20,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "127.0.0.1" not in (info.value.details() or "")
+    assert from_rpc_error(info.value).reason in ("PEER_FAILED", "NO_PEERS")
+    COUNTS["requests"] += 4
+    stats = await wait_idle(mesh, timeout=20.0)
     assert not any(stats.values()), stats
     print("fault counts:", COUNTS)
