@@ -152,9 +152,10 @@ async def _failover(
                 reason=failed.error.reason,
                 attempt=n + 1,
             )
-        except Unavailable as err:
-            # No other peer to go to: report the peer that failed rather than "no peers".
-            if failure is not None and err.reason == "NO_PEERS":
+        except XavierError as err:
+            # No other peer to go to: report the peer that failed rather than "no peers" (or "no decode
+            # with a matching layout", when the failed one was the only such decode).
+            if failure is not None and err.reason in ("NO_PEERS", "LAYOUT_MISMATCH"):
                 break
             raise
     if failure is None:  # pragma: no cover - the loop runs at least once
