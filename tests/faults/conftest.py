@@ -1,7 +1,7 @@
-"""A mesh with a spare decode and a router, as processes, for the fault suites.
+"""A mesh with a spare prefill and decode and a router, as processes, for the fault suites.
 
-directory, prefill-0, decode-0, decode-1 (the P/D mesh of tests/pd with short leases) and a router whose
-progress deadline, keepalive and health probe are short so faults resolve in seconds.
+directory, prefill-0, prefill-1, decode-0, decode-1 (the P/D mesh of tests/pd with short leases) and a
+router whose progress deadline, keepalive and health probe are short so faults resolve in seconds.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def fault_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     try:
         m.start_directory()
         m.start_peer("prefill-0", "prefill")
+        m.start_peer("prefill-1", "prefill")
         m.start_peer("decode-0", "decode")
         m.start_peer("decode-1", "decode")
         router = start_router(m, "router")
