@@ -43,9 +43,9 @@ class Router:
         return self.proc.address
 
 
-def start_router(mesh: Mesh, name: str, **env: str) -> Router:
+def start_router(mesh: Mesh, name: str, mode: str = "pd", **env: str) -> Router:
     args = ["--model", str(mesh.model), "--directory", mesh.directory, "--listen", "127.0.0.1:0"]
-    args += ["--http", "127.0.0.1:0", "--mode", "pd"]
+    args += ["--http", "127.0.0.1:0", "--mode", mode]
     proc = start_service(
         "xavier-router", args, mesh.workdir, name=name, env={**mesh.env, **ROUTER_ENV, **env}, timeout=120
     )
