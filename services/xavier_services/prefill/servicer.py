@@ -23,7 +23,7 @@ from xavier.v1 import prefill_service_pb2_grpc, types_pb2
 from xavier_core.directory import TERMINAL_ROOM_STATES
 from xavier_core.engine.api import PrefillResult
 from xavier_core.runtime.durations import to_duration
-from xavier_core.runtime.errors import Aborted, FailedPrecondition, InvalidArgument
+from xavier_core.runtime.errors import Aborted, FailedPrecondition, InvalidArgument, XavierError
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.convert import (
     check_prompt,
@@ -35,6 +35,15 @@ from xavier_services.peer.host import PeerHost
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
 
 log = get_logger(__name__)
+# Statuses after which a PublishSource may still have taken effect (the answer was lost, not a refusal).
+_UNSURE = frozenset(
+    (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.CANCELLED,
+    )
+)
 
 
 @dataclass
@@ -141,6 +150,12 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
             )
         except BaseException as err:
             log.info("publication failed", room_id=hold.room_id, error=str(err))
+            if published and isinstance(err, XavierError) and err.code not in _UNSURE:
+                # The directory answered and refused (e.g. the decode is gone): no room shows this source,
+                # so no read can start. Waiting for the room's outcome would wait for a room that never
+                # existed (two room leases, then a park timeout).
+                published = False
+                await asyncio.shield(self.host.port.unpublish(hold.room_id, completed=False))
             await asyncio.shield(self._fail(hold, published))
             return
         if room.state in TERMINAL_ROOM_STATES:

@@ -72,6 +72,33 @@ class RouterConfig(ServiceConfig):
     """Outstanding requests a remembered prefill may carry above the least-loaded one and still win."""
     retry_attempts: int = Field(default=3, ge=1, le=10)
     """Attempts of idempotent phases (peer selection) on UNAVAILABLE."""
+    failover_attempts: int = Field(default=3, ge=1, le=10)
+    """Peers (pairs in P/D) one request may try before it has streamed a decode token: a peer that
+    refuses the connection or answers UNAVAILABLE is left out and the request goes to another."""
+    health_interval_seconds: float = Field(default=1.0, gt=0, le=3600)
+    """How often the router probes every peer (grpc.health.v1 Check); a peer that fails is left out of
+    selection until a probe finds it SERVING again."""
+    health_timeout_seconds: float = Field(default=1.0, gt=0, le=60)
+    """Deadline of one health probe."""
+    progress_timeout_seconds: float = Field(default=60.0, gt=0)
+    """A request that gets no token for this long ends with DEADLINE_EXCEEDED (PROGRESS_TIMEOUT)."""
+    keepalive_seconds: float = Field(default=5.0, gt=0)
+    """Interval of SSE comment lines sent while a started stream waits for its next token."""
+    status_peer_timeout_seconds: float = Field(default=1.0, gt=0, le=60)
+    """Deadline of each peer's stats call in GetClusterStatus (all peers are asked concurrently)."""
+    max_inflight_requests: int = Field(default=256, ge=1, le=1_000_000)
+    """Requests the router serves at once; more wait in the queue."""
+    max_queued_requests: int = Field(default=1024, ge=0, le=1_000_000)
+    """Requests that may wait for a serving slot; beyond it a request gets RESOURCE_EXHAUSTED / HTTP 429."""
+    queue_timeout_seconds: float = Field(default=30.0, gt=0)
+    """Longest wait in the queue before RESOURCE_EXHAUSTED."""
+    retry_after_seconds: int = Field(default=1, ge=1, le=3600)
+    """The Retry-After an overloaded router suggests."""
+    tokenizer_threads: int = Field(default=2, ge=1, le=64)
+    """Threads that tokenize and render chats, off the event loop."""
+    offload_tokenize_chars: int = Field(default=262_144, ge=1)
+    """Prompts of at least this many characters are tokenized in a helper process (the tokenizer holds
+    the GIL on very large inputs, which would stall every other stream)."""
     api_token: str = ""
     """Bearer token required on the public gRPC and HTTP APIs; empty disables the check."""
     api_token_file: Path | None = None

@@ -10,19 +10,26 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any
 
 import aiohttp
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import grpc
+from prometheus_client import CollectorRegistry
+from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 
-from xavier_core.runtime import Unavailable, get_registry
+from xavier_core.runtime import GenericError, Unavailable, XavierError, get_registry
 from xavier_core.runtime.durations import to_duration
+from xavier_services.router.admission import Admission
 from xavier_services.router.config import RouterConfig
-from xavier_services.router.flows import FlowEnv, Step, colocated_flow, pd_flow
+from xavier_services.router.flows import FlowEnv, Step, Trace, colocated_flow, pd_flow
+from xavier_services.router.health import role_name
 from xavier_services.router.native import native_flow
+from xavier_services.router.observe import RequestRecord, RouterMetrics
+from xavier_services.router.offload import ProcessEncoder
 from xavier_services.router.peers import PeerPool
 from xavier_services.router.prompts import ModelInfo, PromptEncoder
 from xavier_services.router.request import Prepared, prepare
@@ -37,22 +44,11 @@ _END = object()
 _ABORTED = object()
 
 
-class _Metrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter(
-            "xavier_router_requests",
-            "Requests by mode and finish reason.",
-            ("mode", "finish"),
-            registry=registry,
-        )
-        self.active = Gauge("xavier_router_requests_active", "Requests being served.", registry=registry)
-        self.ttft = Histogram(
-            "xavier_router_ttft_seconds",
-            "Time to first token.",
-            ("mode",),
-            registry=registry,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-        )
+class ProgressTimeout(XavierError):
+    """No token arrived within the progress deadline; the request was ended and its room freed."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "PROGRESS_TIMEOUT"
 
 
 class Router:
@@ -74,11 +70,23 @@ class Router:
             config.peer_refresh_seconds,
             config.retry_attempts,
             affinity_slack=config.prefix_affinity_slack,
+            health_interval=config.health_interval_seconds,
+            health_timeout=config.health_timeout_seconds,
         )
+        self._metrics = RouterMetrics(registry or get_registry())
+        self.pool.health.on_change = self._peer_changed
+        self.admission = Admission(
+            config.max_inflight_requests,
+            config.max_queued_requests,
+            config.queue_timeout_seconds,
+            config.retry_after_seconds,
+        )
+        self._tokenizers = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
+        if config.model is not None and encoder.offload is None:
+            encoder.offload = ProcessEncoder(config.model, config.offload_tokenize_chars)
         self._live: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._session: aiohttp.ClientSession | None = None
-        self._metrics = _Metrics(registry or get_registry())
         self.env = FlowEnv(
             self.pool,
             encoder.tokenizer,
@@ -86,11 +94,21 @@ class Router:
             config.rpc_timeout_seconds,
             self.spawn,
             config.prefix_affinity_tokens,
+            config.failover_attempts,
         )
 
     @property
     def active(self) -> int:
         return len(self._live)
+
+    def start(self) -> None:
+        """Starts the background peer health probe (needs the running loop)."""
+        if self.pool.directory is not None:
+            self.pool.health.start(self.pool.peers)
+
+    def _peer_changed(self, peer: dpb.Peer, up: bool, why: str) -> None:
+        if not up:
+            self._metrics.peer_down.labels(role_name(peer.role)).inc()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Runs cleanup in the background, kept referenced until it ends."""
@@ -108,15 +126,23 @@ class Router:
         if self._session is not None:
             await self._session.close()
         await self.pool.close()
+        self._tokenizers.shutdown(wait=False, cancel_futures=True)
+        if self.encoder.offload is not None:
+            self.encoder.offload.close()
 
     def prepare(self, req: rpb.GenerateRequest) -> Prepared:
         return prepare(req, self.encoder, self.model)
+
+    async def prepare_async(self, req: rpb.GenerateRequest) -> Prepared:
+        """`prepare` on a tokenizer thread: a huge prompt or chat never stalls the event loop's streams."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizers, prepare, req, self.encoder, self.model)
 
     async def available_modes(self) -> list[int]:
         """Modes that have peers now, in preference order."""
         modes = []
         try:
-            roles = {p.role for p in await self.pool.peers()}
+            roles = {p.role for p in await self.pool.usable()}
         except Exception:  # a directory outage leaves native mode usable
             roles = set()
         if types_pb2.ROLE_PREFILL in roles and types_pb2.ROLE_DECODE in roles:
@@ -135,11 +161,11 @@ class Router:
             raise Unavailable("no peers are registered yet", reason="NO_PEERS")
         return modes[0]
 
-    def _flow(self, prep: Prepared, mode: int) -> AsyncIterator[Step]:
+    def _flow(self, prep: Prepared, mode: int, trace: Trace) -> AsyncIterator[Step]:
         if mode == rpb.ROUTING_MODE_PD:
-            return pd_flow(prep, self.env)
+            return pd_flow(prep, self.env, trace)
         if mode == rpb.ROUTING_MODE_COLOCATED:
-            return colocated_flow(prep, self.env)
+            return colocated_flow(prep, self.env, trace)
         if self._session is None:
             self._session = aiohttp.ClientSession()
         return native_flow(prep, self.config.native, self._session, self.config.request_timeout_seconds)
@@ -160,16 +186,53 @@ class Router:
             queue.put_nowait(exc)
 
     async def generate(self, prep: Prepared) -> AsyncIterator[rpb.GenerateResponse]:
-        """Runs a prepared request and yields its responses; the last carries usage and timings."""
+        """Runs a prepared request and yields its responses; the last carries usage and timings.
+
+        The request first takes a serving slot (RESOURCE_EXHAUSTED when the limits are full); a gap of
+        `progress_timeout_seconds` without a token ends it with DEADLINE_EXCEEDED, and its flow's
+        cleanup frees its room and calls on every service.
+        """
+        rec = RequestRecord(prep.request_id, prompt_tokens=len(prep.token_ids))
+        self._metrics.queued.inc()
+        waiting = True
+        try:
+            async with self.admission.slot() as queued_s:
+                self._metrics.queued.dec()
+                waiting = False
+                rec.queue_seconds = queued_s
+                self._metrics.queue_time.observe(queued_s)
+                async for resp in self._serve(prep, rec):
+                    yield resp
+        except XavierError as err:
+            rec.status, rec.cause = err.code.name, err.reason
+            self._metrics.failures.labels(err.reason).inc()
+            if err.reason == err.code.name:
+                # No ErrorInfo: a transport status, whose text names internal addresses.
+                raise GenericError(err.code, f"a cluster service failed ({err.code.name})") from None
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            rec.status, rec.cause = "CANCELLED", "client"
+            self._metrics.cancels.labels("client").inc()
+            raise
+        finally:
+            if waiting:
+                self._metrics.queued.dec()
+            rec.duration = time.monotonic() - prep.arrival
+            rec.log()
+
+    async def _serve(self, prep: Prepared, rec: RequestRecord) -> AsyncIterator[rpb.GenerateResponse]:
         mode = prep.mode or await self.default_mode()
         if prep.request_id in self._live:
             prep.request_id = f"{prep.request_id}-{int(time.monotonic_ns())}"
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        task = asyncio.get_running_loop().create_task(self._pump(self._flow(prep, mode), queue))
-        rid = prep.request_id
+        trace = Trace()
+        rec.peers, rec.failed_peers = trace.peers, trace.failed
+        task = asyncio.get_running_loop().create_task(self._pump(self._flow(prep, mode, trace), queue))
+        rid = rec.request_id = prep.request_id
         self._live[rid] = task
         self._metrics.active.inc()
-        mode_name = _MODE_NAMES.get(mode, "unknown")
+        mode_name = rec.mode = _MODE_NAMES.get(mode, "unknown")
+        progress = self.config.progress_timeout_seconds
         completion = 0
         ttft: float | None = None
         cached = prefill_s = transfer_s = None
@@ -177,20 +240,27 @@ class Router:
         last: Step | None = None
         try:
             while not finish:
-                item = await queue.get()
-                if item is _END:
+                try:
+                    item = await asyncio.wait_for(queue.get(), progress)
+                except TimeoutError:
+                    raise ProgressTimeout(
+                        f"no token for {progress:g} s; the request was ended", seconds=progress
+                    ) from None
+                if item is _END or item is _ABORTED:
                     finish = types_pb2.FINISH_REASON_ABORT
-                    break
-                if item is _ABORTED:
-                    finish = types_pb2.FINISH_REASON_ABORT
+                    if item is _ABORTED:
+                        rec.status, rec.cause = "CANCELLED", "abort"
+                        self._metrics.cancels.labels("abort").inc()
                     break
                 if isinstance(item, BaseException):
                     raise item
                 step: Step = item
                 if ttft is None and step.token_ids:
-                    ttft = time.monotonic() - prep.arrival
+                    rec.ttft = ttft = time.monotonic() - prep.arrival
                     self._metrics.ttft.labels(mode_name).observe(ttft)
                 completion += len(step.token_ids)
+                rec.completion_tokens = completion
+                self._metrics.output_tokens.labels(mode_name).inc(len(step.token_ids))
                 cached = step.cached_tokens if step.cached_tokens is not None else cached
                 prefill_s = step.prefill_seconds if step.prefill_seconds is not None else prefill_s
                 transfer_s = step.transfer_seconds if step.transfer_seconds is not None else transfer_s
@@ -207,12 +277,15 @@ class Router:
                         mode=mode,
                     )
             total = time.monotonic() - prep.arrival
+            if ttft is not None and completion > 1:
+                self._metrics.tpot.labels(mode_name).observe((total - ttft) / (completion - 1))
             timings = types_pb2.Timings(
                 time_to_first_token=to_duration(ttft if ttft is not None else total),
                 prefill=to_duration(prefill_s or 0.0),
                 transfer=to_duration(transfer_s or 0.0),
                 total=to_duration(total),
             )
+            rec.finish = types_pb2.FinishReason.Name(finish)
             yield rpb.GenerateResponse(
                 request_id=rid,
                 token_ids=last.token_ids if last else [],
@@ -225,8 +298,10 @@ class Router:
                 timings=timings,
                 mode=mode,
             )
-            self._metrics.requests.labels(mode_name, types_pb2.FinishReason.Name(finish)).inc()
+            self._metrics.requests.labels(mode_name, rec.finish).inc()
         finally:
+            if trace.failovers:
+                self._metrics.failovers.inc(trace.failovers)
             if not task.done():
                 task.cancel()
             self._live.pop(rid, None)

@@ -7,6 +7,13 @@ background, so the client never waits for cleanup.
 P/D takes three hops on the router's side: the prefill (which returns the first token and publishes its
 pages under a room id chosen here), then the decode with that first token, whose stream continues after
 it. The two peers meet in the directory by room id; the router never opens the room.
+
+Failover: until a decode (or unified replica) has streamed a token, a peer that fails (refused
+connection, UNAVAILABLE, or gone from the directory) is left out and the request runs again on another
+peer, at most `failover_attempts` times. The client's first P/D token is sent only once the decode call
+is connected, so a dead decode is found before the client sees anything; if the decode fails after that
+but before its first token, the retry re-prefills on a new pair and hands the new decode the first
+token the client already has, so the stream continues where it was.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,10 +33,11 @@ from xavier.v1 import prefill_service_pb2 as pfpb
 from xavier.v1 import prefill_service_pb2_grpc as pfpb_grpc
 from xavier.v1 import types_pb2
 
-from xavier_core.runtime import XavierError, from_rpc_error, get_logger
+from xavier_core.runtime import Unavailable, XavierError, from_rpc_error, get_logger
 from xavier_core.runtime.durations import to_seconds
 from xavier_core.text.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
-from xavier_services.router.peers import PeerPool, affinity_key
+from xavier_services.router.health import peer_key, role_name
+from xavier_services.router.peers import Pair, PeerPool, affinity_key
 from xavier_services.router.request import Prepared
 
 _log = get_logger("xavier.router.flows")
@@ -58,18 +67,113 @@ class FlowEnv:
     rpc_timeout: float
     spawn: Spawn
     affinity_tokens: int = 0  # leading tokens keying prefix affinity in pair selection (0: off)
+    failover_attempts: int = 1
 
 
-def _typed(exc: grpc.aio.AioRpcError, pool: PeerPool) -> XavierError:
-    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+@dataclass
+class Trace:
+    """What one request's flow did: the peers it used (role:peer_id, in order) and its failovers."""
+
+    peers: list[str] = field(default_factory=list)
+    failovers: int = 0
+    failed: list[str] = field(default_factory=list)
+
+
+# Errors of a peer call that say the peer (not the request) is the problem: the request may go elsewhere.
+_PEER_GONE_REASONS = frozenset(("PEER_NOT_FOUND", "STALE_EPOCH", "PEER_UNAVAILABLE"))
+
+
+class _PeerFailed(Exception):
+    """A peer failed before the request streamed a token from it: try another (internal to the flows)."""
+
+    def __init__(self, peer: dpb.Peer, error: XavierError) -> None:
+        super().__init__(str(error))
+        self.peer = peer
+        self.error = error
+
+
+def _peer_error(exc: grpc.aio.AioRpcError, peer: dpb.Peer, pool: PeerPool) -> Exception:
+    """The typed error of a failed peer call, or `_PeerFailed` when another peer may serve the request.
+
+    A transport failure (UNAVAILABLE without an ErrorInfo: refused, reset, unreachable) takes the peer
+    out of selection at once; the caller reports it to the client naming the peer, never its address.
+    """
+    err = from_rpc_error(exc)
+    if err.code == grpc.StatusCode.UNAVAILABLE or err.reason in _PEER_GONE_REASONS:
         pool.invalidate()
-    return from_rpc_error(exc)
+        if err.code == grpc.StatusCode.UNAVAILABLE and err.reason == "UNAVAILABLE":
+            pool.health.mark_down(peer, "call failed: UNAVAILABLE")
+        return _PeerFailed(peer, err)
+    return err
 
 
-async def colocated_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
-    """Serves the whole request on the least-loaded unified replica."""
+def _exhausted(failure: _PeerFailed, attempts: int) -> Unavailable:
+    peer = failure.peer
+    role = role_name(peer.role)
+    transport = failure.error.reason == "UNAVAILABLE"
+    why = "could not be reached" if transport else f"failed ({failure.error.reason})"
+    return Unavailable(
+        f"{role} peer {peer.peer_id!r} {why}; no other {role} peer could take the request",
+        reason="PEER_FAILED",
+        role=role,
+        peer_id=peer.peer_id,
+        attempts=attempts,
+    )
+
+
+def _note(trace: Trace | None, *peers: dpb.Peer) -> None:
+    if trace is not None:
+        trace.peers.extend(f"{role_name(p.role)}:{p.peer_id}" for p in peers)
+
+
+async def _failover(
+    attempt: Callable[[frozenset[str]], AsyncIterator[Step]],
+    env: FlowEnv,
+    trace: Trace | None,
+) -> AsyncIterator[Step]:
+    """Runs `attempt(exclude)` until it ends without `_PeerFailed`, leaving failed peers out each time."""
+    tried: set[str] = set()
+    failure: _PeerFailed | None = None
+    for n in range(env.failover_attempts):
+        try:
+            async with aclosing(attempt(frozenset(tried))) as steps:  # type: ignore[type-var]
+                async for step in steps:
+                    yield step
+            return
+        except _PeerFailed as failed:
+            failure = failed
+            tried.add(peer_key(failed.peer))
+            if trace is not None:
+                trace.failed.append(f"{role_name(failed.peer.role)}:{failed.peer.peer_id}")
+                trace.failovers += 1 if n + 1 < env.failover_attempts else 0
+            _log.info(
+                "peer failed before the first token; failing over",
+                peer_id=failed.peer.peer_id,
+                reason=failed.error.reason,
+                attempt=n + 1,
+            )
+        except XavierError as err:
+            # No other peer to go to: report the peer that failed rather than "no peers" (or "no decode
+            # with a matching layout", when the failed one was the only such decode).
+            if failure is not None and err.reason in ("NO_PEERS", "LAYOUT_MISMATCH"):
+                break
+            raise
+    if failure is None:  # pragma: no cover - the loop runs at least once
+        raise Unavailable("no peer could take the request", reason="NO_PEERS")
+    raise _exhausted(failure, len(tried))
+
+
+def colocated_flow(prep: Prepared, env: FlowEnv, trace: Trace | None = None) -> AsyncIterator[Step]:
+    """Serves the whole request on the least-loaded healthy unified replica (with failover)."""
+    return _failover(lambda exclude: _colocated_attempt(prep, env, exclude, trace), env, trace)
+
+
+async def _colocated_attempt(
+    prep: Prepared, env: FlowEnv, exclude: frozenset[str], trace: Trace | None
+) -> AsyncIterator[Step]:
     pool = env.pool
-    peer = await pool.retry_unavailable(pool.pick_unified)
+    peer = await pool.retry_unavailable(lambda: pool.pick_unified(exclude))
+    _note(trace, peer)
     stub = decpb_grpc.DecodeServiceStub(pool.channel(peer.address))
     req = decpb.GenerateUnifiedRequest(
         request_id=prep.request_id,
@@ -79,8 +183,10 @@ async def colocated_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
     )
     pool.acquire(peer)
     call = stub.GenerateUnified(req, timeout=env.request_timeout)
+    streamed = False
     try:
         async for msg in call:
+            streamed = True
             yield Step(
                 list(msg.delta.token_ids),
                 msg.delta.text,
@@ -93,7 +199,10 @@ async def colocated_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
                 return
         yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
     except grpc.aio.AioRpcError as exc:
-        raise _typed(exc, pool) from None
+        err = _peer_error(exc, peer, pool)
+        if isinstance(err, _PeerFailed) and streamed:
+            raise _exhausted(err, 1) from None  # tokens went out: the request cannot move
+        raise err from None
     finally:
         call.cancel()
         pool.release(peer)
@@ -115,12 +224,38 @@ async def abort_room(env: FlowEnv, request_id: str, room_id: int, detail: str) -
         _log.info("abort room failed", room_id=room_id, code=exc.code.name)
 
 
-async def pd_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
-    """Prefill, then decode from the prefill's first token; the first token goes out as soon as it exists."""
-    pool = env.pool
+@dataclass
+class _Sent:
+    """The first token the client already has (a retry's decode continues from it)."""
+
+    token: int
+    logprob: float
+
+
+def pd_flow(prep: Prepared, env: FlowEnv, trace: Trace | None = None) -> AsyncIterator[Step]:
+    """Prefill, then decode from the prefill's first token, failing over to another pair until the
+    decode has streamed a token."""
     key = affinity_key(prep.token_ids, prep.cache_salt, env.affinity_tokens)
-    pair = await pool.retry_unavailable(lambda: pool.pick_pair(key))
+    sent: list[_Sent] = []
+
+    def attempt(exclude: frozenset[str]) -> AsyncIterator[Step]:
+        return _pd_attempt(prep, env, key, exclude, sent, trace)
+
+    return _failover(attempt, env, trace)
+
+
+async def _pd_attempt(
+    prep: Prepared,
+    env: FlowEnv,
+    key: bytes | None,
+    exclude: frozenset[str],
+    sent: list[_Sent],
+    trace: Trace | None,
+) -> AsyncIterator[Step]:
+    pool = env.pool
+    pair: Pair = await pool.retry_unavailable(lambda: pool.pick_pair(key, exclude))
     p, d = pair.prefill, pair.decode
+    _note(trace, p, d)
     room_id = secrets.randbits(63) or 1
     s = prep.sampling
     pool.acquire(p, d)
@@ -138,26 +273,23 @@ async def pd_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
         timeout=env.request_timeout,
     )
     dec_call: Any = None
+    calling = p
+    decoded = False
     finished_cleanly = False
     try:
         pf = await pf_call
         pool.release(p)
         prefill_held = False
-        # The router renders the first token's text the way the decode's detokenizer does (primed with
-        # the prompt and this token), so the decode's text deltas continue exactly where this one stops.
-        detok = IncrementalDetokenizer(env.tokenizer, prep.token_ids)
-        first_text, _ = StopMatcher(list(s.stop)).feed(detok.push(pf.first_token))
-        yield Step(
-            [pf.first_token],
-            first_text,
-            [pf.first_logprob] if s.logprobs else [],
-            pf.finish_reason,
-            cached_tokens=pf.usage.cached_tokens,
-            prefill_seconds=to_seconds(pf.timings.prefill),
-        )
-        if pf.finish_reason:
+        if pf.finish_reason and not sent:
             finished_cleanly = True  # the prefill published nothing and opened no room
+            yield _first_step(prep, env, pf.first_token, pf.first_logprob, pf)
             return
+        if pf.finish_reason:
+            # A retry's prefill sampled a token that ends the request, but the client already has
+            # another first token: this pair cannot continue that stream.
+            raise _PeerFailed(p, Unavailable("the retried prefill ended early", reason="PEER_UNAVAILABLE"))
+        first = sent[0] if sent else _Sent(pf.first_token, pf.first_logprob)
+        calling = d
         dec_call = decpb_grpc.DecodeServiceStub(pool.channel(d.address)).Decode(
             decpb.DecodeRequest(
                 request_id=prep.request_id,
@@ -165,13 +297,19 @@ async def pd_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
                 prefill_peer_id=p.peer_id,
                 prefill_epoch=p.epoch,
                 token_ids=prep.token_ids,
-                first_token=pf.first_token,
-                first_logprob=pf.first_logprob,
+                first_token=first.token,
+                first_logprob=first.logprob,
                 sampling=s,
             ),
             timeout=env.request_timeout,
         )
+        # A dead decode refuses the connection here: found before the client sees a token.
+        await dec_call.wait_for_connection()
+        if not sent:
+            sent.append(first)
+            yield _first_step(prep, env, first.token, first.logprob, pf)
         async for msg in dec_call:
+            decoded = True
             transfer = to_seconds(msg.timings.transfer) if msg.HasField("timings") else None
             yield Step(
                 list(msg.delta.token_ids),
@@ -185,7 +323,10 @@ async def pd_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
                 return
         yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
     except grpc.aio.AioRpcError as exc:
-        raise _typed(exc, pool) from None
+        err = _peer_error(exc, calling, pool)
+        if isinstance(err, _PeerFailed) and decoded:
+            raise _exhausted(err, 1) from None  # decode tokens went out: the request cannot move
+        raise err from None
     finally:
         pf_call.cancel()
         if dec_call is not None:
@@ -198,9 +339,25 @@ async def pd_flow(prep: Prepared, env: FlowEnv) -> AsyncIterator[Step]:
                 env.spawn(abort_room(env, prep.request_id, room_id, "router: request ended early"))
 
 
+def _first_step(prep: Prepared, env: FlowEnv, token: int, logprob: float, pf: pfpb.PrefillResponse) -> Step:
+    # The router renders the first token's text the way the decode's detokenizer does (primed with the
+    # prompt and this token), so the decode's text deltas continue exactly where this one stops.
+    s = prep.sampling
+    detok = IncrementalDetokenizer(env.tokenizer, prep.token_ids)
+    text, _ = StopMatcher(list(s.stop)).feed(detok.push(token))
+    return Step(
+        [token],
+        text,
+        [logprob] if s.logprobs else [],
+        pf.finish_reason,
+        cached_tokens=pf.usage.cached_tokens,
+        prefill_seconds=to_seconds(pf.timings.prefill),
+    )
+
+
 async def drain(gen: AsyncIterator[Step]) -> list[Step]:
     """Collects every step (tests and unary callers)."""
     return [step async for step in gen]
 
 
-__all__ = ["FlowEnv", "Step", "abort_room", "colocated_flow", "drain", "pd_flow"]
+__all__ = ["FlowEnv", "Step", "Trace", "abort_room", "colocated_flow", "drain", "pd_flow"]

@@ -92,6 +92,7 @@ async def run(config: RouterConfig) -> int:
 
     async def on_start(handle: ServerHandle) -> dict[str, Any]:
         nonlocal runner
+        router.start()
         if not config.http_listen:
             return {}
         host, port = parse_host_port(config.http_listen)

@@ -13,6 +13,7 @@ from xavier.v1 import router_service_pb2 as rpb
 
 from xavier_core.runtime import XavierError
 from xavier_services.router.core import Router
+from xavier_services.router.keepalive import Tick, with_ticks
 from xavier_services.router.openai_body import decode_json
 from xavier_services.router.openai_shapes import (
     FINISH_NAMES,
@@ -63,7 +64,9 @@ def error_response(err: XavierError) -> web.Response:
             "code": err.reason,
         }
     }
-    return web.json_response(body, status=status)
+    retry_after = err.metadata.get("retry_after_seconds")
+    headers = {"Retry-After": retry_after} if status == 429 and retry_after else None
+    return web.json_response(body, status=status, headers=headers)
 
 
 class OpenAiFront:
@@ -149,7 +152,7 @@ class OpenAiFront:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
         oa = parse(body, chat, self.router.model.name, self.default_max_tokens)
-        prep = self.router.prepare(oa.request)  # raises before any byte is sent: a clean HTTP 400
+        prep = await self.router.prepare_async(oa.request)  # raises before any byte is sent: a clean HTTP 400
         if oa.stream:
             return await self._stream(request, oa, prep)
         text, ids, lps = "", [], []
@@ -175,8 +178,13 @@ class OpenAiFront:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         first = True
         gen = self.router.generate(prep)  # an async generator: closed below
+        ticks = with_ticks(gen, self.router.config.keepalive_seconds)
         try:
-            async for msg in gen:
+            async for msg in ticks:
+                if isinstance(msg, Tick):
+                    if not first:  # before the first token the status is still open (a clean error)
+                        await resp.write(b": keepalive\n\n")
+                    continue
                 if first:
                     await resp.prepare(request)
                     if oa.chat:  # the role comes first, alone, as OpenAI sends it
@@ -200,6 +208,7 @@ class OpenAiFront:
                 return error_response(err)
             await resp.write(sse({"error": {"message": err.message, "code": err.reason}}))
         finally:
+            await ticks.aclose()  # type: ignore[attr-defined]
             await gen.aclose()  # type: ignore[attr-defined]
         await resp.write(sse("[DONE]"))
         await resp.write_eof()

@@ -19,6 +19,7 @@ from xavier_core.directory import DirectoryClient
 from xavier_core.runtime import FailedPrecondition, Unavailable
 from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.retry import retry_unavailable
+from xavier_services.router.health import PeerHealth, peer_key
 
 T = TypeVar("T")
 _RETRY_BASE_DELAY = 0.04
@@ -53,6 +54,8 @@ class PeerPool:
     (the report lags, the local count does not); ties break at random so equal peers share the work.
     Prefix affinity: a prompt whose leading tokens went to a prefill peer before goes there again (its
     prefix cache likely holds them) while that peer's score stays within `affinity_slack` of the best.
+    Peers `health` has marked down, and those a request names in `exclude` (peer keys it already tried),
+    are never chosen.
     """
 
     def __init__(
@@ -63,6 +66,8 @@ class PeerPool:
         attempts: int,
         affinity_slack: float = 4.0,
         affinity_entries: int = 65536,
+        health_interval: float = 1.0,
+        health_timeout: float = 1.0,
     ) -> None:
         self.affinity_slack = affinity_slack
         self._affinity: OrderedDict[bytes, str] = OrderedDict()
@@ -77,6 +82,7 @@ class PeerPool:
         self._fetched_at = -1e9
         self._lock = asyncio.Lock()
         self.inflight: dict[str, int] = defaultdict(int)
+        self.health = PeerHealth(self.channel, health_interval, health_timeout)
         self.directory = (
             DirectoryClient(channel=self.channel(directory), timeout=rpc_timeout, retries=0)
             if directory
@@ -92,6 +98,7 @@ class PeerPool:
         return ch
 
     async def close(self) -> None:
+        await self.health.stop()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
@@ -128,26 +135,30 @@ class PeerPool:
     async def by_role(self, role: int) -> list[dpb.Peer]:
         return [p for p in await self.peers() if p.role == role]
 
+    async def usable(self, exclude: frozenset[str] = frozenset()) -> list[dpb.Peer]:
+        """Listed peers that are healthy and not in `exclude` (peer keys)."""
+        return [p for p in await self.peers() if self.health.is_up(p) and peer_key(p) not in exclude]
+
     def score(self, peer: dpb.Peer) -> float:
         return float(peer.load.outstanding_requests + self.inflight[peer.peer_id]) + random.random() * 0.1
 
-    async def pick_unified(self) -> dpb.Peer:
-        """The least-loaded unified replica."""
-        peers = await self.by_role(types_pb2.ROLE_UNIFIED)
+    async def pick_unified(self, exclude: frozenset[str] = frozenset()) -> dpb.Peer:
+        """The least-loaded healthy unified replica."""
+        peers = [p for p in await self.usable(exclude) if p.role == types_pb2.ROLE_UNIFIED]
         if not peers:
-            raise Unavailable("no unified replica is registered", reason="NO_PEERS", role="unified")
+            raise Unavailable("no healthy unified replica is registered", reason="NO_PEERS", role="unified")
         return min(peers, key=self.score)
 
-    async def pick_pair(self, affinity: bytes | None = None) -> Pair:
+    async def pick_pair(self, affinity: bytes | None = None, exclude: frozenset[str] = frozenset()) -> Pair:
         """The least-loaded prefill peer that has a decode peer with its contract fingerprint (or the
         prefill the `affinity` key went to, if it is still close to the least loaded), and that
         fingerprint's least-loaded decode peer."""
-        peers = await self.peers()
+        peers = await self.usable(exclude)
         prefills = [p for p in peers if p.role == types_pb2.ROLE_PREFILL]
         decodes = [p for p in peers if p.role == types_pb2.ROLE_DECODE]
         if not prefills or not decodes:
             raise Unavailable(
-                "P/D needs a prefill and a decode peer",
+                "P/D needs a healthy prefill and decode peer",
                 reason="NO_PEERS",
                 prefill=len(prefills),
                 decode=len(decodes),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from xavier_core.runtime import InvalidArgument, get_registry
 from xavier_core.text.errors import ModelFilesError
 from xavier_core.text.tokenizer import TextTokenizer
+from xavier_services.router.offload import ProcessEncoder
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class PromptCache:
         self.capacity = capacity
         self._salt = fingerprint.encode()
         self._entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()
         self._metrics = _CacheMetrics(registry or get_registry())
         self.hits = 0
         self.misses = 0
@@ -97,20 +100,22 @@ class PromptCache:
     def get_or_encode(self, text: str, encode: Any, variant: str = "") -> tuple[int, ...]:
         """Token ids of `text`, from the cache or from `encode(text)` (which may raise)."""
         key = self.key(text, variant)
-        found = self._entries.get(key)
-        if found is not None:
-            self._entries.move_to_end(key)
-            self.hits += 1
-            self._metrics.lookups.labels("hit").inc()
-            return found
-        self.misses += 1
+        with self._lock:  # the router's tokenizer threads share the cache; the encode runs unlocked
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                self._metrics.lookups.labels("hit").inc()
+                return found
+            self.misses += 1
         self._metrics.lookups.labels("miss").inc()
         ids = tuple(encode(text))
         if self.capacity > 0:
-            self._entries[key] = ids
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-            self._metrics.size.set(len(self._entries))
+            with self._lock:
+                self._entries[key] = ids
+                while len(self._entries) > self.capacity:
+                    self._entries.popitem(last=False)
+                self._metrics.size.set(len(self._entries))
         return ids
 
 
@@ -120,6 +125,8 @@ class PromptEncoder:
     def __init__(self, tokenizer: TextTokenizer, cache: PromptCache) -> None:
         self.tokenizer = tokenizer
         self.cache = cache
+        self.offload: ProcessEncoder | None = None
+        """Encodes the texts it `wants` (very large ones) in a child process."""
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The chat rendered with the model's template, ending with the assistant's turn prompt."""
@@ -143,6 +150,8 @@ class PromptEncoder:
         """Token ids of `text`; tokenizer failures become INVALID_ARGUMENT / TOKENIZER_ERROR."""
 
         def encode(value: str) -> list[int]:
+            if self.offload is not None and self.offload.wants(value):
+                return self.offload.encode(value, add_special_tokens)
             return self.tokenizer.encode(value, add_special_tokens=add_special_tokens)
 
         try:

@@ -19,6 +19,7 @@ from xavier.v1 import types_pb2
 
 from xavier_core.runtime import InvalidArgument, XavierError, abort_with, from_rpc_error
 from xavier_services.router.core import Router
+from xavier_services.router.health import peer_key
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
@@ -32,7 +33,7 @@ class RouterServicer(rpb_grpc.RouterServiceServicer):  # type: ignore[misc]
     async def Generate(
         self, request: rpb.GenerateRequest, context: Context
     ) -> AsyncIterator[rpb.GenerateResponse]:
-        prep = self.router.prepare(request)
+        prep = await self.router.prepare_async(request)
         async for resp in self.router.generate(prep):
             yield resp
 
@@ -99,8 +100,12 @@ def cluster_rooms(stats: dpb.GetDirectoryStatsResponse) -> rpb.ClusterRooms:
 
 
 async def _peer_status(router: Router, peer: dpb.Peer) -> rpb.ClusterPeer:
-    timeout = router.config.rpc_timeout_seconds
+    # Each peer gets its own short deadline and all are asked at once: a stalled peer shows as an error
+    # in its entry and never holds up the answer.
+    timeout = router.config.status_peer_timeout_seconds
     status = cluster_peer(peer)
+    if not router.pool.health.is_up(peer):
+        status.error = f"out of selection: {router.pool.health.down.get(peer_key(peer), 'unhealthy')}"
     try:
         ch = router.pool.channel(peer.address)
         if peer.role == types_pb2.ROLE_PREFILL:
@@ -116,7 +121,9 @@ async def _peer_status(router: Router, peer: dpb.Peer) -> rpb.ClusterPeer:
             status.engine.CopyFrom(d.engine)
             status.rooms_active = d.rooms_active
     except grpc.aio.AioRpcError as exc:
-        status.error = str(from_rpc_error(exc))
+        err = from_rpc_error(exc)
+        # The transport's text names internal addresses; the entry already says which peer it is.
+        status.error = f"{err.code.name}: stats call failed" if err.reason == err.code.name else str(err)
     return status
 
 

@@ -255,6 +255,21 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The engine already holds engine.max_queued requests waiting for their first step, so a new generate or
     prefill is refused before anything is allocated; status RESOURCE_EXHAUSTED. Retry later or elsewhere.
     """
+    ERROR_REASON_PEER_FAILED: _ErrorReason.ValueType  # 70
+    """Router: reliability.
+
+    Every peer the router tried for a request failed (refused the connection, answered UNAVAILABLE or
+    failed its health check) before the request streamed a token, and the failover attempts are spent;
+    status UNAVAILABLE (HTTP 503), metadata "role" (prefill, decode or unified), "peer_id" and "attempts".
+    """
+    ERROR_REASON_PROGRESS_TIMEOUT: _ErrorReason.ValueType  # 71
+    """No token arrived for the request within the router's progress deadline (a stalled peer); the router
+    ended the request and freed its room; status DEADLINE_EXCEEDED (HTTP 504), metadata "seconds".
+    """
+    ERROR_REASON_ROUTER_OVERLOADED: _ErrorReason.ValueType  # 72
+    """The router's in-flight and queued request limits are full; status RESOURCE_EXHAUSTED (HTTP 429 with
+    Retry-After), metadata "limit" and "retry_after_seconds".
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every `google.rpc.ErrorInfo.reason` that a xavier.v1 service or client emits.
@@ -498,5 +513,20 @@ status INVALID_ARGUMENT, metadata "method" (the RPC).
 ERROR_REASON_ENGINE_QUEUE_FULL: ErrorReason.ValueType  # 69
 """The engine already holds engine.max_queued requests waiting for their first step, so a new generate or
 prefill is refused before anything is allocated; status RESOURCE_EXHAUSTED. Retry later or elsewhere.
+"""
+ERROR_REASON_PEER_FAILED: ErrorReason.ValueType  # 70
+"""Router: reliability.
+
+Every peer the router tried for a request failed (refused the connection, answered UNAVAILABLE or
+failed its health check) before the request streamed a token, and the failover attempts are spent;
+status UNAVAILABLE (HTTP 503), metadata "role" (prefill, decode or unified), "peer_id" and "attempts".
+"""
+ERROR_REASON_PROGRESS_TIMEOUT: ErrorReason.ValueType  # 71
+"""No token arrived for the request within the router's progress deadline (a stalled peer); the router
+ended the request and freed its room; status DEADLINE_EXCEEDED (HTTP 504), metadata "seconds".
+"""
+ERROR_REASON_ROUTER_OVERLOADED: ErrorReason.ValueType  # 72
+"""The router's in-flight and queued request limits are full; status RESOURCE_EXHAUSTED (HTTP 429 with
+Retry-After), metadata "limit" and "retry_after_seconds".
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
