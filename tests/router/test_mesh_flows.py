@@ -55,6 +55,13 @@ def test_first_token_only_request(mesh: Mesh) -> None:
         res = client.generate("Hello", max_tokens=1, mode="pd")
         assert len(res.token_ids) == 1 and res.finish_reason == "length"
         assert client.cluster_status().rooms.opened == opened
+        # The one token's text is the engine's, flushed (an incomplete UTF-8 byte ends as U+FFFD), the
+        # same as a colocated replica's: sampled with seeds, so byte-level tokens turn up too.
+        for seed in range(12):
+            kw = {"max_tokens": 1, "temperature": 1.0, "seed": seed}
+            pd = client.generate("Hello", mode="pd", **kw)
+            co = client.generate("Hello", mode="colocated", **kw)
+            assert pd.token_ids == co.token_ids and pd.text == co.text
     _idle(mesh)
 
 

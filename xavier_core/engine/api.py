@@ -106,6 +106,7 @@ class PrefillResult:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache instead of computed
     finish: FinishReason | None = None  # set if the first token already ends the request (EOS, max_tokens=1)
+    text: str = ""  # the first token's text (stop strings applied; flushed when `finish` is set)
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ class Request:
             prompt_tokens=len(self.prompt),
             cached_tokens=self.cached_tokens,
             finish=event.finish,
+            text=event.text,
         )
 
 

@@ -113,6 +113,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
             return pb.PrefillResponse(
                 first_token=res.first_token,
                 first_logprob=res.first_logprob,
+                first_text=res.text,
                 finish_reason=finish_to_pb(res.finish),
                 usage=usage,
                 timings=timings,
@@ -131,6 +132,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
             kv_digest=digest,
             first_token=res.first_token,
             first_logprob=res.first_logprob,
+            first_text=res.text,
             usage=usage,
             timings=timings,
             num_pages=len(res.page_ids),

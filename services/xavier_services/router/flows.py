@@ -35,7 +35,7 @@ from xavier.v1 import types_pb2
 
 from xavier_core.runtime import Unavailable, XavierError, from_rpc_error, get_logger
 from xavier_core.runtime.durations import to_seconds
-from xavier_core.text.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+from xavier_core.text.tokenizer import TextTokenizer
 from xavier_services.router.health import peer_key, role_name
 from xavier_services.router.peers import Pair, PeerPool, affinity_key
 from xavier_services.router.request import Prepared
@@ -282,7 +282,7 @@ async def _pd_attempt(
         prefill_held = False
         if pf.finish_reason and not sent:
             finished_cleanly = True  # the prefill published nothing and opened no room
-            yield _first_step(prep, env, pf.first_token, pf.first_logprob, pf)
+            yield _first_step(prep, pf.first_token, pf.first_logprob, pf)
             return
         if pf.finish_reason:
             # A retry's prefill sampled a token that ends the request, but the client already has
@@ -307,7 +307,7 @@ async def _pd_attempt(
         await dec_call.wait_for_connection()
         if not sent:
             sent.append(first)
-            yield _first_step(prep, env, first.token, first.logprob, pf)
+            yield _first_step(prep, first.token, first.logprob, pf)
         async for msg in dec_call:
             decoded = True
             transfer = to_seconds(msg.timings.transfer) if msg.HasField("timings") else None
@@ -339,16 +339,13 @@ async def _pd_attempt(
                 env.spawn(abort_room(env, prep.request_id, room_id, "router: request ended early"))
 
 
-def _first_step(prep: Prepared, env: FlowEnv, token: int, logprob: float, pf: pfpb.PrefillResponse) -> Step:
-    # The router renders the first token's text the way the decode's detokenizer does (primed with the
-    # prompt and this token), so the decode's text deltas continue exactly where this one stops.
-    s = prep.sampling
-    detok = IncrementalDetokenizer(env.tokenizer, prep.token_ids)
-    text, _ = StopMatcher(list(s.stop)).feed(detok.push(token))
+def _first_step(prep: Prepared, token: int, logprob: float, pf: pfpb.PrefillResponse) -> Step:
+    # The prefill's engine rendered the first token's text (after the prompt, stop strings applied, the
+    # tail flushed if the request ends here); the decode's text deltas continue exactly where it stops.
     return Step(
         [token],
-        text,
-        [logprob] if s.logprobs else [],
+        pf.first_text,
+        [logprob] if prep.sampling.logprobs else [],
         pf.finish_reason,
         cached_tokens=pf.usage.cached_tokens,
         prefill_seconds=to_seconds(pf.timings.prefill),

@@ -86,6 +86,7 @@ class PrefillResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     NUM_PAGES_FIELD_NUMBER: _builtins.int
     KV_DIGEST_FIELD_NUMBER: _builtins.int
+    FIRST_TEXT_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     """The first generated token."""
     first_logprob: _builtins.float
@@ -98,6 +99,12 @@ class PrefillResponse(_message.Message):
     """The number of pages published for the room (0 when finish_reason is set)."""
     kv_digest: _builtins.bytes
     """The SHA-256 of the published pages' bytes, when asked for."""
+    first_text: _builtins.str
+    """The first token's text as the engine's detokenizer renders it after the prompt, with the request's
+    stop strings applied (held back while they may still match); when finish_reason is set it also holds
+    the flushed tail (bytes that never formed a character become U+FFFD). The decode's text deltas
+    continue exactly where it stops.
+    """
     @_builtins.property
     def usage(self) -> _types_pb2.Usage:
         """The token counts of the prefill (prompt and cached tokens)."""
@@ -116,10 +123,11 @@ class PrefillResponse(_message.Message):
         timings: _types_pb2.Timings | None = ...,
         num_pages: _builtins.int = ...,
         kv_digest: _builtins.bytes = ...,
+        first_text: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_logprob", b"first_logprob", "first_token", b"first_token", "kv_digest", b"kv_digest", "num_pages", b"num_pages", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_logprob", b"first_logprob", "first_text", b"first_text", "first_token", b"first_token", "kv_digest", b"kv_digest", "num_pages", b"num_pages", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
