@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import threading
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,12 +39,16 @@ from xavier_core.engine.page_allocator import PageAllocator
 from xavier_core.engine.prefix_cache import PrefixCache
 from xavier_core.engine.request import Delivery, Request, Role, check_prompt, pages_for
 from xavier_core.engine.scheduler import Scheduler
+from xavier_core.engine.store_link import StoreLink
 from xavier_core.engine.stream import TokenStream
 from xavier_core.prefix_keys import chain_seed
 from xavier_core.sampling import check_cache_salt
 from xavier_core.text.errors import ModelFilesError
 from xavier_core.text.tokenizer import TextTokenizer
 from xavier_core.transfer.buffers import KvBuffer
+
+if TYPE_CHECKING:
+    from xavier_core.pagestore.client import PageStoreClient
 
 log = logging.getLogger(__name__)
 _CPU_KV_BYTES = 1 << 30
@@ -101,6 +107,9 @@ class ReferenceEngine:
         # The loop only calls `forward`, which both models offer.
         self._loop = EngineLoop(model, pool, self._sched, self._cache, decoder)
         self._lock = self._loop.lock
+        self._store: StoreLink | None = None
+        # Requests fetching their prefix from the page store (not yet queued) -> abort asked meanwhile.
+        self._prefetching: dict[str, bool] = {}
 
     @classmethod
     def load(
@@ -275,7 +284,12 @@ class ReferenceEngine:
                 future.set_exception(RequestAbortedError(f"request {request_id} was aborted"))
 
         req.deliver = deliver
-        self._submit(req, loop)
+        await self._take_prefix(req)
+        try:
+            self._submit(req, loop)
+        except BaseException:
+            self.release_prefix(req)
+            raise
         try:
             return await future
         except asyncio.CancelledError:
@@ -313,7 +327,17 @@ class ReferenceEngine:
 
     async def abort(self, request_id: str) -> None:
         """Stops a request (its stream ends with ABORT) or drops its pinned pages; returns at once."""
+        if request_id in self._prefetching:
+            self._prefetching[request_id] = True
         self._loop.queue_abort(request_id)
+
+    def use_page_store(self, store: PageStoreClient, contract_fingerprint: str) -> None:
+        """Fetches stored prefixes before admission and writes computed prompt pages through (see
+        `xavier_core.engine.store_link`). Call once, from the event loop the requests run on."""
+        link = StoreLink(store, contract_fingerprint, self._cache, self._lock, asyncio.get_running_loop())
+        with self._lock:
+            self._store = link
+            self._sched.on_prompt_done = link.prompt_done
 
     def stats(self) -> EngineStats:
         """Pool and queue occupancy and prefix-cache counters."""
@@ -327,6 +351,8 @@ class ReferenceEngine:
                 waiting=len(s.waiting),
                 prompt_tokens_computed=s.prompt_tokens_computed,
                 prompt_tokens_cached=s.prompt_tokens_cached,
+                prompt_tokens_cached_store=s.prompt_tokens_cached_store,
+                store=self._store.stats() if self._store is not None else None,
                 extra={
                     "pages_cached": self._cache.num_cached,
                     "pages_evictable": self._cache.num_evictable,
@@ -361,7 +387,39 @@ class ReferenceEngine:
             max_context=self.max_context,
             chain_seed=seed,
             device=self.device,
+            cache_salt=salt or "",
         )
+
+    async def _take_prefix(self, req: Request) -> None:
+        """With a page store: the request takes its local and stored prefix before it is queued.
+
+        The fetch runs as its own task: a caller that goes away meanwhile does not cut a NIXL READ short;
+        the pages go back once the fetch ends. An abort asked meanwhile raises `RequestAbortedError`."""
+        link = self._store
+        if link is None or req.chain_seed is None or req.role is Role.DECODE:
+            return
+        if req.id in self._prefetching:
+            raise InvalidRequestError(f"request id {req.id!r} is already in use")
+        self._prefetching[req.id] = False
+        task = asyncio.ensure_future(link.fetch_prefix(req))
+        try:
+            prefix = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(link.drop_result)
+            raise
+        finally:
+            aborted = self._prefetching.pop(req.id, False)
+        if aborted:
+            link.release(prefix.pages)
+            raise RequestAbortedError(f"request {req.id} was aborted")
+        with self._lock:
+            self._sched.adopt_prefix(req, prefix.pages, prefix.store_pages)
+
+    def release_prefix(self, req: Request) -> None:
+        """Drops the pages a request holds that never reached the engine loop."""
+        with self._lock:
+            self._cache.release(req.pages)
+            req.pages = []
 
     async def _stream(
         self, req: Request, first: tuple[int, float] | None
@@ -377,23 +435,35 @@ class ReferenceEngine:
                 yield event
                 if done:
                     return
+            else:
+                try:
+                    await self._take_prefix(req)
+                except RequestAbortedError:
+                    done = True
+                    yield AbortEvent()
+                    return
             self._submit(req, loop)
             submitted = True
+            tokens = 0
             while not done:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
+                if isinstance(item, TokenEvent) and first is None and tokens == 0:
+                    # The first token says how much of the prompt was not computed (set at admission).
+                    item = dataclasses.replace(
+                        item, cached_tokens=req.cached_tokens, cached_tokens_store=req.cached_tokens_store
+                    )
                 if isinstance(item, TokenEvent | AbortEvent):
+                    tokens += isinstance(item, TokenEvent)
                     done = item.finish is not None
                     yield item
         finally:
             if not done and submitted:
                 self._loop.queue_abort(req.id)
-            elif not done and req.pages:  # claimed a reservation but never reached the loop
-                with self._lock:
-                    self._cache.release(req.pages)
-                    req.pages = []
+            elif not done and req.pages:  # holds a reservation or a prefix but never reached the loop
+                self.release_prefix(req)
 
     def _claim_reservation(self, req: Request, token: int, logprob: float) -> TokenEvent:
         with self._lock:
