@@ -59,6 +59,15 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", type=Path, default=None, help="ready files and logs (default: a temp dir)")
     p.add_argument("--ready-file", type=Path, default=None, help="write the endpoints here once up (JSON)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every service")
+    p.add_argument(
+        "--pagestore",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start one page store and point every prefill/unified engine at it (default: on)",
+    )
+    p.add_argument(
+        "--pagestore-listen", default="127.0.0.1:0", metavar="HOST:PORT", help="page store address"
+    )
 
 
 class _Stop:
@@ -105,9 +114,16 @@ def run_up(args: argparse.Namespace) -> int:
     code = 0
     try:
         directory = sup.start("directory", "xavier-directory", ["--listen", "127.0.0.1:0"], stage=0)
-        say("starting directory")
-        if not sup.wait_ready([directory], 60, lambda: stop.requested, _progress(say), _ready(say)):
+        first = [directory]
+        if args.pagestore:
+            # Stage 0 like the directory: it outlives the engines that write to it.
+            first.append(
+                sup.start("pagestore", "xavier-pagestore", ["--listen", args.pagestore_listen], stage=0)
+            )
+        say(f"starting {' and '.join(c.name for c in first)}")
+        if not sup.wait_ready(first, 60, lambda: stop.requested, _progress(say), _ready(say)):
             return 0
+        store = first[1].address if args.pagestore else ""
         common = ["--model", str(model), "--directory", directory.address, "--listen", "127.0.0.1:0"]
         devices = _devices(args.device)
         peers: list[Child] = []
@@ -115,6 +131,8 @@ def run_up(args: argparse.Namespace) -> int:
             for i in range(n):
                 binary = "xavier-prefill" if role == "prefill" else "xavier-decode"
                 extra = ["--role", role] if role != "prefill" else []
+                if store and role != "decode":  # a decode computes no prompt: nothing to share
+                    extra += ["--pagestore", store]
                 name = f"{role}-{i}"
                 device = devices[len(peers) % len(devices)]
                 args_ = [*common, "--device", device, "--peer-id", name, *extra]
@@ -146,6 +164,7 @@ def run_up(args: argparse.Namespace) -> int:
             "grpc": router.address,
             "http": router.info.get("http", ""),
             "directory": directory.address,
+            "pagestore": store,
             "mode": args.mode,
             "model": str(model),
             "workdir": str(workdir),
@@ -154,6 +173,8 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"\nXavier is up ({args.mode}, {model.name}).", flush=True)
         print(f'  gRPC    {endpoints["grpc"]}   (xavier generate --address {endpoints["grpc"]} "Hello")')
         print(f"  OpenAI  http://{endpoints['http']}/v1")
+        if store:
+            print(f"  store   {store}   (xavier status --address {endpoints['grpc']} --pagestore {store})")
         print(f"  logs    {workdir}\nPress Ctrl-C to stop.", flush=True)
         if args.ready_file is not None:
             tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
