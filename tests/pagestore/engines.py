@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -12,6 +13,8 @@ from pathlib import Path
 import grpc
 from xavier.v1 import decode_service_pb2 as dec
 from xavier.v1 import decode_service_pb2_grpc as dec_grpc
+from xavier.v1 import prefill_service_pb2 as pre
+from xavier.v1 import prefill_service_pb2_grpc as pre_grpc
 from xavier.v1 import types_pb2
 
 from tests.pagestore.support import start_store
@@ -54,9 +57,15 @@ class StoreMesh:
         return proc
 
     def start_unified(self, name: str, *extra: str) -> ServiceProc:
+        return self._start_peer("xavier-decode", name, "--role", "unified", *extra)
+
+    def start_prefill(self, name: str, *extra: str) -> ServiceProc:
+        return self._start_peer("xavier-prefill", name, *extra)
+
+    def _start_peer(self, binary: str, name: str, *extra: str) -> ServiceProc:
         args = ["--model", str(self.model), "--directory", self.procs["directory"].address]
-        args += ["--peer-id", name, "--listen", "127.0.0.1:0", "--role", "unified", *extra]
-        proc = start_service("xavier-decode", args, self.workdir, name=name, env=MESH_ENV, timeout=120)
+        args += ["--peer-id", name, "--listen", "127.0.0.1:0", *extra]
+        proc = start_service(binary, args, self.workdir, name=name, env=MESH_ENV, timeout=120)
         self.procs[name] = proc
         return proc
 
@@ -84,6 +93,29 @@ async def generate(address: str, token_ids: Sequence[int], salt: str = "", max_t
             if msg.HasField("usage"):
                 usage = msg.usage
         return Answer(tokens, usage)
+
+
+async def prefill_once(address: str, token_ids: Sequence[int], salt: str = "") -> pre.PrefillResponse:
+    """A Prefill whose first token ends the request (max_tokens 1): nothing is published, no decode runs."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        resp: pre.PrefillResponse = await pre_grpc.PrefillServiceStub(ch).Prefill(
+            pre.PrefillRequest(
+                request_id=uuid.uuid4().hex,
+                room_id=secrets.randbits(63) or 1,
+                decode_peer_id="no-decode",
+                token_ids=token_ids,
+                sampling=types_pb2.SamplingParams(max_tokens=1, ignore_eos=True),
+                cache_salt=salt,
+            ),
+            timeout=120,
+        )
+        return resp
+
+
+async def prefill_stats(address: str) -> types_pb2.EngineStats:
+    async with grpc.aio.insecure_channel(address) as ch:
+        resp = await pre_grpc.PrefillServiceStub(ch).GetPrefillStats(pre.GetPrefillStatsRequest(), timeout=5)
+        return resp.engine
 
 
 async def engine_stats(address: str) -> types_pb2.EngineStats:

@@ -7,10 +7,19 @@ import asyncio
 import hashlib
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from tests.pagestore.engines import StoreMesh, engine_stats, generate, prompt, wait_for
+from tests.pagestore.engines import (
+    StoreMesh,
+    engine_stats,
+    generate,
+    prefill_once,
+    prefill_stats,
+    prompt,
+    wait_for,
+)
 from tests.pagestore.support import stats
 from xavier_core.engine.tiny import make_tiny
 
@@ -42,19 +51,20 @@ def _store_pages(mesh: StoreMesh, salt: str) -> int:
 
 async def _assert_quiet(mesh: StoreMesh) -> None:
     """I2: no request, pin or referenced page left in a replica; no lease or reservation in the store."""
-    for name in ("unified-a", "unified-b"):
-        addr = mesh.procs[name].address
+    for name, proc in mesh.procs.items():
+        if not name.startswith(("unified", "prefill")):
+            continue
+        read = prefill_stats if name.startswith("prefill") else engine_stats
 
-        async def idle(addr: str = addr) -> bool:
-            e = await engine_stats(addr)
-            return e.running == e.waiting == e.pages_pinned == 0 and e.pages_free == e.pages_total
+        async def busy(addr: str = proc.address, read: Any = read) -> tuple[int, ...]:
+            e = await read(addr)
+            return (e.running, e.waiting, e.pages_pinned, e.pages_total - e.pages_free)
 
         for _ in range(100):  # write-throughs release their pages when the store answers
-            if await idle():
+            if await busy() == (0, 0, 0, 0):
                 break
             await asyncio.sleep(0.05)
-        e = await engine_stats(addr)
-        assert (e.running, e.waiting, e.pages_pinned, e.pages_total - e.pages_free) == (0, 0, 0, 0), name
+        assert await busy() == (0, 0, 0, 0), name
     got = stats(mesh.store.address)
     assert got.leases == 0
     assert all(n.leases == 0 and n.reserved_pages == 0 and n.pinned_pages == 0 for n in got.namespaces)
@@ -90,6 +100,26 @@ async def test_replica_b_serves_the_prefix_replica_a_computed(mesh: StoreMesh) -
     again = await generate(b, second, salt="tenant-1")
     assert again.usage.cached_tokens_local >= 0.9 * PREFIX and again.usage.cached_tokens_store == 0
     assert again.tokens == cold_b.tokens
+    await _assert_quiet(mesh)
+
+
+async def test_prefill_replicas_share_through_the_store(mesh: StoreMesh) -> None:
+    """The prefill role takes the same path: prefill B reuses what prefill A computed."""
+    for name in ("prefill-a", "prefill-b"):
+        if name not in mesh.procs:
+            mesh.start_prefill(name, "--pagestore", mesh.store.address)
+    a, b = mesh.procs["prefill-a"].address, mesh.procs["prefill-b"].address
+    shared = prompt(20, PREFIX)
+    cold = await prefill_once(a, shared + prompt(21, SUFFIX), salt="pd")
+    assert cold.usage.cached_tokens == 0
+    await wait_for(lambda: _store_pages(mesh, "pd") >= (PREFIX + SUFFIX) // 16, 30, "prefill write-through")
+    reference = await prefill_once(a, shared + prompt(22, SUFFIX), salt="pd-cold")
+    b0 = await prefill_stats(b)
+    warm = await prefill_once(b, shared + prompt(22, SUFFIX), salt="pd")
+    b1 = await prefill_stats(b)
+    assert warm.usage.cached_tokens_store >= 0.9 * PREFIX and warm.usage.cached_tokens_local == 0
+    assert b1.prompt_tokens_computed - b0.prompt_tokens_computed == PREFIX + SUFFIX - warm.usage.cached_tokens
+    assert (warm.first_token, warm.first_logprob) == (reference.first_token, reference.first_logprob)
     await _assert_quiet(mesh)
 
 
