@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,6 +140,31 @@ async def test_another_salt_gets_no_hit(mesh: StoreMesh) -> None:
     await _assert_quiet(mesh)
 
 
+async def test_a_stalled_store_is_a_miss_within_the_deadline(mesh: StoreMesh) -> None:
+    """A store that stops answering (SIGSTOP) costs each request at most the RPC deadline (0.5 s by
+    default), served as a miss; it never fails a request. When it resumes, sharing resumes."""
+    a, b = mesh.procs["unified-a"].address, mesh.procs["unified-b"].address
+    shared = prompt(30, PREFIX)
+    await generate(a, shared + prompt(31, SUFFIX), salt="stall")
+    await wait_for(lambda: _store_pages(mesh, "stall") >= (PREFIX + SUFFIX) // 16, 30, "write-through")
+    b0 = await engine_stats(b)
+    mesh.store.proc.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        stalled = await generate(b, shared + prompt(32, SUFFIX), salt="stall")
+        elapsed = time.monotonic() - started
+    finally:
+        mesh.store.proc.send_signal(signal.SIGCONT)
+    assert len(stalled.tokens) == 8 and stalled.usage.cached_tokens_store == 0
+    assert elapsed < 10, f"a stalled store held the request {elapsed:.1f}s"
+    b1 = await engine_stats(b)
+    assert b1.store_errors > b0.store_errors
+    resumed = await generate(b, shared + prompt(33, SUFFIX), salt="stall")
+    # The stalled request computed the prefix itself, so B now holds it locally (or fetches it again).
+    assert resumed.usage.cached_tokens >= 0.9 * PREFIX
+    await _assert_quiet(mesh)
+
+
 async def test_store_kill_and_restart_while_replicas_serve(mesh: StoreMesh) -> None:
     a, b = mesh.procs["unified-a"].address, mesh.procs["unified-b"].address
     address = mesh.store.address
@@ -164,10 +190,17 @@ async def test_store_kill_and_restart_while_replicas_serve(mesh: StoreMesh) -> N
     mesh.store.stop(signal.SIGKILL)
     at_kill = served
     await wait_for(lambda: served >= at_kill + 4 or bool(failures), 60, "requests while the store is down")
+    written = [(await engine_stats(addr)).store_pages_written for addr in (a, b)]
     mesh.start_store(listen=address)  # same address: replicas reconnect on their own
     at_restart = served
-    # Replicas find the new store by themselves: their write-throughs land in it again.
-    await wait_for(lambda: _store_pages(mesh, "kill") > 0 or bool(failures), 60, "writes to the new store")
+    # Each replica finds the new store by itself: its write-throughs land in it again.
+    for addr, before in zip((a, b), written, strict=True):
+        for _ in range(600):
+            if failures or (await engine_stats(addr)).store_pages_written > before:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise TimeoutError(f"{addr} never wrote to the restarted store")
     await wait_for(lambda: served >= at_restart + 4 or bool(failures), 60, "requests after the restart")
     stop.set()
     await asyncio.gather(*load)
