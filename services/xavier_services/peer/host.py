@@ -140,6 +140,10 @@ class PeerHost:
         """Points the engine at the page store. Nothing is asked of the store now: a store that is down
         at start is a miss per request, and one that comes up later is found by the next request."""
         ps = self.config.pagestore
+        if any(b.device != "cpu" for b in self.engine.kv_buffers()):
+            # The client checksums pages on the host; a device pool would need a staging copy (not yet).
+            log.warning("page store not attached: the engine's KV pool is not in host memory")
+            return
         settings = ClientSettings(
             rpc_timeout_s=ps.rpc_timeout_seconds,
             transfer_timeout_s=ps.transfer_timeout_seconds,
