@@ -84,7 +84,7 @@ async def test_caller_gone_during_a_fetch_leaves_no_pages(
     await engine._store.client.flush()  # type: ignore[union-attr]
     engine._cache.clear()  # with the local cache empty, the next request fetches from the store
     # A caller cancelled mid-fetch: the fetch finishes on its own and its pages go back.
-    task = asyncio.ensure_future(engine.prefill("seam-cancel", tokens + [5], GREEDY))
+    task = asyncio.ensure_future(engine.prefill("seam-cancel", [*tokens, 5], GREEDY))
     for _ in range(400):
         if "seam-cancel" in engine._prefetching:
             break
@@ -96,7 +96,7 @@ async def test_caller_gone_during_a_fetch_leaves_no_pages(
     stats = engine.stats().store
     assert stats is not None and stats.hit_pages >= len(tokens) // 16 - 1  # the fetch ran to its end
     # What it fetched went into the local cache: the next request finds it there.
-    res = await engine.prefill("seam-after", tokens + [6], GREEDY)
+    res = await engine.prefill("seam-after", [*tokens, 6], GREEDY)
     assert res.cached_tokens >= len(tokens) - 16 and res.cached_tokens_store == 0
     engine.release_pages("seam-after")
     await _settle(engine)
