@@ -16,7 +16,7 @@ from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 from xavier_client import Client, Prompt, XavierError, mode_name
 
-from xavier_cli.up import DEFAULT_GRPC
+from xavier_cli.up import DEFAULT_GRPC, state_file
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:
@@ -111,7 +111,7 @@ def add_status_args(p: argparse.ArgumentParser) -> None:
         "--pagestore",
         default=os.environ.get("XAVIER_PAGESTORE", ""),
         metavar="HOST:PORT",
-        help="also show this page store's stats (`xavier up` prints its address)",
+        help="also show this page store's stats (default: the store of the `xavier up` serving --address)",
     )
     p.add_argument("--json", action="store_true", help="print peers and store stats as JSON")
 
@@ -141,6 +141,14 @@ def format_store(address: str, st: spb.GetPageStoreStatsResponse) -> str:
     return "\n".join(lines)
 
 
+def _up_store(address: str) -> str:
+    """The page store of the `xavier up` on this machine whose router is `address`, if any."""
+    try:
+        return str(json.loads(state_file(address).read_text()).get("pagestore", ""))
+    except (OSError, ValueError):
+        return ""
+
+
 def run_status(args: argparse.Namespace) -> int:
     try:
         with Client(args.address, token=args.token, timeout=args.timeout) as client:
@@ -150,6 +158,8 @@ def run_status(args: argparse.Namespace) -> int:
         return 1
     store: spb.GetPageStoreStatsResponse | None = None
     store_error = ""
+    if not args.pagestore:
+        args.pagestore = _up_store(args.address)
     if args.pagestore:
         try:
             store = store_stats(args.pagestore, min(args.timeout, 5.0))

@@ -42,6 +42,11 @@ def default_model(say: Callable[[str], None]) -> Path:
     return path
 
 
+def state_file(grpc_address: str) -> Path:
+    """Where a running `xavier up` leaves its endpoints for `xavier status` (one file per router address)."""
+    return cache_dir() / "up" / (grpc_address.replace(":", "_").replace("/", "_") + ".json")
+
+
 def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: embedded tiny)")
     p.add_argument("--mode", choices=["pd", "colocated"], default="pd", help="default routing mode")
@@ -112,6 +117,7 @@ def run_up(args: argparse.Namespace) -> int:
     # `engine` section, so they ignore the variable.
     sup = Supervisor(workdir, env={"XAVIER_ENGINE__COMPUTE": args.compute})
     code = 0
+    state: Path | None = None
     try:
         directory = sup.start("directory", "xavier-directory", ["--listen", "127.0.0.1:0"], stage=0)
         first = [directory]
@@ -176,10 +182,13 @@ def run_up(args: argparse.Namespace) -> int:
         if store:
             print(f"  store   {store}   (xavier status --address {endpoints['grpc']} --pagestore {store})")
         print(f"  logs    {workdir}\nPress Ctrl-C to stop.", flush=True)
-        if args.ready_file is not None:
-            tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
-            tmp.write_text(json.dumps(endpoints) + "\n")
-            os.replace(tmp, args.ready_file)
+        state = state_file(router.address)
+        for path in (args.ready_file, state):
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text(json.dumps(endpoints) + "\n")
+                os.replace(tmp, path)
         while not stop.requested:
             dead = sup.dead()
             if dead:
@@ -199,6 +208,8 @@ def run_up(args: argparse.Namespace) -> int:
         sup.stop_all()
         if args.ready_file is not None:
             args.ready_file.unlink(missing_ok=True)
+        if state is not None:
+            state.unlink(missing_ok=True)
         say("stopped")
     return code
 

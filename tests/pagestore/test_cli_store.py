@@ -4,6 +4,7 @@ reused prompt tokens (stream and not); `xavier status` shows the store, `--json`
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -24,11 +25,12 @@ PREFIX = 2000
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, str]]:
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, str, Path]]:
     base = tmp_path_factory.mktemp("up-store")
-    mesh = start_up(base, shared_cache(tmp_path_factory), "--mode", "colocated", "--unified", "2")
+    cache = shared_cache(tmp_path_factory)
+    mesh = start_up(base, cache, "--mode", "colocated", "--unified", "2")
     try:
-        yield mesh, json.loads((base / "up.json").read_text())["pagestore"]
+        yield mesh, json.loads((base / "up.json").read_text())["pagestore"], cache
     finally:
         mesh.stop()
 
@@ -48,8 +50,8 @@ def _complete(http: httpx.Client, url: str, ids: list[int], stream: bool) -> dic
     return usage
 
 
-def test_up_shares_pages_and_reports_them(up: tuple[Mesh, str]) -> None:
-    mesh, store = up
+def test_up_shares_pages_and_reports_them(up: tuple[Mesh, str, Path]) -> None:
+    mesh, store, cache = up
     assert store, "xavier up started no page store"
     url = f"http://{mesh.http}/v1/completions"
     shared = prompt(41, PREFIX)
@@ -66,12 +68,14 @@ def test_up_shares_pages_and_reports_them(up: tuple[Mesh, str]) -> None:
         details = usage["prompt_tokens_details"]
         assert isinstance(details, dict) and details["cached_tokens"] >= 0.9 * PREFIX, usage
 
+    # No --pagestore: status finds the store of the `xavier up` serving that router address.
     text = subprocess.run(
-        [*XAVIER, "status", "--address", mesh.grpc, "--pagestore", store],
+        [*XAVIER, "status", "--address", mesh.grpc],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
+        env={**os.environ, "XAVIER_CACHE_DIR": str(cache)},
     )
     assert text.returncode == 0, text.stderr
     assert f"pagestore {store}:" in text.stdout and "unified-1" in text.stdout
@@ -90,8 +94,8 @@ def test_up_shares_pages_and_reports_them(up: tuple[Mesh, str]) -> None:
     assert reused >= 2 * 0.9 * PREFIX
 
 
-def test_status_reports_an_unreachable_store(up: tuple[Mesh, str], tmp_path: Path) -> None:
-    mesh, _ = up
+def test_status_reports_an_unreachable_store(up: tuple[Mesh, str, Path]) -> None:
+    mesh, _, _ = up
     out = subprocess.run(
         [*XAVIER, "status", "--address", mesh.grpc, "--pagestore", "127.0.0.1:1", "--json"],
         capture_output=True,
