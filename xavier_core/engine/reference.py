@@ -39,7 +39,7 @@ from xavier_core.engine.page_allocator import PageAllocator
 from xavier_core.engine.prefix_cache import PrefixCache
 from xavier_core.engine.request import Delivery, Request, Role, check_prompt, pages_for
 from xavier_core.engine.scheduler import Scheduler
-from xavier_core.engine.store_link import StoreLink
+from xavier_core.engine.store_link import Prefix, StoreLink
 from xavier_core.engine.stream import TokenStream
 from xavier_core.prefix_keys import chain_seed
 from xavier_core.sampling import check_cache_salt
@@ -407,6 +407,9 @@ class ReferenceEngine:
         except asyncio.CancelledError:
             task.add_done_callback(link.drop_result)
             raise
+        except Exception:  # the client turns store trouble into misses; this is a bug, still not fatal
+            log.exception("prefix fetch failed; request %s computes its whole prompt", req.id)
+            prefix = Prefix([], 0)
         finally:
             aborted = self._prefetching.pop(req.id, False)
         if aborted:
