@@ -86,7 +86,7 @@ async def test_caller_gone_during_a_fetch_leaves_no_pages(
     # A caller cancelled mid-fetch: the fetch finishes on its own and its pages go back.
     task = asyncio.ensure_future(engine.prefill("seam-cancel", [*tokens, 5], GREEDY))
     for _ in range(400):
-        if "seam-cancel" in engine._prefetching:
+        if engine._store is not None and engine._store.is_fetching("seam-cancel"):
             break
         await asyncio.sleep(0.001)
     task.cancel()

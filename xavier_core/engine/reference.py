@@ -39,7 +39,7 @@ from xavier_core.engine.page_allocator import PageAllocator
 from xavier_core.engine.prefix_cache import PrefixCache
 from xavier_core.engine.request import Delivery, Request, Role, check_prompt, pages_for
 from xavier_core.engine.scheduler import Scheduler
-from xavier_core.engine.store_link import Prefix, StoreLink
+from xavier_core.engine.store_link import StoreLink
 from xavier_core.engine.stream import TokenStream
 from xavier_core.prefix_keys import chain_seed
 from xavier_core.sampling import check_cache_salt
@@ -108,8 +108,6 @@ class ReferenceEngine:
         self._loop = EngineLoop(model, pool, self._sched, self._cache, decoder)
         self._lock = self._loop.lock
         self._store: StoreLink | None = None
-        # Requests fetching their prefix from the page store (not yet queued) -> abort asked meanwhile.
-        self._prefetching: dict[str, bool] = {}
 
     @classmethod
     def load(
@@ -327,14 +325,14 @@ class ReferenceEngine:
 
     async def abort(self, request_id: str) -> None:
         """Stops a request (its stream ends with ABORT) or drops its pinned pages; returns at once."""
-        if request_id in self._prefetching:
-            self._prefetching[request_id] = True
+        if self._store is not None:
+            self._store.abort(request_id)
         self._loop.queue_abort(request_id)
 
     def use_page_store(self, store: PageStoreClient, contract_fingerprint: str) -> None:
         """Fetches stored prefixes before admission and writes computed prompt pages through (see
         `xavier_core.engine.store_link`). Call once, from the event loop the requests run on."""
-        link = StoreLink(store, contract_fingerprint, self._cache, self._lock, asyncio.get_running_loop())
+        link = StoreLink(store, contract_fingerprint, self._sched, self._lock, asyncio.get_running_loop())
         with self._lock:
             self._store = link
             self._sched.on_prompt_done = link.prompt_done
@@ -391,32 +389,9 @@ class ReferenceEngine:
         )
 
     async def _take_prefix(self, req: Request) -> None:
-        """With a page store: the request takes its local and stored prefix before it is queued.
-
-        The fetch runs as its own task: a caller that goes away meanwhile does not cut a NIXL READ short;
-        the pages go back once the fetch ends. An abort asked meanwhile raises `RequestAbortedError`."""
-        link = self._store
-        if link is None or req.chain_seed is None or req.role is Role.DECODE:
-            return
-        if req.id in self._prefetching:
-            raise InvalidRequestError(f"request id {req.id!r} is already in use")
-        self._prefetching[req.id] = False
-        task = asyncio.ensure_future(link.fetch_prefix(req))
-        try:
-            prefix = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(link.drop_result)
-            raise
-        except Exception:  # the client turns store trouble into misses; this is a bug, still not fatal
-            log.exception("prefix fetch failed; request %s computes its whole prompt", req.id)
-            prefix = Prefix([], 0)
-        finally:
-            aborted = self._prefetching.pop(req.id, False)
-        if aborted:
-            link.release(prefix.pages)
-            raise RequestAbortedError(f"request {req.id} was aborted")
-        with self._lock:
-            self._sched.adopt_prefix(req, prefix.pages, prefix.store_pages)
+        """With a page store, the request takes its local and stored prefix before it is queued."""
+        if self._store is not None and req.role is not Role.DECODE:
+            await self._store.take_prefix(req)
 
     def release_prefix(self, req: Request) -> None:
         """Drops the pages a request holds that never reached the engine loop."""

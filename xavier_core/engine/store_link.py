@@ -20,9 +20,10 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from xavier_core.engine.api import StoreStats
-from xavier_core.engine.prefix_cache import PrefixCache
+from xavier_core.engine.api import InvalidRequestError, StoreStats
+from xavier_core.engine.errors import RequestAbortedError
 from xavier_core.engine.request import Request
+from xavier_core.engine.scheduler import Scheduler
 from xavier_core.pagestore.client import PageNamespace, PageStoreClient
 from xavier_core.prefix_keys import page_keys
 
@@ -44,16 +45,19 @@ class StoreLink:
         self,
         client: PageStoreClient,
         contract_fingerprint: str,
-        cache: PrefixCache,
+        sched: Scheduler,
         lock: threading.Lock,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         self.client = client
         self.fingerprint = contract_fingerprint
-        self.cache = cache
-        self.page_size = cache.page_size
+        self.sched = sched
+        self.cache = sched.cache
+        self.page_size = sched.page_size
         self._lock = lock
         self._loop = loop
+        # Requests fetching their prefix (not queued yet) -> whether an abort was asked meanwhile.
+        self._prefetching: dict[str, bool] = {}
 
     def namespace(self, cache_salt: str) -> PageNamespace:
         return PageNamespace(self.fingerprint, cache_salt)
@@ -63,6 +67,42 @@ class StoreLink:
         return StoreStats(c.hit_pages, c.pages_written, c.writes_dropped, c.errors)
 
     # --- before admission (event loop) ---------------------------------------------------------------------
+
+    async def take_prefix(self, req: Request) -> None:
+        """Gives a request not yet queued its local and stored prefix (`Scheduler.adopt_prefix`).
+
+        The fetch runs as its own task: a caller that goes away meanwhile does not cut a NIXL READ short;
+        the pages go back once the fetch ends. An abort asked meanwhile raises `RequestAbortedError`."""
+        if req.chain_seed is None:
+            return
+        if req.id in self._prefetching:
+            raise InvalidRequestError(f"request id {req.id!r} is already in use")
+        self._prefetching[req.id] = False
+        task = asyncio.ensure_future(self.fetch_prefix(req))
+        try:
+            prefix = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self.drop_result)
+            raise
+        except Exception:  # the client turns store trouble into misses; this is a bug, still not fatal
+            log.exception("prefix fetch failed; request %s computes its whole prompt", req.id)
+            prefix = Prefix([], 0)
+        finally:
+            aborted = self._prefetching.pop(req.id, False)
+        if aborted:
+            self.release(prefix.pages)
+            raise RequestAbortedError(f"request {req.id} was aborted")
+        with self._lock:
+            self.sched.adopt_prefix(req, prefix.pages, prefix.store_pages)
+
+    def abort(self, request_id: str) -> None:
+        """Marks a request still fetching its prefix as aborted (no-op for any other request)."""
+        if request_id in self._prefetching:
+            self._prefetching[request_id] = True
+
+    def is_fetching(self, request_id: str) -> bool:
+        """Whether the request is fetching its prefix now."""
+        return request_id in self._prefetching
 
     async def fetch_prefix(self, req: Request) -> Prefix:
         """The local hit, extended by the stored pages that follow it. Run it as a task nobody cancels:
