@@ -31,7 +31,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 async def engine(model: Path, store: ServiceProc) -> AsyncIterator[ReferenceEngine]:
     eng = ReferenceEngine.load(model, num_pages=300, max_running=4)
-    client = PageStoreClient(store.address, eng.kv_buffers(), ClientSettings(rpc_timeout_s=1.0))
+    # A deadline well past the 0.2 s after which the tests abort, even on a loaded machine.
+    client = PageStoreClient(store.address, eng.kv_buffers(), ClientSettings(rpc_timeout_s=3.0))
     eng.use_page_store(client, "fp-seam")
     try:
         yield eng
@@ -46,7 +47,8 @@ def _all_free(eng: ReferenceEngine) -> bool:
 
 
 async def _settle(eng: ReferenceEngine) -> None:
-    for _ in range(200):
+    """Waits for pages to come back (a stalled fetch returns them at its RPC deadline)."""
+    for _ in range(1000):
         if _all_free(eng):
             return
         await asyncio.sleep(0.02)
