@@ -6,8 +6,13 @@ pool is shaped like a KV pool (per layer a K and a V buffer). Local pages are pl
 per buffer and longer runs coalesce. Each point is the median of `--reps`. Reported per point: end-to-end
 put (`write`: reserve, checksum, WRITE, commit) and get (`lookup_and_fetch`: lease, READ, verify, release)
 GB/s, the NIXL transfer alone, and in-run baselines on the same bytes: a numpy gather/scatter memcpy and
-the BLAKE2b checksum pass. Prints JSON, writes a PNG.
-Example: `python benchmarks/pagestore.py --pages 16,64,256 --run-lengths 1,4,64 --reps 3`.
+the BLAKE2b checksum pass.
+
+Then TTFT of a prompt with a `--prefix`-token shared prefix (the tiny CPU model, real processes: directory,
+store, two unified replicas): cold (nothing cached anywhere), warm from the store (replica B, local cache
+empty, fetches what replica A wrote through) and warm in B's local prefix cache; medians of `--ttft-reps`,
+each rep with a fresh prefix and its own suffixes. Prints JSON, writes a PNG.
+Example: `python benchmarks/pagestore.py --pages 16,64,256 --run-lengths 1,4,64 --reps 3 --ttft-reps 7`.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--tag", default="")
+    p.add_argument("--prefix", type=int, default=2000, help="shared prefix tokens of the TTFT prompts")
+    p.add_argument("--ttft-reps", type=int, default=7, help="TTFT samples per case (0: skip TTFT)")
+    p.add_argument("--skip-gbps", action="store_true", help="only the TTFT part")
     return p.parse_args(argv)
 
 
@@ -152,15 +160,77 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
     }
 
 
+async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """TTFT (client side, GenerateUnified to its first token) of cold / warm-from-store / warm-local."""
+    from tests.pagestore.engines import generate, prompt
+    from tests.pagestore.support import stats
+
+    a, b = mesh.procs["unified-a"].address, mesh.procs["unified-b"].address
+    cases: dict[str, list[float]] = {"cold": [], "warm_store": [], "warm_local": []}
+    cached: dict[str, list[int]] = {k: [] for k in cases}
+    await generate(a, prompt(10**6, 64), max_tokens=1)  # first-request costs (graphs, channels) out
+    await generate(b, prompt(10**6 + 1, 64), max_tokens=1)
+    for rep in range(args.ttft_reps):
+        shared = prompt(1000 + rep, args.prefix)
+        for case, addr, suffix in (("cold", a, 1), ("warm_store", b, 2), ("warm_local", b, 3)):
+            t = time.perf_counter()
+            ans = await generate(addr, shared + prompt(7000 + 10 * rep + suffix, 16), max_tokens=1)
+            cases[case].append(time.perf_counter() - t)
+            cached[case].append(
+                ans.usage.cached_tokens_store if case == "warm_store" else ans.usage.cached_tokens
+            )
+            if case == "cold":  # A's write-through is asynchronous: B asks only once it has landed
+                deadline = time.monotonic() + 30
+                while stats(mesh.store.address).pages < (rep + 1) * (args.prefix // 16):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("A's write-through never reached the store")
+                    await asyncio.sleep(0.01)
+    out: dict[str, Any] = {
+        "prefix_tokens": args.prefix,
+        "prompt_tokens": args.prefix + 16,
+        "reps": args.ttft_reps,
+    }
+    for case, times in cases.items():
+        out[f"{case}_ms"] = 1e3 * statistics.median(times)
+        out[f"{case}_cached_tokens"] = statistics.median(cached[case])
+    out["speedup_store"] = out["cold_ms"] / out["warm_store_ms"]
+    out["speedup_local"] = out["cold_ms"] / out["warm_local_ms"]
+    return out
+
+
+def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from tests.pagestore.engines import StoreMesh
+    from xavier_core.engine.tiny import make_tiny
+
+    mesh = StoreMesh(make_tiny(work / "tiny-qwen2", "qwen2", seed=args.seed), work)
+    try:
+        mesh.start_directory()
+        mesh.start_store()
+        for name in ("unified-a", "unified-b"):
+            mesh.start_unified(name, "--pagestore", mesh.store.address)
+        return asyncio.run(ttft_cases(mesh, args))
+    finally:
+        mesh.stop()
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    ttft = report.get("ttft")
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    if ttft:
+        names = ["cold", "warm_store", "warm_local"]
+        bars = axes[2].bar(["cold", "warm from store", "warm local cache"], [ttft[f"{n}_ms"] for n in names])
+        axes[2].bar_label(bars, fmt="%.1f ms")
+        axes[2].set_ylabel("TTFT, median (ms)")
+        axes[2].set_title(f"TTFT, {ttft['prefix_tokens']}-token shared prefix (tiny model, CPU)")
+    else:
+        axes[2].set_axis_off()
     runs = sorted({p["run_length"] for p in report["points"]})
-    for ax, op in zip(axes, ("get", "put"), strict=True):
+    for ax, op in zip(axes[:2], ("get", "put"), strict=True):
         for r in runs:
             pts = [p for p in report["points"] if p["run_length"] == r]
             x = [p["pages"] for p in pts]
@@ -176,6 +246,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("GB/s")
+    axes[1].sharey(axes[0])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -186,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     page_bytes = args.segment_bytes * 2 * args.layers
     arena = (sum(counts) * len(args.run_lengths.split(",")) * args.reps + 64) * page_bytes
     chunk = max(16 << 20, page_bytes)
+    report: dict[str, Any] = {"benchmark": "pagestore", "points": []}
     with tempfile.TemporaryDirectory() as work:
         env = {
             "XAVIER_PAGESTORE__ARENA_BYTES": str(max(arena, chunk)),
@@ -193,11 +265,15 @@ def main(argv: list[str] | None = None) -> int:
             "XAVIER_PAGESTORE__MAX_LEASE_SECONDS": "600",
             "XAVIER_LOG_LEVEL": "warning",
         }
-        svc = start_service("xavier-pagestore", ["--listen", "127.0.0.1:0"], Path(work), env=env)
-        try:
-            report = asyncio.run(run(args, svc.address))
-        finally:
-            svc.stop()
+        if not args.skip_gbps:
+            svc = start_service("xavier-pagestore", ["--listen", "127.0.0.1:0"], Path(work), env=env)
+            try:
+                report = asyncio.run(run(args, svc.address))
+            finally:
+                svc.stop()
+        if args.ttft_reps > 0:
+            report["ttft"] = run_ttft(args, Path(work) / "ttft")
+            print(json.dumps(report["ttft"]), file=sys.stderr)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "pagestore" + (f"-{args.tag}" if args.tag else "")

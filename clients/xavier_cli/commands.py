@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from typing import Any
 
+import grpc
+from google.protobuf.json_format import MessageToDict
+from xavier.v1 import page_store_service_pb2 as spb
+from xavier.v1 import page_store_service_pb2_grpc as spb_grpc
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 from xavier_client import Client, Prompt, XavierError, mode_name
 
-from xavier_cli.up import DEFAULT_GRPC
+from xavier_cli.up import DEFAULT_GRPC, state_file
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:
@@ -99,6 +105,50 @@ def format_status(st: rpb.GetClusterStatusResponse) -> str:
     return "\n".join(lines)
 
 
+def add_status_args(p: argparse.ArgumentParser) -> None:
+    add_client_args(p)
+    p.add_argument(
+        "--pagestore",
+        default=os.environ.get("XAVIER_PAGESTORE", ""),
+        metavar="HOST:PORT",
+        help="also show this page store's stats (default: the store of the `xavier up` serving --address)",
+    )
+    p.add_argument("--json", action="store_true", help="print peers and store stats as JSON")
+
+
+def store_stats(address: str, timeout: float) -> spb.GetPageStoreStatsResponse:
+    """The page store's stats; raises grpc.RpcError when it cannot answer."""
+    with grpc.insecure_channel(address) as ch:
+        resp: spb.GetPageStoreStatsResponse = spb_grpc.PageStoreServiceStub(ch).GetPageStoreStats(
+            spb.GetPageStoreStatsRequest(), timeout=timeout
+        )
+        return resp
+
+
+def format_store(address: str, st: spb.GetPageStoreStatsResponse) -> str:
+    """Human lines of the page store's stats: totals, then one line per namespace."""
+    mib = 1 << 20
+    lines = [
+        f"pagestore {address}: {st.pages} page(s), {st.allocated_bytes / mib:.1f}/"
+        f"{st.capacity_bytes / mib:.1f} MiB allocated, {st.leases} lease(s)",
+    ]
+    for n in st.namespaces:
+        lines.append(
+            f"  {n.contract_fingerprint[:12]} salt {n.salt_digest or '-':<16} pages {n.pages:>7} "
+            f"hits {n.hits:>8} misses {n.misses:>8} evictions {n.evictions:>6} "
+            f"checksum failures {n.checksum_failures}"
+        )
+    return "\n".join(lines)
+
+
+def _up_store(address: str) -> str:
+    """The page store of the `xavier up` on this machine whose router is `address`, if any."""
+    try:
+        return str(json.loads(state_file(address).read_text()).get("pagestore", ""))
+    except (OSError, ValueError):
+        return ""
+
+
 def run_status(args: argparse.Namespace) -> int:
     try:
         with Client(args.address, token=args.token, timeout=args.timeout) as client:
@@ -106,5 +156,26 @@ def run_status(args: argparse.Namespace) -> int:
     except XavierError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    store: spb.GetPageStoreStatsResponse | None = None
+    store_error = ""
+    if not args.pagestore:
+        args.pagestore = _up_store(args.address)
+    if args.pagestore:
+        try:
+            store = store_stats(args.pagestore, min(args.timeout, 5.0))
+        except grpc.RpcError as err:
+            store_error = f"{err.code().name}: {err.details()}"  # a down store is reported, not fatal
+    if args.json:
+        out: dict[str, Any] = MessageToDict(st, preserving_proto_field_name=True)
+        if args.pagestore:
+            out["pagestore"] = {"address": args.pagestore, "error": store_error}
+            if store is not None:
+                out["pagestore"].update(MessageToDict(store, preserving_proto_field_name=True))
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return 0
     print(format_status(st))
+    if store is not None:
+        print(format_store(args.pagestore, store))
+    elif args.pagestore:
+        print(f"pagestore {args.pagestore}: unreachable ({store_error})")
     return 0

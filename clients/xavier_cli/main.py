@@ -2,8 +2,9 @@
 
 xavier up [--model DIR] [--mode pd|colocated] [--prefill N --decode N --unified N]
           [--grpc HOST:PORT] [--http HOST:PORT] [--compute model|null] [--workdir DIR] [--tls]
+          [--no-pagestore]
 xavier generate "prompt" [--stream] [--mode pd|colocated|native] [--address HOST:PORT]
-xavier status [--address HOST:PORT]
+xavier status [--address HOST:PORT] [--pagestore HOST:PORT] [--json]
 xavier models make-tiny DIR --arch qwen2|qwen3|llama [...]
 xavier deploy render --hosts FILE --host NAME --out DIR [--units DIR]
 """
@@ -16,14 +17,14 @@ from collections.abc import Sequence
 
 
 def _parser() -> argparse.ArgumentParser:
-    from xavier_cli.commands import add_client_args, add_generate_args
+    from xavier_cli.commands import add_generate_args, add_status_args
     from xavier_cli.up import add_up_args
 
     p = argparse.ArgumentParser(prog="xavier", description="Xavier LLM serving mesh")
     sub = p.add_subparsers(dest="command", required=True)
     add_up_args(sub.add_parser("up", help="start the whole mesh locally"))
     add_generate_args(sub.add_parser("generate", help="generate an answer"))
-    add_client_args(sub.add_parser("status", help="peers, rooms, pages"))
+    add_status_args(sub.add_parser("status", help="peers, rooms, pages, page store"))
     sub.add_parser("deploy", help="render systemd units and configs for a host", add_help=False)
     models = sub.add_parser("models", help="model utilities")
     msub = models.add_subparsers(dest="models_command", required=True)

@@ -45,6 +45,11 @@ def default_model(say: Callable[[str], None]) -> Path:
     return path
 
 
+def state_file(grpc_address: str) -> Path:
+    """Where a running `xavier up` leaves its endpoints for `xavier status` (one file per router address)."""
+    return cache_dir() / "up" / (grpc_address.replace(":", "_").replace("/", "_") + ".json")
+
+
 def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: embedded tiny)")
     p.add_argument("--mode", choices=["pd", "colocated"], default="pd", help="default routing mode")
@@ -80,6 +85,15 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=RestartPolicy.backoff_seconds,
         help="seconds before the first restart; doubles per restart in the window, at most 10",
+    )
+    p.add_argument(
+        "--pagestore",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start one page store and point every prefill/unified engine at it (default: on)",
+    )
+    p.add_argument(
+        "--pagestore-listen", default="127.0.0.1:0", metavar="HOST:PORT", help="page store address"
     )
 
 
@@ -126,11 +140,19 @@ def run_up(args: argparse.Namespace) -> int:
     env = {"XAVIER_ENGINE__COMPUTE": args.compute, **(_tls_env(workdir) if args.tls else {})}
     sup = Supervisor(workdir, env=env)
     code = 0
+    state: Path | None = None
     try:
         directory = sup.start("directory", "xavier-directory", ["--listen", "127.0.0.1:0"], stage=0)
-        say("starting directory")
-        if not sup.wait_ready([directory], 60, lambda: stop.requested, _progress(say), _ready(say)):
+        first = [directory]
+        if args.pagestore:
+            # Stage 0 like the directory: it outlives the engines that write to it.
+            first.append(
+                sup.start("pagestore", "xavier-pagestore", ["--listen", args.pagestore_listen], stage=0)
+            )
+        say(f"starting {' and '.join(c.name for c in first)}")
+        if not sup.wait_ready(first, 60, lambda: stop.requested, _progress(say), _ready(say)):
             return 0
+        store = first[1].address if args.pagestore else ""
         common = ["--model", str(model), "--directory", directory.address, "--listen", "127.0.0.1:0"]
         devices = _devices(args.device)
         peers: list[Child] = []
@@ -138,6 +160,8 @@ def run_up(args: argparse.Namespace) -> int:
             for i in range(n):
                 binary = "xavier-prefill" if role == "prefill" else "xavier-decode"
                 extra = ["--role", role] if role != "prefill" else []
+                if store and role != "decode":  # a decode computes no prompt: nothing to share
+                    extra += ["--pagestore", store]
                 name = f"{role}-{i}"
                 device = devices[len(peers) % len(devices)]
                 args_ = [*common, "--device", device, "--peer-id", name, *extra]
@@ -169,6 +193,7 @@ def run_up(args: argparse.Namespace) -> int:
             "grpc": router.address,
             "http": router.info.get("http", ""),
             "directory": directory.address,
+            "pagestore": store,
             "mode": args.mode,
             "model": str(model),
             "workdir": str(workdir),
@@ -186,11 +211,16 @@ def run_up(args: argparse.Namespace) -> int:
             "  metrics "
             + ", ".join(f"{c.name} http://{c.metrics}/metrics" for c in sup.children if c.metrics)
         )
+        if store:
+            print(f"  store   {store}   (xavier status --address {endpoints['grpc']} --pagestore {store})")
         print(f"  logs    {workdir}\nPress Ctrl-C to stop.", flush=True)
-        if args.ready_file is not None:
-            tmp = args.ready_file.with_name(args.ready_file.name + ".tmp")
-            tmp.write_text(json.dumps(endpoints) + "\n")
-            os.replace(tmp, args.ready_file)
+        state = state_file(router.address)
+        for path in (args.ready_file, state):
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text(json.dumps(endpoints) + "\n")
+                os.replace(tmp, path)
         keeper = Keeper(sup, _policy(args, say), say)
         while not stop.requested:
             keeper.tick()
@@ -206,6 +236,8 @@ def run_up(args: argparse.Namespace) -> int:
         sup.stop_all()
         if args.ready_file is not None:
             args.ready_file.unlink(missing_ok=True)
+        if state is not None:
+            state.unlink(missing_ok=True)
         say("stopped")
     return code
 

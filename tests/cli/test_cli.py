@@ -70,7 +70,7 @@ def test_up_stops_every_child_and_exits_zero(
 ) -> None:
     up = start_up(tmp_path, shared_cache(tmp_path_factory), "--mode", "colocated")
     pids = up.child_pids()
-    assert set(pids) == {"directory", "unified-0", "router"}
+    assert set(pids) == {"directory", "pagestore", "unified-0", "router"}
     assert all(_alive(p) for p in pids.values())
     assert "Xavier is up" in up.log.read_text()
     started = time.monotonic()

@@ -15,6 +15,8 @@ from tests.pagestore.support import BPP, NBUF, buffers, chain, make_pool, stub
 from tests.support.procs import ServiceProc
 from xavier_core.pagestore import PageNamespace, PageStoreClient
 from xavier_core.runtime.errors import from_rpc_error
+from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.errors import InvalidPagesError
 
 pytestmark = pytest.mark.integration
 
@@ -135,3 +137,10 @@ def test_metrics_are_exported(store: ServiceProc) -> None:
     text = urllib.request.urlopen(f"http://{store.metrics}/metrics", timeout=5).read().decode()
     for name in ("xavier_pagestore_pages", "xavier_pagestore_leases", "xavier_pagestore_hits_total"):
         assert name in text
+
+
+def test_client_refuses_device_buffers() -> None:
+    """Pages are checksummed on the host: a device pool is refused up front, never read as host memory."""
+    gpu = [KvBuffer(1 << 20, 64 * BPP, BPP, "cuda:0") for _ in range(NBUF)]
+    with pytest.raises(InvalidPagesError, match="host"):
+        PageStoreClient("127.0.0.1:1", gpu)

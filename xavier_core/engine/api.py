@@ -15,10 +15,13 @@ import enum
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from xavier_core.sampling import check_sampling
 from xavier_core.transfer.buffers import KvBuffer
+
+if TYPE_CHECKING:
+    from xavier_core.pagestore.client import PageStoreClient
 
 
 class EngineError(Exception):
@@ -83,6 +86,10 @@ class TokenEvent:
     finish: FinishReason | None = None
     # Text delta for this token (incremental detokenization; may be "" while a UTF-8 char is incomplete).
     text: str = ""
+    # Prompt tokens not computed: served from the local prefix cache or the page store (the store's share
+    # in `cached_tokens_store`). Set on a request's first token only.
+    cached_tokens: int = 0
+    cached_tokens_store: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,9 +111,20 @@ class PrefillResult:
     first_logprob: float
     page_ids: tuple[int, ...]  # ceil(prompt_len / page_size) pages holding the prompt's KV, in order
     prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from the prefix cache instead of computed
+    cached_tokens: int  # prompt tokens not computed: local prefix cache plus page store
     finish: FinishReason | None = None  # set if the first token already ends the request (EOS, max_tokens=1)
     text: str = ""  # the first token's text (stop strings applied; flushed when `finish` is set)
+    cached_tokens_store: int = 0  # the page store's share of `cached_tokens`
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """What an engine's page store link did since it started, in pages."""
+
+    hit_pages: int = 0  # fetched into the pool and verified
+    pages_written: int = 0  # written through and committed
+    writes_dropped: int = 0  # write-throughs dropped on a full queue
+    errors: int = 0  # store calls that failed and were served as a miss
 
 
 @dataclass(frozen=True)
@@ -117,7 +135,9 @@ class EngineStats:
     running: int
     waiting: int
     prompt_tokens_computed: int = 0
-    prompt_tokens_cached: int = 0
+    prompt_tokens_cached: int = 0  # local prefix cache plus page store
+    prompt_tokens_cached_store: int = 0  # the page store's share of `prompt_tokens_cached`
+    store: StoreStats | None = None  # None when no page store is attached
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -198,6 +218,14 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    def use_page_store(self, store: PageStoreClient, contract_fingerprint: str) -> None:
+        """Shares full prompt pages across replicas through `store` (pages of namespace
+        `contract_fingerprint` + the request's cache salt): before computing a prompt, the engine fetches
+        the longest stored prefix beyond its local cache; after it, it writes computed pages through. The
+        store can only make requests faster: its trouble is a miss, never a failed request. Call once,
+        from the event loop the requests run on."""
+        ...
 
     def read_pages(self, page_ids: Sequence[int]) -> bytes:
         """Returns the raw KV bytes of the pages, buffer by buffer (tests compare P/D bytes bitwise)."""

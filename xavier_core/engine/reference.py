@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import threading
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,12 +40,16 @@ from xavier_core.engine.page_allocator import PageAllocator
 from xavier_core.engine.prefix_cache import PrefixCache
 from xavier_core.engine.request import Delivery, Request, Role, check_prompt, pages_for
 from xavier_core.engine.scheduler import Scheduler
+from xavier_core.engine.store_link import StoreLink
 from xavier_core.engine.stream import TokenStream
 from xavier_core.prefix_keys import chain_seed
 from xavier_core.sampling import check_cache_salt
 from xavier_core.text.errors import ModelFilesError
 from xavier_core.text.tokenizer import TextTokenizer
 from xavier_core.transfer.buffers import KvBuffer
+
+if TYPE_CHECKING:
+    from xavier_core.pagestore.client import PageStoreClient
 
 log = logging.getLogger(__name__)
 _CPU_KV_BYTES = 1 << 30
@@ -105,6 +111,7 @@ class ReferenceEngine:
         # The loop only calls `forward`, which both models offer.
         self._loop = EngineLoop(model, pool, self._sched, self._cache, decoder)
         self._lock = self._loop.lock
+        self._store: StoreLink | None = None
 
     @classmethod
     def load(
@@ -282,7 +289,12 @@ class ReferenceEngine:
                 future.set_exception(RequestAbortedError(f"request {request_id} was aborted"))
 
         req.deliver = deliver
-        self._submit(req, loop)
+        await self._take_prefix(req)
+        try:
+            self._submit(req, loop)
+        except BaseException:
+            self.release_prefix(req)
+            raise
         try:
             return await future
         except asyncio.CancelledError:
@@ -320,7 +332,17 @@ class ReferenceEngine:
 
     async def abort(self, request_id: str) -> None:
         """Stops a request (its stream ends with ABORT) or drops its pinned pages; returns at once."""
+        if self._store is not None:
+            self._store.abort(request_id)
         self._loop.queue_abort(request_id)
+
+    def use_page_store(self, store: PageStoreClient, contract_fingerprint: str) -> None:
+        """Fetches stored prefixes before admission and writes computed prompt pages through (see
+        `xavier_core.engine.store_link`). Call once, from the event loop the requests run on."""
+        link = StoreLink(store, contract_fingerprint, self._sched, self._lock, asyncio.get_running_loop())
+        with self._lock:
+            self._store = link
+            self._sched.on_prompt_done = link.prompt_done
 
     def stats(self) -> EngineStats:
         """Pool and queue occupancy and prefix-cache counters."""
@@ -334,6 +356,8 @@ class ReferenceEngine:
                 waiting=len(s.waiting),
                 prompt_tokens_computed=s.prompt_tokens_computed,
                 prompt_tokens_cached=s.prompt_tokens_cached,
+                prompt_tokens_cached_store=s.prompt_tokens_cached_store,
+                store=self._store.stats() if self._store is not None else None,
                 extra={
                     "pages_cached": self._cache.num_cached,
                     "pages_evictable": self._cache.num_evictable,
@@ -368,7 +392,19 @@ class ReferenceEngine:
             max_context=self.max_context,
             chain_seed=seed,
             device=self.device,
+            cache_salt=salt or "",
         )
+
+    async def _take_prefix(self, req: Request) -> None:
+        """With a page store, the request takes its local and stored prefix before it is queued."""
+        if self._store is not None and req.role is not Role.DECODE:
+            await self._store.take_prefix(req)
+
+    def release_prefix(self, req: Request) -> None:
+        """Drops the pages a request holds that never reached the engine loop."""
+        with self._lock:
+            self._cache.release(req.pages)
+            req.pages = []
 
     async def _stream(
         self, req: Request, first: tuple[int, float] | None
@@ -384,23 +420,35 @@ class ReferenceEngine:
                 yield event
                 if done:
                     return
+            else:
+                try:
+                    await self._take_prefix(req)
+                except RequestAbortedError:
+                    done = True
+                    yield AbortEvent()
+                    return
             self._submit(req, loop)
             submitted = True
+            tokens = 0
             while not done:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
+                if isinstance(item, TokenEvent) and first is None and tokens == 0:
+                    # The first token says how much of the prompt was not computed (set at admission).
+                    item = dataclasses.replace(
+                        item, cached_tokens=req.cached_tokens, cached_tokens_store=req.cached_tokens_store
+                    )
                 if isinstance(item, TokenEvent | AbortEvent):
+                    tokens += isinstance(item, TokenEvent)
                     done = item.finish is not None
                     yield item
         finally:
             if not done and submitted:
                 self._loop.queue_abort(req.id)
-            elif not done and req.pages:  # claimed a reservation but never reached the loop
-                with self._lock:
-                    self._cache.release(req.pages)
-                    req.pages = []
+            elif not done and req.pages:  # holds a reservation or a prefix but never reached the loop
+                self.release_prefix(req)
 
     def _claim_reservation(self, req: Request, token: int, logprob: float) -> TokenEvent:
         with self._lock:

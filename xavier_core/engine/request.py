@@ -49,7 +49,9 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose K/V are in `pages`
     num_registered: int = 0  # leading full pages already offered to the prefix cache
-    cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
+    cached_tokens: int = 0  # prompt tokens not computed on first admission (local cache + page store)
+    cached_tokens_store: int = 0  # the page store's share of `cached_tokens`
+    cache_salt: str = ""  # the tenant salt (names the request's page store namespace)
     admitted: bool = False
     finish: FinishReason | None = None
     prompt_keys: list[bytes] = field(default_factory=list)
@@ -98,6 +100,7 @@ class Request:
             cached_tokens=self.cached_tokens,
             finish=event.finish,
             text=event.text,
+            cached_tokens_store=self.cached_tokens_store,
         )
 
 

@@ -11,7 +11,7 @@ preempted: its pages are released and it goes back to the front of the waiting q
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from xavier_core.engine.api import FinishReason, OutOfPagesError, TokenEvent
@@ -44,7 +44,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.prompt_tokens_computed = 0
         self.prompt_tokens_cached = 0
+        self.prompt_tokens_cached_store = 0
         self.preemptions = 0
+        # Called (engine thread, lock held) when a prefill or generate request's prompt is fully computed,
+        # before its first token is accepted: its pages are all there and not yet released.
+        self.on_prompt_done: Callable[[Request], None] | None = None
 
     def add(self, req: Request) -> None:
         """Queues a new request."""
@@ -115,6 +119,8 @@ class Scheduler:
             self._register_pages(req)
             if req.num_computed < len(req.tokens):
                 continue
+            if req.role is not Role.DECODE and not req.output and self.on_prompt_done is not None:
+                self.on_prompt_done(req)
             event = req.accept(*next(samples))
             if req.role is Role.PREFILL:
                 self.running.remove(req)
@@ -158,6 +164,20 @@ class Scheduler:
             self._drop_pages(req)
         return event
 
+    def adopt_prefix(self, req: Request, pages: list[int], store_pages: int) -> None:
+        """A request not yet queued takes a prefix matched before admission: `pages` (one reference each,
+        now the request's) hold its first full prompt pages, the last `store_pages` of them fetched from
+        the page store (and registered in the local cache)."""
+        p = self.page_size
+        req.pages = pages
+        req.num_registered = len(pages)
+        req.num_computed = len(pages) * p
+        hit = min(req.num_computed, len(req.prompt))
+        store = min(store_pages * p, hit)
+        self.prompt_tokens_cached += hit
+        self.prompt_tokens_cached_store += store
+        req.cached_tokens, req.cached_tokens_store = hit, store
+
     def _match_prefix(self, req: Request) -> None:
         if req.chain_seed is None:
             return
@@ -173,6 +193,7 @@ class Scheduler:
         self.prompt_tokens_cached += hit
         if not req.admitted:
             req.cached_tokens = hit
+            req.cached_tokens_store = min(req.cached_tokens_store, hit)
 
     def _register_pages(self, req: Request) -> None:
         if req.chain_seed is None:

@@ -90,6 +90,9 @@ class PageStoreClient:
         *,
         name: str | None = None,
     ) -> None:
+        if any(b.device != "cpu" for b in buffers):
+            # Checksums read the local pages from the host; device pools need a staging copy first.
+            raise InvalidPagesError("the page store client needs host (DRAM) KV buffers")
         self.address = address
         self.settings = settings or ClientSettings()
         self.buffers = tuple(buffers)

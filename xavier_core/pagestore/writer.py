@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
 
 NS = TypeVar("NS")
 WriteFn = Callable[[NS, Sequence[bytes], Sequence[int]], Awaitable[int]]
@@ -57,7 +60,12 @@ class WriteQueue(Generic[NS]):
             committed = 0
             try:
                 committed = await self._write(namespace, keys, pages)
+            except Exception:  # the write fn counts store trouble itself; anything else must not stop us
+                log.exception("page store write-through failed")
             finally:
                 if done is not None:
-                    done(committed)
+                    try:
+                        done(committed)
+                    except Exception:  # a caller's callback must not stop the writer for everyone
+                        log.exception("page store write-through callback failed")
                 queue.task_done()

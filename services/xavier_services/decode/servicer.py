@@ -21,7 +21,7 @@ from xavier.v1 import decode_service_pb2_grpc, types_pb2
 from xavier.v1 import directory_service_pb2 as dpb
 
 from xavier_core.directory import TERMINAL_ROOM_STATES
-from xavier_core.engine.api import AbortEvent, StreamEvent
+from xavier_core.engine.api import AbortEvent, StreamEvent, TokenEvent
 from xavier_core.runtime.durations import to_duration
 from xavier_core.runtime.errors import (
     Aborted,
@@ -237,16 +237,26 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         self._live[rid] = (0, request.request_id)
         started = time.perf_counter()
         first_at: float | None = None
-        n = 0
+        n = cached = cached_store = 0
         try:
             async for ev in host.engine.generate(rid, token_ids, sampling, cache_salt=request.cache_salt):
                 n += 1
                 if first_at is None:
                     first_at = time.perf_counter() - started
+                    if isinstance(ev, TokenEvent):
+                        cached, cached_store = ev.cached_tokens, ev.cached_tokens_store
                 msg = pb.GenerateUnifiedResponse(delta=_delta(ev))
                 if ev.finish is not None:
                     msg.finish_reason = finish_to_pb(ev.finish)
-                    msg.usage.CopyFrom(types_pb2.Usage(prompt_tokens=len(token_ids), completion_tokens=n))
+                    msg.usage.CopyFrom(
+                        types_pb2.Usage(
+                            prompt_tokens=len(token_ids),
+                            completion_tokens=n,
+                            cached_tokens=cached,
+                            cached_tokens_local=cached - cached_store,
+                            cached_tokens_store=cached_store,
+                        )
+                    )
                     msg.timings.CopyFrom(
                         types_pb2.Timings(
                             time_to_first_token=to_duration(first_at),

@@ -85,9 +85,33 @@ class HandoffSection(_Section):
     otherwise), or forced. A VRAM source offers its pool through CUDA IPC unless this is nixl."""
 
 
+class PageStoreSection(_Section):
+    """The shared page store (prefill and unified roles). Every wait is bounded: a store that is down or
+    slower than these deadlines is served as a miss (reads) or a dropped write, never a failed request."""
+
+    address: str = ""
+    """Page store gRPC address; empty: no store (only the local prefix cache)."""
+    rpc_timeout_seconds: float = Field(default=0.5, gt=0, le=60)
+    """Deadline of each store RPC; a slower store counts as down for that call."""
+    transfer_timeout_seconds: float = Field(default=2.0, gt=0, le=600)
+    """Longest a NIXL READ or WRITE of pages may take before it is cancelled (and counts as a miss)."""
+    lease_seconds: float = Field(default=10.0, gt=0, le=3600)
+    """Lease asked of the store for each read and write; it must cover the transfer and the commit."""
+    write_queue: int = Field(default=64, ge=1, le=65536)
+    """Write-throughs queued at most; more are dropped and counted."""
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, value: str) -> str:
+        if value:
+            parse_host_port(value)
+        return value
+
+
 class PeerServiceConfig(ServiceConfig):
     """Settings of a prefill, decode or unified service."""
 
     engine: EngineSection = EngineSection()
     peer: PeerSection = PeerSection()
     handoff: HandoffSection = HandoffSection()
+    pagestore: PageStoreSection = PageStoreSection()

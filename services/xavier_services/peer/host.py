@@ -18,6 +18,7 @@ from xavier.v1 import types_pb2
 from xavier_core.contract import KvLayout, layout_from_model_dir
 from xavier_core.directory import DirectoryClient, PeerSession, Registration
 from xavier_core.engine.api import Engine
+from xavier_core.pagestore import ClientSettings, PageStoreClient
 from xavier_core.runtime.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -100,6 +101,7 @@ class PeerHost:
         self.kv: KvPort | None = None  # prefill and decode roles only
         self.directory: DirectoryClient | None = None
         self.rooms: RoomFeed | None = None  # the prefill's feed of its rooms' states
+        self.store: PageStoreClient | None = None  # prefill and unified roles, when configured
         self._session: PeerSession | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -123,6 +125,8 @@ class PeerHost:
                 cfg.handoff.transport,
             )
             register_port_metrics(ROLE_NAMES[self.role], self.kv.stats)
+        if cfg.pagestore.address and self.role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_UNIFIED):
+            self._attach_store()
         self.directory = DirectoryClient(cfg.peer.directory, timeout=cfg.peer.rpc_timeout_seconds)
         req = dpb.RegisterPeerRequest(
             peer_id=self.peer_id, role=self.role, address=self.address, layout=self.layout.to_proto()
@@ -137,6 +141,25 @@ class PeerHost:
             self.rooms = RoomFeed(self.directory, lambda: (self.peer_id, self.epoch))
             self.rooms.start()
         return {"peer_id": self.peer_id, "epoch": self.epoch, "fingerprint": self.fingerprint}
+
+    def _attach_store(self) -> None:
+        """Points the engine at the page store. Nothing is asked of the store now: a store that is down
+        at start is a miss per request, and one that comes up later is found by the next request."""
+        ps = self.config.pagestore
+        if any(b.device != "cpu" for b in self.engine.kv_buffers()):
+            # The client checksums pages on the host; a device pool would need a staging copy (not yet).
+            log.warning("page store not attached: the engine's KV pool is not in host memory")
+            return
+        settings = ClientSettings(
+            rpc_timeout_s=ps.rpc_timeout_seconds,
+            transfer_timeout_s=ps.transfer_timeout_seconds,
+            lease_seconds=ps.lease_seconds,
+            write_queue=ps.write_queue,
+        )
+        name = f"{self.peer_id}-store-{uuid.uuid4().hex[:8]}"
+        self.store = PageStoreClient(ps.address, self.engine.kv_buffers(), settings, name=name)
+        self.engine.use_page_store(self.store, self.fingerprint)
+        log.info("page store attached", address=ps.address)
 
     def _on_registered(self, reg: Registration) -> None:
         # A new epoch (first start, or re-registration after a directory restart): calls carry it from now on.
@@ -153,6 +176,9 @@ class PeerHost:
             await self.directory.close()
         if self.kv is not None:
             await self.kv.close()
+        if self.store is not None:
+            # Queued write-throughs are dropped (their pages released); no new ones start after this.
+            await self.store.close()
         await self.engine.close()
 
     def load(self) -> dpb.PeerLoad:
@@ -207,4 +233,9 @@ class PeerHost:
             waiting=s.waiting,
             prompt_tokens_computed=s.prompt_tokens_computed,
             prompt_tokens_cached=s.prompt_tokens_cached,
+            prompt_tokens_cached_store=s.prompt_tokens_cached_store,
+            store_hit_pages=s.store.hit_pages if s.store else 0,
+            store_pages_written=s.store.pages_written if s.store else 0,
+            store_writes_dropped=s.store.writes_dropped if s.store else 0,
+            store_errors=s.store.errors if s.store else 0,
         )

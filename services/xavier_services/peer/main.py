@@ -30,6 +30,7 @@ def peer_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--page-size", type=int, default=None)
     parser.add_argument("--num-pages", type=int, default=None)
+    parser.add_argument("--pagestore", default=None, metavar="HOST:PORT", help="page store address")
     return parser
 
 
@@ -42,6 +43,7 @@ def peer_config(args: argparse.Namespace) -> PeerServiceConfig:
         "engine.num_pages": args.num_pages,
         "peer.directory": args.directory,
         "peer.peer_id": args.peer_id,
+        "pagestore.address": args.pagestore,
     }
     try:
         config = config_from_args(PeerServiceConfig, args, overrides)

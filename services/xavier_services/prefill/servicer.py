@@ -102,7 +102,12 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
             await asyncio.shield(self._fail(hold, published=False))
             raise
         prefill_s = time.perf_counter() - started
-        usage = types_pb2.Usage(prompt_tokens=len(token_ids), cached_tokens=res.cached_tokens)
+        usage = types_pb2.Usage(
+            prompt_tokens=len(token_ids),
+            cached_tokens=res.cached_tokens,
+            cached_tokens_local=res.cached_tokens - res.cached_tokens_store,
+            cached_tokens_store=res.cached_tokens_store,
+        )
         timings = types_pb2.Timings(
             prefill=to_duration(prefill_s), time_to_first_token=to_duration(prefill_s)
         )

@@ -359,22 +359,30 @@ class Usage(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_LOCAL_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_STORE_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """The number of tokens in the prompt."""
     completion_tokens: _builtins.int
     """The number of tokens generated, the first one included."""
     cached_tokens: _builtins.int
     """The number of prompt tokens served from a prefix cache or the page store instead of computed."""
+    cached_tokens_local: _builtins.int
+    """The part of cached_tokens served from the replica's own prefix cache."""
+    cached_tokens_store: _builtins.int
+    """The part of cached_tokens fetched from the shared page store."""
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
+        cached_tokens_local: _builtins.int = ...,
+        cached_tokens_store: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "cached_tokens_local", b"cached_tokens_local", "cached_tokens_store", b"cached_tokens_store", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -470,6 +478,11 @@ class EngineStats(_message.Message):
     WAITING_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_CACHED_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_CACHED_STORE_FIELD_NUMBER: _builtins.int
+    STORE_HIT_PAGES_FIELD_NUMBER: _builtins.int
+    STORE_PAGES_WRITTEN_FIELD_NUMBER: _builtins.int
+    STORE_WRITES_DROPPED_FIELD_NUMBER: _builtins.int
+    STORE_ERRORS_FIELD_NUMBER: _builtins.int
     pages_total: _builtins.int
     """The number of pages in the pool."""
     pages_free: _builtins.int
@@ -486,6 +499,16 @@ class EngineStats(_message.Message):
     """The number of prompt tokens computed since the engine started."""
     prompt_tokens_cached: _builtins.int
     """The number of prompt tokens served from caches since the engine started."""
+    prompt_tokens_cached_store: _builtins.int
+    """The part of prompt_tokens_cached fetched from the shared page store."""
+    store_hit_pages: _builtins.int
+    """The number of pages fetched from the page store and verified since the engine started."""
+    store_pages_written: _builtins.int
+    """The number of pages written through to the page store and committed since the engine started."""
+    store_writes_dropped: _builtins.int
+    """The number of write-throughs dropped because the write queue was full."""
+    store_errors: _builtins.int
+    """The number of page store calls that failed and were served as a miss or a lost write."""
     def __init__(
         self,
         *,
@@ -497,10 +520,15 @@ class EngineStats(_message.Message):
         waiting: _builtins.int = ...,
         prompt_tokens_computed: _builtins.int = ...,
         prompt_tokens_cached: _builtins.int = ...,
+        prompt_tokens_cached_store: _builtins.int = ...,
+        store_hit_pages: _builtins.int = ...,
+        store_pages_written: _builtins.int = ...,
+        store_writes_dropped: _builtins.int = ...,
+        store_errors: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pages_free", b"pages_free", "pages_parked", b"pages_parked", "pages_pinned", b"pages_pinned", "pages_total", b"pages_total", "prompt_tokens_cached", b"prompt_tokens_cached", "prompt_tokens_computed", b"prompt_tokens_computed", "running", b"running", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pages_free", b"pages_free", "pages_parked", b"pages_parked", "pages_pinned", b"pages_pinned", "pages_total", b"pages_total", "prompt_tokens_cached", b"prompt_tokens_cached", "prompt_tokens_cached_store", b"prompt_tokens_cached_store", "prompt_tokens_computed", b"prompt_tokens_computed", "running", b"running", "store_errors", b"store_errors", "store_hit_pages", b"store_hit_pages", "store_pages_written", b"store_pages_written", "store_writes_dropped", b"store_writes_dropped", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,112 @@
+"""The engine's store seam in one process (real store process, real NIXL): a request that goes away while
+its prefix is being fetched leaves no page behind, and an abort during the fetch ends it as aborted."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.pagestore.engines import prompt
+from tests.support.procs import ServiceProc
+from xavier_core.engine.api import AbortEvent, Sampling, TokenEvent
+from xavier_core.engine.errors import RequestAbortedError
+from xavier_core.engine.reference import ReferenceEngine
+from xavier_core.engine.tiny import make_tiny
+from xavier_core.pagestore import ClientSettings, PageStoreClient
+
+pytestmark = pytest.mark.integration
+
+GREEDY = Sampling(max_tokens=2, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("models") / "tiny-qwen2", "qwen2")
+
+
+@pytest.fixture
+async def engine(model: Path, store: ServiceProc) -> AsyncIterator[ReferenceEngine]:
+    eng = ReferenceEngine.load(model, num_pages=300, max_running=4)
+    # A deadline well past the 0.2 s after which the tests abort, even on a loaded machine.
+    client = PageStoreClient(store.address, eng.kv_buffers(), ClientSettings(rpc_timeout_s=3.0))
+    eng.use_page_store(client, "fp-seam")
+    try:
+        yield eng
+    finally:
+        await client.close()
+        await eng.close()
+
+
+def _all_free(eng: ReferenceEngine) -> bool:
+    s = eng.stats()
+    return s.pages_free == s.pages_total and s.pages_pinned == 0 and s.running == s.waiting == 0
+
+
+async def _settle(eng: ReferenceEngine) -> None:
+    """Waits for pages to come back (a stalled fetch returns them at its RPC deadline)."""
+    for _ in range(1000):
+        if _all_free(eng):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"pages still held: {eng.stats()}")
+
+
+async def test_abort_during_a_stalled_fetch(engine: ReferenceEngine, store: ServiceProc) -> None:
+    # Connected first: a stopped store then holds each RPC until its deadline (an unconnected channel
+    # would fail at once on the missing HTTP/2 handshake).
+    assert engine._store is not None
+    await engine._store.client.exists(engine._store.namespace(""), [b"k" * 32])
+    store.proc.send_signal(signal.SIGSTOP)
+    try:
+        stream = engine.generate("seam-abort", prompt(1, 200), GREEDY)
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.2)
+        await engine.abort("seam-abort")
+        assert isinstance(await first, AbortEvent)
+        task = asyncio.ensure_future(engine.prefill("seam-abort-p", prompt(2, 200), GREEDY))
+        await asyncio.sleep(0.2)
+        await engine.abort("seam-abort-p")
+        with pytest.raises(RequestAbortedError):
+            await task
+    finally:
+        store.proc.send_signal(signal.SIGCONT)
+    await _settle(engine)
+
+
+async def test_caller_gone_during_a_fetch_leaves_no_pages(
+    engine: ReferenceEngine, store: ServiceProc
+) -> None:
+    tokens = prompt(3, 400)
+    events = [ev async for ev in engine.generate("seam-warm", tokens, GREEDY)]  # written through
+    assert all(isinstance(ev, TokenEvent) for ev in events)
+    await engine._store.client.flush()  # type: ignore[union-attr]
+    engine._cache.clear()  # with the local cache empty, the next request fetches from the store
+    # A caller cancelled mid-fetch: the fetch finishes on its own and its pages go back.
+    task = asyncio.ensure_future(engine.prefill("seam-cancel", [*tokens, 5], GREEDY))
+    for _ in range(400):
+        if engine._store is not None and engine._store.is_fetching("seam-cancel"):
+            break
+        await asyncio.sleep(0.001)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    def fetched() -> int:
+        stats = engine.stats().store
+        return stats.hit_pages if stats is not None else 0
+
+    for _ in range(1000):  # the fetch runs to its end without its caller
+        if fetched() >= len(tokens) // 16:
+            break
+        await asyncio.sleep(0.01)
+    assert fetched() == len(tokens) // 16
+    await _settle(engine)
+    # What it fetched went into the local cache: the next request finds it there.
+    res = await engine.prefill("seam-after", [*tokens, 6], GREEDY)
+    assert res.cached_tokens >= len(tokens) - 16 and res.cached_tokens_store == 0
+    engine.release_pages("seam-after")
+    await _settle(engine)

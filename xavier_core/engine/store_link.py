@@ -1,0 +1,183 @@
+"""The reference engine's page store seam: fetch a stored prefix before admission, write pages through.
+
+Before a prefill or generate request is queued, `fetch_prefix` takes the longest local prefix-cache hit and
+asks the store for the full pages beyond it: it allocates pool pages for the stored run, READs them with
+NIXL and registers them in the local cache, so from then on they are ordinary cached pages (a preempted
+request finds them again locally). All of it runs on the event loop; the engine thread only ever sees a
+request that arrives with pages, so a slow store delays its own request and nothing else.
+
+When a prompt is computed (engine thread), the full pages the request computed itself are retained and
+handed to the client's bounded write-through queue; the reference is dropped when the client says it no
+longer reads them. Store trouble never fails a request: the client turns it into a miss (reads) or a
+dropped or failed write, each counted and logged by the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from xavier_core.engine.api import InvalidRequestError, StoreStats
+from xavier_core.engine.errors import RequestAbortedError
+from xavier_core.engine.request import Request
+from xavier_core.engine.scheduler import Scheduler
+from xavier_core.pagestore.client import PageNamespace, PageStoreClient
+from xavier_core.prefix_keys import page_keys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """Pages matched before admission (one reference each); the last `store_pages` came from the store."""
+
+    pages: list[int]
+    store_pages: int
+
+
+class StoreLink:
+    """One engine's use of one page store client (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: PageStoreClient,
+        contract_fingerprint: str,
+        sched: Scheduler,
+        lock: threading.Lock,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.client = client
+        self.fingerprint = contract_fingerprint
+        self.sched = sched
+        self.cache = sched.cache
+        self.page_size = sched.page_size
+        self._lock = lock
+        self._loop = loop
+        # Requests fetching their prefix (not queued yet) -> whether an abort was asked meanwhile.
+        self._prefetching: dict[str, bool] = {}
+
+    def namespace(self, cache_salt: str) -> PageNamespace:
+        return PageNamespace(self.fingerprint, cache_salt)
+
+    def stats(self) -> StoreStats:
+        c = self.client.counters
+        return StoreStats(c.hit_pages, c.pages_written, c.writes_dropped, c.errors)
+
+    # --- before admission (event loop) ---------------------------------------------------------------------
+
+    async def take_prefix(self, req: Request) -> None:
+        """Gives a request not yet queued its local and stored prefix (`Scheduler.adopt_prefix`).
+
+        The fetch runs as its own task: a caller that goes away meanwhile does not cut a NIXL READ short;
+        the pages go back once the fetch ends. An abort asked meanwhile raises `RequestAbortedError`."""
+        if req.chain_seed is None:
+            return
+        if req.id in self._prefetching:
+            raise InvalidRequestError(f"request id {req.id!r} is already in use")
+        self._prefetching[req.id] = False
+        task = asyncio.ensure_future(self.fetch_prefix(req))
+        try:
+            prefix = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self.drop_result)
+            raise
+        except Exception:  # the client turns store trouble into misses; this is a bug, still not fatal
+            log.exception("prefix fetch failed; request %s computes its whole prompt", req.id)
+            prefix = Prefix([], 0)
+        finally:
+            aborted = self._prefetching.pop(req.id, False)
+        if aborted:
+            self.release(prefix.pages)
+            raise RequestAbortedError(f"request {req.id} was aborted")
+        with self._lock:
+            self.sched.adopt_prefix(req, prefix.pages, prefix.store_pages)
+
+    def abort(self, request_id: str) -> None:
+        """Marks a request still fetching its prefix as aborted (no-op for any other request)."""
+        if request_id in self._prefetching:
+            self._prefetching[request_id] = True
+
+    def is_fetching(self, request_id: str) -> bool:
+        """Whether the request is fetching its prefix now."""
+        return request_id in self._prefetching
+
+    async def fetch_prefix(self, req: Request) -> Prefix:
+        """The local hit, extended by the stored pages that follow it. Run it as a task nobody cancels:
+        a NIXL READ may be writing into the pages until it returns."""
+        if req.chain_seed is None:
+            return Prefix([], 0)
+        p = self.page_size
+        if not req.prompt_keys:
+            req.prompt_keys = page_keys(req.chain_seed, req.prompt, p)
+        # At least one prompt token is computed: its logits give the first output token.
+        limit = (len(req.prompt) - 1) // p
+        with self._lock:
+            local = self.cache.match(req.prompt_keys, req.prompt, limit)
+        want = req.prompt_keys[len(local) : limit]
+        if not want:
+            return Prefix(local, 0)
+        try:
+            fetched = await self._fetch(req, want, len(local))
+        except BaseException:
+            self.release(local)
+            raise
+        return Prefix(local + fetched, len(fetched))
+
+    async def _fetch(self, req: Request, keys: list[bytes], first: int) -> list[int]:
+        ns = self.namespace(req.cache_salt)
+        # Exists first: a miss then costs one RPC and no page of the pool (no local eviction).
+        stored = await self.client.exists(ns, keys)
+        if stored == 0:
+            return []
+        with self._lock:
+            dest = self.cache.allocate(min(stored, self.cache.available()))
+        hit = 0
+        try:
+            hit = await self.client.lookup_and_fetch(ns, keys[: len(dest)], dest)
+        finally:
+            p = self.page_size
+            with self._lock:
+                for i in range(hit):
+                    at = (first + i) * p
+                    self.cache.insert(keys[i], dest[i], req.prompt[at : at + p])
+                self.cache.release(dest[hit:])
+        return dest[:hit]
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drops the references a prefix held (a request that never reached the scheduler)."""
+        with self._lock:
+            self.cache.release(pages)
+
+    def drop_result(self, task: asyncio.Task[Prefix]) -> None:
+        """Done-callback of a fetch whose request went away meanwhile: its pages go back."""
+        if not task.cancelled() and task.exception() is None:
+            self.release(task.result().pages)
+
+    # --- after the prompt (engine thread, lock held) -------------------------------------------------------
+
+    def prompt_done(self, req: Request) -> None:
+        """Writes through the full prompt pages this request computed (not those it found cached)."""
+        p = self.page_size
+        first, last = req.cached_tokens // p, len(req.prompt) // p
+        if req.chain_seed is None or first >= last or len(req.prompt_keys) < last:
+            return
+        keys, pages = req.prompt_keys[first:last], req.pages[first:last]
+        # The pages stay referenced until the client is done reading them, even if the request ends first.
+        self.cache.allocator.retain(pages)
+        try:
+            self._loop.call_soon_threadsafe(self._write, self.namespace(req.cache_salt), keys, pages)
+        except RuntimeError:  # the event loop is closed: nobody will write
+            self.cache.release(pages)
+
+    def _write(self, ns: PageNamespace, keys: list[bytes], pages: list[int]) -> None:
+        def done(_committed: int) -> None:
+            self.release(pages)
+
+        try:
+            self.client.write_through(ns, keys, pages, done=done)
+        except Exception:  # refused before queueing (done will not be called): nothing reads the pages
+            log.exception("page store write-through refused")
+            self.release(pages)
