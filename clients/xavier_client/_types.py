@@ -140,6 +140,8 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_local: int = 0  # of cached_tokens: from the replica's own prefix cache
+    cached_tokens_store: int = 0  # of cached_tokens: fetched from the page store
     time_to_first_token: float = 0.0
     total_time: float = 0.0
 
@@ -160,6 +162,8 @@ class Completion:
             self.prompt_tokens = msg.usage.prompt_tokens
             self.completion_tokens = msg.usage.completion_tokens
             self.cached_tokens = msg.usage.cached_tokens
+            self.cached_tokens_local = msg.usage.cached_tokens_local
+            self.cached_tokens_store = msg.usage.cached_tokens_store
         if msg.HasField("timings"):
             self.time_to_first_token = msg.timings.time_to_first_token.ToTimedelta().total_seconds()
             self.total_time = msg.timings.total.ToTimedelta().total_seconds()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from xavier_client import Client
 
 from tests.cli.mesh import Mesh, shared_cache, start_up
 from tests.pagestore.engines import prompt
@@ -67,6 +68,11 @@ def test_up_shares_pages_and_reports_them(up: tuple[Mesh, str, Path]) -> None:
     for usage in (warm, streamed):
         details = usage["prompt_tokens_details"]
         assert isinstance(details, dict) and details["cached_tokens"] >= 0.9 * PREFIX, usage
+    # The router's gRPC answer splits the reuse into the replica's own cache and the store.
+    with Client(mesh.grpc) as client:
+        res = client.generate(shared + prompt(45, 30), max_tokens=4)
+    assert res.cached_tokens >= 0.9 * PREFIX
+    assert res.cached_tokens == res.cached_tokens_local + res.cached_tokens_store
 
     # No --pagestore: status finds the store of the `xavier up` serving that router address.
     text = subprocess.run(

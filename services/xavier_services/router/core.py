@@ -235,7 +235,7 @@ class Router:
         progress = self.config.progress_timeout_seconds
         completion = 0
         ttft: float | None = None
-        cached = prefill_s = transfer_s = None
+        cached = store = prefill_s = transfer_s = None
         finish = 0
         last: Step | None = None
         try:
@@ -262,6 +262,7 @@ class Router:
                 rec.completion_tokens = completion
                 self._metrics.output_tokens.labels(mode_name).inc(len(step.token_ids))
                 cached = step.cached_tokens if step.cached_tokens is not None else cached
+                store = step.cached_tokens_store if step.cached_tokens_store is not None else store
                 prefill_s = step.prefill_seconds if step.prefill_seconds is not None else prefill_s
                 transfer_s = step.transfer_seconds if step.transfer_seconds is not None else transfer_s
                 finish = step.finish
@@ -293,7 +294,11 @@ class Router:
                 logprobs=last.logprobs if last else [],
                 finish_reason=finish,
                 usage=types_pb2.Usage(
-                    prompt_tokens=len(prep.token_ids), completion_tokens=completion, cached_tokens=cached or 0
+                    prompt_tokens=len(prep.token_ids),
+                    completion_tokens=completion,
+                    cached_tokens=cached or 0,
+                    cached_tokens_local=(cached or 0) - (store or 0),
+                    cached_tokens_store=store or 0,
                 ),
                 timings=timings,
                 mode=mode,

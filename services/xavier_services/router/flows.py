@@ -53,6 +53,7 @@ class Step:
     logprobs: list[float] = field(default_factory=list)
     finish: int = types_pb2.FINISH_REASON_UNSPECIFIED
     cached_tokens: int | None = None
+    cached_tokens_store: int | None = None  # the page store's share of cached_tokens
     prefill_seconds: float | None = None
     transfer_seconds: float | None = None
 
@@ -193,6 +194,7 @@ async def _colocated_attempt(
                 list(msg.delta.logprobs),
                 msg.finish_reason,
                 cached_tokens=msg.usage.cached_tokens if msg.HasField("usage") else None,
+                cached_tokens_store=msg.usage.cached_tokens_store if msg.HasField("usage") else None,
                 prefill_seconds=to_seconds(msg.timings.prefill) if msg.HasField("timings") else None,
             )
             if msg.finish_reason:
@@ -348,6 +350,7 @@ def _first_step(prep: Prepared, token: int, logprob: float, pf: pfpb.PrefillResp
         [logprob] if prep.sampling.logprobs else [],
         pf.finish_reason,
         cached_tokens=pf.usage.cached_tokens,
+        cached_tokens_store=pf.usage.cached_tokens_store,
         prefill_seconds=to_seconds(pf.timings.prefill),
     )
 
