@@ -19,13 +19,17 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from xavier_core.engine.api import InvalidRequestError, StoreStats
 from xavier_core.engine.errors import RequestAbortedError
 from xavier_core.engine.request import Request
 from xavier_core.engine.scheduler import Scheduler
-from xavier_core.pagestore.client import PageNamespace, PageStoreClient
+from xavier_core.pagestore.namespace import PageNamespace
 from xavier_core.prefix_keys import page_keys
+
+if TYPE_CHECKING:
+    from xavier_core.pagestore.client import PageStoreClient
 
 log = logging.getLogger(__name__)
 

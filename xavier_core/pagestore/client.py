@@ -28,6 +28,7 @@ from xavier.v1 import page_store_service_pb2_grpc as pb_grpc
 
 from xavier_core.pagestore.layout import PageGeometry, Span, local_page_checksums
 from xavier_core.pagestore.metrics import ClientCounters, client_metrics
+from xavier_core.pagestore.namespace import PageNamespace
 from xavier_core.pagestore.nixl import Op, PageAgent, wait
 from xavier_core.pagestore.writer import WriteQueue
 from xavier_core.runtime.channels import open_channel
@@ -38,20 +39,6 @@ from xavier_core.transfer.errors import InvalidPagesError, PeerError
 __all__ = ["ClientSettings", "PageNamespace", "PageStoreClient"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PageNamespace:
-    """Where pages live: KV contract fingerprint + tenant salt (+ rank). Never shared across (I5)."""
-
-    contract_fingerprint: str
-    cache_salt: str = ""
-    rank: int = 0
-
-    def to_proto(self) -> pb.PageNamespace:
-        return pb.PageNamespace(
-            contract_fingerprint=self.contract_fingerprint, cache_salt=self.cache_salt, rank=self.rank
-        )
 
 
 @dataclass(frozen=True)
@@ -138,7 +125,7 @@ class PageStoreClient:
         """Length of the stored prefix of `keys` (0 when the store cannot be asked)."""
         try:
             resp = await self._call(
-                "ExistsPages", pb.ExistsPagesRequest(namespace=namespace.to_proto(), keys=keys)
+                "ExistsPages", pb.ExistsPagesRequest(namespace=_ns_proto(namespace), keys=keys)
             )
             return int(resp.hit_count)
         except Exception as exc:
@@ -198,7 +185,7 @@ class PageStoreClient:
     async def _fetch(self, namespace: PageNamespace, keys: list[bytes], pages: list[int]) -> int:
         req = pb.GetPagesRequest(
             request_id=uuid.uuid4().hex,
-            namespace=namespace.to_proto(),
+            namespace=_ns_proto(namespace),
             keys=keys,
             segment_bytes=self.geometry.segment_bytes,
             lease_seconds=self.settings.lease_seconds,
@@ -225,7 +212,7 @@ class PageStoreClient:
     async def _put(self, namespace: PageNamespace, keys: list[bytes], pages: list[int]) -> int:
         req = pb.PutPagesRequest(
             request_id=uuid.uuid4().hex,
-            namespace=namespace.to_proto(),
+            namespace=_ns_proto(namespace),
             keys=keys,
             segment_bytes=self.geometry.segment_bytes,
             lease_seconds=self.settings.lease_seconds,
@@ -335,3 +322,9 @@ class PageStoreClient:
 
 def _spans(spans: Sequence[pb.PageSpan]) -> list[Span]:
     return [Span(s.chunk_address, s.chunk_slots, s.first_slot, s.count) for s in spans]
+
+
+def _ns_proto(ns: PageNamespace) -> pb.PageNamespace:
+    return pb.PageNamespace(
+        contract_fingerprint=ns.contract_fingerprint, cache_salt=ns.cache_salt, rank=ns.rank
+    )
