@@ -105,7 +105,7 @@ def start_bare_server() -> tuple[subprocess.Popen[bytes], str]:
 
 
 def start_mesh(
-    workdir: Path, model: Path | None, device: str = "cpu", compute: str = "model"
+    workdir: Path, model: Path | None, device: str = "cpu", compute: str = "model", pagestore: bool = False
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / "up.json"
@@ -126,6 +126,9 @@ def start_mesh(
         device,
         "--compute",
         compute,
+        # The page store adds a lookup to every prefill and a write-through after it: off unless asked for,
+        # so the figures are P/D's and colocated serving's own.
+        "--pagestore" if pagestore else "--no-pagestore",
     ]
     if model is not None:
         cmd += ["--model", str(model)]
@@ -394,6 +397,7 @@ def main() -> int:
         "--run-lengths", action="store_true", help="also record the page-run lengths the decode pulls"
     )
     p.add_argument("--run-length-concurrency", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--pagestore", action="store_true", help="meshes with a page store (default: none)")
     p.add_argument(
         "--overhead-requests",
         type=int,
@@ -403,9 +407,14 @@ def main() -> int:
     args = p.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="xavier-bench-"))
     meshes = {"model": ("levels", run_levels), "null": ("overhead", run_overhead)}
-    result: dict[str, Any] = {"device": args.device, "cores": os.cpu_count(), "max_tokens": args.max_tokens}
+    result: dict[str, Any] = {
+        "device": args.device,
+        "cores": os.cpu_count(),
+        "max_tokens": args.max_tokens,
+        "pagestore": args.pagestore,
+    }
     for compute in ("model", "null") if not args.overhead_only else ("null",):
-        proc, info = start_mesh(workdir / compute, args.model, args.device, compute)
+        proc, info = start_mesh(workdir / compute, args.model, args.device, compute, args.pagestore)
         try:
             key, fn = meshes[compute]
             result["model"] = Path(info["model"]).name

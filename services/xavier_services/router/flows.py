@@ -292,7 +292,8 @@ async def _pd_attempt(
             raise _PeerFailed(p, Unavailable("the retried prefill ended early", reason="PEER_UNAVAILABLE"))
         first = sent[0] if sent else _Sent(pf.first_token, pf.first_logprob)
         calling = d
-        dec_call = decpb_grpc.DecodeServiceStub(pool.channel(d.address)).Decode(
+        dec_channel = pool.channel(d.address)
+        dec_call = decpb_grpc.DecodeServiceStub(dec_channel).Decode(
             decpb.DecodeRequest(
                 request_id=prep.request_id,
                 room_id=room_id,
@@ -305,8 +306,11 @@ async def _pd_attempt(
             ),
             timeout=env.request_timeout,
         )
-        # A dead decode refuses the connection here: found before the client sees a token.
-        await dec_call.wait_for_connection()
+        if dec_channel.get_state() != grpc.ChannelConnectivity.READY:
+            # No live connection to the decode (first use, or it went away): a dead decode refuses the
+            # connection here, found before the client sees a token. On a ready connection this wait
+            # would cost the client milliseconds of TTFT; a decode that fails later fails over too.
+            await dec_call.wait_for_connection()
         if not sent:
             sent.append(first)
             yield _first_step(prep, first.token, first.logprob, pf)
