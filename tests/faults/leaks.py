@@ -16,7 +16,9 @@ from tests.pd.conftest import Mesh, mesh_stats
 async def all_counters(mesh: Mesh, router_grpc: str) -> dict[str, int]:
     stats = await mesh_stats(mesh)
     async with grpc.aio.insecure_channel(router_grpc) as ch:
-        status = await rpb_grpc.RouterServiceStub(ch).GetClusterStatus(rpb.GetClusterStatusRequest(), timeout=10)
+        status = await rpb_grpc.RouterServiceStub(ch).GetClusterStatus(
+            rpb.GetClusterStatusRequest(), timeout=10
+        )
     stats["router.requests_active"] = status.requests_active
     return stats
 

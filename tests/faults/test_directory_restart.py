@@ -26,8 +26,12 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def pd_router_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, Router]]:
-    m = Mesh(tiny_model, tmp_path_factory.mktemp("dir-restart"), {**FAST_ENV, "XAVIER_ENGINE__NUM_PAGES": "1024"})
+def pd_router_mesh(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Mesh, Router]]:
+    m = Mesh(
+        tiny_model, tmp_path_factory.mktemp("dir-restart"), {**FAST_ENV, "XAVIER_ENGINE__NUM_PAGES": "1024"}
+    )
     router: Router | None = None
     try:
         m.start_directory()
