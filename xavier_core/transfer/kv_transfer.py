@@ -76,6 +76,11 @@ class KvManager:
         self._receivers: dict[str, KvReceiver] = {}
         self.notifications_dropped = 0
         self.notifications_rejected = 0  # a room's notification without that room's read token
+        # Fault injection for the test suites (KvPort sets it from XAVIER_FAULT_DROP_DONE_NOTIFICATIONS):
+        # a reader's "done" is discarded on arrival, as if NIXL had lost it, so the room's completion
+        # through the directory must unpin the source. Never set in production.
+        self.drop_done_notifications = False
+        self.notifications_lost = 0
         self.bytes_read = 0
         self.read_seconds = 0.0
 
@@ -97,6 +102,10 @@ class KvManager:
                     self.notifications_rejected += 1
                     log.warning("room %s: notification without its read token ignored", room)
                     continue
+                if kind == "done" and self.drop_done_notifications:
+                    self.notifications_lost += 1
+                    log.warning("room %s: done notification dropped (fault injection)", room)
+                    continue
                 sender._on_reader_end(kind == "done")
             return len(notifs)
 
@@ -107,6 +116,7 @@ class KvManager:
                 "receivers": len(self._receivers),
                 "notifications_dropped": self.notifications_dropped,
                 "notifications_rejected": self.notifications_rejected,
+                "notifications_lost": self.notifications_lost,
                 "bytes_read": self.bytes_read,
                 "read_seconds": self.read_seconds,
             }

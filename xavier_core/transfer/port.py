@@ -19,6 +19,7 @@ the copy's CUDA event has completed, so the source's pages stay pinned until the
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +59,8 @@ DEFAULT_POLL_INTERVAL_S = 0.0005
 # A standalone notification (a decline, a failed read's "fail") leaves only when this side's NIXL worker
 # progresses: the thread keeps polling this long after sending one, even with nothing else live.
 NOTIF_FLUSH_S = 1.0
+# Test-only fault injection: "1" makes this process's sources discard every reader "done" notification.
+DROP_DONE_ENV = "XAVIER_FAULT_DROP_DONE_NOTIFICATIONS"
 
 
 @dataclass
@@ -121,6 +124,8 @@ class KvPort:
         self._thread = NixlThread(self._tick, self._busy, poll_interval, device_lock)
         self.agent: NixlAgent = self._thread.submit(NixlAgent, agent_name, self._buffers).result()
         self.manager = KvManager(self.agent, self._buffers, page_size)
+        # Fault-injection hook for tests/faults (a lost NIXL "done" notification); see KvManager.
+        self.manager.drop_done_notifications = os.environ.get(DROP_DONE_ENV, "") == "1"
         self._ipc: IpcPuller | None = None
         self._ipc_blob = b""
         if transport != "nixl" and is_vram(self._buffers):
