@@ -59,7 +59,9 @@ def xavier_transfer_backend(original: type[enum.Enum]) -> type[enum.Enum]:
     if cached is None:
         members = {m.name: m.value for m in original}
         members["XAVIER"] = BACKEND
-        cached = enum.Enum(original.__name__, members, module=original.__module__, qualname=original.__qualname__)  # type: ignore[misc]
+        cached = enum.Enum(
+            original.__name__, members, module=original.__module__, qualname=original.__qualname__
+        )  # type: ignore[misc]
         _extended[original] = cached
     return cached
 
