@@ -261,8 +261,12 @@ def contract_layout(proc: ProcessShape, pool: PoolShape, model_name: str = "") -
     want = layout.bytes_per_page(DTYPE_BYTES[dtype])
     got = pool.kv[0].bytes_per_page
     if got != want:
+        # SGLang's page size is trusted: bytes that divide into whole elements of another size point at
+        # the dtype, anything else at the page size.
+        per_page_elems = pool.page_size * layout.num_kv_heads * layout.head_dim
+        option = "--kv-cache-dtype" if got % per_page_elems == 0 else "--page-size"
         raise UnsupportedSetupError(
-            "--page-size" if got % want and want % got else "--kv-cache-dtype",
+            option,
             f"a KV page holds {got} bytes; the contract for page size {pool.page_size} and dtype {dtype} "
             f"describes {want}",
         )

@@ -180,7 +180,7 @@ class XavierKVManager(CommonKVManager):
 
     # --- 0.5.23 deferred decode KV release ------------------------------------------------
 
-    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """True once no READ of the room can still write the decode's pages (Xavier's decode READs,
         so this is known locally and needs no acknowledgement from the prefill)."""
         reader = self._readers.get(bootstrap_room)
@@ -339,7 +339,7 @@ class XavierKVReceiver(CommonKVReceiver):
         mgr._readers[self.bootstrap_room] = self.room
         mgr.update_status(self.bootstrap_room, KVPoll.Bootstrapping)
 
-    def init(self, prefill_dp_rank: int = 0) -> None:
+    def init(self, prefill_dp_rank: int) -> None:
         prefill = self.kv_mgr.prefill_peer(self.bootstrap_addr)
         self.room.init(prefill)
         if prefill is not None:
@@ -411,7 +411,7 @@ class XavierKVReceiver(CommonKVReceiver):
         self.conclude_state = KVPoll.Failed
         self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
 
-    def ensure_abort_notified(self, force_arm: bool = False) -> None:
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
         if not self.abort_notified:
             self.abort()
 

@@ -36,6 +36,7 @@ from xavier_core.transfer.kv_transfer import KvManager, KvReceiver
 from xavier_core.transfer.source import endpoint_proto
 
 from .config import PoolShape, XavierSettings
+from .loop import LoopThread
 
 __all__ = ["Hub"]
 
@@ -75,9 +76,7 @@ class Hub:
         self._parked: list[KvReceiver] = []
         self._publishing = 0
         self._closed = False
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="xavier-sglang", daemon=True)
-        self._thread.start()
+        self._loop = LoopThread("xavier-sglang")
         try:
             self.registration = self.submit(self._start()).result(_START_TIMEOUT_S)
         except BaseException:
@@ -94,7 +93,7 @@ class Hub:
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Runs `coro` on the hub's loop; the caller polls the future."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return self._loop.submit(coro)
 
     def room(self, room_id: int) -> dpb.Room | None:
         """The latest view of one of this peer's rooms (from the feed), or None if none was seen."""
@@ -144,11 +143,10 @@ class Hub:
         if self._closed:
             return
         self._closed = True
-        if self.loop.is_running():
+        if self._loop.running:
             with contextlib.suppress(Exception):
                 self.submit(self._stop()).result(10.0)
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10.0)
+            self._loop.stop()
         self.agent.close()
 
     # --- the loop side --------------------------------------------------------------------
