@@ -195,7 +195,7 @@ class XavierKVManager(CommonKVManager):
     # --- status table kept for SGLang code that reads it -----------------------------------
 
     def check_status(self, bootstrap_room: int) -> int:
-        return self.request_status.get(bootstrap_room, KVPoll.Bootstrapping)
+        return self.request_status.get(bootstrap_room, int(KVPoll.Bootstrapping))
 
     def update_status(self, bootstrap_room: int, status: int) -> None:
         self.request_status[bootstrap_room] = status
@@ -439,4 +439,4 @@ class XavierKVBootstrapServer(CommonKVBootstrapServer):
         """Nothing to stop."""
 
     def poll(self) -> int:
-        return KVPoll.Success
+        return int(KVPoll.Success)

@@ -55,15 +55,14 @@ def xavier_transfer_backend(original: type[enum.Enum]) -> type[enum.Enum]:
     """`original` with an `XAVIER = "xavier"` member added (the same class for repeated calls)."""
     if "XAVIER" in original.__members__:
         return original
-    cached = _extended.get(original)
-    if cached is None:
+    if original not in _extended:
         members = {m.name: m.value for m in original}
         members["XAVIER"] = BACKEND
-        cached = enum.Enum(
+        make: Any = enum.Enum  # the functional API; mypy wants a literal class name
+        _extended[original] = make(
             original.__name__, members, module=original.__module__, qualname=original.__qualname__
-        )  # type: ignore[misc]
-        _extended[original] = cached
-    return cached
+        )
+    return _extended[original]
 
 
 def get_kv_class_around(original: Callable[..., Any], transfer_backend: Any, class_type: Any) -> Any:
