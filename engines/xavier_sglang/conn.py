@@ -19,6 +19,7 @@ classes), so `inspect.signature` of ours equals SGLang's.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import inspect
@@ -40,6 +41,8 @@ from sglang.srt.disaggregation.common.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
+
+from xavier_core.contract import differing_fields
 
 from .config import PoolShape, ProcessShape, XavierSettings, check_supported, contract_layout
 from .hub import Hub
@@ -126,6 +129,8 @@ class XavierKVManager(CommonKVManager):
         self._lookups: dict[str, concurrent.futures.Future[list[dpb.Peer]]] = {}
         self._readers: weakref.WeakValueDictionary[int, ReaderRoom] = weakref.WeakValueDictionary()
         self.hub = Hub(role, pool, layout, settings)
+        # Unregister at exit so decodes see a stopped prefill at once, not after its lease.
+        atexit.register(self.hub.close)
 
     # --- BaseKVManager ---------------------------------------------------------------------
 
@@ -152,7 +157,7 @@ class XavierKVManager(CommonKVManager):
         fut = self._lookups.get(bootstrap_addr)
         if fut is None:
             self._lookups[bootstrap_addr] = self.hub.submit(
-                self.hub.client.list_peers(types_pb2.ROLE_PREFILL, self.hub.fingerprint)
+                self.hub.client.list_peers(types_pb2.ROLE_PREFILL)
             )
             return False
         if not fut.done():
@@ -161,9 +166,18 @@ class XavierKVManager(CommonKVManager):
         if fut.exception() is not None:
             return False
         found = [p for p in fut.result() if p.address == bootstrap_addr]
-        if not found:
+        ours = [p for p in found if p.contract_fingerprint == self.hub.fingerprint]
+        if found and not ours:
+            # Like SGLang's own page-size / dtype checks here: a clear error instead of endless retries.
+            fields = differing_fields(found[0].layout, self.hub.layout)
+            raise RuntimeError(
+                f"the prefill at {bootstrap_addr} serves another KV contract than this decode "
+                f"(differing: {', '.join(fields) or 'contract_fingerprint'}); both must run the same model, "
+                "dtype, page size and SGLang version"
+            )
+        if not ours:
             return False
-        peer = max(found, key=lambda p: p.epoch)
+        peer = max(ours, key=lambda p: p.epoch)
         self._prefill_peers[bootstrap_addr] = (peer.peer_id, int(peer.epoch))
         self.prefill_info_table[bootstrap_addr] = _prefill_info(
             self.kv_args.page_size, self.kv_cache_dtype_str

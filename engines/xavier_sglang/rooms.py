@@ -219,6 +219,7 @@ class ReaderRoom:
         self._aux: Transfer | None = None
         self._complete: concurrent.futures.Future[dpb.Room] | None = None
         self._read_posted = False
+        self._notify_fail_later = False
         self.bytes_read = 0
         self.started: float | None = None
         self.finished: float | None = None
@@ -348,17 +349,31 @@ class ReaderRoom:
             if aux_live and self._aux is not None:
                 self._aux.poll()
                 aux_live = self._aux.in_flight
+            if not aux_live and self._notify_fail_later:
+                self._notify_fail_later = False
+                self._send_fail_notif()
             return not aux_live and not self.kv.in_flight()
+
+    def _send_fail_notif(self) -> None:
+        if self.prefill is None:
+            return
+        token = self._source.token if self._source is not None else ""
+        try:
+            self.hub.agent.send_notif(peer_key(*self.prefill), fail_notif(str(self.room_id), token))
+        except TransferError:
+            pass  # the source is gone: nothing of it waits for this
 
     def clear(self) -> None:
         """Forgets the room; a READ still in flight is parked with the hub until it ends."""
+        if self._aux is not None and self._aux.in_flight:
+            self._aux.release()
+        self.release_safe()  # sends a deferred fail notification once the aux READ has ended
         with self._lock:
-            if self.kv.in_flight() or (self._aux is not None and self._aux.in_flight):
-                if self._aux is not None:
-                    self._aux.release()
+            if self.kv.in_flight():
                 self.hub.park(self.kv)
             else:
                 self.kv.clear()
+        self.hub.forget_room(self.room_id)
 
     def _fail_locked(
         self, failure: RoomFailure, *, read_posted: bool | None = None, tell_directory: bool = True
@@ -368,12 +383,16 @@ class ReaderRoom:
         posted = self._read_posted if read_posted is None else read_posted
         self.kv.abort(str(failure))
         if self._aux is not None and not self._read_posted and self.prefill is not None:
-            # The KV READ never started, so no done/fail notification carries this room: say it here.
-            token = self._source.token if self._source is not None else ""
-            try:
-                self.hub.agent.send_notif(peer_key(*self.prefill), fail_notif(str(self.room_id), token))
-            except TransferError:
-                pass
+            # The KV READ never started, so no done/fail notification carries this room: say it here,
+            # once the aux READ has ended (cancelled if still running), so the source never reuses a
+            # slot this process may still be reading.
+            aux = self._aux
+            if aux.in_flight:
+                aux.poll()
+            if aux.in_flight and not aux.release():
+                self._notify_fail_later = True
+            else:
+                self._send_fail_notif()
         if tell_directory and self.prefill is not None:
             cause = dpb.ROOM_END_CAUSE_DECODE_FAILED if posted else dpb.ROOM_END_CAUSE_DECODE_DECLINED
             self.hub.submit(

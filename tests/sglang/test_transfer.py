@@ -215,3 +215,19 @@ def test_kill9_prefill_fails_the_decodes_room(
     finally:
         decode.close()
         prefill.close()
+
+
+def test_decode_of_another_contract_is_told_why(
+    pair: tuple[Peer, Peer], directory: ServiceProc, tmp_path: Path, plugin_entry_point: str
+) -> None:
+    from xavier_core.engine.tiny import make_tiny
+
+    other_model = make_tiny(tmp_path / "other", "qwen2", layers=2, hidden=64, heads=4, kv_heads=2, seed=1)
+    prefill, _ = pair
+    stranger = Peer("decode", directory.address, other_model, seed=None)
+    try:
+        with pytest.raises(AssertionError, match="serves another KV contract") as err:
+            stranger.call("fetch", room=new_room(), addr=prefill.addr, pages=[1], aux_slot=0, timeout=20)
+        assert "weights_fingerprint" in str(err.value)
+    finally:
+        stranger.close()
