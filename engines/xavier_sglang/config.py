@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from xavier_core.contract import DEFAULT_MEMORY_LAYOUT, KvLayout, layout_from_model_dir
+from xavier_core.runtime.errors import InvalidArgument
 from xavier_core.transfer.buffers import KvBuffer
 
 __all__ = [
@@ -239,15 +240,18 @@ def contract_layout(proc: ProcessShape, pool: PoolShape, model_name: str = "") -
     if not (model_dir / "config.json").is_file():
         raise UnsupportedSetupError("--model-path", f"{model_dir} is not a local model directory")
     dtype = _resolve_dtype(pool.dtype, model_dir)
-    layout = layout_from_model_dir(
-        model_dir,
-        engine="sglang",
-        engine_version=proc.engine_version,
-        dtype=dtype,
-        page_size=pool.page_size,
-        memory_layout=DEFAULT_MEMORY_LAYOUT,
-        model_name=model_name,
-    )
+    try:
+        layout = layout_from_model_dir(
+            model_dir,
+            engine="sglang",
+            engine_version=proc.engine_version,
+            dtype=dtype,
+            page_size=pool.page_size,
+            memory_layout=DEFAULT_MEMORY_LAYOUT,
+            model_name=model_name,
+        )
+    except InvalidArgument as err:  # no weights or tokenizer files, a malformed config.json
+        raise UnsupportedSetupError("--model-path", err.message) from None
     if len(pool.kv) != 2 * layout.num_layers:
         raise UnsupportedSetupError(
             "--model-path",
