@@ -293,9 +293,9 @@ class XavierKVSender(CommonKVSender):
         num_kv_tokens: int | None = None,
     ) -> None:
         if state_indices and any(s is not None and len(s) for s in state_indices):
-            raise XavierTransferError(
-                self.bootstrap_room, RoomFailure("INVALID_ARGUMENT", "state buffers are not supported")
-            )
+            # Refused at start (no state buffers); a room that still carries some fails, SGLang goes on.
+            self.room.fail(RoomFailure("INVALID_ARGUMENT", "state buffers are not supported"))
+            return
         pages = np.asarray(kv_indices)
         self.curr_idx += int(pages.size)
         self._transfer_num_kv_indices += int(pages.size)
@@ -363,9 +363,8 @@ class XavierKVReceiver(CommonKVReceiver):
 
     def _send(self, kv_indices: Any, aux_index: int | None, state_indices: list[Any] | None) -> None:
         if state_indices and any(s is not None and len(s) for s in state_indices):
-            raise XavierTransferError(
-                self.bootstrap_room, RoomFailure("INVALID_ARGUMENT", "state buffers are not supported")
-            )
+            self.room.fail(RoomFailure("INVALID_ARGUMENT", "state buffers are not supported"))
+            return
         self.init_time = time.time()
         self.room.send_metadata(np.asarray(kv_indices), None if aux_index is None else int(aux_index))
 
@@ -379,11 +378,9 @@ class XavierKVReceiver(CommonKVReceiver):
             decode_prefix_len: int | None = None,
             destination: Any = _DEVICE,
         ) -> None:
-            if destination != _DEVICE:
-                raise XavierTransferError(
-                    self.bootstrap_room,
-                    RoomFailure("INVALID_ARGUMENT", "only device KV destinations are supported"),
-                )
+            if destination != _DEVICE:  # the manager says supports_host_destination = False
+                self.room.fail(RoomFailure("INVALID_ARGUMENT", "only device KV destinations are supported"))
+                return
             self._send(kv_indices, aux_index, state_indices)
 
     else:

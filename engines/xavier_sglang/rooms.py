@@ -120,7 +120,11 @@ class SourceRoom:
                 )
                 return
             all_pages = np.concatenate(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
-            info = self.kv.send(all_pages)
+            try:
+                info = self.kv.send(all_pages)
+            except TransferError as exc:  # pages outside the pool, a count that differs from init()
+                self._fail_locked(RoomFailure("INVALID_ARGUMENT", str(exc)))
+                return
             desc = info.to_proto(self.hub.fingerprint)
             if self._aux_slot is not None:
                 desc.aux_runs.add(first_page=self._aux_slot, count=1)
@@ -171,9 +175,13 @@ class SourceRoom:
             return KvPoll.WAITING_FOR_INPUT if self._publish is None else KvPoll.TRANSFERRING
 
     def abort(self, detail: str = "aborted by SGLang") -> None:
+        self.fail(RoomFailure("ROOM_END_CAUSE_PREFILL_FAILED", detail))
+
+    def fail(self, failure: RoomFailure) -> None:
+        """Ends the room with `failure` unless it already ended."""
         with self._lock:
             if self.failure is None and self.kv.peek()[0] != KvPoll.SUCCESS:
-                self._fail_locked(RoomFailure("ROOM_END_CAUSE_PREFILL_FAILED", detail))
+                self._fail_locked(failure)
 
     def in_flight(self) -> bool:
         """True while the reader may still be reading the published pages."""
@@ -238,8 +246,12 @@ class ReaderRoom:
         with self._lock:
             if self.failure is not None or self.prefill is None:
                 return
-            self.kv.init()
-            self.kv.send_metadata(pages)
+            try:
+                self.kv.init()
+                self.kv.send_metadata(pages)
+            except TransferError as exc:  # malformed page ids
+                self._fail_locked(RoomFailure("INVALID_ARGUMENT", str(exc)), read_posted=False)
+                return
             self._aux_slot = aux_slot
             self._begin = self.hub.submit(
                 self.hub.client.begin_transfer(
@@ -338,9 +350,13 @@ class ReaderRoom:
         self.bytes_read += sum(b.bytes_per_page for b in self.hub.pool.kv) * source.num_pages
 
     def abort(self, detail: str = "aborted by SGLang") -> None:
+        self.fail(RoomFailure("ROOM_END_CAUSE_DECODE_FAILED", detail))
+
+    def fail(self, failure: RoomFailure) -> None:
+        """Ends the room with `failure` unless it already ended."""
         with self._lock:
             if self.failure is None and self._state != KvPoll.SUCCESS:
-                self._fail_locked(RoomFailure("ROOM_END_CAUSE_DECODE_FAILED", detail))
+                self._fail_locked(failure)
 
     def release_safe(self) -> bool:
         """True once no READ of this room may still write its pages (KV or aux)."""

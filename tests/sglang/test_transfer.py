@@ -174,6 +174,18 @@ def test_decode_abort_mid_transfer_releases_everything(pair: tuple[Peer, Peer]) 
     assert_idle(prefill, decode)
 
 
+def test_pages_outside_the_pool_fail_the_room_not_the_scheduler(pair: tuple[Peer, Peer]) -> None:
+    prefill, decode = pair
+    room = new_room()
+    prefill.send("serve", room=room, addr=prefill.addr, pages=[1, PAGES], chunks=[2], aux_slot=0)
+    decode.send("fetch", room=room, addr=prefill.addr, pages=[1, 2], aux_slot=0)
+    got_p, got_d = prefill.result(), decode.result()
+    assert got_p["states"][-1] == FAILED and "|INVALID_ARGUMENT|" in got_p["failure"], got_p["failure"]
+    assert got_d["states"][-1] == FAILED
+    assert "|ROOM_END_CAUSE_PREFILL_FAILED|" in got_d["failure"], got_d["failure"]
+    assert_idle(prefill, decode)
+
+
 def test_kill9_decode_fails_the_prefills_room(
     directory: ServiceProc, tiny_model: Path, plugin_entry_point: str
 ) -> None:
