@@ -39,6 +39,8 @@ from .hub import Hub
 
 __all__ = ["RoomFailure", "SourceRoom"]
 
+_PROBE_INTERVAL_S = 1.0
+
 
 @dataclass(frozen=True)
 class RoomFailure:
@@ -85,6 +87,8 @@ class SourceRoom:
         self._publish: concurrent.futures.Future[dpb.Room] | None = None
         self._published = False
         self._ended = False
+        self._probe: concurrent.futures.Future[dpb.Room] | None = None
+        self._probed = float("-inf")
         self.pages_sent = 0
 
     def init(self, num_pages: int, aux_slot: int | None) -> None:
@@ -148,6 +152,7 @@ class SourceRoom:
                     self._fail_locked(RoomFailure("DEADLINE_EXCEEDED", "the decode never joined the room"))
                     return KvPoll.FAILED
                 else:
+                    self._probe_locked()
                     return KvPoll.BOOTSTRAPPING
             if self._publish is not None and self._publish.done():
                 failed = _rpc_failure(self._publish, "PublishSource")
@@ -169,6 +174,19 @@ class SourceRoom:
                 self._end_locked()
                 return KvPoll.SUCCESS
             return KvPoll.WAITING_FOR_INPUT if self._publish is None else KvPoll.TRANSFERRING
+
+    def _probe_locked(self) -> None:
+        """Asks the directory for the room now and then while no view of it has come: a room ended
+        before anyone opened it (a tombstone) reaches no peer's feed."""
+        probe = self._probe
+        if probe is not None and probe.done():
+            self._probe = None
+            if probe.exception() is None:  # NOT_FOUND: nobody opened it yet
+                self.hub.note_room(probe.result())
+        now = time.monotonic()
+        if self._probe is None and now - self._probed >= _PROBE_INTERVAL_S:
+            self._probed = now
+            self._probe = self.hub.submit(self.hub.client.get_room(self.room_id))
 
     def abort(self, detail: str = "aborted by SGLang") -> None:
         self.fail(RoomFailure("ROOM_END_CAUSE_PREFILL_FAILED", detail))

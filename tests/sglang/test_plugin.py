@@ -80,7 +80,7 @@ def test_configured_process_gets_the_backend(tmp_path: Path, plugin_entry_point:
     assert got["cli"] == "xavier"
     assert got["classes"] == {
         "kvargs": "sglang.srt.disaggregation.base.conn.KVArgs",
-        "manager": "xavier_sglang.conn.XavierKVManager",
+        "manager": "xavier_sglang.manager.XavierKVManager",
         "sender": "xavier_sglang.conn.XavierKVSender",
         "receiver": "xavier_sglang.conn.XavierKVReceiver",
         "bootstrap_server": "xavier_sglang.conn.XavierKVBootstrapServer",

@@ -152,6 +152,35 @@ def test_decode_abort_before_the_source_exists(pair: tuple[Peer, Peer]) -> None:
     assert_idle(prefill, decode)
 
 
+def test_room_the_router_aborted_before_anyone_joined(
+    pair: tuple[Peer, Peer], directory: ServiceProc
+) -> None:
+    """A tombstone reaches no peer's feed: the waiting prefill learns of it by asking the directory."""
+    import uuid
+
+    import grpc
+    from xavier.v1 import directory_service_pb2 as dpb
+    from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
+
+    prefill, decode = pair
+    room = new_room()
+    with grpc.insecure_channel(directory.address) as ch:
+        dpb_grpc.DirectoryServiceStub(ch).AbortRoom(
+            dpb.AbortRoomRequest(
+                request_id=uuid.uuid4().hex, room_id=room, cause=dpb.ROOM_END_CAUSE_ROUTER_ABORT
+            ),
+            timeout=10,
+        )
+    got_p = prefill.call(
+        "serve", room=room, addr=prefill.addr, pages=[5, 6], chunks=[2], aux_slot=1, timeout=20
+    )
+    assert got_p["states"] == [BOOTING, FAILED]
+    assert "|ROOM_END_CAUSE_ROUTER_ABORT|" in got_p["failure"], got_p["failure"]
+    got_d = decode.call("fetch", room=room, addr=prefill.addr, pages=[1, 2], aux_slot=1, timeout=20)
+    assert got_d["states"][-1] == FAILED and "|ROOM_END_CAUSE_ROUTER_ABORT|" in got_d["failure"]
+    assert_idle(prefill, decode)
+
+
 def test_decode_abort_mid_transfer_releases_everything(pair: tuple[Peer, Peer]) -> None:
     prefill, decode = pair
     room = new_room()
