@@ -479,6 +479,7 @@ class SourceDescriptor(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     CONTRACT_FINGERPRINT_FIELD_NUMBER: _builtins.int
     READ_TOKEN_FIELD_NUMBER: _builtins.int
+    AUX_RUNS_FIELD_NUMBER: _builtins.int
     num_pages: _builtins.int
     """The total number of pages in the runs; must equal their sum."""
     num_tokens: _builtins.int
@@ -496,6 +497,12 @@ class SourceDescriptor(_message.Message):
     def page_runs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.PageRun]:
         """The source pages as contiguous runs in prompt order; at most the directory's max_page_runs."""
 
+    @_builtins.property
+    def aux_runs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.PageRun]:
+        """The source's slots in its endpoint's aux_regions (same slot ids in every aux region); the reader
+        copies them beside the pages. Empty when the source has no auxiliary data.
+        """
+
     def __init__(
         self,
         *,
@@ -504,10 +511,11 @@ class SourceDescriptor(_message.Message):
         num_tokens: _builtins.int = ...,
         contract_fingerprint: _builtins.str = ...,
         read_token: _builtins.str = ...,
+        aux_runs: _abc.Iterable[_types_pb2.PageRun] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["contract_fingerprint", b"contract_fingerprint", "num_pages", b"num_pages", "num_tokens", b"num_tokens", "page_runs", b"page_runs", "read_token", b"read_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aux_runs", b"aux_runs", "contract_fingerprint", b"contract_fingerprint", "num_pages", b"num_pages", "num_tokens", b"num_tokens", "page_runs", b"page_runs", "read_token", b"read_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -225,6 +225,7 @@ class TransferEndpoint(_message.Message):
     REGIONS_FIELD_NUMBER: _builtins.int
     HOST_ID_FIELD_NUMBER: _builtins.int
     CUDA_IPC_POOL_FIELD_NUMBER: _builtins.int
+    AUX_REGIONS_FIELD_NUMBER: _builtins.int
     kind: Global___TransportKind.ValueType
     """The transport kind; required."""
     agent_name: _builtins.str
@@ -246,6 +247,13 @@ class TransferEndpoint(_message.Message):
         directory's max_regions.
         """
 
+    @_builtins.property
+    def aux_regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemoryRegion]:
+        """Auxiliary buffers registered beside the KV buffers, each cut into equal per-request slots (an
+        engine's first-token and metadata buffers); a source names its slots in SourceDescriptor.aux_runs.
+        Empty for engines without them.
+        """
+
     def __init__(
         self,
         *,
@@ -255,10 +263,11 @@ class TransferEndpoint(_message.Message):
         regions: _abc.Iterable[Global___MemoryRegion] | None = ...,
         host_id: _builtins.str = ...,
         cuda_ipc_pool: _builtins.bytes = ...,
+        aux_regions: _abc.Iterable[Global___MemoryRegion] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "agent_name", b"agent_name", "cuda_ipc_pool", b"cuda_ipc_pool", "host_id", b"host_id", "kind", b"kind", "regions", b"regions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "agent_name", b"agent_name", "aux_regions", b"aux_regions", "cuda_ipc_pool", b"cuda_ipc_pool", "host_id", b"host_id", "kind", b"kind", "regions", b"regions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,233 @@
+"""SGLang HiCache storage backed by the Xavier page store (zero-copy, over NIXL).
+
+Load it with::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "xavier",
+        "module_path": "xavier_sglang.hicache", "class_name": "XavierHiCacheStorage",
+        "interface_v1": 1, "pagestore": "HOST:PORT", "model_path": "/models/m", "cache_salt": ""}'
+
+SGLang calls only the zero-copy methods when `"interface_v1": 1` is set (required here):
+`batch_exists` (how many leading keys are stored), `batch_get_v1` / `batch_set_v1` between its host pool
+and the store. The host pool (`register_mem_pool_host`) is described to the page store client as
+`KvBuffer`s derived from SGLang's own `get_page_buffer_meta` (one buffer per pointer of a page: K and V in
+the page-first layout, K and V of every layer in layer-first), and registered with NIXL once, so pages
+move between the pool and the store's arena without a copy.
+
+Keys: SGLang's per-page SHA-256 chain names a page and its prefix but neither the model nor the rank, and
+0.5.17 does not seed it with the salt. Each key is therefore re-hashed with a seed of the contract
+fingerprint (model, dtype, page size, host layout) and the configured salt, and the store namespace also
+carries fingerprint, salt and tensor-parallel rank.
+
+Failure policy: the store can only make SGLang faster. Every error (store down, slow, a failed READ or
+WRITE, a checksum mismatch) is a miss and is counted (`get_stats()`, and the page store client's metrics);
+nothing raises into SGLang's cache threads.
+"""
+# mypy: disable-error-code="misc"
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import sglang
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from xavier_core.contract import layout_from_model_dir
+from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
+from xavier_core.prefix_keys import chain_seed
+from xavier_core.transfer.buffers import KvBuffer
+
+from .config import UnsupportedSetupError
+from .loop import LoopThread
+
+__all__ = ["XavierHiCacheStorage", "host_pool_buffers"]
+
+log = logging.getLogger(__name__)
+
+_OPTION = "--hicache-storage-backend-extra-config"
+_WAIT_MARGIN_S = 10.0
+
+
+def host_pool_buffers(pool: Any) -> list[KvBuffer]:
+    """The host pool as `KvBuffer`s, from its zero-copy metadata of pages 0 and 1 (which must be evenly
+    strided per pointer, as SGLang's MHA host pools are in both layouts)."""
+    import torch
+
+    page = int(pool.page_size)
+    pages = int(pool.size) // page
+    if pages < 2:
+        raise UnsupportedSetupError(_OPTION, "the host pool holds fewer than two pages")
+    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(0, 2 * page, dtype=torch.int64))
+    per = len(ptrs) // 2
+    if per < 1 or len(ptrs) != 2 * per:
+        raise UnsupportedSetupError(_OPTION, f"unexpected host pool metadata ({len(ptrs)} pointers)")
+    out = []
+    for i in range(per):
+        stride = int(ptrs[per + i]) - int(ptrs[i])
+        if stride != int(sizes[i]):
+            raise UnsupportedSetupError(
+                "--hicache-mem-layout", f"host pool pointer {i} is not page-contiguous (stride {stride})"
+            )
+        out.append(KvBuffer(int(ptrs[i]), stride * pages, stride, "cpu"))
+    return out
+
+
+class XavierHiCacheStorage(HiCacheStorage):
+    """HiCache's storage tier on the Xavier page store (see the module docstring)."""
+
+    def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        if int(extra.get("interface_v1", 0) or 0) != 1:
+            raise UnsupportedSetupError(_OPTION, 'the xavier store needs "interface_v1": 1 (zero-copy)')
+        self.address = str(extra.get("pagestore") or "")
+        if not self.address:
+            raise UnsupportedSetupError(_OPTION, 'missing "pagestore": the page store address (host:port)')
+        self.model_path = str(extra.get("model_path") or "")
+        if not self.model_path:
+            raise UnsupportedSetupError(_OPTION, 'missing "model_path": the local model directory')
+        if getattr(storage_config, "is_mla_model", False):
+            raise UnsupportedSetupError("--model-path", "MLA KV is not described by the Xavier contract")
+        self.salt = str(extra.get("cache_salt") or "")
+        self.rank = int(getattr(storage_config, "tp_rank", 0) or 0)
+        self.settings = ClientSettings(
+            rpc_timeout_s=float(extra.get("rpc_timeout_s", 1.0)),
+            transfer_timeout_s=float(extra.get("transfer_timeout_s", 5.0)),
+        )
+        self._wait_s = self.settings.rpc_timeout_s * 4 + self.settings.transfer_timeout_s + _WAIT_MARGIN_S
+        self._lock = threading.Lock()
+        self.errors = 0
+        self.client: PageStoreClient | None = None
+        self.namespace: PageNamespace | None = None
+        self._seed = b""
+        self._page_size = 1
+        self._loop = LoopThread("xavier-hicache")
+
+    # --- set-up ---------------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        buffers = host_pool_buffers(mem_pool_host)
+        dtype = str(mem_pool_host.dtype).removeprefix("torch.")
+        layout = layout_from_model_dir(
+            Path(self.model_path),
+            engine="sglang",
+            engine_version=sglang.__version__,
+            dtype=dtype,
+            page_size=int(mem_pool_host.page_size),
+            memory_layout=f"sglang_host_{mem_pool_host.layout}",
+        )
+        self._page_size = int(mem_pool_host.page_size)
+        self.namespace = PageNamespace(layout.fingerprint, self.salt, self.rank)
+        self._seed = chain_seed(layout.fingerprint, self.salt)
+
+        async def make() -> PageStoreClient:
+            return PageStoreClient(self.address, buffers, self.settings)
+
+        self.client = self._loop.run(make(), self._wait_s)
+
+    def close(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            try:
+                self._loop.run(client.close(), self._wait_s)
+            except Exception as exc:
+                log.warning("closing the page store client failed: %s", exc)
+        self._loop.stop()
+
+    # --- zero-copy interface (interface_v1) -------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        client, ns = self.client, self.namespace
+        if client is None or ns is None or not keys:
+            return 0
+        try:
+            return int(self._loop.run(client.exists(ns, self._store_keys(keys)), self._wait_s))
+        except Exception as exc:
+            self._error("exists", exc)
+            return 0
+
+    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        client, ns = self.client, self.namespace
+        if client is None or ns is None:
+            return [False] * len(keys)
+        try:
+            pages = self._pages(host_indices, len(keys))
+            hit = int(
+                self._loop.run(client.lookup_and_fetch(ns, self._store_keys(keys), pages), self._wait_s)
+            )
+        except Exception as exc:
+            self._error("get", exc)
+            hit = 0
+        return [True] * hit + [False] * (len(keys) - hit)
+
+    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        client, ns = self.client, self.namespace
+        if client is None or ns is None:
+            return [False] * len(keys)
+        try:
+            pages = self._pages(host_indices, len(keys))
+            failed_before = client.counters.writes_failed
+            self._loop.run(client.write(ns, self._store_keys(keys), pages), self._wait_s)
+            ok = client.counters.writes_failed == failed_before
+        except Exception as exc:
+            self._error("set", exc)
+            ok = False
+        return [ok] * len(keys)
+
+    # --- the key-value interface: unused with interface_v1, answered as misses --------------------------
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        return None
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> Any:
+        return [None] * len(keys)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return False
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        return False
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def clear(self) -> None:
+        """The store is shared by every replica of the fleet: nothing is dropped from here."""
+
+    def get_stats(self) -> Any:
+        client = self.client
+        counters = client.counters if client is not None else None
+        return {
+            "errors": self.errors,
+            "hit_pages": getattr(counters, "hit_pages", 0),
+            "miss_pages": getattr(counters, "miss_pages", 0),
+            "pages_written": getattr(counters, "pages_written", 0),
+            "writes_failed": getattr(counters, "writes_failed", 0),
+        }
+
+    # --- helpers -----------------------------------------------------------------------------------------
+
+    def _store_keys(self, keys: list[str]) -> list[bytes]:
+        """SGLang's hex keys re-hashed with the namespace seed (fingerprint + salt)."""
+        return [hashlib.sha256(self._seed + bytes.fromhex(k)).digest() for k in keys]
+
+    def _pages(self, host_indices: Any, count: int) -> list[int]:
+        """Host page ids of a page-aligned token index list (one page per key)."""
+        idx = (
+            [int(i) for i in host_indices.tolist()] if hasattr(host_indices, "tolist") else list(host_indices)
+        )
+        page = self._page_size
+        if len(idx) != count * page:
+            raise ValueError(f"{len(idx)} host indices for {count} pages of {page} tokens")
+        return [idx[i * page] // page for i in range(count)]
+
+    def _error(self, op: str, exc: BaseException) -> None:
+        with self._lock:
+            self.errors += 1
+        log.warning("xavier page store %s failed (a miss): %s: %s", op, type(exc).__name__, exc)

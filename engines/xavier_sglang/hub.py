@@ -1,0 +1,212 @@
+"""One per SGLang process: the NIXL agent over SGLang's buffers, the directory session, and the room feed.
+
+SGLang's scheduler is synchronous and polls; Xavier's directory client is asyncio. The hub runs one
+event loop in a daemon thread and hands the synchronous side futures (`submit`), so no scheduler call
+ever blocks on the network. The loop also:
+
+- keeps the process registered (`PeerSession`: register, heartbeat, re-register with a new epoch);
+- follows this peer's rooms (`WatchPeerRooms`) into `room()`, so a sender learns that its decode joined,
+  that the room completed, or that it ended, without one RPC per poll;
+- drives NIXL progress (`KvManager.progress`) every few milliseconds while a source is published, since
+  agents run without NIXL's spinning progress thread;
+- reclaims, once their READs have ended, receivers that SGLang already cleared (deferred reclamation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import types_pb2
+
+from xavier_core.contract import KvLayout
+from xavier_core.directory import DirectoryClient, PeerSession
+from xavier_core.directory.client import TERMINAL_ROOM_STATES, Registration
+from xavier_core.runtime.errors import XavierError
+from xavier_core.runtime.logging import get_logger
+from xavier_core.transfer.aux_slots import AuxNixlAgent, aux_endpoint_regions
+from xavier_core.transfer.kv_transfer import KvManager, KvReceiver
+from xavier_core.transfer.source import endpoint_proto
+
+from .config import PoolShape, XavierSettings
+from .loop import LoopThread
+
+__all__ = ["Hub"]
+
+_log = get_logger("xavier.sglang.hub")
+T = TypeVar("T")
+
+_PROGRESS_INTERVAL_S = 0.002
+_IDLE_INTERVAL_S = 0.02
+_ROOM_VIEWS = 65536
+_ENDPOINTS = 256
+_START_TIMEOUT_S = 30.0
+
+
+class Hub:
+    """The process-wide Xavier state behind SGLang's KV manager (see the module docstring)."""
+
+    def __init__(
+        self,
+        role: types_pb2.Role.ValueType,
+        pool: PoolShape,
+        layout: KvLayout,
+        settings: XavierSettings,
+        *,
+        agent_name: str | None = None,
+    ) -> None:
+        self.role = role
+        self.pool = pool
+        self.layout = layout
+        self.fingerprint = layout.fingerprint
+        self.settings = settings
+        name = agent_name or f"xavier-sglang-{uuid.uuid4().hex[:12]}"
+        self.agent = AuxNixlAgent(name, pool.kv, pool.aux, transfer_timeout_s=settings.transfer_timeout_s)
+        self.kv = KvManager(self.agent, pool.kv, pool.page_size)
+        self._lock = threading.Lock()
+        self._rooms: OrderedDict[int, dpb.Room] = OrderedDict()
+        self._endpoints: OrderedDict[tuple[str, int], types_pb2.TransferEndpoint] = OrderedDict()
+        self._parked: list[KvReceiver] = []
+        self._publishing = 0
+        self._closed = False
+        self._loop = LoopThread("xavier-sglang")
+        try:
+            self.registration = self.submit(self._start()).result(_START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- the synchronous face -------------------------------------------------------------
+
+    @property
+    def peer(self) -> tuple[str, int]:
+        """(peer id, epoch) of the current registration."""
+        reg = self.registration
+        return reg.peer_id, reg.epoch
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Runs `coro` on the hub's loop; the caller polls the future."""
+        return self._loop.submit(coro)
+
+    def room(self, room_id: int) -> dpb.Room | None:
+        """The latest view of one of this peer's rooms (from the feed), or None if none was seen."""
+        with self._lock:
+            return self._rooms.get(room_id)
+
+    def forget_room(self, room_id: int) -> None:
+        with self._lock:
+            self._rooms.pop(room_id, None)
+
+    def note_room(self, room: dpb.Room) -> None:
+        """Records a room as an RPC answered it (the feed may lag behind the answer)."""
+        with self._lock:
+            old = self._rooms.get(room.room_id)
+            if old is not None and old.state in TERMINAL_ROOM_STATES:
+                return
+            self._rooms[room.room_id] = room
+            while len(self._rooms) > _ROOM_VIEWS:
+                self._rooms.popitem(last=False)
+
+    def endpoint(self, prefill: tuple[str, int]) -> types_pb2.TransferEndpoint | None:
+        with self._lock:
+            return self._endpoints.get(prefill)
+
+    def cache_endpoint(self, prefill: tuple[str, int], endpoint: types_pb2.TransferEndpoint) -> None:
+        with self._lock:
+            self._endpoints[prefill] = endpoint
+            while len(self._endpoints) > _ENDPOINTS:
+                self._endpoints.popitem(last=False)
+
+    def publishing(self, delta: int) -> None:
+        """Counts published sources: NIXL progress runs fast only while there is one."""
+        with self._lock:
+            self._publishing += delta
+
+    def park(self, receiver: KvReceiver) -> None:
+        """Keeps a receiver whose READ may still write its pages until the READ ends, then forgets it."""
+        with self._lock:
+            self._parked.append(receiver)
+
+    def parked(self) -> int:
+        with self._lock:
+            return len(self._parked)
+
+    def close(self) -> None:
+        """Unregisters, stops the loop and releases NIXL (every READ cancelled). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop.running:
+            with contextlib.suppress(Exception):
+                self.submit(self._stop()).result(10.0)
+            self._loop.stop()
+        self.agent.close()
+
+    # --- the loop side --------------------------------------------------------------------
+
+    async def _start(self) -> Registration:
+        self.client = DirectoryClient(self.settings.directory)
+        endpoint = endpoint_proto(self.agent.name, self.agent.metadata(), self.pool.kv)
+        endpoint.aux_regions.extend(aux_endpoint_regions(self.pool.aux))
+        request = dpb.RegisterPeerRequest(
+            role=self.role, address=self.settings.advertise, layout=self.layout.to_proto(), endpoint=endpoint
+        )
+        self.session = PeerSession(self.client, request, on_registered=self._on_registered)
+        registration = await self.session.start()
+        self._tasks = [
+            asyncio.create_task(self._feed(), name="xavier-sglang-feed"),
+            asyncio.create_task(self._progress(), name="xavier-sglang-progress"),
+        ]
+        return registration
+
+    def _on_registered(self, registration: Registration) -> None:
+        self.registration = registration
+
+    async def _stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.session.stop()
+        await self.client.close()
+
+    async def _feed(self) -> None:
+        """Follows this peer's rooms; restarts after errors and after a re-registration (new epoch)."""
+        while True:
+            peer_id, epoch = self.peer
+            try:
+                async for batch in self.client.watch_peer_rooms(peer_id, epoch):
+                    for room in batch:
+                        self.note_room(room)
+                    if self.peer != (peer_id, epoch):
+                        break
+            except XavierError as err:
+                _log.info("room feed ended", reason=err.reason)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                _log.warning("room feed failed", error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(0.2)
+
+    async def _progress(self) -> None:
+        while True:
+            with self._lock:
+                busy = self._publishing > 0 or bool(self._parked)
+                parked = list(self._parked)
+            if busy:
+                self.kv.progress()
+                done = [r for r in parked if not r.in_flight()]
+                for receiver in done:
+                    receiver.clear()
+                if done:
+                    with self._lock:
+                        self._parked = [r for r in self._parked if r not in done]
+            await asyncio.sleep(_PROGRESS_INTERVAL_S if busy else _IDLE_INTERVAL_S)

@@ -1,0 +1,230 @@
+"""The decode side of one room, as SGLang's receiver polls it (the states are described in `rooms`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import numpy as np
+import numpy.typing as npt
+from xavier.v1 import directory_service_pb2 as dpb
+
+from xavier_core.directory.client import TERMINAL_ROOM_STATES
+from xavier_core.transfer.aux_slots import aux_from_proto
+from xavier_core.transfer.errors import TransferError
+from xavier_core.transfer.kv_transfer import KvPoll, KvReceiver, fail_notif
+from xavier_core.transfer.peers import peer_key
+from xavier_core.transfer.source import SourceInfo
+from xavier_core.transfer.xfer import Transfer
+
+from .hub import Hub
+from .rooms import RoomFailure, _ended, _rpc_failure
+
+__all__ = ["ReaderRoom"]
+
+
+class ReaderRoom:
+    """The decode side of one room (see the module docstring)."""
+
+    def __init__(self, hub: Hub, room_id: int) -> None:
+        self.hub = hub
+        self.room_id = room_id
+        self._lock = threading.Lock()
+        self.kv = KvReceiver(hub.kv, str(room_id))
+        self.failure: RoomFailure | None = None
+        self.prefill: tuple[str, int] | None = None
+        self._state = KvPoll.BOOTSTRAPPING
+        self._aux_slot: int | None = None
+        self._begin: concurrent.futures.Future[dpb.BeginTransferResponse] | None = None
+        self._source: SourceInfo | None = None
+        self._aux: Transfer | None = None
+        self._complete: concurrent.futures.Future[dpb.Room] | None = None
+        self._read_posted = False
+        self._notify_fail_later = False
+        self.bytes_read = 0
+        self.started: float | None = None
+        self.finished: float | None = None
+
+    def init(self, prefill: tuple[str, int] | None) -> None:
+        with self._lock:
+            if prefill is None:
+                self._fail_locked(
+                    RoomFailure("PEER_UNAVAILABLE", "no prefill is registered at this bootstrap address")
+                )
+                return
+            self.prefill = prefill
+            self._state = KvPoll.WAITING_FOR_INPUT
+
+    def send_metadata(self, pages: npt.NDArray[np.integer] | list[int], aux_slot: int | None) -> None:
+        with self._lock:
+            if self.failure is not None or self.prefill is None:
+                return
+            try:
+                self.kv.init()
+                self.kv.send_metadata(pages)
+            except TransferError as exc:  # malformed page ids
+                self._fail_locked(RoomFailure("INVALID_ARGUMENT", str(exc)), read_posted=False)
+                return
+            self._aux_slot = aux_slot
+            self._begin = self.hub.submit(
+                self.hub.client.begin_transfer(
+                    self.room_id,
+                    self.prefill,
+                    self.hub.peer,
+                    request_id=f"sgl-{self.room_id}-begin",
+                    wait_for_source=self.hub.settings.waiting_timeout_s,
+                    source_endpoint_cached=self.hub.endpoint(self.prefill) is not None,
+                )
+            )
+
+    def poll(self) -> KvPoll:
+        with self._lock:
+            if self.failure is not None or self._state == KvPoll.SUCCESS:
+                return self._state
+            if self._begin is not None and self._source is None and self._begin.done():
+                if self.prefill is not None:
+                    self._start_locked(self._begin, self.prefill)
+            if self._aux is not None and self._state == KvPoll.TRANSFERRING:
+                self._after_aux_locked()
+            if self._read_posted and self._complete is None and self.failure is None:
+                state = self.kv.poll()
+                if state == KvPoll.FAILED:
+                    self._fail_locked(RoomFailure("TRANSFER_FAILED", self.kv.error or "READ failed"))
+                elif state == KvPoll.SUCCESS:
+                    self.finished = time.monotonic()
+                    self._complete = self.hub.submit(
+                        self.hub.client.complete_room(
+                            self.room_id,
+                            *self.hub.peer,
+                            bytes_transferred=self.bytes_read,
+                            transfer_seconds=self.finished - (self.started or self.finished),
+                            request_id=f"sgl-{self.room_id}-complete",
+                        )
+                    )
+            if self._complete is not None and self._complete.done() and self.failure is None:
+                failed = _rpc_failure(self._complete, "CompleteRoom")
+                if failed is not None:
+                    self._fail_locked(failed)
+                else:
+                    self._state = KvPoll.SUCCESS
+            return self._state
+
+    def _start_locked(
+        self, begin: concurrent.futures.Future[dpb.BeginTransferResponse], prefill: tuple[str, int]
+    ) -> None:
+        failed = _rpc_failure(begin, "BeginTransfer")
+        if failed is not None:
+            self._fail_locked(failed, read_posted=False)
+            return
+        resp = begin.result()
+        room = resp.room
+        if room.state in TERMINAL_ROOM_STATES:
+            self._fail_locked(_ended(room), read_posted=False, tell_directory=False)
+            return
+        if room.source.contract_fingerprint != self.hub.fingerprint:
+            self._fail_locked(
+                RoomFailure("LAYOUT_MISMATCH", "the source pages were computed under another KV layout")
+            )
+            return
+        endpoint = self.hub.endpoint(prefill)
+        if endpoint is None:
+            endpoint = resp.source_endpoint
+            self.hub.cache_endpoint(prefill, endpoint)
+        key = peer_key(*prefill)
+        try:
+            source = self._source = SourceInfo.from_proto(room.source, endpoint)
+            aux_buffers, aux_src = aux_from_proto(room.source, endpoint)
+            self.hub.agent.add_peer(key, source.metadata)
+            self.started = time.monotonic()
+            self._state = KvPoll.TRANSFERRING
+            if self._aux_slot is not None and aux_src.size:
+                self._aux = self.hub.agent.read_slots(key, aux_buffers, aux_src, [self._aux_slot])
+            else:
+                self._post_kv_locked(key, source)
+        except TransferError as exc:
+            self._fail_locked(RoomFailure("TRANSFER_FAILED", str(exc)), read_posted=self._aux is not None)
+
+    def _after_aux_locked(self) -> None:
+        aux, source = self._aux, self._source
+        if aux is None or source is None or self._read_posted or self.prefill is None:
+            return
+        state = aux.poll()
+        if state == "PROC":
+            return
+        if state == "ERR":
+            self._fail_locked(RoomFailure("TRANSFER_FAILED", f"aux READ failed: {aux.error}"))
+            return
+        self.bytes_read += aux.nbytes
+        self._post_kv_locked(peer_key(*self.prefill), source)
+
+    def _post_kv_locked(self, key: str, source: SourceInfo) -> None:
+        self._read_posted = True
+        self.kv.start(source, key)
+        self.bytes_read += sum(b.bytes_per_page for b in self.hub.pool.kv) * source.num_pages
+
+    def abort(self, detail: str = "aborted by SGLang") -> None:
+        self.fail(RoomFailure("ROOM_END_CAUSE_DECODE_FAILED", detail))
+
+    def fail(self, failure: RoomFailure) -> None:
+        """Ends the room with `failure` unless it already ended."""
+        with self._lock:
+            if self.failure is None and self._state != KvPoll.SUCCESS:
+                self._fail_locked(failure)
+
+    def release_safe(self) -> bool:
+        """True once no READ of this room may still write its pages (KV or aux)."""
+        with self._lock:
+            aux_live = self._aux is not None and self._aux.in_flight
+            if aux_live and self._aux is not None:
+                self._aux.poll()
+                aux_live = self._aux.in_flight
+            if not aux_live and self._notify_fail_later:
+                self._notify_fail_later = False
+                self._send_fail_notif()
+            return not aux_live and not self.kv.in_flight()
+
+    def _send_fail_notif(self) -> None:
+        if self.prefill is None:
+            return
+        token = self._source.token if self._source is not None else ""
+        try:
+            self.hub.agent.send_notif(peer_key(*self.prefill), fail_notif(str(self.room_id), token))
+        except TransferError:
+            pass  # the source is gone: nothing of it waits for this
+
+    def clear(self) -> None:
+        """Forgets the room; a READ still in flight is parked with the hub until it ends."""
+        if self._aux is not None and self._aux.in_flight:
+            self._aux.release()
+        self.release_safe()  # sends a deferred fail notification once the aux READ has ended
+        with self._lock:
+            if self.kv.in_flight():
+                self.hub.park(self.kv)
+            else:
+                self.kv.clear()
+        self.hub.forget_room(self.room_id)
+
+    def _fail_locked(
+        self, failure: RoomFailure, *, read_posted: bool | None = None, tell_directory: bool = True
+    ) -> None:
+        self.failure = failure
+        self._state = KvPoll.FAILED
+        posted = self._read_posted if read_posted is None else read_posted
+        self.kv.abort(str(failure))
+        if self._aux is not None and not self._read_posted and self.prefill is not None:
+            # The KV READ never started, so no done/fail notification carries this room: say it here,
+            # once the aux READ has ended (cancelled if still running), so the source never reuses a
+            # slot this process may still be reading.
+            aux = self._aux
+            if aux.in_flight:
+                aux.poll()
+            if aux.in_flight and not aux.release():
+                self._notify_fail_later = True
+            else:
+                self._send_fail_notif()
+        if tell_directory and self.prefill is not None:
+            cause = dpb.ROOM_END_CAUSE_DECODE_FAILED if posted else dpb.ROOM_END_CAUSE_DECODE_DECLINED
+            self.hub.submit(
+                self.hub.client.abort_room(self.room_id, cause, failure.detail[:1000], *self.hub.peer)
+            )

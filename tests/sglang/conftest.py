@@ -1,0 +1,57 @@
+"""Fixtures of the SGLang conformance tests: a directory process, a tiny model, the plugin's entry point.
+
+These tests need the real `sglang` package (the optional `sglang-test` extra; docs/sglang.md has the
+recipe); each module skips with the reason when it cannot be imported. The default CI venv has no SGLang.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import ServiceProc, start_service
+
+DIRECTORY_ENV = {
+    "XAVIER_DIRECTORY__HEARTBEAT_INTERVAL_SECONDS": "0.3",
+    "XAVIER_DIRECTORY__PEER_LEASE_SECONDS": "3",
+    "XAVIER_DIRECTORY__SWEEP_INTERVAL_SECONDS": "0.05",
+    "XAVIER_DIRECTORY__ROOM_LEASE_SECONDS": "30",
+}
+
+
+@pytest.fixture(scope="session")
+def plugin_entry_point(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Makes `xavier_sglang.plugin:register` discoverable in group `sglang.srt.plugins` (as an install
+    of this project does) and returns the path added to `sys.path`, or "" when already installed."""
+    if any(ep.name == "xavier" for ep in entry_points(group="sglang.srt.plugins")):
+        return ""
+    root = tmp_path_factory.mktemp("plugin-dist")
+    info = root / "xavier_sglang_probe-0.0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: xavier-sglang-probe\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text("[sglang.srt.plugins]\nxavier = xavier_sglang.plugin:register\n")
+    sys.path.insert(0, str(root))
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]:
+    proc = start_service(
+        "xavier-directory", ["--listen", "127.0.0.1:0"], tmp_path_factory.mktemp("dir"), env=DIRECTORY_ENV
+    )
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Qwen2-shaped checkpoint: 2 KV heads of 16 dims, float32 (what `peer` allocates for)."""
+    from xavier_core.engine.tiny import make_tiny
+
+    return make_tiny(
+        tmp_path_factory.mktemp("model") / "tiny", "qwen2", layers=2, hidden=64, heads=4, kv_heads=2
+    )

@@ -1,0 +1,193 @@
+"""The HiCache storage backend, created by SGLang's own `StorageBackendFactory` ("dynamic", interface_v1),
+round-trips pages between host pools and a real page store process over NIXL.
+
+The host pool is shaped like SGLang's MHA host pool in the page-first layout (`kv_buffer` of
+`[2, tokens, layers, heads, head_dim]`, `get_page_buffer_meta` as SGLang computes it: one K and one V
+pointer per page); building SGLang's own host pool needs its device pool, which this CPU machine cannot
+construct. Keys are SGLang's own page hash chain (`get_hash_str`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="the real sglang package is not installed")
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_hash_str
+from xavier_sglang.config import UnsupportedSetupError
+from xavier_sglang.hicache import XavierHiCacheStorage, host_pool_buffers
+
+from tests.pagestore.support import start_store
+from tests.support.procs import ServiceProc
+
+pytestmark = [pytest.mark.sglang, pytest.mark.integration]
+
+LAYERS, HEADS, DIM, PAGE = 2, 2, 16, 4
+HOST_PAGES = 32
+
+
+class PageFirstHostPool:
+    """The zero-copy face of SGLang's `MHATokenToKVPoolHost` with layout "page_first"."""
+
+    layout = "page_first"
+    dtype = torch.float32
+
+    def __init__(self, seed: int | None) -> None:
+        self.page_size, self.size = PAGE, HOST_PAGES * PAGE
+        self.layer_num, self.head_num, self.head_dim = LAYERS, HEADS, DIM
+        shape = (2, self.size, LAYERS, HEADS, DIM)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.kv_buffer = torch.rand(shape, generator=gen) if gen is not None else torch.zeros(shape)
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        # SGLang's formula (pool_host/mha.py): K at the page's first token, V one K half further.
+        item = self.dtype.itemsize
+        base = self.kv_buffer.data_ptr()
+        v_offset = self.layer_num * self.size * self.head_num * self.head_dim * item
+        ptrs: list[int] = []
+        idx = indices.tolist()
+        for i in range(0, len(idx), self.page_size):
+            k = base + idx[i] * self.layer_num * self.head_num * self.head_dim * item
+            ptrs += [k, k + v_offset]
+        size = item * self.page_size * self.layer_num * self.head_num * self.head_dim
+        return ptrs, [size] * len(ptrs)
+
+    def page(self, p: int) -> torch.Tensor:
+        return self.kv_buffer[:, p * PAGE : (p + 1) * PAGE].clone()
+
+
+def host_indices(pages: list[int]) -> torch.Tensor:
+    return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64)
+
+
+def storage_config(extra: dict[str, Any], rank: int = 0) -> Any:
+    values = dict(
+        tp_rank=rank, tp_size=2 if rank else 1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True, model_name="tiny",
+        extra_config=extra,
+    )  # fmt: skip
+    names = {f.name for f in dataclasses.fields(HiCacheStorageConfig)}
+    return HiCacheStorageConfig(**{k: v for k, v in values.items() if k in names})
+
+
+def extra_config(store: str, model: Path, **more: Any) -> dict[str, Any]:
+    return {
+        "backend_name": "xavier",
+        "module_path": "xavier_sglang.hicache",
+        "class_name": "XavierHiCacheStorage",
+        "interface_v1": 1,
+        "pagestore": store,
+        "model_path": str(model),
+        **more,
+    }
+
+
+def backend(store: str, model: Path, pool: PageFirstHostPool, rank: int = 0, **more: Any) -> Any:
+    """Created and attached as SGLang's cache controller does it."""
+    made = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(extra_config(store, model, **more), rank), pool
+    )
+    made.register_mem_pool_host(pool)
+    return made
+
+
+def sglang_keys(pages: int, first_token: int = 0) -> list[str]:
+    tokens = list(range(first_token, first_token + pages * PAGE))
+    keys = get_hash_str(tokens, None, page_size=PAGE)
+    assert isinstance(keys, list) and len(keys) == pages
+    return keys
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]:
+    proc = start_store(tmp_path_factory.mktemp("store"), arena=4 << 20, chunk=64 << 10)
+    yield proc
+    proc.stop()
+
+
+def test_pool_buffers_follow_sglangs_page_meta() -> None:
+    pool = PageFirstHostPool(None)
+    bufs = host_pool_buffers(pool)
+    page_bytes = PAGE * LAYERS * HEADS * DIM * 4
+    assert [b.bytes_per_page for b in bufs] == [page_bytes, page_bytes]
+    assert bufs[1].addr - bufs[0].addr == pool.kv_buffer[0].nbytes and bufs[0].num_pages == HOST_PAGES
+
+
+def test_pages_round_trip_through_the_store(store: ServiceProc, tiny_model: Path) -> None:
+    writer_pool, reader_pool = PageFirstHostPool(seed=1), PageFirstHostPool(seed=None)
+    writer = backend(store.address, tiny_model, writer_pool)
+    reader = backend(store.address, tiny_model, reader_pool)
+    try:
+        assert isinstance(writer, XavierHiCacheStorage) and isinstance(writer, HiCacheStorage)
+        keys = sglang_keys(6)
+        src, dst = [3, 4, 9, 10, 11, 30], [0, 7, 1, 2, 20, 21]
+        assert reader.batch_exists(keys) == 0
+        assert writer.batch_set_v1(keys, host_indices(src)) == [True] * 6
+        assert reader.batch_exists(keys) == 6
+        # Leading hits only: the count stops at the first miss.
+        other = sglang_keys(2, first_token=10_000)
+        assert reader.batch_exists([*keys[:3], other[0], *keys[3:]]) == 3
+        assert reader.batch_exists([other[0], *keys]) == 0
+        assert reader.batch_get_v1(keys[:4] + other[:1], host_indices(dst[:5])) == [True] * 4 + [False]
+        for s, d in zip(src[:4], dst[:4], strict=True):
+            assert torch.equal(reader_pool.page(d), writer_pool.page(s)), f"page {s} -> {d} differs"
+        assert reader.get_stats()["hit_pages"] == 4 and reader.errors == 0
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_keys_are_namespaced_by_salt_and_rank(store: ServiceProc, tiny_model: Path) -> None:
+    pools = [PageFirstHostPool(seed=2) for _ in range(3)]
+    plain = backend(store.address, tiny_model, pools[0])
+    salted = backend(store.address, tiny_model, pools[1], cache_salt="tenant-b")
+    rank1 = backend(store.address, tiny_model, pools[2], rank=1)
+    try:
+        keys = sglang_keys(3, first_token=500)
+        assert plain.batch_set_v1(keys, host_indices([0, 1, 2])) == [True] * 3
+        assert plain.batch_exists(keys) == 3
+        assert salted.batch_exists(keys) == 0  # 0.5.17 does not salt SGLang's chain: the backend does
+        assert rank1.batch_exists(keys) == 0
+    finally:
+        for b in (plain, salted, rank1):
+            b.close()
+
+
+def test_store_down_is_a_miss_and_a_metric(tmp_path: Path, tiny_model: Path) -> None:
+    proc = start_store(tmp_path / "store", arena=4 << 20, chunk=64 << 10)
+    pool = PageFirstHostPool(seed=3)
+    b = backend(proc.address, tiny_model, pool, rpc_timeout_s=0.5, transfer_timeout_s=1.0)
+    try:
+        keys = sglang_keys(2, first_token=900)
+        assert b.batch_set_v1(keys, host_indices([5, 6])) == [True, True]
+        proc.kill()
+        assert b.batch_exists(keys) == 0
+        assert b.batch_get_v1(keys, host_indices([7, 8])) == [False, False]
+        assert b.batch_set_v1(keys, host_indices([5, 6])) == [False, False]
+        stats = b.get_stats()
+        assert stats["miss_pages"] >= 2 and stats["writes_failed"] >= 1
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "option"),
+    [
+        ({"interface_v1": 0}, "interface_v1"),
+        ({"pagestore": ""}, "pagestore"),
+        ({"model_path": ""}, "model_path"),
+    ],
+)
+def test_bad_extra_config_is_refused(tiny_model: Path, change: dict[str, Any], option: str) -> None:
+    extra = {**extra_config("127.0.0.1:1", tiny_model), **change}
+    with pytest.raises(UnsupportedSetupError, match=option) as err:
+        XavierHiCacheStorage(storage_config(extra), {})
+    assert err.value.option == "--hicache-storage-backend-extra-config"

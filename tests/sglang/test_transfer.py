@@ -1,0 +1,274 @@
+"""Two SGLang-shaped processes move KV and aux bytes over real NIXL (DRAM) through a real directory, driven
+only through SGLang's sender / receiver API with SGLang's own `KVArgs`, `KVPoll` and `get_kv_class`.
+
+Checked: bytes arrive bitwise (pages in several chunks, scattered page ids, an aux slot of three aux
+buffers); `KVPoll` walks Bootstrapping → WaitingForInput → Transferring → Success on both sides; an
+abort (before the source exists, or with a READ posted) and a kill -9 of either side end the room with
+its Xavier reason and leave nothing pinned or parked in the survivors.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "sglang.srt.disaggregation.common.conn", reason="the real sglang package is not installed"
+)
+
+from tests.sglang.peer import AUX_SLOTS, PAGES, peer_main
+from tests.support.procs import ServiceProc
+
+pytestmark = [pytest.mark.sglang, pytest.mark.integration]
+
+BOOTING, WAITING, TRANSFERRING, SUCCESS, FAILED = 1, 2, 3, 4, 0
+_ports = iter(range(19_000, 19_999))
+
+
+class Peer:
+    """One child process running `peer.peer_main`."""
+
+    def __init__(self, role: str, directory: str, model: Path, seed: int | None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.port = next(_ports)
+        self.addr = f"127.0.0.1:{self.port}"
+        env = {"XAVIER_DIRECTORY": directory, "SGLANG_PLUGINS": "xavier"}
+        self.proc = ctx.Process(
+            target=peer_main, args=(role, child, env, str(model), self.port, seed), name=f"sgl-{role}"
+        )
+        self.proc.start()
+        child.close()
+        self.ready = self.result(180)
+
+    def send(self, op: str, **kw: Any) -> None:
+        self.conn.send({"op": op, **kw})
+
+    def result(self, timeout: float = 120) -> dict[str, Any]:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.proc.name}: no answer in {timeout}s")
+        got: dict[str, Any] = self.conn.recv()
+        if not got["ok"]:
+            raise AssertionError(f"{self.proc.name} failed:\n{got['error']}")
+        return got
+
+    def call(self, op: str, timeout: float = 120, **kw: Any) -> dict[str, Any]:
+        self.send(op, **kw)
+        return self.result(timeout)
+
+    def kill(self) -> None:
+        if self.proc.pid is not None and self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("close", timeout=30)
+            except (TimeoutError, EOFError, BrokenPipeError, AssertionError):
+                pass
+        self.proc.join(15)
+        if self.proc.is_alive():
+            self.kill()
+
+
+@pytest.fixture(scope="module")
+def pair(directory: ServiceProc, tiny_model: Path, plugin_entry_point: str) -> Iterator[tuple[Peer, Peer]]:
+    prefill = Peer("prefill", directory.address, tiny_model, seed=7)
+    try:
+        decode = Peer("decode", directory.address, tiny_model, seed=None)
+    except BaseException:
+        prefill.close()
+        raise
+    yield prefill, decode
+    decode.close()
+    prefill.close()
+
+
+def new_room() -> int:
+    return random.getrandbits(62) | 1
+
+
+def assert_idle(*peers: Peer) -> None:
+    """Nothing of any room is left: no sender, receiver, parked receiver or live READ."""
+    deadline = time.monotonic() + 10
+    for peer in peers:
+        while True:
+            st = peer.call("stats")
+            idle = st["senders"] == 0 and st["receivers"] == 0 and st["parked"] == 0 and st["live_reads"] == 0
+            if idle or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert idle, f"{peer.proc.name} still holds room state: {st}"
+
+
+def test_manager_registers_one_contract(pair: tuple[Peer, Peer]) -> None:
+    prefill, decode = pair
+    assert prefill.ready["classes"]["manager"] == "XavierKVManager"
+    assert prefill.ready["classes"]["kvargs"] == "KVArgs"
+    p, d = prefill.call("stats"), decode.call("stats")
+    assert p["fingerprint"] == d["fingerprint"] and len(p["fingerprint"]) == 64
+    assert p["peer"][0] != d["peer"][0] and p["peer"][1] >= 1
+
+
+@pytest.mark.parametrize("chunks", [[9], [4, 3, 2]], ids=["one-chunk", "chunked-prefill"])
+def test_kv_and_aux_arrive_bitwise(pair: tuple[Peer, Peer], chunks: list[int]) -> None:
+    prefill, decode = pair
+    room = new_room()
+    src_pages = [3, 4, 5, 10, 11, 20, 40, 41, 63]
+    dst_pages = [60, 1, 2, 7, 8, 9, 30, 31, 0]
+    decode.call("fill_aux", slot=5, value=0)
+    prefill.send("serve", room=room, addr=prefill.addr, pages=src_pages, chunks=chunks, aux_slot=2)
+    decode.send("fetch", room=room, addr=prefill.addr, pages=dst_pages, aux_slot=5)
+    got_p, got_d = prefill.result(), decode.result()
+    assert got_d["failure"] == "" and got_p["failure"] == ""
+    assert got_d["kv"] == got_p["kv"], "KV pages differ"
+    assert got_d["aux"] == got_p["aux"], "aux slot differs"
+    assert got_p["states"] == [BOOTING, WAITING, TRANSFERRING, SUCCESS]
+    assert got_d["states"] == [BOOTING, WAITING, TRANSFERRING, SUCCESS]
+    assert_idle(prefill, decode)
+
+
+def test_decode_abort_before_the_source_exists(pair: tuple[Peer, Peer]) -> None:
+    prefill, decode = pair
+    room = new_room()
+    decode.send("fetch", room=room, addr=prefill.addr, pages=[1, 2], aux_slot=1, abort_at="waiting")
+    got_d = decode.result()
+    assert got_d["states"][-1] == FAILED and got_d["release_safe"]
+    assert "|ROOM_END_CAUSE_DECODE_FAILED|" in got_d["failure"]
+    # The prefill's request for the same room arrives late: the room already ended.
+    prefill.send("serve", room=room, addr=prefill.addr, pages=[5, 6], chunks=[2], aux_slot=1, timeout=20)
+    got_p = prefill.result()
+    assert got_p["states"][-1] == FAILED
+    assert "|ROOM_END_CAUSE_DECODE_DECLINED|" in got_p["failure"], got_p["failure"]
+    assert_idle(prefill, decode)
+
+
+def test_room_the_router_aborted_before_anyone_joined(
+    pair: tuple[Peer, Peer], directory: ServiceProc
+) -> None:
+    """A tombstone reaches no peer's feed: the waiting prefill learns of it by asking the directory."""
+    import uuid
+
+    import grpc
+    from xavier.v1 import directory_service_pb2 as dpb
+    from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
+
+    prefill, decode = pair
+    room = new_room()
+    with grpc.insecure_channel(directory.address) as ch:
+        dpb_grpc.DirectoryServiceStub(ch).AbortRoom(
+            dpb.AbortRoomRequest(
+                request_id=uuid.uuid4().hex, room_id=room, cause=dpb.ROOM_END_CAUSE_ROUTER_ABORT
+            ),
+            timeout=10,
+        )
+    got_p = prefill.call(
+        "serve", room=room, addr=prefill.addr, pages=[5, 6], chunks=[2], aux_slot=1, timeout=20
+    )
+    assert got_p["states"] == [BOOTING, FAILED]
+    assert "|ROOM_END_CAUSE_ROUTER_ABORT|" in got_p["failure"], got_p["failure"]
+    got_d = decode.call("fetch", room=room, addr=prefill.addr, pages=[1, 2], aux_slot=1, timeout=20)
+    assert got_d["states"][-1] == FAILED and "|ROOM_END_CAUSE_ROUTER_ABORT|" in got_d["failure"]
+    assert_idle(prefill, decode)
+
+
+def test_decode_abort_mid_transfer_releases_everything(pair: tuple[Peer, Peer]) -> None:
+    prefill, decode = pair
+    room = new_room()
+    pages = list(range(PAGES // 2))
+    prefill.send("serve", room=room, addr=prefill.addr, pages=pages, chunks=[len(pages)], aux_slot=3)
+    decode.send(
+        "fetch",
+        room=room,
+        addr=prefill.addr,
+        pages=pages[::-1],
+        aux_slot=AUX_SLOTS - 1,
+        abort_at="transferring",
+    )
+    got_p, got_d = prefill.result(), decode.result()
+    assert got_d["states"][:3] == [BOOTING, WAITING, TRANSFERRING]
+    assert got_d["states"][-1] == FAILED and got_d["release_safe"]
+    assert "|ROOM_END_CAUSE_DECODE_FAILED|" in got_d["failure"]
+    # The source learns it from the reader's fail notification or from the directory, whichever is first.
+    assert got_p["states"][-1] == FAILED, got_p
+    assert_idle(prefill, decode)
+
+
+def test_pages_outside_the_pool_fail_the_room_not_the_scheduler(pair: tuple[Peer, Peer]) -> None:
+    prefill, decode = pair
+    room = new_room()
+    prefill.send("serve", room=room, addr=prefill.addr, pages=[1, PAGES], chunks=[2], aux_slot=0)
+    decode.send("fetch", room=room, addr=prefill.addr, pages=[1, 2], aux_slot=0)
+    got_p, got_d = prefill.result(), decode.result()
+    assert got_p["states"][-1] == FAILED and "|INVALID_ARGUMENT|" in got_p["failure"], got_p["failure"]
+    assert got_d["states"][-1] == FAILED
+    assert "|ROOM_END_CAUSE_PREFILL_FAILED|" in got_d["failure"], got_d["failure"]
+    assert_idle(prefill, decode)
+
+
+def test_kill9_decode_fails_the_prefills_room(
+    directory: ServiceProc, tiny_model: Path, plugin_entry_point: str
+) -> None:
+    prefill = Peer("prefill", directory.address, tiny_model, seed=3)
+    decode = Peer("decode", directory.address, tiny_model, seed=None)
+    try:
+        room = new_room()
+        prefill.send(
+            "serve", room=room, addr=prefill.addr, pages=[1, 2, 3], chunks=[3], aux_slot=0, timeout=40
+        )
+        # The decode joins (BeginTransfer opens the room) and dies before it reads.
+        decode.send("fetch", room=room, addr=prefill.addr, pages=[4, 5, 6], aux_slot=0, abort_at="hang")
+        time.sleep(0.5)
+        decode.kill()
+        got_p = prefill.result(60)
+        assert got_p["states"][-1] == FAILED
+        assert "|ROOM_END_CAUSE_PEER_LOST|" in got_p["failure"], got_p["failure"]
+        assert_idle(prefill)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_kill9_prefill_fails_the_decodes_room(
+    directory: ServiceProc, tiny_model: Path, plugin_entry_point: str
+) -> None:
+    prefill = Peer("prefill", directory.address, tiny_model, seed=3)
+    decode = Peer("decode", directory.address, tiny_model, seed=None)
+    try:
+        room = new_room()
+        decode.call("stats")
+        decode.send("fetch", room=room, addr=prefill.addr, pages=[4, 5, 6], aux_slot=0, timeout=40)
+        time.sleep(0.5)
+        prefill.kill()
+        got_d = decode.result(60)
+        assert got_d["states"][-1] == FAILED and got_d["release_safe"]
+        assert "|ROOM_END_CAUSE_PEER_LOST|" in got_d["failure"], got_d["failure"]
+        assert_idle(decode)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_decode_of_another_contract_is_told_why(
+    pair: tuple[Peer, Peer], directory: ServiceProc, tmp_path: Path, plugin_entry_point: str
+) -> None:
+    from xavier_core.engine.tiny import make_tiny
+
+    other_model = make_tiny(tmp_path / "other", "qwen2", layers=2, hidden=64, heads=4, kv_heads=2, seed=1)
+    prefill, _ = pair
+    stranger = Peer("decode", directory.address, other_model, seed=None)
+    try:
+        with pytest.raises(AssertionError, match="serves another KV contract") as err:
+            stranger.call("fetch", room=new_room(), addr=prefill.addr, pages=[1], aux_slot=0, timeout=20)
+        assert "weights_fingerprint" in str(err.value)
+    finally:
+        stranger.close()

@@ -1,0 +1,107 @@
+"""Aux slots beside KV pages: one agent registers both groups, a reader copies slots over real NIXL (DRAM),
+and the wire form (endpoint `aux_regions`, descriptor `aux_runs`) is validated like any network input."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from xavier.v1 import directory_service_pb2 as dpb
+
+from xavier_core.transfer import InvalidPagesError, InvalidSourceError, KvBuffer, LayoutError, peer_key
+from xavier_core.transfer.aux_slots import AuxNixlAgent, aux_endpoint_regions, aux_from_proto
+from xavier_core.transfer.source import endpoint_proto
+
+pytestmark = pytest.mark.integration
+
+PAGE_BYTES, PAGES = 256, 16
+AUX_ITEMS, SLOTS = (64, 128, 32), 8
+
+
+def _arrays(seed: int | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+
+    def fill(n: int) -> np.ndarray:
+        return rng.integers(0, 256, n, dtype=np.uint8) if seed is not None else np.zeros(n, np.uint8)
+
+    return [fill(PAGES * PAGE_BYTES) for _ in range(2)], [fill(SLOTS * n) for n in AUX_ITEMS]
+
+
+def _bufs(arrays: list[np.ndarray], items: tuple[int, ...] | int) -> list[KvBuffer]:
+    sizes = [items] * len(arrays) if isinstance(items, int) else list(items)
+    return [KvBuffer(a.ctypes.data, a.nbytes, n, "cpu") for a, n in zip(arrays, sizes, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def agents() -> Iterator[tuple[AuxNixlAgent, AuxNixlAgent, list[np.ndarray], list[np.ndarray]]]:
+    src_kv, src_aux = _arrays(5)
+    dst_kv, dst_aux = _arrays(None)
+    pid = os.getpid()
+    src = AuxNixlAgent(f"aux-src-{pid}", _bufs(src_kv, PAGE_BYTES), _bufs(src_aux, AUX_ITEMS))
+    dst = AuxNixlAgent(f"aux-dst-{pid}", _bufs(dst_kv, PAGE_BYTES), _bufs(dst_aux, AUX_ITEMS))
+    dst.add_peer(peer_key("src", 1), src.metadata())
+    yield src, dst, src_aux, dst_aux
+    dst.close()
+    src.close()
+
+
+def test_slot_is_copied_bitwise(
+    agents: tuple[AuxNixlAgent, AuxNixlAgent, list[np.ndarray], list[np.ndarray]],
+) -> None:
+    src, dst, src_aux, dst_aux = agents
+    xfer = dst.read_slots(peer_key("src", 1), src.aux_buffers, [2], [5])
+    deadline = time.monotonic() + 20
+    while xfer.poll() == "PROC" and time.monotonic() < deadline:
+        src.notifications()  # the source's side of progress (no NIXL progress threads)
+        time.sleep(0.001)
+    assert xfer.state == "DONE", xfer.error
+    assert xfer.nbytes == sum(AUX_ITEMS) and not xfer.in_flight
+    for s, d, n in zip(src_aux, dst_aux, AUX_ITEMS, strict=True):
+        assert d[5 * n : 6 * n].tobytes() == s[2 * n : 3 * n].tobytes()
+        assert not d[: 5 * n].any() and not d[6 * n :].any()  # nothing else written
+
+
+def test_bad_slots_and_layouts_are_refused(
+    agents: tuple[AuxNixlAgent, AuxNixlAgent, list[np.ndarray], list[np.ndarray]],
+) -> None:
+    src, dst, _, _ = agents
+    key = peer_key("src", 1)
+    with pytest.raises(InvalidPagesError):
+        dst.read_slots(key, src.aux_buffers, [SLOTS], [0])
+    with pytest.raises(LayoutError, match="count"):
+        dst.read_slots(key, src.aux_buffers[:2], [0], [0])
+    wrong = (*src.aux_buffers[:2], KvBuffer(src.aux_buffers[2].addr, 64 * SLOTS, 64, "cpu"))
+    with pytest.raises(LayoutError, match="slot size"):
+        dst.read_slots(key, wrong, [0], [0])
+    kv_only = AuxNixlAgent(f"aux-none-{os.getpid()}", list(dst.buffers), [])
+    try:
+        with pytest.raises(LayoutError, match="no aux"):
+            kv_only.read_slots(key, src.aux_buffers, [0], [0])
+    finally:
+        kv_only.close()
+
+
+def test_wire_form_round_trips_and_is_validated() -> None:
+    kv, aux = _arrays(1)
+    kv_bufs, aux_bufs = _bufs(kv, PAGE_BYTES), _bufs(aux, AUX_ITEMS)
+    endpoint = endpoint_proto("agent", b"md", kv_bufs)
+    endpoint.aux_regions.extend(aux_endpoint_regions(aux_bufs))
+    source = dpb.SourceDescriptor(num_pages=1)
+    source.page_runs.add(first_page=0, count=1)
+    source.aux_runs.add(first_page=3, count=1)
+    buffers, slots = aux_from_proto(source, endpoint)
+    assert buffers == tuple(aux_bufs) and slots.tolist() == [3]
+
+    no_aux = endpoint_proto("agent", b"md", kv_bufs)
+    with pytest.raises(InvalidSourceError, match="aux_regions"):
+        aux_from_proto(source, no_aux)
+    bad = dpb.SourceDescriptor()
+    bad.aux_runs.add(first_page=0, count=0)
+    with pytest.raises(InvalidSourceError, match="aux_runs"):
+        aux_from_proto(bad, endpoint)
+    endpoint.aux_regions[1].bytes_per_page = 0
+    with pytest.raises(InvalidSourceError, match=r"aux_regions\[1\]"):
+        aux_from_proto(source, endpoint)
