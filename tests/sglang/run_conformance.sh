@@ -13,18 +13,29 @@ OVERLAY=$VENV/overlay-0.5.17
 PY=${PYTHON:-python3.11}
 step() { echo; echo "== $* ($(date +%H:%M:%S))"; }
 
+# SGLANG_SKIP_IF_UNINSTALLABLE=1 (CI): when the environment cannot be built (no registry, no disk), say so
+# and exit 0; a failing test still fails.
+build() {  # errexit does not hold inside a condition: each step returns on failure
 if [ ! -x "$VENV/bin/python" ]; then
   step "conformance venv: torch, sglang 0.5.23 (no deps), the sglang-test extra"
-  "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q torch==2.14.1 torchvision==0.29.1
-  "$VENV/bin/pip" install -q --no-deps sglang==0.5.23
-  "$VENV/bin/pip" install -q -e '.[sglang-test]'
+  "$PY" -m venv "$VENV" || return 1
+  "$VENV/bin/pip" install -q torch==2.14.1 torchvision==0.29.1 || return 1
+  "$VENV/bin/pip" install -q --no-deps sglang==0.5.23 || return 1
+  "$VENV/bin/pip" install -q -e '.[sglang-test]' || return 1
 fi
 if [ ! -d "$OVERLAY/sglang" ]; then
   step "sglang 0.5.17 overlay"
   "$VENV/bin/pip" install -q --no-deps --target "$OVERLAY" sglang==0.5.17 transformers==5.12.1 \
-    tokenizers==0.22.2 'huggingface-hub>=1.5,<2'
-  "$VENV/bin/pip" install -q httpx openai partial-json-parser xgrammar einops
+    tokenizers==0.22.2 'huggingface-hub>=1.5,<2' || return 1
+  "$VENV/bin/pip" install -q httpx openai partial-json-parser xgrammar einops || return 1
+fi
+}
+if ! (build); then
+  if [ "${SGLANG_SKIP_IF_UNINSTALLABLE:-0}" = "1" ]; then
+    echo "SGLang conformance skipped: its environment could not be installed here (see the pip output above)"
+    exit 0
+  fi
+  exit 1
 fi
 
 ROOT=$(pwd)
