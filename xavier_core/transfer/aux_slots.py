@@ -22,7 +22,7 @@ from xavier.v1 import types_pb2
 
 from xavier_core.transfer import runs
 from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidPagesError, InvalidSourceError, LayoutError, PeerError
+from xavier_core.transfer.errors import InvalidPagesError, InvalidSourceError, LayoutError
 from xavier_core.transfer.nixl_backend import (
     DEFAULT_TRANSFER_TIMEOUT_S,
     NixlAgent,
@@ -111,26 +111,9 @@ class AuxNixlAgent(NixlAgent):
         per = table.shape[0] // len(self.aux_buffers)
         local = _dlist(table[:, 1], table[:, 2], self.aux_buffers, per)
         remote = _dlist(table[:, 0], table[:, 2], remote_aux, per)
-        with self.lock:
-            if not self.has_peer(peer_key):
-                raise PeerError(f"unknown peer {peer_key!r} (add_peer first)")
-            name = self._peers[peer_key].name
-            try:
-                handle, state = self.raw.read(local, self.aux_mem, remote, remote_mem, name, notif)
-            except Exception as exc:
-                raise PeerError(f"aux READ from {peer_key!r} failed: {type(exc).__name__}: {exc}") from exc
-            xfer = Transfer(
-                self.raw,
-                self.lock,
-                handle,
-                int(table[:, 2].sum()),
-                table.shape[0],
-                self.transfer_timeout_s if timeout_s is None else timeout_s,
-                self._live.discard,
-            )
-            self._live.add(xfer)
-            xfer._settle(state)
-            return xfer
+        return self._post_read(
+            peer_key, local, self.aux_mem, remote, remote_mem, table, notif, timeout_s, "aux READ"
+        )
 
     def close(self) -> None:
         """Like `NixlAgent.close`, and deregisters the aux group too. Idempotent."""

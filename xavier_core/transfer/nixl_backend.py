@@ -188,14 +188,29 @@ class NixlAgent:
         per_buffer = table.shape[0] // len(self.buffers)
         local = _dlist(table[:, 1], table[:, 2], self.buffers, per_buffer)
         remote = _dlist(table[:, 0], table[:, 2], remote_buffers, per_buffer)
+        return self._post_read(peer_key, local, self.mem, remote, remote_mem, table, notif, timeout_s, "READ")
+
+    def _post_read(
+        self,
+        peer_key: str,
+        local: npt.NDArray[np.uint64],
+        local_mem: MemType,
+        remote: npt.NDArray[np.uint64],
+        remote_mem: MemType,
+        table: npt.NDArray[np.uint64],
+        notif: bytes,
+        timeout_s: float | None,
+        what: str,
+    ) -> Transfer:
+        """Posts one READ of descriptor lists built from `table` (rows: remote, local, length)."""
         with self.lock:
             peer = self._peers.get(peer_key)
             if peer is None:
                 raise PeerError(f"unknown peer {peer_key!r} (add_peer first)")
             try:
-                handle, state = self.raw.read(local, self.mem, remote, remote_mem, peer.name, notif)
+                handle, state = self.raw.read(local, local_mem, remote, remote_mem, peer.name, notif)
             except Exception as exc:
-                raise PeerError(f"READ from peer {peer_key!r} failed: {type(exc).__name__}: {exc}") from exc
+                raise PeerError(f"{what} from peer {peer_key!r} failed: {type(exc).__name__}: {exc}") from exc
             xfer = Transfer(
                 self.raw,
                 self.lock,
