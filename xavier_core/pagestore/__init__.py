@@ -5,8 +5,9 @@ Names load on first use (PEP 562): an engine that only names a `PageNamespace` l
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from xavier_core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from xavier_core.pagestore.client import ClientSettings, PageStoreClient
@@ -23,13 +24,6 @@ _MODULES: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_exports(__name__, _MODULES, globals())
 
 __all__ = ["ClientSettings", "PageGeometry", "PageNamespace", "PageStoreClient", "Span", "page_checksum"]

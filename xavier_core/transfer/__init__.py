@@ -16,8 +16,9 @@ Names load on first use (PEP 562), so importing one module of the package (the e
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from xavier_core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from xavier_core.transfer.buffers import KvBuffer
@@ -84,14 +85,7 @@ _MODULES: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_exports(__name__, _MODULES, globals())
 
 __all__ = [
     "DONE_PREFIX",
