@@ -64,7 +64,6 @@ class DirectoryClient:
         timeout: float = 5.0,
         retries: int = 2,
         retry_backoff: float = 0.1,
-        watch_timeout: float = 600.0,
     ) -> None:
         if channel is None and not target:
             raise ValueError("DirectoryClient needs a target or a channel")
@@ -76,7 +75,6 @@ class DirectoryClient:
         self.timeout = timeout
         self.retries = retries
         self.retry_backoff = retry_backoff
-        self.watch_timeout = watch_timeout
 
     async def close(self) -> None:
         """Closes the channel if this client created it."""
