@@ -88,7 +88,7 @@ class PageStoreClient:
         self.counters = ClientCounters()
         self._metrics = client_metrics()
         self._bases = [b.addr for b in buffers]
-        self._num_pages = min(b.nbytes // b.bytes_per_page for b in buffers)
+        self._num_pages = min(b.num_pages for b in buffers)
         self._channel: grpc.aio.Channel | None = None
         self._stub_: pb_grpc.PageStoreServiceStub | None = None
         self._store: _Store | None = None

@@ -58,7 +58,7 @@ class PoolView:
         return cls(
             bases=tuple(b.addr for b in buffers),
             bytes_per_page=tuple(b.bytes_per_page for b in buffers),
-            num_pages=min(b.nbytes // b.bytes_per_page for b in buffers),
+            num_pages=min(b.num_pages for b in buffers),
             device=int(device[5:]),
         )
 

@@ -32,7 +32,7 @@ from xavier_core.runtime.errors import (
     Unavailable,
 )
 from xavier_core.transfer.peers import peer_key
-from xavier_services.peer.convert import check_prompt, check_room_id, finish_to_pb, sampling_from_pb
+from xavier_services.peer.convert import check_prompt, check_room_id, finish_to_pb, sampling_from_pb, usage_pb
 from xavier_services.peer.host import PeerHost
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
 
@@ -248,15 +248,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
                 msg = pb.GenerateUnifiedResponse(delta=_delta(ev))
                 if ev.finish is not None:
                     msg.finish_reason = finish_to_pb(ev.finish)
-                    msg.usage.CopyFrom(
-                        types_pb2.Usage(
-                            prompt_tokens=len(token_ids),
-                            completion_tokens=n,
-                            cached_tokens=cached,
-                            cached_tokens_local=cached - cached_store,
-                            cached_tokens_store=cached_store,
-                        )
-                    )
+                    msg.usage.CopyFrom(usage_pb(len(token_ids), cached, cached_store, completion_tokens=n))
                     msg.timings.CopyFrom(
                         types_pb2.Timings(
                             time_to_first_token=to_duration(first_at),

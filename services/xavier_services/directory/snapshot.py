@@ -10,7 +10,6 @@ RegisterPeer idempotency entries and counters.
 from __future__ import annotations
 
 import base64
-import heapq
 import json
 from collections import OrderedDict
 from typing import Any, TypeVar
@@ -99,8 +98,7 @@ def load_state(state: DirectoryState, data: bytes) -> tuple[int, float]:
     state._rooms = {r.room_id: r for r in map(_unroom, body["rooms"])}
     state._ended = OrderedDict((r.room_id, r) for r in map(_unroom, body["ended"]))
     state._tombstones = OrderedDict((r.room_id, r) for r in map(_unroom, body["tombstones"]))
-    state._expiry = [(r.expires_at, r.room_id) for r in (*state._rooms.values(), *state._tombstones.values())]
-    heapq.heapify(state._expiry)
+    state.rebuild_expiry()
     state._by_state = {int(k): int(v) for k, v in body["by_state"]}
     state._opened = int(body["opened"])
     peers = state.peers

@@ -261,10 +261,14 @@ class DirectoryState:
                 self._drop_tombstone(room_id, now)
         if len(heap) > 2 * (len(self._rooms) + len(self._tombstones)) + 1024:
             # Lazy expiries leave stale entries behind; rebuild so the heap stays proportional.
-            live = (*self._rooms.values(), *self._tombstones.values())
-            self._expiry = [(r.expires_at, r.room_id) for r in live]
-            heapq.heapify(self._expiry)
+            self.rebuild_expiry()
         return self._by_state[EXPIRED] + self._by_state[ABORTED] - before
+
+    def rebuild_expiry(self) -> None:
+        """The expiry heap from scratch: one entry per live room and tombstone."""
+        live = (*self._rooms.values(), *self._tombstones.values())
+        self._expiry = [(r.expires_at, r.room_id) for r in live]
+        heapq.heapify(self._expiry)
 
     # --- internals ------------------------------------------------------------
 

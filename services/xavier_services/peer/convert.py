@@ -23,6 +23,20 @@ def finish_to_pb(finish: FinishReason | None) -> types_pb2.FinishReason.ValueTyp
     return _FINISH_TO_PB[finish]
 
 
+def usage_pb(
+    prompt_tokens: int, cached: int, cached_store: int, completion_tokens: int = 0
+) -> types_pb2.Usage:
+    """Token counts; `cached` prompt tokens were not computed, `cached_store` of them came from the page
+    store and the rest from the local prefix cache."""
+    return types_pb2.Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached,
+        cached_tokens_local=cached - cached_store,
+        cached_tokens_store=cached_store,
+    )
+
+
 def sampling_from_pb(p: types_pb2.SamplingParams, default_max_tokens: int = 16) -> Sampling:
     """Converts sampling parameters (0 max_tokens: the default; 0 top_p: off) and checks them against the
     shared limits: a `SamplingError` naming the field reaches the client as INVALID_ARGUMENT."""

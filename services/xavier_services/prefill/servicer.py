@@ -30,6 +30,7 @@ from xavier_services.peer.convert import (
     check_room_id,
     finish_to_pb,
     sampling_from_pb,
+    usage_pb,
 )
 from xavier_services.peer.host import PeerHost
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
@@ -102,12 +103,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
             await asyncio.shield(self._fail(hold, published=False))
             raise
         prefill_s = time.perf_counter() - started
-        usage = types_pb2.Usage(
-            prompt_tokens=len(token_ids),
-            cached_tokens=res.cached_tokens,
-            cached_tokens_local=res.cached_tokens - res.cached_tokens_store,
-            cached_tokens_store=res.cached_tokens_store,
-        )
+        usage = usage_pb(len(token_ids), res.cached_tokens, res.cached_tokens_store)
         timings = types_pb2.Timings(
             prefill=to_duration(prefill_s), time_to_first_token=to_duration(prefill_s)
         )
