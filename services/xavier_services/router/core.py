@@ -81,6 +81,8 @@ class Router:
             config.queue_timeout_seconds,
             config.retry_after_seconds,
         )
+        admission = self.admission
+        self._metrics.queued.set_function(lambda: admission.queued)  # read at scrape time
         self._tokenizers = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         if config.model is not None and encoder.offload is None:
             encoder.offload = ProcessEncoder(config.model, config.offload_tokenize_chars)
@@ -89,9 +91,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self.env = FlowEnv(
             self.pool,
-            encoder.tokenizer,
             config.request_timeout_seconds,
-            config.rpc_timeout_seconds,
             self.spawn,
             config.prefix_affinity_tokens,
             config.failover_attempts,
@@ -129,9 +129,6 @@ class Router:
         self._tokenizers.shutdown(wait=False, cancel_futures=True)
         if self.encoder.offload is not None:
             self.encoder.offload.close()
-
-    def prepare(self, req: rpb.GenerateRequest) -> Prepared:
-        return prepare(req, self.encoder, self.model)
 
     async def prepare_async(self, req: rpb.GenerateRequest) -> Prepared:
         """`prepare` on a tokenizer thread: a huge prompt or chat never stalls the event loop's streams."""
@@ -193,12 +190,8 @@ class Router:
         cleanup frees its room and calls on every service.
         """
         rec = RequestRecord(prep.request_id, prompt_tokens=len(prep.token_ids))
-        self._metrics.queued.inc()
-        waiting = True
         try:
             async with self.admission.slot() as queued_s:
-                self._metrics.queued.dec()
-                waiting = False
                 rec.queue_seconds = queued_s
                 self._metrics.queue_time.observe(queued_s)
                 async for resp in self._serve(prep, rec):
@@ -215,8 +208,6 @@ class Router:
             self._metrics.cancels.labels("client").inc()
             raise
         finally:
-            if waiting:
-                self._metrics.queued.dec()
             rec.duration = time.monotonic() - prep.arrival
             rec.log()
 

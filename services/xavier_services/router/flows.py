@@ -35,7 +35,6 @@ from xavier.v1 import types_pb2
 
 from xavier_core.runtime import Unavailable, XavierError, from_rpc_error, get_logger
 from xavier_core.runtime.durations import to_seconds
-from xavier_core.text.tokenizer import TextTokenizer
 from xavier_services.router.health import peer_key, role_name
 from xavier_services.router.peers import Pair, PeerPool, affinity_key
 from xavier_services.router.request import Prepared
@@ -60,12 +59,10 @@ class Step:
 
 @dataclass
 class FlowEnv:
-    """What the flows share: peers, tokenizer, deadlines and a way to run background cleanup."""
+    """What the flows share: peers, the request deadline and a way to run background cleanup."""
 
     pool: PeerPool
-    tokenizer: TextTokenizer
     request_timeout: float
-    rpc_timeout: float
     spawn: Spawn
     affinity_tokens: int = 0  # leading tokens keying prefix affinity in pair selection (0: off)
     failover_attempts: int = 1

@@ -132,9 +132,6 @@ class PeerPool:
             return []
         return await self.directory.list_peers()
 
-    async def by_role(self, role: int) -> list[dpb.Peer]:
-        return [p for p in await self.peers() if p.role == role]
-
     async def usable(self, exclude: frozenset[str] = frozenset()) -> list[dpb.Peer]:
         """Listed peers that are healthy and not in `exclude` (peer keys)."""
         return [p for p in await self.peers() if self.health.is_up(p) and peer_key(p) not in exclude]
