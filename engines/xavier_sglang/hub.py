@@ -64,6 +64,7 @@ class Hub:
     ) -> None:
         self.role = role
         self.pool = pool
+        self.page_bytes = sum(b.bytes_per_page for b in pool.kv)  # one page across every KV buffer
         self.layout = layout
         self.fingerprint = layout.fingerprint
         self.settings = settings
@@ -78,7 +79,7 @@ class Hub:
         self._closed = False
         self._loop = LoopThread("xavier-sglang")
         try:
-            self.registration = self.submit(self._start()).result(_START_TIMEOUT_S)
+            self.submit(self._start()).result(_START_TIMEOUT_S)
         except BaseException:
             self.close()
             raise
@@ -87,8 +88,8 @@ class Hub:
 
     @property
     def peer(self) -> tuple[str, int]:
-        """(peer id, epoch) of the current registration."""
-        reg = self.registration
+        """(peer id, epoch) of the current registration (the session's, renewed on every re-registration)."""
+        reg = self.session.registration
         return reg.peer_id, reg.epoch
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -158,16 +159,13 @@ class Hub:
         request = dpb.RegisterPeerRequest(
             role=self.role, address=self.settings.advertise, layout=self.layout.to_proto(), endpoint=endpoint
         )
-        self.session = PeerSession(self.client, request, on_registered=self._on_registered)
+        self.session = PeerSession(self.client, request)
         registration = await self.session.start()
         self._tasks = [
             asyncio.create_task(self._feed(), name="xavier-sglang-feed"),
             asyncio.create_task(self._progress(), name="xavier-sglang-progress"),
         ]
         return registration
-
-    def _on_registered(self, registration: Registration) -> None:
-        self.registration = registration
 
     async def _stop(self) -> None:
         for task in self._tasks:

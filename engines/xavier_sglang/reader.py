@@ -161,7 +161,7 @@ class ReaderRoom:
     def _post_kv_locked(self, key: str, source: SourceInfo) -> None:
         self._read_posted = True
         self.kv.start(source, key)
-        self.bytes_read += sum(b.bytes_per_page for b in self.hub.pool.kv) * source.num_pages
+        self.bytes_read += self.hub.page_bytes * source.num_pages
 
     def abort(self, detail: str = "aborted by SGLang") -> None:
         self.fail(RoomFailure("ROOM_END_CAUSE_DECODE_FAILED", detail))

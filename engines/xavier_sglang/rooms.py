@@ -85,11 +85,9 @@ class SourceRoom:
         self._chunks: list[npt.NDArray[np.int64]] = []
         self._sent = 0
         self._publish: concurrent.futures.Future[dpb.Room] | None = None
-        self._published = False
         self._ended = False
         self._probe: concurrent.futures.Future[dpb.Room] | None = None
         self._probed = float("-inf")
-        self.pages_sent = 0
 
     def init(self, num_pages: int, aux_slot: int | None) -> None:
         with self._lock:
@@ -128,9 +126,7 @@ class SourceRoom:
             desc = info.to_proto(self.hub.fingerprint)
             if self._aux_slot is not None:
                 desc.aux_runs.add(first_page=self._aux_slot, count=1)
-            self.pages_sent = int(all_pages.size)
             self.hub.publishing(+1)
-            self._published = True
             self._publish = self.hub.submit(
                 self.hub.client.publish_source(
                     self.room_id, self.hub.peer, self._decode, desc, request_id=f"sgl-{self.room_id}-publish"
@@ -219,6 +215,6 @@ class SourceRoom:
         self._end_locked()
 
     def _end_locked(self) -> None:
-        if self._published and not self._ended:
+        if self._publish is not None and not self._ended:
             self._ended = True
             self.hub.publishing(-1)
