@@ -1,9 +1,10 @@
 """NIXL for the page store: one agent per side, READs and WRITEs of raw descriptor rows.
 
-The transfer package's `RawAgent` posts READs only and `NixlAgent` pairs pages of two identical pools; the
-store's arena is laid out differently from a replica's pool (segment-major chunks, see `layout`), so the
-page store posts its own rows (arena address, local address, nbytes) in either direction. Both sides run
-without NIXL's progress thread: the store polls while any lease is live, the client polls its transfer.
+The transfer package's `NixlAgent` pairs pages of two identical pools; the store's arena is laid out
+differently from a replica's pool (segment-major chunks, see `layout`), so the page store posts its own
+rows (arena address, local address, nbytes) in either direction through `RawAgent.read(..., op=...)`.
+Both sides run without NIXL's progress thread: the store polls while any lease is live, the client polls
+its transfer.
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Literal, cast
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from xavier_core.transfer._nixl import MemType, RawAgent, XferState, _state
+from xavier_core.transfer._nixl import MemType, RawAgent, XferState
 from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import PeerError
-from xavier_core.transfer.nixl_backend import check_buffers, device_mem
+from xavier_core.transfer.nixl_backend import check_buffers, register_buffers
 from xavier_core.transfer.xfer import Transfer
 
 Op = Literal["READ", "WRITE"]
@@ -33,8 +34,7 @@ class PageAgent(RawAgent):
         self.lock = threading.RLock()
         self.mem: MemType = check_buffers(buffers, "local")
         self.buffers = tuple(buffers)
-        regions = np.array([(b.addr, b.nbytes, device_mem(b.device)[1]) for b in buffers], dtype=np.uint64)
-        self._reg: object | None = self.register(regions, self.mem)
+        self._reg: object | None = register_buffers(self, buffers, self.mem)
         self._metadata = super().metadata()
 
     def metadata(self) -> bytes:
@@ -49,20 +49,13 @@ class PageAgent(RawAgent):
         remote = np.ascontiguousarray(np.stack((rows[:, 0], rows[:, 2], dev), axis=1))
         with self.lock:
             try:
-                ldescs = self._agent.get_xfer_descs(local, self.mem)
-                rdescs = self._agent.get_xfer_descs(remote, "DRAM")
-                handle = self._agent.initialize_xfer(op, ldescs, rdescs, remote_name, notif)
+                handle, state = self.read(local, self.mem, remote, "DRAM", remote_name, notif, op=op)
             except Exception as exc:
-                raise PeerError(f"{op} to {remote_name!r} failed: {type(exc).__name__}: {exc}") from exc
-            try:
-                state: XferState = _state(self._agent.transfer(handle))
-            except Exception as exc:
-                handle.release()
                 raise PeerError(f"{op} to {remote_name!r} failed: {type(exc).__name__}: {exc}") from exc
             xfer = Transfer(
                 self,
                 self.lock,
-                cast(object, handle),
+                handle,
                 int(rows[:, 2].sum()),
                 rows.shape[0],
                 timeout_s,

@@ -68,11 +68,13 @@ class RawAgent:
         remote_mem: MemType,
         remote_name: str,
         notif: bytes,
+        op: Literal["READ", "WRITE"] = "READ",
     ) -> tuple[object, XferState]:
-        """Creates and posts a READ; returns the raw handle and the state `transfer` reported."""
+        """Creates and posts a READ (or, with `op`, a WRITE); returns the raw handle and the state
+        `transfer` reported. A handle whose transfer could not be posted is released."""
         ldescs = self._agent.get_xfer_descs(local, local_mem)
         rdescs = self._agent.get_xfer_descs(remote, remote_mem)
-        handle = self._agent.initialize_xfer("READ", ldescs, rdescs, remote_name, notif)
+        handle = self._agent.initialize_xfer(op, ldescs, rdescs, remote_name, notif)
         try:
             state = self._agent.transfer(handle)
         except BaseException:

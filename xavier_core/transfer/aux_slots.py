@@ -28,7 +28,7 @@ from xavier_core.transfer.nixl_backend import (
     NixlAgent,
     _dlist,
     check_buffers,
-    device_mem,
+    register_buffers,
 )
 from xavier_core.transfer.source import MAX_BUFFERS, MAX_DEVICE_CHARS
 from xavier_core.transfer.xfer import Transfer
@@ -58,10 +58,7 @@ class AuxNixlAgent(NixlAgent):
             return
         try:
             self.aux_mem = check_buffers(self.aux_buffers, "local aux")
-            regions = np.array(
-                [(b.addr, b.nbytes, device_mem(b.device)[1]) for b in self.aux_buffers], dtype=np.uint64
-            )
-            self._aux_reg = self.raw.register(regions, self.aux_mem)
+            self._aux_reg = register_buffers(self.raw, self.aux_buffers, self.aux_mem)
         except BaseException:
             super().close()
             raise

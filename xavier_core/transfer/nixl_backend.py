@@ -67,6 +67,13 @@ class _Peer:
     name: str
 
 
+def register_buffers(raw: RawAgent, buffers: Sequence[KvBuffer], mem: MemType) -> object:
+    """Registers `buffers` (already checked to be of memory type `mem`) with `raw`; returns the
+    registration handle to deregister later."""
+    regions = np.array([(b.addr, b.nbytes, device_mem(b.device)[1]) for b in buffers], dtype=np.uint64)
+    return raw.register(regions, mem)
+
+
 class NixlAgent:
     """This process's NIXL agent. Thread-safe: every NIXL call is serialised by `lock`."""
 
@@ -85,8 +92,7 @@ class NixlAgent:
         self.transfer_timeout_s = transfer_timeout_s
         self.lock = threading.RLock()
         self.raw = RawAgent(name, progress_thread, backend)
-        regions = np.array([(b.addr, b.nbytes, device_mem(b.device)[1]) for b in buffers], dtype=np.uint64)
-        self._reg: object | None = self.raw.register(regions, self.mem)
+        self._reg: object | None = register_buffers(self.raw, buffers, self.mem)
         self._metadata = self.raw.metadata()
         self._peers: dict[str, _Peer] = {}
         self._live: set[Transfer] = set()
