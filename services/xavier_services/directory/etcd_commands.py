@@ -7,7 +7,6 @@ from a network store).
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from google.protobuf.message import Message
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
+from xavier_services.directory.snapshot import from_b64, to_b64
 from xavier_services.directory.state import DirectoryState, Pair
 
 __all__ = ["OPS", "Arg", "Command", "decode_command", "encode_command"]
@@ -59,16 +59,13 @@ class Command:
 
 def _encode_arg(value: Arg) -> Any:
     if isinstance(value, Message):
-        body = base64.b64encode(value.SerializeToString(deterministic=True)).decode("ascii")
-        return {"pb": value.DESCRIPTOR.full_name, "b": body}
+        return {"pb": value.DESCRIPTOR.full_name, "b": to_b64(value)}
     return value
 
 
 def _decode_arg(value: Any) -> Any:
     if isinstance(value, dict):
-        msg = _MESSAGES[value["pb"]]()
-        msg.ParseFromString(base64.b64decode(value["b"]))
-        return msg
+        return from_b64(_MESSAGES[value["pb"]], value["b"])
     return value
 
 

@@ -28,11 +28,13 @@ VERSION = 1
 M = TypeVar("M", bound=Message)
 
 
-def _b64(msg: Message | None) -> str | None:
+def to_b64(msg: Message | None) -> str | None:
+    """A message as base64 text of its deterministic serialization (the stored form in etcd)."""
     return None if msg is None else base64.b64encode(msg.SerializeToString(deterministic=True)).decode()
 
 
-def _msg(cls: type[M], text: str | None) -> M | None:
+def from_b64(cls: type[M], text: str | None) -> M | None:
+    """The message `to_b64` stored."""
     if text is None:
         return None
     msg = cls()
@@ -43,28 +45,29 @@ def _msg(cls: type[M], text: str | None) -> M | None:
 def _room(r: RoomRecord) -> list[Any]:
     ids = list(r.request_ids) if r.request_ids is not None else None
     return [r.room_id, r.state, r.prefill_peer_id, r.prefill_epoch, r.decode_peer_id, r.decode_epoch,
-            r.expires_at, _b64(r.source), r.end_cause, r.end_detail, r.read_declined, ids]  # fmt: skip
+            r.expires_at, to_b64(r.source), r.end_cause, r.end_detail, r.read_declined, ids]  # fmt: skip
 
 
 def _unroom(v: list[Any]) -> RoomRecord:
-    room = RoomRecord(v[0], v[1], v[2], v[3], v[4], v[5], v[6], source=_msg(dpb.SourceDescriptor, v[7]))
+    room = RoomRecord(v[0], v[1], v[2], v[3], v[4], v[5], v[6], source=from_b64(dpb.SourceDescriptor, v[7]))
     room.end_cause, room.end_detail, room.read_declined = v[8], v[9], v[10]
     room.request_ids = None if v[11] is None else dict.fromkeys(v[11])
     return room
 
 
 def _peer(p: PeerRecord) -> list[Any]:
-    return [p.peer_id, p.epoch, p.role, p.address, _b64(p.layout), _b64(p.endpoint), p.expires_at,
-            _b64(p.load), sorted(p.rooms)]  # fmt: skip
+    return [p.peer_id, p.epoch, p.role, p.address, to_b64(p.layout), to_b64(p.endpoint), p.expires_at,
+            to_b64(p.load), sorted(p.rooms)]  # fmt: skip
 
 
 def _unpeer(v: list[Any]) -> PeerRecord:
-    layout = _msg(types_pb2.KvLayout, v[4])
+    layout = from_b64(types_pb2.KvLayout, v[4])
     kv = KvLayout.from_proto(layout) if layout is not None else None
     return PeerRecord(
         peer_id=v[0], epoch=v[1], role=v[2], address=v[3], layout=layout, kv_layout=kv,
-        fingerprint=kv.fingerprint if kv is not None else "", endpoint=_msg(types_pb2.TransferEndpoint, v[5]),
-        expires_at=v[6], load=_msg(dpb.PeerLoad, v[7]), rooms=set(v[8]),
+        fingerprint=kv.fingerprint if kv is not None else "",
+        endpoint=from_b64(types_pb2.TransferEndpoint, v[5]),
+        expires_at=v[6], load=from_b64(dpb.PeerLoad, v[7]), rooms=set(v[8]),
     )  # fmt: skip
 
 
