@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import astuple
 
 from google.protobuf.message import Message
 from xavier.v1 import directory_service_pb2 as dpb
@@ -27,6 +28,7 @@ from xavier_services.directory.records import (
     timestamp,
 )
 from xavier_services.directory.servicer import Ctx, DirectoryServicer
+from xavier_services.directory.state import Pair
 
 __all__ = ["EtcdDirectoryServicer"]
 
@@ -98,16 +100,15 @@ class EtcdDirectoryServicer(DirectoryServicer):
 
     # --- rooms --------------------------------------------------------------------
 
-    def _pair(self, req: dpb.PublishSourceRequest | dpb.BeginTransferRequest) -> tuple[str, int, str, int]:
-        return (req.prefill_peer_id, req.prefill_epoch, req.decode_peer_id, req.decode_epoch)
-
     async def PublishSource(self, req: dpb.PublishSourceRequest, ctx: Ctx) -> dpb.PublishSourceResponse:
-        room = await self.log.propose("publish", req.request_id, req.room_id, *self._pair(req), req.source)
+        room = await self.log.propose(
+            "publish", req.request_id, req.room_id, *astuple(Pair.of(req)), req.source
+        )
         return dpb.PublishSourceResponse(room=self._room(room))
 
     async def BeginTransfer(self, req: dpb.BeginTransferRequest, ctx: Ctx) -> dpb.BeginTransferResponse:
         if req.wait_for_source:
-            room: RoomRecord = await self.log.propose("join", req.room_id, *self._pair(req))
+            room: RoomRecord = await self.log.propose("join", req.room_id, *astuple(Pair.of(req)))
             await self._until_not_open(room)
             if room.state in TERMINAL_STATES:
                 return dpb.BeginTransferResponse(room=self._room(room))

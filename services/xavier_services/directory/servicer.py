@@ -167,13 +167,13 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
     # --- rooms --------------------------------------------------------------------
 
     async def PublishSource(self, req: dpb.PublishSourceRequest, ctx: Ctx) -> dpb.PublishSourceResponse:
-        pair = Pair(req.prefill_peer_id, req.prefill_epoch, req.decode_peer_id, req.decode_epoch)
+        pair = Pair.of(req)
         room = self.state.publish_source(req.request_id, req.room_id, pair, req.source)
         return dpb.PublishSourceResponse(room=self._room(room))
 
     async def BeginTransfer(self, req: dpb.BeginTransferRequest, ctx: Ctx) -> dpb.BeginTransferResponse:
         if req.wait_for_source:
-            pair = Pair(req.prefill_peer_id, req.prefill_epoch, req.decode_peer_id, req.decode_epoch)
+            pair = Pair.of(req)
             room = self.state.join_as_decode(req.room_id, pair)
             await self._until_not_open(room)
             if room.state in TERMINAL_STATES:

@@ -77,6 +77,11 @@ class Pair:
     decode_peer_id: str
     decode_epoch: int
 
+    @classmethod
+    def of(cls, req: dpb.PublishSourceRequest | dpb.BeginTransferRequest) -> Pair:
+        """The pair a PublishSource or BeginTransfer request names."""
+        return cls(req.prefill_peer_id, req.prefill_epoch, req.decode_peer_id, req.decode_epoch)
+
 
 @dataclass(frozen=True, slots=True)
 class RoomStats:
