@@ -159,6 +159,7 @@ class EtcdDirectoryMachine(DirectoryMachine):
             etcd_endpoints=[_SERVER[0].endpoint],
             etcd_prefix=f"/sm/{uuid.uuid4().hex}/",
             etcd_snapshot_every=10,  # snapshots and compactions all along the walk
+            etcd_timeout_seconds=30.0,  # a loaded CI box must not turn a slow etcd into a failed step
         )
         self.cfg = cfg
         self.steps = 0

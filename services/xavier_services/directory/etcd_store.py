@@ -133,6 +133,10 @@ class EtcdLog:
             self._follower.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._follower
+        if self._snapshotting is not None:
+            # A snapshot still being written would otherwise call etcd on the closed channel.
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(self._snapshotting, self.settings.etcd_timeout_seconds)
         if self._channel is not None:
             await self._channel.close()
 
