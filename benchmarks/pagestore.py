@@ -49,6 +49,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix", type=int, default=2000, help="shared prefix tokens of the TTFT prompts")
     p.add_argument("--ttft-reps", type=int, default=7, help="TTFT samples per case (0: skip TTFT)")
     p.add_argument("--skip-gbps", action="store_true", help="only the TTFT part")
+    p.add_argument("--device", default="cpu", help="where the TTFT replicas keep KV and compute (cpu, cuda)")
+    p.add_argument(
+        "--pool-device", default="cpu", help="where the GB/s part's local pool lives (cpu, cuda:0)"
+    )
+    p.add_argument(
+        "--shape", choices=["tiny", "qwen2.5-0.5b"], default="tiny", help="TTFT model shape (random weights)"
+    )
     return p.parse_args(argv)
 
 
@@ -82,11 +89,19 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
     pool_pages = 2 * max(counts) + max(runs)
     rng = np.random.default_rng(args.seed)
     pool = [rng.integers(0, 256, pool_pages * seg, dtype=np.uint8) for _ in range(2 * args.layers)]
-    bufs = [KvBuffer(a.ctypes.data, a.nbytes, seg, "cpu") for a in pool]
-    client = PageStoreClient(
-        address, bufs, client_module.ClientSettings(rpc_timeout_s=30, transfer_timeout_s=60)
+    host_bufs = [KvBuffer(a.ctypes.data, a.nbytes, seg, "cpu") for a in pool]
+    bufs, keep = host_bufs, []
+    if args.pool_device != "cpu":  # the pool on the GPU: the client goes through its pinned host mirror
+        import torch
+
+        keep = [torch.from_numpy(a).to(args.pool_device) for a in pool]
+        bufs = [KvBuffer(t.data_ptr(), t.numel(), seg, str(t.device)) for t in keep]
+    settings = client_module.ClientSettings(
+        rpc_timeout_s=30, transfer_timeout_s=60, staging_pages=max(counts)
     )
+    client = PageStoreClient(address, bufs, settings)
     nixl_times: list[float] = []
+    stage_times: list[float] = []
     real_transfer = client._transfer
 
     async def timed_transfer(*a: Any) -> None:
@@ -95,6 +110,16 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
         nixl_times.append(time.perf_counter() - t)
 
     client._transfer = timed_transfer  # type: ignore[method-assign]
+    if client.staging is not None:
+        staging = client.staging
+        real_copy = staging._copy
+
+        def timed_copy(*a: Any, **kw: Any) -> None:
+            t = time.perf_counter()
+            real_copy(*a, **kw)
+            stage_times.append(time.perf_counter() - t)
+
+        staging._copy = timed_copy  # type: ignore[method-assign]
     page_bytes = seg * len(bufs)
     points = []
     prompt = 0
@@ -104,25 +129,29 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
                 if run_len > count:
                     continue
                 pages = placement(count, run_len)
-                put_t, put_x, get_t, get_x = [], [], [], []
+                put_t, put_x, get_t, get_x, put_s, get_s = [], [], [], [], [], []
                 for _ in range(args.reps):
                     prompt += 1
                     ns = PageNamespace("bench", str(prompt))
                     keys = keys_for(prompt, count)
                     nixl_times.clear()
+                    stage_times.clear()
                     t = time.perf_counter()
                     if await client.write(ns, keys, pages) != count:
                         raise RuntimeError("put did not commit every page")
                     put_t.append(time.perf_counter() - t)
                     put_x.append(nixl_times[-1])
+                    put_s.append(sum(stage_times))
+                    stage_times.clear()
                     t = time.perf_counter()
                     if await client.lookup_and_fetch(ns, keys, pages) != count:
                         raise RuntimeError("get did not hit every page")
                     get_t.append(time.perf_counter() - t)
                     get_x.append(nixl_times[-1])
+                    get_s.append(sum(stage_times))
                 nbytes = count * page_bytes
                 t = time.perf_counter()
-                local_page_checksums(bufs, pages)
+                local_page_checksums(host_bufs, pages)
                 checksum_s = time.perf_counter() - t
                 memcpy_s = memcpy_baseline(pool, pages, seg, args.reps)
 
@@ -143,6 +172,9 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
                         "checksum_gbps": nbytes / checksum_s / 1e9,
                         "put_ms": 1e3 * statistics.median(put_t),
                         "get_ms": 1e3 * statistics.median(get_t),
+                        "put_staging_ms": 1e3 * statistics.median(put_s),
+                        "get_staging_ms": 1e3 * statistics.median(get_s),
+                        "checksum_ms": 1e3 * checksum_s,
                     }
                 )
                 print(json.dumps(points[-1]), file=sys.stderr)
@@ -187,6 +219,8 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
                     await asyncio.sleep(0.01)
     out: dict[str, Any] = {
         "prefix_tokens": args.prefix,
+        "shape": args.shape,
+        "device": args.device,
         "prompt_tokens": args.prefix + 16,
         "reps": args.ttft_reps,
     }
@@ -200,9 +234,17 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from tests.pagestore.engines import StoreMesh
-    from xavier_core.engine.tiny import make_tiny
+    from xavier_core.engine.tiny import QWEN25_05B, make_tiny
 
-    mesh = StoreMesh(make_tiny(work / "tiny-qwen2", "qwen2", seed=args.seed), work)
+    sizes = dict(QWEN25_05B) if args.shape == "qwen2.5-0.5b" else {}
+    dtype = "float16" if args.device != "cpu" else "float32"
+    model = make_tiny(work / f"{args.shape}-qwen2", "qwen2", seed=args.seed, dtype=dtype, **sizes)
+    # Room in the store for every rep's prefix (no eviction between A's write and B's read).
+    geometry = sizes or {"layers": 2, "kv_heads": 2, "heads": 4, "hidden": 64}
+    per_token = 2 * geometry["layers"] * geometry["kv_heads"] * (geometry["hidden"] // geometry["heads"]) * 4
+    arena = max(32 << 20, 2 * (args.ttft_reps + 2) * (args.prefix + 64) * per_token)
+    env = {"XAVIER_ENGINE__NUM_PAGES": str(max(600, 4 * (args.prefix // 16 + 8)))}
+    mesh = StoreMesh(model, work, device=args.device, arena=arena, env=env)
     try:
         mesh.start_directory()
         mesh.start_store()
@@ -226,10 +268,18 @@ def plot(report: dict[str, Any], path: Path) -> None:
         bars = axes[2].bar(["cold", "warm from store", "warm local cache"], [ttft[f"{n}_ms"] for n in names])
         axes[2].bar_label(bars, fmt="%.1f ms")
         axes[2].set_ylabel("TTFT, median (ms)")
-        axes[2].set_title(f"TTFT, {ttft['prefix_tokens']}-token shared prefix (tiny model, CPU)")
+        axes[2].set_title(
+            f"TTFT, {ttft['prefix_tokens']}-token shared prefix ({ttft['shape']}, {ttft['device']})"
+        )
     else:
         axes[2].set_axis_off()
     runs = sorted({p["run_length"] for p in report["points"]})
+    if not runs:  # --skip-gbps
+        for ax in axes[:2]:
+            ax.set_axis_off()
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return
     for ax, op in zip(axes[:2], ("get", "put"), strict=True):
         for r in runs:
             pts = [p for p in report["points"] if p["run_length"] == r]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import time
 import uuid
@@ -39,16 +40,22 @@ class Answer:
 
 @dataclass
 class StoreMesh:
+    """`device`: where replicas keep their KV (XAVIER_TEST_DEVICE=cuda runs the module on the GPU, the
+    store then reached through each replica's pinned host mirror)."""
+
     model: Path
     workdir: Path
     procs: dict[str, ServiceProc] = field(default_factory=dict)
+    device: str = field(default_factory=lambda: os.environ.get("XAVIER_TEST_DEVICE", "cpu"))
+    arena: int = 32 << 20
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def store(self) -> ServiceProc:
         return self.procs["store"]
 
     def start_store(self, listen: str = "127.0.0.1:0") -> ServiceProc:
-        self.procs["store"] = start_store(self.workdir, arena=32 << 20, chunk=1 << 20, listen=listen)
+        self.procs["store"] = start_store(self.workdir, arena=self.arena, chunk=1 << 20, listen=listen)
         return self.store
 
     def start_directory(self) -> ServiceProc:
@@ -64,8 +71,9 @@ class StoreMesh:
 
     def _start_peer(self, binary: str, name: str, *extra: str) -> ServiceProc:
         args = ["--model", str(self.model), "--directory", self.procs["directory"].address]
-        args += ["--peer-id", name, "--listen", "127.0.0.1:0", *extra]
-        proc = start_service(binary, args, self.workdir, name=name, env=MESH_ENV, timeout=120)
+        args += ["--peer-id", name, "--listen", "127.0.0.1:0", "--device", self.device, *extra]
+        env = {**MESH_ENV, **self.env}
+        proc = start_service(binary, args, self.workdir, name=name, env=env, timeout=120)
         self.procs[name] = proc
         return proc
 

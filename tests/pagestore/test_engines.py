@@ -120,7 +120,11 @@ async def test_prefill_replicas_share_through_the_store(mesh: StoreMesh) -> None
     b1 = await prefill_stats(b)
     assert warm.usage.cached_tokens_store >= 0.9 * PREFIX and warm.usage.cached_tokens_local == 0
     assert b1.prompt_tokens_computed - b0.prompt_tokens_computed == PREFIX + SUFFIX - warm.usage.cached_tokens
-    assert (warm.first_token, warm.first_logprob) == (reference.first_token, reference.first_logprob)
+    assert warm.first_token == reference.first_token
+    # Bitwise pages, but on the GPU a prompt computed over cached pages takes another attention path
+    # than one computed whole: float16 logprobs agree to rounding there, exactly on the CPU.
+    tol = 0 if mesh.device == "cpu" else 1e-3
+    assert warm.first_logprob == pytest.approx(reference.first_logprob, abs=tol)
     await _assert_quiet(mesh)
 
 

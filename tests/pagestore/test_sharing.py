@@ -142,3 +142,31 @@ async def test_chains_longer_than_one_call_are_split(store: ServiceProc) -> None
     finally:
         await client.close()
         await reader.close()
+
+
+@pytest.mark.parametrize("slots", [5, 64])
+async def test_a_pool_behind_host_staging_round_trips_bitwise(store: ServiceProc, slots: int) -> None:
+    """The path a GPU pool takes (pages copied through a small host mirror around every READ and WRITE),
+    on host pools: chains longer than the mirror are split, and every slot is back after each call."""
+    staged = ClientSettings(staging_pages=slots, stage_host_pool=True)
+    pool = make_pool(6)
+    dst_pool = make_pool(None)
+    writer = PageStoreClient(store.address, buffers(pool), staged)
+    reader = PageStoreClient(store.address, buffers(dst_pool), staged)
+    try:
+        assert writer.staging is not None and reader.staging is not None
+        ns = PageNamespace(f"fp-staged-{slots}")
+        keys = chain(ns.contract_fingerprint, "", 11, len(SRC))
+        assert await writer.write(ns, keys, SRC) == len(SRC)
+        assert await reader.lookup_and_fetch(ns, keys, DST) == len(SRC)
+        assert page_digest(dst_pool, DST) == page_digest(pool, SRC)
+        # A chain whose tail is not stored: the stored prefix arrives, the rest of DST stays zero.
+        more = chain(ns.contract_fingerprint, "", 12, 3)
+        assert await reader.lookup_and_fetch(ns, [*keys[:2], *more], [60, 61, 62, 63, 59]) == 2
+        assert page_digest(dst_pool, [60, 61]) == page_digest(pool, SRC[:2])
+        assert page_digest(dst_pool, [62]) == page_digest(make_pool(None), [62])
+        for client in (writer, reader):
+            assert sorted(client.staging._free) == list(range(slots))
+    finally:
+        await writer.close()
+        await reader.close()

@@ -10,6 +10,9 @@ channel to the store. Failure policy, so that the store can only ever make a req
 - writes: `write_through` queues (bounded) and returns at once; a full queue drops the write and counts it;
 - the store's NIXL endpoint is fetched once per store instance; a restarted store (new instance) is
   noticed in the next response and reloaded, and the gRPC channel reconnects by itself.
+
+A pool on a GPU goes through `HostStaging`: NIXL and the checksums see its pinned host mirror, and pages
+move between the pool and the mirror around each READ and WRITE (see `staging`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +34,7 @@ from xavier_core.pagestore.layout import PageGeometry, Span, local_page_checksum
 from xavier_core.pagestore.metrics import ClientCounters, client_metrics
 from xavier_core.pagestore.namespace import PageNamespace
 from xavier_core.pagestore.nixl import Op, PageAgent, wait
+from xavier_core.pagestore.staging import HostStaging
 from xavier_core.pagestore.writer import WriteQueue
 from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.errors import XavierError, from_rpc_error
@@ -53,6 +58,10 @@ class ClientSettings:
     """Lease asked for Get and Put; it must cover the transfer and the commit."""
     write_queue: int = 64
     """Queued write-throughs; more are dropped and counted."""
+    staging_pages: int = 256
+    """Pages of the pinned host mirror of a device pool (unused for a host pool); bounds one call's chunk."""
+    stage_host_pool: bool = False
+    """Pass a host pool through the mirror too: the exact path a device pool takes, on any machine."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,10 @@ class _Store:
     instance: str
     agent_name: str
     max_keys: int
+
+
+class _TransferStuck(PeerError):
+    """A timed-out NIXL transfer that could not be cancelled: its local pages may still change."""
 
 
 class _StoreChanged(Exception):
@@ -76,18 +89,20 @@ class PageStoreClient:
         settings: ClientSettings | None = None,
         *,
         name: str | None = None,
+        device_lock: threading.Lock | None = None,
     ) -> None:
-        if any(b.device != "cpu" for b in buffers):
-            # Checksums read the local pages from the host; device pools need a staging copy first.
-            raise InvalidPagesError("the page store client needs host (DRAM) KV buffers")
         self.address = address
         self.settings = settings or ClientSettings()
-        self.buffers = tuple(buffers)
+        self.staging: HostStaging | None = None
+        if self.settings.stage_host_pool or any(b.device != "cpu" for b in buffers):
+            self.staging = HostStaging(buffers, self.settings.staging_pages, device_lock)
+        # What NIXL registers and the checksums read: the pool itself, or its host mirror.
+        self.buffers = self.staging.buffers if self.staging is not None else tuple(buffers)
         self.geometry = PageGeometry(tuple(b.bytes_per_page for b in buffers))
-        self.agent = PageAgent(name or f"pagestore-client-{os.getpid()}-{uuid.uuid4().hex[:8]}", buffers)
+        self.agent = PageAgent(name or f"pagestore-client-{os.getpid()}-{uuid.uuid4().hex[:8]}", self.buffers)
         self.counters = ClientCounters()
         self._metrics = client_metrics()
-        self._bases = [b.addr for b in buffers]
+        self._bases = [b.addr for b in self.buffers]
         self._num_pages = min(b.num_pages for b in buffers)
         self._channel: grpc.aio.Channel | None = None
         self._stub_: pb_grpc.PageStoreServiceStub | None = None
@@ -106,7 +121,7 @@ class PageStoreClient:
         self._metrics.lookups.inc()
         hit = 0
         try:
-            limit = (self._store.max_keys if self._store else None) or 1024
+            limit = self._chunk_limit()
             for at in range(0, len(keys), limit):
                 chunk = list(keys[at : at + limit])
                 got = await self._fetch(namespace, chunk, pages[at : at + len(chunk)])
@@ -152,7 +167,7 @@ class PageStoreClient:
         pages = self._check_pages(keys, src_pages)
         committed = 0
         try:
-            limit = (self._store.max_keys if self._store else None) or 1024
+            limit = self._chunk_limit()
             for at in range(0, len(keys), limit):
                 committed += await self._put(namespace, list(keys[at : at + limit]), pages[at : at + limit])
         except Exception as exc:
@@ -195,17 +210,28 @@ class PageStoreClient:
         if hit == 0:
             return 0
         corrupt: list[int] = []
+        slots: list[int] = []
         try:
             store = await self._ensure_store(resp.store_instance)
-            await self._transfer("READ", store, _spans(resp.spans), pages[:hit])
-            got = await asyncio.to_thread(local_page_checksums, self.buffers, pages[:hit])
+            local = pages[:hit]
+            if self.staging is not None:
+                slots = local = await self.staging.acquire(hit)
+            await self._transfer("READ", store, _spans(resp.spans), local)
+            got = await asyncio.to_thread(local_page_checksums, self.buffers, local)
             corrupt = [i for i, (a, b) in enumerate(zip(got, resp.checksums, strict=True)) if a != b]
             if corrupt:
                 log.warning("page store: %d fetched pages failed their checksum; dropped", len(corrupt))
                 self.counters.corrupt_pages += len(corrupt)
                 self._metrics.corrupt_pages.inc(len(corrupt))
                 hit = corrupt[0]
+            if self.staging is not None and hit:
+                await asyncio.to_thread(self.staging.to_pool, slots[:hit], pages[:hit])
+        except _TransferStuck:
+            slots = []  # NIXL may still write into them: never lent again
+            raise
         finally:
+            if slots and self.staging is not None:
+                await self.staging.release(slots)
             await self._release(resp.lease_id, corrupt)
         return hit
 
@@ -220,19 +246,34 @@ class PageStoreClient:
         resp: pb.PutPagesResponse = await self._call("PutPages", req)
         if not resp.reserved_indices:
             return 0
-        mine = [pages[i] for i in resp.reserved_indices]
+        local = [pages[i] for i in resp.reserved_indices]
+        slots: list[int] = []
         try:
             store = await self._ensure_store(resp.store_instance)
-            sums = await asyncio.to_thread(local_page_checksums, self.buffers, mine)
-            await self._transfer("WRITE", store, _spans(resp.spans), mine)
-        except BaseException:
+            if self.staging is not None:
+                slots = await self.staging.acquire(len(local))
+                await asyncio.to_thread(self.staging.to_host, local, slots)
+                local = slots
+            sums = await asyncio.to_thread(local_page_checksums, self.buffers, local)
+            await self._transfer("WRITE", store, _spans(resp.spans), local)
+        except BaseException as exc:
+            if isinstance(exc, _TransferStuck):
+                slots = []  # NIXL may still read them: never lent again
             await self._release(resp.lease_id, [])
             raise
+        finally:
+            if slots and self.staging is not None:
+                await self.staging.release(slots)
         commit = pb.CommitPutRequest(request_id=uuid.uuid4().hex, lease_id=resp.lease_id, checksums=sums)
         done: pb.CommitPutResponse = await self._call("CommitPut", commit)
         if done.checksum_failures:
             log.warning("page store: %d written pages failed their checksum", done.checksum_failures)
         return int(done.committed)
+
+    def _chunk_limit(self) -> int:
+        """Keys per call: the store's batch limit, and the host mirror's size for a device pool."""
+        limit = (self._store.max_keys if self._store else None) or 1024
+        return min(limit, self.staging.slots) if self.staging is not None else limit
 
     # --- plumbing -------------------------------------------------------------------------------------
 
@@ -252,6 +293,7 @@ class PageStoreClient:
             self._forget_store(store)
             if in_flight:  # NIXL refused to cancel: the pages may still change under the caller
                 log.error("page store: a timed-out NIXL %s could not be cancelled", op)
+                raise _TransferStuck(f"NIXL {op} of {len(pages)} pages ended {state}, still in flight")
             raise PeerError(f"NIXL {op} of {len(pages)} pages ended {state}")
         self._metrics.transfer_bytes.labels(op.lower()).inc(int(rows[:, 2].sum()))
 

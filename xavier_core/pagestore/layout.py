@@ -9,9 +9,13 @@ number of pages in the run (the descriptor count, not the link, bounds NIXL thro
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -22,6 +26,9 @@ from xavier_core.transfer.errors import InvalidPagesError
 
 CHECKSUM_BYTES = 16
 KEY_BYTES = 32
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+_HASH_THREADS = min(8, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -102,4 +109,19 @@ def buffer_view(addr: int, nbytes: int) -> memoryview:
 def local_page_checksums(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> list[bytes]:
     """Checksums of pages of local DRAM buffers (buffer b's page p at addr + p * bytes_per_page)."""
     views = [(buffer_view(b.addr, b.nbytes), b.bytes_per_page) for b in buffers]
-    return [page_checksum([v[p * s : (p + 1) * s] for v, s in views]) for p in pages]
+    return map_pages(lambda p: page_checksum([v[p * s : (p + 1) * s] for v, s in views]), pages)
+
+
+def map_pages(fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+    """`[fn(x) for x in items]`, spread over a few threads when there are many: hashlib releases the GIL
+    while it hashes a segment, so checksumming a long run of pages scales with the cores."""
+    if len(items) < 32 or _HASH_THREADS == 1:
+        return [fn(x) for x in items]
+    step = -(-len(items) // _HASH_THREADS)
+    parts = _hash_pool().map(lambda at: [fn(x) for x in items[at : at + step]], range(0, len(items), step))
+    return [r for part in parts for r in part]
+
+
+@functools.cache
+def _hash_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="page-checksum")

@@ -19,6 +19,7 @@ from xavier.v1 import page_store_service_pb2 as pb
 from xavier.v1 import page_store_service_pb2_grpc as pb_grpc
 from xavier.v1 import types_pb2
 
+from xavier_core.pagestore.layout import map_pages
 from xavier_core.runtime.errors import InvalidArgument, LeaseExpired, Unavailable
 from xavier_services.pagestore import validate
 from xavier_services.pagestore.arena import Arena
@@ -189,11 +190,11 @@ class PageStoreServicer(pb_grpc.PageStoreServiceServicer):  # type: ignore[misc]
         return response
 
     def _verify(self, lease: Lease, sums: Sequence[bytes]) -> list[bool]:
-        good = []
         for page, want in zip(lease.pages, sums, strict=True):
             page.checksum = want
-            good.append(self.arena.checksum(lease.ns.geometry, page.chunk, page.slot) == want)
-        return good
+        geometry = lease.ns.geometry
+        got = map_pages(lambda page: self.arena.checksum(geometry, page.chunk, page.slot), lease.pages)
+        return [a == b for a, b in zip(got, sums, strict=True)]
 
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Ctx) -> pb.ReleaseLeaseResponse:
         if (seen := self._remembered("release", request.request_id)) is not None:

@@ -99,6 +99,9 @@ class PageStoreSection(_Section):
     """Lease asked of the store for each read and write; it must cover the transfer and the commit."""
     write_queue: int = Field(default=64, ge=1, le=65536)
     """Write-throughs queued at most; more are dropped and counted."""
+    staging_pages: int = Field(default=256, ge=1, le=1 << 20)
+    """Pages of the pinned host mirror a GPU pool's store reads and writes pass through (the store is
+    DRAM and pages are checksummed on the host); also the most pages one store call moves."""
 
     @field_validator("address")
     @classmethod

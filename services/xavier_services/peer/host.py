@@ -146,18 +146,17 @@ class PeerHost:
         """Points the engine at the page store. Nothing is asked of the store now: a store that is down
         at start is a miss per request, and one that comes up later is found by the next request."""
         ps = self.config.pagestore
-        if any(b.device != "cpu" for b in self.engine.kv_buffers()):
-            # The client checksums pages on the host; a device pool would need a staging copy (not yet).
-            log.warning("page store not attached: the engine's KV pool is not in host memory")
-            return
         settings = ClientSettings(
             rpc_timeout_s=ps.rpc_timeout_seconds,
             transfer_timeout_s=ps.transfer_timeout_seconds,
             lease_seconds=ps.lease_seconds,
             write_queue=ps.write_queue,
+            staging_pages=ps.staging_pages,
         )
         name = f"{self.peer_id}-store-{uuid.uuid4().hex[:8]}"
-        self.store = PageStoreClient(ps.address, self.engine.kv_buffers(), settings, name=name)
+        self.store = PageStoreClient(
+            ps.address, self.engine.kv_buffers(), settings, name=name, device_lock=self.engine.device_lock
+        )
         self.engine.use_page_store(self.store, self.fingerprint)
         log.info("page store attached", address=ps.address)
 

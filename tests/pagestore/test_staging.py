@@ -1,0 +1,59 @@
+"""The host mirror a GPU pool's store traffic passes through, on host pools: copies both ways, slot leases."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from xavier_core.pagestore.staging import HostStaging
+from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.errors import InvalidPagesError
+
+pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("sizes", [(64, 64, 64), (64, 128, 32)])
+def test_pages_go_to_slots_and_back_bitwise(sizes: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(3)
+    pool = [rng.integers(0, 256, 20 * s, dtype=np.uint8) for s in sizes]
+    out = [np.zeros_like(a) for a in pool]
+    staging = HostStaging(
+        [KvBuffer(a.ctypes.data, a.nbytes, s, "cpu") for a, s in zip(pool, sizes, strict=True)], 6
+    )
+    back = HostStaging(
+        [KvBuffer(a.ctypes.data, a.nbytes, s, "cpu") for a, s in zip(out, sizes, strict=True)], 6
+    )
+    pages, slots = [7, 2, 19, 3], [5, 0, 2, 1]
+    staging.to_host(pages, slots)
+    for buf, a, s in zip(staging.buffers, pool, sizes, strict=True):
+        mirror = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * buf.nbytes).from_address(buf.addr))
+        for p, slot in zip(pages, slots, strict=True):
+            assert bytes(mirror[slot * s : (slot + 1) * s]) == bytes(a[p * s : (p + 1) * s])
+    # The mirror's bytes, moved into another pool through its own mirror's addresses.
+    for src, dst in zip(staging.buffers, back.buffers, strict=True):
+        np.ctypeslib.ctypes.memmove(dst.addr, src.addr, src.nbytes)
+    back.to_pool(slots, [0, 1, 2, 3])
+    for a, b, s in zip(pool, out, sizes, strict=True):
+        for p, q in zip(pages, [0, 1, 2, 3], strict=True):
+            assert bytes(b[q * s : (q + 1) * s]) == bytes(a[p * s : (p + 1) * s])
+        assert not b[4 * s :].any()
+    with pytest.raises(InvalidPagesError):
+        staging.to_host([1, 2], [0])
+
+
+async def test_slot_leases_wait_for_each_other() -> None:
+    pool = np.zeros(8 * 64, np.uint8)
+    staging = HostStaging([KvBuffer(pool.ctypes.data, pool.nbytes, 64, "cpu")], 4)
+    first = await staging.acquire(3)
+    second = asyncio.ensure_future(staging.acquire(2))
+    await asyncio.sleep(0.05)
+    assert not second.done()  # 1 slot free, 2 wanted
+    await staging.release(first)
+    got = await second
+    assert len(set(got)) == 2 and set(got) <= {0, 1, 2, 3}
+    await staging.release(got)
+    assert sorted(staging._free) == [0, 1, 2, 3]
+    with pytest.raises(InvalidPagesError):
+        await staging.acquire(5)

@@ -1,0 +1,155 @@
+"""Host staging for a device KV pool: the page store client's view of pages that live on a GPU.
+
+The store is DRAM and the client checksums every page it reads or writes on the host, so a replica whose
+pool is on a GPU moves pages through a pinned host mirror of the pool's page geometry: `slots` pages of
+every buffer, registered with NIXL instead of the device pool. A read lands in staging slots, is verified
+there, and only verified pages are copied to their device pages; a write copies device pages to slots,
+checksums them there and WRITEs from there. Slots are leased per operation, so concurrent reads and
+write-throughs share the mirror without waiting on each other until it is full.
+
+Device copies run on the device's default stream, the one the engine computes on: a write-through's
+gather is ordered after the prefill that filled its pages, and the engine's next use of fetched pages is
+ordered after their scatter. Each copy waits for its own completion before it returns (the caller runs it
+off the event loop), so a slot goes back only once nothing reads or writes it. torch is imported lazily:
+a replica with a host pool never builds a mirror.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.errors import InvalidPagesError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["HostStaging"]
+
+
+class _DeviceBytes:
+    """A raw device range as a torch tensor, through the CUDA array interface."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
+
+
+class HostStaging:
+    """A pinned host mirror of `slots` pages of every buffer of `pool` (see the module docstring)."""
+
+    def __init__(
+        self, pool: Sequence[KvBuffer], slots: int, device_lock: threading.Lock | None = None
+    ) -> None:
+        import torch
+
+        if slots < 1:
+            raise InvalidPagesError("host staging needs at least one slot")
+        devices = {b.device for b in pool}
+        if len(devices) != 1:
+            raise InvalidPagesError(f"KV buffers span devices {sorted(devices)}; staging needs one")
+        self.device = devices.pop()
+        if self.device != "cpu" and not torch.cuda.is_available():
+            raise InvalidPagesError(f"KV buffers on {self.device!r} but this process has no CUDA")
+        self.slots = slots
+        self._lock = device_lock
+        pinned = self.device != "cpu"
+        # Equal page sizes (every KV pool): one (buffers, slots, bytes) mirror, so a call's pages cross
+        # the bus in one copy whatever the number of buffers.
+        self._mirror: torch.Tensor | None = None
+        if len({b.bytes_per_page for b in pool}) == 1:
+            shape = (len(pool), slots, pool[0].bytes_per_page)
+            self._mirror = torch.empty(shape, dtype=torch.uint8, pin_memory=pinned)
+            self._host = list(self._mirror.unbind(0))
+        else:
+            self._host = [
+                torch.empty((slots, b.bytes_per_page), dtype=torch.uint8, pin_memory=pinned) for b in pool
+            ]
+        self._pool: list[torch.Tensor] = [_view(b) for b in pool]
+        self.buffers: tuple[KvBuffer, ...] = tuple(
+            KvBuffer(t.data_ptr(), t.numel(), b.bytes_per_page, "cpu")
+            for t, b in zip(self._host, pool, strict=True)
+        )
+        self._free = list(range(slots))
+        self._freed: asyncio.Condition | None = None
+
+    # --- slot leases (event loop) ------------------------------------------------------------------------
+
+    async def acquire(self, n: int) -> list[int]:
+        """`n` (≤ slots) free slots, waiting for others' operations to give theirs back."""
+        if not 0 < n <= self.slots:
+            raise InvalidPagesError(f"asked for {n} staging slots of {self.slots}")
+        if self._freed is None:
+            self._freed = asyncio.Condition()
+        async with self._freed:
+            await self._freed.wait_for(lambda: len(self._free) >= n)
+            taken, self._free = self._free[:n], self._free[n:]
+        return taken
+
+    async def release(self, slots: Sequence[int]) -> None:
+        if self._freed is None:
+            self._freed = asyncio.Condition()
+        async with self._freed:
+            self._free.extend(slots)
+            self._freed.notify_all()
+
+    # --- copies (a worker thread) ------------------------------------------------------------------------
+
+    def to_host(self, pages: Sequence[int], slots: Sequence[int]) -> None:
+        """Copies pool pages into staging slots (page i into slot i) and waits for the copy."""
+        self._copy(pages, slots, into_host=True)
+
+    def to_pool(self, slots: Sequence[int], pages: Sequence[int]) -> None:
+        """Copies staging slots into pool pages (slot i into page i) and waits for the copy."""
+        self._copy(pages, slots, into_host=False)
+
+    def _copy(self, pages: Sequence[int], slots: Sequence[int], *, into_host: bool) -> None:
+        import torch
+
+        if len(pages) != len(slots):
+            raise InvalidPagesError(f"{len(pages)} pool pages but {len(slots)} staging slots")
+        if not pages:
+            return
+        dev = torch.device(self.device)
+        p_idx = torch.tensor(list(pages), dtype=torch.long, device=dev)
+        s_idx = torch.tensor(list(slots), dtype=torch.long)
+        cuda = dev.type == "cuda"
+        stream = torch.cuda.default_stream(dev) if cuda else None
+        with self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
+            if self._mirror is not None and into_host:
+                gathered = torch.stack([pool.index_select(0, p_idx) for pool in self._pool])
+                self._mirror.index_copy_(1, s_idx, gathered.to("cpu"))
+            elif self._mirror is not None:
+                moved = self._mirror.index_select(1, s_idx).to(dev)
+                for b, pool in enumerate(self._pool):
+                    pool.index_copy_(0, p_idx, moved[b])
+            else:
+                for host, pool in zip(self._host, self._pool, strict=True):
+                    if into_host:
+                        host.index_copy_(0, s_idx, pool.index_select(0, p_idx).to("cpu"))
+                    else:
+                        pool.index_copy_(0, p_idx, host.index_select(0, s_idx).to(dev))
+            if stream is not None:
+                stream.synchronize()
+
+
+def _view(buf: KvBuffer) -> torch.Tensor:
+    """The buffer's pages as a (num_pages, bytes_per_page) uint8 tensor over the buffer's own memory."""
+    import ctypes
+
+    import torch
+
+    rows = (buf.num_pages, buf.bytes_per_page)
+    size = buf.num_pages * buf.bytes_per_page
+    if buf.device == "cpu":
+        raw = (ctypes.c_char * size).from_address(buf.addr)
+        return torch.frombuffer(raw, dtype=torch.uint8).view(rows)
+    return torch.as_tensor(_DeviceBytes(buf.addr, size), device=buf.device).view(rows)
