@@ -31,9 +31,9 @@ from xavier_core.directory import DirectoryClient, PeerSession
 from xavier_core.directory.client import TERMINAL_ROOM_STATES, Registration
 from xavier_core.runtime.errors import XavierError
 from xavier_core.runtime.logging import get_logger
-from xavier_core.transfer.aux_slots import AuxNixlAgent, aux_endpoint_regions
+from xavier_core.transfer.aux_slots import AuxNixlAgent
 from xavier_core.transfer.kv_transfer import KvManager, KvReceiver
-from xavier_core.transfer.source import endpoint_proto
+from xavier_core.transfer.source import endpoint_proto, regions_proto
 
 from .config import PoolShape, XavierSettings
 from .loop import LoopThread
@@ -155,7 +155,7 @@ class Hub:
     async def _start(self) -> Registration:
         self.client = DirectoryClient(self.settings.directory)
         endpoint = endpoint_proto(self.agent.name, self.agent.metadata(), self.pool.kv)
-        endpoint.aux_regions.extend(aux_endpoint_regions(self.pool.aux))
+        endpoint.aux_regions.extend(regions_proto(self.pool.aux))
         request = dpb.RegisterPeerRequest(
             role=self.role, address=self.settings.advertise, layout=self.layout.to_proto(), endpoint=endpoint
         )

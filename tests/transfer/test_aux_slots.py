@@ -12,8 +12,8 @@ import pytest
 from xavier.v1 import directory_service_pb2 as dpb
 
 from xavier_core.transfer import InvalidPagesError, InvalidSourceError, KvBuffer, LayoutError, peer_key
-from xavier_core.transfer.aux_slots import AuxNixlAgent, aux_endpoint_regions, aux_from_proto
-from xavier_core.transfer.source import endpoint_proto
+from xavier_core.transfer.aux_slots import AuxNixlAgent, aux_from_proto
+from xavier_core.transfer.source import endpoint_proto, regions_proto
 
 pytestmark = pytest.mark.integration
 
@@ -69,12 +69,14 @@ def test_bad_slots_and_layouts_are_refused(
 ) -> None:
     src, dst, _, _ = agents
     key = peer_key("src", 1)
-    with pytest.raises(InvalidPagesError):
+    with pytest.raises(InvalidPagesError, match="aux source page 8 is outside"):
         dst.read_slots(key, src.aux_buffers, [SLOTS], [0])
+    with pytest.raises(InvalidPagesError, match="aux destination page ids repeat"):  # the checks of read()
+        dst.read_slots(key, src.aux_buffers, [0, 1], [2, 2])
     with pytest.raises(LayoutError, match="count"):
         dst.read_slots(key, src.aux_buffers[:2], [0], [0])
     wrong = (*src.aux_buffers[:2], KvBuffer(src.aux_buffers[2].addr, 64 * SLOTS, 64, "cpu"))
-    with pytest.raises(LayoutError, match="slot size"):
+    with pytest.raises(LayoutError, match="aux buffer 2: bytes_per_page differs"):
         dst.read_slots(key, wrong, [0], [0])
     kv_only = AuxNixlAgent(f"aux-none-{os.getpid()}", list(dst.buffers), [])
     try:
@@ -88,7 +90,7 @@ def test_wire_form_round_trips_and_is_validated() -> None:
     kv, aux = _arrays(1)
     kv_bufs, aux_bufs = _bufs(kv, PAGE_BYTES), _bufs(aux, AUX_ITEMS)
     endpoint = endpoint_proto("agent", b"md", kv_bufs)
-    endpoint.aux_regions.extend(aux_endpoint_regions(aux_bufs))
+    endpoint.aux_regions.extend(regions_proto(aux_bufs))
     source = dpb.SourceDescriptor(num_pages=1)
     source.page_runs.add(first_page=0, count=1)
     source.aux_runs.add(first_page=3, count=1)
@@ -102,6 +104,10 @@ def test_wire_form_round_trips_and_is_validated() -> None:
     bad.aux_runs.add(first_page=0, count=0)
     with pytest.raises(InvalidSourceError, match="aux_runs"):
         aux_from_proto(bad, endpoint)
+    endpoint.aux_regions[0].device = ""
+    with pytest.raises(InvalidSourceError, match=r"aux_regions\[0\]\.device"):
+        aux_from_proto(source, endpoint)
+    endpoint.aux_regions[0].device = "cpu"
     endpoint.aux_regions[1].bytes_per_page = 0
-    with pytest.raises(InvalidSourceError, match=r"aux_regions\[1\]"):
+    with pytest.raises(InvalidSourceError, match="aux_regions: buffer 1 is invalid"):
         aux_from_proto(source, endpoint)
