@@ -122,6 +122,10 @@ class Hub:
             while len(self._endpoints) > _ENDPOINTS:
                 self._endpoints.popitem(last=False)
 
+    def forget_endpoint(self, prefill: tuple[str, int]) -> None:
+        with self._lock:
+            self._endpoints.pop(prefill, None)
+
     def publishing(self, delta: int) -> None:
         """Counts published sources: NIXL progress runs fast only while there is one."""
         with self._lock:

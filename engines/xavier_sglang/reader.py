@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import types_pb2
 
 from xavier_core.directory.client import TERMINAL_ROOM_STATES
 from xavier_core.transfer.aux_slots import aux_from_proto
@@ -24,6 +25,11 @@ from .hub import Hub
 from .rooms import RoomFailure, _ended, _rpc_failure
 
 __all__ = ["ReaderRoom"]
+
+# Failures that say the named prefill epoch is gone: PEER_NOT_FOUND (its peer id left the directory, as a
+# restarted process registers under a new id), STALE_EPOCH (it registered again), PEER_UNAVAILABLE (the
+# directory has no endpoint for it) and the room's PEER_LOST.
+_PREFILL_GONE = frozenset(("PEER_NOT_FOUND", "STALE_EPOCH", "PEER_UNAVAILABLE", "ROOM_END_CAUSE_PEER_LOST"))
 
 
 class ReaderRoom:
@@ -39,6 +45,8 @@ class ReaderRoom:
         self._state = KvPoll.BOOTSTRAPPING
         self._aux_slot: int | None = None
         self._begin: concurrent.futures.Future[dpb.BeginTransferResponse] | None = None
+        # The prefill epoch's endpoint as cached when BeginTransfer was sent (None: the answer carries it).
+        self._endpoint: types_pb2.TransferEndpoint | None = None
         self._complete: concurrent.futures.Future[dpb.Room] | None = None
         self._read_posted = False  # a READ of the source (aux slot or pages) was posted
         self.bytes_read = 0
@@ -66,6 +74,9 @@ class ReaderRoom:
                 self._fail_locked(RoomFailure("INVALID_ARGUMENT", str(exc)), read_posted=False)
                 return
             self._aux_slot = aux_slot
+            # Read once: the cache may drop this entry before the answer comes, and an answer to a call
+            # that said "cached" carries no endpoint.
+            self._endpoint = self.hub.endpoint(self.prefill)
             self._begin = self.hub.submit(
                 self.hub.client.begin_transfer(
                     self.room_id,
@@ -73,7 +84,7 @@ class ReaderRoom:
                     self.hub.peer,
                     request_id=f"sgl-{self.room_id}-begin",
                     wait_for_source=self.hub.settings.waiting_timeout_s,
-                    source_endpoint_cached=self.hub.endpoint(self.prefill) is not None,
+                    source_endpoint_cached=self._endpoint is not None,
                 )
             )
 
@@ -124,10 +135,11 @@ class ReaderRoom:
                 RoomFailure("LAYOUT_MISMATCH", "the source pages were computed under another KV layout")
             )
             return
-        endpoint = self.hub.endpoint(prefill)
+        endpoint = self._endpoint
         if endpoint is None:
             endpoint = resp.source_endpoint
-            self.hub.cache_endpoint(prefill, endpoint)
+            if resp.HasField("source_endpoint"):
+                self.hub.cache_endpoint(prefill, endpoint)
         key = peer_key(*prefill)
         try:
             source = SourceInfo.from_proto(room.source, endpoint)
@@ -150,6 +162,13 @@ class ReaderRoom:
             )
             return
         self._read_posted = True
+
+    @property
+    def prefill_gone(self) -> bool:
+        """True when the room failed because the prefill epoch it named is no longer registered (it
+        stopped, restarted as a new peer, or registered again with a new epoch): a request for the same
+        bootstrap address must look the prefill up again."""
+        return self.failure is not None and self.failure.code in _PREFILL_GONE
 
     def abort(self, detail: str = "aborted by SGLang") -> None:
         self.fail(RoomFailure("ROOM_END_CAUSE_DECODE_FAILED", detail))
