@@ -30,7 +30,6 @@ from xavier_core.contract import KvLayout
 from xavier_core.directory import DirectoryClient, PeerSession
 from xavier_core.directory.client import Registration
 from xavier_core.directory.room_feed import RoomFeed
-from xavier_core.runtime.logging import get_logger
 from xavier_core.transfer.aux_slots import AuxNixlAgent
 from xavier_core.transfer.kv_transfer import KvManager, KvReceiver
 from xavier_core.transfer.source import endpoint_proto, regions_proto
@@ -40,7 +39,6 @@ from .loop import LoopThread
 
 __all__ = ["Hub"]
 
-_log = get_logger("xavier.sglang.hub")
 T = TypeVar("T")
 
 _PROGRESS_INTERVAL_S = 0.002
