@@ -208,13 +208,8 @@ class XavierKVReceiver(CommonKVReceiver):
         self.kv_mgr.update_status(self.bootstrap_room, state)
         if state == KVPoll.Failed:
             self.conclude_state = state
-            failure = self.room.failure
-            if failure is not None and failure.code in (
-                "PEER_UNAVAILABLE",
-                "STALE_EPOCH",
-                "ROOM_END_CAUSE_PEER_LOST",
-            ):
-                self.kv_mgr.forget_prefill(self.bootstrap_addr)
+            if self.room.prefill_gone and self.room.prefill is not None:
+                self.kv_mgr.forget_prefill(self.bootstrap_addr, self.room.prefill)
         elif state == KVPoll.Success:
             self.conclude_state = state
         return state

@@ -5,8 +5,8 @@ event loop in a daemon thread and hands the synchronous side futures (`submit`),
 ever blocks on the network. The loop also:
 
 - keeps the process registered (`PeerSession`: register, heartbeat, re-register with a new epoch);
-- follows this peer's rooms (`WatchPeerRooms`) into `room()`, so a sender learns that its decode joined,
-  that the room completed, or that it ended, without one RPC per poll;
+- follows this peer's rooms with a `RoomFeed` (one `WatchPeerRooms` stream) into `room()`, so a sender
+  learns that its decode joined, that the room completed, or that it ended, without one RPC per poll;
 - drives NIXL progress (`KvManager.progress`) every few milliseconds while a source is published, since
   agents run without NIXL's spinning progress thread;
 - reclaims, once their READs have ended, receivers that SGLang already cleared (deferred reclamation).
@@ -28,24 +28,21 @@ from xavier.v1 import types_pb2
 
 from xavier_core.contract import KvLayout
 from xavier_core.directory import DirectoryClient, PeerSession
-from xavier_core.directory.client import TERMINAL_ROOM_STATES, Registration
-from xavier_core.runtime.errors import XavierError
-from xavier_core.runtime.logging import get_logger
-from xavier_core.transfer.aux_slots import AuxNixlAgent, aux_endpoint_regions
+from xavier_core.directory.client import Registration
+from xavier_core.directory.room_feed import RoomFeed
+from xavier_core.transfer.aux_slots import AuxNixlAgent
 from xavier_core.transfer.kv_transfer import KvManager, KvReceiver
-from xavier_core.transfer.source import endpoint_proto
+from xavier_core.transfer.source import endpoint_proto, regions_proto
 
 from .config import PoolShape, XavierSettings
 from .loop import LoopThread
 
 __all__ = ["Hub"]
 
-_log = get_logger("xavier.sglang.hub")
 T = TypeVar("T")
 
 _PROGRESS_INTERVAL_S = 0.002
 _IDLE_INTERVAL_S = 0.02
-_ROOM_VIEWS = 65536
 _ENDPOINTS = 256
 _START_TIMEOUT_S = 30.0
 
@@ -72,7 +69,6 @@ class Hub:
         self.agent = AuxNixlAgent(name, pool.kv, pool.aux, transfer_timeout_s=settings.transfer_timeout_s)
         self.kv = KvManager(self.agent, pool.kv, pool.page_size)
         self._lock = threading.Lock()
-        self._rooms: OrderedDict[int, dpb.Room] = OrderedDict()
         self._endpoints: OrderedDict[tuple[str, int], types_pb2.TransferEndpoint] = OrderedDict()
         self._parked: list[KvReceiver] = []
         self._publishing = 0
@@ -98,22 +94,21 @@ class Hub:
 
     def room(self, room_id: int) -> dpb.Room | None:
         """The latest view of one of this peer's rooms (from the feed), or None if none was seen."""
-        with self._lock:
-            return self._rooms.get(room_id)
+        return self.rooms.latest(room_id)
+
+    def submit_room(self, coro: Coroutine[Any, Any, dpb.Room]) -> concurrent.futures.Future[dpb.Room]:
+        """Runs an RPC that answers with a room; the answer is in `room()` once the future is done (the
+        feed's stream may lag behind it, and never carries a room that ended before anyone opened it)."""
+
+        async def noted() -> dpb.Room:
+            room = await coro
+            self.rooms.apply(room)
+            return room
+
+        return self.submit(noted())
 
     def forget_room(self, room_id: int) -> None:
-        with self._lock:
-            self._rooms.pop(room_id, None)
-
-    def note_room(self, room: dpb.Room) -> None:
-        """Records a room as an RPC answered it (the feed may lag behind the answer)."""
-        with self._lock:
-            old = self._rooms.get(room.room_id)
-            if old is not None and old.state in TERMINAL_ROOM_STATES:
-                return
-            self._rooms[room.room_id] = room
-            while len(self._rooms) > _ROOM_VIEWS:
-                self._rooms.popitem(last=False)
+        self._loop.loop.call_soon_threadsafe(self.rooms.forget, room_id)
 
     def endpoint(self, prefill: tuple[str, int]) -> types_pb2.TransferEndpoint | None:
         with self._lock:
@@ -124,6 +119,10 @@ class Hub:
             self._endpoints[prefill] = endpoint
             while len(self._endpoints) > _ENDPOINTS:
                 self._endpoints.popitem(last=False)
+
+    def forget_endpoint(self, prefill: tuple[str, int]) -> None:
+        with self._lock:
+            self._endpoints.pop(prefill, None)
 
     def publishing(self, delta: int) -> None:
         """Counts published sources: NIXL progress runs fast only while there is one."""
@@ -155,16 +154,15 @@ class Hub:
     async def _start(self) -> Registration:
         self.client = DirectoryClient(self.settings.directory)
         endpoint = endpoint_proto(self.agent.name, self.agent.metadata(), self.pool.kv)
-        endpoint.aux_regions.extend(aux_endpoint_regions(self.pool.aux))
+        endpoint.aux_regions.extend(regions_proto(self.pool.aux))
         request = dpb.RegisterPeerRequest(
             role=self.role, address=self.settings.advertise, layout=self.layout.to_proto(), endpoint=endpoint
         )
         self.session = PeerSession(self.client, request)
         registration = await self.session.start()
-        self._tasks = [
-            asyncio.create_task(self._feed(), name="xavier-sglang-feed"),
-            asyncio.create_task(self._progress(), name="xavier-sglang-progress"),
-        ]
+        self.rooms = RoomFeed(self.client, lambda: self.peer)
+        self.rooms.start()
+        self._tasks = [asyncio.create_task(self._progress(), name="xavier-sglang-progress")]
         return registration
 
     async def _stop(self) -> None:
@@ -173,26 +171,9 @@ class Hub:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await self.rooms.stop()
         await self.session.stop()
         await self.client.close()
-
-    async def _feed(self) -> None:
-        """Follows this peer's rooms; restarts after errors and after a re-registration (new epoch)."""
-        while True:
-            peer_id, epoch = self.peer
-            try:
-                async for batch in self.client.watch_peer_rooms(peer_id, epoch):
-                    for room in batch:
-                        self.note_room(room)
-                    if self.peer != (peer_id, epoch):
-                        break
-            except XavierError as err:
-                _log.info("room feed ended", reason=err.reason)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                _log.warning("room feed failed", error=f"{type(exc).__name__}: {exc}")
-            await asyncio.sleep(0.2)
 
     async def _progress(self) -> None:
         while True:

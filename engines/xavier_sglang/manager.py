@@ -156,10 +156,13 @@ class XavierKVManager(CommonKVManager):
     def prefill_peer(self, bootstrap_addr: str) -> tuple[str, int] | None:
         return self._prefill_peers.get(bootstrap_addr)
 
-    def forget_prefill(self, bootstrap_addr: str) -> None:
-        """Drops a prefill whose epoch ended, so the next request looks it up again."""
-        self._prefill_peers.pop(bootstrap_addr, None)
-        self.prefill_info_table.pop(bootstrap_addr, None)
+    def forget_prefill(self, bootstrap_addr: str, prefill: tuple[str, int]) -> None:
+        """Drops `prefill` (peer id, epoch), whose epoch ended, from the address it served (unless a newer
+        lookup replaced it already) and its cached endpoint, so the next request looks it up again."""
+        self.hub.forget_endpoint(prefill)
+        if self._prefill_peers.get(bootstrap_addr) == prefill:
+            del self._prefill_peers[bootstrap_addr]
+            self.prefill_info_table.pop(bootstrap_addr, None)
 
     # --- 0.5.23 deferred decode KV release ------------------------------------------------
 

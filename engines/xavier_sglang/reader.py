@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
 from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import types_pb2
 
 from xavier_core.directory.client import TERMINAL_ROOM_STATES
 from xavier_core.transfer.aux_slots import aux_from_proto
 from xavier_core.transfer.errors import TransferError
-from xavier_core.transfer.kv_transfer import KvPoll, KvReceiver, fail_notif
+from xavier_core.transfer.kv_transfer import KvPoll, KvReceiver
 from xavier_core.transfer.peers import peer_key
 from xavier_core.transfer.source import SourceInfo
 from xavier_core.transfer.xfer import Transfer
@@ -22,6 +25,11 @@ from .hub import Hub
 from .rooms import RoomFailure, _ended, _rpc_failure
 
 __all__ = ["ReaderRoom"]
+
+# Failures that say the named prefill epoch is gone: PEER_NOT_FOUND (its peer id left the directory, as a
+# restarted process registers under a new id), STALE_EPOCH (it registered again), PEER_UNAVAILABLE (the
+# directory has no endpoint for it) and the room's PEER_LOST.
+_PREFILL_GONE = frozenset(("PEER_NOT_FOUND", "STALE_EPOCH", "PEER_UNAVAILABLE", "ROOM_END_CAUSE_PEER_LOST"))
 
 
 class ReaderRoom:
@@ -37,11 +45,10 @@ class ReaderRoom:
         self._state = KvPoll.BOOTSTRAPPING
         self._aux_slot: int | None = None
         self._begin: concurrent.futures.Future[dpb.BeginTransferResponse] | None = None
-        self._source: SourceInfo | None = None
-        self._aux: Transfer | None = None
+        # The prefill epoch's endpoint as cached when BeginTransfer was sent (None: the answer carries it).
+        self._endpoint: types_pb2.TransferEndpoint | None = None
         self._complete: concurrent.futures.Future[dpb.Room] | None = None
-        self._read_posted = False
-        self._notify_fail_later = False
+        self._read_posted = False  # a READ of the source (aux slot or pages) was posted
         self.bytes_read = 0
         self.started: float | None = None
         self.finished: float | None = None
@@ -67,6 +74,9 @@ class ReaderRoom:
                 self._fail_locked(RoomFailure("INVALID_ARGUMENT", str(exc)), read_posted=False)
                 return
             self._aux_slot = aux_slot
+            # Read once: the cache may drop this entry before the answer comes, and an answer to a call
+            # that said "cached" carries no endpoint.
+            self._endpoint = self.hub.endpoint(self.prefill)
             self._begin = self.hub.submit(
                 self.hub.client.begin_transfer(
                     self.room_id,
@@ -74,7 +84,7 @@ class ReaderRoom:
                     self.hub.peer,
                     request_id=f"sgl-{self.room_id}-begin",
                     wait_for_source=self.hub.settings.waiting_timeout_s,
-                    source_endpoint_cached=self.hub.endpoint(self.prefill) is not None,
+                    source_endpoint_cached=self._endpoint is not None,
                 )
             )
 
@@ -82,11 +92,9 @@ class ReaderRoom:
         with self._lock:
             if self.failure is not None or self._state == KvPoll.SUCCESS:
                 return self._state
-            if self._begin is not None and self._source is None and self._begin.done():
+            if self._begin is not None and self.started is None and self._begin.done():
                 if self.prefill is not None:
                     self._start_locked(self._begin, self.prefill)
-            if self._aux is not None and self._state == KvPoll.TRANSFERRING:
-                self._after_aux_locked()
             if self._read_posted and self._complete is None and self.failure is None:
                 state = self.kv.poll()
                 if state == KvPoll.FAILED:
@@ -127,41 +135,40 @@ class ReaderRoom:
                 RoomFailure("LAYOUT_MISMATCH", "the source pages were computed under another KV layout")
             )
             return
-        endpoint = self.hub.endpoint(prefill)
+        endpoint = self._endpoint
         if endpoint is None:
             endpoint = resp.source_endpoint
-            self.hub.cache_endpoint(prefill, endpoint)
+            if resp.HasField("source_endpoint"):
+                self.hub.cache_endpoint(prefill, endpoint)
         key = peer_key(*prefill)
         try:
-            source = self._source = SourceInfo.from_proto(room.source, endpoint)
+            source = SourceInfo.from_proto(room.source, endpoint)
             aux_buffers, aux_src = aux_from_proto(room.source, endpoint)
-            self.hub.agent.add_peer(key, source.metadata)
-            self.started = time.monotonic()
-            self._state = KvPoll.TRANSFERRING
-            if self._aux_slot is not None and aux_src.size:
-                self._aux = self.hub.agent.read_slots(key, aux_buffers, aux_src, [self._aux_slot])
-            else:
-                self._post_kv_locked(key, source)
         except TransferError as exc:
-            self._fail_locked(RoomFailure("TRANSFER_FAILED", str(exc)), read_posted=self._aux is not None)
-
-    def _after_aux_locked(self) -> None:
-        aux, source = self._aux, self._source
-        if aux is None or source is None or self._read_posted or self.prefill is None:
+            self._fail_locked(RoomFailure("TRANSFER_FAILED", str(exc)), read_posted=False)
             return
-        state = aux.poll()
-        if state == "PROC":
+        lead: Callable[[], Transfer] | None = None
+        self.bytes_read = self.hub.page_bytes * source.num_pages
+        if self._aux_slot is not None and aux_src.size:
+            # The aux slot (first token, metadata) lands before the pages: see `KvReceiver.start`.
+            lead = functools.partial(self.hub.agent.read_slots, key, aux_buffers, aux_src, [self._aux_slot])
+            self.bytes_read += sum(b.bytes_per_page for b in aux_buffers)
+        self.started = time.monotonic()
+        self._state = KvPoll.TRANSFERRING
+        self.kv.start(source, key, lead=lead)
+        if self.kv.poll() == KvPoll.FAILED:  # refused before anything was posted, or already ended
+            self._fail_locked(
+                RoomFailure("TRANSFER_FAILED", self.kv.error or "READ failed"), read_posted=False
+            )
             return
-        if state == "ERR":
-            self._fail_locked(RoomFailure("TRANSFER_FAILED", f"aux READ failed: {aux.error}"))
-            return
-        self.bytes_read += aux.nbytes
-        self._post_kv_locked(peer_key(*self.prefill), source)
-
-    def _post_kv_locked(self, key: str, source: SourceInfo) -> None:
         self._read_posted = True
-        self.kv.start(source, key)
-        self.bytes_read += self.hub.page_bytes * source.num_pages
+
+    @property
+    def prefill_gone(self) -> bool:
+        """True when the room failed because the prefill epoch it named is no longer registered (it
+        stopped, restarted as a new peer, or registered again with a new epoch): a request for the same
+        bootstrap address must look the prefill up again."""
+        return self.failure is not None and self.failure.code in _PREFILL_GONE
 
     def abort(self, detail: str = "aborted by SGLang") -> None:
         self.fail(RoomFailure("ROOM_END_CAUSE_DECODE_FAILED", detail))
@@ -174,30 +181,10 @@ class ReaderRoom:
 
     def release_safe(self) -> bool:
         """True once no READ of this room may still write its pages (KV or aux)."""
-        with self._lock:
-            aux_live = self._aux is not None and self._aux.in_flight
-            if aux_live and self._aux is not None:
-                self._aux.poll()
-                aux_live = self._aux.in_flight
-            if not aux_live and self._notify_fail_later:
-                self._notify_fail_later = False
-                self._send_fail_notif()
-            return not aux_live and not self.kv.in_flight()
-
-    def _send_fail_notif(self) -> None:
-        if self.prefill is None:
-            return
-        token = self._source.token if self._source is not None else ""
-        try:
-            self.hub.agent.send_notif(peer_key(*self.prefill), fail_notif(str(self.room_id), token))
-        except TransferError:
-            pass  # the source is gone: nothing of it waits for this
+        return not self.kv.in_flight()
 
     def clear(self) -> None:
         """Forgets the room; a READ still in flight is parked with the hub until it ends."""
-        if self._aux is not None and self._aux.in_flight:
-            self._aux.release()
-        self.release_safe()  # sends a deferred fail notification once the aux READ has ended
         with self._lock:
             if self.kv.in_flight():
                 self.hub.park(self.kv)
@@ -211,18 +198,8 @@ class ReaderRoom:
         self.failure = failure
         self._state = KvPoll.FAILED
         posted = self._read_posted if read_posted is None else read_posted
+        # Tells the source once no READ of ours can touch its pages or slot any more (KvReceiver).
         self.kv.abort(str(failure))
-        if self._aux is not None and not self._read_posted and self.prefill is not None:
-            # The KV READ never started, so no done/fail notification carries this room: say it here,
-            # once the aux READ has ended (cancelled if still running), so the source never reuses a
-            # slot this process may still be reading.
-            aux = self._aux
-            if aux.in_flight:
-                aux.poll()
-            if aux.in_flight and not aux.release():
-                self._notify_fail_later = True
-            else:
-                self._send_fail_notif()
         if tell_directory and self.prefill is not None:
             cause = dpb.ROOM_END_CAUSE_DECODE_FAILED if posted else dpb.ROOM_END_CAUSE_DECODE_DECLINED
             self.hub.submit(

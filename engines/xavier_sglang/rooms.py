@@ -127,7 +127,7 @@ class SourceRoom:
             if self._aux_slot is not None:
                 desc.aux_runs.add(first_page=self._aux_slot, count=1)
             self.hub.publishing(+1)
-            self._publish = self.hub.submit(
+            self._publish = self.hub.submit_room(
                 self.hub.client.publish_source(
                     self.room_id, self.hub.peer, self._decode, desc, request_id=f"sgl-{self.room_id}-publish"
                 )
@@ -155,8 +155,7 @@ class SourceRoom:
                 if failed is not None:
                     self._fail_locked(failed)
                     return KvPoll.FAILED
-                self.hub.note_room(self._publish.result())
-                room = self.hub.room(self.room_id)
+                room = self.hub.room(self.room_id)  # the answer is in by now
             if room is not None and room.state == dpb.ROOM_STATE_COMPLETED:
                 self.kv.mark_complete()
             elif room is not None and room.state in TERMINAL_ROOM_STATES:
@@ -174,15 +173,12 @@ class SourceRoom:
     def _probe_locked(self) -> None:
         """Asks the directory for the room now and then while no view of it has come: a room ended
         before anyone opened it (a tombstone) reaches no peer's feed."""
-        probe = self._probe
-        if probe is not None and probe.done():
-            self._probe = None
-            if probe.exception() is None:  # NOT_FOUND: nobody opened it yet
-                self.hub.note_room(probe.result())
+        if self._probe is not None and self._probe.done():
+            self._probe = None  # its answer is in the feed; NOT_FOUND: nobody opened the room yet
         now = time.monotonic()
         if self._probe is None and now - self._probed >= _PROBE_INTERVAL_S:
             self._probed = now
-            self._probe = self.hub.submit(self.hub.client.get_room(self.room_id))
+            self._probe = self.hub.submit_room(self.hub.client.get_room(self.room_id))
 
     def abort(self, detail: str = "aborted by SGLang") -> None:
         self.fail(RoomFailure("ROOM_END_CAUSE_PREFILL_FAILED", detail))

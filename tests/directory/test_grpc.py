@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
-from xavier_services.peer.room_feed import RoomFeed
 
 from tests.directory.helpers import lifecycle, register_request, source
 from tests.support.procs import ServiceProc, start_service
 from xavier_core.directory import DirectoryClient, PeerSession, Registration
+from xavier_core.directory.room_feed import RoomFeed
 from xavier_core.runtime.errors import (
     CapacityExhausted,
     FailedPrecondition,

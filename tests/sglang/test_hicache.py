@@ -1,15 +1,17 @@
 """The HiCache storage backend, created by SGLang's own `StorageBackendFactory` ("dynamic", interface_v1),
 round-trips pages between host pools and a real page store process over NIXL.
 
-The host pool is shaped like SGLang's MHA host pool in the page-first layout (`kv_buffer` of
-`[2, tokens, layers, heads, head_dim]`, `get_page_buffer_meta` as SGLang computes it: one K and one V
-pointer per page); building SGLang's own host pool needs its device pool, which this CPU machine cannot
-construct. Keys are SGLang's own page hash chain (`get_hash_str`).
+The host pools are SGLang's own `MHATokenToKVPoolHost` in the page-first layout, built on CPU as SGLang's
+cache controller builds them: over an `MHATokenToKVPool` with `device="cpu"` (0.5.17 passes the device
+pool itself, 0.5.23 its `get_device_pool_infos()` buffer info) and `pin_memory=False` (pinning needs a
+CUDA driver). The backend learns the pool only through `get_page_buffer_meta`, as inside SGLang. Keys are
+SGLang's own page hash chain (`get_hash_str`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,37 +33,39 @@ from tests.support.procs import ServiceProc
 pytestmark = [pytest.mark.sglang, pytest.mark.integration]
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 16, 4
-HOST_PAGES = 32
+DEVICE_TOKENS, HOST_RATIO = 128, 2.0  # a host pool of at least 64 pages
 
 
-class PageFirstHostPool:
-    """The zero-copy face of SGLang's `MHATokenToKVPoolHost` with layout "page_first"."""
+def host_pool(seed: int | None) -> Any:
+    """SGLang's host KV pool (page-first) over a CPU device pool of DEVICE_TOKENS tokens; random contents
+    from `seed`, zeros without one."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    layout = "page_first"
-    dtype = torch.float32
+    device = MHATokenToKVPool(
+        size=DEVICE_TOKENS, page_size=PAGE, dtype=torch.float32, head_num=HEADS, head_dim=DIM,
+        layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+    )  # fmt: skip
+    if "buffer_info" in inspect.signature(MHATokenToKVPoolHost.__init__).parameters:  # 0.5.23
+        info = device.get_device_pool_infos()[0].buffer_info
+        pool = MHATokenToKVPoolHost(
+            info, HOST_RATIO, 0, PAGE, "page_first", pin_memory=False, device="cpu",
+            device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
+        )  # fmt: skip
+    else:  # 0.5.17
+        pool = MHATokenToKVPoolHost(device, HOST_RATIO, 0, PAGE, "page_first", pin_memory=False, device="cpu")
+    assert pool.layout == "page_first" and tuple(pool.kv_buffer.shape[2:]) == (LAYERS, HEADS, DIM)
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+        pool.kv_buffer.copy_(torch.rand(pool.kv_buffer.shape, generator=gen))
+    else:
+        pool.kv_buffer.zero_()
+    return pool
 
-    def __init__(self, seed: int | None) -> None:
-        self.page_size, self.size = PAGE, HOST_PAGES * PAGE
-        self.layer_num, self.head_num, self.head_dim = LAYERS, HEADS, DIM
-        shape = (2, self.size, LAYERS, HEADS, DIM)
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.kv_buffer = torch.rand(shape, generator=gen) if gen is not None else torch.zeros(shape)
 
-    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
-        # SGLang's formula (pool_host/mha.py): K at the page's first token, V one K half further.
-        item = self.dtype.itemsize
-        base = self.kv_buffer.data_ptr()
-        v_offset = self.layer_num * self.size * self.head_num * self.head_dim * item
-        ptrs: list[int] = []
-        idx = indices.tolist()
-        for i in range(0, len(idx), self.page_size):
-            k = base + idx[i] * self.layer_num * self.head_num * self.head_dim * item
-            ptrs += [k, k + v_offset]
-        size = item * self.page_size * self.layer_num * self.head_num * self.head_dim
-        return ptrs, [size] * len(ptrs)
-
-    def page(self, p: int) -> torch.Tensor:
-        return self.kv_buffer[:, p * PAGE : (p + 1) * PAGE].clone()
+def page(pool: Any, p: int) -> torch.Tensor:
+    """K and V of host page `p` (page-first: `kv_buffer` is [2, tokens, layers, heads, head_dim])."""
+    return pool.kv_buffer[:, p * PAGE : (p + 1) * PAGE].clone()
 
 
 def host_indices(pages: list[int]) -> torch.Tensor:
@@ -90,7 +94,7 @@ def extra_config(store: str, model: Path, **more: Any) -> dict[str, Any]:
     }
 
 
-def backend(store: str, model: Path, pool: PageFirstHostPool, rank: int = 0, **more: Any) -> Any:
+def backend(store: str, model: Path, pool: Any, rank: int = 0, **more: Any) -> Any:
     """Created and attached as SGLang's cache controller does it."""
     made = StorageBackendFactory.create_backend(
         "dynamic", storage_config(extra_config(store, model, **more), rank), pool
@@ -114,15 +118,16 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]:
 
 
 def test_pool_buffers_follow_sglangs_page_meta() -> None:
-    pool = PageFirstHostPool(None)
+    pool = host_pool(None)
     bufs = host_pool_buffers(pool)
     page_bytes = PAGE * LAYERS * HEADS * DIM * 4
     assert [b.bytes_per_page for b in bufs] == [page_bytes, page_bytes]
-    assert bufs[1].addr - bufs[0].addr == pool.kv_buffer[0].nbytes and bufs[0].num_pages == HOST_PAGES
+    assert bufs[0].addr == pool.kv_buffer.data_ptr() and bufs[0].num_pages == pool.size // PAGE >= 64
+    assert bufs[1].addr - bufs[0].addr == pool.kv_buffer[0].nbytes  # V one K half further
 
 
 def test_pages_round_trip_through_the_store(store: ServiceProc, tiny_model: Path) -> None:
-    writer_pool, reader_pool = PageFirstHostPool(seed=1), PageFirstHostPool(seed=None)
+    writer_pool, reader_pool = host_pool(seed=1), host_pool(seed=None)
     writer = backend(store.address, tiny_model, writer_pool)
     reader = backend(store.address, tiny_model, reader_pool)
     try:
@@ -138,7 +143,7 @@ def test_pages_round_trip_through_the_store(store: ServiceProc, tiny_model: Path
         assert reader.batch_exists([other[0], *keys]) == 0
         assert reader.batch_get_v1(keys[:4] + other[:1], host_indices(dst[:5])) == [True] * 4 + [False]
         for s, d in zip(src[:4], dst[:4], strict=True):
-            assert torch.equal(reader_pool.page(d), writer_pool.page(s)), f"page {s} -> {d} differs"
+            assert torch.equal(page(reader_pool, d), page(writer_pool, s)), f"page {s} -> {d} differs"
         assert reader.get_stats()["hit_pages"] == 4 and reader.errors == 0
     finally:
         writer.close()
@@ -146,7 +151,7 @@ def test_pages_round_trip_through_the_store(store: ServiceProc, tiny_model: Path
 
 
 def test_keys_are_namespaced_by_salt_and_rank(store: ServiceProc, tiny_model: Path) -> None:
-    pools = [PageFirstHostPool(seed=2) for _ in range(3)]
+    pools = [host_pool(seed=2) for _ in range(3)]
     plain = backend(store.address, tiny_model, pools[0])
     salted = backend(store.address, tiny_model, pools[1], cache_salt="tenant-b")
     rank1 = backend(store.address, tiny_model, pools[2], rank=1)
@@ -163,7 +168,7 @@ def test_keys_are_namespaced_by_salt_and_rank(store: ServiceProc, tiny_model: Pa
 
 def test_store_down_is_a_miss_and_a_metric(tmp_path: Path, tiny_model: Path) -> None:
     proc = start_store(tmp_path / "store", arena=4 << 20, chunk=64 << 10)
-    pool = PageFirstHostPool(seed=3)
+    pool = host_pool(seed=3)
     b = backend(proc.address, tiny_model, pool, rpc_timeout_s=0.5, transfer_timeout_s=1.0)
     try:
         keys = sglang_keys(2, first_token=900)

@@ -36,10 +36,12 @@ _ports = iter(range(19_000, 19_999))
 class Peer:
     """One child process running `peer.peer_main`."""
 
-    def __init__(self, role: str, directory: str, model: Path, seed: int | None) -> None:
+    def __init__(
+        self, role: str, directory: str, model: Path, seed: int | None, port: int | None = None
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.port = next(_ports)
+        self.port = next(_ports) if port is None else port
         self.addr = f"127.0.0.1:{self.port}"
         env = {"XAVIER_DIRECTORY": directory, "SGLANG_PLUGINS": "xavier"}
         self.proc = ctx.Process(
@@ -213,6 +215,39 @@ def test_pages_outside_the_pool_fail_the_room_not_the_scheduler(pair: tuple[Peer
     assert got_d["states"][-1] == FAILED
     assert "|ROOM_END_CAUSE_PREFILL_FAILED|" in got_d["failure"], got_d["failure"]
     assert_idle(prefill, decode)
+
+
+def test_decode_finds_a_prefill_restarted_at_the_same_address(
+    pair: tuple[Peer, Peer], directory: ServiceProc, tiny_model: Path, plugin_entry_point: str
+) -> None:
+    """A prefill that stops and starts again at the same bootstrap address is a new directory peer. The
+    decode still maps the address to the old (peer, epoch): the first request names it and fails
+    PEER_NOT_FOUND, and that failure must drop the mapping so the next request finds the new prefill."""
+    _, decode = pair
+    old = Peer("prefill", directory.address, tiny_model, seed=3)
+    try:
+        room = new_room()
+        old.send("serve", room=room, addr=old.addr, pages=[1, 2], chunks=[2], aux_slot=0)
+        got_d = decode.call("fetch", room=room, addr=old.addr, pages=[3, 4], aux_slot=0)
+        assert old.result()["failure"] == "" and got_d["failure"] == "", got_d["failure"]
+    finally:
+        old.close()  # unregisters: its peer id leaves the directory
+    new = Peer("prefill", directory.address, tiny_model, seed=4, port=old.port)
+    try:
+        room = new_room()
+        new.send("serve", room=room, addr=new.addr, pages=[1, 2], chunks=[2], aux_slot=0, timeout=20)
+        got_d = decode.call("fetch", room=room, addr=new.addr, pages=[3, 4], aux_slot=0, timeout=20)
+        assert got_d["states"][-1] == FAILED and "|PEER_NOT_FOUND|" in got_d["failure"], got_d["failure"]
+        assert new.result()["states"][-1] == FAILED  # the decode's abort left a tombstone
+        room = new_room()
+        new.send("serve", room=room, addr=new.addr, pages=[5, 6, 7], chunks=[3], aux_slot=1)
+        got_d = decode.call("fetch", room=room, addr=new.addr, pages=[8, 9, 10], aux_slot=2)
+        got_p = new.result()
+        assert got_d["failure"] == "" and got_p["failure"] == "", got_d["failure"]
+        assert got_d["kv"] == got_p["kv"] and got_d["aux"] == got_p["aux"]
+        assert_idle(new, decode)
+    finally:
+        new.close()
 
 
 def test_kill9_decode_fails_the_prefills_room(

@@ -18,7 +18,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -244,6 +244,8 @@ class KvReceiver:
         self._state = KvPoll.BOOTSTRAPPING
         self._dest: npt.NDArray[np.int64] | None = None
         self._xfer: Transfer | None = None
+        # Set while `_xfer` is a lead READ: what the page READ posted after it will read.
+        self._pages_after: tuple[SourceInfo, Mode] | None = None
         self._peer_key: str | None = None
         self._token = ""
         self._notify_fail_when_idle = False
@@ -262,8 +264,20 @@ class KvReceiver:
             self._dest = dest
             self._state = KvPoll.WAITING_FOR_INPUT
 
-    def start(self, source: SourceInfo, peer_key: str, mode: Mode = "coalesced") -> None:
-        """Adds the peer if needed and posts one READ (one descriptor per run per buffer)."""
+    def start(
+        self,
+        source: SourceInfo,
+        peer_key: str,
+        mode: Mode = "coalesced",
+        lead: Callable[[], Transfer] | None = None,
+    ) -> None:
+        """Adds the peer if needed and posts one READ (one descriptor per run per buffer).
+
+        `lead`, if given, posts a READ of other bytes of the same source that must land before the pages
+        (an engine's per-request aux slots): the pages are read once it is DONE, so the done notification
+        (carried by the page READ) still means every byte was read. A lead READ carries no notification,
+        so a failure is told to the source once it has ended, whatever its end.
+        """
         with self._lock:
             if self._state != KvPoll.WAITING_FOR_INPUT or self._dest is None:
                 raise TransferError(f"room {self.room!r}: start() in state {self._state.name}")
@@ -276,19 +290,30 @@ class KvReceiver:
                         f"page count mismatch: source has {source.num_pages} pages, "
                         f"destination {self._dest.size}"
                     )
-                self._xfer = agent.read(
-                    peer_key,
-                    source.buffers,
-                    source.page_ids(),
-                    self._dest,
-                    done_notif(self.room, self._token),
-                    mode,
-                )
+                if lead is None:
+                    self._xfer = self._read_pages(source, mode)
+                else:
+                    self._pages_after = (source, mode)
+                    self._xfer = lead()
             except TransferError as exc:
                 self._fail(str(exc))
                 return
             self._state = KvPoll.TRANSFERRING
             self._check()
+
+    def _read_pages(self, source: SourceInfo, mode: Mode) -> Transfer:
+        if self._peer_key is None or self._dest is None:
+            raise TransferError(f"room {self.room!r}: no source to read")
+        xfer = self.manager.agent.read(
+            self._peer_key,
+            source.buffers,
+            source.page_ids(),
+            self._dest,
+            done_notif(self.room, self._token),
+            mode,
+        )
+        self._pages_after = None
+        return xfer
 
     def poll(self) -> KvPoll:
         """Drives the READ and returns the state."""
@@ -335,12 +360,21 @@ class KvReceiver:
             self.manager._account(xfer)
         if state == "PROC":
             return
+        after = self._pages_after  # set: the READ that ended was the lead READ
         if self._state == KvPoll.TRANSFERRING:
+            if state == "DONE" and after is not None:
+                try:
+                    self._xfer = self._read_pages(*after)
+                except TransferError as exc:
+                    self._fail(str(exc))
+                    return
+                self._check()
+                return
             if state == "DONE":
                 self._state = KvPoll.SUCCESS
             else:
                 self._fail(f"READ failed: {xfer.error}")
-        if self._notify_fail_when_idle and state == "ERR":
+        if self._notify_fail_when_idle and (state == "ERR" or after is not None):
             self._notify_fail_when_idle = False
             self._send_fail()
 
@@ -350,7 +384,7 @@ class KvReceiver:
         if self._xfer is not None and self._xfer.in_flight:
             # The source may reuse its pages once told; tell it only when our READ has ended.
             self._notify_fail_when_idle = True
-        elif self._xfer is None or self._xfer.state == "ERR":
+        elif self._xfer is None or self._xfer.state == "ERR" or self._pages_after is not None:
             self._send_fail()
 
     def _send_fail(self) -> None:

@@ -175,26 +175,55 @@ class NixlAgent:
 
         `notif` reaches the peer's `notifications()` once the READ has completed.
         """
+        return self._read_group(
+            self.buffers,
+            self.mem,
+            "KV",
+            peer_key,
+            remote_buffers,
+            src_page_ids,
+            dst_page_ids,
+            notif,
+            mode,
+            timeout_s,
+        )
+
+    def _read_group(
+        self,
+        local_buffers: Sequence[KvBuffer],
+        local_mem: MemType,
+        label: str,
+        peer_key: str,
+        remote_buffers: Sequence[KvBuffer],
+        src_page_ids: Sequence[int] | npt.NDArray[np.integer],
+        dst_page_ids: Sequence[int] | npt.NDArray[np.integer],
+        notif: bytes,
+        mode: runs.Mode,
+        timeout_s: float | None,
+    ) -> Transfer:
+        """`read` into one registered group of local buffers (`label` names the group in errors): a
+        subclass that registers a second group (`aux_slots.AuxNixlAgent`) reads it through this."""
         remote_mem = check_buffers(remote_buffers, f"peer {peer_key}")
-        self._check_layout(remote_buffers)
+        _check_layout(remote_buffers, local_buffers, label)
         src = runs.as_page_array(src_page_ids)
         dst = runs.as_page_array(dst_page_ids)
-        _check_range(src, _num_pages(remote_buffers), "source")
-        _check_range(dst, _num_pages(self.buffers), "destination")
+        _check_range(src, _num_pages(remote_buffers), f"{label} source")
+        _check_range(dst, _num_pages(local_buffers), f"{label} destination")
         if np.unique(dst).size != dst.size:
-            raise InvalidPagesError("destination page ids repeat")
+            raise InvalidPagesError(f"{label} destination page ids repeat")
         table = runs.descriptors(
             [b.addr for b in remote_buffers],
-            [b.addr for b in self.buffers],
-            [b.bytes_per_page for b in self.buffers],
+            [b.addr for b in local_buffers],
+            [b.bytes_per_page for b in local_buffers],
             src,
             dst,
             mode,
         )
-        per_buffer = table.shape[0] // len(self.buffers)
-        local = _dlist(table[:, 1], table[:, 2], self.buffers, per_buffer)
+        per_buffer = table.shape[0] // len(local_buffers)
+        local = _dlist(table[:, 1], table[:, 2], local_buffers, per_buffer)
         remote = _dlist(table[:, 0], table[:, 2], remote_buffers, per_buffer)
-        return self._post_read(peer_key, local, self.mem, remote, remote_mem, table, notif, timeout_s, "READ")
+        what = f"{label} READ"
+        return self._post_read(peer_key, local, local_mem, remote, remote_mem, table, notif, timeout_s, what)
 
     def _post_read(
         self,
@@ -229,16 +258,6 @@ class NixlAgent:
             self._live.add(xfer)
             xfer._settle(state)
             return xfer
-
-    def _check_layout(self, remote: Sequence[KvBuffer]) -> None:
-        if len(remote) != len(self.buffers):
-            raise LayoutError(f"buffer count differs: peer {len(remote)}, local {len(self.buffers)}")
-        for i, (r, mine) in enumerate(zip(remote, self.buffers, strict=True)):
-            if r.bytes_per_page != mine.bytes_per_page:
-                raise LayoutError(
-                    f"buffer {i}: bytes_per_page differs "
-                    f"(peer {r.bytes_per_page}, local {mine.bytes_per_page})"
-                )
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """New notifications as (sender agent name, message). Calling this also drives progress."""
@@ -275,6 +294,17 @@ class NixlAgent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_layout(remote: Sequence[KvBuffer], local: Sequence[KvBuffer], label: str) -> None:
+    if len(remote) != len(local):
+        raise LayoutError(f"{label} buffer count differs: peer {len(remote)}, local {len(local)}")
+    for i, (r, mine) in enumerate(zip(remote, local, strict=True)):
+        if r.bytes_per_page != mine.bytes_per_page:
+            raise LayoutError(
+                f"{label} buffer {i}: bytes_per_page differs "
+                f"(peer {r.bytes_per_page}, local {mine.bytes_per_page})"
+            )
 
 
 def _check_range(pages: npt.NDArray[np.int64], limit: int, side: str) -> None:

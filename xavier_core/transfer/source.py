@@ -3,6 +3,7 @@ contract's `SourceDescriptor` (validated here, since it arrives from the network
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,14 +63,8 @@ class SourceInfo:
         token = source.read_token
         if len(token) > MAX_TOKEN_CHARS or ":" in token:
             raise InvalidSourceError("read_token: expected a short string without ':'")
-        for i, r in enumerate(ep.regions):
-            if not r.device or len(r.device) > MAX_DEVICE_CHARS:
-                raise InvalidSourceError(f"endpoint.regions[{i}].device: empty or too long")
-        buffers = tuple(KvBuffer(r.base_address, r.length, r.bytes_per_page, r.device) for r in ep.regions)
-        try:
-            runs = tuple(PageRun(r.first_page, r.count) for r in source.page_runs)
-        except InvalidPagesError as exc:
-            raise InvalidSourceError(f"page_runs: malformed entry ({exc})") from exc
+        buffers = buffers_from_regions(ep.regions, "endpoint.regions")
+        runs = runs_from_proto(source.page_runs, "page_runs")
         return cls(ep.agent_name, ep.agent_metadata, buffers, runs, token)
 
 
@@ -81,14 +76,36 @@ def endpoint_proto(
         kind=types_pb2.TRANSPORT_KIND_NIXL,
         agent_name=agent_name,
         agent_metadata=metadata,
-        regions=[
-            types_pb2.MemoryRegion(
-                base_address=b.addr, length=b.nbytes, device=b.device, bytes_per_page=b.bytes_per_page
-            )
-            for b in buffers
-        ],
+        regions=regions_proto(buffers),
         host_id=host_id,
     )
+
+
+def regions_proto(buffers: Iterable[KvBuffer]) -> list[types_pb2.MemoryRegion]:
+    """The wire form of buffers: an endpoint's `regions` (or its `aux_regions`)."""
+    return [
+        types_pb2.MemoryRegion(
+            base_address=b.addr, length=b.nbytes, device=b.device, bytes_per_page=b.bytes_per_page
+        )
+        for b in buffers
+    ]
+
+
+def buffers_from_regions(regions: Sequence[types_pb2.MemoryRegion], field: str) -> tuple[KvBuffer, ...]:
+    """Buffers of an endpoint's `regions` (or `aux_regions`) from the network; `InvalidSourceError`
+    names `field`."""
+    for i, r in enumerate(regions):
+        if not r.device or len(r.device) > MAX_DEVICE_CHARS:
+            raise InvalidSourceError(f"{field}[{i}].device: empty or too long")
+    return tuple(KvBuffer(r.base_address, r.length, r.bytes_per_page, r.device) for r in regions)
+
+
+def runs_from_proto(runs: Iterable[types_pb2.PageRun], field: str) -> tuple[PageRun, ...]:
+    """Page runs (or slot runs) of a descriptor from the network; `InvalidSourceError` names `field`."""
+    try:
+        return tuple(PageRun(r.first_page, r.count) for r in runs)
+    except InvalidPagesError as exc:
+        raise InvalidSourceError(f"{field}: malformed entry ({exc})") from exc
 
 
 def _limit(size: int, limit: int, field: str) -> None:

@@ -17,6 +17,7 @@ from xavier.v1 import types_pb2
 
 from xavier_core.contract import KvLayout, layout_from_model_dir
 from xavier_core.directory import DirectoryClient, PeerSession, Registration
+from xavier_core.directory.room_feed import RoomFeed
 from xavier_core.engine.api import Engine
 from xavier_core.pagestore import ClientSettings, PageStoreClient
 from xavier_core.runtime.errors import (
@@ -29,7 +30,6 @@ from xavier_core.runtime.logging import get_logger
 from xavier_core.transfer.metrics import register_port_metrics
 from xavier_core.transfer.port import KvPort
 from xavier_services.peer.config import PeerServiceConfig
-from xavier_services.peer.room_feed import RoomFeed
 
 log = get_logger(__name__)
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 from xavier.v1 import directory_service_pb2 as dpb
 
-from xavier_core.directory import TERMINAL_ROOM_STATES, DirectoryClient
 from xavier_core.runtime.errors import NotFound, XavierError
 from xavier_core.runtime.logging import get_logger
+
+from .client import TERMINAL_ROOM_STATES, DirectoryClient
 
 log = get_logger(__name__)
 
@@ -35,11 +36,15 @@ class RoomView:
     may_read: bool = False  # it passed TRANSFERRING: a read may have started
     declined: bool = False  # its decode said it never posted a read
     end_cause: int = dpb.ROOM_END_CAUSE_UNSPECIFIED
+    room: dpb.Room | None = None  # the message that set `state`
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class RoomFeed:
-    """Latest room states of one peer, fed by a single directory stream that reconnects on failure."""
+    """Latest room states of one peer, fed by a single directory stream that reconnects on failure.
+
+    Runs on one event loop: call everything there, except `latest` (a plain read).
+    """
 
     def __init__(
         self,
@@ -65,6 +70,12 @@ class RoomFeed:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+    def latest(self, room_id: int) -> dpb.Room | None:
+        """The latest message of a room (from the stream or `apply`), None if none came. A plain read of
+        the feed's table, so a synchronous caller on another thread may use it."""
+        view = self._views.get(room_id)
+        return None if view is None else view.room
 
     def forget(self, room_id: int) -> None:
         """Drops a room nobody waits on any more."""
@@ -121,7 +132,9 @@ class RoomFeed:
                     break
         return view
 
-    def _apply(self, room: dpb.Room) -> None:
+    def apply(self, room: dpb.Room) -> None:
+        """Records a room as the stream or an RPC's answer shows it (an answer may come before the stream's
+        message). A terminal state is final."""
         view = self._view(room.room_id)
         if room.read_declined and not view.declined:
             # The reader's own word that it never read: may come after the room ended.
@@ -129,7 +142,7 @@ class RoomFeed:
             view.changed.set()
         if view.state in TERMINAL_ROOM_STATES:
             return
-        view.state = room.state
+        view.state, view.room = room.state, room
         view.may_read = (view.may_read or room.state in _READ_STATES) and not view.declined
         view.end_cause = room.end_cause
         view.changed.set()
@@ -141,7 +154,7 @@ class RoomFeed:
             if view is not None and view.state in TERMINAL_ROOM_STATES:
                 continue
             try:
-                self._apply(await self._client.get_room(room_id))
+                self.apply(await self._client.get_room(room_id))
             except NotFound:
                 gone = dpb.Room(
                     room_id=room_id,
@@ -149,7 +162,7 @@ class RoomFeed:
                     end_cause=dpb.ROOM_END_CAUSE_LEASE_EXPIRED,
                     end_detail="the directory no longer knows the room",
                 )
-                self._apply(gone)
+                self.apply(gone)
             except XavierError as err:
                 log.info("room resync failed", room_id=room_id, error=str(err))
 
@@ -161,7 +174,7 @@ class RoomFeed:
                 first = True
                 async for batch in self._client.watch_peer_rooms(peer_id, epoch):
                     for room in batch:
-                        self._apply(room)
+                        self.apply(room)
                     if first:
                         first, delay = False, 0.05
                         self.connected.set()
