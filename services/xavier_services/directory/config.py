@@ -64,7 +64,8 @@ class DirectorySettings(BaseModel):
     (every directory process replays one command log there, so several serve the same mesh and any of
     them may restart; see ``xavier_services.directory.etcd_store``)."""
     etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"], min_length=1, max_length=16)
-    """etcd client addresses (host:port); several are tried in turn (IP addresses only when several)."""
+    """etcd client addresses (host:port); calls spread over several round-robin, as etcd's own clients do,
+    so a dead member's calls move to the others (IP addresses only when several)."""
     etcd_prefix: str = Field(default="/xavier/directory/", min_length=1, max_length=256)
     """Key prefix of this mesh's directory in etcd (several meshes may share one etcd)."""
     etcd_timeout_seconds: float = Field(default=5.0, gt=0.0, le=300.0)
