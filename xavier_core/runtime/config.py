@@ -304,14 +304,7 @@ def config_from_args(
     for key, value in (extra_overrides or {}).items():
         if value is not None:
             overrides[key] = value
-    config = load_config(model_cls, config_file, environ, overrides)
-    if isinstance(config, ServiceConfig):
-        # The process's own config: from here on it dials other services with its [tls] too (the
-        # router opens its directory channel before the server starts).
-        from .channels import use_client_tls
-
-        use_client_tls(config.tls)
-    return config
+    return load_config(model_cls, config_file, environ, overrides)
 
 
 def exit_on_config_error(err: ConfigError) -> NoReturn:
