@@ -11,7 +11,6 @@ the NIXL handle is no longer in progress (invariant I1); only then are they retu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import time
 from collections.abc import AsyncIterator
@@ -307,14 +306,11 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
     async def drain(self) -> None:
         """On shutdown: refuse new requests, end every live request (streams end FINISH_REASON_ABORT)
         and room (SHUTDOWN: a wait for its source ends now), and wait until each told the directory how
-        it ended, before the peer closes its channel. Bounded by half the grace: the rest unregisters."""
+        it ended, before the peer closes its channel."""
         self._draining = True
         live = list(self._live.items())
         for rid, _ in live:
             await self.host.engine.abort(rid)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.host.config.grace_seconds / 2):
-                await self.host.end_rooms([room for _, (room, _) in live if room], "decode shutting down")
-                await self._quiet.wait()
-        if self._live:
+        rooms = [room for _, (room, _) in live if room]
+        if not await self.host.end_rooms(rooms, "decode shutting down", self._quiet):
             log.warning("requests still live at shutdown", requests=len(self._live))

@@ -11,7 +11,6 @@ request publishes nothing: its pages are freed at once and no room is opened.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -285,16 +284,12 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
         Holds stop waiting for their reader. That wait keeps a read in flight from meeting reused pages,
         and from now on nothing reuses a page (no prefill starts; the engine closes next); a read still
         running when the port closes fails on the decode's side, which keeps its own pages until its
-        transfer handle ends (I1). Bounded by half the grace: the peer has the rest to unregister.
+        transfer handle ends (I1).
         """
         self._draining = True
         holds = list(self._holds.values())
         for hold in holds:
             hold.aborted.set()
             await self.host.engine.abort(hold.request_id)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.host.config.grace_seconds / 2):
-                await self.host.end_rooms([h.room_id for h in holds], "prefill shutting down")
-                await self._no_holds.wait()
-        if self._holds:
+        if not await self.host.end_rooms([h.room_id for h in holds], "prefill shutting down", self._no_holds):
             log.warning("rooms still held at shutdown", rooms=len(self._holds))
