@@ -7,10 +7,11 @@ router whose progress deadline, keepalive and health probe are short so faults r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,6 +126,55 @@ async def stream_completion(
                 out.finish = choice["finish_reason"]
     out.ended = time.monotonic()
     return out
+
+
+@contextlib.asynccontextmanager
+async def under_load(
+    http: str, workers: int, prompt: Callable[[int, int], str], max_tokens: int = 8, timeout: float = 60
+) -> AsyncIterator[list[Outcome]]:
+    """Workers stream completions back to back through the router at `http` while the block runs
+    (`prompt(worker, i)` is each one's i-th prompt). The list yielded fills with outcomes as requests
+    end; once the block exits, the workers have stopped and every request they began has ended."""
+    until = asyncio.Event()
+    outcomes: list[Outcome] = []
+
+    async def worker(w: int) -> None:
+        async with aiohttp.ClientSession() as session:
+            i = 0
+            while not until.is_set():
+                i += 1
+                outcomes.append(await stream_completion(session, http, prompt(w, i), max_tokens, timeout))
+
+    tasks = [asyncio.ensure_future(worker(w)) for w in range(workers)]
+    try:
+        yield outcomes
+    finally:
+        until.set()
+        await asyncio.gather(*tasks)
+
+
+def no_internal_addresses(o: Outcome) -> None:
+    text = o.body + json.dumps(o.sse_error or {})
+    assert "127.0.0.1" not in text and "ipv4:" not in text, text
+
+
+def assert_failed_over(outcomes: list[Outcome], killed_at: float, tokens_from_peer: int) -> list[Outcome]:
+    """What clients saw when one of two peers of a role was killed at `killed_at`; returns the requests
+    begun a second after it, which all succeeded.
+
+    No answer names an internal address; HTTP 200 then an error only where more than `tokens_from_peer`
+    tokens had come (tokens only the dead peer could have sent: nothing to fail over with); any other
+    status is a 503 of a request begun before that second was over.
+    """
+    for o in outcomes:
+        no_internal_addresses(o)
+        assert not (o.status == 200 and o.sse_error and o.tokens <= tokens_from_peer), o
+        if o.status != 200:
+            assert o.status == 503 and o.started < killed_at + 1.0, o
+    after = [o for o in outcomes if o.started >= killed_at + 1.0]
+    for o in after:
+        assert o.status == 200 and o.sse_error is None and o.finish == "length", o
+    return after
 
 
 async def wait_idle(mesh: Mesh, timeout: float) -> dict[str, int]:

@@ -65,14 +65,20 @@ def channel_options(
 
 
 def open_channel(
-    target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: TlsSettings | None = None
+    target: str,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    tls: TlsSettings | None = None,
+    mesh: bool = True,
 ) -> grpc.aio.Channel:
     """A ``grpc.aio`` channel to ``target`` (host:port, or several ip:port joined by commas).
 
     mTLS with ``tls`` when given, else with the process's settings (:func:`use_client_tls`), else
-    plaintext. A bad certificate file raises :class:`~xavier_core.runtime.config.ConfigError`.
+    plaintext. ``mesh=False`` dials a service outside the mesh (etcd), which the process's settings
+    do not fit: ``tls`` or plaintext. A bad certificate file raises
+    :class:`~xavier_core.runtime.config.ConfigError`.
     """
-    settings = tls if tls is not None else _client_tls
+    settings = tls if tls is not None or not mesh else _client_tls
     target, extra = _targets(target)
     if settings is None:
         return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes) + extra)

@@ -33,11 +33,14 @@ import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import Annotated, Any, Literal, NoReturn, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = [
+    "Address",
+    "AddressOrOff",
+    "Addresses",
     "ConfigError",
     "ServiceConfig",
     "TlsSettings",
@@ -81,6 +84,29 @@ def parse_host_port(value: str) -> tuple[str, int]:
     return host, port
 
 
+def _address(value: str) -> str:
+    parse_host_port(value)
+    return value
+
+
+def _address_or_off(value: str) -> str:
+    return _address(value) if value else value
+
+
+def _addresses(value: str) -> str:
+    for address in value.split(","):
+        parse_host_port(address)
+    return value
+
+
+Address = Annotated[str, AfterValidator(_address)]
+"""A ``HOST:PORT`` setting."""
+AddressOrOff = Annotated[str, AfterValidator(_address_or_off)]
+"""A ``HOST:PORT`` setting, or "" for off."""
+Addresses = Annotated[str, AfterValidator(_addresses)]
+"""One ``HOST:PORT``, or several joined by commas (replicas of one service, e.g. directories on etcd)."""
+
+
 class TlsSettings(BaseModel):
     """mTLS between services (``[tls]``): PEM files, re-read on SIGHUP (see ``xavier_core.runtime.tls``)."""
 
@@ -101,9 +127,9 @@ class ServiceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    listen: str = "127.0.0.1:0"
+    listen: Address = "127.0.0.1:0"
     """gRPC address; port 0 binds a free port (reported in the ready file)."""
-    metrics_listen: str = "127.0.0.1:0"
+    metrics_listen: AddressOrOff = "127.0.0.1:0"
     """Prometheus HTTP address, loopback by default; "" disables it."""
     ready_file: Path | None = None
     """Written atomically with the bound addresses once the service is SERVING."""
@@ -116,19 +142,6 @@ class ServiceConfig(BaseModel):
     """sd_notify WATCHDOG=1 interval; None: half of systemd's WATCHDOG_USEC; 0: off."""
     tls: TlsSettings | None = None
     """mTLS for gRPC: with it the service serves TLS only and requires a client certificate."""
-
-    @field_validator("listen")
-    @classmethod
-    def _check_listen(cls, value: str) -> str:
-        parse_host_port(value)
-        return value
-
-    @field_validator("metrics_listen")
-    @classmethod
-    def _check_metrics_listen(cls, value: str) -> str:
-        if value:
-            parse_host_port(value)
-        return value
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -304,14 +317,7 @@ def config_from_args(
     for key, value in (extra_overrides or {}).items():
         if value is not None:
             overrides[key] = value
-    config = load_config(model_cls, config_file, environ, overrides)
-    if isinstance(config, ServiceConfig):
-        # The process's own config: from here on it dials other services with its [tls] too (the
-        # router opens its directory channel before the server starts).
-        from .channels import use_client_tls
-
-        use_client_tls(config.tls)
-    return config
+    return load_config(model_cls, config_file, environ, overrides)
 
 
 def exit_on_config_error(err: ConfigError) -> NoReturn:

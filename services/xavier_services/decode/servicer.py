@@ -31,11 +31,13 @@ from xavier_core.runtime.errors import (
     LeaseExpired,
     Unavailable,
 )
+from xavier_core.runtime.logging import get_logger
 from xavier_core.transfer.peers import peer_key
 from xavier_services.peer.convert import check_prompt, check_room_id, finish_to_pb, sampling_from_pb, usage_pb
 from xavier_services.peer.host import PeerHost
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
 
+log = get_logger(__name__)
 # Room endings that mean a peer went away (retry elsewhere), not that the request was given up.
 _PEER_CAUSES = frozenset((dpb.ROOM_END_CAUSE_PEER_LOST, dpb.ROOM_END_CAUSE_SHUTDOWN))
 _ENDPOINT_CACHE = 256
@@ -53,6 +55,9 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         self.host = host
         # engine request id -> (room id, 0 for unified requests; client request id)
         self._live: dict[str, tuple[int, str]] = {}
+        self._quiet = asyncio.Event()  # set while nothing is live
+        self._quiet.set()
+        self._draining = False
         # (prefill peer id, epoch) -> its transfer endpoint, fixed for the epoch (oldest first).
         self._endpoints: dict[tuple[str, int], types_pb2.TransferEndpoint] = {}
         register_peer_metrics(
@@ -81,10 +86,11 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         rid = f"decode-{request.room_id}"
         if rid in self._live:
             raise FailedPrecondition(f"room {request.room_id} is already decoding here", reason="ROOM_BUSY")
+        self._refuse_when_draining()
         source_key = (request.prefill_peer_id, request.prefill_epoch)
         started = time.perf_counter()
         pages = host.engine.reserve_pages(rid, len(token_ids))
-        self._live[rid] = (request.room_id, request.request_id)
+        self._enter(rid, request.room_id, request.request_id)
         completed = False
         begun: dpb.Room | None = None  # the room, once this decode moved it to TRANSFERRING
         endpoint: types_pb2.TransferEndpoint | None = None
@@ -112,6 +118,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
                 handoff.transfer_timeout_seconds,
                 handoff.park_timeout_seconds,
             )
+            self._refuse_when_draining()  # the pages came as the decode stops: its stream would not end
             # The room's work is done once the pages are here: completing it ends it, so the decode
             # keeps nothing in the directory while it streams the answer. The engine's first step runs
             # while the directory answers; no message goes out before it did.
@@ -184,16 +191,20 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
 
     async def _finish(self, rid: str, room_id: int, completed: bool, read_posted: bool) -> None:
         host = self.host
-        self._live.pop(rid, None)
-        await host.engine.abort(rid)
-        host.engine.release_pages(rid)
-        if not completed:
-            # Without a posted read this decode never touched the source: say so, so the prefill unpins
-            # at once even if this decode's BeginTransfer was applied but its answer never arrived.
-            if read_posted:
-                await host.abort_room(room_id, dpb.ROOM_END_CAUSE_DECODE_FAILED, "decode failed or cancelled")
-            else:
-                await host.abort_room(room_id, dpb.ROOM_END_CAUSE_DECODE_DECLINED, "decode never read")
+        try:
+            await host.engine.abort(rid)
+            host.engine.release_pages(rid)
+            if not completed:
+                # Without a posted read this decode never touched the source: say so, so the prefill
+                # unpins at once even if this decode's BeginTransfer was applied but its answer never came.
+                if read_posted:
+                    await host.abort_room(
+                        room_id, dpb.ROOM_END_CAUSE_DECODE_FAILED, "decode failed or cancelled"
+                    )
+                else:
+                    await host.abort_room(room_id, dpb.ROOM_END_CAUSE_DECODE_DECLINED, "decode never read")
+        finally:
+            self._leave(rid)  # only now: the drain waits for this word to reach the directory
 
     async def _stream(
         self,
@@ -234,7 +245,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         rid = request.request_id or f"unified-{id(request)}-{time.monotonic_ns()}"
         if rid in self._live:
             raise FailedPrecondition(f"request {rid} is already running here", reason="REQUEST_BUSY")
-        self._live[rid] = (0, request.request_id)
+        self._refuse_when_draining()
+        self._enter(rid, 0, request.request_id)
         started = time.perf_counter()
         first_at: float | None = None
         n = cached = cached_store = 0
@@ -257,7 +269,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
                     )
                 yield msg
         finally:
-            self._live.pop(rid, None)
+            self._leave(rid)
             await asyncio.shield(host.engine.abort(rid))
 
     async def GetDecodeStats(
@@ -278,7 +290,27 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
     def _rooms_active(self) -> int:
         return sum(1 for room_id, _ in self._live.values() if room_id)
 
+    def _enter(self, rid: str, room_id: int, request_id: str) -> None:
+        self._live[rid] = (room_id, request_id)
+        self._quiet.clear()
+
+    def _leave(self, rid: str) -> None:
+        self._live.pop(rid, None)
+        if not self._live:
+            self._quiet.set()
+
+    def _refuse_when_draining(self) -> None:
+        if self._draining:
+            raise Unavailable("the decode is shutting down", reason="SHUTTING_DOWN")
+
     async def drain(self) -> None:
-        """On shutdown: abort every live request; their streams end with FINISH_REASON_ABORT."""
-        for rid in list(self._live):
+        """On shutdown: refuse new requests, end every live request (streams end FINISH_REASON_ABORT)
+        and room (SHUTDOWN: a wait for its source ends now), and wait until each told the directory how
+        it ended, before the peer closes its channel."""
+        self._draining = True
+        live = list(self._live.items())
+        for rid, _ in live:
             await self.host.engine.abort(rid)
+        rooms = [room for _, (room, _) in live if room]
+        if not await self.host.end_rooms(rooms, "decode shutting down", self._quiet):
+            log.warning("requests still live at shutdown", requests=len(self._live))

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from xavier_core.runtime.config import ServiceConfig, TlsSettings
+from xavier_core.runtime.config import Address, ServiceConfig, TlsSettings
 
 __all__ = ["DirectoryConfig", "DirectorySettings"]
 
@@ -63,8 +63,11 @@ class DirectorySettings(BaseModel):
     """Where peers and rooms live: this process's memory (lost on restart; one directory only) or etcd
     (every directory process replays one command log there, so several serve the same mesh and any of
     them may restart; see ``xavier_services.directory.etcd_store``)."""
-    etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"], min_length=1, max_length=16)
-    """etcd client addresses (host:port); several are tried in turn (IP addresses only when several)."""
+    etcd_endpoints: list[Address] = Field(
+        default_factory=lambda: ["127.0.0.1:2379"], min_length=1, max_length=16
+    )
+    """etcd client addresses (host:port); calls spread over several round-robin, as etcd's own clients do,
+    so a dead member's calls move to the others (IP addresses only when several)."""
     etcd_prefix: str = Field(default="/xavier/directory/", min_length=1, max_length=256)
     """Key prefix of this mesh's directory in etcd (several meshes may share one etcd)."""
     etcd_timeout_seconds: float = Field(default=5.0, gt=0.0, le=300.0)

@@ -45,9 +45,9 @@ from aetcd.rpc import kv_pb2
 from aetcd.rpc import rpc_pb2 as epb
 from aetcd.rpc import rpc_pb2_grpc as egrpc
 
+from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.errors import Unavailable, XavierError
 from xavier_core.runtime.logging import get_logger
-from xavier_core.runtime.tls import channel_credentials
 from xavier_services.directory.config import DirectorySettings
 from xavier_services.directory.etcd_commands import OPS, Arg, Command, decode_command, encode_command
 from xavier_services.directory.etcd_snapshots import SnapshotStore
@@ -58,10 +58,6 @@ from xavier_services.directory.state import DirectoryState
 __all__ = ["EtcdLog"]
 
 _log = get_logger("xavier.directory.etcd")
-
-
-def _target(endpoints: list[str]) -> str:
-    return endpoints[0] if len(endpoints) == 1 else "ipv4:" + ",".join(endpoints)
 
 
 class EtcdLog:
@@ -111,18 +107,8 @@ class EtcdLog:
 
     async def start(self) -> None:
         """Connects, loads the newest snapshot, follows the log; returns once caught up with etcd."""
-        target = _target(self.settings.etcd_endpoints)
-        options: list[tuple[str, int | str]] = [
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ]
-        tls = self.settings.etcd_tls
-        if tls is None:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
-        else:
-            if tls.server_name:
-                options.append(("grpc.ssl_target_name_override", tls.server_name))
-            self._channel = grpc.aio.secure_channel(target, channel_credentials(tls), options=options)
+        s = self.settings
+        self._channel = open_channel(",".join(s.etcd_endpoints), tls=s.etcd_tls, mesh=False)
         self._kv = egrpc.KVStub(self._channel)
         await self._restore()
         self._follower = asyncio.create_task(self._follow(), name="directory-etcd-follower")

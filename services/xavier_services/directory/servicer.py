@@ -1,6 +1,9 @@
 """``xavier.v1.DirectoryService`` over the state machine.
 
-Handlers are thin: convert the request, call :class:`DirectoryState`, convert the answer. Domain errors
+Handlers are thin: convert the request, call :class:`DirectoryState`, convert the answer. Every change
+goes through :meth:`DirectoryServicer._apply` as one of the directory's commands (``OPS``), and every read
+happens after :meth:`~DirectoryServicer._sync` and inside :meth:`~DirectoryServicer._reading`; here they
+apply at once and read as is, and the etcd servicer logs the commands and catches up first. Domain errors
 propagate as typed exceptions and the runtime interceptor turns them into rich statuses. Peer feeds wait
 on a per-feed queue, and BeginTransfer calls waiting for a source on a future, that the state machine's
 listener fills on every state change, so nothing polls.
@@ -13,9 +16,11 @@ import base64
 import binascii
 import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import astuple
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
 from xavier.v1 import types_pb2
@@ -23,6 +28,7 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime.durations import to_duration
 from xavier_core.runtime.errors import CapacityExhausted, InvalidArgument, Unavailable
 from xavier_services.directory.config import DirectorySettings
+from xavier_services.directory.etcd_commands import OPS, Arg
 from xavier_services.directory.records import (
     OPEN,
     TERMINAL_STATES,
@@ -41,6 +47,12 @@ Ctx = Any  # grpc.aio.ServicerContext; typed loosely to keep handler signatures 
 
 K = TypeVar("K")
 V = TypeVar("V")
+
+
+def _opt(req: Message, field: str) -> Message | None:
+    """The sub-message ``field`` when set, else None (how the state machine tells "absent")."""
+    value: Message = getattr(req, field)
+    return value if req.HasField(field) else None
 
 
 @contextlib.contextmanager
@@ -120,16 +132,23 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
     def _room(self, room: RoomRecord) -> dpb.Room:
         return room_to_proto(room, self._offset)
 
+    async def _apply(self, op: str, *args: Arg) -> Any:
+        """Applies one of the directory's commands and returns the state machine's answer."""
+        return OPS[op](self.state, list(args))
+
+    async def _sync(self) -> None:
+        """Before a read: nothing to catch up with here."""
+
+    def _reading(self) -> contextlib.AbstractContextManager[None]:
+        """Around a read (which must not await): here the state as it is."""
+        return contextlib.nullcontext()
+
     # --- peers --------------------------------------------------------------------
 
     async def RegisterPeer(self, req: dpb.RegisterPeerRequest, ctx: Ctx) -> dpb.RegisterPeerResponse:
-        peer = self.state.peers.register(
-            req.request_id,
-            req.peer_id,
-            req.role,
-            req.address,
-            req.layout if req.HasField("layout") else None,
-            req.endpoint if req.HasField("endpoint") else None,
+        layout, endpoint = _opt(req, "layout"), _opt(req, "endpoint")
+        peer = await self._apply(
+            "register", req.request_id, req.peer_id, req.role, req.address, layout, endpoint
         )
         return dpb.RegisterPeerResponse(
             peer=peer_to_proto(peer, self._offset),
@@ -138,14 +157,15 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         )
 
     async def Heartbeat(self, req: dpb.HeartbeatRequest, ctx: Ctx) -> dpb.HeartbeatResponse:
-        load = req.load if req.HasField("load") else None
-        peer = self.state.peers.heartbeat(req.request_id, req.peer_id, req.epoch, load)
+        peer = await self._apply("heartbeat", req.request_id, req.peer_id, req.epoch, _opt(req, "load"))
         if peer is None:
             return dpb.HeartbeatResponse(must_register=True)
         return dpb.HeartbeatResponse(lease_expires_at=timestamp(peer.expires_at + self._offset))
 
     async def UnregisterPeer(self, req: dpb.UnregisterPeerRequest, ctx: Ctx) -> dpb.UnregisterPeerResponse:
-        return dpb.UnregisterPeerResponse(rooms_aborted=self.state.peers.unregister(req.peer_id, req.epoch))
+        return dpb.UnregisterPeerResponse(
+            rooms_aborted=await self._apply("unregister", req.peer_id, req.epoch)
+        )
 
     async def ListPeers(self, req: dpb.ListPeersRequest, ctx: Ctx) -> dpb.ListPeersResponse:
         s = self.settings
@@ -158,7 +178,9 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
                 raise InvalidArgument("page_token is not valid", field="page_token") from None
         if req.role not in types_pb2.Role.values():
             raise InvalidArgument(f"role {req.role} unknown", field="role")
-        peers, last = self.state.peers.page(size, after, req.role, req.contract_fingerprint)
+        await self._sync()
+        with self._reading():
+            peers, last = self.state.peers.page(size, after, req.role, req.contract_fingerprint)
         token = base64.urlsafe_b64encode(last.encode()).decode("ascii") if last else ""
         return dpb.ListPeersResponse(
             peers=[peer_to_proto(p, self._offset) for p in peers], next_page_token=token
@@ -167,42 +189,47 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
     # --- rooms --------------------------------------------------------------------
 
     async def PublishSource(self, req: dpb.PublishSourceRequest, ctx: Ctx) -> dpb.PublishSourceResponse:
-        pair = Pair.of(req)
-        room = self.state.publish_source(req.request_id, req.room_id, pair, req.source)
+        pair = astuple(Pair.of(req))
+        room = await self._apply("publish", req.request_id, req.room_id, *pair, req.source)
         return dpb.PublishSourceResponse(room=self._room(room))
 
     async def BeginTransfer(self, req: dpb.BeginTransferRequest, ctx: Ctx) -> dpb.BeginTransferResponse:
         if req.wait_for_source:
-            pair = Pair.of(req)
-            room = self.state.join_as_decode(req.room_id, pair)
+            # The live record: the wait ends when the room leaves OPEN.
+            room: RoomRecord = await self._apply("join", req.room_id, *astuple(Pair.of(req)))
             await self._until_not_open(room)
             if room.state in TERMINAL_STATES:
                 return dpb.BeginTransferResponse(room=self._room(room))
-        room = self.state.begin_transfer(req.request_id, req.room_id, req.decode_peer_id, req.decode_epoch)
+        room = await self._apply("begin", req.request_id, req.room_id, req.decode_peer_id, req.decode_epoch)
         resp = dpb.BeginTransferResponse(room=room_to_proto(room, self._offset, with_token=True))
         if not req.source_endpoint_cached:
-            resp.source_endpoint.CopyFrom(self.state.source_endpoint(room))
+            with self._reading():
+                resp.source_endpoint.CopyFrom(self.state.source_endpoint(room))
         return resp
 
     async def CompleteRoom(self, req: dpb.CompleteRoomRequest, ctx: Ctx) -> dpb.CompleteRoomResponse:
-        room = self.state.complete_room(req.request_id, req.room_id, req.peer_id, req.epoch)
+        room = await self._apply("complete", req.request_id, req.room_id, req.peer_id, req.epoch)
         return dpb.CompleteRoomResponse(room=self._room(room))
 
     async def AbortRoom(self, req: dpb.AbortRoomRequest, ctx: Ctx) -> dpb.AbortRoomResponse:
-        room = self.state.abort_room(
-            req.request_id, req.room_id, req.cause, req.detail, req.peer_id, req.epoch
+        room = await self._apply(
+            "abort", req.request_id, req.room_id, req.cause, req.detail, req.peer_id, req.epoch
         )
         return dpb.AbortRoomResponse(room=self._room(room))
 
     async def GetRoom(self, req: dpb.GetRoomRequest, ctx: Ctx) -> dpb.GetRoomResponse:
-        return dpb.GetRoomResponse(room=self._room(self.state.get_room(req.room_id)))
+        await self._sync()
+        with self._reading():
+            return dpb.GetRoomResponse(room=self._room(self.state.get_room(req.room_id)))
 
     async def WatchPeerRooms(
         self, req: dpb.WatchPeerRoomsRequest, ctx: Ctx
     ) -> AsyncIterator[dpb.WatchPeerRoomsResponse]:
-        live = self.state.peer_rooms(req.peer_id, req.epoch)
+        await self._sync()
+        with self._reading():
+            live = self.state.peer_rooms(req.peer_id, req.epoch)
         limit = self.settings.max_watchers_per_room
-        # Registered in the same step as the snapshot: no change can fall between the two.
+        # Registered in the same step as the snapshot (no await between): no change falls between the two.
         queue: asyncio.Queue[dpb.Room | None] = asyncio.Queue()
         with _subscribed(self._feeds, req.peer_id, queue, limit, f"peer {req.peer_id}", "feeds"):
             yield dpb.WatchPeerRoomsResponse(

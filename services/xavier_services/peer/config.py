@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from xavier_core.runtime.config import ServiceConfig, parse_host_port
+from xavier_core.runtime.config import Addresses, AddressOrOff, ServiceConfig
 
 
 class _Section(BaseModel):
@@ -47,19 +47,12 @@ class PeerSection(_Section):
 
     peer_id: str = ""
     """Stable id kept across restarts (a restart gets a new epoch); empty: role-host-port."""
-    directory: str = "127.0.0.1:7100"
-    """Directory gRPC address."""
+    directory: Addresses = "127.0.0.1:7100"
+    """Directory gRPC address (several: directory replicas on etcd)."""
     advertise_host: str = "127.0.0.1"
     """Host other peers and the router use to reach this service."""
     rpc_timeout_seconds: float = Field(default=5.0, gt=0, le=600)
     """Deadline of each control RPC to the directory."""
-
-    @field_validator("directory")
-    @classmethod
-    def _check_directory(cls, value: str) -> str:
-        for address in value.split(","):  # several: directory replicas on etcd
-            parse_host_port(address)
-        return value
 
 
 class HandoffSection(_Section):
@@ -89,7 +82,7 @@ class PageStoreSection(_Section):
     """The shared page store (prefill and unified roles). Every wait is bounded: a store that is down or
     slower than these deadlines is served as a miss (reads) or a dropped write, never a failed request."""
 
-    address: str = ""
+    address: AddressOrOff = ""
     """Page store gRPC address; empty: no store (only the local prefix cache)."""
     rpc_timeout_seconds: float = Field(default=0.5, gt=0, le=60)
     """Deadline of each store RPC; a slower store counts as down for that call."""
@@ -102,13 +95,6 @@ class PageStoreSection(_Section):
     staging_pages: int = Field(default=256, ge=1, le=1 << 20)
     """Pages of the pinned host mirror a GPU pool's store reads and writes pass through (the store is
     DRAM and pages are checksummed on the host); also the most pages one store call moves."""
-
-    @field_validator("address")
-    @classmethod
-    def _check_address(cls, value: str) -> str:
-        if value:
-            parse_host_port(value)
-        return value
 
 
 class PeerServiceConfig(ServiceConfig):

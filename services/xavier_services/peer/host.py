@@ -6,10 +6,12 @@ and re-register (new epoch) when the directory lost us, e.g. after a directory r
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import socket
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 from xavier.v1 import directory_service_pb2 as dpb
@@ -220,6 +222,21 @@ class PeerHost:
             await self.dir.abort_room(
                 room_id, cause, detail, self.peer_id, self.epoch, request_id=f"abort-{room_id}-{self.peer_id}"
             )
+
+    async def end_rooms(self, room_ids: Iterable[int], detail: str, settled: asyncio.Event) -> bool:
+        """On shutdown: ends the rooms (cause SHUTDOWN) all at once, so their other side stops waiting,
+        then waits for ``settled`` (the servicer's last request done with the directory).
+
+        Within half the grace, so the peer has the rest to unregister; False when that ran out.
+        """
+        cause = dpb.ROOM_END_CAUSE_SHUTDOWN
+        try:
+            async with asyncio.timeout(self.config.grace_seconds / 2):
+                await asyncio.gather(*(self.abort_room(room_id, cause, detail) for room_id in set(room_ids)))
+                await settled.wait()
+        except TimeoutError:
+            return False
+        return True
 
     def engine_stats_pb(self, pages_parked: int) -> types_pb2.EngineStats:
         s = self.engine.stats()

@@ -23,7 +23,13 @@ from xavier.v1 import prefill_service_pb2_grpc, types_pb2
 from xavier_core.directory import TERMINAL_ROOM_STATES
 from xavier_core.engine.api import PrefillResult
 from xavier_core.runtime.durations import to_duration
-from xavier_core.runtime.errors import Aborted, FailedPrecondition, InvalidArgument, XavierError
+from xavier_core.runtime.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+    XavierError,
+)
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.convert import (
     check_prompt,
@@ -55,12 +61,16 @@ class _Hold:
     pages: int = 0
     task: asyncio.Task[None] | None = None
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the prefill stops: every wait of the hold ends at once."""
 
 
 class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type: ignore[misc]
     def __init__(self, host: PeerHost) -> None:
         self.host = host
         self._holds: dict[int, _Hold] = {}
+        self._no_holds = asyncio.Event()
+        self._no_holds.set()
+        self._draining = False
         register_peer_metrics(
             PeerCollector(
                 "prefill",
@@ -86,10 +96,13 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
         token_ids = list(request.token_ids)
         check_prompt(token_ids, host.engine.max_context, host.vocab_size)
         sampling = sampling_from_pb(request.sampling)
+        if self._draining:
+            raise Unavailable("the prefill is shutting down", reason="SHUTTING_DOWN")
         if request.room_id in self._holds:
             raise FailedPrecondition(f"room {request.room_id} is already prefilled here", reason="ROOM_BUSY")
         hold = _Hold(request.room_id, f"prefill-{request.room_id}")
         self._holds[request.room_id] = hold
+        self._no_holds.clear()
         started = time.perf_counter()
         try:
             res = await host.engine.prefill(
@@ -110,7 +123,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
         if res.finish is not None:
             # The first token ends the request: no decode will come, so nothing is published.
             host.engine.release_pages(hold.request_id)
-            self._holds.pop(request.room_id, None)
+            self._drop(hold)
             return pb.PrefillResponse(
                 first_token=res.first_token,
                 first_logprob=res.first_logprob,
@@ -178,27 +191,32 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
             await self._hold_until_read(hold)
         else:
             host.engine.release_pages(hold.request_id)
-            self._holds.pop(hold.room_id, None)
+            self._drop(hold)
+
+    def _drop(self, hold: _Hold) -> None:
+        self._holds.pop(hold.room_id, None)
+        if not self._holds:
+            self._no_holds.set()
 
     async def _park(self, hold: _Hold) -> None:
         """Keeps a published room's pages until its reader is done with them or says it never read
-        them (NIXL notification, or its word through the directory), or the park timeout."""
+        them (NIXL notification, or its word through the directory), the park timeout, or the stop."""
         host = self.host
         hold.parked = True
         timeout = host.config.handoff.park_timeout_seconds
         try:
             if not host.port.read_ended(hold.room_id):
-                waits = {
-                    asyncio.ensure_future(host.port.wait_read_end(hold.room_id, timeout)),
-                    asyncio.ensure_future(host.feed.read_declined(hold.room_id, timeout)),
-                }
+                read_end = asyncio.ensure_future(host.port.wait_read_end(hold.room_id, timeout))
+                declined = asyncio.ensure_future(host.feed.read_declined(hold.room_id, timeout))
+                stop = asyncio.ensure_future(hold.aborted.wait())
                 try:
-                    done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait({read_end, declined, stop}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
-                    for t in waits:
+                    for t in (read_end, declined, stop):
                         t.cancel()
                 # Each wait answers "" / False when its timeout passed first.
-                if not any(t.result() for t in done):
+                ended = (read_end.done() and read_end.result()) or (declined.done() and declined.result())
+                if not ended and not stop.done():
                     log.warning("parked pages reclaimed after timeout", room_id=hold.room_id)
         finally:
             await self._unpin(hold, completed=False)
@@ -217,29 +235,35 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
             host.port.wait_read_end(room_id, handoff.room_lease_seconds + handoff.park_timeout_seconds)
         )
         watch = asyncio.ensure_future(host.feed.outcome(room_id, handoff.room_lease_seconds * 2))
+        stop = asyncio.ensure_future(hold.aborted.wait())
         try:
-            done, _ = await asyncio.wait({notif, watch}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({notif, watch, stop}, return_when=asyncio.FIRST_COMPLETED)
             outcome = notif.result() if notif in done else ""
             if outcome == "done":
                 # The read is over: unpin now; release the room only once the decode completed it.
                 await self._unpin(hold, completed=True)
+                return
+            if not watch.done():
+                await asyncio.wait({watch, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not watch.done():
+                await self._unpin(hold, completed=False)  # the prefill stops (see drain)
+                return
+            state, may_read = watch.result()
+            if state == dpb.ROOM_STATE_COMPLETED:
+                await self._unpin(hold, completed=True)
+            elif not may_read or (notif.done() and notif.result() == "fail"):
+                await self._unpin(hold, completed=False)
             else:
-                state, may_read = await watch
-                if state == dpb.ROOM_STATE_COMPLETED:
-                    await self._unpin(hold, completed=True)
-                elif not may_read or (notif.done() and notif.result() == "fail"):
-                    await self._unpin(hold, completed=False)
-                else:
-                    await self._park(hold)
+                await self._park(hold)
         finally:
-            for t in (notif, watch):
+            for t in (notif, watch, stop):
                 t.cancel()
             host.feed.forget(room_id)
 
     async def _unpin(self, hold: _Hold, completed: bool) -> None:
         await self.host.port.unpublish(hold.room_id, completed=completed)
         self.host.engine.release_pages(hold.request_id)
-        self._holds.pop(hold.room_id, None)
+        self._drop(hold)
 
     async def GetPrefillStats(
         self,
@@ -255,11 +279,17 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
         )
 
     async def drain(self) -> None:
-        """On shutdown: abort live rooms so the directory and decoders learn at once."""
-        for hold in list(self._holds.values()):
+        """On shutdown: refuse new prefills, end every room (SHUTDOWN) and release every page at once.
+
+        Holds stop waiting for their reader. That wait keeps a read in flight from meeting reused pages,
+        and from now on nothing reuses a page (no prefill starts; the engine closes next); a read still
+        running when the port closes fails on the decode's side, which keeps its own pages until its
+        transfer handle ends (I1).
+        """
+        self._draining = True
+        holds = list(self._holds.values())
+        for hold in holds:
             hold.aborted.set()
             await self.host.engine.abort(hold.request_id)
-            await self.host.abort_room(hold.room_id, dpb.ROOM_END_CAUSE_SHUTDOWN, "prefill shutting down")
-        tasks = [h.task for h in self._holds.values() if h.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=self.host.config.grace_seconds)
+        if not await self.host.end_rooms([h.room_id for h in holds], "prefill shutting down", self._no_holds):
+            log.warning("rooms still held at shutdown", rooms=len(self._holds))

@@ -5,7 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from xavier_core.runtime import ServiceConfig, parse_host_port
 
@@ -107,18 +116,21 @@ class RouterConfig(ServiceConfig):
     native: NativeConfig = NativeConfig()
     _file_token: str = PrivateAttr(default="")
 
-    @field_validator("api_token_file")
-    @classmethod
-    def _check_token_file(cls, value: Path | None, info: ValidationInfo) -> Path | None:
-        if value is not None:
-            if info.data.get("api_token"):
+    @model_validator(mode="after")
+    def _load_token_file(self) -> RouterConfig:
+        """Reads ``api_token_file`` (once); a bad file is an error of that key."""
+        path = self.api_token_file
+        if path is None:
+            return self
+        try:
+            if self.api_token:
                 raise ValueError("set api_token or api_token_file, not both")
-            _read_token(value)
-        return value
-
-    def model_post_init(self, context: object, /) -> None:
-        if self.api_token_file is not None:
-            self._file_token = _read_token(self.api_token_file)
+            self._file_token = _read_token(path)
+        except ValueError as exc:
+            error = PydanticCustomError("value_error", "Value error, {reason}", {"reason": str(exc)})
+            detail = InitErrorDetails(type=error, loc=("api_token_file",), input=str(path))
+            raise ValidationError.from_exception_data(type(self).__name__, [detail]) from None
+        return self
 
     @property
     def bearer_token(self) -> str:

@@ -27,6 +27,7 @@ from xavier_core.runtime import (
     run_service,
     serve,
 )
+from xavier_core.runtime.channels import use_client_tls
 from xavier_core.text.errors import ModelFilesError
 from xavier_core.text.tokenizer import TextTokenizer
 from xavier_services.router.config import RouterConfig
@@ -79,6 +80,8 @@ def load_model(config: RouterConfig) -> tuple[PromptEncoder, ModelInfo]:
 
 
 async def run(config: RouterConfig) -> int:
+    # The router dials the directory before serve() would set this: its [tls] serves both directions.
+    use_client_tls(config.tls)
     try:
         encoder, info = await asyncio.to_thread(load_model, config)
     except ModelFilesError as exc:
