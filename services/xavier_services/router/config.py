@@ -81,6 +81,9 @@ class RouterConfig(ServiceConfig):
     """Outstanding requests a remembered prefill may carry above the least-loaded one and still win."""
     retry_attempts: int = Field(default=3, ge=1, le=10)
     """Attempts of idempotent phases (peer selection) on UNAVAILABLE."""
+    peer_wait_seconds: float = Field(default=2.0, ge=0, le=60)
+    """How long a request waits for a peer when none is registered (a restarted directory has its peers
+    back within about a second of re-registration) before it is answered 503 NO_PEERS."""
     failover_attempts: int = Field(default=3, ge=1, le=10)
     """Peers (pairs in P/D) one request may try before it has streamed a decode token: a peer that
     refuses the connection or answers UNAVAILABLE is left out and the request goes to another."""

@@ -153,10 +153,14 @@ class Router:
     async def default_mode(self) -> int:
         if self.config.default_mode != "auto":
             return int(_BY_NAME[self.config.default_mode])
-        modes = await self.available_modes()
-        if not modes:
-            raise Unavailable("no peers are registered yet", reason="NO_PEERS")
-        return modes[0]
+
+        async def first_mode() -> int:
+            modes = await self.available_modes()
+            if not modes:
+                raise Unavailable("no peers are registered yet", reason="NO_PEERS")
+            return modes[0]
+
+        return await self.pool.wait_for_peers(first_mode, self.config.peer_wait_seconds)
 
     def _flow(self, prep: Prepared, mode: int, trace: Trace) -> AsyncIterator[Step]:
         if mode == rpb.ROUTING_MODE_PD:

@@ -24,6 +24,7 @@ from xavier_services.router.health import PeerHealth, peer_key
 T = TypeVar("T")
 _RETRY_BASE_DELAY = 0.04
 _RETRY_MAX_DELAY = 0.5
+_PEER_WAIT_POLL = 0.1
 
 
 @dataclass
@@ -112,6 +113,19 @@ class PeerPool:
             max_delay=_RETRY_MAX_DELAY,
             on_retry=lambda _err: self.invalidate(),
         )
+
+    async def wait_for_peers(self, fn: Callable[[], Awaitable[T]], wait_s: float) -> T:
+        """`fn()`, asked again every 0.1 s with a fresh peer list while it fails with NO_PEERS, for up to
+        `wait_s`: a request that arrives while the peers re-register waits for them instead of failing."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return await fn()
+            except Unavailable as err:
+                if err.reason != "NO_PEERS" or time.monotonic() >= deadline:
+                    raise
+            self.invalidate()
+            await asyncio.sleep(_PEER_WAIT_POLL)
 
     def invalidate(self) -> None:
         """Forgets the cached peer list (after a peer failed)."""
