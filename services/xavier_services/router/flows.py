@@ -4,6 +4,10 @@ A flow is an async generator of `Step`s. Cancelling the task that runs it (clien
 Abort) runs its `finally`: the downstream calls are cancelled and, in P/D, the room is aborted in the
 background, so the client never waits for cleanup.
 
+SGLang pairs (`KvLayout.engine == "sglang"`) take another path: SGLang's prefill answers only once the
+decode has taken the KV, so both are called at once and the decode streams from the first token
+(`pd_concurrent`).
+
 P/D takes three hops on the router's side: the prefill (which returns the first token and publishes its
 pages under a room id chosen here), then the decode with that first token, whose stream continues after
 it. The two peers meet in the directory by room id; the router never opens the room.
@@ -255,6 +259,14 @@ async def _pd_attempt(
     pair: Pair = await pool.retry_unavailable(lambda: pool.pick_pair(key, exclude))
     p, d = pair.prefill, pair.decode
     _note(trace, p, d)
+    from xavier_services.router.pd_concurrent import concurrent_attempt, concurrent_pair  # (imports us)
+
+    if concurrent_pair(pair):
+        # SGLang pairs: the prefill answers only after the decode took the KV (see pd_concurrent).
+        async with aclosing(concurrent_attempt(prep, env, pair, trace)) as steps:  # type: ignore[type-var]
+            async for step in steps:
+                yield step
+        return
     room_id = secrets.randbits(63) or 1
     s = prep.sampling
     pool.acquire(p, d)
