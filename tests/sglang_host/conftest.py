@@ -20,7 +20,11 @@ DIRECTORY_ENV = {
     "XAVIER_DIRECTORY__PEER_LEASE_SECONDS": "3",
     "XAVIER_DIRECTORY__SWEEP_INTERVAL_SECONDS": "0.05",
 }
-ROLE_BINARY = {"prefill": ("xavier-prefill", []), "decode": ("xavier-decode", []), "unified": ("xavier-decode", ["--role", "unified"])}
+ROLE_BINARY = {
+    "prefill": ("xavier-prefill", []),
+    "decode": ("xavier-decode", []),
+    "unified": ("xavier-decode", ["--role", "unified"]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,20 +40,22 @@ def directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from xavier_core.engine.tiny import make_tiny
 
-    return make_tiny(tmp_path_factory.mktemp("model") / "tiny", "qwen2", layers=2, hidden=64, heads=4, kv_heads=2)
+    return make_tiny(
+        tmp_path_factory.mktemp("model") / "tiny", "qwen2", layers=2, hidden=64, heads=4, kv_heads=2
+    )
 
 
 Start = Callable[..., ServiceProc]
 
 
 @pytest.fixture
-def start_sglang_peer(
-    directory: ServiceProc, tiny_model: Path, tmp_path: Path
-) -> Iterator[Start]:
+def start_sglang_peer(directory: ServiceProc, tiny_model: Path, tmp_path: Path) -> Iterator[Start]:
     """Starts a prefill/decode/unified service with engine.kind = "sglang" and the stand-in as SGLang."""
     started: list[ServiceProc] = []
 
-    def start(role: str, name: str | None = None, env: dict[str, str] | None = None, **kw: Any) -> ServiceProc:
+    def start(
+        role: str, name: str | None = None, env: dict[str, str] | None = None, **kw: Any
+    ) -> ServiceProc:
         binary, extra = ROLE_BINARY[role]
         full_env = {
             "XAVIER_SGLANG__COMMAND": STANDIN,

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 from xavier.v1 import types_pb2
-
-from tests.support.sglang_standin import parser as standin_parser
-from xavier_core.runtime.config import ConfigError, load_config
-from xavier_core.runtime.errors import InvalidArgument
 from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.sglang_host.client import http_error
 from xavier_services.sglang_host.config import OWNED_FLAGS, SglangSection
 from xavier_services.sglang_host.launch import Launch, LaunchSpec, build_launch
+
+from tests.support.sglang_standin import parser as standin_parser
+from xavier_core.runtime.config import ConfigError, load_config
+from xavier_core.runtime.errors import InvalidArgument
 
 
 def _spec(model_dir: Path, role: types_pb2.Role.ValueType, **kw: object) -> LaunchSpec:
@@ -97,7 +97,9 @@ def test_gpu_and_hicache(model: Path) -> None:
         (SglangSection(), {"role": types_pb2.ROLE_UNIFIED, "model": None}, "engine.model"),
     ],
 )
-def test_refused_setups_name_the_key(model: Path, cfg: SglangSection, kw: dict[str, object], key: str) -> None:
+def test_refused_setups_name_the_key(
+    model: Path, cfg: SglangSection, kw: dict[str, object], key: str
+) -> None:
     rest = {k: v for k, v in kw.items() if k != "role"}
     spec = _spec(model, kw["role"], **rest)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument) as info:

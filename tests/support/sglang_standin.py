@@ -37,9 +37,7 @@ from typing import Any
 from aiohttp import web
 
 _BACKENDS = ["mooncake", "nixl", "ascend", "fake", "mori"]
-_HELPER = (
-    "import ctypes,signal,time; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); time.sleep(3600)"
-)
+_HELPER = "import ctypes,signal,time; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); time.sleep(3600)"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,7 +50,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None)
     p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"]
+    )
     p.add_argument("--base-gpu-id", type=int, default=0)
     p.add_argument("--disaggregation-mode", default="null", choices=["null", "prefill", "decode"])
     p.add_argument("--disaggregation-transfer-backend", default="mooncake", choices=backends)
@@ -77,7 +77,9 @@ class Standin:
         self.args = args
         self.mode = args.disaggregation_mode
         self.xavier = self.mode != "null" and args.disaggregation_transfer_backend == "xavier"
-        self.rendezvous = Path(os.environ.get("XAVIER_STANDIN_DIR") or Path(tempfile.gettempdir()) / "standin")
+        self.rendezvous = Path(
+            os.environ.get("XAVIER_STANDIN_DIR") or Path(tempfile.gettempdir()) / "standin"
+        )
         self.rendezvous.mkdir(parents=True, exist_ok=True)
         self.token_delay = float(os.environ.get("XAVIER_STANDIN_TOKEN_DELAY") or 0)
         self.wait_s = float(os.environ.get("XAVIER_STANDIN_RENDEZVOUS_SECONDS") or 10)
@@ -98,7 +100,10 @@ class Standin:
         self.directory = DirectoryClient(os.environ["XAVIER_DIRECTORY"])
         dtype = "float32" if self.args.dtype in ("float", "float32") else "float16"
         layout = layout_from_model_dir(
-            Path(self.args.model_path), engine="sglang", engine_version="standin", dtype=dtype,
+            Path(self.args.model_path),
+            engine="sglang",
+            engine_version="standin",
+            dtype=dtype,
             page_size=self.args.page_size,
         )
         endpoint = types_pb2.TransferEndpoint(
@@ -106,11 +111,16 @@ class Standin:
             agent_name=f"standin-{os.getpid()}",
             agent_metadata=b"standin",
             host_id="standin",
-            regions=[types_pb2.MemoryRegion(base_address=4096, length=1 << 20, device="cpu", bytes_per_page=4096)],
+            regions=[
+                types_pb2.MemoryRegion(base_address=4096, length=1 << 20, device="cpu", bytes_per_page=4096)
+            ],
         )
         role = types_pb2.ROLE_PREFILL if self.mode == "prefill" else types_pb2.ROLE_DECODE
         request = dpb.RegisterPeerRequest(
-            role=role, address=os.environ["XAVIER_SGLANG_ADVERTISE"], layout=layout.to_proto(), endpoint=endpoint
+            role=role,
+            address=os.environ["XAVIER_SGLANG_ADVERTISE"],
+            layout=layout.to_proto(),
+            endpoint=endpoint,
         )
         self.session = PeerSession(self.directory, request)
         await self.session.start()
@@ -219,6 +229,7 @@ class Standin:
         self, request: web.Request, body: dict[str, Any], tokens: list[int], meta: dict[str, Any]
     ) -> web.StreamResponse:
         max_new = int((body.get("sampling_params") or {}).get("max_new_tokens", 16))
+
         def event(n: int) -> dict[str, Any]:
             done = n == len(tokens)
             m = {**meta, "completion_tokens": n}
