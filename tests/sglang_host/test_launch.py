@@ -144,6 +144,7 @@ def test_abbreviations_and_malformed_extra_args_are_refused(args: list[str]) -> 
         ({"cuda_visible_devices": "gpu0"}, "sglang.cuda_visible_devices"),
         ({"transfer_backend": "mooncake"}, "sglang.transfer_backend"),
         ({"port": 70000}, "sglang.port"),
+        ({"api_key": "-starts-like-a-flag"}, "sglang.api_key"),
         ({"unknown": 1}, "sglang.unknown"),
     ],
 )

@@ -132,6 +132,13 @@ class SglangSection(BaseModel):
             raise ValueError(f"{owned[0]} is set by Xavier, not through sglang.env")
         return value
 
+    @field_validator("api_key")
+    @classmethod
+    def _check_key(cls, value: str) -> str:
+        if value.startswith("-") or any(c.isspace() for c in value):
+            raise ValueError("must not start with '-' or contain whitespace (SGLang reads it as a flag value)")
+        return value
+
     @field_validator("cuda_visible_devices")
     @classmethod
     def _check_devices(cls, value: str) -> str:

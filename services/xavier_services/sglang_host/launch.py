@@ -66,7 +66,8 @@ def build_launch(cfg: SglangSection, spec: LaunchSpec) -> Launch:
         raise InvalidArgument(f"{spec.model} has no config.json", key="engine.model")
     if not 1 <= spec.port <= 65535:
         raise InvalidArgument(f"SGLang's port must be 1..65535, got {spec.port}", key="sglang.port")
-    api_key = cfg.api_key or secrets.token_urlsafe(24)
+    # Hex: a key that starts with '-' would read as a flag to SGLang's argparse.
+    api_key = cfg.api_key or secrets.token_hex(24)
     argv = [
         *cfg.command,
         "--model-path",
