@@ -19,8 +19,8 @@ from xavier.v1 import types_pb2
 
 pytest.importorskip("sglang.srt.server_args", reason="the real sglang package is not installed")
 
-from xavier_services.sglang_host.config import OWNED_FLAGS, SglangSection  # noqa: E402
-from xavier_services.sglang_host.launch import Launch, LaunchSpec, build_launch  # noqa: E402
+from xavier_services.sglang_host.config import OWNED_FLAGS, SglangSection
+from xavier_services.sglang_host.launch import Launch, LaunchSpec, build_launch
 
 pytestmark = pytest.mark.sglang
 
@@ -34,8 +34,9 @@ from sglang.srt.server_args import ServerArgs
 parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
 args = parser.parse_args(argv)
-json.dump({"args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
-           "options": sorted(parser._option_string_actions)}, open(out_path, "w"))
+plain = (str, int, float, bool, type(None))
+values = {k: v for k, v in vars(args).items() if isinstance(v, plain)}
+json.dump({"args": values, "options": sorted(parser._option_string_actions)}, open(out_path, "w"))
 """
 
 

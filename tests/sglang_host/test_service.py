@@ -67,7 +67,7 @@ def _expected(prompt: list[int], n: int) -> list[int]:
 def test_unified_serves_generate_through_sglang(
     start_sglang_peer: Start, directory: ServiceProc, tmp_path: Path
 ) -> None:
-    start_sglang_peer("unified")
+    unified = start_sglang_peer("unified")
     info = ready_info(unified, tmp_path)
     state = standin_state(info["sglang_url"])
     argv = state["argv"]
@@ -246,7 +246,7 @@ def test_sigterm_stops_sglang_and_its_processes(
 
 
 def test_sigkill_of_the_service_leaves_no_orphan(start_sglang_peer: Start, tmp_path: Path) -> None:
-    start_sglang_peer("unified")
+    unified = start_sglang_peer("unified")
     info = ready_info(unified, tmp_path)
     helper = standin_state(info["sglang_url"])["helper_pid"]
     unified.proc.kill()
@@ -273,7 +273,16 @@ def test_the_mesh_heals_when_a_prefill_sglang_dies(
     start_sglang_peer("decode")
     router = start_service(
         "xavier-router",
-        ["--model", str(tiny_model), "--directory", directory.address, "--listen", "127.0.0.1:0", "--http", ""],
+        [
+            "--model",
+            str(tiny_model),
+            "--directory",
+            directory.address,
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "",
+        ],
         tmp_path,
         env={"XAVIER_PEER_REFRESH_SECONDS": "0.1"},
     )

@@ -136,7 +136,9 @@ class SglangSection(BaseModel):
     @classmethod
     def _check_key(cls, value: str) -> str:
         if value.startswith("-") or any(c.isspace() for c in value):
-            raise ValueError("must not start with '-' or contain whitespace (SGLang reads it as a flag value)")
+            raise ValueError(
+                "must not start with '-' or contain whitespace (SGLang reads it as a flag value)"
+            )
         return value
 
     @field_validator("cuda_visible_devices")
