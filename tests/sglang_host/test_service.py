@@ -52,6 +52,15 @@ def _wait(cond: object, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def _proc_info(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError as exc:
+        return f"{pid}: {exc}"
+    return f"{pid}: {stat[:120]} / {cmd[:200]}"
+
+
 def _peers(directory: ServiceProc) -> list[dirpb.Peer]:
     with grpc.insecure_channel(directory.address) as ch:
         return list(dir_grpc.DirectoryServiceStub(ch).ListPeers(dirpb.ListPeersRequest(), timeout=5).peers)
@@ -252,7 +261,10 @@ def test_sigkill_of_the_service_leaves_no_orphan(start_sglang_peer: Start, tmp_p
     unified.proc.kill()
     unified.proc.wait(10)
     for pid in (info["sglang_pid"], helper):
-        _wait(lambda pid=pid: not _alive(pid), 10, f"process {pid} gone after the service was killed")
+        try:
+            _wait(lambda pid=pid: not _alive(pid), 20, "")
+        except AssertionError:
+            raise AssertionError(f"still there after the service was killed: {_proc_info(pid)}") from None
 
 
 def test_pdeathsig_wrapper_refuses_bad_usage() -> None:
