@@ -12,37 +12,17 @@ from typing import Any
 
 import pytest
 
+from tests.sglang.conftest import directory, tiny_model
 from tests.support.procs import ServiceProc, start_service
 
+__all__ = ["directory", "tiny_model"]  # the SGLang conformance tests' fixtures, shared
+
 STANDIN = json.dumps([sys.executable, "-m", "tests.support.sglang_standin"])
-DIRECTORY_ENV = {
-    "XAVIER_DIRECTORY__HEARTBEAT_INTERVAL_SECONDS": "0.3",
-    "XAVIER_DIRECTORY__PEER_LEASE_SECONDS": "3",
-    "XAVIER_DIRECTORY__SWEEP_INTERVAL_SECONDS": "0.05",
-}
 ROLE_BINARY = {
     "prefill": ("xavier-prefill", []),
     "decode": ("xavier-decode", []),
     "unified": ("xavier-decode", ["--role", "unified"]),
 }
-
-
-@pytest.fixture(scope="module")
-def directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProc]:
-    proc = start_service(
-        "xavier-directory", ["--listen", "127.0.0.1:0"], tmp_path_factory.mktemp("dir"), env=DIRECTORY_ENV
-    )
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from xavier_core.engine.tiny import make_tiny
-
-    return make_tiny(
-        tmp_path_factory.mktemp("model") / "tiny", "qwen2", layers=2, hidden=64, heads=4, kv_heads=2
-    )
 
 
 Start = Callable[..., ServiceProc]

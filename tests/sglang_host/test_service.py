@@ -73,6 +73,11 @@ def _expected(prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def _router(directory: ServiceProc, model: Path, workdir: Path) -> ServiceProc:
+    args = ["--model", str(model), "--directory", directory.address, "--listen", "127.0.0.1:0", "--http", ""]
+    return start_service("xavier-router", args, workdir, env={"XAVIER_PEER_REFRESH_SECONDS": "0.1"})
+
+
 def test_unified_serves_generate_through_sglang(
     start_sglang_peer: Start, directory: ServiceProc, tmp_path: Path
 ) -> None:
@@ -143,21 +148,7 @@ def test_pd_through_the_router_calls_prefill_and_decode_concurrently(
     peers = {p.address: p for p in _peers(directory)}
     assert peers[prefill.address].role == types_pb2.ROLE_PREFILL
     assert peers[decode.address].layout.engine == "sglang"
-    router = start_service(
-        "xavier-router",
-        [
-            "--model",
-            str(tiny_model),
-            "--directory",
-            directory.address,
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "",
-        ],
-        tmp_path,
-        env={"XAVIER_PEER_REFRESH_SECONDS": "0.1"},
-    )
+    router = _router(directory, tiny_model, tmp_path)
     try:
         prompt = [11, 12, 13]
         with Client(router.address) as client:
@@ -283,21 +274,7 @@ def test_the_mesh_heals_when_a_prefill_sglang_dies(
     a = start_sglang_peer("prefill", name="prefill-a")
     start_sglang_peer("prefill", name="prefill-b")
     start_sglang_peer("decode")
-    router = start_service(
-        "xavier-router",
-        [
-            "--model",
-            str(tiny_model),
-            "--directory",
-            directory.address,
-            "--listen",
-            "127.0.0.1:0",
-            "--http",
-            "",
-        ],
-        tmp_path,
-        env={"XAVIER_PEER_REFRESH_SECONDS": "0.1"},
-    )
+    router = _router(directory, tiny_model, tmp_path)
     try:
         with Client(router.address) as client:
             for i in range(4):

@@ -35,6 +35,14 @@ def _standin(mesh: Mesh, name: str) -> dict[str, object]:
     return standin_state(info["sglang_url"])
 
 
+def _pair(mesh: Mesh) -> tuple[dict[str, object], dict[str, object], list[str], list[str]]:
+    """The stand-in states of prefill-0 and decode-0, and their command lines."""
+    prefill, decode = _standin(mesh, "prefill-0"), _standin(mesh, "decode-0")
+    pargv, dargv = prefill["argv"], decode["argv"]
+    assert isinstance(pargv, list) and isinstance(dargv, list)
+    return prefill, decode, pargv, dargv
+
+
 def _flag(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
@@ -56,9 +64,7 @@ def test_up_pd(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
         with Client(mesh.grpc) as client:
             out = client.generate([3, 4, 5], max_tokens=6, mode="pd", ignore_eos=True)
         assert out.token_ids == _expected([3, 4, 5], 6)
-        prefill, decode = _standin(mesh, "prefill-0"), _standin(mesh, "decode-0")
-        pargv, dargv = prefill["argv"], decode["argv"]
-        assert isinstance(pargv, list) and isinstance(dargv, list)
+        _, _, pargv, dargv = _pair(mesh)
         assert _flag(pargv, "--base-gpu-id") == "0" and _flag(dargv, "--base-gpu-id") == "1"
         assert _flag(pargv, "--disaggregation-transfer-backend") == "xavier"
         assert _flag(pargv, "--log-level") == "warning"  # passed through
@@ -83,9 +89,7 @@ def test_up_native(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyP
         with Client(mesh.grpc) as client:
             out = client.generate([7, 8], max_tokens=5, mode="native", ignore_eos=True)
         assert out.token_ids == _expected([7, 8], 5)
-        prefill, decode = _standin(mesh, "prefill-0"), _standin(mesh, "decode-0")
-        pargv, dargv = prefill["argv"], decode["argv"]
-        assert isinstance(pargv, list) and isinstance(dargv, list)
+        prefill, decode, pargv, dargv = _pair(mesh)
         assert _flag(pargv, "--disaggregation-transfer-backend") == "nixl"
         assert _flag(pargv, "--disaggregation-mode") == "prefill"
         assert int(_flag(pargv, "--disaggregation-bootstrap-port")) > 0

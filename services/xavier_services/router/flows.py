@@ -272,16 +272,7 @@ async def _pd_attempt(
     pool.acquire(p, d)
     prefill_held = True
     pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(
-        pfpb.PrefillRequest(
-            request_id=prep.request_id,
-            room_id=room_id,
-            decode_peer_id=d.peer_id,
-            decode_epoch=d.epoch,
-            token_ids=prep.token_ids,
-            sampling=s,
-            cache_salt=prep.cache_salt,
-        ),
-        timeout=env.request_timeout,
+        prefill_request(prep, room_id, d), timeout=env.request_timeout
     )
     dec_call: Any = None
     calling = p
@@ -303,17 +294,7 @@ async def _pd_attempt(
         calling = d
         dec_channel = pool.channel(d.address)
         dec_call = decpb_grpc.DecodeServiceStub(dec_channel).Decode(
-            decpb.DecodeRequest(
-                request_id=prep.request_id,
-                room_id=room_id,
-                prefill_peer_id=p.peer_id,
-                prefill_epoch=p.epoch,
-                token_ids=prep.token_ids,
-                first_token=first.token,
-                first_logprob=first.logprob,
-                sampling=s,
-            ),
-            timeout=env.request_timeout,
+            decode_request(prep, room_id, p, first.token, first.logprob), timeout=env.request_timeout
         )
         if dec_channel.get_state() != grpc.ChannelConnectivity.READY:
             # No live connection to the decode (first use, or it went away): a dead decode refuses the
@@ -352,6 +333,36 @@ async def _pd_attempt(
         if not finished_cleanly:
             with contextlib.suppress(RuntimeError):
                 env.spawn(abort_room(env, prep.request_id, room_id, "router: request ended early"))
+
+
+def prefill_request(prep: Prepared, room_id: int, decode: dpb.Peer) -> pfpb.PrefillRequest:
+    """The Prefill of a request in `room_id`, paired with `decode`."""
+    return pfpb.PrefillRequest(
+        request_id=prep.request_id,
+        room_id=room_id,
+        decode_peer_id=decode.peer_id,
+        decode_epoch=decode.epoch,
+        token_ids=prep.token_ids,
+        sampling=prep.sampling,
+        cache_salt=prep.cache_salt,
+    )
+
+
+def decode_request(
+    prep: Prepared, room_id: int, prefill: dpb.Peer, first_token: int = 0, first_logprob: float = 0.0
+) -> decpb.DecodeRequest:
+    """The Decode of a request in `room_id`, paired with `prefill` (an SGLang decode has no first token
+    to be given: it streams from its own)."""
+    return decpb.DecodeRequest(
+        request_id=prep.request_id,
+        room_id=room_id,
+        prefill_peer_id=prefill.peer_id,
+        prefill_epoch=prefill.epoch,
+        token_ids=prep.token_ids,
+        first_token=first_token,
+        first_logprob=first_logprob,
+        sampling=prep.sampling,
+    )
 
 
 def _first_step(prep: Prepared, token: int, logprob: float, pf: pfpb.PrefillResponse) -> Step:

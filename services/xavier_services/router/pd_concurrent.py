@@ -57,27 +57,10 @@ async def concurrent_attempt(
     s = prep.sampling
     pool.acquire(p, d)
     pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(
-        pfpb.PrefillRequest(
-            request_id=prep.request_id,
-            room_id=room_id,
-            decode_peer_id=d.peer_id,
-            decode_epoch=d.epoch,
-            token_ids=prep.token_ids,
-            sampling=s,
-            cache_salt=prep.cache_salt,
-        ),
-        timeout=env.request_timeout,
+        flows.prefill_request(prep, room_id, d), timeout=env.request_timeout
     )
     dec_call = decpb_grpc.DecodeServiceStub(pool.channel(d.address)).Decode(
-        decpb.DecodeRequest(
-            request_id=prep.request_id,
-            room_id=room_id,
-            prefill_peer_id=p.peer_id,
-            prefill_epoch=p.epoch,
-            token_ids=prep.token_ids,
-            sampling=s,
-        ),
-        timeout=env.request_timeout,
+        flows.decode_request(prep, room_id, p), timeout=env.request_timeout
     )
     prefill = asyncio.ensure_future(_prefill(pf_call))
     calling: dpb.Peer = d
