@@ -24,7 +24,7 @@ from xavier.v1 import decode_service_pb2 as dpb
 from xavier.v1 import decode_service_pb2_grpc, types_pb2
 from xavier.v1 import directory_service_pb2 as dirpb
 from xavier.v1 import directory_service_pb2_grpc as dir_grpc
-from xavier_client import Client
+from xavier_client import Client, InvalidArgumentError
 
 from tests.sglang_host.conftest import Start, ready_info, standin_state
 from tests.support.procs import ServiceProc, health_status, start_service
@@ -287,3 +287,43 @@ def test_the_mesh_heals_when_a_prefill_sglang_dies(
                 assert out.token_ids == _expected([30 + i, 4], 3)
     finally:
         router.stop()
+
+
+def test_a_failed_prefill_ends_the_request_at_once_and_cancels_the_decode(
+    start_sglang_peer: Start, directory: ServiceProc, tiny_model: Path, tmp_path: Path
+) -> None:
+    start_sglang_peer("prefill", env={"XAVIER_STANDIN_GENERATE_STATUS": "400"})
+    decode = start_sglang_peer("decode", env={"XAVIER_STANDIN_RENDEZVOUS_SECONDS": "30"})
+    durl = ready_info(decode, tmp_path)["sglang_url"]
+    router = _router(directory, tiny_model, tmp_path)
+    try:
+        with Client(router.address) as client:
+            started = time.monotonic()
+            with pytest.raises(InvalidArgumentError) as info:
+                client.generate([1, 2], max_tokens=3, mode="pd")
+            # The decode would wait 30 s for a room that never fills; the prefill's error ends it now.
+            assert time.monotonic() - started < 10
+            assert "stand-in answers 400" in str(info.value)
+        _wait(lambda: standin_state(durl)["aborted"] == 1, 10, "the decode's SGLang request aborted")
+    finally:
+        router.stop()
+
+
+def test_a_request_in_flight_when_sglang_dies_gets_a_clear_status(
+    start_sglang_peer: Start, tmp_path: Path
+) -> None:
+    unified = start_sglang_peer("unified", env={"XAVIER_STANDIN_TOKEN_DELAY": "0.2"})
+    pid = ready_info(unified, tmp_path)["sglang_pid"]
+    with grpc.insecure_channel(unified.address) as ch:
+        stub = decode_service_pb2_grpc.DecodeServiceStub(ch)
+        req = dpb.GenerateUnifiedRequest(
+            request_id="d1", token_ids=[1, 2], sampling=types_pb2.SamplingParams(max_tokens=200)
+        )
+        stream = stub.GenerateUnified(req, timeout=30)
+        next(stream)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert _reason(info.value) == "PEER_UNAVAILABLE"
+    assert unified.proc.wait(30) == 1

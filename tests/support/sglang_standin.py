@@ -16,6 +16,7 @@ run. Run as `python -m tests.support.sglang_standin ARGS...` (the service's `sgl
   layout, an endpoint) and the decode checks that a prefill is registered at
   `bootstrap_host:bootstrap_port`, as the plugin's lookup does; otherwise the request ends in an abort.
 - Like SGLang it forks a helper process (its schedulers) that dies with it (PR_SET_PDEATHSIG).
+- XAVIER_STANDIN_GENERATE_STATUS=N makes every `/generate` answer HTTP N with an error body.
 - `GET /standin/state`: its argv, environment, helper pid and counters, for the tests.
 """
 
@@ -154,6 +155,9 @@ class Standin:
             return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
         body = await request.json()
         self.counters["requests"] += 1
+        status = int(os.environ.get("XAVIER_STANDIN_GENERATE_STATUS") or 200)
+        if status != 200:  # a server that refuses every request (the tests' failure injection)
+            return web.json_response({"error": {"message": f"stand-in answers {status}"}}, status=status)
         ids = body.get("input_ids")
         if not isinstance(ids, list) or not ids:
             return web.json_response({"error": {"message": "input_ids is required"}}, status=400)
