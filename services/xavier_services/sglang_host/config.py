@@ -40,6 +40,9 @@ OWNED_FLAGS: dict[str, str] = {
     "--data-parallel-size": "the xavier backend (one rank per server)",
     "--dp": "the xavier backend (one rank per server)",
     "--page-size": "engine.page_size",
+    "--incremental-streaming-output": "the service (it reads SGLang's cumulative stream events)",
+    "--stream-output": "the service (it reads SGLang's cumulative stream events)",
+    "--config": "the service (an SGLang config file could set any flag above)",
     "--dtype": "engine.dtype",
 }
 
