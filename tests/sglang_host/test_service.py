@@ -327,3 +327,26 @@ def test_a_request_in_flight_when_sglang_dies_gets_a_clear_status(
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert _reason(info.value) == "PEER_UNAVAILABLE"
     assert unified.proc.wait(30) == 1
+
+
+def test_sigterm_lets_a_request_in_flight_finish(start_sglang_peer: Start) -> None:
+    env = {"XAVIER_STANDIN_TOKEN_DELAY": "0.1", "XAVIER_GRACE_SECONDS": "8"}
+    unified = start_sglang_peer("unified", env=env)
+    with grpc.insecure_channel(unified.address) as ch:
+        stub = decode_service_pb2_grpc.DecodeServiceStub(ch)
+        req = dpb.GenerateUnifiedRequest(
+            request_id="t1", token_ids=[4, 5], sampling=types_pb2.SamplingParams(max_tokens=12)
+        )
+        stream = stub.GenerateUnified(req, timeout=30)
+        first = next(stream)
+        unified.proc.send_signal(signal.SIGTERM)
+        rest = list(stream)
+    ids = [*first.delta.token_ids, *(t for m in rest for t in m.delta.token_ids)]
+    assert ids == _expected([4, 5], 12) and rest[-1].finish_reason == types_pb2.FINISH_REASON_LENGTH
+    assert unified.proc.wait(20) == 0
+
+
+def test_a_setup_that_cannot_work_exits_2_naming_the_key(start_sglang_peer: Start) -> None:
+    with pytest.raises(RuntimeError) as info:
+        start_sglang_peer("decode", env={"XAVIER_SGLANG__HICACHE": "true"}, timeout=30)
+    assert "exited with 2" in str(info.value) and "config error: sglang.hicache" in str(info.value)

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 from xavier.v1 import directory_service_pb2 as dpb
@@ -28,7 +29,8 @@ from xavier.v1 import types_pb2
 from xavier_core.contract import layout_from_model_dir
 from xavier_core.directory import DirectoryClient, PeerSession, Registration
 from xavier_core.runtime import ServerHandle
-from xavier_core.runtime.errors import NotFound, Unavailable, XavierError
+from xavier_core.runtime.config import ConfigError
+from xavier_core.runtime.errors import InvalidArgument, NotFound, Unavailable, XavierError
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.sglang_host.child import SglangChild
@@ -62,6 +64,8 @@ class SglangHost:
         self.peer_id = config.peer.peer_id
         self.epoch = 0
         self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.failed = ""
         """Why SGLang died (empty while it runs); the service exits non-zero when set."""
         self.child: SglangChild | None = None
@@ -101,7 +105,12 @@ class SglangHost:
             pagestore=cfg.pagestore.address,
             transfer_timeout_seconds=cfg.handoff.transfer_timeout_seconds,
         )
-        launch = build_launch(cfg.sglang, spec)
+        try:
+            launch = build_launch(cfg.sglang, spec)
+        except (
+            InvalidArgument
+        ) as err:  # a set-up that cannot work: exit 2 naming the key, as config errors do
+            raise ConfigError([(err.metadata.get("key", "sglang"), err.message, "config")]) from None
         log.info(
             "launching sglang", argv=json.dumps([a if a != launch.api_key else "***" for a in launch.argv])
         )
@@ -146,6 +155,18 @@ class SglangHost:
             self.dir, req, load=self._load, on_registered=self._on_registered, register_attempts=20
         )
         await self._session.start()
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Counts a request in flight (the load reported, and what a stop waits for)."""
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            if not self.inflight:
+                self._idle.set()
 
     def _on_registered(self, reg: Registration) -> None:
         self.epoch = reg.epoch
@@ -202,8 +223,12 @@ class SglangHost:
         return address
 
     async def stop(self) -> None:
+        """Lets requests in flight finish (half the service's grace), then stops SGLang."""
         if self._watch is not None:
             self._watch.cancel()
+        if not self.failed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), self.config.grace_seconds / 2)
         if self._session is not None:
             with contextlib.suppress(Exception):
                 await self._session.stop(unregister=True)

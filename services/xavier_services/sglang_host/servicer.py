@@ -91,11 +91,8 @@ class SglangPrefillServicer(_Base, prefill_service_pb2_grpc.PrefillServiceServic
             bootstrap=(bootstrap_host, bootstrap_port, request.room_id),
         )
         started = time.perf_counter()
-        host.inflight += 1
-        try:
+        with host.busy():
             answer = await host.sglang.generate(body)
-        finally:
-            host.inflight -= 1
         meta = answer.get("meta_info") or {}
         ids = [int(t) for t in answer.get("output_ids") or []]
         failed = _transfer_failed(Delta(ids, "", [], 0, meta), "prefill")
@@ -138,8 +135,7 @@ class SglangDecodeServicer(_Base, decode_service_pb2_grpc.DecodeServiceServicer)
         )
         started = time.perf_counter()
         n = 0
-        host.inflight += 1
-        try:
+        with host.busy():
             async for delta in host.sglang.stream(body):
                 failed = _transfer_failed(delta, "decode") if n == 0 else None
                 if failed is not None:
@@ -152,8 +148,6 @@ class SglangDecodeServicer(_Base, decode_service_pb2_grpc.DecodeServiceServicer)
                     msg.usage.CopyFrom(_usage(delta.meta, len(token_ids), n))
                     msg.timings.CopyFrom(types_pb2.Timings(total=to_duration(time.perf_counter() - started)))
                 yield msg
-        finally:
-            host.inflight -= 1
 
     async def GenerateUnified(
         self, request: dpb.GenerateUnifiedRequest, context: Ctx
@@ -166,8 +160,7 @@ class SglangDecodeServicer(_Base, decode_service_pb2_grpc.DecodeServiceServicer)
         started = time.perf_counter()
         first_at: float | None = None
         n = 0
-        host.inflight += 1
-        try:
+        with host.busy():
             async for delta in host.sglang.stream(body):
                 if first_at is None and delta.token_ids:
                     first_at = time.perf_counter() - started
@@ -184,8 +177,6 @@ class SglangDecodeServicer(_Base, decode_service_pb2_grpc.DecodeServiceServicer)
                         )
                     )
                 yield msg
-        finally:
-            host.inflight -= 1
 
     @staticmethod
     def _delta(delta: Delta, sampling: types_pb2.SamplingParams) -> dpb.TokenDelta:
