@@ -263,6 +263,10 @@ async def _pd_attempt(
 
     if concurrent_pair(pair):
         # SGLang pairs: the prefill answers only after the decode took the KV (see pd_concurrent).
+        if sent:  # its decode streams its own first token: it cannot continue another engine's stream
+            raise _PeerFailed(
+                p, Unavailable("the pair cannot continue this stream", reason="PEER_UNAVAILABLE")
+            )
         async with aclosing(concurrent_attempt(prep, env, pair, trace)) as steps:  # type: ignore[type-var]
             async for step in steps:
                 yield step
