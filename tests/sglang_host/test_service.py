@@ -292,7 +292,10 @@ def test_the_mesh_heals_when_a_prefill_sglang_dies(
 def test_a_failed_prefill_ends_the_request_at_once_and_cancels_the_decode(
     start_sglang_peer: Start, directory: ServiceProc, tiny_model: Path, tmp_path: Path
 ) -> None:
-    start_sglang_peer("prefill", env={"XAVIER_STANDIN_GENERATE_STATUS": "400"})
+    # The prefill fails after 1 s, once the decode's request waits in its SGLang for the room.
+    start_sglang_peer(
+        "prefill", env={"XAVIER_STANDIN_GENERATE_STATUS": "400", "XAVIER_STANDIN_FAIL_AFTER": "1"}
+    )
     decode = start_sglang_peer("decode", env={"XAVIER_STANDIN_RENDEZVOUS_SECONDS": "30"})
     durl = ready_info(decode, tmp_path)["sglang_url"]
     router = _router(directory, tiny_model, tmp_path)
@@ -305,6 +308,7 @@ def test_a_failed_prefill_ends_the_request_at_once_and_cancels_the_decode(
             assert time.monotonic() - started < 10
             assert "stand-in answers 400" in str(info.value)
         _wait(lambda: standin_state(durl)["aborted"] == 1, 10, "the decode's SGLang request aborted")
+        assert standin_state(durl)["requests"] == 1
     finally:
         router.stop()
 

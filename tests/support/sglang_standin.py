@@ -16,7 +16,8 @@ run. Run as `python -m tests.support.sglang_standin ARGS...` (the service's `sgl
   layout, an endpoint) and the decode checks that a prefill is registered at
   `bootstrap_host:bootstrap_port`, as the plugin's lookup does; otherwise the request ends in an abort.
 - Like SGLang it forks a helper process (its schedulers) that dies with it (PR_SET_PDEATHSIG).
-- XAVIER_STANDIN_GENERATE_STATUS=N makes every `/generate` answer HTTP N with an error body.
+- XAVIER_STANDIN_GENERATE_STATUS=N makes every `/generate` answer HTTP N with an error body (after
+  XAVIER_STANDIN_FAIL_AFTER seconds).
 - `GET /standin/state`: its argv, environment, helper pid and counters, for the tests.
 """
 
@@ -157,6 +158,7 @@ class Standin:
         self.counters["requests"] += 1
         status = int(os.environ.get("XAVIER_STANDIN_GENERATE_STATUS") or 200)
         if status != 200:  # a server that refuses every request (the tests' failure injection)
+            await asyncio.sleep(float(os.environ.get("XAVIER_STANDIN_FAIL_AFTER") or 0))
             return web.json_response({"error": {"message": f"stand-in answers {status}"}}, status=status)
         ids = body.get("input_ids")
         if not isinstance(ids, list) or not ids:
