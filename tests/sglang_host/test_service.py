@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -212,7 +213,7 @@ def test_a_dead_sglang_takes_its_service_out_of_the_mesh(
     _wait(lambda: not _alive(helper), 10, "SGLang's helper process died with it")
 
 
-def test_not_serving_while_sglang_starts_then_serving(start_sglang_peer: Start, tmp_path: Path) -> None:
+def test_a_slow_sglang_start_is_waited_for(start_sglang_peer: Start, tmp_path: Path) -> None:
     unified = start_sglang_peer("unified", name="slow", env={"XAVIER_STANDIN_START_DELAY": "1.5"})
     assert health_status(unified.address) == health_pb2.HealthCheckResponse.SERVING
 
@@ -354,3 +355,23 @@ def test_a_setup_that_cannot_work_exits_2_naming_the_key(start_sglang_peer: Star
     with pytest.raises(RuntimeError) as info:
         start_sglang_peer("decode", env={"XAVIER_SGLANG__HICACHE": "true"}, timeout=30)
     assert "exited with 2" in str(info.value) and "config error: sglang.hicache" in str(info.value)
+
+
+def test_an_unhealthy_sglang_makes_the_service_not_serving_until_it_recovers(
+    start_sglang_peer: Start, tmp_path: Path
+) -> None:
+    env = {"XAVIER_SGLANG__HEALTH_INTERVAL_SECONDS": "0.2", "XAVIER_SGLANG__UNHEALTHY_AFTER": "2"}
+    unified = start_sglang_peer("unified", env=env)
+    url = ready_info(unified, tmp_path)["sglang_url"]
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    def set_health(ok: bool) -> None:
+        req = urllib.request.Request(f"{url}/standin/health?ok={int(ok)}", method="POST")
+        urllib.request.urlopen(req, timeout=5).close()
+
+    assert health_status(unified.address) == serving
+    set_health(False)
+    _wait(lambda: health_status(unified.address) == not_serving, 10, "NOT_SERVING after failed probes")
+    set_health(True)
+    _wait(lambda: health_status(unified.address) == serving, 10, "SERVING after a passing probe")
+    assert unified.proc.poll() is None  # a hung SGLang is reported, not killed

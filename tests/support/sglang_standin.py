@@ -18,6 +18,7 @@ run. Run as `python -m tests.support.sglang_standin ARGS...` (the service's `sgl
 - Like SGLang it forks a helper process (its schedulers) that dies with it (PR_SET_PDEATHSIG).
 - XAVIER_STANDIN_GENERATE_STATUS=N makes every `/generate` answer HTTP N with an error body (after
   XAVIER_STANDIN_FAIL_AFTER seconds).
+- `POST /standin/health?ok=0|1` makes `/health` answer 503 or 200.
 - `GET /standin/state`: its argv, environment, helper pid and counters, for the tests.
 """
 
@@ -86,6 +87,7 @@ class Standin:
         self.token_delay = float(os.environ.get("XAVIER_STANDIN_TOKEN_DELAY") or 0)
         self.wait_s = float(os.environ.get("XAVIER_STANDIN_RENDEZVOUS_SECONDS") or 10)
         self.counters = {"requests": 0, "aborted": 0, "bad_key": 0}
+        self.healthy = True
         self.helper = subprocess.Popen([sys.executable, "-c", _HELPER])
         self.session: Any = None
         self.directory: Any = None
@@ -136,6 +138,12 @@ class Standin:
     # --- HTTP ----------------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
+        if not self.healthy:
+            return web.Response(status=503, text="unhealthy")
+        return web.Response(text="ok")
+
+    async def set_health(self, request: web.Request) -> web.Response:
+        self.healthy = request.query.get("ok") == "1"
         return web.Response(text="ok")
 
     async def state(self, request: web.Request) -> web.Response:
@@ -276,6 +284,7 @@ async def serve(args: argparse.Namespace) -> None:
         app = web.Application()
         app.router.add_get("/health", standin.health)
         app.router.add_get("/standin/state", standin.state)
+        app.router.add_post("/standin/health", standin.set_health)
         app.router.add_post("/generate", standin.generate)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()

@@ -76,20 +76,25 @@ class SglangChild:
         tail = "\n".join(list(self.tail)[-10:])
         return f"SGLang exited ({how}); last output:\n{tail}" if tail else f"SGLang exited ({how})"
 
+    async def healthy(self, session: aiohttp.ClientSession, timeout: float) -> bool:
+        """One GET /health: True on 200."""
+        url = f"{self.launch.url}/health"
+        headers = {"Authorization": f"Bearer {self.launch.api_key}"}
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                return r.status == 200
+        return False
+
     async def wait_healthy(self, session: aiohttp.ClientSession, timeout: float) -> None:
         """Polls GET /health until 200; `ChildFailed` if the process exits first or `timeout` passes."""
         deadline = time.monotonic() + timeout
-        url = f"{self.launch.url}/health"
-        headers = {"Authorization": f"Bearer {self.launch.api_key}"}
         while True:
             if self.proc is None or self.proc.returncode is not None:
                 await self._drain_output()
                 raise ChildFailed(f"SGLang did not start: {self.exit_detail()}")
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    if r.status == 200:
-                        log.info("sglang healthy", url=self.launch.url)
-                        return
+            if await self.healthy(session, 5.0):
+                log.info("sglang healthy", url=self.launch.url)
+                return
             if time.monotonic() > deadline:
                 raise ChildFailed(f"SGLang's /health did not answer 200 within {timeout:.0f}s")
             await asyncio.sleep(_HEALTH_POLL_SECONDS)

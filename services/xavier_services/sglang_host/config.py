@@ -110,6 +110,13 @@ class SglangSection(BaseModel):
     """Prefill and unified roles with `[pagestore] address`: HiCache with the Xavier page store."""
     health_timeout_seconds: float = Field(default=900.0, gt=0, le=86400)
     """Longest wait for SGLang's /health at start (model load, CUDA graph capture)."""
+    health_interval_seconds: float = Field(default=10.0, gt=0, le=3600)
+    """After start, how often SGLang's /health is probed (SGLang answers it by generating a token)."""
+    health_probe_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    """Deadline of one probe."""
+    unhealthy_after: int = Field(default=3, ge=1, le=1000)
+    """Failed probes in a row after which the service reports NOT_SERVING (the router leaves it out) until
+    a probe passes again. A hung SGLang is not killed: its requests' deadlines end them."""
     request_timeout_seconds: float = Field(default=600.0, gt=0, le=86400)
     """Longest one request to SGLang may take (the router's request deadline usually ends it first)."""
     stop_grace_seconds: float = Field(default=15.0, gt=0, le=600)

@@ -73,6 +73,7 @@ class SglangHost:
         self.directory: DirectoryClient | None = None
         self._session: PeerSession | None = None
         self._watch: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None
         self._prefills: dict[tuple[str, int], str] = {}  # (peer id, epoch) -> address
 
     @property
@@ -127,6 +128,7 @@ class SglangHost:
         if self.role == types_pb2.ROLE_UNIFIED:
             await self._register()
         self._watch = asyncio.create_task(self._supervise(handle), name="sglang-supervise")
+        self._probe = asyncio.create_task(self._probe_health(handle), name="sglang-health")
         info: dict[str, Any] = {
             "peer_id": self.peer_id,
             "sglang_pid": self.child.pid,
@@ -187,11 +189,35 @@ class SglangHost:
         await child.wait_exit()
         if child.stopping:
             return
+        if self._probe is not None:
+            self._probe.cancel()
         self.failed = child.exit_detail()
         log.error("sglang died; the service stops (its supervisor restarts it)", detail=self.failed)
         await handle.set_serving(False)
         await self._leave_mesh()
         handle.request_stop()
+
+    async def _probe_health(self, handle: ServerHandle) -> None:
+        """NOT_SERVING after `unhealthy_after` failed probes in a row, SERVING again after one that
+        passes (after a shutdown began, the health servicer ignores both)."""
+        cfg = self.config.sglang
+        child, http = self.child, self.http
+        if child is None or http is None:
+            return
+        failures = 0
+        serving = True
+        while True:
+            await asyncio.sleep(cfg.health_interval_seconds)
+            ok = await child.healthy(http.session, cfg.health_probe_timeout_seconds)
+            failures = 0 if ok else failures + 1
+            if serving and failures >= cfg.unhealthy_after:
+                serving = False
+                log.warning("sglang unhealthy; not serving", failed_probes=failures)
+                await handle.set_serving(False)
+            elif not serving and ok:
+                serving = True
+                log.info("sglang healthy again; serving")
+                await handle.set_serving(True)
 
     async def _leave_mesh(self) -> None:
         """Unregisters this service's registrations and the dead child's (found by our address), so the
@@ -224,8 +250,9 @@ class SglangHost:
 
     async def stop(self) -> None:
         """Lets requests in flight finish (half the service's grace), then stops SGLang."""
-        if self._watch is not None:
-            self._watch.cancel()
+        for task in (self._watch, self._probe):
+            if task is not None:
+                task.cancel()
         if not self.failed:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), self.config.grace_seconds / 2)
