@@ -108,9 +108,8 @@ class SglangHost:
         )
         try:
             launch = build_launch(cfg.sglang, spec)
-        except (
-            InvalidArgument
-        ) as err:  # a set-up that cannot work: exit 2 naming the key, as config errors do
+        except InvalidArgument as err:
+            # A set-up that cannot work: exit 2 naming the key, as config errors do.
             raise ConfigError([(err.metadata.get("key", "sglang"), err.message, "config")]) from None
         log.info(
             "launching sglang", argv=json.dumps([a if a != launch.api_key else "***" for a in launch.argv])
@@ -120,13 +119,13 @@ class SglangHost:
         await self.child.start()
         try:
             await self.child.wait_healthy(self.http.session, cfg.sglang.health_timeout_seconds)
+            if not self.native:
+                self.directory = DirectoryClient(cfg.peer.directory, timeout=cfg.peer.rpc_timeout_seconds)
+            if self.role == types_pb2.ROLE_UNIFIED:
+                await self._register()
         except BaseException:
             await asyncio.shield(self.child.stop(cfg.sglang.stop_grace_seconds))  # never an orphan
             raise
-        if not self.native:
-            self.directory = DirectoryClient(cfg.peer.directory, timeout=cfg.peer.rpc_timeout_seconds)
-        if self.role == types_pb2.ROLE_UNIFIED:
-            await self._register()
         self._watch = asyncio.create_task(self._supervise(handle), name="sglang-supervise")
         self._probe = asyncio.create_task(self._probe_health(handle), name="sglang-health")
         info: dict[str, Any] = {
