@@ -1,8 +1,8 @@
 """`xavier`: run the mesh locally and talk to it.
 
-xavier up [--model DIR] [--mode pd|colocated] [--prefill N --decode N --unified N]
+xavier up [--model DIR] [--mode pd|colocated|native] [--prefill N --decode N --unified N]
           [--grpc HOST:PORT] [--http HOST:PORT] [--compute model|null] [--workdir DIR] [--tls]
-          [--no-pagestore]
+          [--no-pagestore] [--engine reference|sglang] [--gpus LIST] [--sglang-arg ARG ...]
 xavier generate "prompt" [--stream] [--mode pd|colocated|native] [--address HOST:PORT]
 xavier status [--address HOST:PORT] [--pagestore HOST:PORT] [--json]
 xavier models make-tiny DIR --arch qwen2|qwen3|llama [...]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from xavier_cli.sglang_up import add_sglang_args, native_wiring, replica_config, router_config
 from xavier_cli.supervisor import Child, GaveUp, Keeper, RestartPolicy, Supervisor
 
 DEFAULT_GRPC = "127.0.0.1:50051"
@@ -52,7 +53,12 @@ def state_file(grpc_address: str) -> Path:
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: embedded tiny)")
-    p.add_argument("--mode", choices=["pd", "colocated"], default="pd", help="default routing mode")
+    p.add_argument(
+        "--mode",
+        choices=["pd", "colocated", "native"],
+        default="pd",
+        help="default routing mode (native: SGLang's own NIXL P/D, --engine sglang only)",
+    )
     p.add_argument("--prefill", type=int, default=None, help="prefill replicas (pd default 1)")
     p.add_argument("--decode", type=int, default=None, help="decode replicas (pd default 1)")
     p.add_argument("--unified", type=int, default=None, help="unified replicas (colocated default 1)")
@@ -95,6 +101,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pagestore-listen", default="127.0.0.1:0", metavar="HOST:PORT", help="page store address"
     )
+    add_sglang_args(p)
 
 
 class _Stop:
@@ -106,7 +113,7 @@ class _Stop:
 
 
 def _counts(args: argparse.Namespace) -> tuple[int, int, int]:
-    if args.mode == "pd":
+    if args.mode in ("pd", "native"):
         return (
             1 if args.prefill is None else args.prefill,
             1 if args.decode is None else args.decode,
@@ -132,6 +139,13 @@ def run_up(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    problem = _sglang_problem(args, prefill, decode, unified)
+    if problem:
+        print(f"xavier up: {problem}", file=sys.stderr)
+        return 2
+    sglang = args.engine == "sglang"
+    native = native_wiring() if args.mode == "native" else None
+    use_store = args.pagestore and (not sglang or args.sglang_hicache)
     model = (args.model or default_model(say)).resolve()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="xavier-up-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -144,7 +158,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         directory = sup.start("directory", "xavier-directory", ["--listen", "127.0.0.1:0"], stage=0)
         first = [directory]
-        if args.pagestore:
+        if use_store:
             # Stage 0 like the directory: it outlives the engines that write to it.
             first.append(
                 sup.start("pagestore", "xavier-pagestore", ["--listen", args.pagestore_listen], stage=0)
@@ -152,7 +166,7 @@ def run_up(args: argparse.Namespace) -> int:
         say(f"starting {' and '.join(c.name for c in first)}")
         if not sup.wait_ready(first, 60, lambda: stop.requested, _progress(say), _ready(say)):
             return 0
-        store = first[1].address if args.pagestore else ""
+        store = first[1].address if use_store else ""
         common = ["--model", str(model), "--directory", directory.address, "--listen", "127.0.0.1:0"]
         devices = _devices(args.device)
         peers: list[Child] = []
@@ -160,9 +174,12 @@ def run_up(args: argparse.Namespace) -> int:
             for i in range(n):
                 binary = "xavier-prefill" if role == "prefill" else "xavier-decode"
                 extra = ["--role", role] if role != "prefill" else []
-                if store and role != "decode":  # a decode computes no prompt: nothing to share
-                    extra += ["--pagestore", store]
                 name = f"{role}-{i}"
+                if sglang:
+                    path = replica_config(args, workdir, name, role, len(peers), store, native)
+                    extra += ["--config", str(path)]
+                elif store and role != "decode":  # a decode computes no prompt: nothing to share
+                    extra += ["--pagestore", store]
                 device = devices[len(peers) % len(devices)]
                 args_ = [*common, "--device", device, "--peer-id", name, *extra]
                 peers.append(sup.start(name, binary, args_, stage=1))
@@ -183,6 +200,7 @@ def run_up(args: argparse.Namespace) -> int:
                 args.http,
                 "--mode",
                 args.mode,
+                *(["--config", str(router_config(workdir, native))] if native is not None else []),
             ],
             stage=2,
         )
@@ -204,7 +222,8 @@ def run_up(args: argparse.Namespace) -> int:
                 else {}
             ),
         }
-        print(f"\nXavier is up ({args.mode}, {model.name}).", flush=True)
+        engine = " on SGLang" if sglang else ""
+        print(f"\nXavier is up ({args.mode}{engine}, {model.name}).", flush=True)
         print(f'  gRPC    {endpoints["grpc"]}   (xavier generate --address {endpoints["grpc"]} "Hello")')
         print(f"  OpenAI  http://{endpoints['http']}/v1")
         print(
@@ -240,6 +259,21 @@ def run_up(args: argparse.Namespace) -> int:
             state.unlink(missing_ok=True)
         say("stopped")
     return code
+
+
+def _sglang_problem(args: argparse.Namespace, prefill: int, decode: int, unified: int) -> str:
+    """Why the flags cannot make an SGLang mesh ("" when they can)."""
+    if args.engine != "sglang":
+        if args.mode == "native":
+            return "--mode native runs SGLang's own P/D: add --engine sglang"
+        return ""
+    if args.mode == "native" and (prefill != 1 or decode != 1 or unified):
+        return "--mode native serves one SGLang prefill and one decode (--prefill 1 --decode 1)"
+    if args.compute != "model":
+        return "--compute null is the reference engine's; SGLang always runs the model"
+    if args.sglang_hicache and not args.pagestore:
+        return "--sglang-hicache needs the page store (drop --no-pagestore)"
+    return ""
 
 
 def _policy(args: argparse.Namespace, say: Callable[[str], None]) -> RestartPolicy:

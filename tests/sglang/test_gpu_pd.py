@@ -1,27 +1,30 @@
-"""Opt-in, two GPUs: real SGLang prefill and decode servers with `--disaggregation-transfer-backend xavier`,
-compared with the same pair on SGLang's native NIXL backend (greedy outputs must be identical).
+"""Opt-in, two GPUs: real SGLang through `xavier up --engine sglang` in its three modes, the same greedy
+prompts through the router's public API each time, outputs compared:
 
-Skipped unless `XAVIER_TEST_SGLANG=1`, two CUDA devices, and sglang importable. Run on the 2-GPU H200 machine
-(SGLang 0.5.17 staged as in ../shared/reference/sglang-gpu/, Xavier installed into the same Python):
+- pd: an SGLang prefill (GPU 0) and decode (GPU 1) with `--disaggregation-transfer-backend xavier`, hosted
+  by Xavier's prefill and decode services and paired by the router;
+- native: the same pair on SGLang's own NIXL backend, the router's native mode calling them over HTTP;
+- colocated: one unified SGLang server (GPU 0).
 
-    XAVIER_TEST_SGLANG=1 python -m pytest -q -p no:cacheprovider tests/sglang/test_gpu_pd.py
+Skipped unless `XAVIER_TEST_SGLANG=1`, two CUDA devices and sglang importable. On the 2-GPU H200 machine
+(SGLang 0.5.17 staged as in ../shared/reference/sglang-gpu/, Xavier's runtime dependencies importable):
 
-Each pair: a directory process; prefill on GPU 0 (HTTP 30000, bootstrap 8998), decode on GPU 1 (HTTP 30001);
-Triton attention, FP16, a tiny random Qwen2 with a tokenizer (Xavier's contract fingerprints it). The same
-`/generate` body goes to both servers with `bootstrap_host`, `bootstrap_port` and a 63-bit `bootstrap_room`.
+    export PYTHONPATH=$PWD:$PWD/services:$PWD/clients:$PWD/protos/python:$PWD/engines:$PYTHONPATH
+    XAVIER_TEST_SGLANG=1 python3 -m pytest -q -p no:cacheprovider tests/sglang/test_gpu_pd.py
+
+The model is a tiny random FP16 Qwen2 with a tokenizer (Xavier's contract fingerprints it), Triton
+attention, the PyTorch sampler. pd and native must match exactly (the same kernels on the same GPUs);
+colocated is compared too (one server: a different batch shape could flip a near tie, and the message
+then names the prompt).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import json
 import os
-import random
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -33,73 +36,19 @@ if torch.cuda.device_count() < 2:
 pytest.importorskip(
     "sglang.srt.disaggregation.common.conn", reason="the real sglang package is not installed"
 )
-requests = pytest.importorskip("requests")
+
+from xavier_client import Client  # noqa: E402
+
+from tests.cli.mesh import Mesh, start_up  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gpu, pytest.mark.slow]
 
-PREFILL, DECODE, BOOTSTRAP = "http://127.0.0.1:30000", "http://127.0.0.1:30001", 8998
-COMMON = [
-    "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
-    "--dtype", "float16", "--mem-fraction-static", "0.5", "--host", "127.0.0.1", "--log-level", "warning",
+SGLANG_ARGS = [
+    "--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.5",
+    "--cuda-graph-max-bs", "16", "--log-level", "warning",
 ]  # fmt: skip
-
-
-def _launch(model: Path, backend: str, env: dict[str, str], logs: Path) -> list[subprocess.Popen[bytes]]:
-    procs = []
-    for role, port, gpu in (("prefill", 30000, 0), ("decode", 30001, 1)):
-        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), *COMMON,
-                "--port", str(port), "--base-gpu-id", str(gpu), "--disaggregation-mode", role,
-                "--disaggregation-transfer-backend", backend]  # fmt: skip
-        if role == "prefill":
-            args += ["--disaggregation-bootstrap-port", str(BOOTSTRAP)]
-        with open(logs / f"{backend}-{role}.log", "wb") as log:  # the child keeps its own descriptor
-            procs.append(
-                subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
-            )
-    deadline = time.monotonic() + 600
-    for url, proc in zip((PREFILL, DECODE), procs, strict=True):
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{url} exited {proc.returncode}; see {logs}")
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} not healthy; see {logs}")
-            time.sleep(2)
-    return procs
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
-def _generate(ids: list[int]) -> list[int]:
-    body: dict[str, Any] = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True},
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": BOOTSTRAP,
-        "bootstrap_room": random.getrandbits(62) | 1,
-    }
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        p = pool.submit(requests.post, PREFILL + "/generate", json=body, timeout=300)
-        d = pool.submit(requests.post, DECODE + "/generate", json=body, timeout=300)
-        p.result().raise_for_status()
-        out = d.result()
-    out.raise_for_status()
-    return list(out.json()["output_ids"])
-
-
 PROMPTS = [[(7 * i + j) % 500 + 10 for j in range(n)] for i, n in enumerate((5, 17, 64, 300, 1000))]
+MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -118,27 +67,53 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def native_outputs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[list[int]]]:
-    procs = _launch(model, "nixl", {}, tmp_path_factory.mktemp("native"))
+def sglang_env(plugin_entry_point: str) -> Iterator[None]:
+    """SGLang's processes find the plugin's entry point through PYTHONPATH (an install of Xavier into
+    SGLang's environment does the same)."""
+    saved = os.environ.get("PYTHONPATH")
+    root = Path(__file__).resolve().parents[2]
+    parts = [plugin_entry_point, str(root), str(root / "services"), str(root / "clients"),
+             str(root / "protos" / "python"), str(root / "engines"), saved or ""]  # fmt: skip
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in parts if p)
+    yield
+    if saved is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = saved
+
+
+def _run(model: Path, tmp: Path, mode: str, *flags: str) -> list[list[int]]:
+    command = json.dumps([sys.executable, "-m", "sglang.launch_server"])
+    args = ["--engine", "sglang", "--model", str(model), "--mode", mode, "--no-pagestore",
+            "--sglang-command", command, *flags, *(f"--sglang-arg={a}" for a in SGLANG_ARGS)]  # fmt: skip
+    mesh: Mesh = start_up(tmp, tmp / "cache", *args, timeout=900)
     try:
-        yield [_generate(ids) for ids in PROMPTS]
+        with Client(mesh.grpc, timeout=300) as client:
+            outs = []
+            for ids in PROMPTS:
+                res = client.generate(ids, max_tokens=MAX_TOKENS, mode=mode, ignore_eos=True, temperature=0.0)
+                outs.append(list(res.token_ids))
+        return outs
     finally:
-        _stop(procs)
+        assert mesh.stop(timeout=120) == 0
 
 
-def test_xavier_backend_matches_native_nixl(
-    model: Path, native_outputs: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+@pytest.fixture(scope="module")
+def native(model: Path, sglang_env: None, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    return _run(model, tmp_path_factory.mktemp("native"), "native", "--gpus", "0,1")
+
+
+def test_xavier_pd_matches_native_nixl(
+    model: Path, native: list[list[int]], sglang_env: None, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    from tests.support.procs import start_service
+    got = _run(model, tmp_path_factory.mktemp("pd"), "pd", "--gpus", "0,1")
+    assert all(len(o) == MAX_TOKENS for o in got)
+    assert got == native
 
-    logs = tmp_path_factory.mktemp("xavier")
-    directory = start_service("xavier-directory", ["--listen", "127.0.0.1:0"], logs)
-    env = {"SGLANG_PLUGINS": "xavier", "XAVIER_DIRECTORY": directory.address}
-    procs = _launch(model, "xavier", env, logs)
-    try:
-        got = [_generate(ids) for ids in PROMPTS]
-    finally:
-        _stop(procs)
-        directory.stop()
-    assert got == native_outputs
-    assert all(len(o) == 32 for o in got)
+
+def test_colocated_matches_native_nixl(
+    model: Path, native: list[list[int]], sglang_env: None, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    got = _run(model, tmp_path_factory.mktemp("colocated"), "colocated", "--unified", "1", "--gpus", "0")
+    for ids, a, b in zip(PROMPTS, got, native, strict=True):
+        assert a == b, f"prompt of {len(ids)} tokens: colocated {a} vs native {b}"

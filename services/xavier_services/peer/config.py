@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from xavier_core.runtime.config import Addresses, AddressOrOff, ServiceConfig
+from xavier_services.sglang_host.config import SglangSection
 
 
 class _Section(BaseModel):
@@ -17,6 +18,9 @@ class _Section(BaseModel):
 class EngineSection(_Section):
     """The hosted engine."""
 
+    kind: Literal["reference", "sglang"] = "reference"
+    """"reference": Xavier's engine in this process; "sglang": an SGLang server this service starts and
+    supervises (the `[sglang]` section)."""
     model: Path | None = None
     """Local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)."""
     device: str = "cpu"
@@ -104,3 +108,4 @@ class PeerServiceConfig(ServiceConfig):
     peer: PeerSection = PeerSection()
     handoff: HandoffSection = HandoffSection()
     pagestore: PageStoreSection = PageStoreSection()
+    sglang: SglangSection = SglangSection()

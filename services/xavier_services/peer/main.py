@@ -24,6 +24,7 @@ def peer_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_common_args(parser)
     parser.add_argument("--model", default=None, metavar="DIR", help="local Hugging Face checkpoint")
+    parser.add_argument("--engine", default=None, choices=["reference", "sglang"], help="engine kind")
     parser.add_argument("--directory", default=None, metavar="HOST:PORT", help="directory address")
     parser.add_argument("--peer-id", default=None, help="stable peer id (kept across restarts)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N]")
@@ -37,6 +38,7 @@ def peer_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
 def peer_config(args: argparse.Namespace) -> PeerServiceConfig:
     overrides = {
         "engine.model": args.model,
+        "engine.kind": args.engine,
         "engine.device": args.device,
         "engine.dtype": args.dtype,
         "engine.page_size": args.page_size,
@@ -63,6 +65,10 @@ def run_peer(
     add_to_server: Callable[[Any, grpc.aio.Server], None],
 ) -> int:
     """Loads the engine, then serves until SIGTERM: register → serve → drain → unregister."""
+    if config.engine.kind == "sglang":
+        from xavier_services.sglang_host.main import run_sglang_peer
+
+        return run_sglang_peer(config, role, service_name)
 
     async def main() -> int:
         engine = await asyncio.to_thread(load_engine, config, role)

@@ -4,6 +4,10 @@ A flow is an async generator of `Step`s. Cancelling the task that runs it (clien
 Abort) runs its `finally`: the downstream calls are cancelled and, in P/D, the room is aborted in the
 background, so the client never waits for cleanup.
 
+SGLang pairs (`KvLayout.engine == "sglang"`) take another path: SGLang's prefill answers only once the
+decode has taken the KV, so both are called at once and the decode streams from the first token
+(`pd_concurrent`).
+
 P/D takes three hops on the router's side: the prefill (which returns the first token and publishes its
 pages under a room id chosen here), then the decode with that first token, whose stream continues after
 it. The two peers meet in the directory by room id; the router never opens the room.
@@ -255,21 +259,24 @@ async def _pd_attempt(
     pair: Pair = await pool.retry_unavailable(lambda: pool.pick_pair(key, exclude))
     p, d = pair.prefill, pair.decode
     _note(trace, p, d)
+    from xavier_services.router.pd_concurrent import concurrent_attempt, concurrent_pair  # (imports us)
+
+    if concurrent_pair(pair):
+        # SGLang pairs: the prefill answers only after the decode took the KV (see pd_concurrent).
+        if sent:  # its decode streams its own first token: it cannot continue another engine's stream
+            raise _PeerFailed(
+                p, Unavailable("the pair cannot continue this stream", reason="PEER_UNAVAILABLE")
+            )
+        async with aclosing(concurrent_attempt(prep, env, pair, trace)) as steps:  # type: ignore[type-var]
+            async for step in steps:
+                yield step
+        return
     room_id = secrets.randbits(63) or 1
     s = prep.sampling
     pool.acquire(p, d)
     prefill_held = True
     pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(
-        pfpb.PrefillRequest(
-            request_id=prep.request_id,
-            room_id=room_id,
-            decode_peer_id=d.peer_id,
-            decode_epoch=d.epoch,
-            token_ids=prep.token_ids,
-            sampling=s,
-            cache_salt=prep.cache_salt,
-        ),
-        timeout=env.request_timeout,
+        prefill_request(prep, room_id, d), timeout=env.request_timeout
     )
     dec_call: Any = None
     calling = p
@@ -291,17 +298,7 @@ async def _pd_attempt(
         calling = d
         dec_channel = pool.channel(d.address)
         dec_call = decpb_grpc.DecodeServiceStub(dec_channel).Decode(
-            decpb.DecodeRequest(
-                request_id=prep.request_id,
-                room_id=room_id,
-                prefill_peer_id=p.peer_id,
-                prefill_epoch=p.epoch,
-                token_ids=prep.token_ids,
-                first_token=first.token,
-                first_logprob=first.logprob,
-                sampling=s,
-            ),
-            timeout=env.request_timeout,
+            decode_request(prep, room_id, p, first.token, first.logprob), timeout=env.request_timeout
         )
         if dec_channel.get_state() != grpc.ChannelConnectivity.READY:
             # No live connection to the decode (first use, or it went away): a dead decode refuses the
@@ -340,6 +337,36 @@ async def _pd_attempt(
         if not finished_cleanly:
             with contextlib.suppress(RuntimeError):
                 env.spawn(abort_room(env, prep.request_id, room_id, "router: request ended early"))
+
+
+def prefill_request(prep: Prepared, room_id: int, decode: dpb.Peer) -> pfpb.PrefillRequest:
+    """The Prefill of a request in `room_id`, paired with `decode`."""
+    return pfpb.PrefillRequest(
+        request_id=prep.request_id,
+        room_id=room_id,
+        decode_peer_id=decode.peer_id,
+        decode_epoch=decode.epoch,
+        token_ids=prep.token_ids,
+        sampling=prep.sampling,
+        cache_salt=prep.cache_salt,
+    )
+
+
+def decode_request(
+    prep: Prepared, room_id: int, prefill: dpb.Peer, first_token: int = 0, first_logprob: float = 0.0
+) -> decpb.DecodeRequest:
+    """The Decode of a request in `room_id`, paired with `prefill` (an SGLang decode has no first token
+    to be given: it streams from its own)."""
+    return decpb.DecodeRequest(
+        request_id=prep.request_id,
+        room_id=room_id,
+        prefill_peer_id=prefill.peer_id,
+        prefill_epoch=prefill.epoch,
+        token_ids=prep.token_ids,
+        first_token=first_token,
+        first_logprob=first_logprob,
+        sampling=prep.sampling,
+    )
 
 
 def _first_step(prep: Prepared, token: int, logprob: float, pf: pfpb.PrefillResponse) -> Step:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,13 +22,8 @@ from xavier_core.runtime import Internal, InvalidArgument, Unavailable
 from xavier_services.router.config import NativeConfig
 from xavier_services.router.flows import Step
 from xavier_services.router.request import Prepared
+from xavier_services.sglang_host.protocol import Deltas, generate_body, sse_events
 
-_FINISH = {
-    "stop": types_pb2.FINISH_REASON_STOP,
-    "length": types_pb2.FINISH_REASON_LENGTH,
-    "abort": types_pb2.FINISH_REASON_ABORT,
-}
-_MAX_LINE = 1 << 20
 _PREFILL_FAILED = "native prefill failed"
 
 
@@ -40,44 +34,8 @@ def new_bootstrap_room() -> int:
 
 def native_body(prep: Prepared, cfg: NativeConfig, room: int) -> dict[str, Any]:
     """The `/generate` body both servers get."""
-    s = prep.sampling
-    params: dict[str, Any] = {
-        "max_new_tokens": s.max_tokens,
-        "temperature": s.temperature,
-        "top_p": s.top_p if s.top_p > 0 else 1.0,
-        "ignore_eos": s.ignore_eos,
-    }
-    if s.top_k:
-        params["top_k"] = s.top_k
-    if s.stop:
-        params["stop"] = list(s.stop)
-    if s.stop_token_ids:
-        params["stop_token_ids"] = list(s.stop_token_ids)
-    if s.HasField("seed"):
-        params["sampling_seed"] = s.seed
-    return {
-        "rid": prep.request_id,
-        "input_ids": list(prep.token_ids),
-        "sampling_params": params,
-        "stream": True,
-        "return_logprob": s.logprobs,
-        "bootstrap_host": cfg.bootstrap_host,
-        "bootstrap_port": cfg.bootstrap_port,
-        "bootstrap_room": room,
-    }
-
-
-def _finish_of(meta: dict[str, Any]) -> int:
-    reason = meta.get("finish_reason")
-    if isinstance(reason, dict):
-        reason = reason.get("type")
-    return _FINISH.get(str(reason), types_pb2.FINISH_REASON_STOP) if reason else 0
-
-
-def _logprobs_of(meta: dict[str, Any]) -> list[float]:
-    # SGLang: output_token_logprobs = [[logprob, token_id, text], ...] (cumulative).
-    items = meta.get("output_token_logprobs") or []
-    return [float(x[0]) for x in items if isinstance(x, list | tuple) and x]
+    bootstrap = (cfg.bootstrap_host, cfg.bootstrap_port, room)
+    return generate_body(prep.request_id, list(prep.token_ids), prep.sampling, bootstrap=bootstrap)
 
 
 async def _raise_for(resp: aiohttp.ClientResponse, which: str) -> None:
@@ -119,34 +77,18 @@ async def native_flow(
             me.cancel(msg=_PREFILL_FAILED)
 
     prefill.add_done_callback(_prefill_ended)
-    ids_sent = 0
-    text_sent = 0
-    lps_sent = 0
+    deltas = Deltas()
     try:
         decode_url = f"{cfg.decode_url}/generate"
         async with session.post(decode_url, json=body, headers=headers, timeout=client_timeout) as resp:
             await _raise_for(resp, "decode")
-            async for raw in resp.content:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    raise Internal(f"native decode failed: {event['error']}", reason="NATIVE_ERROR")
-                meta = event.get("meta_info") or {}
-                ids = list(event.get("output_ids") or [])
-                text = str(event.get("text") or "")
-                lps = _logprobs_of(meta)
-                finish = _finish_of(meta)
-                step = Step(ids[ids_sent:], text[text_sent:], lps[lps_sent:], finish)
-                ids_sent, text_sent, lps_sent = len(ids), len(text), len(lps)
-                if finish:
-                    step.cached_tokens = int(meta.get("cached_tokens") or 0)
+            async for event in sse_events(resp, "native decode"):
+                delta = deltas.next(event)
+                step = Step(delta.token_ids, delta.text, delta.logprobs, delta.finish)
+                if delta.finish:
+                    step.cached_tokens = int(delta.meta.get("cached_tokens") or 0)
                 yield step
-                if finish:
+                if delta.finish:
                     return
         yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
     except asyncio.CancelledError:

@@ -1,0 +1,108 @@
+"""P/D through a pair whose engine is SGLang: prefill and decode called at the same time.
+
+SGLang's prefill answers only once its decode has taken the KV, so the sequential flow (prefill, then
+decode from the prefill's first token) would wait for itself. Here both calls start together under one
+room id; the decode's stream is the answer from its first token (the first token reaches the decode in
+SGLang's aux buffer). A prefill that fails while the decode waits ends the attempt at once with the
+prefill's error (the decode would otherwise wait out SGLang's bootstrap timeout). A prefill still running
+when the decode finished is left to end by itself (its call has the request deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncIterator
+
+import grpc
+from xavier.v1 import decode_service_pb2 as decpb
+from xavier.v1 import decode_service_pb2_grpc as decpb_grpc
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import prefill_service_pb2 as pfpb
+from xavier.v1 import prefill_service_pb2_grpc as pfpb_grpc
+from xavier.v1 import types_pb2
+
+from xavier_core.runtime.durations import to_seconds
+from xavier_services.router import flows
+from xavier_services.router.peers import Pair
+from xavier_services.router.request import Prepared
+
+SGLANG_ENGINE = "sglang"
+"""`KvLayout.engine` of peers whose prefill ends only after the transfer (the xavier SGLang backend)."""
+
+
+def concurrent_pair(pair: Pair) -> bool:
+    """Whether the pair's engine needs prefill and decode called concurrently."""
+    return bool(pair.prefill.layout.engine == SGLANG_ENGINE)
+
+
+def _consume(fut: asyncio.Future[pfpb.PrefillResponse]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: a prefill that fails after the answer was streamed is not an error
+
+
+async def _prefill(
+    call: grpc.aio.UnaryUnaryCall[pfpb.PrefillRequest, pfpb.PrefillResponse],
+) -> pfpb.PrefillResponse:
+    return await call
+
+
+async def concurrent_attempt(
+    prep: Prepared, env: flows.FlowEnv, pair: Pair, trace: flows.Trace | None
+) -> AsyncIterator[flows.Step]:
+    pool = env.pool
+    p, d = pair.prefill, pair.decode
+    room_id = secrets.randbits(63) or 1
+    s = prep.sampling
+    pool.acquire(p, d)
+    pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(
+        flows.prefill_request(prep, room_id, d), timeout=env.request_timeout
+    )
+    dec_call = decpb_grpc.DecodeServiceStub(pool.channel(d.address)).Decode(
+        flows.decode_request(prep, room_id, p), timeout=env.request_timeout
+    )
+    prefill = asyncio.ensure_future(_prefill(pf_call))
+    calling: dpb.Peer = d
+    streamed = finished = False
+    try:
+        messages = dec_call.__aiter__()
+        while True:
+            nxt: asyncio.Future[decpb.DecodeResponse] = asyncio.ensure_future(messages.__anext__())
+            if not prefill.done():
+                await asyncio.wait({nxt, prefill}, return_when=asyncio.FIRST_COMPLETED)
+                if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
+                    nxt.cancel()
+                    calling = p
+                    prefill.result()  # raises the prefill's AioRpcError
+            try:
+                msg = await nxt
+            except StopAsyncIteration:
+                break
+            streamed = True
+            yield flows.Step(
+                list(msg.delta.token_ids),
+                msg.delta.text,
+                list(msg.delta.logprobs) if s.logprobs else [],
+                msg.finish_reason,
+                cached_tokens=msg.usage.cached_tokens if msg.HasField("usage") else None,
+                transfer_seconds=to_seconds(msg.timings.transfer) if msg.HasField("timings") else None,
+            )
+            if msg.finish_reason:
+                finished = True
+                return
+        yield flows.Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
+    except grpc.aio.AioRpcError as exc:
+        err = flows._peer_error(exc, calling, pool)
+        if isinstance(err, flows._PeerFailed) and streamed:
+            raise flows._exhausted(err, 1) from None  # tokens went out: the request cannot move
+        raise err from None
+    finally:
+        dec_call.cancel()
+        prefill.add_done_callback(_consume)
+        if not finished:
+            prefill.cancel()
+            pf_call.cancel()
+            with contextlib.suppress(RuntimeError):
+                env.spawn(flows.abort_room(env, prep.request_id, room_id, "router: request ended early"))
+        pool.release(p, d)

@@ -1,0 +1,1 @@
+"""Services that host an SGLang server: `engine.kind = "sglang"` for prefill, decode and unified."""

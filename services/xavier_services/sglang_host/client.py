@@ -1,0 +1,89 @@
+"""The service's HTTP client of its own SGLang server, with SGLang's answers mapped to Xavier errors.
+
+Cancelling a call closes its HTTP connection, which SGLang takes as an abort of the request (its
+`/generate` handler aborts the request when the client disconnects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from xavier_core.runtime.errors import CapacityExhausted, Internal, InvalidArgument, Unavailable, XavierError
+from xavier_services.sglang_host.protocol import Delta, Deltas, sse_events
+
+__all__ = ["SglangHttp", "http_error"]
+
+
+def http_error(status: int, body: str, who: str = "SGLang") -> XavierError:
+    """The Xavier error for a non-200 answer of SGLang's `/generate`."""
+    detail = body.strip()[:500]
+    if status == 400:
+        return InvalidArgument(f"{who} rejected the request: {detail}", reason="INVALID_REQUEST")
+    if status in (401, 403):
+        return Internal(f"{who} refused the service's API key ({status})", reason="ENGINE_ERROR")
+    if status == 429:
+        return CapacityExhausted(f"{who} is overloaded: {detail}", reason="ENGINE_QUEUE_FULL")
+    if status == 503:
+        return Unavailable(f"{who} is not serving: {detail}", reason="PEER_UNAVAILABLE")
+    return Internal(f"{who} answered HTTP {status}: {detail}", reason="ENGINE_ERROR")
+
+
+class SglangHttp:
+    """`/generate` on one SGLang server (loopback, with its API key)."""
+
+    def __init__(self, url: str, api_key: str, timeout: float) -> None:
+        self.url = url
+        self._headers = {"Authorization": f"Bearer {api_key}"}
+        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=10.0)
+        # One connection per request: a request's connection closing is how SGLang learns of a cancel.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A non-streamed `/generate` (the prefill's: it ends once the decode took the KV)."""
+        try:
+            async with self.session.post(
+                f"{self.url}/generate",
+                json={**body, "stream": False},
+                headers=self._headers,
+                timeout=self._timeout,
+            ) as resp:
+                if resp.status != 200:
+                    raise http_error(resp.status, await resp.text())
+                answer = await resp.json(content_type=None)
+        except aiohttp.ClientError as exc:
+            raise Unavailable(f"SGLang is not reachable: {exc}", reason="PEER_UNAVAILABLE") from None
+        if not isinstance(answer, dict):
+            raise Internal(f"SGLang answered {type(answer).__name__}, not an object", reason="ENGINE_ERROR")
+        if "error" in answer:
+            raise Internal(f"SGLang failed: {answer['error']}", reason="ENGINE_ERROR")
+        return answer
+
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[Delta]:
+        """A streamed `/generate` as deltas; leaving early (cancel) closes the connection: SGLang aborts."""
+        resp: aiohttp.ClientResponse | None = None
+        deltas = Deltas()
+        try:
+            resp = await self.session.post(
+                f"{self.url}/generate",
+                json={**body, "stream": True},
+                headers=self._headers,
+                timeout=self._timeout,
+            )
+            if resp.status != 200:
+                raise http_error(resp.status, await resp.text())
+            async for event in sse_events(resp, "SGLang"):
+                delta = deltas.next(event)
+                yield delta
+                if delta.finish:
+                    return
+        except aiohttp.ClientError as exc:
+            raise Unavailable(f"SGLang is not reachable: {exc}", reason="PEER_UNAVAILABLE") from None
+        finally:
+            if resp is not None:
+                resp.close()  # an unfinished stream's connection is dropped, not pooled

@@ -1,0 +1,275 @@
+"""SglangHost: the SGLang server a prefill, decode or unified service hosts, and the service's place in
+the mesh.
+
+Who registers with the directory:
+- P/D roles with the xavier backend: the SGLang process itself (the plugin's KV manager registers role,
+  epoch, contract and NIXL endpoint) under the *service's* gRPC address, so the router calls the service
+  and a decode finds its prefill by that address. The service registers nothing of its own.
+- unified: the service registers (role, address, a layout with engine "sglang").
+- the nixl backend: nobody; the router's native mode calls SGLang over HTTP.
+
+A dead SGLang is not restarted here: the service goes NOT_SERVING, unregisters what the child had
+registered (the directory ends their rooms as PEER_LOST at once rather than at lease expiry) and exits
+non-zero, and whatever supervises the service (`xavier up`, systemd `Restart=`) restarts it with its
+bounded backoff. One restart policy, one place; a restart is a fresh process with a fresh epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import types_pb2
+
+from xavier_core.contract import layout_from_model_dir
+from xavier_core.directory import DirectoryClient, PeerSession, Registration
+from xavier_core.runtime import ServerHandle
+from xavier_core.runtime.config import ConfigError
+from xavier_core.runtime.errors import InvalidArgument, NotFound, Unavailable, XavierError
+from xavier_core.runtime.logging import get_logger
+from xavier_services.peer.config import PeerServiceConfig
+from xavier_services.sglang_host.child import SglangChild
+from xavier_services.sglang_host.client import SglangHttp
+from xavier_services.sglang_host.launch import LaunchSpec, build_launch
+
+log = get_logger(__name__)
+ROLE_NAMES = {
+    types_pb2.ROLE_PREFILL: "prefill",
+    types_pb2.ROLE_DECODE: "decode",
+    types_pb2.ROLE_UNIFIED: "unified",
+}
+_PREFILL_CACHE = 256
+
+
+def free_port() -> int:
+    """A port free now on 127.0.0.1. SGLang takes a port number, not a socket, so the port is released
+    before SGLang binds it; a race lost here makes SGLang exit, which the service reports."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SglangHost:
+    """Starts, supervises and stops the SGLang child; the directory face of the service."""
+
+    def __init__(self, config: PeerServiceConfig, role: types_pb2.Role.ValueType) -> None:
+        self.config = config
+        self.role = role
+        self.address = ""
+        self.peer_id = config.peer.peer_id
+        self.epoch = 0
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.failed = ""
+        """Why SGLang died (empty while it runs); the service exits non-zero when set."""
+        self.child: SglangChild | None = None
+        self.http: SglangHttp | None = None
+        self.directory: DirectoryClient | None = None
+        self._session: PeerSession | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None
+        self._prefills: dict[tuple[str, int], str] = {}  # (peer id, epoch) -> address
+
+    @property
+    def native(self) -> bool:
+        """SGLang's own NIXL P/D: no directory, the router's native mode calls SGLang directly."""
+        return self.role != types_pb2.ROLE_UNIFIED and self.config.sglang.transfer_backend == "nixl"
+
+    @property
+    def sglang(self) -> SglangHttp:
+        if self.http is None or self.failed:
+            raise Unavailable(
+                f"SGLang is not serving: {self.failed or 'starting'}", reason="PEER_UNAVAILABLE"
+            )
+        return self.http
+
+    async def start(self, handle: ServerHandle) -> dict[str, Any]:
+        cfg = self.config
+        self.address = f"{cfg.peer.advertise_host}:{handle.port}"
+        if not self.peer_id:
+            self.peer_id = f"{ROLE_NAMES[self.role]}-{socket.gethostname()}-{handle.port}"
+        e = cfg.engine
+        spec = LaunchSpec(
+            role=self.role,
+            model=e.model,
+            port=cfg.sglang.port or free_port(),
+            advertise=self.address,
+            directory=cfg.peer.directory,
+            page_size=e.page_size,
+            dtype=e.dtype,
+            pagestore=cfg.pagestore.address,
+            transfer_timeout_seconds=cfg.handoff.transfer_timeout_seconds,
+        )
+        try:
+            launch = build_launch(cfg.sglang, spec)
+        except InvalidArgument as err:
+            # A set-up that cannot work: exit 2 naming the key, as config errors do.
+            raise ConfigError([(err.metadata.get("key", "sglang"), err.message, "config")]) from None
+        log.info(
+            "launching sglang", argv=json.dumps([a if a != launch.api_key else "***" for a in launch.argv])
+        )
+        self.http = SglangHttp(launch.url, launch.api_key, cfg.sglang.request_timeout_seconds)
+        self.child = SglangChild(launch)
+        await self.child.start()
+        try:
+            await self.child.wait_healthy(self.http.session, cfg.sglang.health_timeout_seconds)
+            if not self.native:
+                self.directory = DirectoryClient(cfg.peer.directory, timeout=cfg.peer.rpc_timeout_seconds)
+            if self.role == types_pb2.ROLE_UNIFIED:
+                await self._register()
+        except BaseException:
+            await asyncio.shield(self.child.stop(cfg.sglang.stop_grace_seconds))  # never an orphan
+            raise
+        self._watch = asyncio.create_task(self._supervise(handle), name="sglang-supervise")
+        self._probe = asyncio.create_task(self._probe_health(handle), name="sglang-health")
+        info: dict[str, Any] = {
+            "peer_id": self.peer_id,
+            "sglang_pid": self.child.pid,
+            "sglang_url": launch.url,
+        }
+        if self.native:
+            info["bootstrap_port"] = cfg.sglang.bootstrap_port
+        return info
+
+    async def _register(self) -> None:
+        e = self.config.engine
+        if e.model is None:  # checked by build_launch
+            return
+        layout = await asyncio.to_thread(
+            layout_from_model_dir,
+            e.model,
+            engine="sglang",
+            engine_version="http",
+            dtype=e.dtype or _model_dtype(e.model),
+            page_size=e.page_size,
+        )
+        req = dpb.RegisterPeerRequest(
+            peer_id=self.peer_id, role=self.role, address=self.address, layout=layout.to_proto()
+        )
+        self._session = PeerSession(
+            self.dir, req, load=self._load, on_registered=self._on_registered, register_attempts=20
+        )
+        await self._session.start()
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Counts a request in flight (the load reported, and what a stop waits for)."""
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            if not self.inflight:
+                self._idle.set()
+
+    def _on_registered(self, reg: Registration) -> None:
+        self.epoch = reg.epoch
+
+    def _load(self) -> dpb.PeerLoad:
+        return dpb.PeerLoad(outstanding_requests=self.inflight)
+
+    @property
+    def dir(self) -> DirectoryClient:
+        if self.directory is None:
+            raise Unavailable("not connected to the directory", reason="DIRECTORY_UNAVAILABLE")
+        return self.directory
+
+    async def _supervise(self, handle: ServerHandle) -> None:
+        child = self.child
+        if child is None:
+            return
+        await child.wait_exit()
+        if child.stopping:
+            return
+        if self._probe is not None:
+            self._probe.cancel()
+        self.failed = child.exit_detail()
+        log.error("sglang died; the service stops (its supervisor restarts it)", detail=self.failed)
+        await handle.set_serving(False)
+        await self._leave_mesh()
+        handle.request_stop()
+
+    async def _probe_health(self, handle: ServerHandle) -> None:
+        """NOT_SERVING after `unhealthy_after` failed probes in a row, SERVING again after one that
+        passes (after a shutdown began, the health servicer ignores both)."""
+        cfg = self.config.sglang
+        child, http = self.child, self.http
+        if child is None or http is None:
+            return
+        failures = 0
+        serving = True
+        while True:
+            await asyncio.sleep(cfg.health_interval_seconds)
+            ok = await child.healthy(http.session, cfg.health_probe_timeout_seconds)
+            failures = 0 if ok else failures + 1
+            if serving and failures >= cfg.unhealthy_after:
+                serving = False
+                log.warning("sglang unhealthy; not serving", failed_probes=failures)
+                await handle.set_serving(False)
+            elif not serving and ok:
+                serving = True
+                log.info("sglang healthy again; serving")
+                await handle.set_serving(True)
+
+    async def _leave_mesh(self) -> None:
+        """Unregisters this service's registrations and the dead child's (found by our address), so the
+        directory ends their rooms now and the router stops choosing them."""
+        if self._session is not None:
+            with contextlib.suppress(Exception):
+                await self._session.stop(unregister=True)
+            self._session = None
+        if self.directory is None:
+            return
+        with contextlib.suppress(XavierError):
+            for peer in await self.dir.list_peers():
+                if peer.address == self.address:
+                    aborted = await self.dir.unregister_peer(peer.peer_id, peer.epoch)
+                    log.info("unregistered the dead sglang", peer_id=peer.peer_id, rooms_aborted=aborted)
+
+    async def prefill_address(self, peer_id: str, epoch: int) -> str:
+        """The address a prefill peer registered (a decode's SGLang finds its prefill by it)."""
+        key = (peer_id, epoch)
+        address = self._prefills.get(key)
+        if address is None:
+            peers = await self.dir.list_peers(types_pb2.ROLE_PREFILL)
+            found = [p for p in peers if p.peer_id == peer_id and (not epoch or p.epoch == epoch)]
+            if not found:
+                raise NotFound(f"prefill peer {peer_id}@{epoch} is not registered", reason="PEER_NOT_FOUND")
+            address = self._prefills[key] = found[0].address
+            while len(self._prefills) > _PREFILL_CACHE:
+                del self._prefills[next(iter(self._prefills))]
+        return address
+
+    async def stop(self) -> None:
+        """Lets requests in flight finish (half the service's grace), then stops SGLang."""
+        for task in (self._watch, self._probe):
+            if task is not None:
+                task.cancel()
+        if not self.failed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), self.config.grace_seconds / 2)
+        if self._session is not None:
+            with contextlib.suppress(Exception):
+                await self._session.stop(unregister=True)
+        if self.child is not None:
+            await self.child.stop(self.config.sglang.stop_grace_seconds)
+        if self.http is not None:
+            await self.http.close()
+        if self.directory is not None:
+            await self.directory.close()
+
+
+def _model_dtype(model: Any) -> str:
+    try:
+        raw = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "float16"
+    name = str(raw.get("torch_dtype") or raw.get("dtype") or "float16")
+    return name if name in ("float16", "bfloat16", "float32") else "float16"

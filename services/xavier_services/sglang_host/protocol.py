@@ -1,0 +1,143 @@
+"""SGLang's native HTTP API as Xavier uses it: the `/generate` body and its server-sent events.
+
+A streamed `/generate` answers `data: {...}` events whose `text`, `output_ids` and
+`meta_info.output_token_logprobs` are cumulative, with `meta_info.finish_reason` set on the last event
+(`{"type": "stop" | "length" | "abort", ...}`), then `data: [DONE]`. An event with `error` reports a
+failure after the stream started. `Deltas` turns the cumulative fields into the deltas Xavier streams.
+Shared by the services that host SGLang and by the router's native mode.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from xavier.v1 import types_pb2
+
+from xavier_core.runtime.errors import Internal
+
+__all__ = ["Delta", "Deltas", "generate_body", "sampling_params", "sse_events"]
+
+_FINISH = {
+    "stop": types_pb2.FINISH_REASON_STOP,
+    "length": types_pb2.FINISH_REASON_LENGTH,
+    "abort": types_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params(s: types_pb2.SamplingParams) -> dict[str, Any]:
+    """SGLang's `sampling_params` for Xavier's (0 top_p: off; 0 top_k: off)."""
+    params: dict[str, Any] = {
+        "max_new_tokens": s.max_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p if s.top_p > 0 else 1.0,
+        "ignore_eos": s.ignore_eos,
+    }
+    if s.top_k:
+        params["top_k"] = s.top_k
+    if s.stop:
+        params["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        params["stop_token_ids"] = list(s.stop_token_ids)
+    if s.HasField("seed"):
+        params["sampling_seed"] = s.seed
+    return params
+
+
+def generate_body(
+    rid: str,
+    token_ids: list[int],
+    s: types_pb2.SamplingParams,
+    *,
+    stream: bool = True,
+    bootstrap: tuple[str, int, int] | None = None,
+) -> dict[str, Any]:
+    """A `/generate` body; `bootstrap` = (host, port, room) pairs a P/D prefill with its decode."""
+    body: dict[str, Any] = {
+        "input_ids": list(token_ids),
+        "sampling_params": sampling_params(s),
+        "stream": stream,
+        "return_logprob": s.logprobs,
+    }
+    if rid:
+        body["rid"] = rid
+    if bootstrap is not None:
+        body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"] = bootstrap
+    return body
+
+
+def finish_of(meta: dict[str, Any]) -> types_pb2.FinishReason.ValueType:
+    reason = meta.get("finish_reason")
+    if isinstance(reason, dict):
+        reason = reason.get("type")
+    return _FINISH.get(str(reason), types_pb2.FINISH_REASON_STOP) if reason else 0
+
+
+def abort_message(meta: dict[str, Any]) -> str:
+    """The message of an `abort` finish ("" for any other ending)."""
+    reason = meta.get("finish_reason")
+    if isinstance(reason, dict) and reason.get("type") == "abort":
+        return str(reason.get("message") or "aborted")
+    return ""
+
+
+def _logprobs_of(meta: dict[str, Any]) -> list[float]:
+    # output_token_logprobs = [[logprob, token_id, text], ...] (cumulative).
+    items = meta.get("output_token_logprobs") or []
+    return [float(x[0]) for x in items if isinstance(x, list | tuple) and x]
+
+
+@dataclass
+class Delta:
+    """What one event adds: new token ids, text and logprobs; `finish` on the last."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish: types_pb2.FinishReason.ValueType
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Deltas:
+    """Cumulative event fields → deltas (what was already sent is remembered)."""
+
+    ids_sent: int = 0
+    text_sent: int = 0
+    lps_sent: int = 0
+
+    def next(self, event: dict[str, Any]) -> Delta:
+        meta = event.get("meta_info") or {}
+        ids = [int(t) for t in event.get("output_ids") or []]
+        text = str(event.get("text") or "")
+        lps = _logprobs_of(meta)
+        delta = Delta(
+            ids[self.ids_sent :], text[self.text_sent :], lps[self.lps_sent :], finish_of(meta), meta
+        )
+        self.ids_sent, self.text_sent, self.lps_sent = len(ids), len(text), len(lps)
+        return delta
+
+
+async def sse_events(resp: aiohttp.ClientResponse, who: str) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of a streamed answer, up to `[DONE]`; an `error` event raises `Internal`
+    (NATIVE_ERROR when `who` is a native server, ENGINE_ERROR otherwise)."""
+    reason = "NATIVE_ERROR" if who.startswith("native") else "ENGINE_ERROR"
+    async for raw in resp.content:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        try:
+            event = json.loads(data)
+        except ValueError:
+            raise Internal(f"{who} sent a malformed event: {data[:200]}", reason=reason) from None
+        if not isinstance(event, dict):
+            raise Internal(f"{who} sent a malformed event: {data[:200]}", reason=reason)
+        if "error" in event:
+            raise Internal(f"{who} failed: {event['error']}", reason=reason)
+        yield event

@@ -1,0 +1,377 @@
+"""Services hosting SGLang, end to end with real processes: the service, its SGLang (the stand-in in
+tests/support/sglang_standin.py, launched through `sglang.command`), a directory and a router.
+
+The child's lifecycle (start, health wait, death → NOT_SERVING + unregistered + exit 1, SIGTERM and
+SIGKILL of the service leave no process behind), the RPC translation (unified, P/D through the router
+with prefill and decode called concurrently, cancel → SGLang aborts, SGLang's failures → statuses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from xavier.v1 import decode_service_pb2 as dpb
+from xavier.v1 import decode_service_pb2_grpc, types_pb2
+from xavier.v1 import directory_service_pb2 as dirpb
+from xavier.v1 import directory_service_pb2_grpc as dir_grpc
+from xavier_client import Client, InvalidArgumentError
+
+from tests.sglang_host.conftest import Start, ready_info, standin_state
+from tests.support.procs import ServiceProc, health_status, start_service
+from tests.support.sglang_standin import next_token
+
+pytestmark = pytest.mark.integration
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _wait(cond: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out: {what}")
+        time.sleep(0.05)
+
+
+def _proc_info(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError as exc:
+        return f"{pid}: {exc}"
+    return f"{pid}: {stat[:120]} / {cmd[:200]}"
+
+
+def _peers(directory: ServiceProc) -> list[dirpb.Peer]:
+    with grpc.insecure_channel(directory.address) as ch:
+        return list(dir_grpc.DirectoryServiceStub(ch).ListPeers(dirpb.ListPeersRequest(), timeout=5).peers)
+
+
+def _expected(prompt: list[int], n: int) -> list[int]:
+    out = [next_token(prompt[-1])]
+    while len(out) < n:
+        out.append(next_token(out[-1]))
+    return out
+
+
+def _router(directory: ServiceProc, model: Path, workdir: Path) -> ServiceProc:
+    args = ["--model", str(model), "--directory", directory.address, "--listen", "127.0.0.1:0", "--http", ""]
+    return start_service("xavier-router", args, workdir, env={"XAVIER_PEER_REFRESH_SECONDS": "0.1"})
+
+
+def test_unified_serves_generate_through_sglang(
+    start_sglang_peer: Start, directory: ServiceProc, tmp_path: Path
+) -> None:
+    unified = start_sglang_peer("unified")
+    info = ready_info(unified, tmp_path)
+    state = standin_state(info["sglang_url"])
+    argv = state["argv"]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert "--api-key" in argv and "--disaggregation-mode" not in argv
+    assert "SGLANG_PLUGINS" not in state["env"]
+    with grpc.insecure_channel(unified.address) as ch:
+        stub = decode_service_pb2_grpc.DecodeServiceStub(ch)
+        req = dpb.GenerateUnifiedRequest(
+            request_id="u1", token_ids=[5, 6, 7], sampling=types_pb2.SamplingParams(max_tokens=5)
+        )
+        msgs = list(stub.GenerateUnified(req, timeout=30))
+        ids = [t for m in msgs for t in m.delta.token_ids]
+        assert ids == _expected([5, 6, 7], 5)
+        assert "".join(m.delta.text for m in msgs) == "".join(f"t{t} " for t in ids)
+        assert msgs[-1].finish_reason == types_pb2.FINISH_REASON_LENGTH
+        assert msgs[-1].usage.prompt_tokens == 3 and msgs[-1].usage.completion_tokens == 5
+        # The wrong RPC for the role, and input SGLang would refuse: statuses with reasons.
+        with pytest.raises(grpc.RpcError) as info_err:
+            list(stub.Decode(dpb.DecodeRequest(room_id=1, prefill_peer_id="p", token_ids=[1]), timeout=5))
+        assert info_err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as info_err:
+            list(stub.GenerateUnified(dpb.GenerateUnifiedRequest(request_id="u2"), timeout=5))
+        assert info_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert standin_state(info["sglang_url"])["bad_key"] == 0
+    # The service registered itself (a unified SGLang has no plugin registration).
+    assert any(p.address == unified.address and p.layout.engine == "sglang" for p in _peers(directory))
+
+
+def test_cancel_closes_the_http_stream_and_sglang_aborts(start_sglang_peer: Start, tmp_path: Path) -> None:
+    unified = start_sglang_peer("unified", env={"XAVIER_STANDIN_TOKEN_DELAY": "0.2"})
+    url = ready_info(unified, tmp_path)["sglang_url"]
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(unified.address) as ch:
+            stub = decode_service_pb2_grpc.DecodeServiceStub(ch)
+            call = stub.GenerateUnified(
+                dpb.GenerateUnifiedRequest(
+                    request_id="c1", token_ids=[1, 2], sampling=types_pb2.SamplingParams(max_tokens=100)
+                )
+            )
+            await call.read()
+            call.cancel()
+
+    asyncio.run(run())
+    _wait(lambda: standin_state(url)["aborted"] == 1, 10, "SGLang saw the request aborted")
+
+
+def test_pd_through_the_router_calls_prefill_and_decode_concurrently(
+    start_sglang_peer: Start, directory: ServiceProc, tiny_model: Path, tmp_path: Path
+) -> None:
+    prefill = start_sglang_peer("prefill")
+    decode = start_sglang_peer("decode")
+    start_sglang_peer("unified")
+    pinfo, dinfo = ready_info(prefill, tmp_path), ready_info(decode, tmp_path)
+    for info, mode in ((pinfo, "prefill"), (dinfo, "decode")):
+        state = standin_state(info["sglang_url"])
+        argv = state["argv"]
+        assert argv[argv.index("--disaggregation-mode") + 1] == mode
+        assert argv[argv.index("--disaggregation-transfer-backend") + 1] == "xavier"
+        assert state["env"]["SGLANG_PLUGINS"] == "xavier"
+        assert ("--disable-radix-cache" in argv) == (mode == "decode")
+    # The SGLang processes registered themselves under their services' addresses, engine "sglang".
+    peers = {p.address: p for p in _peers(directory)}
+    assert peers[prefill.address].role == types_pb2.ROLE_PREFILL
+    assert peers[decode.address].layout.engine == "sglang"
+    router = _router(directory, tiny_model, tmp_path)
+    try:
+        prompt = [11, 12, 13]
+        with Client(router.address) as client:
+            for n in (1, 4, 9):
+                pd = client.generate(prompt, max_tokens=n, mode="pd", ignore_eos=True)
+                co = client.generate(prompt, max_tokens=n, mode="colocated", ignore_eos=True)
+                assert pd.token_ids == co.token_ids == _expected(prompt, n)
+                assert pd.text == co.text and pd.finish_reason == "length"
+    finally:
+        router.stop()
+    assert standin_state(pinfo["sglang_url"])["requests"] == 3
+    assert standin_state(dinfo["sglang_url"])["requests"] == 3
+
+
+def test_decode_errors_name_the_reason(
+    start_sglang_peer: Start, directory: ServiceProc, tmp_path: Path
+) -> None:
+    prefill = start_sglang_peer("prefill")
+    decode = start_sglang_peer("decode")
+    prefill_peer = next(p for p in _peers(directory) if p.address == prefill.address)
+    with grpc.insecure_channel(decode.address) as ch:
+        stub = decode_service_pb2_grpc.DecodeServiceStub(ch)
+
+        def decode_call(peer_id: str, epoch: int) -> grpc.RpcError:
+            req = dpb.DecodeRequest(
+                room_id=42, prefill_peer_id=peer_id, prefill_epoch=epoch, token_ids=[1, 2],
+                sampling=types_pb2.SamplingParams(max_tokens=3),
+            )  # fmt: skip
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Decode(req, timeout=30))
+            return info.value
+
+        err = decode_call("no-such-prefill", 1)
+        assert err.code() == grpc.StatusCode.NOT_FOUND and "no-such-prefill" in (err.details() or "")
+        # A room whose prefill never comes: SGLang aborts it; the decode answers ABORTED / TRANSFER_FAILED.
+        err = decode_call(prefill_peer.peer_id, prefill_peer.epoch)
+        assert err.code() == grpc.StatusCode.ABORTED and "never sent" in (err.details() or "")
+        assert _reason(err) == "TRANSFER_FAILED"
+
+
+def _reason(err: grpc.RpcError) -> str:
+    from xavier_core.runtime import from_rpc_error
+
+    return from_rpc_error(err).reason  # type: ignore[arg-type]
+
+
+def test_a_dead_sglang_takes_its_service_out_of_the_mesh(
+    start_sglang_peer: Start, directory: ServiceProc, tmp_path: Path
+) -> None:
+    prefill = start_sglang_peer("prefill")
+    info = ready_info(prefill, tmp_path)
+    helper = standin_state(info["sglang_url"])["helper_pid"]
+    assert any(p.address == prefill.address for p in _peers(directory))
+    os.kill(info["sglang_pid"], signal.SIGKILL)
+    code = prefill.proc.wait(30)
+    assert code == 1  # the supervisor (xavier up, systemd) restarts it
+    log = prefill.log()
+    assert "SGLang exited (killed by signal 9)" in log
+    # Unregistered at once (the directory's lease is 3 s; this checks well before it lapses).
+    assert not any(p.address == prefill.address for p in _peers(directory))
+    _wait(lambda: not _alive(helper), 10, "SGLang's helper process died with it")
+
+
+def test_a_slow_sglang_start_is_waited_for(start_sglang_peer: Start, tmp_path: Path) -> None:
+    unified = start_sglang_peer("unified", name="slow", env={"XAVIER_STANDIN_START_DELAY": "1.5"})
+    assert health_status(unified.address) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_sglang_that_fails_at_start_fails_the_service(start_sglang_peer: Start) -> None:
+    with pytest.raises(RuntimeError) as info:
+        start_sglang_peer("unified", env={"XAVIER_STANDIN_EXIT_AT_START": "3"}, timeout=30)
+    assert "SGLang did not start" in str(info.value) and "exit code 3" in str(info.value)
+
+
+def test_an_owned_flag_in_extra_args_stops_the_service_at_start(start_sglang_peer: Start) -> None:
+    env = {"XAVIER_SGLANG__EXTRA_ARGS": json.dumps(["--disaggregation-mode", "decode"])}
+    with pytest.raises(RuntimeError) as info:
+        start_sglang_peer("unified", env=env, timeout=30)
+    assert "sglang.extra_args" in str(info.value) and "--disaggregation-mode" in str(info.value)
+
+
+@pytest.mark.parametrize("ignore_sigterm", [False, True])
+def test_sigterm_stops_sglang_and_its_processes(
+    start_sglang_peer: Start, tmp_path: Path, ignore_sigterm: bool
+) -> None:
+    env = {"XAVIER_SGLANG__STOP_GRACE_SECONDS": "1"}
+    if ignore_sigterm:
+        env["XAVIER_STANDIN_IGNORE_SIGTERM"] = "1"
+    unified = start_sglang_peer("unified", env=env)
+    info = ready_info(unified, tmp_path)
+    helper = standin_state(info["sglang_url"])["helper_pid"]
+    assert unified.stop(signal.SIGTERM, timeout=20) == 0
+    for pid in (info["sglang_pid"], helper):
+        _wait(lambda pid=pid: not _alive(pid), 5, f"process {pid} gone")
+
+
+def test_sigkill_of_the_service_leaves_no_orphan(start_sglang_peer: Start, tmp_path: Path) -> None:
+    unified = start_sglang_peer("unified")
+    info = ready_info(unified, tmp_path)
+    helper = standin_state(info["sglang_url"])["helper_pid"]
+    unified.proc.kill()
+    unified.proc.wait(10)
+    for pid in (info["sglang_pid"], helper):
+        try:
+            _wait(lambda pid=pid: not _alive(pid), 20, "")
+        except AssertionError:
+            raise AssertionError(f"still there after the service was killed: {_proc_info(pid)}") from None
+
+
+def test_pdeathsig_wrapper_refuses_bad_usage() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "xavier_services.sglang_host.pdeathsig", str(os.getpid())],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2 and "usage" in out.stderr
+
+
+def test_the_mesh_heals_when_a_prefill_sglang_dies(
+    start_sglang_peer: Start, directory: ServiceProc, tiny_model: Path, tmp_path: Path
+) -> None:
+    a = start_sglang_peer("prefill", name="prefill-a")
+    start_sglang_peer("prefill", name="prefill-b")
+    start_sglang_peer("decode")
+    router = _router(directory, tiny_model, tmp_path)
+    try:
+        with Client(router.address) as client:
+            for i in range(4):
+                out = client.generate([20 + i, 3], max_tokens=3, mode="pd", ignore_eos=True)
+                assert out.token_ids == _expected([20 + i, 3], 3)
+            os.kill(ready_info(a, tmp_path)["sglang_pid"], signal.SIGKILL)
+            assert a.proc.wait(30) == 1
+            for i in range(6):  # every request lands on the surviving prefill
+                out = client.generate([30 + i, 4], max_tokens=3, mode="pd", ignore_eos=True)
+                assert out.token_ids == _expected([30 + i, 4], 3)
+    finally:
+        router.stop()
+
+
+def test_a_failed_prefill_ends_the_request_at_once_and_cancels_the_decode(
+    start_sglang_peer: Start, directory: ServiceProc, tiny_model: Path, tmp_path: Path
+) -> None:
+    # The prefill fails after 1 s, once the decode's request waits in its SGLang for the room.
+    start_sglang_peer(
+        "prefill", env={"XAVIER_STANDIN_GENERATE_STATUS": "400", "XAVIER_STANDIN_FAIL_AFTER": "1"}
+    )
+    decode = start_sglang_peer("decode", env={"XAVIER_STANDIN_RENDEZVOUS_SECONDS": "30"})
+    durl = ready_info(decode, tmp_path)["sglang_url"]
+    router = _router(directory, tiny_model, tmp_path)
+    try:
+        with Client(router.address) as client:
+            started = time.monotonic()
+            with pytest.raises(InvalidArgumentError) as info:
+                client.generate([1, 2], max_tokens=3, mode="pd")
+            # The decode would wait 30 s for a room that never fills; the prefill's error ends it now.
+            assert time.monotonic() - started < 10
+            assert "stand-in answers 400" in str(info.value)
+        _wait(lambda: standin_state(durl)["aborted"] == 1, 10, "the decode's SGLang request aborted")
+        assert standin_state(durl)["requests"] == 1
+    finally:
+        router.stop()
+
+
+def test_a_request_in_flight_when_sglang_dies_gets_a_clear_status(
+    start_sglang_peer: Start, tmp_path: Path
+) -> None:
+    unified = start_sglang_peer("unified", env={"XAVIER_STANDIN_TOKEN_DELAY": "0.2"})
+    pid = ready_info(unified, tmp_path)["sglang_pid"]
+    with grpc.insecure_channel(unified.address) as ch:
+        stub = decode_service_pb2_grpc.DecodeServiceStub(ch)
+        req = dpb.GenerateUnifiedRequest(
+            request_id="d1", token_ids=[1, 2], sampling=types_pb2.SamplingParams(max_tokens=200)
+        )
+        stream = stub.GenerateUnified(req, timeout=30)
+        next(stream)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert _reason(info.value) == "PEER_UNAVAILABLE"
+    assert unified.proc.wait(30) == 1
+
+
+def test_sigterm_lets_a_request_in_flight_finish(start_sglang_peer: Start) -> None:
+    env = {"XAVIER_STANDIN_TOKEN_DELAY": "0.1", "XAVIER_GRACE_SECONDS": "8"}
+    unified = start_sglang_peer("unified", env=env)
+    with grpc.insecure_channel(unified.address) as ch:
+        stub = decode_service_pb2_grpc.DecodeServiceStub(ch)
+        req = dpb.GenerateUnifiedRequest(
+            request_id="t1", token_ids=[4, 5], sampling=types_pb2.SamplingParams(max_tokens=12)
+        )
+        stream = stub.GenerateUnified(req, timeout=30)
+        first = next(stream)
+        unified.proc.send_signal(signal.SIGTERM)
+        rest = list(stream)
+    ids = [*first.delta.token_ids, *(t for m in rest for t in m.delta.token_ids)]
+    assert ids == _expected([4, 5], 12) and rest[-1].finish_reason == types_pb2.FINISH_REASON_LENGTH
+    assert unified.proc.wait(20) == 0
+
+
+def test_a_setup_that_cannot_work_exits_2_naming_the_key(start_sglang_peer: Start) -> None:
+    with pytest.raises(RuntimeError) as info:
+        start_sglang_peer("decode", env={"XAVIER_SGLANG__HICACHE": "true"}, timeout=30)
+    assert "exited with 2" in str(info.value) and "config error: sglang.hicache" in str(info.value)
+
+
+def test_an_unhealthy_sglang_makes_the_service_not_serving_until_it_recovers(
+    start_sglang_peer: Start, tmp_path: Path
+) -> None:
+    env = {"XAVIER_SGLANG__HEALTH_INTERVAL_SECONDS": "0.2", "XAVIER_SGLANG__UNHEALTHY_AFTER": "2"}
+    unified = start_sglang_peer("unified", env=env)
+    url = ready_info(unified, tmp_path)["sglang_url"]
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    def set_health(ok: bool) -> None:
+        req = urllib.request.Request(f"{url}/standin/health?ok={int(ok)}", method="POST")
+        urllib.request.urlopen(req, timeout=5).close()
+
+    assert health_status(unified.address) == serving
+    set_health(False)
+    _wait(lambda: health_status(unified.address) == not_serving, 10, "NOT_SERVING after failed probes")
+    set_health(True)
+    _wait(lambda: health_status(unified.address) == serving, 10, "SERVING after a passing probe")
+    assert unified.proc.poll() is None  # a hung SGLang is reported, not killed

@@ -1,0 +1,121 @@
+"""`xavier up --engine sglang` in its three modes, with the SGLang stand-in as the launcher: the router
+answers through SGLang pairs (pd), unified SGLang replicas (colocated) and SGLang's own P/D (native),
+and each replica got the GPU and the flags its mode needs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from xavier_client import Client
+
+from tests.cli.mesh import Mesh, start_up
+from tests.sglang_host.conftest import STANDIN, standin_state
+from tests.support.sglang_standin import next_token
+
+pytestmark = pytest.mark.integration
+
+
+def _expected(prompt: list[int], n: int) -> list[int]:
+    out = [next_token(prompt[-1])]
+    while len(out) < n:
+        out.append(next_token(out[-1]))
+    return out
+
+
+def _up(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, *flags: str) -> Mesh:
+    monkeypatch.setenv("XAVIER_STANDIN_DIR", str(tmp_path / "rendezvous"))
+    common = ["--engine", "sglang", "--model", str(tiny_model), "--sglang-command", STANDIN]
+    return start_up(tmp_path, tmp_path / "cache", *common, *flags, timeout=120)
+
+
+def _standin(mesh: Mesh, name: str) -> dict[str, object]:
+    info = json.loads((mesh.workdir / f"{name}.ready").read_text())
+    return standin_state(info["sglang_url"])
+
+
+def _pair(mesh: Mesh) -> tuple[dict[str, object], dict[str, object], list[str], list[str]]:
+    """The stand-in states of prefill-0 and decode-0, and their command lines."""
+    prefill, decode = _standin(mesh, "prefill-0"), _standin(mesh, "decode-0")
+    pargv, dargv = prefill["argv"], decode["argv"]
+    assert isinstance(pargv, list) and isinstance(dargv, list)
+    return prefill, decode, pargv, dargv
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_up_pd(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mesh = _up(
+        tmp_path,
+        tiny_model,
+        monkeypatch,
+        "--mode",
+        "pd",
+        "--gpus",
+        "0,1",
+        "--sglang-arg=--log-level",
+        "--sglang-arg",
+        "warning",
+    )
+    try:
+        with Client(mesh.grpc) as client:
+            out = client.generate([3, 4, 5], max_tokens=6, mode="pd", ignore_eos=True)
+        assert out.token_ids == _expected([3, 4, 5], 6)
+        _, _, pargv, dargv = _pair(mesh)
+        assert _flag(pargv, "--base-gpu-id") == "0" and _flag(dargv, "--base-gpu-id") == "1"
+        assert _flag(pargv, "--disaggregation-transfer-backend") == "xavier"
+        assert _flag(pargv, "--log-level") == "warning"  # passed through
+        assert _flag(pargv, "--api-key") != _flag(dargv, "--api-key")  # a key per replica
+    finally:
+        assert mesh.stop() == 0
+
+
+def test_up_native(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mesh = _up(
+        tmp_path,
+        tiny_model,
+        monkeypatch,
+        "--mode",
+        "native",
+        "--gpus",
+        "1,0",
+        "--gpu-assign",
+        "visible-devices",
+    )
+    try:
+        with Client(mesh.grpc) as client:
+            out = client.generate([7, 8], max_tokens=5, mode="native", ignore_eos=True)
+        assert out.token_ids == _expected([7, 8], 5)
+        prefill, decode, pargv, dargv = _pair(mesh)
+        assert _flag(pargv, "--disaggregation-transfer-backend") == "nixl"
+        assert _flag(pargv, "--disaggregation-mode") == "prefill"
+        assert int(_flag(pargv, "--disaggregation-bootstrap-port")) > 0
+        assert _flag(pargv, "--api-key") == _flag(dargv, "--api-key")  # the router's one key
+        assert prefill["env"] == {"CUDA_VISIBLE_DEVICES": "1"} and decode["env"] == {
+            "CUDA_VISIBLE_DEVICES": "0"
+        }
+        assert prefill["bad_key"] == 0 and decode["requests"] == 1
+    finally:
+        assert mesh.stop() == 0
+
+
+def test_up_colocated(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mesh = _up(tmp_path, tiny_model, monkeypatch, "--mode", "colocated", "--unified", "2")
+    try:
+        with Client(mesh.grpc) as client:
+            for i in range(4):
+                out = client.generate([i + 1, 9], max_tokens=4, mode="colocated", ignore_eos=True)
+                assert out.token_ids == _expected([i + 1, 9], 4)
+        served = [_standin(mesh, f"unified-{i}")["requests"] for i in range(2)]
+        assert sum(served) == 4  # type: ignore[arg-type]
+    finally:
+        assert mesh.stop() == 0
+
+
+def test_up_refuses_native_without_sglang(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError) as info:
+        start_up(tmp_path, tmp_path / "cache", "--mode", "native", timeout=60)
+    assert "--engine sglang" in str(info.value)
