@@ -38,7 +38,7 @@ from xavier_core.transfer.port_core import (
 )
 from xavier_core.transfer.runs import Mode, as_page_array, coalesce
 from xavier_core.transfer.source import SourceInfo, endpoint_proto
-from xavier_core.transfer.staging import Slab, SlabLayout, pool_tensors
+from xavier_core.transfer.staging import Slab, SlabLayout, pool_views
 from xavier_core.transfer.transport import (
     TRANSPORTS,
     IpcPuller,
@@ -50,8 +50,6 @@ from xavier_core.transfer.transport import (
 )
 
 if TYPE_CHECKING:
-    import torch
-
     from xavier_core.transfer.copy_plan import PoolView
 
 __all__ = ["DEFAULT_POLL_INTERVAL_S", "DROP_DONE_ENV", "KvPort", "TransferTotals"]
@@ -92,7 +90,7 @@ class KvPort(PortCore):
         elif transport == "cuda_ipc":
             raise FailedPrecondition("transport cuda_ipc needs a VRAM KV pool", reason="FAILED_PRECONDITION")
         self._slab: Slab | None = None
-        self._pool: list[torch.Tensor] = []
+        self._pool: list[Any] = []  # the KV buffers as arrays, for gathers and scatters
         self._slab_rooms: dict[int, list[int]] = {}  # NIXL thread: source rooms' slab chunks
         if transport == "staged" or (transport == "auto" and is_vram(self._buffers)):
             layout = SlabLayout.plan(self._buffers, chunk_bytes, slab_bytes)
@@ -128,7 +126,7 @@ class KvPort(PortCore):
             raise FailedPrecondition(f"staging needs one KV device, got {sorted(devices)}")
         slab = Slab(layout, devices.pop())
         self.agent.register_extra(slab.buffer)
-        self._pool = pool_tensors(self._buffers)
+        self._pool = pool_views(self._buffers)
         self._slab = slab
 
     def endpoint(self, host_id: str) -> types_pb2.TransferEndpoint:
@@ -189,12 +187,16 @@ class KvPort(PortCore):
 
     def _stage(self, room_id: int, info: SourceInfo, page_ids: Sequence[int]) -> SourceInfo:
         """On the NIXL thread: the room's pages gathered into free slab chunks, or `info` unchanged
-        (page runs only, a fallback counted) when the slab has too few free chunks."""
+        (page runs only): under auto when the runs are long already, else when the slab has too few
+        free chunks (a fallback counted)."""
         slab = self._slab
         if slab is None:
             return info
         pages = as_page_array(page_ids)
-        chunks = slab.alloc(slab.layout.chunks_for(pages.size))
+        needed = slab.layout.chunks_for(pages.size)
+        if self.transport == "auto" and len(info.runs) * len(self._buffers) <= needed:
+            return info  # the page runs are no more descriptors than the chunks: nothing to gain
+        chunks = slab.alloc(needed)
         if chunks is None:
             return info
         self._slab_rooms[room_id] = chunks

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from xavier.v1 import types_pb2
 
@@ -29,8 +29,6 @@ from xavier_core.transfer.staged_read import PIPELINE_DEPTH, StagedRead
 from xavier_core.transfer.staging import I64, Slab
 
 if TYPE_CHECKING:
-    import torch
-
     from xavier_core.transfer.copy_plan import PoolView
     from xavier_core.transfer.transport import IpcPuller
 
@@ -172,7 +170,7 @@ async def _quiesce(core: PortCore, receiver: KvReceiver, timeout: float) -> None
 async def pull_staged(
     core: PortCore,
     slab: Slab,
-    pool: Sequence[torch.Tensor],
+    pool: Sequence[Any],
     room_id: int,
     info: SourceInfo,
     endpoint: types_pb2.TransferEndpoint,

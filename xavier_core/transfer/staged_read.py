@@ -15,7 +15,7 @@ its transfer timeout), then returns the ring and tells the source the read faile
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -26,9 +26,6 @@ from xavier_core.transfer.kv_transfer import KvPoll, done_notif, fail_notif
 from xavier_core.transfer.nixl_backend import NixlAgent
 from xavier_core.transfer.staging import I64, Slab, SlabLayout
 from xavier_core.transfer.xfer import Transfer
-
-if TYPE_CHECKING:
-    import torch
 
 log = get_logger(__name__)
 
@@ -43,7 +40,7 @@ class StagedRead:
         self,
         agent: NixlAgent,
         slab: Slab,
-        pool: Sequence[torch.Tensor],
+        pool: Sequence[Any],
         peer: str,
         remote: KvBuffer,
         remote_layout: SlabLayout,

@@ -1,0 +1,59 @@
+"""The staging slab on its own (no NIXL): layout, the bounded chunk allocator, gather and scatter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.transfer.kvpool import PAGES, kv_buffers, make_pool, page_bytes
+from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.errors import InvalidSourceError
+from xavier_core.transfer.staging import Slab, SlabLayout, pool_views
+
+
+def test_layout_cuts_whole_records_into_chunks() -> None:
+    bufs = [KvBuffer(4096, 1 << 20, 1000, "cpu"), KvBuffer(8192, 1 << 20, 24, "cpu")]
+    layout = SlabLayout.plan(bufs, chunk_bytes=4500, slab_bytes=50_000)
+    assert layout.record_bytes == 1024 and layout.offsets == (0, 1000)
+    assert layout.chunk_pages == 4 and layout.chunk_bytes == 4096 and layout.num_chunks == 12
+    assert layout.chunks_for(1) == 1 and layout.chunks_for(8) == 2 and layout.chunks_for(9) == 3
+    # A chunk smaller than a record still holds one.
+    assert SlabLayout.plan(bufs, chunk_bytes=10, slab_bytes=10).chunk_pages == 1
+    peer = SlabLayout.of_peer(bufs, KvBuffer(1 << 20, 3 * 4096 + 5, 4096, "cpu"))
+    assert (peer.chunk_pages, peer.num_chunks) == (4, 3)
+    for bad in (KvBuffer(1 << 20, 8192, 4000, "cpu"), KvBuffer(1 << 20, 100, 1024, "cpu")):
+        with pytest.raises(InvalidSourceError, match="staging_slab"):
+            SlabLayout.of_peer(bufs, bad)
+
+
+def test_allocator_is_bounded_and_counts_fallbacks() -> None:
+    slab = Slab(SlabLayout((64,), chunk_pages=2, num_chunks=4), "cpu")
+    a = slab.alloc(3)
+    assert a == [0, 1, 2] and slab.bytes_in_use == 3 * 128
+    assert slab.alloc(2) is None and slab.fallbacks == 1
+    b = slab.alloc(1)
+    assert b == [3] and slab.chunks_in_use == 4
+    slab.free(a)
+    assert slab.alloc(2) == [0, 1]
+    slab.free([0, 1, 3])
+    assert slab.bytes_in_use == 0
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 17])
+def test_gather_then_scatter_moves_exact_pages(n: int) -> None:
+    rng = np.random.default_rng(n)
+    src_pool, dst_pool = make_pool(5), make_pool(None)
+    src_bufs, dst_bufs = kv_buffers(src_pool), kv_buffers(dst_pool)
+    slab = Slab(SlabLayout.plan(src_bufs, 4 * sum(b.bytes_per_page for b in src_bufs), 1 << 22), "cpu")
+    src_pages = rng.permutation(PAGES)[:n].astype(np.int64)
+    dst_pages = rng.permutation(PAGES)[:n].astype(np.int64)
+    chunks = slab.alloc(slab.layout.chunks_for(n))
+    assert chunks is not None
+    chunks = chunks[::-1]  # chunks need not be in order
+    slab.gather(pool_views(src_bufs), src_pages, chunks)
+    cp = slab.layout.chunk_pages
+    for i, chunk in enumerate(chunks):
+        slab.scatter(pool_views(dst_bufs), dst_pages[i * cp : (i + 1) * cp], chunk)
+    assert page_bytes(dst_pool, list(dst_pages)) == page_bytes(src_pool, list(src_pages))
+    others = sorted(set(range(PAGES)) - set(dst_pages.tolist()))
+    assert not any(np.frombuffer(b, np.uint8).any() for b in page_bytes(dst_pool, others))
