@@ -43,7 +43,7 @@ from xavier_core.transfer import (
 )
 from xavier_core.transfer.runs import coalesce
 from xavier_core.transfer.staged_read import PIPELINE_DEPTH, StagedRead
-from xavier_core.transfer.staging import Slab, SlabLayout, pool_views
+from xavier_core.transfer.staging import Slab, SlabLayout, View
 
 MODES = ("coalesced", "per_page", "staged")
 ALL_MODES = ("coalesced", "per_page", "staged", "cuda_ipc")
@@ -121,7 +121,7 @@ def source_main(conn: Connection, args: argparse.Namespace, pool_pages: int) -> 
     agent = NixlAgent(f"handoff-src-{os.getpid()}", bufs)
     slab = Slab(slab_layout(args, bufs, pool_pages), device)
     agent.register_extra(slab.buffer)
-    pool_t = pool_views(bufs)
+    pool_t = View.of(bufs)
     staged: dict[str, list[int]] = {}
     manager = KvManager(agent, bufs, args.page_size)
     senders: dict[str, KvSender] = {}
@@ -182,7 +182,7 @@ def slab_layout(args: argparse.Namespace, bufs: list[KvBuffer], pool_pages: int)
 
 
 def handoff_staged(
-    agent: NixlAgent, slab: Slab, pool_t: list[Any], info: SourceInfo, room: str, dest: list[int]
+    agent: NixlAgent, slab: Slab, pool_t: View, info: SourceInfo, room: str, dest: list[int]
 ) -> tuple[float, int]:
     """READs of the source's chunks into a ring of `slab`'s chunks, each scattered as it lands."""
     remote, remote_layout = info.staging_slab()
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ring_layout = slab_layout(args, bufs, pool_pages)
     slab = Slab(SlabLayout(ring_layout.sizes, ring_layout.chunk_pages, args.depth), dst_dev)
     agent.register_extra(slab.buffer)
-    pool_t = pool_views(bufs)
+    pool_t = View.of(bufs)
     manager = KvManager(agent, bufs, args.page_size)
     view = local = None
     if "cuda_ipc" in modes:

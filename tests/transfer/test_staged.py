@@ -173,12 +173,12 @@ async def test_full_slabs_fall_back_to_page_runs_and_stay_exact(
     room, dst_pages = 500, placement(16, 4, rng)
     src_pages = [r.first_page + k for r in held[0].page_runs for k in range(r.count)]
     assert port._slab is not None
-    taken = port._slab.alloc(8)
+    taken = port._slab.slab.alloc(8)
     assert taken is not None
     await port.pull(room, held[0], endpoint, source.key, dst_pages, timeout=10, park_timeout=5)
-    port._slab.free(taken)
+    port._slab.slab.free(taken)
     assert page_bytes(pool, dst_pages) == page_bytes(source.pool, src_pages)
-    assert port.by_transport["nixl"].transfers == 2 and port.staging_fallbacks == 1
+    assert port.by_transport["nixl"].transfers == 2 and port.stats()["staging"]["fallbacks"] == 1
     for i in range(3):
         await source.call("unpublish", 500 + i, False)
     assert (await source.call("stats"))["bytes_in_use"] == 0 and port.staging_bytes_in_use == 0

@@ -7,8 +7,8 @@ import pytest
 
 from tests.transfer.kvpool import PAGES, kv_buffers, make_pool, page_bytes
 from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidSourceError
-from xavier_core.transfer.staging import Slab, SlabLayout, pool_views
+from xavier_core.transfer.errors import InvalidSourceError, LayoutError
+from xavier_core.transfer.staging import Slab, SlabLayout, View
 
 
 def test_layout_cuts_whole_records_into_chunks() -> None:
@@ -50,10 +50,27 @@ def test_gather_then_scatter_moves_exact_pages(n: int) -> None:
     chunks = slab.alloc(slab.layout.chunks_for(n))
     assert chunks is not None
     chunks = chunks[::-1]  # chunks need not be in order
-    slab.gather(pool_views(src_bufs), src_pages, chunks)
-    cp = slab.layout.chunk_pages
+    slab.gather(View.of(src_bufs), src_pages, chunks)
+    # What a chunk holds is packed from its start (a READ of n records), buffer-major.
+    cp, record = slab.layout.chunk_pages, slab.layout.record_bytes
+    last = n - cp * (len(chunks) - 1)
+    start = chunks[-1] * slab.layout.chunk_bytes
+    packed = slab.memory[start : start + last * record]
+    size = src_bufs[0].bytes_per_page
+    assert bytes(packed[:size]) == page_bytes(src_pool, [int(src_pages[-last])])[0]
+    assert bytes(packed[last * size : (last + 1) * size]) == page_bytes(src_pool, [int(src_pages[-last])])[1]
     for i, chunk in enumerate(chunks):
-        slab.scatter(pool_views(dst_bufs), dst_pages[i * cp : (i + 1) * cp], chunk)
+        assert slab.scatter(View.of(dst_bufs), dst_pages[i * cp : (i + 1) * cp], chunk) is None  # DRAM: done
     assert page_bytes(dst_pool, list(dst_pages)) == page_bytes(src_pool, list(src_pages))
     others = sorted(set(range(PAGES)) - set(dst_pages.tolist()))
     assert not any(np.frombuffer(b, np.uint8).any() for b in page_bytes(dst_pool, others))
+
+
+def test_chunk_views_stay_inside_the_slab() -> None:
+    slab = Slab(SlabLayout((100, 28), chunk_pages=3, num_chunks=2), "cpu")
+    view = slab.chunk(1, 2)
+    base = slab.buffer.addr + slab.layout.chunk_bytes
+    assert view.bases == (base, base + 2 * 100) and view.num_pages == 2
+    for bad in ((2, 1), (0, 4), (0, 0)):
+        with pytest.raises(LayoutError):
+            slab.chunk(*bad)

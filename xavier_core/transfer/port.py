@@ -36,9 +36,10 @@ from xavier_core.transfer.port_core import (
     Published,
     TransferTotals,
 )
-from xavier_core.transfer.runs import Mode, as_page_array, coalesce
+from xavier_core.transfer.port_slab import PortSlab
+from xavier_core.transfer.runs import Mode, as_page_array
 from xavier_core.transfer.source import SourceInfo, endpoint_proto
-from xavier_core.transfer.staging import Slab, SlabLayout, pool_views
+from xavier_core.transfer.staging import SlabLayout
 from xavier_core.transfer.transport import (
     TRANSPORTS,
     IpcPuller,
@@ -89,19 +90,15 @@ class KvPort(PortCore):
             self._thread.submit(self._init_ipc).result()
         elif transport == "cuda_ipc":
             raise FailedPrecondition("transport cuda_ipc needs a VRAM KV pool", reason="FAILED_PRECONDITION")
-        self._slab: Slab | None = None
-        self._pool: list[Any] = []  # the KV buffers as arrays, for gathers and scatters
-        self._slab_rooms: dict[int, list[int]] = {}  # NIXL thread: source rooms' slab chunks
+        self._slab: PortSlab | None = None
         if transport == "staged" or (transport == "auto" and is_vram(self._buffers)):
             layout = SlabLayout.plan(self._buffers, chunk_bytes, slab_bytes)
-            self._thread.submit(self._init_slab, layout).result()
+            self._slab = self._thread.submit(PortSlab, self.agent, self._buffers, layout).result()
         self._host_id = ""
         self._endpoint: types_pb2.TransferEndpoint | None = None
         self.totals = TransferTotals()
         self.by_transport: dict[Transport, TransferTotals] = {t: TransferTotals() for t in TRANSPORTS}
         self.run_lengths = RunLengths()
-        self.staged_sources = 0
-        self.staging_mismatches = 0
 
     def _init_ipc(self) -> None:
         """On the NIXL thread: export this pool and get ready to import peers' (compiling the kernel)."""
@@ -119,20 +116,10 @@ class KvPort(PortCore):
             return
         self._ipc = puller
 
-    def _init_slab(self, layout: SlabLayout) -> None:
-        """On the NIXL thread: allocate and register the staging slab (before the metadata leaves)."""
-        devices = {b.device for b in self._buffers}
-        if len(devices) != 1:
-            raise FailedPrecondition(f"staging needs one KV device, got {sorted(devices)}")
-        slab = Slab(layout, devices.pop())
-        self.agent.register_extra(slab.buffer)
-        self._pool = pool_views(self._buffers)
-        self._slab = slab
-
     def endpoint(self, host_id: str) -> types_pb2.TransferEndpoint:
         """This process's endpoint: built once (metadata is fixed after registration), then reused."""
         if self._endpoint is None or self._endpoint.host_id != host_id:
-            slab = self._slab.buffer if self._slab is not None else None
+            slab = self._slab.slab.buffer if self._slab is not None else None
             self._host_id = host_id
             self._endpoint = endpoint_proto(
                 self.agent.name, self.agent.metadata(), self._buffers, host_id, slab
@@ -171,8 +158,8 @@ class KvPort(PortCore):
             sender = KvSender(self.manager, str(room_id))
             sender.init(len(page_ids))
             info = sender.send(list(page_ids))
-            if stage:
-                info = self._stage(room_id, info, page_ids)
+            if self._slab is not None and stage:
+                info = self._slab.stage(room_id, info, page_ids, only_if_fewer=self.transport == "auto")
             self._senders[room_id] = sender
             return sender, info
 
@@ -185,40 +172,14 @@ class KvPort(PortCore):
         self._published[room_id] = Published(sender)
         return info.to_proto(fingerprint)
 
-    def _stage(self, room_id: int, info: SourceInfo, page_ids: Sequence[int]) -> SourceInfo:
-        """On the NIXL thread: the room's pages gathered into free slab chunks, or `info` unchanged
-        (page runs only): under auto when the runs are long already, else when the slab has too few
-        free chunks (a fallback counted)."""
-        slab = self._slab
-        if slab is None:
-            return info
-        pages = as_page_array(page_ids)
-        needed = slab.layout.chunks_for(pages.size)
-        if self.transport == "auto" and len(info.runs) * len(self._buffers) <= needed:
-            return info  # the page runs are no more descriptors than the chunks: nothing to gain
-        chunks = slab.alloc(needed)
-        if chunks is None:
-            return info
-        self._slab_rooms[room_id] = chunks
-        slab.gather(self._pool, pages, chunks)  # finished before the descriptor leaves (I1)
-        self.staged_sources += 1
-        return SourceInfo(
-            info.agent_name, info.metadata, info.buffers, info.runs, info.token,
-            tuple(coalesce(chunks)), slab.buffer,
-        )  # fmt: skip
-
     def _drop_source(self, room_id: int) -> None:
         """On the NIXL thread: forgets a room whose publication failed, and frees its slab chunks."""
         sender = self._senders.pop(room_id, None)
         if sender is not None:
             sender.abort()
             sender.clear()
-        self._free_slab(room_id)
-
-    def _free_slab(self, room_id: int) -> None:
-        chunks = self._slab_rooms.pop(room_id, None)
-        if chunks is not None and self._slab is not None:
-            self._slab.free(chunks)
+        if self._slab is not None:
+            self._slab.release(room_id)
 
     async def wait_read_end(self, room_id: int, timeout: float) -> str:
         """Waits until the reader of a room reports done or failed; "" on timeout or unknown room."""
@@ -251,7 +212,8 @@ class KvPort(PortCore):
             else:
                 pub.sender.abort()
             pub.sender.clear()
-            self._free_slab(room_id)
+            if self._slab is not None:
+                self._slab.release(room_id)
 
         await self.run(_clear)
 
@@ -306,9 +268,8 @@ class KvPort(PortCore):
                 pages = (src_pages, dst_pages)
                 await pulls.pull_ipc(self, self._ipc, *args, view, pages, timeout, park_timeout)
             elif transport == "staged" and self._slab is not None:
-                staged = pulls.pull_staged(
-                    self, self._slab, self._pool, *args, dst_pages, timeout, park_timeout
-                )
+                slab, pool = self._slab.slab, self._slab.pool
+                staged = pulls.pull_staged(self, slab, pool, *args, dst_pages, timeout, park_timeout)
                 if not await staged:
                     transport = "nixl"  # no free chunk here: the page runs, as coalesced NIXL
             if transport == "nixl":
@@ -339,44 +300,33 @@ class KvPort(PortCore):
         if self.transport == "cuda_ipc":
             raise Unavailable(f"transport cuda_ipc cannot reach peer {peer}", reason="TRANSFER_FAILED")
         if self.transport in ("auto", "staged") and info.staging_runs and self._slab is not None:
-            _, layout = info.staging_slab()  # checked in SourceInfo.from_proto
-            if layout.chunk_pages == self._slab.layout.chunk_pages:
+            if self._slab.matches(info):
                 return "staged", None
-            self.staging_mismatches += 1
             log.warning("staging chunk sizes differ from the source's; reading page runs", peer=peer)
         return "nixl", None
 
     def stats(self) -> dict[str, Any]:
         """Transfers by transport, the staging slab and the run-length histogram (metrics, benchmarks)."""
-        slab = self._slab
         return {
             "transport": self.transport,
             "cuda_ipc_offered": bool(self._ipc_blob),
             "by_transport": {t: vars(v).copy() for t, v in self.by_transport.items()},
             "run_lengths": self.run_lengths.to_dict(),
-            "staging": {
-                "slab_bytes": slab.layout.nbytes if slab else 0,
-                "chunk_bytes": slab.layout.chunk_bytes if slab else 0,
-                "bytes_in_use": self.staging_bytes_in_use,
-                "staged_sources": self.staged_sources,
-                "fallbacks": self.staging_fallbacks,
-            },
+            "staging": self._slab.stats() if self._slab is not None else None,
         }
 
     @property
     def staging_bytes_in_use(self) -> int:
-        return self._slab.bytes_in_use if self._slab is not None else 0
-
-    @property
-    def staging_fallbacks(self) -> int:
-        return (self._slab.fallbacks if self._slab is not None else 0) + self.staging_mismatches
+        return self._slab.slab.bytes_in_use if self._slab is not None else 0
 
     def transfer_stats_pb(self) -> types_pb2.TransferStats:
         """The totals and the staging counters, as the stats RPCs answer them."""
         pb = self.totals.to_pb()
-        pb.staging_bytes_in_use = self.staging_bytes_in_use
-        pb.staged_transfers = self.staged_sources + self.by_transport["staged"].transfers
-        pb.staging_fallbacks = self.staging_fallbacks
+        pb.staged_transfers = self.by_transport["staged"].transfers
+        if self._slab is not None:
+            pb.staging_bytes_in_use = self._slab.slab.bytes_in_use
+            pb.staged_transfers += self._slab.staged_sources
+            pb.staging_fallbacks = self._slab.fallbacks
         return pb
 
     async def decline(

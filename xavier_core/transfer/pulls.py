@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from xavier.v1 import types_pb2
 
@@ -26,7 +26,7 @@ from xavier_core.transfer.port_core import IpcCopy, PortCore
 from xavier_core.transfer.runs import Mode
 from xavier_core.transfer.source import SourceInfo
 from xavier_core.transfer.staged_read import PIPELINE_DEPTH, StagedRead
-from xavier_core.transfer.staging import I64, Slab
+from xavier_core.transfer.staging import I64, Slab, View
 
 if TYPE_CHECKING:
     from xavier_core.transfer.copy_plan import PoolView
@@ -170,7 +170,7 @@ async def _quiesce(core: PortCore, receiver: KvReceiver, timeout: float) -> None
 async def pull_staged(
     core: PortCore,
     slab: Slab,
-    pool: Sequence[Any],
+    pool: View,
     room_id: int,
     info: SourceInfo,
     endpoint: types_pb2.TransferEndpoint,

@@ -7,15 +7,16 @@ the ring chunk takes the next source chunk, so chunk i+1 is on the wire while ch
 The source learns the end by a standalone NIXL notification sent once every READ has ended (never on a
 READ, which would say "done" before the other READs have ended), so its slab stays pinned until then.
 
-I1 on the reader: a ring chunk goes back to the slab only when no READ into it is in flight and its
-scatter has finished; an aborted pull posts nothing more, waits for the READs in flight (each bounded by
-its transfer timeout), then returns the ring and tells the source the read failed.
+I1 on the reader: a ring chunk takes the next READ, or goes back to the slab, only when no READ into it
+is in flight and its scatter has finished (on VRAM the scatter's CUDA event, polled, never waited on);
+the pull succeeds only once every scatter has finished. An aborted pull posts nothing more, waits for
+the READs and scatters in flight (each READ bounded by its transfer timeout), then returns the ring and
+tells the source the read failed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,8 +25,11 @@ from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import TransferError
 from xavier_core.transfer.kv_transfer import KvPoll, done_notif, fail_notif
 from xavier_core.transfer.nixl_backend import NixlAgent
-from xavier_core.transfer.staging import I64, Slab, SlabLayout
+from xavier_core.transfer.staging import I64, Slab, SlabLayout, View
 from xavier_core.transfer.xfer import Transfer
+
+if TYPE_CHECKING:
+    from xavier_core.transfer.cuda_copy import CopyHandle
 
 log = get_logger(__name__)
 
@@ -40,7 +44,7 @@ class StagedRead:
         self,
         agent: NixlAgent,
         slab: Slab,
-        pool: Sequence[Any],
+        pool: View,
         peer: str,
         remote: KvBuffer,
         remote_layout: SlabLayout,
@@ -59,6 +63,7 @@ class StagedRead:
         self.room, self.token, self.timeout_s = room, token, timeout_s
         self._free_ring = list(ring)
         self._posted: dict[int, tuple[Transfer, int]] = {}  # ring chunk -> (READ, source chunk index)
+        self._scattering: dict[int, CopyHandle] = {}  # ring chunk -> its scatter, until done
         self._next = 0
         self._scattered = 0
         self.error: str | None = None
@@ -66,17 +71,21 @@ class StagedRead:
 
     @property
     def in_flight(self) -> bool:
-        """True while a READ may still write a ring chunk."""
-        return bool(self._posted)
+        """True while a READ may still write a ring chunk or a scatter still read one."""
+        return bool(self._posted or self._scattering)
 
     def start(self) -> None:
         while self._free_ring and self._next < self.src_chunks.size and self.error is None:
             self._post(self._free_ring.pop())
 
     def step(self) -> KvPoll:
-        """Polls the READs, scatters the chunks that arrived, posts the next; the state after."""
+        """Polls the READs and scatters, scatters the chunks that arrived, posts the next; the state."""
         if self.result is not None:
             return self.result
+        for local, handle in list(self._scattering.items()):
+            if handle.is_done():
+                del self._scattering[local]
+                self._reuse(local)
         for local, (xfer, i) in list(self._posted.items()):
             state = xfer.poll()
             if state == "PROC":
@@ -84,19 +93,27 @@ class StagedRead:
             del self._posted[local]
             if state == "ERR":
                 self._fail(f"READ of slab chunk {i} failed: {xfer.error}")
+            scatter: CopyHandle | None = None
             if self.error is None:
                 try:
-                    self._scatter(local, i)
+                    scatter = self._scatter(local, i)
                 except (RuntimeError, TransferError) as exc:
                     self._fail(f"scatter of slab chunk {i} failed: {exc}")
-            self._free_ring.append(local)
-            if self.error is None and self._next < self.src_chunks.size:
-                self._post(self._free_ring.pop())
-        if self.error is not None and not self._posted:
+            if scatter is not None:
+                self._scattering[local] = scatter
+            else:
+                self._reuse(local)
+        if self.error is not None and not self.in_flight:
             self._end(KvPoll.FAILED)
-        elif self._scattered == self.src_chunks.size:
+        elif self._scattered == self.src_chunks.size and not self._scattering:
             self._end(KvPoll.SUCCESS)
         return self.result or KvPoll.TRANSFERRING
+
+    def _reuse(self, local: int) -> None:
+        """A ring chunk nothing touches any more: the next source chunk goes into it."""
+        self._free_ring.append(local)
+        if self.error is None and self._next < self.src_chunks.size:
+            self._post(self._free_ring.pop())
 
     def abort(self, reason: str = "aborted") -> None:
         """Posts nothing more; the pull fails once the READs in flight have ended."""
@@ -128,10 +145,11 @@ class StagedRead:
             return
         self._posted[local] = (xfer, i)
 
-    def _scatter(self, local: int, i: int) -> None:
+    def _scatter(self, local: int, i: int) -> CopyHandle | None:
         cp = self.slab.layout.chunk_pages
-        self.slab.scatter(self.pool, self.dest[i * cp : (i + 1) * cp], local)
+        handle = self.slab.scatter(self.pool, self.dest[i * cp : (i + 1) * cp], local)
         self._scattered += 1
+        return handle
 
     def _fail(self, reason: str) -> None:
         if self.error is None:

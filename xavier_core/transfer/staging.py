@@ -6,11 +6,12 @@ every page of every KV buffer of a room into a pre-registered staging slab; the 
 (one descriptor each) into its own slab and scatters each to its pages. This is the path between peers
 that cannot use CUDA IPC (other hosts, no peer access), and the fallback of it.
 
-Slab layout: `[num_chunks, chunk_pages, record_bytes]` bytes. A page record is one page of every KV
-buffer, in buffer (region) order, buffer b at `offsets[b]`; a chunk is `chunk_pages` records. So a chunk
-is one contiguous byte range (one descriptor) and holds whole pages of all layers: it can be scattered on
-its own while the next chunk is still on the wire. A room's page i sits in its chunk `i // chunk_pages`,
-record `i % chunk_pages`; every chunk is full but the last.
+Slab layout: `num_chunks` chunks of `chunk_pages` page records; a page record is one page of every KV
+buffer. A room's page i sits in its chunk `i // chunk_pages`; every chunk is full but the last. The n
+pages a chunk holds are packed from its start, buffer-major: buffer b's n pages sit together at
+`n * offsets[b]`. So what a chunk holds is one contiguous range of `n * record_bytes` (one descriptor,
+one READ), holds whole pages of all layers (it can be scattered on its own while the next chunk is still
+on the wire), and is, to the fused page-copy kernel of `cuda_copy`, just a pool of n pages per buffer.
 
 Protocol, with no new request from the decode to the prefill: the prefill knows its decode peer when it
 publishes (the Prefill call carries it), so it decides then whether to gather (transport "staged", or
@@ -24,9 +25,10 @@ descriptor leaves, and the chunks come back when the room is unpublished (termin
 the park timeout passed). The reader's chunks come back once no READ into them is in flight and their
 scatter has finished (`staged_read`). `bytes_in_use` counts what is held, so tests see it return to 0.
 
-Copies: per KV buffer one gather and one scatter by index, numpy over DRAM, torch `index_select` /
-`index_copy_` on device tensors over VRAM (waited on through a CUDA event). torch is imported only for
-VRAM.
+Copies: one gather per chunk on the source, one scatter per chunk on the reader, both as page copies
+between two pool views (bases, bytes per page): the fused Triton kernel of `cuda_copy` on VRAM (one
+launch per chunk, all buffers; a `CopyHandle` whose CUDA event says when it is done), numpy by index
+over DRAM (done on return). The same view arithmetic runs on both, so CPU CI checks the GPU's addresses.
 """
 
 from __future__ import annotations
@@ -35,13 +37,16 @@ import ctypes
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import InvalidSourceError, LayoutError
+
+if TYPE_CHECKING:
+    from xavier_core.transfer.cuda_copy import CopyHandle
 
 I64 = npt.NDArray[np.int64]
 
@@ -103,22 +108,46 @@ class SlabLayout:
         return cls(sizes, region.bytes_per_page // record, region.nbytes // region.bytes_per_page)
 
 
-def pool_views(buffers: Sequence[KvBuffer]) -> list[Any]:
-    """Each KV buffer as a `[pages, bytes_per_page]` uint8 array over its memory, no copy: numpy for
-    DRAM, a torch tensor for VRAM."""
-    out: list[Any] = []
-    for b in buffers:
-        if b.device == "cpu":
-            raw = (ctypes.c_uint8 * b.nbytes).from_address(b.addr)
-            flat: Any = np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)
-        else:
-            import torch
+@dataclass(frozen=True)
+class View:
+    """Pages of several buffers: buffer b's page p is `sizes[b]` bytes at `bases[b] + p * sizes[b]`."""
 
-            from xavier_core.transfer.cuda_copy import _CudaBytes
+    bases: tuple[int, ...]
+    sizes: tuple[int, ...]
+    num_pages: int
 
-            flat = torch.as_tensor(_CudaBytes(b.addr, b.nbytes), device=b.device)
-        out.append(flat[: b.num_pages * b.bytes_per_page].reshape(b.num_pages, b.bytes_per_page))
-    return out
+    @classmethod
+    def of(cls, buffers: Sequence[KvBuffer]) -> View:
+        return cls(
+            tuple(b.addr for b in buffers),
+            tuple(b.bytes_per_page for b in buffers),
+            min(b.num_pages for b in buffers),
+        )
+
+
+def _host_pages(view: View, b: int) -> npt.NDArray[np.uint8]:
+    """Buffer b of a DRAM view as a `[pages, size]` array over its memory (no copy)."""
+    size = view.sizes[b]
+    raw = (ctypes.c_uint8 * (view.num_pages * size)).from_address(view.bases[b])
+    return np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8).reshape(view.num_pages, size)
+
+
+def copy_view_pages(src: View, dst: View, src_pages: I64, dst_pages: I64, device: str) -> CopyHandle | None:
+    """Copies page `src_pages[i]` of `src` to page `dst_pages[i]` of `dst`, in every buffer. DRAM: done
+    on return (None). VRAM: issued as one fused launch on the device's copy stream, after the work
+    already queued on its current stream; the handle says when it is done."""
+    if src.sizes != dst.sizes:
+        raise LayoutError("the two views' buffers differ in bytes per page")
+    if device == "cpu":
+        for b in range(len(src.sizes)):
+            _host_pages(dst, b)[dst_pages] = _host_pages(src, b)[src_pages]
+        return None
+    from xavier_core.transfer.copy_plan import PoolView
+    from xavier_core.transfer.cuda_copy import copy_pages
+
+    ordinal = int(device.partition(":")[2] or 0)
+    views = [PoolView(v.bases, v.sizes, v.num_pages, ordinal) for v in (src, dst)]
+    return copy_pages(views[0], views[1], src_pages, dst_pages, device=ordinal)
 
 
 class Slab:
@@ -128,16 +157,15 @@ class Slab:
     def __init__(self, layout: SlabLayout, device: str) -> None:
         self.layout = layout
         self.device = device
-        self.memory: Any
+        self.memory: Any  # held for the slab's life: NIXL and the copies use its address
         if device == "cpu":
-            self.memory = np.empty(layout.nbytes, dtype=np.uint8)
+            self.memory = np.zeros(layout.nbytes, dtype=np.uint8)
             self._addr = int(self.memory.ctypes.data)
         else:
             import torch
 
-            self.memory = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+            self.memory = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
             self._addr = int(self.memory.data_ptr())
-        self.records: Any = self.memory.reshape(-1, layout.record_bytes)
         self._free = list(range(layout.num_chunks))  # a heap: lowest ids first, so rooms stay compact
         self.fallbacks = 0  # wanted a chunk, found none
 
@@ -165,50 +193,28 @@ class Slab:
         for c in chunks:
             heapq.heappush(self._free, c)
 
-    def slots(self, chunks: Sequence[int], num_pages: int) -> I64:
-        """Record indices of the first `num_pages` records of `chunks`, in order."""
+    def chunk(self, chunk: int, pages: int) -> View:
+        """The first `pages` page records of a chunk as a view: packed into `pages * record_bytes`
+        bytes from the chunk's start (a room's last chunk is short), buffer-major."""
+        lay = self.layout
+        if not 0 < pages <= lay.chunk_pages or not 0 <= chunk < lay.num_chunks:
+            raise LayoutError(f"chunk {chunk} of {lay.num_chunks} has no {pages} pages")
+        start = self._addr + chunk * lay.chunk_bytes
+        return View(tuple(start + pages * off for off in lay.offsets), lay.sizes, pages)
+
+    def gather(self, pool: View, pages: I64, chunks: Sequence[int]) -> None:
+        """Copies `pages` of every pool buffer into `chunks` (in order); returns once done."""
         cp = self.layout.chunk_pages
-        all_slots = (np.asarray(chunks, dtype=np.int64)[:, None] * cp + np.arange(cp)).reshape(-1)
-        return all_slots[:num_pages]
+        last = None
+        for i, c in enumerate(chunks):
+            part = pages[i * cp : (i + 1) * cp]
+            local = np.arange(part.size, dtype=np.int64)
+            last = copy_view_pages(pool, self.chunk(c, part.size), part, local, self.device) or last
+        if last is not None:
+            last.wait()  # one stream: the last launch ends after the others (I1: done before publish)
 
-    def gather(self, pool: Sequence[Any], pages: I64, chunks: Sequence[int]) -> None:
-        """Copies `pages` of every pool buffer (`pool_views`) into the records of `chunks`; returns
-        once done."""
-        self._copy(pool, pages, self.slots(chunks, pages.size), to_slab=True)
-
-    def scatter(self, pool: Sequence[Any], pages: I64, chunk: int) -> None:
-        """Copies the first `len(pages)` records of `chunk` to `pages` of every pool buffer; returns
-        once done."""
-        self._copy(pool, pages, self.slots([chunk], pages.size), to_slab=False)
-
-    def _copy(self, pool: Sequence[Any], pages: I64, slots: I64, to_slab: bool) -> None:
-        if len(pool) != len(self.layout.sizes):
-            raise LayoutError(f"slab is cut for {len(self.layout.sizes)} buffers, pool has {len(pool)}")
-        if pages.size == 0:
-            return
-        columns = zip(pool, self.layout.offsets, self.layout.sizes, strict=True)
-        if self.device == "cpu":
-            # numpy fancy indexing: several times faster than torch's index ops on strided CPU views.
-            for view, off, size in columns:
-                if to_slab:
-                    self.records[slots, off : off + size] = view[pages]
-                else:
-                    view[pages] = self.records[slots, off : off + size]
-            return
-        import torch
-
-        dev = torch.device(self.device)
-        page_idx = torch.from_numpy(pages).to(dev)
-        slot_idx = torch.from_numpy(slots).to(dev)
-        for t, off, size in columns:
-            cols = self.records[:, off : off + size]
-            if to_slab:
-                cols.index_copy_(0, slot_idx, t.index_select(0, page_idx))
-            else:
-                t.index_copy_(0, page_idx, cols.index_select(0, slot_idx))
-        # The copy is on this thread's current stream; the slab or the pages are handed on only once
-        # it has run (I1). An event waits for this stream alone, not the engine's.
-        with torch.cuda.device(dev):
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-            event.synchronize()
+    def scatter(self, pool: View, pages: I64, chunk: int) -> CopyHandle | None:
+        """Copies the first `len(pages)` pages of `chunk` to `pages` of every pool buffer: done on
+        return on DRAM, else when the handle says so."""
+        local = np.arange(pages.size, dtype=np.int64)
+        return copy_view_pages(self.chunk(chunk, pages.size), pool, local, pages, self.device)
