@@ -88,6 +88,17 @@ async def test_staged_pd_equals_unified_and_bytes_are_exact(staged_mesh: Mesh) -
         await drained(staged_mesh)
     finally:
         await ch.close()
+    metrics = scrape(staged_mesh, "decode-0")
+    assert 'xavier_staging_bytes_in_use{role="decode"} 0.0' in metrics
+    staged = 'xavier_transfers_by_transport_total{role="decode",transport="staged"} '
+    assert float(next(ln for ln in metrics.splitlines() if ln.startswith(staged)).split()[-1]) >= len(LENGTHS)
+
+
+def scrape(mesh: Mesh, name: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{mesh.procs[name].metrics}/metrics", timeout=5) as resp:
+        return str(resp.read().decode())
 
 
 async def test_full_slab_falls_back_and_stays_exact(staged_mesh: Mesh) -> None:

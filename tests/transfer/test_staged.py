@@ -14,15 +14,14 @@ from typing import Any
 import numpy as np
 import pytest
 from xavier.v1 import directory_service_pb2 as dpb
-from xavier.v1 import types_pb2
 
 from tests.transfer.kvpool import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, kv_buffers, make_pool, page_bytes
+from tests.transfer.test_port import SRC_SEED, PortSource
 from xavier_core.runtime.errors import FailedPrecondition, Unavailable
 from xavier_core.transfer import KvPort, peer_key
 
 pytestmark = pytest.mark.integration
 
-SRC_SEED = 31
 RECORD = 2 * LAYERS * PAGE_SIZE * HEADS * HEAD_DIM * 2  # one page of every buffer (float16)
 CHUNK = 4 * RECORD  # four pages per chunk
 SRC_CHUNKS = 12
@@ -58,23 +57,12 @@ def _source_main(conn: Connection, name: str, poll: float) -> None:
     asyncio.run(_serve(conn, name, poll))
 
 
-class Source:
+class Source(PortSource):
+    """A staged source process; `key` is the peer key a reader names it by."""
+
     def __init__(self, conn: Connection, key: str) -> None:
-        self.conn = conn
+        super().__init__(conn)
         self.key = key
-        self.pool = make_pool(SRC_SEED)
-
-    async def call(self, *cmd: Any) -> Any:
-        self.conn.send(cmd)
-        if not await asyncio.to_thread(self.conn.poll, 15):
-            raise TimeoutError(f"source did not answer {cmd[0]!r}")
-        return self.conn.recv()
-
-    async def publish(
-        self, room: int, pages: list[int]
-    ) -> tuple[dpb.SourceDescriptor, types_pb2.TransferEndpoint]:
-        desc, endpoint = await self.call("publish", room, pages)
-        return dpb.SourceDescriptor.FromString(desc), types_pb2.TransferEndpoint.FromString(endpoint)
 
 
 @contextlib.contextmanager

@@ -74,3 +74,44 @@ def test_chunk_views_stay_inside_the_slab() -> None:
     for bad in ((2, 1), (0, 4), (0, 0)):
         with pytest.raises(LayoutError):
             slab.chunk(*bad)
+
+
+@pytest.mark.gpu
+def test_cuda_gather_and_scatter_are_fused_and_exact() -> None:
+    torch = pytest.importorskip("torch")
+    from xavier_core.transfer.cuda_copy import triton_available
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pages, per_page, buffers = 512, 4096, 8
+    src = [
+        torch.randint(0, 256, (pages * per_page,), dtype=torch.uint8, device="cuda:0") for _ in range(buffers)
+    ]
+    dst = [torch.zeros(pages * per_page, dtype=torch.uint8, device="cuda:0") for _ in range(buffers)]
+    bufs = [[KvBuffer(t.data_ptr(), t.numel(), per_page, "cuda:0") for t in pool] for pool in (src, dst)]
+    slab = Slab(SlabLayout.plan(bufs[0], 8 * buffers * per_page, 1 << 24), "cuda:0")
+    rng = np.random.default_rng(1)
+    for run in (1, 4, 0):
+        n = 77
+        if run == 0:
+            s_pages = np.arange(100, 100 + n, dtype=np.int64)
+        else:
+            starts = rng.permutation(pages // run)[: -(-n // run)] * run
+            s_pages = np.array([s + k for s in starts for k in range(run)][:n], dtype=np.int64)
+        d_pages = rng.permutation(pages)[:n].astype(np.int64)
+        chunks = slab.alloc(slab.layout.chunks_for(n))
+        assert chunks is not None
+        slab.gather(View.of(bufs[0]), s_pages, chunks)
+        cp = slab.layout.chunk_pages
+        handles = [
+            slab.scatter(View.of(bufs[1]), d_pages[i * cp : (i + 1) * cp], c) for i, c in enumerate(chunks)
+        ]
+        if triton_available():
+            assert all(h is not None and h.launches == 1 for h in handles)  # one fused launch per chunk
+        for h in handles:
+            assert h is not None
+            h.wait(30)
+        slab.free(chunks)
+        s_idx, d_idx = torch.from_numpy(s_pages).cuda(), torch.from_numpy(d_pages).cuda()
+        for a, b in zip(src, dst, strict=True):
+            assert torch.equal(a.view(pages, -1)[s_idx], b.view(pages, -1)[d_idx])

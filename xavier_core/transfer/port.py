@@ -156,10 +156,15 @@ class KvPort(PortCore):
 
         def _send() -> tuple[KvSender, SourceInfo]:
             sender = KvSender(self.manager, str(room_id))
-            sender.init(len(page_ids))
-            info = sender.send(list(page_ids))
-            if self._slab is not None and stage:
-                info = self._slab.stage(room_id, info, page_ids, only_if_fewer=self.transport == "auto")
+            try:
+                sender.init(len(page_ids))
+                info = sender.send(list(page_ids))
+                if self._slab is not None and stage:
+                    auto = self.transport == "auto"
+                    info = self._slab.stage(room_id, info, page_ids, only_if_fewer=auto)
+            except BaseException:
+                sender.clear()
+                raise
             self._senders[room_id] = sender
             return sender, info
 

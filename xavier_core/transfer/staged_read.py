@@ -22,7 +22,7 @@ import numpy as np
 
 from xavier_core.runtime.logging import get_logger
 from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import TransferError
+from xavier_core.transfer.errors import InvalidPagesError, TransferError
 from xavier_core.transfer.kv_transfer import KvPoll, done_notif, fail_notif
 from xavier_core.transfer.nixl_backend import NixlAgent
 from xavier_core.transfer.staging import I64, Slab, SlabLayout, View
@@ -57,6 +57,10 @@ class StagedRead:
     ) -> None:
         if remote_layout.chunk_pages != slab.layout.chunk_pages:
             raise TransferError("the source's slab chunks differ in size from the reader's")
+        if src_chunks.size != slab.layout.chunks_for(dest_pages.size):
+            raise InvalidPagesError(f"{src_chunks.size} slab chunks for {dest_pages.size} pages")
+        if int(dest_pages.max()) >= pool.num_pages or np.unique(dest_pages).size != dest_pages.size:
+            raise InvalidPagesError("destination pages repeat or lie outside the pool")
         self.agent, self.slab, self.pool, self.peer = agent, slab, pool, peer
         self.remote, self.src_chunks, self.dest = remote, src_chunks, dest_pages
         self.ring = ring
@@ -97,7 +101,7 @@ class StagedRead:
             if self.error is None:
                 try:
                     scatter = self._scatter(local, i)
-                except (RuntimeError, TransferError) as exc:
+                except (RuntimeError, ValueError, IndexError, TransferError) as exc:
                     self._fail(f"scatter of slab chunk {i} failed: {exc}")
             if scatter is not None:
                 self._scattering[local] = scatter

@@ -43,7 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidSourceError, LayoutError
+from xavier_core.transfer.errors import InvalidPagesError, InvalidSourceError, LayoutError
 
 if TYPE_CHECKING:
     from xavier_core.transfer.cuda_copy import CopyHandle
@@ -132,6 +132,23 @@ def _host_pages(view: View, b: int) -> npt.NDArray[np.uint8]:
     return np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8).reshape(view.num_pages, size)
 
 
+def _host_copy(src: View, dst: View, src_pages: I64, dst_pages: I64) -> None:
+    """DRAM page copy by index; a side that is a chunk's leading pages is a plain slice (no temporary)."""
+    n = src_pages.size
+    for pages, view in ((src_pages, src), (dst_pages, dst)):
+        if n and (int(pages.min()) < 0 or int(pages.max()) >= view.num_pages):
+            raise InvalidPagesError(f"page {int(pages.max())} is outside a view of {view.num_pages} pages")
+    leading = np.arange(n, dtype=np.int64)
+    for b in range(len(src.sizes)):
+        s, d = _host_pages(src, b), _host_pages(dst, b)
+        if np.array_equal(dst_pages, leading):
+            np.take(s, src_pages, axis=0, out=d[:n], mode="clip")  # in range: checked above
+        elif np.array_equal(src_pages, leading):
+            d[dst_pages] = s[:n]
+        else:
+            d[dst_pages] = s[src_pages]
+
+
 def copy_view_pages(src: View, dst: View, src_pages: I64, dst_pages: I64, device: str) -> CopyHandle | None:
     """Copies page `src_pages[i]` of `src` to page `dst_pages[i]` of `dst`, in every buffer. DRAM: done
     on return (None). VRAM: issued as one fused launch on the device's copy stream, after the work
@@ -139,8 +156,7 @@ def copy_view_pages(src: View, dst: View, src_pages: I64, dst_pages: I64, device
     if src.sizes != dst.sizes:
         raise LayoutError("the two views' buffers differ in bytes per page")
     if device == "cpu":
-        for b in range(len(src.sizes)):
-            _host_pages(dst, b)[dst_pages] = _host_pages(src, b)[src_pages]
+        _host_copy(src, dst, src_pages, dst_pages)
         return None
     from xavier_core.transfer.copy_plan import PoolView
     from xavier_core.transfer.cuda_copy import copy_pages
