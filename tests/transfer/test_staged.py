@@ -218,3 +218,18 @@ async def test_forged_staging_runs_are_refused(
     await port.pull(800, desc, endpoint, source.key, [6, 7, 8, 9, 10], timeout=10, park_timeout=5)
     assert page_bytes(pool, [6, 7, 8, 9, 10]) == page_bytes(source.pool, [1, 2, 3, 4, 5])
     await source.call("unpublish", 800, True)
+
+
+async def test_who_stages_follows_the_transport_setting(reader: tuple[KvPort, list[np.ndarray]]) -> None:
+    staged, _ = reader
+    assert staged.stages_for(None) and staged.stages_for("host-b") and not staged.needs_reader_host
+    assert staged.endpoint("host-a").HasField("staging_slab")
+    pool = make_pool(None)
+    plain = KvPort(f"staged-auto-{os.getpid()}", kv_buffers(pool), PAGE_SIZE, transport="auto")
+    try:
+        # DRAM under auto: plain NIXL as before, no slab allocated or offered.
+        assert not plain.stages_for(None) and plain.stats()["staging"] is None
+        assert not plain.endpoint("host-a").HasField("staging_slab")
+        assert plain.transfer_stats_pb().staging_bytes_in_use == 0
+    finally:
+        await plain.close()
