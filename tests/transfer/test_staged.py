@@ -192,7 +192,10 @@ async def test_abort_mid_transfer_frees_every_slab_chunk(
             task = asyncio.ensure_future(
                 port.pull(700, desc, endpoint, slow.key, dst, timeout=10, park_timeout=10)
             )
-            await asyncio.sleep(0.1)
+            for _ in range(1000):  # until the READs are posted (set on the port's thread)
+                if port._staged or task.done():
+                    break
+                await asyncio.sleep(0.005)
             assert port._staged and port.staging_bytes_in_use > 0  # READs in flight into the ring
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
