@@ -93,7 +93,14 @@ class KvPort(PortCore):
         self._slab: PortSlab | None = None
         if transport == "staged" or (transport == "auto" and is_vram(self._buffers)):
             layout = SlabLayout.plan(self._buffers, chunk_bytes, slab_bytes)
-            self._slab = self._thread.submit(PortSlab, self.agent, self._buffers, layout).result()
+            try:
+                self._slab = self._thread.submit(PortSlab, self.agent, self._buffers, layout).result()
+            except Exception as exc:  # out of device memory, a registration NIXL refused: optional under auto
+                if transport == "staged":
+                    raise FailedPrecondition(
+                        f"transport staged: no staging slab: {exc}", reason="FAILED_PRECONDITION"
+                    ) from exc
+                log.warning("no staging slab; pulls that would be staged read page runs", error=str(exc))
         self._host_id = ""
         self._endpoint: types_pb2.TransferEndpoint | None = None
         self.totals = TransferTotals()
