@@ -51,9 +51,7 @@ async def decline(
     await core.run(_send)
 
 
-async def _settle(
-    core: PortCore, room_id: int, done: asyncio.Future[KvPoll], timeout: float, what: str
-) -> None:
+async def _settle(room_id: int, done: asyncio.Future[KvPoll], timeout: float, what: str) -> None:
     """Waits for a posted read's outcome; `Unavailable` unless it succeeded within `timeout`."""
     try:
         state = await asyncio.wait_for(asyncio.shield(done), timeout)
@@ -105,7 +103,7 @@ async def pull_ipc(
             raise Unavailable(
                 f"KV copy of room {room_id} not started: {err}", reason="TRANSFER_FAILED"
             ) from None
-        await _settle(core, room_id, copy.done, timeout, "copy")
+        await _settle(room_id, copy.done, timeout, "copy")
     except BaseException:
         # Queued behind `_start` on the NIXL thread, so `posted` is final once this returns.
         await asyncio.shield(core.run(_abort))
@@ -145,7 +143,7 @@ async def pull_nixl(
 
     try:
         await core.run(_start)
-        await _settle(core, room_id, done, timeout, "read")
+        await _settle(room_id, done, timeout, "read")
     except BaseException:
         await asyncio.shield(core.run(_forget))
         if not posted:
@@ -213,7 +211,7 @@ async def pull_staged(
     try:
         if not await core.run(_start):
             return False
-        await _settle(core, room_id, done, timeout, "staged read")
+        await _settle(room_id, done, timeout, "staged read")
     except BaseException as exc:
         # Queued behind `_start` on the NIXL thread, so `read` is final once this returns.
         await asyncio.shield(core.run(_abort))
