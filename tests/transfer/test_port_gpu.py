@@ -10,8 +10,6 @@ The source (prefill-like) runs in a spawned process on cuda:0; the reader in thi
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Iterator
@@ -26,6 +24,7 @@ torch = pytest.importorskip("torch")
 from xavier.v1 import directory_service_pb2 as dpb  # noqa: E402
 from xavier.v1 import types_pb2  # noqa: E402
 
+from tests.transfer.kvpool import spawned  # noqa: E402
 from xavier_core.transfer import KvBuffer, KvPort, peer_key  # noqa: E402
 from xavier_core.transfer.cuda_copy import copy_stream  # noqa: E402
 
@@ -121,22 +120,8 @@ class Source:
 
 @pytest.fixture(scope="module")
 def source() -> Iterator[Source]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_source_main, args=(child, 7), daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(120):
-            raise TimeoutError("source process did not start")
-        assert parent.recv() == "ready"
-        yield Source(parent)
-    finally:
-        with contextlib.suppress(OSError):
-            parent.send(("stop",))
-            parent.poll(20)
-        proc.join(20)
-        if proc.is_alive():
-            proc.kill()
+    with spawned(_source_main, 7, start_s=120, stop_s=20) as conn:
+        yield Source(conn)
 
 
 def _reader_device() -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing as mp
 import os
 from collections.abc import AsyncIterator, Iterator
 from multiprocessing.connection import Connection
@@ -15,7 +14,17 @@ import numpy as np
 import pytest
 from xavier.v1 import directory_service_pb2 as dpb
 
-from tests.transfer.kvpool import HEAD_DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, kv_buffers, make_pool, page_bytes
+from tests.transfer.kvpool import (
+    HEAD_DIM,
+    HEADS,
+    LAYERS,
+    PAGE_SIZE,
+    PAGES,
+    kv_buffers,
+    make_pool,
+    page_bytes,
+    spawned,
+)
 from tests.transfer.test_port import SRC_SEED, PortSource
 from xavier_core.runtime.errors import FailedPrecondition, Unavailable
 from xavier_core.transfer import KvPort, peer_key
@@ -67,24 +76,9 @@ class Source(PortSource):
 
 @contextlib.contextmanager
 def _source(tag: str, poll: float) -> Iterator[Source]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
     name = f"staged-src-{tag}-{os.getpid()}"
-    proc = ctx.Process(target=_source_main, args=(child, name, poll), daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(60):
-            raise TimeoutError("source process did not start")
-        assert parent.recv() == "ready"
-        yield Source(parent, peer_key(name, 1))
-    finally:
-        with contextlib.suppress(OSError):
-            parent.send(("stop",))
-            parent.poll(10)
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+    with spawned(_source_main, name, poll) as conn:
+        yield Source(conn, peer_key(name, 1))
 
 
 @pytest.fixture(scope="module")
