@@ -1,7 +1,11 @@
 """P/D KV handoff: time and GB/s against prompt length, by transport: NIXL with coalesced runs, NIXL with
-one descriptor per page, and (`--device cuda`) CUDA IPC with the fused page-copy kernel (`cuda_ipc`: the
-reader maps the source process's pool once, then each handoff is one launch, timed from issue until its
-CUDA event completes). Choose with `--modes`.
+one descriptor per page, staged NIXL (`staged`: the source gathers the pages into its registered slab,
+the reader READs whole chunks through a ring of `--depth` chunks and scatters each; its time is the
+source's gather plus the reader's READs and scatters, the gather also reported alone), and
+(`--device cuda`) CUDA IPC with the fused page-copy kernel (`cuda_ipc`: the reader maps the source
+process's pool once, then each handoff is one launch, timed from issue until its CUDA event completes).
+Choose with `--modes`; `vs_coalesced` gives each mode's speed-up over today's coalesced NIXL in the
+same run.
 
 Two processes: a source (prefill-like) that publishes pages through `KvSender` and keeps polling, and a
 reader (decode-like, this process) that times `KvReceiver.start()` → SUCCESS. Both modes run in the same
@@ -13,6 +17,7 @@ PNG. Example: `python benchmarks/handoff.py --reps 7 --out-dir /tmp/handoff`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -36,9 +41,12 @@ from xavier_core.transfer import (
     SourceInfo,
     peer_key,
 )
+from xavier_core.transfer.runs import coalesce
+from xavier_core.transfer.staged_read import PIPELINE_DEPTH, StagedRead
+from xavier_core.transfer.staging import Slab, SlabLayout, View
 
-MODES = ("coalesced", "per_page")
-ALL_MODES = ("coalesced", "per_page", "cuda_ipc")
+MODES = ("coalesced", "per_page", "staged")
+ALL_MODES = ("coalesced", "per_page", "staged", "cuda_ipc")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {ALL_MODES}")
+    p.add_argument("--chunk-mib", type=float, default=4.0, help="staged: slab chunk size")
+    p.add_argument("--depth", type=int, default=PIPELINE_DEPTH, help="staged: reader ring chunks")
     return p.parse_args(argv)
 
 
@@ -109,6 +119,10 @@ def source_main(conn: Connection, args: argparse.Namespace, pool_pages: int) -> 
     pool = make_pool(args, pool_pages, device, args.seed)
     bufs = kv_buffers(pool, pool_pages)
     agent = NixlAgent(f"handoff-src-{os.getpid()}", bufs)
+    slab = Slab(slab_layout(args, bufs, pool_pages), device)
+    agent.register_extra(slab.buffer)
+    pool_t = View.of(bufs)
+    staged: dict[str, list[int]] = {}
     manager = KvManager(agent, bufs, args.page_size)
     senders: dict[str, KvSender] = {}
     conn.send("ready")
@@ -125,12 +139,21 @@ def source_main(conn: Connection, args: argparse.Namespace, pool_pages: int) -> 
             from xavier_core.transfer.cuda_ipc import export_pool
 
             conn.send(export_pool(bufs).to_bytes())
-        elif cmd == "publish":
+        elif cmd in ("publish", "publish_staged"):
             s = senders[room] = KvSender(manager, room)
             s.init(len(pages))
-            conn.send(s.send(pages))  # a SourceInfo pickles
+            info = s.send(pages)
+            gather_s = 0.0
+            if cmd == "publish_staged":
+                chunks = staged[room] = slab.alloc(slab.layout.chunks_for(len(pages))) or []
+                t0 = time.perf_counter()
+                slab.gather(pool_t, np.asarray(pages, dtype=np.int64), chunks)
+                gather_s = time.perf_counter() - t0
+                info = dataclasses.replace(info, staging_runs=tuple(coalesce(chunks)), slab=slab.buffer)
+            conn.send((info, gather_s))  # a SourceInfo pickles
         elif cmd == "clear":
             senders.pop(room).clear()
+            slab.free(staged.pop(room, []))
             conn.send("ok")
     agent.close()
 
@@ -149,6 +172,38 @@ def handoff(manager: KvManager, info: SourceInfo, room: str, dest: list[int], mo
     descs = rx._xfer.descriptor_count if rx._xfer is not None else 0
     rx.clear()
     return elapsed, descs
+
+
+def slab_layout(args: argparse.Namespace, bufs: list[KvBuffer], pool_pages: int) -> SlabLayout:
+    """The source's slab holds one room of the largest size; the reader's, its ring."""
+    chunk_bytes = int(args.chunk_mib * (1 << 20))
+    layout = SlabLayout.plan(bufs, chunk_bytes, chunk_bytes)
+    return SlabLayout(layout.sizes, layout.chunk_pages, layout.chunks_for(pool_pages))
+
+
+def handoff_staged(
+    agent: NixlAgent, slab: Slab, pool_t: View, info: SourceInfo, room: str, dest: list[int]
+) -> tuple[float, int]:
+    """READs of the source's chunks into a ring of `slab`'s chunks, each scattered as it lands."""
+    remote, remote_layout = info.staging_slab()
+    peer = peer_key("handoff-src", 1)
+    agent.add_peer(peer, info.metadata)
+    chunks = info.staging_chunks()
+    ring = slab.alloc(min(slab.layout.num_chunks, chunks.size))
+    if ring is None:
+        raise RuntimeError("the reader's slab is busy")
+    dst = np.asarray(dest, dtype=np.int64)
+    read = StagedRead(
+        agent, slab, pool_t, peer, remote, remote_layout, chunks, dst, ring, room, info.token, 30
+    )
+    t0 = time.perf_counter()
+    read.start()
+    while (state := read.step()) == KvPoll.TRANSFERRING:
+        pass
+    elapsed = time.perf_counter() - t0
+    if state != KvPoll.SUCCESS:
+        raise RuntimeError(f"staged handoff failed: {read.error}")
+    return elapsed, int(chunks.size)
 
 
 def handoff_ipc(view: Any, local: Any, src: list[int], dst: list[int]) -> tuple[float, int]:
@@ -182,6 +237,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pool = make_pool(args, pool_pages, dst_dev, None)
     bufs = kv_buffers(pool, pool_pages)
     agent = NixlAgent(f"handoff-dst-{os.getpid()}", bufs)
+    ring_layout = slab_layout(args, bufs, pool_pages)
+    slab = Slab(SlabLayout(ring_layout.sizes, ring_layout.chunk_pages, args.depth), dst_dev)
+    agent.register_extra(slab.buffer)
+    pool_t = View.of(bufs)
     manager = KvManager(agent, bufs, args.page_size)
     view = local = None
     if "cuda_ipc" in modes:
@@ -194,6 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         view = importer.open("handoff-src", 1, conn.recv())
     rng = np.random.default_rng(args.seed)
     samples: dict[tuple[int, str], list[float]] = {}
+    gathers: dict[int, list[float]] = {}
     descs: dict[tuple[int, str], int] = {}
     seq = 0
     try:
@@ -205,13 +265,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for mode in modes if (rep + n_tok // 256) % 2 == 0 else modes[::-1]:
                     seq += 1
                     room = f"r{seq}"
-                    conn.send(("publish", room, src))
-                    info: SourceInfo = conn.recv()
+                    conn.send(("publish_staged" if mode == "staged" else "publish", room, src))
+                    info, gather_s = conn.recv()
                     if rep == 0:
                         for t in pool:
                             t.zero_()
                     if mode == "cuda_ipc":
                         elapsed, descs[(n_tok, mode)] = handoff_ipc(view, local, src, dst)
+                    elif mode == "staged":
+                        elapsed, descs[(n_tok, mode)] = handoff_staged(agent, slab, pool_t, info, room, dst)
+                        elapsed += gather_s
+                        if rep:
+                            gathers.setdefault(n_tok, []).append(gather_s)
                     else:
                         elapsed, descs[(n_tok, mode)] = handoff(manager, info, room, dst, mode)
                     conn.send(("clear", room, []))
@@ -241,9 +306,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "gb_per_s": round(nbytes / med / 1e9, 3),
             }
         )
+        if mode == "staged":
+            rows[-1]["gather_median_ms"] = round(statistics.median(gathers[n_tok]) * 1e3, 3)
     config = {k: v for k, v in vars(args).items() if k not in ("out_dir", "tag")}
     config.update(bytes_per_token=bytes_per_token, source_device=src_dev, reader_device=dst_dev)
-    return {"config": config, "results": rows, "speedup": speedups(rows)}
+    return {
+        "config": config,
+        "results": rows,
+        "speedup": speedups(rows),
+        "vs_coalesced": speedups(rows, "coalesced"),
+    }
 
 
 def verify(
@@ -258,13 +330,10 @@ def verify(
             raise RuntimeError("received KV bytes differ from the source's")
 
 
-def speedups(rows: list[dict[str, Any]]) -> dict[str, float]:
+def speedups(rows: list[dict[str, Any]], base: str = "per_page") -> dict[str, float]:
+    """Per "tokens:mode", how many times faster than `base` at the same size (medians, same run)."""
     by = {(r["tokens"], r["mode"]): r["median_ms"] for r in rows}
-    return {
-        f"{t}:{m}": round(by[(t, "per_page")] / by[(t, m)], 2)
-        for t, m in by
-        if m != "per_page" and (t, "per_page") in by
-    }
+    return {f"{t}:{m}": round(by[(t, base)] / by[(t, m)], 2) for t, m in by if m != base and (t, base) in by}
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

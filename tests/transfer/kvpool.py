@@ -150,3 +150,28 @@ def receive(manager: KvManager, room: str, dest: list[int]) -> KvReceiver:
     rx.send_metadata(dest)
     assert rx.poll() == KvPoll.WAITING_FOR_INPUT
     return rx
+
+
+@contextlib.contextmanager
+def spawned(
+    target: Callable[..., None], *args: Any, start_s: float = 60, stop_s: float = 10
+) -> Iterator[Connection]:
+    """Runs `target(conn, *args)` in a spawned process that sends "ready" once up and ends on ("stop",);
+    yields this side's end of the pipe, and kills the process if it does not stop."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(start_s):
+            raise TimeoutError("source process did not start")
+        assert parent.recv() == "ready"
+        yield parent
+    finally:
+        with contextlib.suppress(OSError):
+            parent.send(("stop",))
+            parent.poll(stop_s)
+        proc.join(stop_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)

@@ -8,8 +8,6 @@ travels as bytes, as it does through the directory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import multiprocessing as mp
 import os
 from collections.abc import AsyncIterator, Iterator
 from multiprocessing.connection import Connection
@@ -20,7 +18,7 @@ import pytest
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
-from tests.transfer.kvpool import PAGE_SIZE, kv_buffers, make_pool, page_bytes
+from tests.transfer.kvpool import PAGE_SIZE, kv_buffers, make_pool, page_bytes, spawned
 from xavier_core.runtime.errors import FailedPrecondition, LayoutMismatch
 from xavier_core.transfer import KvPort, peer_key
 
@@ -77,23 +75,8 @@ class PortSource:
 
 @pytest.fixture(scope="module")
 def source_conn() -> Iterator[Connection]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_source_main, args=(child, f"port-src-{os.getpid()}", SRC_SEED), daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(60):
-            raise TimeoutError("source process did not start")
-        assert parent.recv() == "ready"
-        yield parent
-    finally:
-        with contextlib.suppress(OSError):
-            parent.send(("stop",))
-            parent.poll(10)
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+    with spawned(_source_main, f"port-src-{os.getpid()}", SRC_SEED) as conn:
+        yield conn
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
-"""`KvPort` GPU to GPU across two processes, with each transport: bitwise page equality for random
-placements (runs of 1, 4 and one contiguous run), the transport the port reports, and an abort while a
-CUDA IPC copy is in flight (the pull returns only after the copy ended, the source hears "fail" only
-then, the destination pages are reusable at once, and the event loop never stalls meanwhile).
+"""`KvPort` GPU to GPU across two processes, with each transport (CUDA IPC, NIXL page runs, staged NIXL
+through the slabs): bitwise page equality for random placements (runs of 1, 4 and one contiguous run),
+the transport the port reports, and an abort while a CUDA IPC copy is in flight (the pull returns only
+after the copy ended, the source hears "fail" only then, the destination pages are reusable at once, and
+the event loop never stalls meanwhile).
 
 The source (prefill-like) runs in a spawned process on cuda:0; the reader in this process on the last GPU.
 """
@@ -9,8 +10,6 @@ The source (prefill-like) runs in a spawned process on cuda:0; the reader in thi
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ torch = pytest.importorskip("torch")
 from xavier.v1 import directory_service_pb2 as dpb  # noqa: E402
 from xavier.v1 import types_pb2  # noqa: E402
 
+from tests.transfer.kvpool import spawned  # noqa: E402
 from xavier_core.transfer import KvBuffer, KvPort, peer_key  # noqa: E402
 from xavier_core.transfer.cuda_copy import copy_stream  # noqa: E402
 
@@ -120,29 +120,18 @@ class Source:
 
 @pytest.fixture(scope="module")
 def source() -> Iterator[Source]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_source_main, args=(child, 7), daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(120):
-            raise TimeoutError("source process did not start")
-        assert parent.recv() == "ready"
-        yield Source(parent)
-    finally:
-        with contextlib.suppress(OSError):
-            parent.send(("stop",))
-            parent.poll(20)
-        proc.join(20)
-        if proc.is_alive():
-            proc.kill()
+    with spawned(_source_main, 7, start_s=120, stop_s=20) as conn:
+        yield Source(conn)
 
 
 def _reader_device() -> str:
     return f"cuda:{torch.cuda.device_count() - 1}"
 
 
-@pytest.mark.parametrize("transport", ["cuda_ipc", "nixl"])
+TRANSPORTS = ("cuda_ipc", "nixl", "staged")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_pull_is_bitwise_exact_for_scattered_and_contiguous_pages(
     source: Source, transport: str
 ) -> None:
@@ -153,9 +142,11 @@ async def test_pull_is_bitwise_exact_for_scattered_and_contiguous_pages(
         for i, run in enumerate(RUNS):
             n = 257  # a partial last run
             src_pages, dst_pages = _placement(n, run, rng), _placement(n, run, rng)
-            room = 1000 + 10 * RUNS.index(run) + (transport == "nixl")
+            room = 1000 + 10 * RUNS.index(run) + TRANSPORTS.index(transport)
             desc, endpoint = await source.publish(room, src_pages)
             assert endpoint.cuda_ipc_pool  # a VRAM source offers CUDA IPC
+            # and, under auto for a reader it cannot place, stages the room into its slab
+            assert desc.staging_runs and endpoint.HasField("staging_slab")
             await port.pull(room, desc, endpoint, SRC_KEY, dst_pages, timeout=30, park_timeout=30)
             got = _pages(pool, dst_pages).numpy()
             assert np.array_equal(
@@ -164,8 +155,9 @@ async def test_pull_is_bitwise_exact_for_scattered_and_contiguous_pages(
             assert await source.call("wait", room) == "done"
             await source.call("unpublish", room, True)
             assert port.by_transport[transport].transfers == i + 1  # type: ignore[index]
-        other = "nixl" if transport == "cuda_ipc" else "cuda_ipc"
-        assert port.by_transport[other].transfers == 0  # type: ignore[index]
+        for other in set(TRANSPORTS) - {transport}:
+            assert port.by_transport[other].transfers == 0  # type: ignore[index]
+        assert port.staging_bytes_in_use == 0
         stats = port.stats()["run_lengths"]
         assert stats["pages"] == 3 * 257 and stats["buckets"]["1"] > 0
     finally:

@@ -8,7 +8,9 @@ those values, and it imports neither `xavier_core.engine` nor `xavier_services` 
 Layers, bottom up: `NixlAgent` (one per process: registered buffers, cached peers, READs of page lists);
 `KvManager` / `KvSender` / `KvReceiver` (per-room state machines modelled on SGLang's `KVPoll`, driven by
 polling); `KvPort` (the asyncio service face: one NIXL thread, publish / pull of contract
-`SourceDescriptor`s, the errors the services answer with).
+`SourceDescriptor`s, the errors the services answer with). Beside NIXL page runs a pull may take CUDA
+IPC (`cuda_ipc`, `cuda_copy`) or the staged transport (`staging`, `staged_read`: slab chunks); the
+choice is `transport`'s.
 
 Names load on first use (PEP 562), so importing one module of the package (the engine imports
 `buffers`) does not load NIXL, gRPC or the protos.

@@ -1,13 +1,14 @@
 """Prometheus view of a transfer port, read from its stats at scrape time (no second bookkeeping):
-`xavier_transfers_by_transport{role,transport}` (counter) and `xavier_transfer_run_length_pages{role}`
-(histogram of the page runs pulls moved: how scattered the decode's pages really are)."""
+`xavier_transfers_by_transport{role,transport}` (counter), `xavier_transfer_run_length_pages{role}`
+(histogram of the page runs pulls moved: how scattered the decode's pages really are), and the staging
+slab: `xavier_staging_bytes_in_use{role}` (gauge) and `xavier_staging_fallbacks{role}` (counter)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from xavier_core.transfer.transport import RUN_BUCKETS
@@ -20,7 +21,7 @@ class PortCollector(Collector):
         self._role = role
         self._stats = stats
 
-    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         s = self._stats()
         if s is None:
             return
@@ -37,6 +38,20 @@ class PortCollector(Collector):
             fails.add_metric([self._role, transport], totals["failures"])
         yield by
         yield fails
+        staging = s.get("staging")
+        if staging is not None:
+            used = GaugeMetricFamily(
+                "xavier_staging_bytes_in_use", "Staging slab bytes held by rooms.", labels=["role"]
+            )
+            used.add_metric([self._role], staging["bytes_in_use"])
+            yield used
+            fallbacks = CounterMetricFamily(
+                "xavier_staging_fallbacks",
+                "Staged transfers that went as NIXL page runs (no free slab chunk, or slabs differ).",
+                labels=["role"],
+            )
+            fallbacks.add_metric([self._role], staging["fallbacks"])
+            yield fallbacks
         runs = s["run_lengths"]
         cumulative, buckets = 0, []
         for label, count in zip([*map(str, RUN_BUCKETS), "+Inf"], runs["buckets"].values(), strict=True):

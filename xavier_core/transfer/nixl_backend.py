@@ -94,6 +94,7 @@ class NixlAgent:
         self.raw = RawAgent(name, progress_thread, backend)
         self._reg: object | None = register_buffers(self.raw, buffers, self.mem)
         self._metadata = self.raw.metadata()
+        self._extra: list[object] = []  # registrations beside the KV buffers (a staging slab)
         self._peers: dict[str, _Peer] = {}
         self._live: set[Transfer] = set()
 
@@ -104,6 +105,14 @@ class NixlAgent:
     def regions(self) -> list[tuple[int, int, str]]:
         """Registered regions as (base address, length, device)."""
         return [(b.addr, b.nbytes, b.device) for b in self.buffers]
+
+    def register_extra(self, buffer: KvBuffer) -> None:
+        """Registers one more buffer beside the KV buffers (a staging slab) and retakes the metadata,
+        so one blob describes both: call before the metadata is handed to peers."""
+        mem = check_buffers([buffer], "extra region")
+        with self.lock:
+            self._extra.append(register_buffers(self.raw, [buffer], mem))
+            self._metadata = self.raw.metadata()
 
     def add_peer(self, peer_key: str, metadata: bytes) -> str:
         """Loads a peer's metadata once per key and returns its agent name.
@@ -225,6 +234,26 @@ class NixlAgent:
         what = f"{label} READ"
         return self._post_read(peer_key, local, local_mem, remote, remote_mem, table, notif, timeout_s, what)
 
+    def read_ranges(
+        self,
+        peer_key: str,
+        remote_device: str,
+        local_device: str,
+        table: npt.NDArray[np.uint64],
+        notif: bytes = b"",
+        timeout_s: float | None = None,
+    ) -> Transfer:
+        """READs byte ranges of registered memory, one descriptor per `table` row (remote address, local
+        address, length): slab chunks, whose bounds the caller has checked against both slabs."""
+        remote_mem, remote_dev = device_mem(remote_device)
+        local_mem, local_dev = device_mem(local_device)
+        n = table.shape[0]
+        local = np.stack((table[:, 1], table[:, 2], np.full(n, local_dev, dtype=np.uint64)), axis=1)
+        remote = np.stack((table[:, 0], table[:, 2], np.full(n, remote_dev, dtype=np.uint64)), axis=1)
+        return self._post_read(
+            peer_key, local, local_mem, remote, remote_mem, table, notif, timeout_s, "staged READ"
+        )
+
     def _post_read(
         self,
         peer_key: str,
@@ -283,6 +312,8 @@ class NixlAgent:
                 xfer.release()
             for key in list(self._peers):
                 self.drop_peer(key)
+            while self._extra:
+                self.raw.deregister(self._extra.pop())
             if self._reg is not None:
                 try:
                     self.raw.deregister(self._reg)

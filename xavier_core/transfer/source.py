@@ -3,6 +3,7 @@ contract's `SourceDescriptor` (validated here, since it arrives from the network
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from xavier.v1 import types_pb2
 from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import InvalidPagesError, InvalidSourceError
 from xavier_core.transfer.runs import PageRun, runs_to_pages
+from xavier_core.transfer.staging import SlabLayout
 
 # Limits on network input: NIXL metadata is ~0.5 KB + 44 B per region.
 MAX_METADATA_BYTES = 1 << 20
@@ -33,6 +35,9 @@ class SourceInfo:
     buffers: tuple[KvBuffer, ...]
     runs: tuple[PageRun, ...]
     token: str = ""  # the source's read token: the reader's notifications carry it
+    # Staged transport (see `staging`): the source's slab chunks holding the pages, and its slab.
+    staging_runs: tuple[PageRun, ...] = ()
+    slab: KvBuffer | None = None
 
     @property
     def num_pages(self) -> int:
@@ -40,6 +45,15 @@ class SourceInfo:
 
     def page_ids(self) -> npt.NDArray[np.int64]:
         return runs_to_pages(self.runs)
+
+    def staging_chunks(self) -> npt.NDArray[np.int64]:
+        return runs_to_pages(self.staging_runs)
+
+    def staging_slab(self) -> tuple[KvBuffer, SlabLayout]:
+        """The source's slab and how it is cut; `InvalidSourceError` when it has none or a bad one."""
+        if self.slab is None:
+            raise InvalidSourceError("endpoint.staging_slab: absent, but the source staged the room")
+        return self.slab, SlabLayout.of_peer(self.buffers, self.slab)
 
     def to_proto(self, fingerprint: str = "") -> dpb.SourceDescriptor:
         """The descriptor a source hands to the directory (PublishSource). It names pages, not memory:
@@ -49,6 +63,7 @@ class SourceInfo:
             num_pages=self.num_pages,
             contract_fingerprint=fingerprint,
             read_token=self.token,
+            staging_runs=[types_pb2.PageRun(first_page=r.first, count=r.count) for r in self.staging_runs],
         )
 
     @classmethod
@@ -65,20 +80,49 @@ class SourceInfo:
             raise InvalidSourceError("read_token: expected a short string without ':'")
         buffers = buffers_from_regions(ep.regions, "endpoint.regions")
         runs = runs_from_proto(source.page_runs, "page_runs")
-        return cls(ep.agent_name, ep.agent_metadata, buffers, runs, token)
+        info = cls(ep.agent_name, ep.agent_metadata, buffers, runs, token)
+        return info if not source.staging_runs else _with_staging(info, source, ep)
+
+
+def _with_staging(
+    info: SourceInfo, source: dpb.SourceDescriptor, ep: types_pb2.TransferEndpoint
+) -> SourceInfo:
+    """`info` with its staging chunks, checked against the source's slab (network input)."""
+    _limit(len(source.staging_runs), MAX_RUNS, "staging_runs")
+    if not ep.HasField("staging_slab"):
+        raise InvalidSourceError("endpoint.staging_slab: absent")
+    (slab,) = buffers_from_regions([ep.staging_slab], "endpoint.staging_slab")
+    staging = runs_from_proto(source.staging_runs, "staging_runs")
+    info = dataclasses.replace(info, staging_runs=staging, slab=slab)
+    _, layout = info.staging_slab()
+    chunks = info.staging_chunks()
+    if chunks.size != layout.chunks_for(info.num_pages) or int(chunks.max()) >= layout.num_chunks:
+        raise InvalidSourceError(
+            f"staging_runs: {chunks.size} chunks (up to id {int(chunks.max())}) do not hold "
+            f"{info.num_pages} pages in a slab of {layout.num_chunks} chunks"
+        )
+    return info
 
 
 def endpoint_proto(
-    agent_name: str, metadata: bytes, buffers: tuple[KvBuffer, ...] | list[KvBuffer], host_id: str = ""
+    agent_name: str,
+    metadata: bytes,
+    buffers: tuple[KvBuffer, ...] | list[KvBuffer],
+    host_id: str = "",
+    slab: KvBuffer | None = None,
 ) -> types_pb2.TransferEndpoint:
-    """A NIXL agent's endpoint message: what a peer needs to load it and address its buffers."""
-    return types_pb2.TransferEndpoint(
+    """A NIXL agent's endpoint message: what a peer needs to load it and address its buffers (and its
+    staging slab, when it has one)."""
+    endpoint = types_pb2.TransferEndpoint(
         kind=types_pb2.TRANSPORT_KIND_NIXL,
         agent_name=agent_name,
         agent_metadata=metadata,
         regions=regions_proto(buffers),
         host_id=host_id,
     )
+    if slab is not None:
+        endpoint.staging_slab.CopyFrom(regions_proto([slab])[0])
+    return endpoint
 
 
 def regions_proto(buffers: Iterable[KvBuffer]) -> list[types_pb2.MemoryRegion]:

@@ -1,9 +1,13 @@
 """Which transport a pull takes, the CUDA IPC pull itself, and what pulls are counted by.
 
-Transports: "nixl" (NIXL READs of registered memory, DRAM or VRAM, any host: every endpoint offers it)
-and "cuda_ipc" (the reader maps the source's VRAM pool once per peer epoch and one fused Triton kernel
-copies every page of every buffer; same host and peer access only). "auto" takes CUDA IPC when the
-source's endpoint offers it and mapping it works, NIXL otherwise; a forced choice never falls back.
+Transports: "nixl" (NIXL READs of registered memory, DRAM or VRAM, any host: every endpoint offers it),
+"cuda_ipc" (the reader maps the source's VRAM pool once per peer epoch and one fused Triton kernel
+copies every page of every buffer; same host and peer access only) and "staged" (the source gathers the
+room into a registered slab, the reader READs whole chunks and scatters them; see `staging`). "auto"
+takes CUDA IPC when the source's endpoint offers it and mapping it works, else staged when the source
+staged the room (VRAM pools; the prefill stages for readers on other hosts), else NIXL. A forced
+cuda_ipc never falls back; a forced staged stages every room and falls back to NIXL page runs only when
+a slab has no free chunk, so a full slab never fails a request.
 
 Run lengths: scattered pages cost per-descriptor transports dearly, so every pull records how long the
 runs it moves are (stretches contiguous on both sides), as a histogram.
@@ -30,9 +34,9 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-Transport = Literal["nixl", "cuda_ipc"]
-TransportChoice = Literal["auto", "nixl", "cuda_ipc"]
-TRANSPORTS: tuple[Transport, ...] = ("nixl", "cuda_ipc")
+Transport = Literal["nixl", "cuda_ipc", "staged"]
+TransportChoice = Literal["auto", "nixl", "cuda_ipc", "staged"]
+TRANSPORTS: tuple[Transport, ...] = ("nixl", "cuda_ipc", "staged")
 # Upper bounds (pages) of the run-length histogram's buckets; the last bucket is +Inf.
 RUN_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 

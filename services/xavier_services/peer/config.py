@@ -77,9 +77,16 @@ class HandoffSection(_Section):
     over TCP) advances at this pace. Polling every 0.5 ms cost a prefill about 0.7 ms CPU per request."""
     transfer_mode: Literal["coalesced", "per_page"] = "coalesced"
     """Descriptors per read: one per contiguous run (default) or one per page (baseline)."""
-    transport: Literal["auto", "nixl", "cuda_ipc"] = "auto"
-    """How a decode pulls KV: auto (CUDA IPC from a VRAM source on the same host with peer access, NIXL
-    otherwise), or forced. A VRAM source offers its pool through CUDA IPC unless this is nixl."""
+    transport: Literal["auto", "nixl", "cuda_ipc", "staged"] = "auto"
+    """How KV moves: auto (CUDA IPC from a VRAM source on the same host with peer access, staged NIXL
+    between VRAM pools otherwise, plain NIXL between DRAM pools), or forced. A VRAM source offers its
+    pool through CUDA IPC unless this is nixl; a staged source gathers every room into its slab."""
+    staging_slab_bytes: int = Field(default=256 << 20, ge=1 << 16, le=1 << 40)
+    """Size of the staging slab (staged transport), allocated and registered once at start when the
+    transport is staged, or auto on a VRAM pool. A room that finds no free chunk goes as plain NIXL."""
+    staging_chunk_bytes: int = Field(default=4 << 20, ge=1 << 12, le=1 << 32)
+    """Bytes per slab chunk (rounded down to whole page records, at least one): the unit of allocation
+    and of one NIXL READ. Prefill and decode must agree, or pulls fall back to plain NIXL."""
 
 
 class PageStoreSection(_Section):

@@ -105,6 +105,7 @@ class PeerHost:
         self.rooms: RoomFeed | None = None  # the prefill's feed of its rooms' states
         self.store: PageStoreClient | None = None  # prefill and unified roles, when configured
         self._session: PeerSession | None = None
+        self._peer_hosts: dict[tuple[str, int], str] = {}  # (decode id, epoch) -> host id
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
@@ -125,6 +126,8 @@ class PeerHost:
                 cfg.handoff.transfer_mode,
                 self.engine.device_lock,
                 cfg.handoff.transport,
+                slab_bytes=cfg.handoff.staging_slab_bytes,
+                chunk_bytes=cfg.handoff.staging_chunk_bytes,
             )
             register_port_metrics(ROLE_NAMES[self.role], self.kv.stats)
         if cfg.pagestore.address and self.role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_UNIFIED):
@@ -206,7 +209,20 @@ class PeerHost:
 
     def transfer_stats_pb(self) -> types_pb2.TransferStats:
         """The port's transfer counters (zeros for a replica without a port)."""
-        return self.kv.totals.to_pb() if self.kv is not None else types_pb2.TransferStats()
+        return self.kv.transfer_stats_pb() if self.kv is not None else types_pb2.TransferStats()
+
+    async def peer_host(self, peer: tuple[str, int]) -> str | None:
+        """The host id of a peer's endpoint (one directory lookup per peer epoch); None if unknown."""
+        if peer not in self._peer_hosts:
+            try:
+                peers = await self.dir.list_peers(types_pb2.ROLE_DECODE, self.fingerprint)
+            except XavierError:
+                return None
+            for p in peers:
+                self._peer_hosts[(p.peer_id, p.epoch)] = p.endpoint.host_id
+            while len(self._peer_hosts) > 1024:
+                del self._peer_hosts[next(iter(self._peer_hosts))]
+        return self._peer_hosts.get(peer)
 
     # -- directory calls ------------------------------------------------------------------------------------
 

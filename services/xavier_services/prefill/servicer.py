@@ -158,7 +158,9 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
         host = self.host
         published = False
         try:
-            source = await host.port.publish(hold.room_id, res.page_ids, host.fingerprint)
+            # Whether to stage the room depends on where the decode runs (see KvPort.stages_for).
+            reader = await host.peer_host(decode) if host.port.needs_reader_host else None
+            source = await host.port.publish(hold.room_id, res.page_ids, host.fingerprint, reader_host=reader)
             source.num_tokens = num_tokens
             published = True
             room = await host.dir.publish_source(

@@ -480,6 +480,7 @@ class SourceDescriptor(_message.Message):
     CONTRACT_FINGERPRINT_FIELD_NUMBER: _builtins.int
     READ_TOKEN_FIELD_NUMBER: _builtins.int
     AUX_RUNS_FIELD_NUMBER: _builtins.int
+    STAGING_RUNS_FIELD_NUMBER: _builtins.int
     num_pages: _builtins.int
     """The total number of pages in the runs; must equal their sum."""
     num_tokens: _builtins.int
@@ -503,6 +504,13 @@ class SourceDescriptor(_message.Message):
         copies them beside the pages. Empty when the source has no auxiliary data.
         """
 
+    @_builtins.property
+    def staging_runs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.PageRun]:
+        """The source's staging slab chunks (TransferEndpoint.staging_slab) holding the room's page records,
+        in page_runs order, as runs of chunk ids; every chunk is full but the last. Empty when the source
+        did not stage the room; a reader may then, or anyway, read the page runs.
+        """
+
     def __init__(
         self,
         *,
@@ -512,10 +520,11 @@ class SourceDescriptor(_message.Message):
         contract_fingerprint: _builtins.str = ...,
         read_token: _builtins.str = ...,
         aux_runs: _abc.Iterable[_types_pb2.PageRun] | None = ...,
+        staging_runs: _abc.Iterable[_types_pb2.PageRun] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aux_runs", b"aux_runs", "contract_fingerprint", b"contract_fingerprint", "num_pages", b"num_pages", "num_tokens", b"num_tokens", "page_runs", b"page_runs", "read_token", b"read_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aux_runs", b"aux_runs", "contract_fingerprint", b"contract_fingerprint", "num_pages", b"num_pages", "num_tokens", b"num_tokens", "page_runs", b"page_runs", "read_token", b"read_token", "staging_runs", b"staging_runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

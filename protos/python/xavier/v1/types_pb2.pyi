@@ -66,6 +66,11 @@ class _TransportKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Transpo
     """CUDA IPC: a reader on the same host maps the peer's VRAM KV pool (TransferEndpoint.cuda_ipc_pool)
     and copies pages GPU to GPU with one fused kernel. Offered in addition to NIXL, never instead.
     """
+    TRANSPORT_KIND_STAGED: _TransportKind.ValueType  # 3
+    """Staged NIXL: the source gathers a room's pages into its staging slab (TransferEndpoint.staging_slab)
+    and the reader READs whole slab chunks, then scatters them to its pages. Offered in addition to
+    NIXL, never instead.
+    """
 
 class TransportKind(_TransportKind, metaclass=_TransportKindEnumTypeWrapper):
     """TransportKind names how KV bytes move between two peers."""
@@ -77,6 +82,11 @@ TRANSPORT_KIND_NIXL: TransportKind.ValueType  # 1
 TRANSPORT_KIND_CUDA_IPC: TransportKind.ValueType  # 2
 """CUDA IPC: a reader on the same host maps the peer's VRAM KV pool (TransferEndpoint.cuda_ipc_pool)
 and copies pages GPU to GPU with one fused kernel. Offered in addition to NIXL, never instead.
+"""
+TRANSPORT_KIND_STAGED: TransportKind.ValueType  # 3
+"""Staged NIXL: the source gathers a room's pages into its staging slab (TransferEndpoint.staging_slab)
+and the reader READs whole slab chunks, then scatters them to its pages. Offered in addition to
+NIXL, never instead.
 """
 Global___TransportKind: _TypeAlias = TransportKind  # noqa: Y015
 
@@ -226,6 +236,7 @@ class TransferEndpoint(_message.Message):
     HOST_ID_FIELD_NUMBER: _builtins.int
     CUDA_IPC_POOL_FIELD_NUMBER: _builtins.int
     AUX_REGIONS_FIELD_NUMBER: _builtins.int
+    STAGING_SLAB_FIELD_NUMBER: _builtins.int
     kind: Global___TransportKind.ValueType
     """The transport kind; required."""
     agent_name: _builtins.str
@@ -254,6 +265,13 @@ class TransferEndpoint(_message.Message):
         Empty for engines without them.
         """
 
+    @_builtins.property
+    def staging_slab(self) -> Global___MemoryRegion:
+        """The peer's staging slab for the staged NIXL transport: one registered buffer cut into equal chunks
+        (bytes_per_page is the chunk size, a whole number of page records). A page record is one page of
+        every KV buffer, in region order. Absent when the peer has no slab.
+        """
+
     def __init__(
         self,
         *,
@@ -264,10 +282,11 @@ class TransferEndpoint(_message.Message):
         host_id: _builtins.str = ...,
         cuda_ipc_pool: _builtins.bytes = ...,
         aux_regions: _abc.Iterable[Global___MemoryRegion] | None = ...,
+        staging_slab: Global___MemoryRegion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["staging_slab", b"staging_slab"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "agent_name", b"agent_name", "aux_regions", b"aux_regions", "cuda_ipc_pool", b"cuda_ipc_pool", "host_id", b"host_id", "kind", b"kind", "regions", b"regions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "agent_name", b"agent_name", "aux_regions", b"aux_regions", "cuda_ipc_pool", b"cuda_ipc_pool", "host_id", b"host_id", "kind", b"kind", "regions", b"regions", "staging_slab", b"staging_slab"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -449,6 +468,9 @@ class TransferStats(_message.Message):
     SECONDS_FIELD_NUMBER: _builtins.int
     TRANSFERS_FIELD_NUMBER: _builtins.int
     FAILURES_FIELD_NUMBER: _builtins.int
+    STAGING_BYTES_IN_USE_FIELD_NUMBER: _builtins.int
+    STAGED_TRANSFERS_FIELD_NUMBER: _builtins.int
+    STAGING_FALLBACKS_FIELD_NUMBER: _builtins.int
     bytes: _builtins.int
     """The bytes read from (decode) or served to (prefill) other peers."""
     seconds: _builtins.float
@@ -457,6 +479,16 @@ class TransferStats(_message.Message):
     """The number of completed transfers."""
     failures: _builtins.int
     """The number of failed transfers."""
+    staging_bytes_in_use: _builtins.int
+    """The bytes of this peer's staging slab held by rooms now (staged transport); 0 when idle."""
+    staged_transfers: _builtins.int
+    """The number of transfers that went through a staging slab: rooms gathered (prefill) or pulls
+    completed over the staged transport (decode).
+    """
+    staging_fallbacks: _builtins.int
+    """The number of times the staged transport was wanted but a slab had no free chunk (or the peers'
+    slabs did not match), so the pages went as coalesced NIXL runs instead.
+    """
     def __init__(
         self,
         *,
@@ -464,10 +496,13 @@ class TransferStats(_message.Message):
         seconds: _builtins.float = ...,
         transfers: _builtins.int = ...,
         failures: _builtins.int = ...,
+        staging_bytes_in_use: _builtins.int = ...,
+        staged_transfers: _builtins.int = ...,
+        staging_fallbacks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "failures", b"failures", "seconds", b"seconds", "transfers", b"transfers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "failures", b"failures", "seconds", b"seconds", "staged_transfers", b"staged_transfers", "staging_bytes_in_use", b"staging_bytes_in_use", "staging_fallbacks", b"staging_fallbacks", "transfers", b"transfers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,181 @@
+"""The machinery under `KvPort`: its one NIXL thread, the live work that thread polls, and the hand-off
+of what ended to the asyncio loop.
+
+All NIXL calls of a process run on one dedicated thread (`NixlThread`): the agent is not shared across
+threads, and no NIXL call ever blocks the asyncio loop. While any source is published or any read is
+live, that thread also polls NIXL between calls, every `poll_interval`: notifications (which also drive
+progress without a busy-spinning progress thread), the state of each published source, of each live
+NIXL read, CUDA IPC copy and staged read. It hands results to the asyncio loop only when something
+ended, so a poll costs the loop nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from xavier.v1 import types_pb2
+
+from xavier_core.runtime.logging import get_logger
+from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.errors import TransferError
+from xavier_core.transfer.kv_transfer import KvManager, KvPoll, KvReceiver, KvSender, done_notif, fail_notif
+from xavier_core.transfer.nixl_backend import NixlAgent
+from xavier_core.transfer.nixl_thread import NixlThread
+
+if TYPE_CHECKING:
+    from xavier_core.transfer.cuda_copy import CopyHandle
+    from xavier_core.transfer.staged_read import StagedRead
+    from xavier_core.transfer.transport import IpcPuller
+
+T = TypeVar("T")
+log = get_logger(__name__)
+
+DEFAULT_POLL_INTERVAL_S = 0.0005
+# A standalone notification (a decline, a failed read's "fail") leaves only when this side's NIXL worker
+# progresses: the thread keeps polling this long after sending one, even with nothing else live.
+NOTIF_FLUSH_S = 1.0
+# Test-only fault injection: "1" makes this process's sources discard every reader "done" notification.
+DROP_DONE_ENV = "XAVIER_FAULT_DROP_DONE_NOTIFICATIONS"
+
+_Ended = list[tuple["asyncio.Future[KvPoll]", KvPoll]]
+
+
+@dataclass
+class TransferTotals:
+    bytes: int = 0
+    seconds: float = 0.0
+    transfers: int = 0
+    failures: int = 0
+
+    def to_pb(self) -> types_pb2.TransferStats:
+        return types_pb2.TransferStats(
+            bytes=self.bytes, seconds=self.seconds, transfers=self.transfers, failures=self.failures
+        )
+
+
+@dataclass
+class IpcCopy:
+    """A CUDA IPC copy in flight, owned by the NIXL thread until its event completes."""
+
+    room: str
+    token: str
+    peer: str
+    done: asyncio.Future[KvPoll]
+    aborted: bool = False
+
+
+@dataclass
+class Published:
+    sender: KvSender
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    outcome: str = ""
+
+
+class PortCore:
+    """The NIXL thread, the agent and manager on it, and the tables of live work it polls."""
+
+    def __init__(
+        self,
+        agent_name: str,
+        buffers: Sequence[KvBuffer],
+        page_size: int,
+        poll_interval: float,
+        device_lock: threading.Lock | None,
+    ) -> None:
+        self._buffers = list(buffers)
+        # Owned by the NIXL thread: sources not yet reported ended, and live reads with their futures.
+        self._senders: dict[int, KvSender] = {}
+        self._reads: dict[KvReceiver, asyncio.Future[KvPoll]] = {}
+        self._copies: dict[CopyHandle, IpcCopy] = {}
+        self._staged: dict[StagedRead, asyncio.Future[KvPoll]] = {}
+        self._ipc: IpcPuller | None = None
+        self._flush_until = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = NixlThread(self._tick, self._busy, poll_interval, device_lock)
+        self.agent: NixlAgent = self._thread.submit(NixlAgent, agent_name, self._buffers).result()
+        self.manager = KvManager(self.agent, self._buffers, page_size)
+        # Fault-injection hook for tests/faults (a lost NIXL "done" notification); see KvManager.
+        self.manager.drop_done_notifications = os.environ.get(DROP_DONE_ENV, "") == "1"
+        # Owned by the asyncio loop.
+        self._published: dict[int, Published] = {}
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs `fn(*args)` on the NIXL thread."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return await asyncio.wrap_future(self._thread.submit(fn, *args))
+
+    def _busy(self) -> bool:
+        live = self._senders or self._reads or self._copies or self._staged
+        return bool(live) or time.monotonic() < self._flush_until
+
+    def flush_notifs(self) -> None:
+        """On the NIXL thread, after something may have sent a notification: keep polling a while."""
+        self._flush_until = time.monotonic() + NOTIF_FLUSH_S
+
+    def _tick(self) -> None:
+        """On the NIXL thread: one NIXL poll, then what it ended, handed to the loop in one call."""
+        self.manager.progress()
+        ended: list[tuple[int, str]] = []
+        for room_id, sender in list(self._senders.items()):
+            state, in_flight = sender.peek()
+            if not in_flight:
+                ended.append((room_id, "done" if state == KvPoll.SUCCESS else "fail"))
+                del self._senders[room_id]
+        reads: _Ended = []
+        for receiver, fut in list(self._reads.items()):
+            state = receiver.poll()
+            if state in (KvPoll.SUCCESS, KvPoll.FAILED):
+                reads.append((fut, state))
+                del self._reads[receiver]
+                if state == KvPoll.FAILED:
+                    self.flush_notifs()  # the receiver may have told the source it failed
+        reads.extend(self._finished_copies())
+        reads.extend(self._stepped_staged())
+        if (ended or reads) and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._deliver, ended, reads)
+
+    def _stepped_staged(self) -> _Ended:
+        """On the NIXL thread: staged reads stepped once; those that ended told the source already."""
+        out: _Ended = []
+        for read, fut in list(self._staged.items()):
+            state = read.step()
+            if state in (KvPoll.SUCCESS, KvPoll.FAILED):
+                del self._staged[read]
+                self.flush_notifs()
+                out.append((fut, state))
+        return out
+
+    def _finished_copies(self) -> _Ended:
+        """On the NIXL thread: copies whose CUDA event completed; only now is the source told (I1)."""
+        out: _Ended = []
+        for handle, copy in list(self._copies.items()):
+            if not handle.is_done():
+                continue
+            del self._copies[handle]
+            make = fail_notif if copy.aborted else done_notif
+            try:
+                self.agent.send_notif(copy.peer, make(copy.room, copy.token))
+            except TransferError as err:
+                log.info("read-end notification not delivered", room=copy.room, error=str(err))
+            self.flush_notifs()
+            out.append((copy.done, KvPoll.FAILED if copy.aborted else KvPoll.SUCCESS))
+        if self._ipc is not None:
+            self._ipc.collect()
+        return out
+
+    def _deliver(self, ended: list[tuple[int, str]], reads: _Ended) -> None:
+        for room_id, outcome in ended:
+            pub = self._published.get(room_id)
+            if pub is not None and not pub.ended.is_set():
+                pub.outcome = outcome
+                pub.ended.set()
+        for fut, state in reads:
+            if not fut.done():
+                fut.set_result(state)

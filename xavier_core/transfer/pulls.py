@@ -1,0 +1,234 @@
+"""How a reader pulls a room over each transport, on a `PortCore`: NIXL page runs, a CUDA IPC copy, or
+staged slab chunks. `KvPort.pull` picks one and counts it.
+
+Every pull keeps invariant I1 the same way: once anything is posted, a cancel or a timeout waits (bounded
+by `park_timeout`) until nothing can touch the pages or slab chunks any more before it returns, so the
+caller may free them; the engine loop never waits, since the work is polled on the NIXL thread. And the
+source always learns how the read ended (a NIXL notification with its read token), or that no read
+will come (`decline`), so it unpins at once instead of at its park timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from xavier.v1 import types_pb2
+
+from xavier_core.runtime.errors import Unavailable
+from xavier_core.runtime.logging import get_logger
+from xavier_core.transfer.errors import TransferError
+from xavier_core.transfer.kv_transfer import KvPoll, KvReceiver, fail_notif
+from xavier_core.transfer.peers import split_peer_key
+from xavier_core.transfer.port_core import IpcCopy, PortCore
+from xavier_core.transfer.runs import Mode
+from xavier_core.transfer.source import SourceInfo
+from xavier_core.transfer.staged_read import PIPELINE_DEPTH, StagedRead
+from xavier_core.transfer.staging import I64, Slab, View
+
+if TYPE_CHECKING:
+    from xavier_core.transfer.copy_plan import PoolView
+    from xavier_core.transfer.transport import IpcPuller
+
+log = get_logger(__name__)
+
+
+async def decline(
+    core: PortCore, room_id: int, read_token: str, endpoint: types_pb2.TransferEndpoint, peer: str
+) -> None:
+    """Tells a room's source that no read will come (the room began, the read never started)."""
+
+    def _send() -> None:
+        try:
+            core.agent.add_peer(peer, endpoint.agent_metadata)
+            core.agent.send_notif(peer, fail_notif(str(room_id), read_token))
+            core.flush_notifs()
+        except TransferError as err:
+            log.info("decline not delivered", room_id=room_id, error=str(err))
+
+    await core.run(_send)
+
+
+async def _settle(room_id: int, done: asyncio.Future[KvPoll], timeout: float, what: str) -> None:
+    """Waits for a posted read's outcome; `Unavailable` unless it succeeded within `timeout`."""
+    try:
+        state = await asyncio.wait_for(asyncio.shield(done), timeout)
+    except TimeoutError:
+        state = KvPoll.FAILED
+    if state != KvPoll.SUCCESS:
+        raise Unavailable(f"KV {what} of room {room_id} failed ({state.name})", reason="TRANSFER_FAILED")
+
+
+async def _park(done: asyncio.Future[KvPoll], park_timeout: float, room_id: int, what: str) -> None:
+    try:
+        await asyncio.shield(asyncio.wait_for(asyncio.shield(done), park_timeout))
+    except TimeoutError:
+        log.error(f"KV {what} still running after the park timeout", room=room_id)
+
+
+async def pull_ipc(
+    core: PortCore,
+    ipc: IpcPuller,
+    room_id: int,
+    info: SourceInfo,
+    endpoint: types_pb2.TransferEndpoint,
+    peer: str,
+    view: PoolView,
+    pages: tuple[I64, I64],
+    timeout: float,
+    park_timeout: float,
+) -> None:
+    """One fused copy from the mapped source pool; its end is told to the source only once the copy's
+    CUDA event has completed, so the source's pages stay pinned until then (I1)."""
+    peer_id = (split_peer_key(peer) or (peer, 0))[0]
+    copy = IpcCopy(str(room_id), info.token, peer, asyncio.get_running_loop().create_future())
+    posted = False
+
+    def _start() -> None:
+        nonlocal posted
+        core.agent.add_peer(peer, endpoint.agent_metadata)  # the read-end notification goes over NIXL
+        handle = ipc.start(peer_id, view, *pages)
+        core._copies[handle] = copy
+        posted = True  # from here the copy's end tells the source (even if this task is cancelled)
+
+    def _abort() -> None:
+        copy.aborted = True  # its end is reported to the source as a failed read
+
+    try:
+        try:
+            await core.run(_start)
+        except TransferError as err:
+            raise Unavailable(
+                f"KV copy of room {room_id} not started: {err}", reason="TRANSFER_FAILED"
+            ) from None
+        await _settle(room_id, copy.done, timeout, "copy")
+    except BaseException:
+        # Queued behind `_start` on the NIXL thread, so `posted` is final once this returns.
+        await asyncio.shield(core.run(_abort))
+        if not posted:
+            await asyncio.shield(decline(core, room_id, info.token, endpoint, peer))
+        else:
+            await _park(copy.done, park_timeout, room_id, "copy")
+        raise
+
+
+async def pull_nixl(
+    core: PortCore,
+    mode: Mode,
+    room_id: int,
+    info: SourceInfo,
+    endpoint: types_pb2.TransferEndpoint,
+    peer: str,
+    dest_pages: Sequence[int],
+    timeout: float,
+    park_timeout: float,
+) -> None:
+    """One NIXL READ of the source's page runs (one descriptor per run per buffer, or per page)."""
+    receiver = KvReceiver(core.manager, str(room_id))
+    done: asyncio.Future[KvPoll] = asyncio.get_running_loop().create_future()
+    posted = False
+
+    def _start() -> None:
+        nonlocal posted
+        receiver.init()
+        receiver.send_metadata(list(dest_pages))
+        receiver.start(info, peer, mode)
+        posted = True  # from here the receiver tells the source how its read ended
+        core._reads[receiver] = done
+
+    def _forget() -> None:
+        core._reads.pop(receiver, None)
+
+    try:
+        await core.run(_start)
+        await _settle(room_id, done, timeout, "read")
+    except BaseException:
+        await asyncio.shield(core.run(_forget))
+        if not posted:
+            await asyncio.shield(decline(core, room_id, info.token, endpoint, peer))
+        await asyncio.shield(_quiesce(core, receiver, park_timeout))
+        raise
+    await core.run(receiver.clear)
+
+
+async def _quiesce(core: PortCore, receiver: KvReceiver, timeout: float) -> None:
+    """Aborts a receiver and waits until its read can no longer touch the destination pages."""
+    await core.run(receiver.abort)
+    await core.run(core.flush_notifs)  # its "fail" leaves now or once the read ends
+    deadline = time.monotonic() + timeout
+    while not await core.run(receiver.wait_idle, 0.05):
+        if time.monotonic() > deadline:
+            log.error("KV read still in flight after the park timeout", room=receiver.room)
+            return
+    await core.run(receiver.clear)
+
+
+async def pull_staged(
+    core: PortCore,
+    slab: Slab,
+    pool: View,
+    room_id: int,
+    info: SourceInfo,
+    endpoint: types_pb2.TransferEndpoint,
+    peer: str,
+    dest_pages: I64,
+    timeout: float,
+    park_timeout: float,
+) -> bool:
+    """Pulls the source's slab chunks through a ring of local chunks, scattering each as it lands.
+    False, with nothing posted and nothing told to the source, when this slab has no free chunk: the
+    caller reads the page runs instead."""
+    remote, remote_layout = info.staging_slab()
+    src_chunks = info.staging_chunks()
+    done: asyncio.Future[KvPoll] = asyncio.get_running_loop().create_future()
+    read: StagedRead | None = None
+
+    def _start() -> bool:
+        nonlocal read
+        core.agent.add_peer(peer, info.metadata)
+        ring = None
+        for depth in range(min(PIPELINE_DEPTH, src_chunks.size), 0, -1):
+            # A shallower ring still takes the staged path: only no chunk at all counts a fallback.
+            ring = slab.alloc(depth) if depth == 1 else _try_alloc(slab, depth)
+            if ring is not None:
+                break
+        if ring is None:
+            return False
+        read = StagedRead(
+            core.agent, slab, pool, peer, remote, remote_layout, src_chunks, dest_pages,
+            ring, str(room_id), info.token, timeout,
+        )  # fmt: skip
+        core._staged[read] = done
+        read.start()  # from here the read's end tells the source (even if this task is cancelled)
+        return True
+
+    def _abort() -> None:
+        if read is not None:
+            read.abort()
+
+    try:
+        if not await core.run(_start):
+            return False
+        await _settle(room_id, done, timeout, "staged read")
+    except BaseException as exc:
+        # Queued behind `_start` on the NIXL thread, so `read` is final once this returns.
+        await asyncio.shield(core.run(_abort))
+        if read is None:
+            await asyncio.shield(decline(core, room_id, info.token, endpoint, peer))
+            if isinstance(exc, TransferError):
+                raise Unavailable(
+                    f"KV staged read of room {room_id} not started: {exc}", reason="TRANSFER_FAILED"
+                ) from None
+            raise
+        await _park(done, park_timeout, room_id, "staged read")
+        raise
+    return True
+
+
+def _try_alloc(slab: Slab, n: int) -> list[int] | None:
+    """`n` chunks if that many are free, else None without counting a fallback."""
+    if slab.chunks_in_use + n > slab.layout.num_chunks:
+        return None
+    return slab.alloc(n)
