@@ -12,9 +12,10 @@ run. Run as `python -m tests.support.sglang_standin ARGS...` (the service's `sgl
 - P/D (`--disaggregation-mode prefill|decode`): as with SGLang, the prefill's `/generate` answers only
   once the decode took the "KV" (a rendezvous file per `bootstrap_room` under XAVIER_STANDIN_DIR carries
   the first token); the decode streams from the first token. With the xavier backend the process
-  registers with the directory like the plugin's KV manager (role, the advertised address, an "sglang"
-  layout, an endpoint) and the decode checks that a prefill is registered at
-  `bootstrap_host:bootstrap_port`, as the plugin's lookup does; otherwise the request ends in an abort.
+  registers with the directory like the plugin's KV manager (role, the advertised address and peer id
+  read by the plugin's own `XavierSettings`, an "sglang" layout, an endpoint) and the decode checks
+  that a prefill is registered at `bootstrap_host:bootstrap_port`, as the plugin's lookup does;
+  otherwise the request ends in an abort.
 - Like SGLang it forks a helper process (its schedulers) that dies with it (PR_SET_PDEATHSIG).
 - XAVIER_STANDIN_GENERATE_STATUS=N makes every `/generate` answer HTTP N with an error body (after
   XAVIER_STANDIN_FAIL_AFTER seconds).
@@ -97,11 +98,14 @@ class Standin:
     async def register(self) -> None:
         from xavier.v1 import directory_service_pb2 as dpb
         from xavier.v1 import types_pb2
+        from xavier_sglang.config import XavierSettings
 
         from xavier_core.contract import layout_from_model_dir
         from xavier_core.directory import DirectoryClient, PeerSession
 
-        self.directory = DirectoryClient(os.environ["XAVIER_DIRECTORY"])
+        # The plugin's own parser of what the service hands it (directory, address, peer id).
+        settings = XavierSettings.from_env(default_advertise="")
+        self.directory = DirectoryClient(settings.directory)
         dtype = "float32" if self.args.dtype in ("float", "float32") else "float16"
         layout = layout_from_model_dir(
             Path(self.args.model_path),
@@ -121,8 +125,9 @@ class Standin:
         )
         role = types_pb2.ROLE_PREFILL if self.mode == "prefill" else types_pb2.ROLE_DECODE
         request = dpb.RegisterPeerRequest(
+            peer_id=settings.peer_id,
             role=role,
-            address=os.environ["XAVIER_SGLANG_ADVERTISE"],
+            address=settings.advertise,
             layout=layout.to_proto(),
             endpoint=endpoint,
         )
@@ -147,7 +152,8 @@ class Standin:
         return web.Response(text="ok")
 
     async def state(self, request: web.Request) -> web.Response:
-        keys = ("SGLANG_PLUGINS", "XAVIER_DIRECTORY", "XAVIER_SGLANG_ADVERTISE", "CUDA_VISIBLE_DEVICES")
+        keys = ("SGLANG_PLUGINS", "XAVIER_DIRECTORY", "XAVIER_SGLANG_ADVERTISE", "XAVIER_SGLANG_PEER_ID",
+                "CUDA_VISIBLE_DEVICES")  # fmt: skip
         return web.json_response(
             {
                 "argv": sys.argv[1:],

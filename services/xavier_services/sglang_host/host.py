@@ -100,6 +100,7 @@ class SglangHost:
             model=e.model,
             port=cfg.sglang.port or free_port(),
             advertise=self.address,
+            peer_id=self.peer_id,
             directory=cfg.peer.directory,
             page_size=e.page_size,
             dtype=e.dtype,
