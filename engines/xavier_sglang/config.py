@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,10 @@ from xavier_core.transfer.buffers import KvBuffer
 
 __all__ = [
     "DTYPE_BYTES",
+    "ENV_ADVERTISE",
     "ENV_DIRECTORY",
+    "ENV_PEER_ID",
+    "ENV_TRANSFER_TIMEOUT",
     "PoolShape",
     "ProcessShape",
     "UnsupportedSetupError",
@@ -35,6 +39,7 @@ __all__ = [
 
 ENV_DIRECTORY = "XAVIER_DIRECTORY"
 ENV_ADVERTISE = "XAVIER_SGLANG_ADVERTISE"
+ENV_PEER_ID = "XAVIER_SGLANG_PEER_ID"
 ENV_BOOTSTRAP_TIMEOUT = "XAVIER_SGLANG_BOOTSTRAP_TIMEOUT"
 ENV_WAITING_TIMEOUT = "XAVIER_SGLANG_WAITING_TIMEOUT"
 ENV_TRANSFER_TIMEOUT = "XAVIER_SGLANG_TRANSFER_TIMEOUT"
@@ -49,6 +54,9 @@ DTYPE_BYTES: dict[str, int] = {
     "fp8_e5m2": 1,
 }
 """KV element dtypes the contract describes, by the names SGLang's `--kv-cache-dtype` resolves to."""
+# The directory's rule for a peer id (RegisterPeerRequest.peer_id): checked here too, so a bad id stops
+# SGLang at start naming the variable instead of failing every registration attempt.
+_PEER_ID = re.compile(r"[A-Za-z0-9._:@\-]{1,128}")
 
 
 class UnsupportedSetupError(ValueError):
@@ -81,6 +89,9 @@ class XavierSettings:
 
     directory: str
     advertise: str
+    peer_id: str = ""
+    """The stable peer id to register under (the hosting service's `peer.peer_id`): a restarted SGLang
+    keeps it and gets a new epoch. Empty: the directory assigns one per start."""
     bootstrap_timeout_s: float = 300.0
     waiting_timeout_s: float = 300.0
     transfer_timeout_s: float = 30.0
@@ -96,10 +107,18 @@ class XavierSettings:
         return cls(
             directory=directory,
             advertise=env.get(ENV_ADVERTISE) or default_advertise,
+            peer_id=_peer_id(env),
             bootstrap_timeout_s=_seconds(env, ENV_BOOTSTRAP_TIMEOUT, 300.0),
             waiting_timeout_s=_seconds(env, ENV_WAITING_TIMEOUT, 300.0),
             transfer_timeout_s=_seconds(env, ENV_TRANSFER_TIMEOUT, 30.0),
         )
+
+
+def _peer_id(env: Any) -> str:
+    raw = str(env.get(ENV_PEER_ID) or "")
+    if raw and not _PEER_ID.fullmatch(raw):
+        raise UnsupportedSetupError(ENV_PEER_ID, f"expected 1..128 of [A-Za-z0-9._:@-], got {raw[:64]!r}")
+    return raw
 
 
 def _seconds(env: Any, key: str, default: float) -> float:

@@ -156,7 +156,11 @@ class Hub:
         endpoint = endpoint_proto(self.agent.name, self.agent.metadata(), self.pool.kv)
         endpoint.aux_regions.extend(regions_proto(self.pool.aux))
         request = dpb.RegisterPeerRequest(
-            role=self.role, address=self.settings.advertise, layout=self.layout.to_proto(), endpoint=endpoint
+            peer_id=self.settings.peer_id,
+            role=self.role,
+            address=self.settings.advertise,
+            layout=self.layout.to_proto(),
+            endpoint=endpoint,
         )
         self.session = PeerSession(self.client, request)
         registration = await self.session.start()

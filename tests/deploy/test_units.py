@@ -62,6 +62,7 @@ def test_every_service_has_a_unit() -> None:
         "xavier-pagestore.service",
         "xavier-prefill@.service",
         "xavier-decode@.service",
+        "xavier-unified@.service",
     }
 
 
@@ -103,3 +104,5 @@ def test_hardening_as_promised() -> None:
         gpu = "@" in name
         assert ("DynamicUser" in keys) is not gpu, name
         assert ("PrivateDevices" in keys) is not gpu and ("DeviceAllow" in keys) is gpu, name
+        # GPU units may host an SGLang server: SIGTERM goes to the service alone, which drains first.
+        assert (keys.get("KillMode") == "mixed") is gpu, name

@@ -37,13 +37,19 @@ class Peer:
     """One child process running `peer.peer_main`."""
 
     def __init__(
-        self, role: str, directory: str, model: Path, seed: int | None, port: int | None = None
+        self,
+        role: str,
+        directory: str,
+        model: Path,
+        seed: int | None,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.port = next(_ports) if port is None else port
         self.addr = f"127.0.0.1:{self.port}"
-        env = {"XAVIER_DIRECTORY": directory, "SGLANG_PLUGINS": "xavier"}
+        env = {"XAVIER_DIRECTORY": directory, "SGLANG_PLUGINS": "xavier", **(env or {})}
         self.proc = ctx.Process(
             target=peer_main, args=(role, child, env, str(model), self.port, seed), name=f"sgl-{role}"
         )

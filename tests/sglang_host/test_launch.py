@@ -52,6 +52,9 @@ def test_prefill_with_the_xavier_backend(model: Path) -> None:
     assert launch.env["SGLANG_PLUGINS"] == "xavier"
     assert launch.env["XAVIER_DIRECTORY"] == "10.0.0.5:7100"
     assert launch.env["XAVIER_SGLANG_ADVERTISE"] == "10.0.0.7:7201"
+    assert "XAVIER_SGLANG_PEER_ID" not in launch.env  # none configured: the directory assigns one
+    named = build_launch(SglangSection(), _spec(model, types_pb2.ROLE_PREFILL, peer_id="gpu-a-prefill-0"))
+    assert named.env["XAVIER_SGLANG_PEER_ID"] == "gpu-a-prefill-0"
     assert launch.url == "http://127.0.0.1:31000"
     # A fresh key per start: a replica's key is no other's.
     assert build_launch(SglangSection(), _spec(model, types_pb2.ROLE_PREFILL)).api_key != launch.api_key
@@ -95,6 +98,8 @@ def test_gpu_and_hicache(model: Path) -> None:
         (SglangSection(), {"role": types_pb2.ROLE_DECODE, "port": 0}, "sglang.port"),
         (SglangSection(), {"role": types_pb2.ROLE_UNIFIED, "model": Path("/nonexistent")}, "engine.model"),
         (SglangSection(), {"role": types_pb2.ROLE_UNIFIED, "model": None}, "engine.model"),
+        (SglangSection(), {"role": types_pb2.ROLE_DECODE, "peer_id": "a b"}, "peer.peer_id"),
+        (SglangSection(), {"role": types_pb2.ROLE_PREFILL, "peer_id": "x" * 129}, "peer.peer_id"),
     ],
 )
 def test_refused_setups_name_the_key(

@@ -64,7 +64,10 @@ def test_up_pd(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
         with Client(mesh.grpc) as client:
             out = client.generate([3, 4, 5], max_tokens=6, mode="pd", ignore_eos=True)
         assert out.token_ids == _expected([3, 4, 5], 6)
-        _, _, pargv, dargv = _pair(mesh)
+        prefill, decode, pargv, dargv = _pair(mesh)
+        # The SGLang processes register under the replicas' names: a restarted replica keeps its id.
+        assert prefill["env"]["XAVIER_SGLANG_PEER_ID"] == "prefill-0"  # type: ignore[index]
+        assert decode["env"]["XAVIER_SGLANG_PEER_ID"] == "decode-0"  # type: ignore[index]
         assert _flag(pargv, "--base-gpu-id") == "0" and _flag(dargv, "--base-gpu-id") == "1"
         assert _flag(pargv, "--disaggregation-transfer-backend") == "xavier"
         assert _flag(pargv, "--log-level") == "warning"  # passed through

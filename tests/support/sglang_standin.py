@@ -12,12 +12,16 @@ run. Run as `python -m tests.support.sglang_standin ARGS...` (the service's `sgl
 - P/D (`--disaggregation-mode prefill|decode`): as with SGLang, the prefill's `/generate` answers only
   once the decode took the "KV" (a rendezvous file per `bootstrap_room` under XAVIER_STANDIN_DIR carries
   the first token); the decode streams from the first token. With the xavier backend the process
-  registers with the directory like the plugin's KV manager (role, the advertised address, an "sglang"
-  layout, an endpoint) and the decode checks that a prefill is registered at
-  `bootstrap_host:bootstrap_port`, as the plugin's lookup does; otherwise the request ends in an abort.
+  registers with the directory like the plugin's KV manager (role, the advertised address and peer id
+  read by the plugin's own `XavierSettings`, an "sglang" layout, an endpoint) and the decode checks
+  that a prefill is registered at `bootstrap_host:bootstrap_port`, as the plugin's lookup does;
+  otherwise the request ends in an abort.
 - Like SGLang it forks a helper process (its schedulers) that dies with it (PR_SET_PDEATHSIG).
 - XAVIER_STANDIN_GENERATE_STATUS=N makes every `/generate` answer HTTP N with an error body (after
   XAVIER_STANDIN_FAIL_AFTER seconds).
+- `GET /v1/loads?include=core`: SGLang's load report of its one rank (`num_running_reqs`,
+  `num_waiting_reqs`, `num_used_tokens` = prompt + max new tokens of the requests open,
+  `max_total_num_tokens` = XAVIER_STANDIN_MAX_TOKENS or 4096); 404 with XAVIER_STANDIN_NO_LOADS=1.
 - `POST /standin/health?ok=0|1` makes `/health` answer 503 or 200.
 - `GET /standin/state`: its argv, environment, helper pid and counters, for the tests.
 """
@@ -87,6 +91,8 @@ class Standin:
         self.token_delay = float(os.environ.get("XAVIER_STANDIN_TOKEN_DELAY") or 0)
         self.wait_s = float(os.environ.get("XAVIER_STANDIN_RENDEZVOUS_SECONDS") or 10)
         self.counters = {"requests": 0, "aborted": 0, "bad_key": 0}
+        self.held: dict[int, int] = {}  # request -> KV tokens it holds (prompt + max new), for /v1/loads
+        self.max_tokens = int(os.environ.get("XAVIER_STANDIN_MAX_TOKENS") or 4096)
         self.healthy = True
         self.helper = subprocess.Popen([sys.executable, "-c", _HELPER])
         self.session: Any = None
@@ -97,11 +103,14 @@ class Standin:
     async def register(self) -> None:
         from xavier.v1 import directory_service_pb2 as dpb
         from xavier.v1 import types_pb2
+        from xavier_sglang.config import XavierSettings
 
         from xavier_core.contract import layout_from_model_dir
         from xavier_core.directory import DirectoryClient, PeerSession
 
-        self.directory = DirectoryClient(os.environ["XAVIER_DIRECTORY"])
+        # The plugin's own parser of what the service hands it (directory, address, peer id).
+        settings = XavierSettings.from_env(default_advertise="")
+        self.directory = DirectoryClient(settings.directory)
         dtype = "float32" if self.args.dtype in ("float", "float32") else "float16"
         layout = layout_from_model_dir(
             Path(self.args.model_path),
@@ -121,8 +130,9 @@ class Standin:
         )
         role = types_pb2.ROLE_PREFILL if self.mode == "prefill" else types_pb2.ROLE_DECODE
         request = dpb.RegisterPeerRequest(
+            peer_id=settings.peer_id,
             role=role,
-            address=os.environ["XAVIER_SGLANG_ADVERTISE"],
+            address=settings.advertise,
             layout=layout.to_proto(),
             endpoint=endpoint,
         )
@@ -147,7 +157,8 @@ class Standin:
         return web.Response(text="ok")
 
     async def state(self, request: web.Request) -> web.Response:
-        keys = ("SGLANG_PLUGINS", "XAVIER_DIRECTORY", "XAVIER_SGLANG_ADVERTISE", "CUDA_VISIBLE_DEVICES")
+        keys = ("SGLANG_PLUGINS", "XAVIER_DIRECTORY", "XAVIER_SGLANG_ADVERTISE", "XAVIER_SGLANG_PEER_ID",
+                "CUDA_VISIBLE_DEVICES")  # fmt: skip
         return web.json_response(
             {
                 "argv": sys.argv[1:],
@@ -179,6 +190,16 @@ class Standin:
             room = body.get("bootstrap_room")
             if not isinstance(room, int) or not isinstance(body.get("bootstrap_port"), int):
                 return web.json_response({"error": {"message": "bootstrap_room/port required"}}, status=400)
+        key = id(request)
+        self.held[key] = len(ids) + max_new
+        try:
+            return await self._serve(request, body, ids, params, max_new)
+        finally:
+            del self.held[key]
+
+    async def _serve(
+        self, request: web.Request, body: dict[str, Any], ids: list[int], params: dict[str, Any], max_new: int
+    ) -> web.StreamResponse:
         if self.mode == "prefill":
             return await self._prefill(body, ids)
         meta = {"id": body.get("rid"), "prompt_tokens": len(ids), "cached_tokens": 0}
@@ -190,6 +211,23 @@ class Standin:
         else:
             tokens = self._continue(next_token(ids[-1]), max_new, params)
         return await self._respond(request, body, tokens, meta)
+
+    async def loads(self, request: web.Request) -> web.Response:
+        """SGLang's `/v1/loads` (`include=core`) for one rank: requests and KV tokens held of the pool."""
+        if self.args.api_key and request.headers.get("Authorization") != f"Bearer {self.args.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        if os.environ.get("XAVIER_STANDIN_NO_LOADS"):  # a server without the endpoint
+            return web.json_response({"detail": "Not Found"}, status=404)
+        used = min(self.max_tokens, sum(self.held.values()))
+        core = {
+            "dp_rank": 0,
+            "num_running_reqs": len(self.held),
+            "num_waiting_reqs": 0,
+            "num_used_tokens": used,
+            "max_total_num_tokens": self.max_tokens,
+            "token_usage": round(used / self.max_tokens, 4),
+        }
+        return web.json_response({"version": "standin", "loads": [core]})
 
     def _continue(self, first: int, max_new: int, params: dict[str, Any]) -> list[int]:
         stop = set(params.get("stop_token_ids") or [])
@@ -286,6 +324,7 @@ async def serve(args: argparse.Namespace) -> None:
         app.router.add_get("/standin/state", standin.state)
         app.router.add_post("/standin/health", standin.set_health)
         app.router.add_post("/generate", standin.generate)
+        app.router.add_get("/v1/loads", standin.loads)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()

@@ -16,9 +16,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from xavier_core.runtime.config import ConfigError, load_config
 
-__all__ = ["Cluster", "ClusterSection", "HostSpec", "Ports", "Role", "TlsFiles", "load_cluster"]
+__all__ = [
+    "ENGINE_ROLES",
+    "Cluster",
+    "ClusterSection",
+    "HostSpec",
+    "Ports",
+    "Role",
+    "SglangCluster",
+    "TlsFiles",
+    "load_cluster",
+]
 
-Role = Literal["directory", "router", "pagestore", "prefill", "decode"]
+Role = Literal["directory", "router", "pagestore", "prefill", "decode", "unified"]
+ENGINE_ROLES: tuple[Role, ...] = ("prefill", "decode", "unified")
+"""Roles that run one engine instance per GPU (``xavier-ROLE@GPU``)."""
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HOST_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
 
@@ -69,6 +81,11 @@ class Ports(_Model):
     pagestore: int = Field(default=7300, ge=1, le=65535)
     prefill: int = Field(default=7400, ge=1, le=65535)
     decode: int = Field(default=7500, ge=1, le=65535)
+    unified: int = Field(default=7600, ge=1, le=65535)
+    sglang: int = Field(default=30000, ge=1, le=65535)
+    """SGLang's HTTP port (on 127.0.0.1) of the SGLang-hosting instance on GPU N: this plus N."""
+    sglang_bootstrap: int = Field(default=8998, ge=1, le=65535)
+    """Native mode (``[sglang] transfer_backend = "nixl"``): the SGLang prefill's bootstrap port, plus N."""
     metrics_offset: int = Field(default=1000, ge=1, le=60000)
     """Each service's /metrics port is its gRPC port plus this."""
     metrics_host: str = "127.0.0.1"
@@ -93,6 +110,10 @@ class HostSpec(_Model):
     roles: list[Role] = Field(min_length=1)
     prefill_gpus: list[int] = []
     decode_gpus: list[int] = []
+    unified_gpus: list[int] = []
+    engine: Literal["reference", "sglang"] = "reference"
+    """The engine of this host's prefill, decode and unified instances: Xavier's reference engine, or an
+    SGLang server each instance starts and supervises on its GPU (``[sglang]``)."""
     env: dict[str, str] = {}
     """Environment for this host's units (e.g. ``UCX_NET_DEVICES``), over ``cluster.env``."""
 
@@ -103,7 +124,7 @@ class HostSpec(_Model):
             raise ValueError("a role is listed twice")
         return value
 
-    @field_validator("prefill_gpus", "decode_gpus")
+    @field_validator("prefill_gpus", "decode_gpus", "unified_gpus")
     @classmethod
     def _gpu_indices(cls, value: list[int]) -> list[int]:
         if any(gpu < 0 or gpu > 63 for gpu in value) or len(set(value)) != len(value):
@@ -117,12 +138,13 @@ class HostSpec(_Model):
 
     @model_validator(mode="after")
     def _gpus_match_roles(self) -> HostSpec:
-        for role in ("prefill", "decode"):
+        for role in ENGINE_ROLES:
             gpus = getattr(self, f"{role}_gpus")
             if (role in self.roles) != bool(gpus):
                 raise ValueError(f"{role}_gpus must list GPUs exactly when roles has {role!r}")
-        if set(self.prefill_gpus) & set(self.decode_gpus):
-            raise ValueError("prefill_gpus and decode_gpus share a GPU")
+        listed = [*self.prefill_gpus, *self.decode_gpus, *self.unified_gpus]
+        if len(set(listed)) != len(listed):
+            raise ValueError("prefill_gpus, decode_gpus and unified_gpus share a GPU")
         return self
 
     @property
@@ -130,14 +152,43 @@ class HostSpec(_Model):
         return self.bind or self.address
 
 
+class SglangCluster(_Model):
+    """``[sglang]``: how the SGLang-hosting instances (hosts with ``engine = "sglang"``) launch SGLang.
+    Per-role SGLang settings (``extra_args``, ``env``, health timings) go in ``[service.ROLE.sglang]``."""
+
+    python: str = ""
+    """The interpreter SGLang and Xavier's plugin are installed in; empty: ``{cluster.prefix}/bin/python``."""
+    transfer_backend: Literal["xavier", "nixl"] = "xavier"
+    """P/D instances: "xavier" (KV through Xavier, the router pairs peers through the directory) or "nixl"
+    (SGLang's own NIXL P/D: one prefill and one decode on the router's host, the router's native mode)."""
+    api_key: str = ""
+    """Native mode: the key both SGLang servers and the router share (required there; a secret: the
+    rendered configs are mode 0640). The xavier backend uses a fresh key per start instead."""
+
+    @field_validator("python")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if value and not value.startswith("/"):
+            raise ValueError(f"must be an absolute path (units run without a PATH to search), got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _native_key(self) -> SglangCluster:
+        if self.transfer_backend == "nixl" and not self.api_key:
+            raise ValueError("api_key is required with transfer_backend = 'nixl' (the router calls SGLang)")
+        return self
+
+
 class Cluster(_Model):
-    """The whole description: ``[cluster]``, ``[ports]``, optional ``[tls]``, ``[hosts.NAME]`` and
-    ``[service.ROLE]`` (extra config merged into every unit of that role, e.g. ``[service.prefill.engine]``).
+    """The whole description: ``[cluster]``, ``[ports]``, optional ``[tls]`` and ``[sglang]``,
+    ``[hosts.NAME]`` and ``[service.ROLE]`` (extra config merged into every unit of that role, e.g.
+    ``[service.prefill.engine]``).
     """
 
     cluster: ClusterSection
     ports: Ports = Ports()
     tls: TlsFiles | None = None
+    sglang: SglangCluster = SglangCluster()
     hosts: dict[str, HostSpec] = Field(min_length=1)
     service: dict[Role, dict[str, Any]] = {}
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 
 from xavier_core.runtime.config import ConfigError
 
-from .hosts import Cluster, HostSpec, Role
+from .hosts import ENGINE_ROLES, Cluster, HostSpec, Role
 
 __all__ = ["DEFAULT_UNITS_DIR", "RenderedUnit", "plan_host", "render_host", "to_toml"]
 
@@ -43,6 +43,7 @@ _CONFIG_MODELS: dict[Role, str] = {
     "pagestore": "xavier_core.runtime.config:ServiceConfig",
     "prefill": "xavier_services.peer.config:PeerServiceConfig",
     "decode": "xavier_services.peer.config:PeerServiceConfig",
+    "unified": "xavier_services.peer.config:PeerServiceConfig",
 }
 
 
@@ -85,8 +86,7 @@ def _file_for(unit: RenderedUnit, name: str, path: str) -> str:
 
 def _unit(cluster: Cluster, host_name: str, host: HostSpec, role: Role, gpu: int | None) -> RenderedUnit:
     ports, bind = cluster.ports, host.bind_host
-    base = ports.decode if role == "decode" else ports.prefill if role == "prefill" else getattr(ports, role)
-    port = base + (gpu or 0)
+    port = int(getattr(ports, role)) + (gpu or 0)
     name = f"xavier-{role}" if gpu is None else f"xavier-{role}@{gpu}"
     template = f"xavier-{role}.service" if gpu is None else f"xavier-{role}@.service"
     config: dict[str, Any] = {
@@ -106,6 +106,11 @@ def _unit(cluster: Cluster, host_name: str, host: HostSpec, role: Role, gpu: int
             "directory": cluster.directory_address,
             "advertise_host": host.address,
         }
+        if host.engine == "sglang":
+            config["engine"]["kind"] = "sglang"
+            config["sglang"] = _sglang(cluster, role, gpu)
+    if role == "router" and cluster.sglang.transfer_backend == "nixl":
+        config["native"] = _native_router(cluster, host_name)
     unit = RenderedUnit(role, name, template, config, {**cluster.cluster.env, **host.env})
     if cluster.tls is not None:
         tls = {
@@ -123,6 +128,48 @@ def _unit(cluster: Cluster, host_name: str, host: HostSpec, role: Role, gpu: int
     return unit
 
 
+def _sglang(cluster: Cluster, role: Role, gpu: int) -> dict[str, Any]:
+    """The ``[sglang]`` section of the instance on ``gpu``: the launcher in the installed venv (a unit has
+    no PATH to find ``python`` with SGLang in), the GPU by index (like ``engine.device``: every GPU stays
+    visible for CUDA IPC), fixed loopback ports (a restart keeps them; native mode's router needs them)."""
+    python = cluster.sglang.python or f"{str(cluster.cluster.prefix).rstrip('/')}/bin/python"
+    section: dict[str, Any] = {
+        "command": [python, "-m", "sglang.launch_server"],
+        "base_gpu_id": gpu,
+        "port": cluster.ports.sglang + gpu,
+    }
+    if cluster.sglang.transfer_backend == "nixl" and role != "unified":
+        section |= {"transfer_backend": "nixl", "api_key": cluster.sglang.api_key}
+        if role == "prefill":
+            section["bootstrap_port"] = cluster.ports.sglang_bootstrap + gpu
+    return section
+
+
+def _native_router(cluster: Cluster, host_name: str) -> dict[str, Any]:
+    """The router's ``[native]`` section: SGLang serves HTTP and its bootstrap on loopback only, so the
+    one native prefill and decode must run on the router's host."""
+    found: dict[str, list[tuple[str, int]]] = {"prefill": [], "decode": []}
+    for name, spec in cluster.hosts.items():
+        if spec.engine == "sglang":
+            for role, gpus in found.items():
+                gpus.extend((name, gpu) for gpu in getattr(spec, f"{role}_gpus"))
+    if any(len(v) != 1 or v[0][0] != host_name for v in found.values()):
+        where = ", ".join(f"{role} on {v}" for role, v in found.items())
+        why = (
+            f"native mode needs one SGLang prefill and one decode on the router's host {host_name!r}: {where}"
+        )
+        raise ConfigError([("sglang.transfer_backend", why, "hosts file")])
+    (_, prefill), (_, decode) = found["prefill"][0], found["decode"][0]
+    ports = cluster.ports
+    return {
+        "prefill_url": f"http://127.0.0.1:{ports.sglang + prefill}",
+        "decode_url": f"http://127.0.0.1:{ports.sglang + decode}",
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": ports.sglang_bootstrap + prefill,
+        "api_key": cluster.sglang.api_key,
+    }
+
+
 def plan_host(cluster: Cluster, host_name: str) -> list[RenderedUnit]:
     """The unit instances ``host_name`` runs, configs validated; ConfigError names the offending key."""
     host = cluster.hosts.get(host_name)
@@ -131,12 +178,10 @@ def plan_host(cluster: Cluster, host_name: str) -> list[RenderedUnit]:
             [("host", f"{host_name!r} is not in [hosts] ({', '.join(cluster.hosts)})", "flag --host")]
         )
     units: list[RenderedUnit] = []
-    for role in ("directory", "pagestore", "router", "prefill", "decode"):
+    for role in ("directory", "pagestore", "router", *ENGINE_ROLES):
         if role not in host.roles:
             continue
-        gpus: list[int | None] = (
-            list(getattr(host, f"{role}_gpus")) if role in ("prefill", "decode") else [None]
-        )
+        gpus: list[int | None] = list(getattr(host, f"{role}_gpus")) if role in ENGINE_ROLES else [None]
         units.extend(_unit(cluster, host_name, host, role, gpu) for gpu in gpus)
     for unit in units:
         _validate(unit)
@@ -147,11 +192,14 @@ def plan_host(cluster: Cluster, host_name: str) -> list[RenderedUnit]:
 def _check_ports(units: list[RenderedUnit], host_name: str) -> None:
     taken: dict[int, str] = {}
     for unit in units:
-        for key in ("listen", "metrics_listen", "http_listen"):
-            address = unit.config.get(key)
-            if not isinstance(address, str) or not address:
-                continue
-            port = int(address.rpartition(":")[2])
+        used = {
+            key: int(address.rpartition(":")[2])
+            for key in ("listen", "metrics_listen", "http_listen")
+            if isinstance(address := unit.config.get(key), str) and address
+        }
+        sglang = unit.config.get("sglang", {})
+        used |= {f"sglang.{k}": int(sglang[k]) for k in ("port", "bootstrap_port") if k in sglang}
+        for key, port in used.items():
             if port in taken:
                 clash = f"{unit.unit} {key} and {taken[port]} both use port {port} on host {host_name}"
                 raise ConfigError([("ports", clash, "hosts file")])

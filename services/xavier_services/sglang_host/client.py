@@ -64,6 +64,25 @@ class SglangHttp:
             raise Internal(f"SGLang failed: {answer['error']}", reason="ENGINE_ERROR")
         return answer
 
+    async def load(self, timeout: float) -> dict[str, Any]:
+        """The load report of SGLang's (one) rank: `GET /v1/loads?include=core` (`stats` reads it)."""
+        try:
+            async with self.session.get(
+                f"{self.url}/v1/loads",
+                params={"include": "core"},
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as resp:
+                if resp.status != 200:
+                    raise http_error(resp.status, await resp.text())
+                answer = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise Unavailable(f"SGLang is not reachable: {exc!r}", reason="PEER_UNAVAILABLE") from None
+        loads = answer.get("loads") if isinstance(answer, dict) else None
+        if not isinstance(loads, list) or len(loads) != 1 or not isinstance(loads[0], dict):
+            raise Internal("SGLang's /v1/loads did not report exactly one rank", reason="ENGINE_ERROR")
+        return dict(loads[0])
+
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[Delta]:
         """A streamed `/generate` as deltas; leaving early (cancel) closes the connection: SGLang aborts."""
         resp: aiohttp.ClientResponse | None = None

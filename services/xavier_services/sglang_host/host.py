@@ -89,6 +89,11 @@ class SglangHost:
             )
         return self.http
 
+    @property
+    def sglang_or_none(self) -> SglangHttp | None:
+        """The client while SGLang runs, else None (for stats, which answer either way)."""
+        return None if self.failed else self.http
+
     async def start(self, handle: ServerHandle) -> dict[str, Any]:
         cfg = self.config
         self.address = f"{cfg.peer.advertise_host}:{handle.port}"
@@ -100,6 +105,7 @@ class SglangHost:
             model=e.model,
             port=cfg.sglang.port or free_port(),
             advertise=self.address,
+            peer_id=self.peer_id,
             directory=cfg.peer.directory,
             page_size=e.page_size,
             dtype=e.dtype,

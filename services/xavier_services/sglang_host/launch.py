@@ -13,6 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xavier.v1 import types_pb2
+from xavier_sglang.config import (
+    ENV_ADVERTISE,
+    ENV_DIRECTORY,
+    ENV_PEER_ID,
+    ENV_TRANSFER_TIMEOUT,
+    UnsupportedSetupError,
+    XavierSettings,
+)
 
 from xavier_core.runtime.errors import InvalidArgument
 from xavier_services.sglang_host.config import SglangSection
@@ -28,6 +36,12 @@ HICACHE_BACKEND = {
     "interface_v1": 1,
 }
 _MODES = {types_pb2.ROLE_PREFILL: "prefill", types_pb2.ROLE_DECODE: "decode"}
+# The service's config key behind each variable the plugin reads, for errors that name the key.
+_ENV_KEYS = {
+    ENV_DIRECTORY: "peer.directory",
+    ENV_PEER_ID: "peer.peer_id",
+    ENV_TRANSFER_TIMEOUT: "handoff.transfer_timeout_seconds",
+}
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,9 @@ class LaunchSpec:
     """SGLang's HTTP port (already chosen: `sglang.port` or a free one)."""
     advertise: str = ""
     """host:port of the hosting service as peers know it; the xavier backend registers under it."""
+    peer_id: str = ""
+    """The hosting service's stable peer id; the xavier backend registers the SGLang process under it,
+    so a restart keeps the id and gets a new epoch. Empty: the directory assigns one per start."""
     directory: str = ""
     page_size: int = 16
     dtype: str | None = None
@@ -113,14 +130,23 @@ def _xavier_env(spec: LaunchSpec) -> dict[str, str]:
         raise InvalidArgument("the xavier transfer backend needs peer.directory", key="peer.directory")
     if not spec.advertise:
         raise InvalidArgument("the hosting service's address is not known yet", key="peer.advertise_host")
-    return {
+    env = {
         "SGLANG_PLUGINS": PLUGIN_NAME,
-        "XAVIER_DIRECTORY": spec.directory,
-        # The plugin registers the SGLang process under the service's gRPC address: the router calls the
-        # service there, and a decode finds its prefill by that address (bootstrap_host:bootstrap_port).
-        "XAVIER_SGLANG_ADVERTISE": spec.advertise,
-        "XAVIER_SGLANG_TRANSFER_TIMEOUT": str(spec.transfer_timeout_seconds),
+        ENV_DIRECTORY: spec.directory,
+        # The plugin registers the SGLang process under the service's gRPC address (the router calls the
+        # service there, and a decode finds its prefill by that address: bootstrap_host:bootstrap_port)
+        # and under the service's peer id, so a restart keeps the id and only the epoch changes.
+        ENV_ADVERTISE: spec.advertise,
+        ENV_TRANSFER_TIMEOUT: str(spec.transfer_timeout_seconds),
     }
+    if spec.peer_id:
+        env[ENV_PEER_ID] = spec.peer_id
+    try:
+        # The plugin's own parser: what it would refuse inside SGLang is refused here, before the launch.
+        XavierSettings.from_env(default_advertise=spec.advertise, environ=env)
+    except UnsupportedSetupError as err:
+        raise InvalidArgument(str(err), key=_ENV_KEYS.get(err.option, "sglang")) from None
+    return env
 
 
 def _hicache_args(spec: LaunchSpec) -> list[str]:

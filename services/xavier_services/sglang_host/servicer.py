@@ -28,6 +28,7 @@ from xavier_core.runtime.errors import Aborted, FailedPrecondition, InvalidArgum
 from xavier_services.peer.convert import check_room_id, sampling_from_pb
 from xavier_services.sglang_host.host import ROLE_NAMES, SglangHost
 from xavier_services.sglang_host.protocol import Delta, abort_message, generate_body
+from xavier_services.sglang_host.stats import engine_stats
 
 Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
@@ -110,7 +111,7 @@ class SglangPrefillServicer(_Base, prefill_service_pb2_grpc.PrefillServiceServic
     ) -> ppb.GetPrefillStatsResponse:
         host = self.host
         return ppb.GetPrefillStatsResponse(
-            engine=types_pb2.EngineStats(running=host.inflight),
+            engine=await engine_stats(host.sglang_or_none, host.inflight, host.config.engine.page_size),
             rooms_active=host.inflight,
             peer=f"{host.peer_id}@{host.epoch}",
         )
@@ -191,7 +192,7 @@ class SglangDecodeServicer(_Base, decode_service_pb2_grpc.DecodeServiceServicer)
     ) -> dpb.GetDecodeStatsResponse:
         host = self.host
         return dpb.GetDecodeStatsResponse(
-            engine=types_pb2.EngineStats(running=host.inflight),
+            engine=await engine_stats(host.sglang_or_none, host.inflight, host.config.engine.page_size),
             rooms_active=host.inflight if host.role == types_pb2.ROLE_DECODE else 0,
             peer=f"{host.peer_id}@{host.epoch}",
             role=host.role,
