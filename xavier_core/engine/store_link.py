@@ -143,16 +143,20 @@ class StoreLink:
             dest.extend(got)
             return got
 
-        hit = 0
+        hit, stuck = 0, False
         try:
-            hit = await self.client.fetch(ns, keys, allocate)
+            got = await self.client.fetch(ns, keys, allocate)
+            hit, stuck = got.hit, got.stuck
         finally:
             p = self.page_size
             with self._lock:
                 for i in range(hit):
                     at = (first + i) * p
                     self.cache.insert(keys[i], dest[i], req.prompt[at : at + p])
-                self.cache.release(dest[hit:])
+                if stuck:  # NIXL may still write into them: kept referenced, never handed out again
+                    log.error("page store: %d pool pages lost to a stuck READ", len(dest) - hit)
+                else:
+                    self.cache.release(dest[hit:])
         return dest[:hit]
 
     def release(self, pages: Sequence[int]) -> None:

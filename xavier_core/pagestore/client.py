@@ -43,7 +43,7 @@ from xavier_core.runtime.errors import XavierError, from_rpc_error
 from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import InvalidPagesError, PeerError
 
-__all__ = ["ClientSettings", "PageNamespace", "PageStoreClient"]
+__all__ = ["ClientSettings", "Fetched", "PageNamespace", "PageStoreClient"]
 
 log = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -66,6 +66,17 @@ class ClientSettings:
     """Pages of the pinned host mirror of a device pool (unused for a host pool); bounds one call's chunk."""
     stage_host_pool: bool = False
     """Pass a host pool through the mirror too: the exact path a device pool takes, on any machine."""
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What `PageStoreClient.fetch` left in the pages `allocate` gave, in the order it gave them."""
+
+    hit: int
+    """The first `hit` pages hold verified bytes of the first `hit` keys; the rest hold unspecified bytes."""
+    stuck: bool
+    """A timed-out READ that NIXL refused to cancel may still write into the pages past `hit`: the caller
+    must never reuse them (they are lost to the pool, as a device pool loses the staging slots)."""
 
 
 @dataclass(frozen=True)
@@ -135,21 +146,22 @@ class PageStoreClient:
             handed += len(out)
             return out
 
-        return await self.fetch(namespace, keys, allocate)
+        return (await self.fetch(namespace, keys, allocate)).hit
 
     async def fetch(
         self, namespace: PageNamespace, keys: Sequence[bytes], allocate: Callable[[int], Sequence[int]]
-    ) -> int:
+    ) -> Fetched:
         """READs the longest stored prefix of `keys` into local pages that `allocate` hands out.
 
         Once the store has answered how many of a call's keys it holds (and leased them), `allocate(n)`
         gives up to `n` distinct local pages for the next `n` keys; fewer cut the fetch there. A miss never
-        calls it, so a miss takes no local page. Returns how many pages arrived verified: the first ones
-        `allocate` gave, in order; the caller owns every page it gave, the rest holding unspecified bytes.
-        Pages `allocate` gives outside the pool, or twice, raise `InvalidPagesError` (a caller bug).
+        calls it, so a miss takes no local page. The caller owns every page it gave; see `Fetched` for
+        which hold what. Pages `allocate` gives outside the pool, or twice, raise `InvalidPagesError`
+        (a caller bug).
         """
         self._metrics.lookups.inc()
         hit = 0
+        stuck = False
         given: set[int] = set()
         try:
             limit = self._chunk_limit()
@@ -162,12 +174,14 @@ class PageStoreClient:
         except _BadAllocation as exc:
             raise InvalidPagesError(str(exc)) from None
         except Exception as exc:
+            # A device pool's stuck READ writes into staging slots (never lent again), not into pages.
+            stuck = isinstance(exc, _TransferStuck) and self.staging is None
             self._failed("get", exc)
         self.counters.hit_pages += hit
         self.counters.miss_pages += len(keys) - hit
         self._metrics.hit_pages.inc(hit)
         self._metrics.miss_pages.inc(len(keys) - hit)
-        return hit
+        return Fetched(hit, stuck)
 
     async def exists(self, namespace: PageNamespace, keys: Sequence[bytes]) -> int:
         """Length of the stored prefix of `keys` (0 when the store cannot be asked)."""
