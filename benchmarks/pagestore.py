@@ -110,7 +110,7 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
         real_move(*a)
         nixl_times.append(time.perf_counter() - t)
 
-    client._move = timed_move  # type: ignore[method-assign]
+    client._move = timed_move  # type: ignore[method-assign,assignment]
     rpc_times: list[float] = []
     real_call = client._call
 
@@ -124,16 +124,16 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
 
     client._call = timed_call  # type: ignore[method-assign]
     sum_times: list[float] = []
-    real_sums = client_module.local_page_checksums
+    real_sums = local_page_checksums
 
-    def timed_sums(*a: Any) -> list[bytes]:  # the checksum pass inside the get and put paths
+    def timed_sums(buffers: Any, pages: Any) -> list[bytes]:  # the checksum pass inside the get and put paths
         t = time.perf_counter()
         try:
-            return real_sums(*a)
+            return real_sums(buffers, pages)
         finally:
             sum_times.append(time.perf_counter() - t)
 
-    client_module.local_page_checksums = timed_sums
+    client_module.local_page_checksums = timed_sums  # type: ignore[attr-defined]
     if client.staging is not None:
         staging = client.staging
         real_copy = staging._copy
@@ -216,7 +216,7 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
         await client.flush()
         stats = await client.stats()
     finally:
-        client_module.local_page_checksums = real_sums
+        client_module.local_page_checksums = real_sums  # type: ignore[attr-defined]
         await client.close()
     return {
         "benchmark": "pagestore",
