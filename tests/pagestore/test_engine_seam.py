@@ -1,5 +1,6 @@
 """The engine's store seam in one process (real store process, real NIXL): a request that goes away while
-its prefix is being fetched leaves no page behind, and an abort during the fetch ends it as aborted."""
+its prefix is being fetched leaves no page behind, an abort during the fetch ends it as aborted, and pool
+pages a READ might still write into are never handed out again."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from xavier_core.engine.errors import RequestAbortedError
 from xavier_core.engine.reference import ReferenceEngine
 from xavier_core.engine.tiny import make_tiny
 from xavier_core.pagestore import ClientSettings, PageStoreClient
+from xavier_core.pagestore import client as client_module
 
 pytestmark = pytest.mark.integration
 
@@ -110,3 +112,29 @@ async def test_caller_gone_during_a_fetch_leaves_no_pages(
     assert res.cached_tokens >= len(tokens) - 16 and res.cached_tokens_store == 0
     engine.release_pages("seam-after")
     await _settle(engine)
+
+
+async def test_pages_of_a_stuck_read_are_never_reused(
+    engine: ReferenceEngine, store: ServiceProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = prompt(4, 400)
+    events = [ev async for ev in engine.generate("seam-stuck-warm", tokens, GREEDY)]  # written through
+    assert all(isinstance(ev, TokenEvent) for ev in events)
+    assert engine._store is not None
+    client = engine._store.client
+    await client.flush()
+    engine._cache.clear()
+
+    def stuck(*_a: object) -> None:  # NIXL refused to cancel a timed-out READ into the pool pages
+        raise client_module._TransferStuck("READ still in flight")
+
+    monkeypatch.setattr(client, "_move", stuck)
+    res = await engine.prefill("seam-stuck", [*tokens, 5], GREEDY)  # served as a miss
+    assert res.cached_tokens == 0
+    engine.release_pages("seam-stuck")
+    await client.flush()  # its write-through holds its computed pages until the store answers
+    engine._cache.clear()
+    s = engine.stats()
+    assert s.running == s.waiting == s.pages_pinned == 0
+    # Every page is back but the READ's: out of the pool for good, never handed to another request.
+    assert s.pages_total - s.pages_free == len(tokens) // 16

@@ -66,6 +66,10 @@ async def _assert_quiet(mesh: StoreMesh) -> None:
                 break
             await asyncio.sleep(0.05)
         assert await busy() == (0, 0, 0, 0), name
+    for _ in range(100):  # a fetch does not wait for its lease release to reach the store
+        if stats(mesh.store.address).leases == 0:
+            break
+        await asyncio.sleep(0.05)
     got = stats(mesh.store.address)
     assert got.leases == 0
     assert all(n.leases == 0 and n.reserved_pages == 0 and n.pinned_pages == 0 for n in got.namespaces)

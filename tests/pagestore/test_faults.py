@@ -95,12 +95,14 @@ async def test_page_corrupted_after_commit_is_a_miss_and_dropped(store: ServiceP
         spans = _spans(got.spans)
         page3 = [s for s in _split(spans)][3]
         target = await vandal._ensure_store(got.store_instance)
-        await vandal._transfer("WRITE", target, [page3], [0])
+        rows = vandal.geometry.span_descriptors([page3], vandal._bases, [0])
+        await asyncio.to_thread(vandal._move, "WRITE", target, rows, 1)
         assert _release(store.address, got.lease_id).released
         hit = await reader.lookup_and_fetch(ns, keys, list(range(10, 16)))
         assert hit == 3  # pages 0..2 verified; page 3 failed its checksum: a miss, never wrong bytes
         assert page_digest(reader_pool, list(range(10, 13))) == page_digest(pool, [0, 1, 2])
         assert reader.counters.corrupt_pages == 1
+        await reader.flush()  # the release that reports the corrupt page is not awaited by the fetch
         (st,) = ns_stats(store.address, "fp-corrupt")
         assert st.checksum_failures == 1 and st.pages == 5  # the corrupt page was dropped
         assert await reader.exists(ns, keys) == 3
@@ -203,6 +205,7 @@ async def test_store_killed_and_restarted_client_keeps_working(tmp_path: Path) -
         keys = chain("fp-restart", "", 1, 4)
         assert await client.write(ns, keys, [0, 1, 2, 3]) == 4
         assert await client.lookup_and_fetch(ns, keys, [10, 11, 12, 13]) == 4
+        await client.flush()  # its lease released
         os.kill(svc.proc.pid, signal.SIGKILL)
         svc.proc.wait(10)
         # Down: misses and dropped writes, never an exception.
@@ -220,6 +223,7 @@ async def test_store_killed_and_restarted_client_keeps_working(tmp_path: Path) -
             assert written == 4
             assert await client.lookup_and_fetch(ns, keys, [10, 11, 12, 13]) == 4
             assert page_digest(pool, [10, 11, 12, 13]) == page_digest(pool, [0, 1, 2, 3])
+            await client.flush()
             assert stats(again.address).leases == 0
         finally:
             await client.close()

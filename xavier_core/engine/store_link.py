@@ -1,10 +1,11 @@
 """The reference engine's page store seam: fetch a stored prefix before admission, write pages through.
 
 Before a prefill or generate request is queued, `fetch_prefix` takes the longest local prefix-cache hit and
-asks the store for the full pages beyond it: it allocates pool pages for the stored run, READs them with
-NIXL and registers them in the local cache, so from then on they are ordinary cached pages (a preempted
-request finds them again locally). All of it runs on the event loop; the engine thread only ever sees a
-request that arrives with pages, so a slow store delays its own request and nothing else.
+asks the store for the full pages beyond it: once the store has leased the stored run it allocates pool
+pages for it (a miss takes none), READs them with NIXL and registers them in the local cache, so from then
+on they are ordinary cached pages (a preempted request finds them again locally). All of it runs on the
+event loop; the engine thread only ever sees a request that arrives with pages, so a slow store delays its
+own request and nothing else.
 
 When a prompt is computed (engine thread), the full pages the request computed itself are retained and
 handed to the client's bounded write-through queue; the reference is dropped when the client says it no
@@ -132,22 +133,30 @@ class StoreLink:
 
     async def _fetch(self, req: Request, keys: list[bytes], first: int) -> list[int]:
         ns = self.namespace(req.cache_salt)
-        # Exists first: a miss then costs one RPC and no page of the pool (no local eviction).
-        stored = await self.client.exists(ns, keys)
-        if stored == 0:
-            return []
-        with self._lock:
-            dest = self.cache.allocate(min(stored, self.cache.available()))
-        hit = 0
+        dest: list[int] = []
+
+        def allocate(n: int) -> list[int]:
+            # Called only once the store has leased `n` hit pages: a miss takes no page of the pool
+            # (no local eviction) and costs the one GetPages round trip an Exists would have.
+            with self._lock:
+                got = self.cache.allocate(min(n, self.cache.available()))
+            dest.extend(got)
+            return got
+
+        hit, stuck = 0, False
         try:
-            hit = await self.client.lookup_and_fetch(ns, keys[: len(dest)], dest)
+            got = await self.client.fetch(ns, keys, allocate)
+            hit, stuck = got.hit, got.stuck
         finally:
             p = self.page_size
             with self._lock:
                 for i in range(hit):
                     at = (first + i) * p
                     self.cache.insert(keys[i], dest[i], req.prompt[at : at + p])
-                self.cache.release(dest[hit:])
+                if stuck:  # NIXL may still write into them: kept referenced, never handed out again
+                    log.error("page store: %d pool pages lost to a stuck READ", len(dest) - hit)
+                else:
+                    self.cache.release(dest[hit:])
         return dest[:hit]
 
     def release(self, pages: Sequence[int]) -> None:

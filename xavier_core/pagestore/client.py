@@ -24,9 +24,11 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+import numpy as np
+import numpy.typing as npt
 from xavier.v1 import page_store_service_pb2 as pb
 from xavier.v1 import page_store_service_pb2_grpc as pb_grpc
 
@@ -35,15 +37,17 @@ from xavier_core.pagestore.metrics import ClientCounters, client_metrics
 from xavier_core.pagestore.namespace import PageNamespace
 from xavier_core.pagestore.nixl import Op, PageAgent, wait
 from xavier_core.pagestore.staging import HostStaging
-from xavier_core.pagestore.writer import WriteQueue
+from xavier_core.pagestore.writer import Background, WriteQueue
 from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.errors import XavierError, from_rpc_error
 from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import InvalidPagesError, PeerError
 
-__all__ = ["ClientSettings", "PageNamespace", "PageStoreClient"]
+__all__ = ["ClientSettings", "Fetched", "PageNamespace", "PageStoreClient"]
 
 log = logging.getLogger(__name__)
+_R = TypeVar("_R")
+Rows = npt.NDArray[np.uint64]
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,17 @@ class ClientSettings:
 
 
 @dataclass(frozen=True)
+class Fetched:
+    """What `PageStoreClient.fetch` left in the pages `allocate` gave, in the order it gave them."""
+
+    hit: int
+    """The first `hit` pages hold verified bytes of the first `hit` keys; the rest hold unspecified bytes."""
+    stuck: bool
+    """A timed-out READ that NIXL refused to cancel may still write into the pages past `hit`: the caller
+    must never reuse them (they are lost to the pool, as a device pool loses the staging slots)."""
+
+
+@dataclass(frozen=True)
 class _Store:
     instance: str
     agent_name: str
@@ -73,6 +88,10 @@ class _Store:
 
 class _TransferStuck(PeerError):
     """A timed-out NIXL transfer that could not be cancelled: its local pages may still change."""
+
+
+class _BadAllocation(InvalidPagesError):
+    """`fetch`'s `allocate` gave pages outside the pool or twice: a caller bug, raised, not a miss."""
 
 
 class _StoreChanged(Exception):
@@ -109,6 +128,7 @@ class PageStoreClient:
         self._store: _Store | None = None
         self._store_lock: asyncio.Lock | None = None
         self._writes = WriteQueue(self.write, self.settings.write_queue, self._dropped)
+        self._releases = Background("pagestore-release")
 
     # --- public API ---------------------------------------------------------------------------------
 
@@ -118,23 +138,50 @@ class PageStoreClient:
         """READs the longest stored prefix of `keys` into `dest_pages` (same length, page i for key i) and
         returns how many pages arrived verified; pages past that count hold unspecified bytes."""
         pages = self._check_pages(keys, dest_pages)
+        handed = 0
+
+        def allocate(n: int) -> list[int]:
+            nonlocal handed
+            out = pages[handed : handed + n]
+            handed += len(out)
+            return out
+
+        return (await self.fetch(namespace, keys, allocate)).hit
+
+    async def fetch(
+        self, namespace: PageNamespace, keys: Sequence[bytes], allocate: Callable[[int], Sequence[int]]
+    ) -> Fetched:
+        """READs the longest stored prefix of `keys` into local pages that `allocate` hands out.
+
+        Once the store has answered how many of a call's keys it holds (and leased them), `allocate(n)`
+        gives up to `n` distinct local pages for the next `n` keys; fewer cut the fetch there. A miss never
+        calls it, so a miss takes no local page. The caller owns every page it gave; see `Fetched` for
+        which hold what. Pages `allocate` gives outside the pool, or twice, raise `InvalidPagesError`
+        (a caller bug).
+        """
         self._metrics.lookups.inc()
         hit = 0
+        stuck = False
+        given: set[int] = set()
         try:
             limit = self._chunk_limit()
             for at in range(0, len(keys), limit):
                 chunk = list(keys[at : at + limit])
-                got = await self._fetch(namespace, chunk, pages[at : at + len(chunk)])
+                got = await self._fetch(namespace, chunk, lambda n: self._allocated(allocate, n, given))
                 hit += got
                 if got < len(chunk):
                     break
+        except _BadAllocation as exc:
+            raise InvalidPagesError(str(exc)) from None
         except Exception as exc:
+            # A device pool's stuck READ writes into staging slots (never lent again), not into pages.
+            stuck = isinstance(exc, _TransferStuck) and self.staging is None
             self._failed("get", exc)
         self.counters.hit_pages += hit
         self.counters.miss_pages += len(keys) - hit
         self._metrics.hit_pages.inc(hit)
         self._metrics.miss_pages.inc(len(keys) - hit)
-        return hit
+        return Fetched(hit, stuck)
 
     async def exists(self, namespace: PageNamespace, keys: Sequence[bytes]) -> int:
         """Length of the stored prefix of `keys` (0 when the store cannot be asked)."""
@@ -178,8 +225,9 @@ class PageStoreClient:
         return committed
 
     async def flush(self) -> None:
-        """Waits until every queued write-through has finished."""
+        """Waits until every queued write-through, and every lease release under way, has finished."""
         await self._writes.flush()
+        await self._releases.wait()
 
     async def stats(self) -> pb.GetPageStoreStatsResponse:
         """The store's stats; raises `XavierError` when the store cannot answer."""
@@ -191,13 +239,16 @@ class PageStoreClient:
     async def close(self) -> None:
         """Stops the writer (queued writes are dropped), closes the channel and the NIXL agent."""
         await self._writes.close()
+        await self._releases.wait()
         if self._channel is not None:
             await self._channel.close()
         await asyncio.to_thread(self.agent.close)
 
     # --- one call's chunk -----------------------------------------------------------------------------
 
-    async def _fetch(self, namespace: PageNamespace, keys: list[bytes], pages: list[int]) -> int:
+    async def _fetch(
+        self, namespace: PageNamespace, keys: list[bytes], allocate: Callable[[int], list[int]]
+    ) -> int:
         req = pb.GetPagesRequest(
             request_id=uuid.uuid4().hex,
             namespace=_ns_proto(namespace),
@@ -205,35 +256,53 @@ class PageStoreClient:
             segment_bytes=self.geometry.segment_bytes,
             lease_seconds=self.settings.lease_seconds,
         )
+        # GetPages answers what Exists would and leases the hits in the same round trip; local pages are
+        # taken only once it says there is something to read.
         resp: pb.GetPagesResponse = await self._call("GetPages", req)
-        hit = int(resp.hit_count)
-        if hit == 0:
+        if resp.hit_count == 0:
             return 0
         corrupt: list[int] = []
         slots: list[int] = []
         try:
             store = await self._ensure_store(resp.store_instance)
-            local = pages[:hit]
+            pages = allocate(int(resp.hit_count))
+            if not pages:
+                return 0
+            local = pages
             if self.staging is not None:
-                slots = local = await self.staging.acquire(hit)
-            await self._transfer("READ", store, _spans(resp.spans), local)
-            got = await asyncio.to_thread(local_page_checksums, self.buffers, local)
-            corrupt = [i for i, (a, b) in enumerate(zip(got, resp.checksums, strict=True)) if a != b]
-            if corrupt:
-                log.warning("page store: %d fetched pages failed their checksum; dropped", len(corrupt))
-                self.counters.corrupt_pages += len(corrupt)
-                self._metrics.corrupt_pages.inc(len(corrupt))
-                hit = corrupt[0]
-            if self.staging is not None and hit:
-                await asyncio.to_thread(self.staging.to_pool, slots[:hit], pages[:hit])
+                slots = local = await self.staging.acquire(len(pages))
+            rows = self.geometry.span_descriptors(_head(resp.spans, len(pages)), self._bases, local)
+            sums = list(resp.checksums[: len(pages)])
+            corrupt = await self._off_loop(
+                store, lambda: self._read_verified(store, rows, local, sums, pages)
+            )
         except _TransferStuck:
             slots = []  # NIXL may still write into them: never lent again
             raise
         finally:
             if slots and self.staging is not None:
                 await self.staging.release(slots)
-            await self._release(resp.lease_id, corrupt)
-        return hit
+            # Not awaited: the pages are verified already, and a lease nobody releases expires anyway.
+            self._releases.start(self._release(resp.lease_id, corrupt))
+        if corrupt:
+            log.warning("page store: %d fetched pages failed their checksum; dropped", len(corrupt))
+            self.counters.corrupt_pages += len(corrupt)
+            self._metrics.corrupt_pages.inc(len(corrupt))
+            return corrupt[0]
+        return len(pages)
+
+    def _read_verified(
+        self, store: _Store, rows: Rows, local: list[int], sums: list[bytes], pages: list[int]
+    ) -> list[int]:
+        """READs into `local` (pool pages or staging slots), checks every page, moves the verified head
+        to the pool's `pages`; returns the indices that failed. One worker-thread hop for all of it."""
+        self._move("READ", store, rows, len(local))
+        got = local_page_checksums(self.buffers, local)
+        corrupt = [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
+        good = corrupt[0] if corrupt else len(local)
+        if self.staging is not None and good:
+            self.staging.to_pool(local[:good], pages[:good])
+        return corrupt
 
     async def _put(self, namespace: PageNamespace, keys: list[bytes], pages: list[int]) -> int:
         req = pb.PutPagesRequest(
@@ -250,16 +319,15 @@ class PageStoreClient:
         slots: list[int] = []
         try:
             store = await self._ensure_store(resp.store_instance)
+            src = local
             if self.staging is not None:
-                slots = await self.staging.acquire(len(local))
-                await asyncio.to_thread(self.staging.to_host, local, slots)
-                local = slots
-            sums = await asyncio.to_thread(local_page_checksums, self.buffers, local)
-            await self._transfer("WRITE", store, _spans(resp.spans), local)
+                slots = src = await self.staging.acquire(len(local))
+            rows = self.geometry.span_descriptors(_spans(resp.spans), self._bases, src)
+            sums = await self._off_loop(store, lambda: self._write_summed(store, rows, local, src))
         except BaseException as exc:
             if isinstance(exc, _TransferStuck):
                 slots = []  # NIXL may still read them: never lent again
-            await self._release(resp.lease_id, [])
+            self._releases.start(self._release(resp.lease_id, []))
             raise
         finally:
             if slots and self.staging is not None:
@@ -270,6 +338,15 @@ class PageStoreClient:
             log.warning("page store: %d written pages failed their checksum", done.checksum_failures)
         return int(done.committed)
 
+    def _write_summed(self, store: _Store, rows: Rows, pages: list[int], src: list[int]) -> list[bytes]:
+        """Moves pool `pages` to staging `src` (a device pool), checksums `src` and WRITEs it; returns
+        the checksums. One worker-thread hop for all of it."""
+        if self.staging is not None:
+            self.staging.to_host(pages, src)
+        sums = local_page_checksums(self.buffers, src)
+        self._move("WRITE", store, rows, len(src))
+        return sums
+
     def _chunk_limit(self) -> int:
         """Keys per call: the store's batch limit, and the host mirror's size for a device pool."""
         limit = (self._store.max_keys if self._store else None) or 1024
@@ -277,25 +354,24 @@ class PageStoreClient:
 
     # --- plumbing -------------------------------------------------------------------------------------
 
-    async def _transfer(self, op: Op, store: _Store, spans: list[Span], pages: list[int]) -> None:
-        rows = self.geometry.span_descriptors(spans, self._bases, pages)
+    def _move(self, op: Op, store: _Store, rows: Rows, pages: int) -> None:
+        """Posts one NIXL transfer and waits for it (a worker thread); raises `PeerError` unless DONE."""
+        xfer = self.agent.post(op, rows, store.agent_name, self.settings.transfer_timeout_s)
+        state = wait(xfer)
+        if state != "DONE":
+            if xfer.in_flight:  # NIXL refused to cancel: the pages may still change under the caller
+                log.error("page store: a timed-out NIXL %s could not be cancelled", op)
+                raise _TransferStuck(f"NIXL {op} of {pages} pages ended {state}, still in flight")
+            raise PeerError(f"NIXL {op} of {pages} pages ended {state}")
+        self._metrics.transfer_bytes.labels(op.lower()).inc(int(rows[:, 2].sum()))
 
-        def run() -> tuple[str, bool]:
-            xfer = self.agent.post(op, rows, store.agent_name, self.settings.transfer_timeout_s)
-            return wait(xfer), xfer.in_flight
-
+    async def _off_loop(self, store: _Store, fn: Callable[[], _R]) -> _R:
+        """Runs `fn` (NIXL and hashing) in a worker thread; a failed transfer forgets the store's agent."""
         try:
-            state, in_flight = await asyncio.to_thread(run)
+            return await asyncio.to_thread(fn)
         except PeerError:
             self._forget_store(store)
             raise
-        if state != "DONE":
-            self._forget_store(store)
-            if in_flight:  # NIXL refused to cancel: the pages may still change under the caller
-                log.error("page store: a timed-out NIXL %s could not be cancelled", op)
-                raise _TransferStuck(f"NIXL {op} of {len(pages)} pages ended {state}, still in flight")
-            raise PeerError(f"NIXL {op} of {len(pages)} pages ended {state}")
-        self._metrics.transfer_bytes.labels(op.lower()).inc(int(rows[:, 2].sum()))
 
     async def _ensure_store(self, instance: str) -> _Store:
         """The store's NIXL peer for `instance`, loading its endpoint once per store instance."""
@@ -351,6 +427,17 @@ class PageStoreClient:
         self._metrics.errors.labels(op, reason).inc()
         log.warning("page store %s failed, served as a miss: %s", op, exc)
 
+    def _allocated(self, allocate: Callable[[int], Sequence[int]], n: int, given: set[int]) -> list[int]:
+        out = [int(p) for p in allocate(n)]
+        if len(out) > n:
+            raise _BadAllocation(f"asked for at most {n} local pages, got {len(out)}")
+        if out and (min(out) < 0 or max(out) >= self._num_pages):
+            raise _BadAllocation(f"local pages must lie in 0..{self._num_pages - 1}")
+        if len(set(out)) != len(out) or not given.isdisjoint(out):
+            raise _BadAllocation("local pages repeat")
+        given.update(out)
+        return out
+
     def _check_pages(self, keys: Sequence[bytes], pages: Sequence[int]) -> list[int]:
         if len(keys) != len(pages):
             raise InvalidPagesError(f"{len(keys)} keys but {len(pages)} local pages")
@@ -364,6 +451,17 @@ class PageStoreClient:
 
 def _spans(spans: Sequence[pb.PageSpan]) -> list[Span]:
     return [Span(s.chunk_address, s.chunk_slots, s.first_slot, s.count) for s in spans]
+
+
+def _head(spans: Sequence[pb.PageSpan], pages: int) -> list[Span]:
+    """The spans of the first `pages` pages (the response's spans may cover more)."""
+    out: list[Span] = []
+    for s in _spans(spans):
+        if pages <= 0:
+            break
+        out.append(Span(s.chunk_address, s.chunk_slots, s.first_slot, min(s.count, pages)))
+        pages -= s.count
+    return out
 
 
 def _ns_proto(ns: PageNamespace) -> pb.PageNamespace:

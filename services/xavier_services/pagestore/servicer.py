@@ -193,7 +193,11 @@ class PageStoreServicer(pb_grpc.PageStoreServiceServicer):  # type: ignore[misc]
         for page, want in zip(lease.pages, sums, strict=True):
             page.checksum = want
         geometry = lease.ns.geometry
-        got = map_pages(lambda page: self.arena.checksum(geometry, page.chunk, page.slot), lease.pages)
+        got = map_pages(
+            lambda page: self.arena.checksum(geometry, page.chunk, page.slot),
+            lease.pages,
+            geometry.page_bytes,
+        )
         return [a == b for a, b in zip(got, sums, strict=True)]
 
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Ctx) -> pb.ReleaseLeaseResponse:
