@@ -217,6 +217,27 @@ async def test_forged_staging_runs_are_refused(
     await source.call("unpublish", 800, True)
 
 
+async def test_refused_destination_pages_hold_no_slab_chunk(
+    source: Source, reader: tuple[KvPort, list[np.ndarray]]
+) -> None:
+    """Destination pages the staged read refuses (repeated, past the pool) fail the pull before any
+    READ is posted; the ring it had taken goes back, and the source is told no read comes."""
+    port, pool = reader
+    for room, dst in ((900, [6, 7, 7, 9, 10]), (901, [6, 7, 8, 9, PAGES])):
+        desc, endpoint = await source.publish(room, [1, 2, 3, 4, 5])
+        with pytest.raises(Unavailable) as err:
+            await port.pull(room, desc, endpoint, source.key, dst, timeout=5, park_timeout=5)
+        assert err.value.reason == "TRANSFER_FAILED"
+        assert port.staging_bytes_in_use == 0 and not port._staged
+        assert await source.call("wait", room) == "fail"
+        await source.call("unpublish", room, False)
+    await port.pull(902, *(await source.publish(902, [1, 2, 3, 4, 5])), source.key, [6, 7, 8, 9, 10],
+                    timeout=10, park_timeout=5)  # fmt: skip
+    assert page_bytes(pool, [6, 7, 8, 9, 10]) == page_bytes(source.pool, [1, 2, 3, 4, 5])
+    await source.call("unpublish", 902, True)
+    assert (await source.call("stats"))["bytes_in_use"] == 0 and port.staging_bytes_in_use == 0
+
+
 async def test_who_stages_follows_the_transport_setting(reader: tuple[KvPort, list[np.ndarray]]) -> None:
     staged, _ = reader
     assert staged.stages_for(None) and staged.stages_for("host-b") and not staged.needs_reader_host
