@@ -24,6 +24,11 @@ def test_layout_cuts_whole_records_into_chunks() -> None:
     for bad in (KvBuffer(1 << 20, 8192, 4000, "cpu"), KvBuffer(1 << 20, 100, 1024, "cpu")):
         with pytest.raises(InvalidSourceError, match="staging_slab"):
             SlabLayout.of_peer(bufs, bad)
+    # Network input: a peer's buffers without bytes per page are refused, not divided by.
+    for sizes in ((0, 0), (1000, 0), ()):
+        peer_bufs = [KvBuffer(4096, 1 << 20, size, "cpu") for size in sizes]
+        with pytest.raises(InvalidSourceError, match="bytes per page"):
+            SlabLayout.of_peer(peer_bufs, KvBuffer(1 << 20, 8192, 4096, "cpu"))
 
 
 def test_allocator_is_bounded_and_counts_fallbacks() -> None:
