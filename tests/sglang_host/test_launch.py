@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 from pathlib import Path
 
 import pytest
 from xavier.v1 import types_pb2
 from xavier_services.peer.config import PeerServiceConfig
+from xavier_services.sglang_host.child import SglangChild
 from xavier_services.sglang_host.client import http_error
 from xavier_services.sglang_host.config import OWNED_FLAGS, SglangSection
 from xavier_services.sglang_host.launch import Launch, LaunchSpec, build_launch
@@ -186,3 +189,13 @@ def test_passed_through_args_are_kept_and_parse_as_sglang_would(model: Path) -> 
 def test_sglang_http_errors_map_to_statuses(status: int, code: str, reason: str) -> None:
     err = http_error(status, '{"error": {"message": "x"}}')
     assert err.code.name == code and err.reason == reason
+
+
+async def test_child_output_is_copied_past_a_line_over_the_stream_limit() -> None:
+    """A line longer than the pipe reader's limit must not stop the copy: an undrained pipe would block
+    SGLang on its next write."""
+    script = "import sys; sys.stdout.write('x' * 300_000 + '\\n'); print('after the long line', flush=True)"
+    child = SglangChild(Launch([sys.executable, "-c", script], {}, "http://127.0.0.1:9", "key"))
+    await child.start()
+    assert await asyncio.wait_for(child.wait_exit(), 15) == 0  # else it blocks writing
+    assert child.tail[-1] == "after the long line"
