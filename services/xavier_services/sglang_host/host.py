@@ -64,6 +64,8 @@ class SglangHost:
         self.peer_id = config.peer.peer_id
         self.epoch = 0
         self.inflight = 0
+        self.stopping = False
+        """Set once a stop began: new requests are refused, so the wait for those in flight ends."""
         self._idle = asyncio.Event()
         self._idle.set()
         self.failed = ""
@@ -124,7 +126,7 @@ class SglangHost:
             if self.role == types_pb2.ROLE_UNIFIED:
                 await self._register()
         except BaseException:
-            await asyncio.shield(self.child.stop(cfg.sglang.stop_grace_seconds))  # never an orphan
+            await asyncio.shield(self._close())  # never an orphan
             raise
         self._watch = asyncio.create_task(self._supervise(handle), name="sglang-supervise")
         self._probe = asyncio.create_task(self._probe_health(handle), name="sglang-health")
@@ -159,7 +161,10 @@ class SglangHost:
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
-        """Counts a request in flight (the load reported, and what a stop waits for)."""
+        """Counts a request in flight (the load reported, and what a stop waits for); refuses one
+        once a stop began (UNAVAILABLE: the router retries it on another peer)."""
+        if self.stopping:
+            raise Unavailable("the service is shutting down", reason="SHUTTING_DOWN")
         self.inflight += 1
         self._idle.clear()
         try:
@@ -248,7 +253,9 @@ class SglangHost:
         return address
 
     async def stop(self) -> None:
-        """Lets requests in flight finish (half the service's grace), then stops SGLang."""
+        """Refuses new requests, lets those in flight finish (half the service's grace), then stops
+        SGLang."""
+        self.stopping = True
         for task in (self._watch, self._probe):
             if task is not None:
                 task.cancel()
@@ -258,6 +265,10 @@ class SglangHost:
         if self._session is not None:
             with contextlib.suppress(Exception):
                 await self._session.stop(unregister=True)
+        await self._close()
+
+    async def _close(self) -> None:
+        """Stops SGLang and closes the clients of it and of the directory (a stop, or a failed start)."""
         if self.child is not None:
             await self.child.stop(self.config.sglang.stop_grace_seconds)
         if self.http is not None:
