@@ -6,10 +6,10 @@ too. The transfer layer models them exactly like KV buffers (`KvBuffer`: one slo
 second group, addressed by slot ids instead of page ids, so a room's READ of its pages and of its slot
 never mix layouts.
 
-`AuxNixlAgent` is a `NixlAgent` that also registers the aux group (before its metadata is taken, so one
-metadata blob describes both groups) and READs slots. The wire form: the endpoint's `aux_regions` (written
-with `source.regions_proto`, like its `regions`) and the source descriptor's `aux_runs` (read back with
-`aux_from_proto`).
+`AuxNixlAgent` is a `NixlAgent` that also registers the aux group (`register_extra`: one metadata blob
+describes both groups, and `close` deregisters both) and READs slots. The wire form: the endpoint's
+`aux_regions` (written with `source.regions_proto`, like its `regions`) and the source descriptor's
+`aux_runs` (read back with `aux_from_proto`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,7 @@ from xavier.v1 import types_pb2
 from xavier_core.transfer import runs
 from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import InvalidSourceError, LayoutError
-from xavier_core.transfer.nixl_backend import (
-    DEFAULT_TRANSFER_TIMEOUT_S,
-    NixlAgent,
-    check_buffers,
-    register_buffers,
-)
+from xavier_core.transfer.nixl_backend import DEFAULT_TRANSFER_TIMEOUT_S, NixlAgent, check_buffers
 from xavier_core.transfer.source import MAX_BUFFERS, buffers_from_regions, runs_from_proto
 from xavier_core.transfer.xfer import Transfer
 
@@ -53,17 +48,13 @@ class AuxNixlAgent(NixlAgent):
             name, buffers, progress_thread, backend=backend, transfer_timeout_s=transfer_timeout_s
         )
         self.aux_buffers = tuple(aux_buffers)
-        self._aux_reg: object | None = None
         if not self.aux_buffers:
             return
         try:
-            self.aux_mem = check_buffers(self.aux_buffers, "local aux")
-            self._aux_reg = register_buffers(self.raw, self.aux_buffers, self.aux_mem)
+            self.aux_mem = self.register_extra(self.aux_buffers, "local aux")
         except BaseException:
-            super().close()
+            self.close()
             raise
-        # The metadata taken by the base class predates the aux registration: peers need both groups.
-        self._metadata = self.raw.metadata()
 
     @property
     def num_slots(self) -> int:
@@ -86,18 +77,6 @@ class AuxNixlAgent(NixlAgent):
             self.aux_buffers, self.aux_mem, "aux", peer_key, remote_aux, src_slots, dst_slots, notif,
             "coalesced", timeout_s,
         )  # fmt: skip
-
-    def close(self) -> None:
-        """Like `NixlAgent.close`, and deregisters the aux group too. Idempotent."""
-        with self.lock:
-            try:
-                super().close()
-            finally:
-                if self._aux_reg is not None:
-                    try:
-                        self.raw.deregister(self._aux_reg)
-                    finally:
-                        self._aux_reg = None
 
 
 def aux_from_proto(

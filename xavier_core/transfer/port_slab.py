@@ -24,7 +24,7 @@ class PortSlab:
         if len(devices) != 1:
             raise FailedPrecondition(f"staging needs one KV device, got {sorted(devices)}")
         self.slab = Slab(layout, devices.pop())
-        agent.register_extra(self.slab.buffer)
+        agent.register_extra([self.slab.buffer], "staging slab")
         self.pool = View.of(buffers)  # the KV buffers, for gathers and scatters
         self._num_buffers = len(buffers)
         self._rooms: dict[int, list[int]] = {}  # source rooms' chunks
