@@ -226,10 +226,7 @@ class SglangHost:
     async def _leave_mesh(self) -> None:
         """Unregisters this service's registrations and the dead child's (found by our address), so the
         directory ends their rooms now and the router stops choosing them."""
-        if self._session is not None:
-            with contextlib.suppress(Exception):
-                await self._session.stop(unregister=True)
-            self._session = None
+        await self._end_session()
         if self.directory is None:
             return
         with contextlib.suppress(XavierError):
@@ -262,10 +259,19 @@ class SglangHost:
         if not self.failed:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), self.config.grace_seconds / 2)
-        if self._session is not None:
-            with contextlib.suppress(Exception):
-                await self._session.stop(unregister=True)
+        await self._end_session()
         await self._close()
+
+    async def _end_session(self) -> None:
+        """Unregisters the service's own registration (unified); a directory that cannot be told lets
+        the lease expire instead, which ends the rooms later but ends them."""
+        session, self._session = self._session, None
+        if session is None:
+            return
+        try:
+            await session.stop(unregister=True)
+        except Exception as exc:
+            log.warning("unregister failed; the lease expires instead", error=f"{type(exc).__name__}: {exc}")
 
     async def _close(self) -> None:
         """Stops SGLang and closes the clients of it and of the directory (a stop, or a failed start)."""
