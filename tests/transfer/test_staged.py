@@ -8,7 +8,6 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from multiprocessing.connection import Connection
-from typing import Any
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from tests.transfer.kvpool import (
     kv_buffers,
     make_pool,
     page_bytes,
+    serve_port,
     spawned,
 )
 from tests.transfer.test_port import SRC_SEED, PortSource
@@ -42,24 +42,7 @@ async def _serve(conn: Connection, name: str, poll: float) -> None:
         name, kv_buffers(pool), PAGE_SIZE, poll, transport="staged",
         slab_bytes=SRC_CHUNKS * CHUNK, chunk_bytes=CHUNK,
     )  # fmt: skip
-    conn.send("ready")
-    while True:
-        cmd, *args = await asyncio.to_thread(conn.recv)
-        reply: Any = None
-        if cmd == "stop":
-            break
-        if cmd == "publish":
-            desc = await port.publish(args[0], args[1], "fp")
-            reply = (desc.SerializeToString(), port.endpoint("host-a").SerializeToString())
-        elif cmd == "wait":
-            reply = await port.wait_read_end(args[0], 10)
-        elif cmd == "unpublish":
-            await port.unpublish(args[0], completed=args[1])
-        elif cmd == "stats":
-            reply = port.stats()["staging"]
-        conn.send(reply)
-    await port.close()
-    conn.send("closed")
+    await serve_port(conn, port, "host-a", extra={"stats": lambda: port.stats()["staging"]})
 
 
 def _source_main(conn: Connection, name: str, poll: float) -> None:
