@@ -12,6 +12,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 import pytest
 from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import types_pb2
 
 from tests.transfer.kvpool import (
     HEAD_DIM,
@@ -219,6 +220,25 @@ async def test_refused_destination_pages_hold_no_slab_chunk(
     assert page_bytes(pool, [6, 7, 8, 9, 10]) == page_bytes(source.pool, [1, 2, 3, 4, 5])
     await source.call("unpublish", 902, True)
     assert (await source.call("stats"))["bytes_in_use"] == 0 and port.staging_bytes_in_use == 0
+
+
+async def test_a_source_slab_of_other_page_records_is_not_read_staged(
+    source: Source, reader: tuple[KvPort, list[np.ndarray]]
+) -> None:
+    """A source whose pages are twice the reader's, with chunks of as many pages: the staged READ would
+    land bytes of another layout (I4); the pull reads page runs, whose READ refuses the layout."""
+    port, pool = reader
+    desc, endpoint = await source.publish(950, [1, 2, 3, 4, 5])
+    forged = types_pb2.TransferEndpoint()
+    forged.CopyFrom(endpoint)
+    for region in (*forged.regions, forged.staging_slab):
+        region.bytes_per_page *= 2
+    with pytest.raises(Unavailable):
+        await port.pull(950, desc, forged, source.key, [6, 7, 8, 9, 10], timeout=5, park_timeout=5)
+    assert port.by_transport["staged"].transfers == 0 and port.stats()["staging"]["fallbacks"] == 1
+    assert not any(np.frombuffer(b, np.uint8).any() for b in page_bytes(pool, [6, 7, 8, 9, 10]))
+    assert port.staging_bytes_in_use == 0
+    await source.call("unpublish", 950, False)
 
 
 async def test_who_stages_follows_the_transport_setting(reader: tuple[KvPort, list[np.ndarray]]) -> None:
