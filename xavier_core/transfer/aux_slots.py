@@ -25,7 +25,7 @@ from xavier_core.transfer import runs
 from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import InvalidSourceError, LayoutError
 from xavier_core.transfer.nixl_backend import DEFAULT_TRANSFER_TIMEOUT_S, NixlAgent, check_buffers
-from xavier_core.transfer.source import MAX_BUFFERS, buffers_from_regions, runs_from_proto
+from xavier_core.transfer.source import MAX_BUFFERS, MAX_RUNS, buffers_from_regions, runs_from_proto
 from xavier_core.transfer.xfer import Transfer
 
 __all__ = ["AuxNixlAgent", "aux_from_proto"]
@@ -92,6 +92,15 @@ def aux_from_proto(
             check_buffers(buffers, "endpoint.aux_regions")
         except LayoutError as exc:
             raise InvalidSourceError(str(exc)) from exc
-    if source.aux_runs and not buffers:
+    if not source.aux_runs:
+        return buffers, np.zeros(0, dtype=np.int64)
+    if not buffers:
         raise InvalidSourceError("aux_runs: the source's endpoint has no aux_regions")
-    return buffers, runs.runs_to_pages(runs_from_proto(source.aux_runs, "aux_runs"))
+    if len(source.aux_runs) > MAX_RUNS:
+        raise InvalidSourceError(f"aux_runs: more than {MAX_RUNS}")
+    slot_runs = runs_from_proto(source.aux_runs, "aux_runs")
+    # Checked on the runs, before any expansion: a forged count must not size an allocation.
+    slots = min(b.num_pages for b in buffers)
+    if sum(r.count for r in slot_runs) > slots or max(r.first + r.count for r in slot_runs) > slots:
+        raise InvalidSourceError(f"aux_runs: slots outside the source's {slots} aux slots")
+    return buffers, runs.runs_to_pages(slot_runs)
