@@ -118,8 +118,8 @@ class SglangHost:
         )
         self.http = SglangHttp(launch.url, launch.api_key, cfg.sglang.request_timeout_seconds)
         self.child = SglangChild(launch)
-        await self.child.start()
         try:
+            await self.child.start()
             await self.child.wait_healthy(self.http.session, cfg.sglang.health_timeout_seconds)
             if not self.native:
                 self.directory = DirectoryClient(cfg.peer.directory, timeout=cfg.peer.rpc_timeout_seconds)
