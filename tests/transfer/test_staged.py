@@ -241,6 +241,21 @@ async def test_a_source_slab_of_other_page_records_is_not_read_staged(
     await source.call("unpublish", 950, False)
 
 
+async def test_a_room_published_twice_is_refused_and_the_first_stays(
+    reader: tuple[KvPort, list[np.ndarray]],
+) -> None:
+    port, _ = reader
+    await port.publish(990, [1, 2, 3, 4, 5], "fp")
+    held = port.staging_bytes_in_use
+    assert held > 0 and port.published == 1
+    with pytest.raises(FailedPrecondition) as err:
+        await port.publish(990, [6, 7], "fp")
+    assert err.value.reason == "ROOM_BUSY"
+    assert port.staging_bytes_in_use == held and port.published == 1 and 990 in port._senders
+    await port.unpublish(990, completed=False)
+    assert port.staging_bytes_in_use == 0 and port.published == 0
+
+
 async def test_who_stages_follows_the_transport_setting(reader: tuple[KvPort, list[np.ndarray]]) -> None:
     staged, _ = reader
     assert staged.stages_for(None) and staged.stages_for("host-b") and not staged.needs_reader_host
