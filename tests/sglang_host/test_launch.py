@@ -11,7 +11,7 @@ import pytest
 from xavier.v1 import types_pb2
 from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.sglang_host.child import SglangChild
-from xavier_services.sglang_host.client import http_error
+from xavier_services.sglang_host.client import SglangHttp, http_error
 from xavier_services.sglang_host.config import OWNED_FLAGS, SglangSection
 from xavier_services.sglang_host.launch import Launch, LaunchSpec, build_launch
 
@@ -199,3 +199,34 @@ async def test_child_output_is_copied_past_a_line_over_the_stream_limit() -> Non
     await child.start()
     assert await asyncio.wait_for(child.wait_exit(), 15) == 0  # else it blocks writing
     assert child.tail[-1] == "after the long line"
+
+
+async def test_a_cumulative_event_longer_than_aiohttps_line_limit_is_read() -> None:
+    """Events are cumulative: a long output's last event outgrows aiohttp's line reader (512 KiB)."""
+    from aiohttp import web
+
+    ids = list(range(200_000))  # ~1.3 MB of output_ids, one event
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        event = {"text": "ab", "output_ids": ids, "meta_info": {"finish_reason": {"type": "length"}}}
+        await resp.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    http = SglangHttp(f"http://127.0.0.1:{port}", "key", 30)
+    try:
+        deltas = [d async for d in http.stream({"input_ids": [1]})]
+    finally:
+        await http.close()
+        await runner.cleanup()
+    assert (
+        len(deltas) == 1 and deltas[0].token_ids == ids and deltas[0].finish == types_pb2.FINISH_REASON_LENGTH
+    )
