@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from xavier.v1 import types_pb2
 from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.sglang_host.child import SglangChild
@@ -17,7 +20,7 @@ from xavier_services.sglang_host.launch import Launch, LaunchSpec, build_launch
 
 from tests.support.sglang_standin import parser as standin_parser
 from xavier_core.runtime.config import ConfigError, load_config
-from xavier_core.runtime.errors import InvalidArgument
+from xavier_core.runtime.errors import InvalidArgument, Unavailable
 
 
 def _spec(model_dir: Path, role: types_pb2.Role.ValueType, **kw: object) -> LaunchSpec:
@@ -201,10 +204,28 @@ async def test_child_output_is_copied_past_a_line_over_the_stream_limit() -> Non
     assert child.tail[-1] == "after the long line"
 
 
+@contextlib.asynccontextmanager
+async def _sglang_http(
+    generate: Callable[[web.Request], Awaitable[web.StreamResponse]], timeout: float
+) -> AsyncIterator[SglangHttp]:
+    """An `SglangHttp` over a local HTTP server whose /generate is `generate`."""
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    http = SglangHttp(f"http://127.0.0.1:{port}", "key", timeout)
+    try:
+        yield http
+    finally:
+        await http.close()
+        await runner.cleanup()
+
+
 async def test_a_cumulative_event_longer_than_aiohttps_line_limit_is_read() -> None:
     """Events are cumulative: a long output's last event outgrows aiohttp's line reader (512 KiB)."""
-    from aiohttp import web
-
     ids = list(range(200_000))  # ~1.3 MB of output_ids, one event
 
     async def generate(request: web.Request) -> web.StreamResponse:
@@ -214,19 +235,27 @@ async def test_a_cumulative_event_longer_than_aiohttps_line_limit_is_read() -> N
         await resp.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
         return resp
 
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    http = SglangHttp(f"http://127.0.0.1:{port}", "key", 30)
-    try:
+    async with _sglang_http(generate, 30) as http:
         deltas = [d async for d in http.stream({"input_ids": [1]})]
-    finally:
-        await http.close()
-        await runner.cleanup()
     assert (
         len(deltas) == 1 and deltas[0].token_ids == ids and deltas[0].finish == types_pb2.FINISH_REASON_LENGTH
     )
+
+
+async def test_a_request_past_the_request_timeout_is_unavailable() -> None:
+    async def stalled(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await asyncio.sleep(1.5)  # past the client's timeout; the server's clean-up waits for it
+        return resp
+
+    async with _sglang_http(stalled, 0.3) as http:
+        for call in (http.generate({"input_ids": [1]}), _drain(http.stream({"input_ids": [1]}))):
+            with pytest.raises(Unavailable) as err:
+                await call
+            assert err.value.reason == "PEER_UNAVAILABLE" and "request_timeout_seconds" in err.value.message
+
+
+async def _drain(stream: AsyncIterator[object]) -> None:
+    async for _ in stream:
+        pass
