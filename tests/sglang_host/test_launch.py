@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from xavier_services.sglang_host.client import SglangHttp, http_error
 from xavier_services.sglang_host.config import OWNED_FLAGS, SglangSection
 from xavier_services.sglang_host.launch import Launch, LaunchSpec, build_launch
 
+from tests.support.local_http import Handler, generate_server, stalled
 from tests.support.sglang_standin import parser as standin_parser
 from xavier_core.runtime.config import ConfigError, load_config
 from xavier_core.runtime.errors import InvalidArgument, Unavailable
@@ -205,23 +206,14 @@ async def test_child_output_is_copied_past_a_line_over_the_stream_limit() -> Non
 
 
 @contextlib.asynccontextmanager
-async def _sglang_http(
-    generate: Callable[[web.Request], Awaitable[web.StreamResponse]], timeout: float
-) -> AsyncIterator[SglangHttp]:
+async def _sglang_http(generate: Handler, timeout: float) -> AsyncIterator[SglangHttp]:
     """An `SglangHttp` over a local HTTP server whose /generate is `generate`."""
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    http = SglangHttp(f"http://127.0.0.1:{port}", "key", timeout)
-    try:
-        yield http
-    finally:
-        await http.close()
-        await runner.cleanup()
+    async with generate_server(generate) as url:
+        http = SglangHttp(url, "key", timeout)
+        try:
+            yield http
+        finally:
+            await http.close()
 
 
 async def test_a_cumulative_event_longer_than_aiohttps_line_limit_is_read() -> None:
@@ -243,12 +235,6 @@ async def test_a_cumulative_event_longer_than_aiohttps_line_limit_is_read() -> N
 
 
 async def test_a_request_past_the_request_timeout_is_unavailable() -> None:
-    async def stalled(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse()
-        await resp.prepare(request)
-        await asyncio.sleep(1.5)  # past the client's timeout; the server's clean-up waits for it
-        return resp
-
     async with _sglang_http(stalled, 0.3) as http:
         for call in (http.generate({"input_ids": [1]}), _drain(http.stream({"input_ids": [1]}))):
             with pytest.raises(Unavailable) as err:
