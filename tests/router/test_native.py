@@ -9,13 +9,20 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
+from xavier.v1 import types_pb2
 from xavier_client import Client, UnavailableError
+from xavier_services.router.config import NativeConfig
+from xavier_services.router.native import native_flow
+from xavier_services.router.request import Prepared
 
+from tests.support.local_http import generate_server, stalled
 from tests.support.procs import ServiceProc, start_service
 from tests.support.sglang_double import SglangDouble
 from xavier_core.engine.tiny import make_tiny
+from xavier_core.runtime.errors import Unavailable
 
 pytestmark = pytest.mark.integration
 
@@ -142,3 +149,13 @@ def test_against_real_sglang(tmp_path: Path) -> None:
         assert res.completion_tokens > 0 and res.finish_reason in ("stop", "length")
     finally:
         router.stop()
+
+
+async def test_servers_that_do_not_answer_within_the_timeout_are_unavailable() -> None:
+    """aiohttp ends a request past its total timeout with a bare TimeoutError: mapped, not INTERNAL."""
+    cfg_prep = Prepared("r1", (1, 2), types_pb2.SamplingParams(max_tokens=2), 0, "")
+    async with generate_server(stalled) as url, aiohttp.ClientSession() as session:
+        with pytest.raises(Unavailable) as err:
+            async for _ in native_flow(cfg_prep, NativeConfig(prefill_url=url, decode_url=url), session, 0.3):
+                pass
+    assert err.value.reason == "NATIVE_UNAVAILABLE" and "did not answer within" in err.value.message

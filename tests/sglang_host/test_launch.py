@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from xavier.v1 import types_pb2
 from xavier_services.peer.config import PeerServiceConfig
-from xavier_services.sglang_host.client import http_error
+from xavier_services.sglang_host.child import SglangChild
+from xavier_services.sglang_host.client import SglangHttp, http_error
 from xavier_services.sglang_host.config import OWNED_FLAGS, SglangSection
 from xavier_services.sglang_host.launch import Launch, LaunchSpec, build_launch
 
+from tests.support.local_http import Handler, generate_server, stalled
 from tests.support.sglang_standin import parser as standin_parser
 from xavier_core.runtime.config import ConfigError, load_config
-from xavier_core.runtime.errors import InvalidArgument
+from xavier_core.runtime.errors import InvalidArgument, Unavailable
 
 
 def _spec(model_dir: Path, role: types_pb2.Role.ValueType, **kw: object) -> LaunchSpec:
@@ -191,3 +198,55 @@ def test_passed_through_args_are_kept_and_parse_as_sglang_would(model: Path) -> 
 def test_sglang_http_errors_map_to_statuses(status: int, code: str, reason: str) -> None:
     err = http_error(status, '{"error": {"message": "x"}}')
     assert err.code.name == code and err.reason == reason
+
+
+async def test_child_output_is_copied_past_a_line_over_the_stream_limit() -> None:
+    """A line longer than the pipe reader's limit must not stop the copy: an undrained pipe would block
+    SGLang on its next write."""
+    script = "import sys; sys.stdout.write('x' * 300_000 + '\\n'); print('after the long line', flush=True)"
+    child = SglangChild(Launch([sys.executable, "-c", script], {}, "http://127.0.0.1:9", "key"))
+    await child.start()
+    assert await asyncio.wait_for(child.wait_exit(), 15) == 0  # else it blocks writing
+    assert child.tail[-1] == "after the long line"
+
+
+@contextlib.asynccontextmanager
+async def _sglang_http(generate: Handler, timeout: float) -> AsyncIterator[SglangHttp]:
+    """An `SglangHttp` over a local HTTP server whose /generate is `generate`."""
+    async with generate_server(generate) as url:
+        http = SglangHttp(url, "key", timeout)
+        try:
+            yield http
+        finally:
+            await http.close()
+
+
+async def test_a_cumulative_event_longer_than_aiohttps_line_limit_is_read() -> None:
+    """Events are cumulative: a long output's last event outgrows aiohttp's line reader (512 KiB)."""
+    ids = list(range(200_000))  # ~1.3 MB of output_ids, one event
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        event = {"text": "ab", "output_ids": ids, "meta_info": {"finish_reason": {"type": "length"}}}
+        await resp.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    async with _sglang_http(generate, 30) as http:
+        deltas = [d async for d in http.stream({"input_ids": [1]})]
+    assert (
+        len(deltas) == 1 and deltas[0].token_ids == ids and deltas[0].finish == types_pb2.FINISH_REASON_LENGTH
+    )
+
+
+async def test_a_request_past_the_request_timeout_is_unavailable() -> None:
+    async with _sglang_http(stalled, 0.3) as http:
+        for call in (http.generate({"input_ids": [1]}), _drain(http.stream({"input_ids": [1]}))):
+            with pytest.raises(Unavailable) as err:
+                await call
+            assert err.value.reason == "PEER_UNAVAILABLE" and "request_timeout_seconds" in err.value.message
+
+
+async def _drain(stream: AsyncIterator[object]) -> None:
+    async for _ in stream:
+        pass

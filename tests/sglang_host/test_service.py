@@ -345,6 +345,22 @@ def test_sigterm_lets_a_request_in_flight_finish(start_sglang_peer: Start) -> No
         stream = stub.GenerateUnified(req, timeout=30)
         first = next(stream)
         unified.proc.send_signal(signal.SIGTERM)
+        # While the request in flight finishes, a new one is refused (so the wait for it ends).
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        _wait(lambda: health_status(unified.address) == not_serving, 5, "NOT_SERVING after SIGTERM")
+        refused = ""
+        for i in range(20):
+            probe = dpb.GenerateUnifiedRequest(
+                request_id=f"late-{i}", token_ids=[4, 5], sampling=types_pb2.SamplingParams(max_tokens=1)
+            )
+            try:
+                list(stub.GenerateUnified(probe, timeout=10))
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE
+                refused = _reason(err)
+                break
+            time.sleep(0.02)
+        assert refused == "SHUTTING_DOWN"
         rest = list(stream)
     ids = [*first.delta.token_ids, *(t for m in rest for t in m.delta.token_ids)]
     assert ids == _expected([4, 5], 12) and rest[-1].finish_reason == types_pb2.FINISH_REASON_LENGTH

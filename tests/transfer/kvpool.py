@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing as mp
 import os
@@ -16,7 +17,7 @@ import numpy as np
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
-from xavier_core.transfer import KvBuffer, KvManager, KvPoll, KvReceiver, SourceInfo, endpoint_proto
+from xavier_core.transfer import KvBuffer, KvManager, KvPoll, KvPort, KvReceiver, SourceInfo, endpoint_proto
 
 _T = TypeVar("_T")
 
@@ -150,6 +151,36 @@ def receive(manager: KvManager, room: str, dest: list[int]) -> KvReceiver:
     rx.send_metadata(dest)
     assert rx.poll() == KvPoll.WAITING_FOR_INPUT
     return rx
+
+
+async def serve_port(
+    conn: Connection,
+    port: KvPort,
+    host_id: str,
+    wait_s: float = 10,
+    extra: dict[str, Callable[..., Any]] | None = None,
+) -> None:
+    """A source process's command loop over `port`: publish, wait, unpublish (and `extra` commands,
+    answered with their return value) until ("stop",); closes the port."""
+    conn.send("ready")
+    while True:
+        cmd, *args = await asyncio.to_thread(conn.recv)
+        reply: Any = None
+        if cmd == "stop":
+            break
+        if cmd == "publish":
+            desc = await port.publish(args[0], args[1], "fp")
+            reply = (desc.SerializeToString(), port.endpoint(host_id).SerializeToString())
+        elif cmd == "wait":
+            reply = await port.wait_read_end(args[0], wait_s)
+        elif cmd == "unpublish":
+            await port.unpublish(args[0], completed=args[1])
+            reply = (port.published, port.totals.transfers)
+        else:
+            reply = (extra or {})[cmd](*args)
+        conn.send(reply)
+    await port.close()
+    conn.send("closed")
 
 
 @contextlib.contextmanager

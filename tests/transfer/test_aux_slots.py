@@ -102,10 +102,11 @@ def test_wire_form_round_trips_and_is_validated() -> None:
     no_aux = endpoint_proto("agent", b"md", kv_bufs)
     with pytest.raises(InvalidSourceError, match="aux_regions"):
         aux_from_proto(source, no_aux)
-    bad = dpb.SourceDescriptor()
-    bad.aux_runs.add(first_page=0, count=0)
-    with pytest.raises(InvalidSourceError, match="aux_runs"):
-        aux_from_proto(bad, endpoint)
+    for first, count in ((0, 0), (0, (1 << 32) - 1), (SLOTS - 1, 2), (SLOTS, 1)):
+        bad = dpb.SourceDescriptor()  # empty, more than the slots (unexpanded), past the last slot
+        bad.aux_runs.add(first_page=first, count=count)
+        with pytest.raises(InvalidSourceError, match="aux_runs"):
+            aux_from_proto(bad, endpoint)
     endpoint.aux_regions[0].device = ""
     with pytest.raises(InvalidSourceError, match=r"aux_regions\[0\]\.device"):
         aux_from_proto(source, endpoint)

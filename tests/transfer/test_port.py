@@ -18,7 +18,7 @@ import pytest
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
-from tests.transfer.kvpool import PAGE_SIZE, kv_buffers, make_pool, page_bytes, spawned
+from tests.transfer.kvpool import PAGE_SIZE, kv_buffers, make_pool, page_bytes, serve_port, spawned
 from xavier_core.runtime.errors import FailedPrecondition, LayoutMismatch
 from xavier_core.transfer import KvPort, peer_key
 
@@ -30,25 +30,7 @@ SRC_KEY = peer_key("port-src", 1)
 
 async def _serve(conn: Connection, name: str, seed: int) -> None:
     pool = make_pool(seed)  # held for the life of the port: NIXL reads these addresses
-    port = KvPort(name, kv_buffers(pool), PAGE_SIZE)
-    conn.send("ready")
-    while True:
-        cmd, *args = await asyncio.to_thread(conn.recv)
-        reply: Any = None
-        if cmd == "stop":
-            break
-        if cmd == "publish":
-            room, pages = args
-            desc = await port.publish(room, pages, "fp")
-            reply = (desc.SerializeToString(), port.endpoint("host-a").SerializeToString())
-        elif cmd == "wait":
-            reply = await port.wait_read_end(args[0], 10)
-        elif cmd == "unpublish":
-            await port.unpublish(args[0], completed=args[1])
-            reply = (port.published, port.totals.transfers)
-        conn.send(reply)
-    await port.close()
-    conn.send("closed")
+    await serve_port(conn, KvPort(name, kv_buffers(pool), PAGE_SIZE), "host-a")
 
 
 def _source_main(conn: Connection, name: str, seed: int) -> None:

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 from xavier.v1 import directory_service_pb2 as dpb  # noqa: E402
 from xavier.v1 import types_pb2  # noqa: E402
 
-from tests.transfer.kvpool import spawned  # noqa: E402
+from tests.transfer.kvpool import serve_port, spawned  # noqa: E402
 from xavier_core.transfer import KvBuffer, KvPort, peer_key  # noqa: E402
 from xavier_core.transfer.cuda_copy import copy_stream  # noqa: E402
 
@@ -76,25 +76,8 @@ async def _serve(conn: Connection, seed: int) -> None:
     torch.cuda.set_device(0)
     pool = _pool("cuda:0", seed)
     port = KvPort(f"gpu-src-{os.getpid()}", _buffers(pool), PAGE_SIZE, transport="auto")
-    conn.send("ready")
-    while True:
-        cmd, *args = await asyncio.to_thread(conn.recv)
-        reply: Any = None
-        if cmd == "stop":
-            break
-        if cmd == "publish":
-            room, pages = args
-            desc = await port.publish(room, pages, "fp")
-            reply = (desc.SerializeToString(), port.endpoint("host").SerializeToString())
-        elif cmd == "pages":
-            reply = _pages(pool, args[0]).numpy()
-        elif cmd == "wait":
-            reply = await port.wait_read_end(args[0], 30)
-        elif cmd == "unpublish":
-            await port.unpublish(args[0], completed=args[1])
-        conn.send(reply)
-    await port.close()
-    conn.send("closed")
+    pages = {"pages": lambda ids: _pages(pool, ids).numpy()}
+    await serve_port(conn, port, "host", wait_s=30, extra=pages)
 
 
 def _source_main(conn: Connection, seed: int) -> None:

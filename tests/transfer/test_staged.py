@@ -8,11 +8,11 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from multiprocessing.connection import Connection
-from typing import Any
 
 import numpy as np
 import pytest
 from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import types_pb2
 
 from tests.transfer.kvpool import (
     HEAD_DIM,
@@ -23,6 +23,7 @@ from tests.transfer.kvpool import (
     kv_buffers,
     make_pool,
     page_bytes,
+    serve_port,
     spawned,
 )
 from tests.transfer.test_port import SRC_SEED, PortSource
@@ -42,24 +43,7 @@ async def _serve(conn: Connection, name: str, poll: float) -> None:
         name, kv_buffers(pool), PAGE_SIZE, poll, transport="staged",
         slab_bytes=SRC_CHUNKS * CHUNK, chunk_bytes=CHUNK,
     )  # fmt: skip
-    conn.send("ready")
-    while True:
-        cmd, *args = await asyncio.to_thread(conn.recv)
-        reply: Any = None
-        if cmd == "stop":
-            break
-        if cmd == "publish":
-            desc = await port.publish(args[0], args[1], "fp")
-            reply = (desc.SerializeToString(), port.endpoint("host-a").SerializeToString())
-        elif cmd == "wait":
-            reply = await port.wait_read_end(args[0], 10)
-        elif cmd == "unpublish":
-            await port.unpublish(args[0], completed=args[1])
-        elif cmd == "stats":
-            reply = port.stats()["staging"]
-        conn.send(reply)
-    await port.close()
-    conn.send("closed")
+    await serve_port(conn, port, "host-a", extra={"stats": lambda: port.stats()["staging"]})
 
 
 def _source_main(conn: Connection, name: str, poll: float) -> None:
@@ -215,6 +199,61 @@ async def test_forged_staging_runs_are_refused(
     await port.pull(800, desc, endpoint, source.key, [6, 7, 8, 9, 10], timeout=10, park_timeout=5)
     assert page_bytes(pool, [6, 7, 8, 9, 10]) == page_bytes(source.pool, [1, 2, 3, 4, 5])
     await source.call("unpublish", 800, True)
+
+
+async def test_refused_destination_pages_hold_no_slab_chunk(
+    source: Source, reader: tuple[KvPort, list[np.ndarray]]
+) -> None:
+    """Destination pages the staged read refuses (repeated, past the pool) fail the pull before any
+    READ is posted; the ring it had taken goes back, and the source is told no read comes."""
+    port, pool = reader
+    for room, dst in ((900, [6, 7, 7, 9, 10]), (901, [6, 7, 8, 9, PAGES])):
+        desc, endpoint = await source.publish(room, [1, 2, 3, 4, 5])
+        with pytest.raises(Unavailable) as err:
+            await port.pull(room, desc, endpoint, source.key, dst, timeout=5, park_timeout=5)
+        assert err.value.reason == "TRANSFER_FAILED"
+        assert port.staging_bytes_in_use == 0 and not port._staged
+        assert await source.call("wait", room) == "fail"
+        await source.call("unpublish", room, False)
+    await port.pull(902, *(await source.publish(902, [1, 2, 3, 4, 5])), source.key, [6, 7, 8, 9, 10],
+                    timeout=10, park_timeout=5)  # fmt: skip
+    assert page_bytes(pool, [6, 7, 8, 9, 10]) == page_bytes(source.pool, [1, 2, 3, 4, 5])
+    await source.call("unpublish", 902, True)
+    assert (await source.call("stats"))["bytes_in_use"] == 0 and port.staging_bytes_in_use == 0
+
+
+async def test_a_source_slab_of_other_page_records_is_not_read_staged(
+    source: Source, reader: tuple[KvPort, list[np.ndarray]]
+) -> None:
+    """A source whose pages are twice the reader's, with chunks of as many pages: the staged READ would
+    land bytes of another layout (I4); the pull reads page runs, whose READ refuses the layout."""
+    port, pool = reader
+    desc, endpoint = await source.publish(950, [1, 2, 3, 4, 5])
+    forged = types_pb2.TransferEndpoint()
+    forged.CopyFrom(endpoint)
+    for region in (*forged.regions, forged.staging_slab):
+        region.bytes_per_page *= 2
+    with pytest.raises(Unavailable):
+        await port.pull(950, desc, forged, source.key, [6, 7, 8, 9, 10], timeout=5, park_timeout=5)
+    assert port.by_transport["staged"].transfers == 0 and port.stats()["staging"]["fallbacks"] == 1
+    assert not any(np.frombuffer(b, np.uint8).any() for b in page_bytes(pool, [6, 7, 8, 9, 10]))
+    assert port.staging_bytes_in_use == 0
+    await source.call("unpublish", 950, False)
+
+
+async def test_a_room_published_twice_is_refused_and_the_first_stays(
+    reader: tuple[KvPort, list[np.ndarray]],
+) -> None:
+    port, _ = reader
+    await port.publish(990, [1, 2, 3, 4, 5], "fp")
+    held = port.staging_bytes_in_use
+    assert held > 0 and port.published == 1
+    with pytest.raises(FailedPrecondition) as err:
+        await port.publish(990, [6, 7], "fp")
+    assert err.value.reason == "ROOM_BUSY"
+    assert port.staging_bytes_in_use == held and port.published == 1 and 990 in port._senders
+    await port.unpublish(990, completed=False)
+    assert port.staging_bytes_in_use == 0 and port.published == 0
 
 
 async def test_who_stages_follows_the_transport_setting(reader: tuple[KvPort, list[np.ndarray]]) -> None:

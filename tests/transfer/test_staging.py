@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import types_pb2
 
 from tests.transfer.kvpool import PAGES, kv_buffers, make_pool, page_bytes
 from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import InvalidSourceError, LayoutError
+from xavier_core.transfer.source import SourceInfo, endpoint_proto
 from xavier_core.transfer.staging import Slab, SlabLayout, View
 
 
@@ -24,6 +27,11 @@ def test_layout_cuts_whole_records_into_chunks() -> None:
     for bad in (KvBuffer(1 << 20, 8192, 4000, "cpu"), KvBuffer(1 << 20, 100, 1024, "cpu")):
         with pytest.raises(InvalidSourceError, match="staging_slab"):
             SlabLayout.of_peer(bufs, bad)
+    # Network input: a peer's buffers without bytes per page are refused, not divided by.
+    for sizes in ((0, 0), (1000, 0), ()):
+        peer_bufs = [KvBuffer(4096, 1 << 20, size, "cpu") for size in sizes]
+        with pytest.raises(InvalidSourceError, match="bytes per page"):
+            SlabLayout.of_peer(peer_bufs, KvBuffer(1 << 20, 8192, 4096, "cpu"))
 
 
 def test_allocator_is_bounded_and_counts_fallbacks() -> None:
@@ -115,3 +123,23 @@ def test_cuda_gather_and_scatter_are_fused_and_exact() -> None:
         s_idx, d_idx = torch.from_numpy(s_pages).cuda(), torch.from_numpy(d_pages).cuda()
         for a, b in zip(src, dst, strict=True):
             assert torch.equal(a.view(pages, -1)[s_idx], b.view(pages, -1)[d_idx])
+
+
+def test_staging_runs_from_the_network_are_checked_before_they_are_expanded() -> None:
+    bufs = [KvBuffer(4096, 1 << 20, 1024, "cpu")]
+    slab = KvBuffer(1 << 20, 4 * 4096, 4096, "cpu")  # 4 chunks of 4 pages
+    endpoint = endpoint_proto("src", b"meta", bufs, "host-a", slab)
+
+    def desc(*runs: tuple[int, int]) -> dpb.SourceDescriptor:
+        return dpb.SourceDescriptor(
+            page_runs=[types_pb2.PageRun(first_page=0, count=8)],
+            num_pages=8,
+            staging_runs=[types_pb2.PageRun(first_page=f, count=c) for f, c in runs],
+        )
+
+    info = SourceInfo.from_proto(desc((1, 1), (3, 1)), endpoint)
+    assert list(info.staging_chunks()) == [1, 3]
+    big = (1 << 32) - 1  # the most a run may count: expanded, 32 GB of chunk ids
+    for runs in ([(0, big)], [(3, 2)], [(0, 1)], [(0, 1), (big - 1, 1)]):
+        with pytest.raises(InvalidSourceError, match="staging_runs"):
+            SourceInfo.from_proto(desc(*runs), endpoint)

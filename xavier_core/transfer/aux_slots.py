@@ -6,10 +6,10 @@ too. The transfer layer models them exactly like KV buffers (`KvBuffer`: one slo
 second group, addressed by slot ids instead of page ids, so a room's READ of its pages and of its slot
 never mix layouts.
 
-`AuxNixlAgent` is a `NixlAgent` that also registers the aux group (before its metadata is taken, so one
-metadata blob describes both groups) and READs slots. The wire form: the endpoint's `aux_regions` (written
-with `source.regions_proto`, like its `regions`) and the source descriptor's `aux_runs` (read back with
-`aux_from_proto`).
+`AuxNixlAgent` is a `NixlAgent` that also registers the aux group (`register_extra`: one metadata blob
+describes both groups, and `close` deregisters both) and READs slots. The wire form: the endpoint's
+`aux_regions` (written with `source.regions_proto`, like its `regions`) and the source descriptor's
+`aux_runs` (read back with `aux_from_proto`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,8 @@ from xavier.v1 import types_pb2
 from xavier_core.transfer import runs
 from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import InvalidSourceError, LayoutError
-from xavier_core.transfer.nixl_backend import (
-    DEFAULT_TRANSFER_TIMEOUT_S,
-    NixlAgent,
-    check_buffers,
-    register_buffers,
-)
-from xavier_core.transfer.source import MAX_BUFFERS, buffers_from_regions, runs_from_proto
+from xavier_core.transfer.nixl_backend import DEFAULT_TRANSFER_TIMEOUT_S, NixlAgent, check_buffers
+from xavier_core.transfer.source import MAX_BUFFERS, MAX_RUNS, buffers_from_regions, runs_from_proto
 from xavier_core.transfer.xfer import Transfer
 
 __all__ = ["AuxNixlAgent", "aux_from_proto"]
@@ -53,17 +48,13 @@ class AuxNixlAgent(NixlAgent):
             name, buffers, progress_thread, backend=backend, transfer_timeout_s=transfer_timeout_s
         )
         self.aux_buffers = tuple(aux_buffers)
-        self._aux_reg: object | None = None
         if not self.aux_buffers:
             return
         try:
-            self.aux_mem = check_buffers(self.aux_buffers, "local aux")
-            self._aux_reg = register_buffers(self.raw, self.aux_buffers, self.aux_mem)
+            self.aux_mem = self.register_extra(self.aux_buffers, "local aux")
         except BaseException:
-            super().close()
+            self.close()
             raise
-        # The metadata taken by the base class predates the aux registration: peers need both groups.
-        self._metadata = self.raw.metadata()
 
     @property
     def num_slots(self) -> int:
@@ -87,18 +78,6 @@ class AuxNixlAgent(NixlAgent):
             "coalesced", timeout_s,
         )  # fmt: skip
 
-    def close(self) -> None:
-        """Like `NixlAgent.close`, and deregisters the aux group too. Idempotent."""
-        with self.lock:
-            try:
-                super().close()
-            finally:
-                if self._aux_reg is not None:
-                    try:
-                        self.raw.deregister(self._aux_reg)
-                    finally:
-                        self._aux_reg = None
-
 
 def aux_from_proto(
     source: dpb.SourceDescriptor, endpoint: types_pb2.TransferEndpoint
@@ -113,6 +92,15 @@ def aux_from_proto(
             check_buffers(buffers, "endpoint.aux_regions")
         except LayoutError as exc:
             raise InvalidSourceError(str(exc)) from exc
-    if source.aux_runs and not buffers:
+    if not source.aux_runs:
+        return buffers, np.zeros(0, dtype=np.int64)
+    if not buffers:
         raise InvalidSourceError("aux_runs: the source's endpoint has no aux_regions")
-    return buffers, runs.runs_to_pages(runs_from_proto(source.aux_runs, "aux_runs"))
+    if len(source.aux_runs) > MAX_RUNS:
+        raise InvalidSourceError(f"aux_runs: more than {MAX_RUNS}")
+    slot_runs = runs_from_proto(source.aux_runs, "aux_runs")
+    # Checked on the runs, before any expansion: a forged count must not size an allocation.
+    slots = min(b.num_pages for b in buffers)
+    if sum(r.count for r in slot_runs) > slots or max(r.first + r.count for r in slot_runs) > slots:
+        raise InvalidSourceError(f"aux_runs: slots outside the source's {slots} aux slots")
+    return buffers, runs.runs_to_pages(slot_runs)

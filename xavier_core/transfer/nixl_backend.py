@@ -106,13 +106,15 @@ class NixlAgent:
         """Registered regions as (base address, length, device)."""
         return [(b.addr, b.nbytes, b.device) for b in self.buffers]
 
-    def register_extra(self, buffer: KvBuffer) -> None:
-        """Registers one more buffer beside the KV buffers (a staging slab) and retakes the metadata,
-        so one blob describes both: call before the metadata is handed to peers."""
-        mem = check_buffers([buffer], "extra region")
+    def register_extra(self, buffers: Sequence[KvBuffer], what: str = "extra region") -> MemType:
+        """Registers a group of buffers beside the KV buffers (a staging slab, an engine's aux slots;
+        deregistered by `close`) and retakes the metadata, so one blob describes every group: call
+        before the metadata is handed to peers. Returns the group's memory type."""
+        mem = check_buffers(buffers, what)
         with self.lock:
-            self._extra.append(register_buffers(self.raw, [buffer], mem))
+            self._extra.append(register_buffers(self.raw, buffers, mem))
             self._metadata = self.raw.metadata()
+        return mem
 
     def add_peer(self, peer_key: str, metadata: bytes) -> str:
         """Loads a peer's metadata once per key and returns its agent name.

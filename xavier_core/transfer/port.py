@@ -158,8 +158,20 @@ class KvPort(PortCore):
         and a reader that needs it (`stages_for`), the pages are gathered into slab chunks first.
 
         The descriptor leaves out this peer's endpoint: readers have it from the directory, once per epoch.
+        A room published (or being published) here already is refused: ROOM_BUSY.
         """
-        stage = self.stages_for(reader_host)
+        if room_id in self._published or room_id in self._publishing:
+            # Refused before anything is registered: the failure path below would drop the live room.
+            raise FailedPrecondition(f"room {room_id} is already published here", reason="ROOM_BUSY")
+        self._publishing.add(room_id)
+        try:
+            return await self._publish(room_id, page_ids, fingerprint, self.stages_for(reader_host))
+        finally:
+            self._publishing.discard(room_id)
+
+    async def _publish(
+        self, room_id: int, page_ids: Sequence[int], fingerprint: str, stage: bool
+    ) -> directory_service_pb2.SourceDescriptor:
 
         def _send() -> tuple[KvSender, SourceInfo]:
             sender = KvSender(self.manager, str(room_id))

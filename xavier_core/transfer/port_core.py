@@ -102,8 +102,9 @@ class PortCore:
         self.manager = KvManager(self.agent, self._buffers, page_size)
         # Fault-injection hook for tests/faults (a lost NIXL "done" notification); see KvManager.
         self.manager.drop_done_notifications = os.environ.get(DROP_DONE_ENV, "") == "1"
-        # Owned by the asyncio loop.
+        # Owned by the asyncio loop: published rooms, and rooms whose publication is under way.
         self._published: dict[int, Published] = {}
+        self._publishing: set[int] = set()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs `fn(*args)` on the NIXL thread."""

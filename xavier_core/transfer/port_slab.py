@@ -24,7 +24,7 @@ class PortSlab:
         if len(devices) != 1:
             raise FailedPrecondition(f"staging needs one KV device, got {sorted(devices)}")
         self.slab = Slab(layout, devices.pop())
-        agent.register_extra(self.slab.buffer)
+        agent.register_extra([self.slab.buffer], "staging slab")
         self.pool = View.of(buffers)  # the KV buffers, for gathers and scatters
         self._num_buffers = len(buffers)
         self._rooms: dict[int, list[int]] = {}  # source rooms' chunks
@@ -59,9 +59,11 @@ class PortSlab:
             self.slab.free(chunks)
 
     def matches(self, info: SourceInfo) -> bool:
-        """Whether a staged source's chunks fit this slab's ring; a mismatch is counted."""
+        """Whether a staged source's chunks fit this slab's ring (same pages per chunk, same page record);
+        a mismatch is counted, and the pull reads page runs, whose READ checks the layouts itself."""
         _, layout = info.staging_slab()  # checked in SourceInfo.from_proto
-        if layout.chunk_pages == self.slab.layout.chunk_pages:
+        mine = self.slab.layout
+        if (layout.chunk_pages, layout.sizes) == (mine.chunk_pages, mine.sizes):
             return True
         self.mismatches += 1
         return False

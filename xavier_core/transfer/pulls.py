@@ -196,10 +196,14 @@ async def pull_staged(
                 break
         if ring is None:
             return False
-        read = StagedRead(
-            core.agent, slab, pool, peer, remote, remote_layout, src_chunks, dest_pages,
-            ring, str(room_id), info.token, timeout,
-        )  # fmt: skip
+        try:
+            read = StagedRead(
+                core.agent, slab, pool, peer, remote, remote_layout, src_chunks, dest_pages,
+                ring, str(room_id), info.token, timeout,
+            )  # fmt: skip
+        except BaseException:
+            slab.free(ring)  # refused before anything was posted: the ring was never used
+            raise
         core._staged[read] = done
         read.start()  # from here the read's end tells the source (even if this task is cancelled)
         return True

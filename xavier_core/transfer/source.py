@@ -95,10 +95,12 @@ def _with_staging(
     staging = runs_from_proto(source.staging_runs, "staging_runs")
     info = dataclasses.replace(info, staging_runs=staging, slab=slab)
     _, layout = info.staging_slab()
-    chunks = info.staging_chunks()
-    if chunks.size != layout.chunks_for(info.num_pages) or int(chunks.max()) >= layout.num_chunks:
+    # Checked on the runs, before any expansion: a forged count must not size an allocation.
+    count = sum(r.count for r in staging)
+    last = max(r.first + r.count - 1 for r in staging)
+    if count != layout.chunks_for(info.num_pages) or last >= layout.num_chunks:
         raise InvalidSourceError(
-            f"staging_runs: {chunks.size} chunks (up to id {int(chunks.max())}) do not hold "
+            f"staging_runs: {count} chunks (up to id {last}) do not hold "
             f"{info.num_pages} pages in a slab of {layout.num_chunks} chunks"
         )
     return info

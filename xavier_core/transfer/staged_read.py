@@ -22,7 +22,7 @@ import numpy as np
 
 from xavier_core.runtime.logging import get_logger
 from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidPagesError, TransferError
+from xavier_core.transfer.errors import InvalidPagesError, LayoutError, TransferError
 from xavier_core.transfer.kv_transfer import KvPoll, done_notif, fail_notif
 from xavier_core.transfer.nixl_backend import NixlAgent
 from xavier_core.transfer.staging import I64, Slab, SlabLayout, View
@@ -55,8 +55,8 @@ class StagedRead:
         token: str,
         timeout_s: float,
     ) -> None:
-        if remote_layout.chunk_pages != slab.layout.chunk_pages:
-            raise TransferError("the source's slab chunks differ in size from the reader's")
+        if (remote_layout.chunk_pages, remote_layout.sizes) != (slab.layout.chunk_pages, slab.layout.sizes):
+            raise LayoutError("the source's slab chunks differ in pages or page record from the reader's")
         if src_chunks.size != slab.layout.chunks_for(dest_pages.size):
             raise InvalidPagesError(f"{src_chunks.size} slab chunks for {dest_pages.size} pages")
         if int(dest_pages.max()) >= pool.num_pages or np.unique(dest_pages).size != dest_pages.size:

@@ -97,6 +97,8 @@ class SlabLayout:
         """A peer's slab from its endpoint: its KV buffers and its `staging_slab` region (whose
         bytes_per_page is the chunk size). `InvalidSourceError` when the two do not fit together."""
         sizes = tuple(b.bytes_per_page for b in buffers)
+        if not sizes or min(sizes) < 1:
+            raise InvalidSourceError("endpoint.regions: a KV buffer without bytes per page")
         record = sum(sizes)
         if region.addr <= 0 or region.bytes_per_page < record or region.bytes_per_page % record:
             raise InvalidSourceError(

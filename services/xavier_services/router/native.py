@@ -97,11 +97,11 @@ async def native_flow(
             raise
         me.uncancel()
         err = prefill.exception()
-        if isinstance(err, aiohttp.ClientError):
-            raise Unavailable(f"native prefill unreachable: {err}", reason="NATIVE_UNAVAILABLE") from None
+        if isinstance(err, aiohttp.ClientError | TimeoutError):
+            raise _unreachable("native prefill", err, timeout) from None
         raise err from None  # type: ignore[misc]
-    except aiohttp.ClientError as exc:
-        raise Unavailable(f"native server unreachable: {exc}", reason="NATIVE_UNAVAILABLE") from None
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise _unreachable("native server", exc, timeout) from None
     except (ValueError, KeyError) as exc:
         raise Internal(f"native decode sent a malformed event: {exc}", reason="NATIVE_ERROR") from None
     finally:
@@ -111,6 +111,14 @@ async def native_flow(
                 prefill.result()
         else:
             prefill.cancel()
+
+
+def _unreachable(who: str, exc: BaseException, timeout: float) -> Unavailable:
+    """A failed connection, or no answer within the request's timeout (aiohttp raises a bare
+    TimeoutError for that, which would otherwise leave the router unmapped)."""
+    if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ClientError):
+        return Unavailable(f"{who} did not answer within {timeout:.0f}s", reason="NATIVE_UNAVAILABLE")
+    return Unavailable(f"{who} unreachable: {exc}", reason="NATIVE_UNAVAILABLE")
 
 
 __all__ = ["native_body", "native_flow", "new_bootstrap_room"]

@@ -64,7 +64,16 @@ class SglangChild:
         proc = self.proc
         if proc is None or proc.stdout is None:
             return
-        async for raw in proc.stdout:
+        while True:
+            try:
+                raw = await proc.stdout.readline()
+            except ValueError:
+                # A line past the stream's limit (a progress bar redrawn with '\r'): the reader dropped
+                # it. Reading on matters: a pipe nobody drains blocks SGLang on its next write.
+                self.tail.append("[a line too long to copy was dropped]")
+                continue
+            if not raw:
+                return
             line = raw.decode("utf-8", "replace").rstrip()
             self.tail.append(line)
             sys.stderr.write(f"[sglang] {line}\n")

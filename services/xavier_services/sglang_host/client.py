@@ -56,8 +56,8 @@ class SglangHttp:
                 if resp.status != 200:
                     raise http_error(resp.status, await resp.text())
                 answer = await resp.json(content_type=None)
-        except aiohttp.ClientError as exc:
-            raise Unavailable(f"SGLang is not reachable: {exc}", reason="PEER_UNAVAILABLE") from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _unreachable(exc, self._timeout) from None
         if not isinstance(answer, dict):
             raise Internal(f"SGLang answered {type(answer).__name__}, not an object", reason="ENGINE_ERROR")
         if "error" in answer:
@@ -101,8 +101,17 @@ class SglangHttp:
                 yield delta
                 if delta.finish:
                     return
-        except aiohttp.ClientError as exc:
-            raise Unavailable(f"SGLang is not reachable: {exc}", reason="PEER_UNAVAILABLE") from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _unreachable(exc, self._timeout) from None
         finally:
             if resp is not None:
                 resp.close()  # an unfinished stream's connection is dropped, not pooled
+
+
+def _unreachable(exc: Exception, timeout: aiohttp.ClientTimeout) -> Unavailable:
+    """A connection that failed, or a request past `sglang.request_timeout_seconds` (aiohttp raises a
+    bare TimeoutError for that, which would otherwise leave the servicer as an unmapped INTERNAL)."""
+    if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ClientError):
+        why = f"did not finish the request within {timeout.total:.0f}s (sglang.request_timeout_seconds)"
+        return Unavailable(f"SGLang {why}", reason="PEER_UNAVAILABLE")
+    return Unavailable(f"SGLang is not reachable: {exc}", reason="PEER_UNAVAILABLE")

@@ -64,6 +64,8 @@ class SglangHost:
         self.peer_id = config.peer.peer_id
         self.epoch = 0
         self.inflight = 0
+        self.stopping = False
+        """Set once a stop began: new requests are refused, so the wait for those in flight ends."""
         self._idle = asyncio.Event()
         self._idle.set()
         self.failed = ""
@@ -122,15 +124,15 @@ class SglangHost:
         )
         self.http = SglangHttp(launch.url, launch.api_key, cfg.sglang.request_timeout_seconds)
         self.child = SglangChild(launch)
-        await self.child.start()
         try:
+            await self.child.start()
             await self.child.wait_healthy(self.http.session, cfg.sglang.health_timeout_seconds)
             if not self.native:
                 self.directory = DirectoryClient(cfg.peer.directory, timeout=cfg.peer.rpc_timeout_seconds)
             if self.role == types_pb2.ROLE_UNIFIED:
                 await self._register()
         except BaseException:
-            await asyncio.shield(self.child.stop(cfg.sglang.stop_grace_seconds))  # never an orphan
+            await asyncio.shield(self._close())  # never an orphan
             raise
         self._watch = asyncio.create_task(self._supervise(handle), name="sglang-supervise")
         self._probe = asyncio.create_task(self._probe_health(handle), name="sglang-health")
@@ -165,7 +167,10 @@ class SglangHost:
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
-        """Counts a request in flight (the load reported, and what a stop waits for)."""
+        """Counts a request in flight (the load reported, and what a stop waits for); refuses one
+        once a stop began (UNAVAILABLE: the router retries it on another peer)."""
+        if self.stopping:
+            raise Unavailable("the service is shutting down", reason="SHUTTING_DOWN")
         self.inflight += 1
         self._idle.clear()
         try:
@@ -227,10 +232,7 @@ class SglangHost:
     async def _leave_mesh(self) -> None:
         """Unregisters this service's registrations and the dead child's (found by our address), so the
         directory ends their rooms now and the router stops choosing them."""
-        if self._session is not None:
-            with contextlib.suppress(Exception):
-                await self._session.stop(unregister=True)
-            self._session = None
+        await self._end_session()
         if self.directory is None:
             return
         with contextlib.suppress(XavierError):
@@ -254,16 +256,31 @@ class SglangHost:
         return address
 
     async def stop(self) -> None:
-        """Lets requests in flight finish (half the service's grace), then stops SGLang."""
+        """Refuses new requests, lets those in flight finish (half the service's grace), then stops
+        SGLang."""
+        self.stopping = True
         for task in (self._watch, self._probe):
             if task is not None:
                 task.cancel()
         if not self.failed:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), self.config.grace_seconds / 2)
-        if self._session is not None:
-            with contextlib.suppress(Exception):
-                await self._session.stop(unregister=True)
+        await self._end_session()
+        await self._close()
+
+    async def _end_session(self) -> None:
+        """Unregisters the service's own registration (unified); a directory that cannot be told lets
+        the lease expire instead, which ends the rooms later but ends them."""
+        session, self._session = self._session, None
+        if session is None:
+            return
+        try:
+            await session.stop(unregister=True)
+        except Exception as exc:
+            log.warning("unregister failed; the lease expires instead", error=f"{type(exc).__name__}: {exc}")
+
+    async def _close(self) -> None:
+        """Stops SGLang and closes the clients of it and of the directory (a stop, or a failed start)."""
         if self.child is not None:
             await self.child.stop(self.config.sglang.stop_grace_seconds)
         if self.http is not None:

@@ -21,6 +21,9 @@ from xavier_core.runtime.errors import Internal
 
 __all__ = ["Delta", "Deltas", "generate_body", "sampling_params", "sse_events"]
 
+MAX_EVENT_BYTES = 256 << 20
+"""The longest server-sent event read (a cumulative event of ~6M tokens with logprobs)."""
+
 _FINISH = {
     "stop": types_pb2.FINISH_REASON_STOP,
     "length": types_pb2.FINISH_REASON_LENGTH,
@@ -121,11 +124,30 @@ class Deltas:
         return delta
 
 
+async def _lines(resp: aiohttp.ClientResponse, who: str, reason: str) -> AsyncIterator[bytes]:
+    """The answer's lines, however long. Events are cumulative, so a long output's last events are long
+    too (with logprobs ~40 bytes a token): aiohttp's own line reader refuses lines over twice its read
+    buffer (512 KiB), past which a long request would fail; this caps a line at `MAX_EVENT_BYTES`."""
+    buf = bytearray()
+    scanned = 0  # no newline in buf[:scanned]
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        while (end := buf.find(b"\n", scanned)) >= 0:
+            yield bytes(buf[:end])
+            del buf[: end + 1]
+            scanned = 0
+        scanned = len(buf)
+        if scanned > MAX_EVENT_BYTES:
+            raise Internal(f"{who} sent an event over {MAX_EVENT_BYTES} bytes", reason=reason)
+    if buf:
+        yield bytes(buf)
+
+
 async def sse_events(resp: aiohttp.ClientResponse, who: str) -> AsyncIterator[dict[str, Any]]:
     """The JSON events of a streamed answer, up to `[DONE]`; an `error` event raises `Internal`
     (NATIVE_ERROR when `who` is a native server, ENGINE_ERROR otherwise)."""
     reason = "NATIVE_ERROR" if who.startswith("native") else "ENGINE_ERROR"
-    async for raw in resp.content:
+    async for raw in _lines(resp, who, reason):
         line = raw.decode("utf-8", "replace").strip()
         if not line.startswith("data:"):
             continue

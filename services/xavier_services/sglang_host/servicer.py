@@ -71,10 +71,6 @@ class _Base:
                 "this SGLang uses its own NIXL backend: use the router's native mode", reason="WRONG_ROLE"
             )
 
-    async def drain(self) -> None:
-        """In-flight requests run on; stopping SGLang afterwards ends the rest (their calls fail
-        UNAVAILABLE)."""
-
 
 class SglangPrefillServicer(_Base, prefill_service_pb2_grpc.PrefillServiceServicer):  # type: ignore[misc]
     async def Prefill(self, request: ppb.PrefillRequest, context: Ctx) -> ppb.PrefillResponse:
