@@ -229,6 +229,11 @@ def test_bad_input(clock: FakeClock) -> None:
         state.publish_source("", 1, pair(p, d), dpb.SourceDescriptor(page_runs=runs, num_pages=3))
     with pytest.raises(InvalidArgument):
         state.publish_source("", 1, pair(p, d), dpb.SourceDescriptor(page_runs=runs[:1], num_pages=2))
+    for extra in ("staging_runs", "aux_runs"):
+        forged = dpb.SourceDescriptor(page_runs=runs[:1], num_pages=1, **{extra: runs})
+        with pytest.raises(InvalidArgument) as err:
+            state.publish_source("", 1, pair(p, d), forged)
+        assert err.value.metadata["field"] == f"source.{extra}"
     for cause in (dpb.ROOM_END_CAUSE_UNSPECIFIED, 99):
         with pytest.raises(InvalidArgument):
             state.abort_room("", 1, cause, "", "", 0)

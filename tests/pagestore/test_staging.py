@@ -57,3 +57,16 @@ async def test_slot_leases_wait_for_each_other() -> None:
     assert sorted(staging._free) == [0, 1, 2, 3]
     with pytest.raises(InvalidPagesError):
         await staging.acquire(5)
+
+
+async def test_retired_slots_are_never_lent_and_waiters_are_refused() -> None:
+    pool = np.zeros(8 * 64, np.uint8)
+    staging = HostStaging([KvBuffer(pool.ctypes.data, pool.nbytes, 64, "cpu")], 4)
+    stuck = await staging.acquire(2)
+    waiting = asyncio.ensure_future(staging.acquire(3))
+    await asyncio.sleep(0.05)
+    await staging.retire(stuck)  # 2 usable slots left: a wait for 3 could never end
+    with pytest.raises(InvalidPagesError, match="2 are still usable"):
+        await waiting
+    assert sorted(await staging.acquire(2)) == [2, 3]
+    assert staging.usable == 2

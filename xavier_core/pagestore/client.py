@@ -277,7 +277,9 @@ class PageStoreClient:
                 store, lambda: self._read_verified(store, rows, local, sums, pages)
             )
         except _TransferStuck:
-            slots = []  # NIXL may still write into them: never lent again
+            if self.staging is not None:
+                await self.staging.retire(slots)  # NIXL may still write into them: never lent again
+            slots = []
             raise
         finally:
             if slots and self.staging is not None:
@@ -325,8 +327,9 @@ class PageStoreClient:
             rows = self.geometry.span_descriptors(_spans(resp.spans), self._bases, src)
             sums = await self._off_loop(store, lambda: self._write_summed(store, rows, local, src))
         except BaseException as exc:
-            if isinstance(exc, _TransferStuck):
-                slots = []  # NIXL may still read them: never lent again
+            if isinstance(exc, _TransferStuck) and self.staging is not None:
+                await self.staging.retire(slots)  # NIXL may still read them: never lent again
+                slots = []
             self._releases.start(self._release(resp.lease_id, []))
             raise
         finally:
@@ -350,7 +353,8 @@ class PageStoreClient:
     def _chunk_limit(self) -> int:
         """Keys per call: the store's batch limit, and the host mirror's size for a device pool."""
         limit = (self._store.max_keys if self._store else None) or 1024
-        return min(limit, self.staging.slots) if self.staging is not None else limit
+        # At least 1: with every slot retired, the call asks for one and is refused (a miss).
+        return max(1, min(limit, self.staging.usable)) if self.staging is not None else limit
 
     # --- plumbing -------------------------------------------------------------------------------------
 

@@ -23,24 +23,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.cuda_copy import CudaBytes
 from xavier_core.transfer.errors import InvalidPagesError
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["HostStaging"]
-
-
-class _DeviceBytes:
-    """A raw device range as a torch tensor, through the CUDA array interface."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 3,
-        }
 
 
 class HostStaging:
@@ -79,6 +68,8 @@ class HostStaging:
             for t, b in zip(self._host, pool, strict=True)
         )
         self._free = list(range(slots))
+        self.usable = slots
+        """Slots not retired: the most one call may take."""
         self._freed: asyncio.Condition | None = None
 
     # --- slot leases (event loop) ------------------------------------------------------------------------
@@ -90,9 +81,21 @@ class HostStaging:
         if self._freed is None:
             self._freed = asyncio.Condition()
         async with self._freed:
-            await self._freed.wait_for(lambda: len(self._free) >= n)
+            # Slots retired meanwhile can leave fewer usable than asked: refuse then, never wait forever.
+            await self._freed.wait_for(lambda: len(self._free) >= n or n > self.usable)
+            if n > self.usable:
+                raise InvalidPagesError(f"asked for {n} staging slots; {self.usable} are still usable")
             taken, self._free = self._free[:n], self._free[n:]
         return taken
+
+    async def retire(self, slots: Sequence[int]) -> None:
+        """Takes leased `slots` out of use for good (a transfer that may still touch them could not be
+        cancelled); waiters that now ask for more than is usable are refused."""
+        if self._freed is None:
+            self._freed = asyncio.Condition()
+        async with self._freed:
+            self.usable -= len(slots)
+            self._freed.notify_all()
 
     async def release(self, slots: Sequence[int]) -> None:
         if self._freed is None:
@@ -152,4 +155,4 @@ def _view(buf: KvBuffer) -> torch.Tensor:
     if buf.device == "cpu":
         raw = (ctypes.c_char * size).from_address(buf.addr)
         return torch.frombuffer(raw, dtype=torch.uint8).view(rows)
-    return torch.as_tensor(_DeviceBytes(buf.addr, size), device=buf.device).view(rows)
+    return torch.as_tensor(CudaBytes(buf.addr, size), device=buf.device).view(rows)

@@ -224,7 +224,7 @@ def _kernel() -> Any:
     return _copy_pages_kernel
 
 
-class _CudaBytes:
+class CudaBytes:
     """A raw device range as a torch tensor, through the CUDA array interface."""
 
     def __init__(self, ptr: int, nbytes: int) -> None:
@@ -247,8 +247,8 @@ def _torch_copy(src: PoolView, dst: PoolView, src_pages: object, dst_pages: obje
     s_idx = torch.from_numpy(s).to(f"cuda:{src.device}")
     d_idx = torch.from_numpy(d).to(f"cuda:{dst.device}")
     for sb, db, bpp in zip(src.bases, dst.bases, src.bytes_per_page, strict=True):
-        src_t = torch.as_tensor(_CudaBytes(sb, src.num_pages * bpp)).view(-1, bpp)
-        dst_t = torch.as_tensor(_CudaBytes(db, dst.num_pages * bpp)).view(-1, bpp)
+        src_t = torch.as_tensor(CudaBytes(sb, src.num_pages * bpp)).view(-1, bpp)
+        dst_t = torch.as_tensor(CudaBytes(db, dst.num_pages * bpp)).view(-1, bpp)
         staged = src_t.index_select(0, s_idx).to(dst_t.device, non_blocking=True)
         dst_t.index_copy_(0, d_idx, staged)
     return int(s.size) * sum(src.bytes_per_page), 2 * len(src.bases) + 1

@@ -103,5 +103,10 @@ def check_source(source: dpb.SourceDescriptor, settings: DirectorySettings) -> N
             f"source.page_runs hold {total} pages but num_pages is {source.num_pages}",
             field="source.num_pages",
         )
+    for extra in ("staging_runs", "aux_runs"):  # slot runs the reader checks against the source's slots
+        if len(getattr(source, extra)) > settings.max_page_runs:
+            raise InvalidArgument(
+                f"source.{extra} has more than {settings.max_page_runs}", field=f"source.{extra}"
+            )
     check_text(source.read_token, "source.read_token", limit=128)
     check_text(source.contract_fingerprint, "source.contract_fingerprint", limit=128)
