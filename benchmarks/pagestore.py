@@ -103,16 +103,16 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
     client = PageStoreClient(address, bufs, settings)
     nixl_times: list[float] = []
     stage_times: list[float] = []
-    real_move = client._move
+    real_move = client.conn.move
 
     def timed_move(*a: Any) -> None:  # the NIXL transfer alone (a worker thread)
         t = time.perf_counter()
         real_move(*a)
         nixl_times.append(time.perf_counter() - t)
 
-    client._move = timed_move  # type: ignore[method-assign,assignment]
+    client.conn.move = timed_move  # type: ignore[method-assign,assignment]
     rpc_times: list[float] = []
-    real_call = client._call
+    real_call = client.conn.call
 
     async def timed_call(method: str, request: Any) -> Any:  # GetPages only: the get's one awaited RPC
         t = time.perf_counter()
@@ -122,7 +122,7 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
             if method == "GetPages":
                 rpc_times.append(time.perf_counter() - t)
 
-    client._call = timed_call  # type: ignore[method-assign]
+    client.conn.call = timed_call  # type: ignore[method-assign]
     sum_times: list[float] = []
     real_sums = local_page_checksums
 

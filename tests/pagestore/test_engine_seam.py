@@ -18,7 +18,7 @@ from xavier_core.engine.errors import RequestAbortedError
 from xavier_core.engine.reference import ReferenceEngine
 from xavier_core.engine.tiny import make_tiny
 from xavier_core.pagestore import ClientSettings, PageStoreClient
-from xavier_core.pagestore import client as client_module
+from xavier_core.pagestore.connection import TransferStuck
 
 pytestmark = pytest.mark.integration
 
@@ -126,9 +126,9 @@ async def test_pages_of_a_stuck_read_are_never_reused(
     engine._cache.clear()
 
     def stuck(*_a: object) -> None:  # NIXL refused to cancel a timed-out READ into the pool pages
-        raise client_module._TransferStuck("READ still in flight")
+        raise TransferStuck("READ still in flight")
 
-    monkeypatch.setattr(client, "_move", stuck)
+    monkeypatch.setattr(client.conn, "move", stuck)
     res = await engine.prefill("seam-stuck", [*tokens, 5], GREEDY)  # served as a miss
     assert res.cached_tokens == 0
     engine.release_pages("seam-stuck")

@@ -94,9 +94,9 @@ async def test_page_corrupted_after_commit_is_a_miss_and_dropped(store: ServiceP
         got = _get(store.address, "fp-corrupt", keys, 5.0)
         spans = _spans(got.spans)
         page3 = [s for s in _split(spans)][3]
-        target = await vandal._ensure_store(got.store_instance)
+        target = await vandal.conn.ensure_store(got.store_instance)
         rows = vandal.geometry.span_descriptors([page3], vandal._bases, [0])
-        await asyncio.to_thread(vandal._move, "WRITE", target, rows, 1)
+        await asyncio.to_thread(vandal.conn.move, "WRITE", target, rows, 1)
         assert _release(store.address, got.lease_id).released
         hit = await reader.lookup_and_fetch(ns, keys, list(range(10, 16)))
         assert hit == 3  # pages 0..2 verified; page 3 failed its checksum: a miss, never wrong bytes

@@ -12,7 +12,7 @@ import pytest
 from tests.pagestore.support import buffers, chain, make_pool, ns_stats, page_digest
 from tests.support.procs import ServiceProc
 from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
-from xavier_core.pagestore import client as client_module
+from xavier_core.pagestore.connection import TransferStuck
 from xavier_core.transfer.errors import InvalidPagesError
 
 pytestmark = pytest.mark.integration
@@ -79,7 +79,7 @@ async def test_a_failed_release_is_counted_and_the_lease_expires(store: ServiceP
         keys = chain("fp-norelease", "", 3, 3)
         assert await writer.write(ns, keys, [0, 1, 2]) == 3
         await reader.exists(ns, keys)  # opens the channel
-        assert reader._stub_ is not None
+        assert reader.conn._stub_ is not None
 
         async def lost(*_a: object, **_k: object) -> None:  # the release never reaches the store
             await asyncio.sleep(0.01)
@@ -87,7 +87,7 @@ async def test_a_failed_release_is_counted_and_the_lease_expires(store: ServiceP
                 grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "lost"
             )
 
-        reader._stub_.ReleaseLease = lost
+        reader.conn._stub_.ReleaseLease = lost
         errors = reader.counters.errors
         assert (await reader.fetch(ns, keys, lambda n: list(range(10, 10 + n)))).hit == 3
         assert page_digest(reader_pool, [10, 11, 12]) == page_digest(pool, [0, 1, 2])
@@ -118,11 +118,11 @@ async def test_a_read_nixl_could_not_cancel_marks_the_pages_unsafe(
         keys = chain("fp-stuck", "", 4, 3)
         assert await writer.write(ns, keys, [0, 1, 2]) == 3
 
-        def stuck(*_a: object) -> None:  # what `_move` raises when NIXL refuses to cancel a late READ
-            raise client_module._TransferStuck("READ still in flight")
+        def stuck(*_a: object) -> None:  # what `move` raises when NIXL refuses to cancel a late READ
+            raise TransferStuck("READ still in flight")
 
         for client in (reader, staged):
-            monkeypatch.setattr(client, "_move", stuck)
+            monkeypatch.setattr(client.conn, "move", stuck)
         got = await reader.fetch(ns, keys, lambda n: list(range(10, 10 + n)))
         assert got.hit == 0 and got.stuck  # the pool pages may still change: the caller must drop them
         got = await staged.fetch(ns, keys, lambda n: list(range(10, 10 + n)))

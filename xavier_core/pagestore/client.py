@@ -1,8 +1,9 @@
 """The page store client: fetch the longest stored prefix into local pages, write pages through.
 
-One client per replica process. It owns a NIXL agent registered on the replica's KV buffers (the pool's
-`KvBuffer`s: one segment per buffer, page p of buffer b at `addr + p * bytes_per_page`) and one gRPC
-channel to the store. Failure policy, so that the store can only ever make a request faster:
+One client per replica process. It reaches the store through one `StoreConnection` (see `connection`):
+a gRPC channel, and a NIXL agent registered on the replica's KV buffers (the pool's `KvBuffer`s: one
+segment per buffer, page p of buffer b at `addr + p * bytes_per_page`). Failure policy, so that the
+store can only ever make a request faster:
 
 - reads: every RPC has a deadline; a store that is down, slow or answers an error, a failed READ, or a
   page whose bytes fail their checksum ends the lookup as a (partial) miss, with a log line and a metric,
@@ -17,36 +18,30 @@ move between the pool and the mirror around each READ and WRITE (see `staging`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
-import grpc
 import numpy as np
 import numpy.typing as npt
 from xavier.v1 import page_store_service_pb2 as pb
-from xavier.v1 import page_store_service_pb2_grpc as pb_grpc
 
+from xavier_core.pagestore.connection import StoreConnection, StorePeer, TransferStuck
 from xavier_core.pagestore.layout import PageGeometry, Span, local_page_checksums
 from xavier_core.pagestore.metrics import ClientCounters, client_metrics
 from xavier_core.pagestore.namespace import PageNamespace
-from xavier_core.pagestore.nixl import Op, PageAgent, wait
 from xavier_core.pagestore.staging import HostStaging
 from xavier_core.pagestore.writer import Background, WriteQueue
-from xavier_core.runtime.channels import open_channel
-from xavier_core.runtime.errors import XavierError, from_rpc_error
+from xavier_core.runtime.errors import XavierError
 from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidPagesError, PeerError
+from xavier_core.transfer.errors import InvalidPagesError
 
 __all__ = ["ClientSettings", "Fetched", "PageNamespace", "PageStoreClient"]
 
 log = logging.getLogger(__name__)
-_R = TypeVar("_R")
 Rows = npt.NDArray[np.uint64]
 
 
@@ -79,23 +74,8 @@ class Fetched:
     must never reuse them (they are lost to the pool, as a device pool loses the staging slots)."""
 
 
-@dataclass(frozen=True)
-class _Store:
-    instance: str
-    agent_name: str
-    max_keys: int
-
-
-class _TransferStuck(PeerError):
-    """A timed-out NIXL transfer that could not be cancelled: its local pages may still change."""
-
-
 class _BadAllocation(InvalidPagesError):
     """`fetch`'s `allocate` gave pages outside the pool or twice: a caller bug, raised, not a miss."""
-
-
-class _StoreChanged(Exception):
-    """The store restarted between two calls of one operation; the operation ends as a miss."""
 
 
 class PageStoreClient:
@@ -110,7 +90,6 @@ class PageStoreClient:
         name: str | None = None,
         device_lock: threading.Lock | None = None,
     ) -> None:
-        self.address = address
         self.settings = settings or ClientSettings()
         self.staging: HostStaging | None = None
         if self.settings.stage_host_pool or any(b.device != "cpu" for b in buffers):
@@ -118,17 +97,24 @@ class PageStoreClient:
         # What NIXL registers and the checksums read: the pool itself, or its host mirror.
         self.buffers = self.staging.buffers if self.staging is not None else tuple(buffers)
         self.geometry = PageGeometry(tuple(b.bytes_per_page for b in buffers))
-        self.agent = PageAgent(name or f"pagestore-client-{os.getpid()}-{uuid.uuid4().hex[:8]}", self.buffers)
+        self.conn = StoreConnection(
+            address,
+            self.buffers,
+            name=name or f"pagestore-client-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            rpc_timeout_s=self.settings.rpc_timeout_s,
+            transfer_timeout_s=self.settings.transfer_timeout_s,
+        )
         self.counters = ClientCounters()
         self._metrics = client_metrics()
         self._bases = [b.addr for b in self.buffers]
         self._num_pages = min(b.num_pages for b in buffers)
-        self._channel: grpc.aio.Channel | None = None
-        self._stub_: pb_grpc.PageStoreServiceStub | None = None
-        self._store: _Store | None = None
-        self._store_lock: asyncio.Lock | None = None
         self._writes = WriteQueue(self.write, self.settings.write_queue, self._dropped)
         self._releases = Background("pagestore-release")
+
+    @property
+    def address(self) -> str:
+        """The store's gRPC address."""
+        return self.conn.address
 
     # --- public API ---------------------------------------------------------------------------------
 
@@ -175,7 +161,7 @@ class PageStoreClient:
             raise InvalidPagesError(str(exc)) from None
         except Exception as exc:
             # A device pool's stuck READ writes into staging slots (never lent again), not into pages.
-            stuck = isinstance(exc, _TransferStuck) and self.staging is None
+            stuck = isinstance(exc, TransferStuck) and self.staging is None
             self._failed("get", exc)
         self.counters.hit_pages += hit
         self.counters.miss_pages += len(keys) - hit
@@ -186,7 +172,7 @@ class PageStoreClient:
     async def exists(self, namespace: PageNamespace, keys: Sequence[bytes]) -> int:
         """Length of the stored prefix of `keys` (0 when the store cannot be asked)."""
         try:
-            resp = await self._call(
+            resp = await self.conn.call(
                 "ExistsPages", pb.ExistsPagesRequest(namespace=_ns_proto(namespace), keys=keys)
             )
             return int(resp.hit_count)
@@ -231,7 +217,7 @@ class PageStoreClient:
 
     async def stats(self) -> pb.GetPageStoreStatsResponse:
         """The store's stats; raises `XavierError` when the store cannot answer."""
-        resp: pb.GetPageStoreStatsResponse = await self._call(
+        resp: pb.GetPageStoreStatsResponse = await self.conn.call(
             "GetPageStoreStats", pb.GetPageStoreStatsRequest()
         )
         return resp
@@ -240,9 +226,7 @@ class PageStoreClient:
         """Stops the writer (queued writes are dropped), closes the channel and the NIXL agent."""
         await self._writes.close()
         await self._releases.wait()
-        if self._channel is not None:
-            await self._channel.close()
-        await asyncio.to_thread(self.agent.close)
+        await self.conn.close()
 
     # --- one call's chunk -----------------------------------------------------------------------------
 
@@ -258,13 +242,13 @@ class PageStoreClient:
         )
         # GetPages answers what Exists would and leases the hits in the same round trip; local pages are
         # taken only once it says there is something to read.
-        resp: pb.GetPagesResponse = await self._call("GetPages", req)
+        resp: pb.GetPagesResponse = await self.conn.call("GetPages", req)
         if resp.hit_count == 0:
             return 0
         corrupt: list[int] = []
         slots: list[int] = []
         try:
-            store = await self._ensure_store(resp.store_instance)
+            store = await self.conn.ensure_store(resp.store_instance)
             pages = allocate(int(resp.hit_count))
             if not pages:
                 return 0
@@ -273,10 +257,10 @@ class PageStoreClient:
                 slots = local = await self.staging.acquire(len(pages))
             rows = self.geometry.span_descriptors(_head(resp.spans, len(pages)), self._bases, local)
             sums = list(resp.checksums[: len(pages)])
-            corrupt = await self._off_loop(
+            corrupt = await self.conn.off_loop(
                 store, lambda: self._read_verified(store, rows, local, sums, pages)
             )
-        except _TransferStuck:
+        except TransferStuck:
             if self.staging is not None:
                 await self.staging.retire(slots)  # NIXL may still write into them: never lent again
             slots = []
@@ -294,11 +278,11 @@ class PageStoreClient:
         return len(pages)
 
     def _read_verified(
-        self, store: _Store, rows: Rows, local: list[int], sums: list[bytes], pages: list[int]
+        self, store: StorePeer, rows: Rows, local: list[int], sums: list[bytes], pages: list[int]
     ) -> list[int]:
         """READs into `local` (pool pages or staging slots), checks every page, moves the verified head
         to the pool's `pages`; returns the indices that failed. One worker-thread hop for all of it."""
-        self._move("READ", store, rows, len(local))
+        self.conn.move("READ", store, rows, len(local))
         got = local_page_checksums(self.buffers, local)
         corrupt = [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
         good = corrupt[0] if corrupt else len(local)
@@ -314,20 +298,20 @@ class PageStoreClient:
             segment_bytes=self.geometry.segment_bytes,
             lease_seconds=self.settings.lease_seconds,
         )
-        resp: pb.PutPagesResponse = await self._call("PutPages", req)
+        resp: pb.PutPagesResponse = await self.conn.call("PutPages", req)
         if not resp.reserved_indices:
             return 0
         local = [pages[i] for i in resp.reserved_indices]
         slots: list[int] = []
         try:
-            store = await self._ensure_store(resp.store_instance)
+            store = await self.conn.ensure_store(resp.store_instance)
             src = local
             if self.staging is not None:
                 slots = src = await self.staging.acquire(len(local))
             rows = self.geometry.span_descriptors(_spans(resp.spans), self._bases, src)
-            sums = await self._off_loop(store, lambda: self._write_summed(store, rows, local, src))
+            sums = await self.conn.off_loop(store, lambda: self._write_summed(store, rows, local, src))
         except BaseException as exc:
-            if isinstance(exc, _TransferStuck) and self.staging is not None:
+            if isinstance(exc, TransferStuck) and self.staging is not None:
                 await self.staging.retire(slots)  # NIXL may still read them: never lent again
                 slots = []
             self._releases.start(self._release(resp.lease_id, []))
@@ -336,90 +320,34 @@ class PageStoreClient:
             if slots and self.staging is not None:
                 await self.staging.release(slots)
         commit = pb.CommitPutRequest(request_id=uuid.uuid4().hex, lease_id=resp.lease_id, checksums=sums)
-        done: pb.CommitPutResponse = await self._call("CommitPut", commit)
+        done: pb.CommitPutResponse = await self.conn.call("CommitPut", commit)
         if done.checksum_failures:
             log.warning("page store: %d written pages failed their checksum", done.checksum_failures)
         return int(done.committed)
 
-    def _write_summed(self, store: _Store, rows: Rows, pages: list[int], src: list[int]) -> list[bytes]:
+    def _write_summed(self, store: StorePeer, rows: Rows, pages: list[int], src: list[int]) -> list[bytes]:
         """Moves pool `pages` to staging `src` (a device pool), checksums `src` and WRITEs it; returns
         the checksums. One worker-thread hop for all of it."""
         if self.staging is not None:
             self.staging.to_host(pages, src)
         sums = local_page_checksums(self.buffers, src)
-        self._move("WRITE", store, rows, len(src))
+        self.conn.move("WRITE", store, rows, len(src))
         return sums
 
     def _chunk_limit(self) -> int:
         """Keys per call: the store's batch limit, and the host mirror's size for a device pool."""
-        limit = (self._store.max_keys if self._store else None) or 1024
+        limit = self.conn.keys_per_call()
         # At least 1: with every slot retired, the call asks for one and is refused (a miss).
         return max(1, min(limit, self.staging.usable)) if self.staging is not None else limit
 
-    # --- plumbing -------------------------------------------------------------------------------------
-
-    def _move(self, op: Op, store: _Store, rows: Rows, pages: int) -> None:
-        """Posts one NIXL transfer and waits for it (a worker thread); raises `PeerError` unless DONE."""
-        xfer = self.agent.post(op, rows, store.agent_name, self.settings.transfer_timeout_s)
-        state = wait(xfer)
-        if state != "DONE":
-            if xfer.in_flight:  # NIXL refused to cancel: the pages may still change under the caller
-                log.error("page store: a timed-out NIXL %s could not be cancelled", op)
-                raise _TransferStuck(f"NIXL {op} of {pages} pages ended {state}, still in flight")
-            raise PeerError(f"NIXL {op} of {pages} pages ended {state}")
-        self._metrics.transfer_bytes.labels(op.lower()).inc(int(rows[:, 2].sum()))
-
-    async def _off_loop(self, store: _Store, fn: Callable[[], _R]) -> _R:
-        """Runs `fn` (NIXL and hashing) in a worker thread; a failed transfer forgets the store's agent."""
-        try:
-            return await asyncio.to_thread(fn)
-        except PeerError:
-            self._forget_store(store)
-            raise
-
-    async def _ensure_store(self, instance: str) -> _Store:
-        """The store's NIXL peer for `instance`, loading its endpoint once per store instance."""
-        if self._store_lock is None:
-            self._store_lock = asyncio.Lock()
-        async with self._store_lock:
-            if self._store is not None and self._store.instance == instance:
-                return self._store
-            if self._store is not None:
-                self._forget_store(self._store)
-            resp: pb.GetStoreEndpointResponse = await self._call(
-                "GetStoreEndpoint", pb.GetStoreEndpointRequest()
-            )
-            if resp.store_instance != instance:
-                raise _StoreChanged(f"store restarted ({instance} -> {resp.store_instance})")
-            name = await asyncio.to_thread(self.agent.add_remote, resp.endpoint.agent_metadata)
-            self._store = _Store(instance, name, int(resp.max_keys_per_call) or 1024)
-            log.info("page store endpoint loaded: instance %s agent %s", instance, name)
-            return self._store
-
-    def _forget_store(self, store: _Store) -> None:
-        if self._store is store:
-            self._store = None
-        try:
-            with self.agent.lock:
-                self.agent.remove_remote(store.agent_name)
-        except Exception as exc:  # the agent may already be gone with its process
-            log.debug("removing the store's NIXL agent failed: %s", exc)
+    # --- leases, counters, page checks ----------------------------------------------------------------
 
     async def _release(self, lease_id: str, corrupt: list[int]) -> None:
         req = pb.ReleaseLeaseRequest(request_id=uuid.uuid4().hex, lease_id=lease_id, corrupt_indices=corrupt)
         try:
-            await self._call("ReleaseLease", req)
+            await self.conn.call("ReleaseLease", req)
         except Exception as exc:  # the lease expires on its own
             self._failed("release", exc)
-
-    async def _call(self, method: str, request: Any) -> Any:
-        if self._stub_ is None:
-            self._channel = open_channel(self.address)
-            self._stub_ = pb_grpc.PageStoreServiceStub(self._channel)
-        try:
-            return await getattr(self._stub_, method)(request, timeout=self.settings.rpc_timeout_s)
-        except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err) from None
 
     def _dropped(self) -> None:
         self.counters.writes_dropped += 1

@@ -1,0 +1,149 @@
+"""One client's connection to one page store: its gRPC channel, its NIXL agent and the store's endpoint.
+
+`PageStoreClient` decides what to ask and what a failure means; this module only talks to the store:
+every RPC gets a deadline and its error mapped to `XavierError`; the store's NIXL endpoint is loaded once
+per store instance (a restarted store answers with a new instance, and its old agent is dropped); a NIXL
+READ or WRITE is posted and waited for, and one that ends otherwise raises `PeerError`, or
+`TransferStuck` when NIXL refused to cancel it. The gRPC channel reconnects by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+from xavier.v1 import page_store_service_pb2 as pb
+from xavier.v1 import page_store_service_pb2_grpc as pb_grpc
+
+from xavier_core.pagestore.metrics import client_metrics
+from xavier_core.pagestore.nixl import Op, PageAgent, wait
+from xavier_core.runtime.channels import open_channel
+from xavier_core.runtime.errors import from_rpc_error
+from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.errors import PeerError
+
+__all__ = ["StoreConnection", "StorePeer", "TransferStuck"]
+
+log = logging.getLogger(__name__)
+_R = TypeVar("_R")
+
+_KEYS_PER_CALL = 1024
+"""Keys per call until the store has said its own limit (and when it says none)."""
+
+
+@dataclass(frozen=True)
+class StorePeer:
+    """One instance of the store as a NIXL peer: reloaded when the store restarts."""
+
+    instance: str
+    agent_name: str
+    max_keys: int
+
+
+class TransferStuck(PeerError):
+    """A timed-out NIXL transfer that could not be cancelled: its local pages may still change."""
+
+
+class _StoreChanged(Exception):
+    """The store restarted between two calls of one operation; the operation ends as a miss."""
+
+
+class StoreConnection:
+    """The channel, stub and NIXL agent one client uses to reach one store at `address`.
+
+    `buffers` are what NIXL registers (a pool, or its pinned host mirror); descriptor rows posted through
+    `move` address them.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        buffers: Sequence[KvBuffer],
+        *,
+        name: str,
+        rpc_timeout_s: float,
+        transfer_timeout_s: float,
+    ) -> None:
+        self.address = address
+        self.agent = PageAgent(name, buffers)
+        self._rpc_timeout_s = rpc_timeout_s
+        self._transfer_timeout_s = transfer_timeout_s
+        self._metrics = client_metrics()
+        self._channel: grpc.aio.Channel | None = None
+        self._stub_: pb_grpc.PageStoreServiceStub | None = None
+        self._store: StorePeer | None = None
+        self._store_lock: asyncio.Lock | None = None
+
+    def keys_per_call(self) -> int:
+        """The store's batch limit, once its endpoint is loaded."""
+        return self._store.max_keys if self._store is not None else _KEYS_PER_CALL
+
+    async def call(self, method: str, request: Any) -> Any:
+        """Calls `method` with the RPC deadline; a gRPC error is raised as `XavierError`."""
+        if self._stub_ is None:
+            self._channel = open_channel(self.address)
+            self._stub_ = pb_grpc.PageStoreServiceStub(self._channel)
+        try:
+            return await getattr(self._stub_, method)(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def ensure_store(self, instance: str) -> StorePeer:
+        """The store's NIXL peer for `instance`, loading its endpoint once per store instance."""
+        if self._store_lock is None:
+            self._store_lock = asyncio.Lock()
+        async with self._store_lock:
+            if self._store is not None and self._store.instance == instance:
+                return self._store
+            if self._store is not None:
+                self.forget_store(self._store)
+            resp: pb.GetStoreEndpointResponse = await self.call(
+                "GetStoreEndpoint", pb.GetStoreEndpointRequest()
+            )
+            if resp.store_instance != instance:
+                raise _StoreChanged(f"store restarted ({instance} -> {resp.store_instance})")
+            name = await asyncio.to_thread(self.agent.add_remote, resp.endpoint.agent_metadata)
+            self._store = StorePeer(instance, name, int(resp.max_keys_per_call) or _KEYS_PER_CALL)
+            log.info("page store endpoint loaded: instance %s agent %s", instance, name)
+            return self._store
+
+    def forget_store(self, store: StorePeer) -> None:
+        """Drops `store`'s NIXL agent; the next transfer reloads the endpoint."""
+        if self._store is store:
+            self._store = None
+        try:
+            with self.agent.lock:
+                self.agent.remove_remote(store.agent_name)
+        except Exception as exc:  # the agent may already be gone with its process
+            log.debug("removing the store's NIXL agent failed: %s", exc)
+
+    def move(self, op: Op, store: StorePeer, rows: npt.NDArray[np.uint64], pages: int) -> None:
+        """Posts one NIXL transfer and waits for it (a worker thread); raises `PeerError` unless DONE."""
+        xfer = self.agent.post(op, rows, store.agent_name, self._transfer_timeout_s)
+        state = wait(xfer)
+        if state != "DONE":
+            if xfer.in_flight:  # NIXL refused to cancel: the pages may still change under the caller
+                log.error("page store: a timed-out NIXL %s could not be cancelled", op)
+                raise TransferStuck(f"NIXL {op} of {pages} pages ended {state}, still in flight")
+            raise PeerError(f"NIXL {op} of {pages} pages ended {state}")
+        self._metrics.transfer_bytes.labels(op.lower()).inc(int(rows[:, 2].sum()))
+
+    async def off_loop(self, store: StorePeer, fn: Callable[[], _R]) -> _R:
+        """Runs `fn` (NIXL and hashing) in a worker thread; a failed transfer forgets the store's agent."""
+        try:
+            return await asyncio.to_thread(fn)
+        except PeerError:
+            self.forget_store(store)
+            raise
+
+    async def close(self) -> None:
+        """Closes the channel and the NIXL agent."""
+        if self._channel is not None:
+            await self._channel.close()
+        await asyncio.to_thread(self.agent.close)
