@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from xavier_services.directory.config import DirectoryConfig
 from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.router.config import RouterConfig
 
+from tests.deploy.rendering import read_toml, render, verify_rendered_units
 from xavier_core.deploy import load_cluster, render_host
 from xavier_core.runtime.config import ConfigError, load_config
 
@@ -60,26 +60,13 @@ api_token_file = "/etc/xavier/token"
 """
 
 
-def _render(tmp_path: Path, text: str, host: str) -> Path:
-    hosts = tmp_path / "hosts.toml"
-    hosts.write_text(text)
-    out = tmp_path / host
-    render_host(load_cluster(hosts), host, out)
-    return out
-
-
-def _toml(path: Path) -> dict[str, object]:
-    with path.open("rb") as fh:
-        return tomllib.load(fh)
-
-
 def _env(path: Path) -> dict[str, str]:
     lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
     return {k: v.strip('"') for k, v in (line.split("=", 1) for line in lines)}
 
 
 def test_two_hosts_each_get_their_units(tmp_path: Path) -> None:
-    ctl, gpu = _render(tmp_path, TWO_HOSTS, "ctl"), _render(tmp_path, TWO_HOSTS, "gpu")
+    ctl, gpu = render(tmp_path, TWO_HOSTS, "ctl"), render(tmp_path, TWO_HOSTS, "gpu")
     wants = sorted(p.name for p in (ctl / "etc/systemd/system/xavier.target.wants").iterdir())
     assert wants == ["xavier-directory.service", "xavier-router.service"]
     wants = sorted(p.name for p in (gpu / "etc/systemd/system/xavier.target.wants").iterdir())
@@ -93,7 +80,7 @@ def test_two_hosts_each_get_their_units(tmp_path: Path) -> None:
     etc = ctl / "etc/xavier"
     directory = load_config(DirectoryConfig, etc / "xavier-directory.toml")
     assert directory.listen == "0.0.0.0:7100" and directory.metrics_listen == "127.0.0.1:8100"
-    router = _toml(etc / "xavier-router.toml")
+    router = read_toml(etc / "xavier-router.toml")
     assert router["listen"] == "0.0.0.0:7200" and router["http_listen"] == "0.0.0.0:8080"
     assert router["directory"] == "10.1.0.1:7100" and router["model"] == "/srv/models/m"
     # DynamicUser units read their secrets from LoadCredential= copies.
@@ -124,8 +111,8 @@ def test_two_hosts_each_get_their_units(tmp_path: Path) -> None:
 
 
 def test_router_config_loads_the_rendered_token_path(tmp_path: Path) -> None:
-    out = _render(tmp_path, TWO_HOSTS, "ctl")
-    config = _toml(out / "etc/xavier/xavier-router.toml")
+    out = render(tmp_path, TWO_HOSTS, "ctl")
+    config = read_toml(out / "etc/xavier/xavier-router.toml")
     token = tmp_path / "token"
     token.write_text("t0k\n")
     config["api_token_file"] = str(token)  # as /run/credentials would hold it on the host
@@ -189,20 +176,7 @@ def test_examples_are_what_the_renderer_writes(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_rendered_units_verify(tmp_path: Path) -> None:
-    venv = Path(sys.executable).parent.parent
-    text = TWO_HOSTS.replace('prefix = "/usr/local/xavier"', f'prefix = "{venv}"')
-    systemd = _render(tmp_path, text, "gpu") / "etc/systemd/system"
-    wants = sorted((systemd / "xavier.target.wants").iterdir())
-    for link in wants:  # verify reads instances of templates as files of their own
-        shutil.copyfile(link.resolve(), tmp_path / link.name)
-    units = [tmp_path / link.name for link in wants]
-    done = subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", *map(str, units)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert (done.returncode, done.stdout + done.stderr) == (0, "")
+    verify_rendered_units(tmp_path, TWO_HOSTS, "gpu")
 
 
 REPLICAS = (
@@ -215,15 +189,15 @@ REPLICAS = (
 
 def test_directory_replicas_on_etcd(tmp_path: Path) -> None:
     """Two directory hosts: each runs one, and every client dials both (one comma-separated address)."""
-    ctl, gpu = _render(tmp_path, REPLICAS, "ctl"), _render(tmp_path, REPLICAS, "gpu")
+    ctl, gpu = render(tmp_path, REPLICAS, "ctl"), render(tmp_path, REPLICAS, "gpu")
     for out in (ctl, gpu):
         directory = load_config(DirectoryConfig, out / "etc/xavier/xavier-directory.toml")
         assert directory.directory.backend == "etcd"
-    router = _toml(ctl / "etc/xavier/xavier-router.toml")  # (its token file exists only under systemd)
+    router = read_toml(ctl / "etc/xavier/xavier-router.toml")  # (its token file exists only under systemd)
     decode = load_config(PeerServiceConfig, gpu / "etc/xavier/xavier-decode@2.toml")
     assert router["directory"] == decode.peer.directory == "10.1.0.1:7100,10.1.0.2:7100"
     # Replicas without etcd would each hold a different mesh: refused, naming the key.
     (tmp_path / "mem").mkdir()
     with pytest.raises(ConfigError) as info:
-        _render(tmp_path / "mem", REPLICAS.replace('backend = "etcd"', 'backend = "memory"'), "ctl")
+        render(tmp_path / "mem", REPLICAS.replace('backend = "etcd"', 'backend = "memory"'), "ctl")
     assert [i[0] for i in info.value.issues] == ["service.directory.directory.backend"]

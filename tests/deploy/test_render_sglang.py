@@ -7,15 +7,12 @@ renders."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
-import tomllib
 from pathlib import Path
-from typing import Any
 
 import pytest
 from xavier_services.peer.config import PeerServiceConfig
 
+from tests.deploy.rendering import read_toml, render, verify_rendered_units
 from xavier_core.deploy import load_cluster, render_host
 from xavier_core.runtime.config import ConfigError, load_config
 
@@ -53,21 +50,8 @@ NATIVE = ONE_HOST.replace(
 ).replace('roles = ["decode"]\ndecode_gpus = [0]', 'roles = ["unified"]\nunified_gpus = [0]')
 
 
-def _render(tmp_path: Path, text: str, host: str) -> Path:
-    hosts = tmp_path / "hosts.toml"
-    hosts.write_text(text)
-    out = tmp_path / host
-    render_host(load_cluster(hosts), host, out)
-    return out
-
-
-def _toml(path: Path) -> dict[str, Any]:
-    with path.open("rb") as fh:
-        return tomllib.load(fh)
-
-
 def test_sglang_instances_get_their_section(tmp_path: Path) -> None:
-    out = _render(tmp_path, ONE_HOST, "gpu")
+    out = render(tmp_path, ONE_HOST, "gpu")
     wants = sorted(p.name for p in (out / "etc/systemd/system/xavier.target.wants").iterdir())
     assert [w for w in wants if "@" in w] == [
         "xavier-decode@1.service",
@@ -92,30 +76,30 @@ def test_sglang_instances_get_their_section(tmp_path: Path) -> None:
     assert (
         unified.engine.kind == "sglang" and unified.sglang.base_gpu_id == 3 and unified.sglang.port == 30003
     )
-    router = _toml(etc / "xavier-router.toml")
+    router = read_toml(etc / "xavier-router.toml")
     assert "native" not in router  # the xavier backend: the router pairs peers through the directory
 
     # A reference-engine host of the same mesh is untouched; the launcher defaults to the prefix's python.
-    ref = _toml(_render(tmp_path, ONE_HOST, "ref") / "etc/xavier/xavier-decode@0.toml")
+    ref = read_toml(render(tmp_path, ONE_HOST, "ref") / "etc/xavier/xavier-decode@0.toml")
     assert "sglang" not in ref and "kind" not in ref["engine"]
     default = ONE_HOST.replace('python = "/opt/sglang/bin/python"', "")
     (tmp_path / "d").mkdir()
     prefill = load_config(
-        PeerServiceConfig, _render(tmp_path / "d", default, "gpu") / "etc/xavier/xavier-prefill@0.toml"
+        PeerServiceConfig, render(tmp_path / "d", default, "gpu") / "etc/xavier/xavier-prefill@0.toml"
     )
     assert prefill.sglang.command[0] == "/usr/local/xavier/bin/python"
 
 
 def test_native_mode_wires_the_router_to_the_pair(tmp_path: Path) -> None:
-    etc = _render(tmp_path, NATIVE, "gpu") / "etc/xavier"
+    etc = render(tmp_path, NATIVE, "gpu") / "etc/xavier"
     prefill = load_config(PeerServiceConfig, etc / "xavier-prefill@0.toml").sglang
     decode = load_config(PeerServiceConfig, etc / "xavier-decode@1.toml").sglang
     assert prefill.transfer_backend == decode.transfer_backend == "nixl"
     assert prefill.bootstrap_port == 8998 and prefill.api_key == decode.api_key == "k3y-for-both"
-    assert "bootstrap_port" not in _toml(etc / "xavier-decode@1.toml")["sglang"]
+    assert "bootstrap_port" not in read_toml(etc / "xavier-decode@1.toml")["sglang"]
     unified = load_config(PeerServiceConfig, etc / "xavier-unified@2.toml").sglang
     assert unified.transfer_backend == "xavier" and not unified.api_key  # native is P/D only
-    assert _toml(etc / "xavier-router.toml")["native"] == {
+    assert read_toml(etc / "xavier-router.toml")["native"] == {
         "prefill_url": "http://127.0.0.1:30000",
         "decode_url": "http://127.0.0.1:30001",
         "bootstrap_host": "127.0.0.1",
@@ -165,18 +149,5 @@ def test_the_sglang_example_is_what_the_renderer_writes(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_rendered_sglang_units_verify(tmp_path: Path) -> None:
-    venv = Path(sys.executable).parent.parent
-    text = ONE_HOST.replace('prefix = "/usr/local/xavier"', f'prefix = "{venv}"')
-    systemd = _render(tmp_path, text, "gpu") / "etc/systemd/system"
-    wants = sorted((systemd / "xavier.target.wants").iterdir())
-    for link in wants:  # verify reads instances of templates as files of their own
-        shutil.copyfile(link.resolve(), tmp_path / link.name)
-    units = [tmp_path / link.name for link in wants]
+    units = verify_rendered_units(tmp_path, ONE_HOST, "gpu")
     assert any(u.name.startswith("xavier-unified@") for u in units)
-    done = subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", *map(str, units)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert (done.returncode, done.stdout + done.stderr) == (0, "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -80,9 +81,10 @@ class Mesh:
             proc.stop()
 
 
-@pytest.fixture(scope="module")
-def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = Mesh(tiny_model, tmp_path_factory.mktemp("mesh"), dict(FAST_ENV))
+@contextlib.contextmanager
+def standard_mesh(tiny_model: Path, workdir: Path, env: dict[str, str]) -> Iterator[Mesh]:
+    """Directory, prefill-0, decode-0 and unified-0, stopped on exit."""
+    m = Mesh(tiny_model, workdir, env)
     try:
         m.start_directory()
         m.start_peer("prefill-0", "prefill")
@@ -91,6 +93,12 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield m
     finally:
         m.stop()
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    with standard_mesh(tiny_model, tmp_path_factory.mktemp("mesh"), dict(FAST_ENV)) as m:
+        yield m
 
 
 async def mesh_stats(mesh: Mesh) -> dict[str, int]:

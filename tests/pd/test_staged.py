@@ -17,7 +17,7 @@ from xavier.v1 import prefill_service_pb2 as pre
 from xavier.v1 import prefill_service_pb2_grpc as pre_grpc
 from xavier.v1 import types_pb2
 
-from tests.pd.conftest import FAST_ENV, Mesh, wait_drained
+from tests.pd.conftest import FAST_ENV, Mesh, standard_mesh, wait_drained
 from tests.pd.test_pd import LENGTHS, Channels, prompt
 from tests.support.pd_driver import pd_generate, unified_generate
 
@@ -34,15 +34,8 @@ STAGED_ENV = {
 
 @pytest.fixture(scope="module")
 def staged_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = Mesh(tiny_model, tmp_path_factory.mktemp("staged-mesh"), {**FAST_ENV, **STAGED_ENV})
-    try:
-        m.start_directory()
-        m.start_peer("prefill-0", "prefill")
-        m.start_peer("decode-0", "decode")
-        m.start_peer("unified-0", "unified")
+    with standard_mesh(tiny_model, tmp_path_factory.mktemp("staged-mesh"), {**FAST_ENV, **STAGED_ENV}) as m:
         yield m
-    finally:
-        m.stop()
 
 
 async def transfer_stats(mesh: Mesh) -> tuple[types_pb2.TransferStats, types_pb2.TransferStats]:
