@@ -85,6 +85,18 @@ def _gpus(args: argparse.Namespace) -> list[int]:
         raise ValueError(f"--gpus: expected indices like 0,1, got {args.gpus!r}") from None
 
 
+def shares_a_gpu(args: argparse.Namespace, replicas: int) -> bool:
+    """Whether two of the `replicas` SGLang replicas (in start order) get the same GPU. SGLang sizes its
+    KV pool from the memory free when it starts, so replicas that share a GPU must start one after
+    another: one that starts while its neighbour allocates finds no memory left for its pool. No
+    `--gpus`: every replica is on the default GPU."""
+    gpus = _gpus(args)
+    if not gpus:
+        return replicas > 1
+    taken = [gpus[i % len(gpus)] for i in range(replicas)]
+    return len(set(taken)) < len(taken)
+
+
 def _write(path: Path, text: str) -> Path:
     # 0600: the file may carry the native servers' API key.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -16,7 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from xavier_cli.sglang_up import add_sglang_args, native_wiring, replica_config, router_config
+from xavier_cli.sglang_up import (
+    add_sglang_args,
+    native_wiring,
+    replica_config,
+    router_config,
+    shares_a_gpu,
+)
 from xavier_cli.supervisor import Child, GaveUp, Keeper, RestartPolicy, Supervisor
 
 DEFAULT_GRPC = "127.0.0.1:50051"
@@ -170,6 +176,9 @@ def run_up(args: argparse.Namespace) -> int:
         common = ["--model", str(model), "--directory", directory.address, "--listen", "127.0.0.1:0"]
         devices = _devices(args.device)
         peers: list[Child] = []
+        in_turn = sglang and shares_a_gpu(args, prefill + decode + unified)
+        if in_turn:
+            say("SGLang replicas share a GPU: each starts once the previous one is ready (its KV pool sized)")
         for role, n in (("prefill", prefill), ("decode", decode), ("unified", unified)):
             for i in range(n):
                 binary = "xavier-prefill" if role == "prefill" else "xavier-decode"
@@ -182,9 +191,20 @@ def run_up(args: argparse.Namespace) -> int:
                     extra += ["--pagestore", store]
                 device = devices[len(peers) % len(devices)]
                 args_ = [*common, "--device", device, "--peer-id", name, *extra]
+                if in_turn and peers:
+                    if not sup.wait_ready(
+                        peers[-1:], args.timeout, lambda: stop.requested, _progress(say), _ready(say)
+                    ):
+                        return 0
                 peers.append(sup.start(name, binary, args_, stage=1))
         say(f"loading {model.name} in {len(peers)} engine process(es): {', '.join(c.name for c in peers)}")
-        if not sup.wait_ready(peers, args.timeout, lambda: stop.requested, _progress(say), _ready(say)):
+        if not sup.wait_ready(
+            [c for c in peers if not c.info],
+            args.timeout,
+            lambda: stop.requested,
+            _progress(say),
+            _ready(say),
+        ):
             return 0
         router = sup.start(
             "router",

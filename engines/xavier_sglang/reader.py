@@ -23,6 +23,7 @@ from xavier_core.transfer.xfer import Transfer
 
 from .hub import Hub
 from .rooms import RoomFailure, _ended, _rpc_failure
+from .trace import RoomTrace
 
 __all__ = ["ReaderRoom"]
 
@@ -52,6 +53,7 @@ class ReaderRoom:
         self.bytes_read = 0
         self.started: float | None = None
         self.finished: float | None = None
+        self.trace = RoomTrace("decode", room_id)
 
     def init(self, prefill: tuple[str, int] | None) -> None:
         with self._lock:
@@ -62,6 +64,7 @@ class ReaderRoom:
                 return
             self.prefill = prefill
             self._state = KvPoll.WAITING_FOR_INPUT
+            self.trace.mark("init")
 
     def send_metadata(self, pages: npt.NDArray[np.integer] | list[int], aux_slot: int | None) -> None:
         with self._lock:
@@ -74,6 +77,7 @@ class ReaderRoom:
                 self._fail_locked(RoomFailure("INVALID_ARGUMENT", str(exc)), read_posted=False)
                 return
             self._aux_slot = aux_slot
+            self.trace.mark("metadata")
             # Read once: the cache may drop this entry before the answer comes, and an answer to a call
             # that said "cached" carries no endpoint.
             self._endpoint = self.hub.endpoint(self.prefill)
@@ -90,9 +94,11 @@ class ReaderRoom:
 
     def poll(self) -> KvPoll:
         with self._lock:
+            self.trace.polls += 1
             if self.failure is not None or self._state == KvPoll.SUCCESS:
                 return self._state
             if self._begin is not None and self.started is None and self._begin.done():
+                self.trace.mark("begin_answered")
                 if self.prefill is not None:
                     self._start_locked(self._begin, self.prefill)
             if self._read_posted and self._complete is None and self.failure is None:
@@ -100,6 +106,7 @@ class ReaderRoom:
                 if state == KvPoll.FAILED:
                     self._fail_locked(RoomFailure("TRANSFER_FAILED", self.kv.error or "READ failed"))
                 elif state == KvPoll.SUCCESS:
+                    self.trace.mark("read_done")
                     self.finished = time.monotonic()
                     self._complete = self.hub.submit(
                         self.hub.client.complete_room(
@@ -115,6 +122,7 @@ class ReaderRoom:
                 if failed is not None:
                     self._fail_locked(failed)
                 else:
+                    self.trace.mark("success")
                     self._state = KvPoll.SUCCESS
             return self._state
 
@@ -162,6 +170,7 @@ class ReaderRoom:
             )
             return
         self._read_posted = True
+        self.trace.mark("read_posted")
 
     @property
     def prefill_gone(self) -> bool:
@@ -186,6 +195,7 @@ class ReaderRoom:
     def clear(self) -> None:
         """Forgets the room; a READ still in flight is parked with the hub until it ends."""
         with self._lock:
+            self.trace.write("success" if self._state == KvPoll.SUCCESS else "failed")
             if self.kv.in_flight():
                 self.hub.park(self.kv)
             else:

@@ -36,6 +36,7 @@ from xavier_core.transfer.kv_transfer import KvPoll, KvSender
 from xavier_core.transfer.runs import as_page_array
 
 from .hub import Hub
+from .trace import RoomTrace
 
 __all__ = ["RoomFailure", "SourceRoom"]
 
@@ -88,12 +89,14 @@ class SourceRoom:
         self._ended = False
         self._probe: concurrent.futures.Future[dpb.Room] | None = None
         self._probed = float("-inf")
+        self.trace = RoomTrace("prefill", room_id)
 
     def init(self, num_pages: int, aux_slot: int | None) -> None:
         with self._lock:
             self._num_pages = num_pages
             self._aux_slot = aux_slot
             self.kv.init(num_pages)
+            self.trace.mark("init")
 
     def send(self, pages: npt.NDArray[np.integer] | list[int]) -> None:
         """One chunk of pages; the source is published with all of them after the last chunk."""
@@ -126,6 +129,7 @@ class SourceRoom:
             desc = info.to_proto(self.hub.fingerprint)
             if self._aux_slot is not None:
                 desc.aux_runs.add(first_page=self._aux_slot, count=1)
+            self.trace.mark("last_chunk")
             self.hub.publishing(+1)
             self._publish = self.hub.submit_room(
                 self.hub.client.publish_source(
@@ -135,12 +139,14 @@ class SourceRoom:
 
     def poll(self) -> KvPoll:
         with self._lock:
+            self.trace.polls += 1
             if self.failure is not None:
                 return KvPoll.FAILED
             room = self.hub.room(self.room_id)
             if self._decode is None:
                 if room is not None and room.decode_peer_id and room.state not in TERMINAL_ROOM_STATES:
                     self._decode = (room.decode_peer_id, int(room.decode_epoch))
+                    self.trace.mark("decode_joined")
                 elif room is not None and room.state in TERMINAL_ROOM_STATES:
                     self._fail_locked(_ended(room))
                     return KvPoll.FAILED
@@ -156,6 +162,7 @@ class SourceRoom:
                     self._fail_locked(failed)
                     return KvPoll.FAILED
                 room = self.hub.room(self.room_id)  # the answer is in by now
+                self.trace.mark("published")
             if room is not None and room.state == dpb.ROOM_STATE_COMPLETED:
                 self.kv.mark_complete()
             elif room is not None and room.state in TERMINAL_ROOM_STATES:
@@ -166,6 +173,7 @@ class SourceRoom:
                 self._fail_locked(RoomFailure("TRANSFER_FAILED", self.kv.error or "the reader failed"))
                 return KvPoll.FAILED
             if state == KvPoll.SUCCESS:
+                self.trace.mark("success")
                 self._end_locked()
                 return KvPoll.SUCCESS
             return KvPoll.WAITING_FOR_INPUT if self._publish is None else KvPoll.TRANSFERRING
@@ -195,6 +203,7 @@ class SourceRoom:
 
     def clear(self) -> None:
         with self._lock:
+            self.trace.write("failed" if self.failure is not None else "success")
             self._end_locked()
             self.kv.clear()
             self.hub.forget_room(self.room_id)

@@ -1,0 +1,617 @@
+"""SGLang P/D through Xavier against SGLang's own NIXL P/D and one SGLang server, on the GPUs given.
+
+Modes (each started, measured and stopped in turn; rounds alternate the order):
+
+* `native`, `pd`, `colocated`: `xavier up --engine sglang --mode M`, the workload through the router's
+  OpenAI API (`/v1/completions`, token-id prompts, streamed);
+* `direct-native`, `direct-xavier`: an SGLang prefill + decode pair started here without the router or
+  the hosting services (`direct-xavier` with a Xavier directory and `--disaggregation-transfer-backend
+  xavier`), driven as SGLang's own load balancer drives native P/D: the same `/generate` body to both
+  servers, the decode's stream read. Backend cost and router/hosting cost are so seen apart.
+
+The workload is the one of `../shared/reference/sglang-gpu/one-gpu/workload.py`: prompts of 24-1,300 token
+ids, 64 tokens out, `ignore_eos`, greedy; `repeat` reuses 8 prompts, `unique` makes every prompt new.
+Per level: output tok/s, TTFT and TPOT p50/p99, errors, the CPU seconds each process spent per request
+(from /proc), and, for the xavier backend, a breakdown of the handoff from the plugin's per-room trace
+(`XAVIER_SGLANG_TRACE`). With `--py-spy S`, the c32 `repeat` level of each mode is sampled by py-spy
+(if installed) and the busiest Python frames of each process are reported. Greedy outputs of the first
+prompts are kept per mode, and `outputs_equal` says whether every mode produced the same tokens.
+
+    python benchmarks/sglang_pd.py --gpus 0,0 --out docs/results/sglang-pd-h200
+    python benchmarks/sglang_pd.py --modes direct-native,direct-xavier --concurrency 32 --kinds repeat
+
+Both P/D roles on one GPU: `--gpus 0,0` (servers start one after another, since SGLang sizes its KV pool
+from the memory free when it starts). Prints JSON; writes <out>.json and <out>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+LENS = (24, 31, 40, 52, 700, 900, 1100, 1300)
+ROOT = Path(__file__).resolve().parents[1]
+UP_MODES = ("native", "pd", "colocated")
+DIRECT_MODES = ("direct-native", "direct-xavier")
+SGLANG_ARGS = [
+    "--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.3",
+    "--max-total-tokens", "400000", "--cuda-graph-max-bs", "64", "--log-level", "warning",
+]  # fmt: skip
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    ys = sorted(xs)
+    return round(ys[min(len(ys) - 1, int(len(ys) * q))], 4) if ys else None
+
+
+def prompt(kind: str, i: int) -> list[int]:
+    if kind == "repeat":
+        rng = random.Random(0)
+        distinct = [[rng.randrange(1000, 100000) for _ in range(n)] for n in LENS]
+        return distinct[i % len(distinct)]
+    r = random.Random(1000 + i)
+    return [r.randrange(1000, 100000) for _ in range(LENS[i % len(LENS)])]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- processes -----------------------------------------------------------------------------------
+
+
+def tree(root: int) -> list[int]:
+    """`root` and its descendants (from /proc)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = (d / "stat").read_text()
+                ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+                children[ppid].append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def proc_name(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return f"pid{pid}"
+    words = [a.decode(errors="replace") for a in argv if a]
+    for flag in ("--disaggregation-mode", "--peer-id", "--role"):
+        if flag in words and words.index(flag) + 1 < len(words):
+            return f"{comm}:{words[words.index(flag) + 1]}:{pid}"
+    return f"{comm}:{pid}"
+
+
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            out[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return
+        time.sleep(1)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f}s:\n{log.read_text()[-4000:]}")
+
+
+def stop(proc: subprocess.Popen[bytes], grace: float = 60.0) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+class Mode:
+    """One running mode: where to send requests and which processes are its own."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.base = ""
+        self.prefill = ""
+        self.bootstrap: tuple[str, int] | None = None
+        self.trace: Path | None = None
+
+    def pids(self) -> list[int]:
+        return [p for proc in self.procs for p in tree(proc.pid)]
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            stop(proc)
+
+
+def start_up(name: str, args: argparse.Namespace, work: Path, env: dict[str, str]) -> Mode:
+    mode = Mode(name)
+    updir = work / name
+    shutil.rmtree(updir, ignore_errors=True)
+    updir.mkdir(parents=True)
+    ready = updir / "up.json"
+    mode.trace = updir / "trace"
+    flags = ["--unified", "1"] if name == "colocated" else []
+    gpus = args.gpus.split(",")[:1] if name == "colocated" else args.gpus.split(",")
+    cmd = [sys.executable, "-m", "xavier_cli", "up", "--engine", "sglang", "--mode", name, "--model",
+           str(args.model), "--no-pagestore", "--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0",
+           "--workdir", str(updir / "svc"), "--ready-file", str(ready), "--gpus", ",".join(gpus),
+           "--timeout", "900", "--sglang-command", json.dumps([sys.executable, "-m", "sglang.launch_server"]),
+           *flags, *(f"--sglang-arg={a}" for a in args.sglang_args)]  # fmt: skip
+    log = updir / "up.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**env, "XAVIER_SGLANG_TRACE": str(mode.trace)},
+        )  # fmt: skip
+    mode.procs.append(proc)
+    deadline = time.monotonic() + 900
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            mode.close()
+            raise RuntimeError(f"xavier up {name} failed:\n{log.read_text(errors='replace')[-6000:]}")
+        time.sleep(0.5)
+    mode.base = "http://" + json.loads(ready.read_text())["http"]
+    return mode
+
+
+def _sglang(
+    role: str, port: int, gpu: str, extra: list[str], args: argparse.Namespace, log: Path, env: dict[str, str]
+) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model), "--host",
+           "127.0.0.1", "--port", str(port), "--page-size", "16", "--base-gpu-id", gpu,
+           "--disaggregation-mode", role, *extra, *args.sglang_args]  # fmt: skip
+    if role == "decode":
+        cmd.append("--disable-radix-cache")
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+def start_direct(name: str, args: argparse.Namespace, work: Path, env: dict[str, str]) -> Mode:
+    mode = Mode(name)
+    d = work / name
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    gpus = args.gpus.split(",")
+    pgpu, dgpu = gpus[0], gpus[1 % len(gpus)]
+    pport, dport = free_port(), free_port()
+    try:
+        if name == "direct-native":
+            boot = free_port()
+            penv = denv = env
+            pextra = [
+                "--disaggregation-transfer-backend",
+                "nixl",
+                "--disaggregation-bootstrap-port",
+                str(boot),
+            ]
+            dextra = ["--disaggregation-transfer-backend", "nixl"]
+            mode.bootstrap = ("127.0.0.1", boot)
+        else:
+            ready = d / "directory.json"
+            dlog = d / "directory.log"
+            with open(dlog, "wb") as out:
+                directory = subprocess.Popen(
+                    ["xavier-directory", "--listen", "127.0.0.1:0", "--ready-file", str(ready)],
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                )  # fmt: skip
+            mode.procs.append(directory)
+            deadline = time.monotonic() + 60
+            while not ready.exists():
+                if directory.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"directory failed:\n{dlog.read_text()}")
+                time.sleep(0.2)
+            address = json.loads(ready.read_text())["address"]
+            mode.trace = d / "trace"
+            # The advertised address is the name a decode finds its prefill by (nothing listens there).
+            advertise = ("127.0.0.1", free_port())
+            common = {
+                "SGLANG_PLUGINS": "xavier",
+                "XAVIER_DIRECTORY": address,
+                "XAVIER_SGLANG_TRACE": str(mode.trace),
+            }
+            penv = {**env, **common, "XAVIER_SGLANG_ADVERTISE": f"{advertise[0]}:{advertise[1]}"}
+            denv = {**env, **common, "XAVIER_SGLANG_ADVERTISE": f"127.0.0.1:{free_port()}"}
+            pextra = dextra = ["--disaggregation-transfer-backend", "xavier"]
+            mode.bootstrap = advertise
+        plog, dlog2 = d / "prefill.log", d / "decode.log"
+        prefill = _sglang("prefill", pport, pgpu, pextra, args, plog, penv)
+        mode.procs.append(prefill)
+        # One after another: SGLang sizes its KV pool from the memory free when it starts.
+        wait_http(f"http://127.0.0.1:{pport}", 900, prefill, plog)
+        decode = _sglang("decode", dport, dgpu, dextra, args, dlog2, denv)
+        mode.procs.append(decode)
+        wait_http(f"http://127.0.0.1:{dport}", 900, decode, dlog2)
+    except BaseException:
+        mode.close()
+        raise
+    mode.prefill, mode.base = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{dport}"
+    return mode
+
+
+# --- the workload --------------------------------------------------------------------------------
+
+
+Record = tuple[float, float | None, float, int, str | None, Any]
+
+
+async def _openai(
+    s: aiohttp.ClientSession, mode: Mode, model: str, ids: list[int], max_tokens: int
+) -> Record:
+    t0 = time.perf_counter()
+    first, n, err, toks = None, 0, None, []
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "logprobs": None}  # fmt: skip
+    body.pop("logprobs")
+    try:
+        async with s.post(mode.base + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                err = f"http {r.status}: {(await r.text())[:200]}"
+            else:
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[5:])
+                    if ev.get("error"):
+                        err = str(ev["error"])[:200]
+                        break
+                    if ev.get("choices") and first is None:
+                        first = time.perf_counter()
+                    toks += [ch.get("text") or "" for ch in ev.get("choices") or []]
+                    if ev.get("usage"):
+                        n = ev["usage"].get("completion_tokens", 0)
+    except Exception as e:
+        err = repr(e)[:200]
+    return t0, first, time.perf_counter(), n, err, "".join(toks)
+
+
+async def _direct(s: aiohttp.ClientSession, mode: Mode, ids: list[int], max_tokens: int) -> Record:
+    t0 = time.perf_counter()
+    first, n, err, toks = None, 0, None, []
+    assert mode.bootstrap is not None
+    room = random.getrandbits(63) or 1
+    sampling = {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    host, port = mode.bootstrap
+    body = {"input_ids": ids, "sampling_params": sampling, "bootstrap_host": host, "bootstrap_port": port,
+            "bootstrap_room": room}  # fmt: skip
+
+    async def prefill() -> None:
+        async with s.post(mode.prefill + "/generate", json=body) as r:
+            await r.read()
+
+    pf = asyncio.ensure_future(prefill())
+    try:
+        async with s.post(mode.base + "/generate", json={**body, "stream": True}) as r:
+            if r.status != 200:
+                err = f"http {r.status}: {(await r.text())[:200]}"
+            else:
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[5:])
+                    if ev.get("error"):
+                        err = str(ev["error"])[:200]
+                        break
+                    out = ev.get("output_ids") or []
+                    if out and first is None:
+                        first = time.perf_counter()
+                    toks = list(out)
+                    fin = (ev.get("meta_info") or {}).get("finish_reason")
+                    if isinstance(fin, dict) and fin.get("type") == "abort":
+                        err = str(fin.get("message"))[:200]
+            n = len(toks)
+        await pf
+    except Exception as e:
+        err = repr(e)[:200]
+        pf.cancel()
+    return t0, first, time.perf_counter(), n, err, toks
+
+
+async def workload(mode: Mode, kind: str, conc: int, nreq: int, max_tokens: int) -> dict[str, Any]:
+    timeout = aiohttp.ClientTimeout(total=900)
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as s:
+        model = ""
+        if mode.name in UP_MODES:
+            model = (await (await s.get(mode.base + "/v1/models")).json())["data"][0]["id"]
+        sem = asyncio.Semaphore(conc)
+
+        async def one(i: int) -> Record:
+            async with sem:
+                ids = prompt(kind, i)
+                if mode.name in UP_MODES:
+                    return await _openai(s, mode, model, ids, max_tokens)
+                return await _direct(s, mode, ids, max_tokens)
+
+        await asyncio.gather(*[one(i) for i in range(min(conc, 16))])  # warm-up
+        pids = mode.pids()
+        cpu0 = cpu_seconds(pids)
+        t = time.perf_counter()
+        rec = await asyncio.gather(*[one(i) for i in range(nreq)])
+        dt = time.perf_counter() - t
+        cpu1 = cpu_seconds(pids)
+    ok = [r for r in rec if r[4] is None and r[1] is not None]
+    errs = [r[4] for r in rec if r[4] is not None]
+    ttft = [r[1] - r[0] for r in ok if r[1] is not None]
+    tpot = [(r[2] - r[1]) / (r[3] - 1) for r in ok if r[1] is not None and r[3] > 1]
+    cpu = {proc_name(p): round((cpu1[p] - cpu0.get(p, 0.0)) * 1000 / nreq, 3) for p in cpu1}
+    return {
+        "mode": mode.name, "kind": kind, "concurrency": conc, "requests": nreq, "ok": len(ok),
+        "errors": len(errs), "first_error": errs[0] if errs else None,
+        "all_full": all(r[3] == max_tokens for r in ok), "out_tok_s": round(sum(r[3] for r in ok) / dt, 1),
+        "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "tpot_p50": pct(tpot, 0.5),
+        "tpot_p99": pct(tpot, 0.99), "wall_s": round(dt, 2),
+        "cpu_ms_per_request": {k: v for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v >= 0.05},
+        "outputs": [r[5] for r in rec[: len(LENS)]],
+    }  # fmt: skip
+
+
+# --- the plugin's per-room trace -----------------------------------------------------------------
+
+
+def read_trace(folder: Path | None) -> dict[str, dict[int, dict[str, Any]]]:
+    sides: dict[str, dict[int, dict[str, Any]]] = {"prefill": {}, "decode": {}}
+    if folder is None or not folder.is_dir():
+        return sides
+    for f in folder.glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            with contextlib.suppress(ValueError, KeyError):
+                row = json.loads(line)
+                sides[row["side"]][int(row["room"])] = row
+    return sides
+
+
+def breakdown(sides: dict[str, dict[int, dict[str, Any]]], since: float) -> dict[str, Any]:
+    """Median milliseconds between the steps of rooms traced on both sides since `since`."""
+    gaps: dict[str, list[float]] = defaultdict(list)
+    polls: dict[str, list[int]] = defaultdict(list)
+    outcomes: Counter[str] = Counter()
+    for room, dec in sides["decode"].items():
+        pre = sides["prefill"].get(room)
+        if pre is None or dec["t"].get("created", 0) < since:
+            continue
+        outcomes[dec["outcome"]] += 1
+        t = {f"decode.{k}": v for k, v in dec["t"].items()} | {f"prefill.{k}": v for k, v in pre["t"].items()}
+        origin = min(t.values())
+        for k, v in t.items():
+            gaps[k].append((v - origin) * 1000)
+        polls["decode"].append(dec["polls"])
+        polls["prefill"].append(pre["polls"])
+    steps = {k: round(statistics.median(v), 2) for k, v in gaps.items()}
+    return {
+        "rooms": sum(outcomes.values()), "outcomes": dict(outcomes),
+        "median_ms_from_first_step": dict(sorted(steps.items(), key=lambda kv: kv[1])),
+        "median_polls": {k: statistics.median(v) for k, v in polls.items()},
+    }  # fmt: skip
+
+
+# --- py-spy ------------------------------------------------------------------------------------------
+
+
+def py_spy_start(mode: Mode, seconds: float, out: Path) -> list[subprocess.Popen[bytes]]:
+    """py-spy on each of the mode's root processes and their children (none if py-spy is missing)."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return []
+    return [
+        subprocess.Popen(
+            [
+                exe,
+                "record",
+                "--nonblocking",
+                "--subprocesses",
+                "-r",
+                "200",
+                "-d",
+                str(int(seconds)),
+                "-f",
+                "raw",
+                "-o",
+                f"{out}.{i}",
+                "--pid",
+                str(proc.pid),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for i, proc in enumerate(mode.procs)
+    ]
+
+
+def py_spy_summary(out: Path, top: int = 12) -> dict[str, Any]:
+    """Per process: samples, the busiest leaf frames and inclusive frames (from py-spy's raw output)."""
+    per: dict[str, Counter[str]] = defaultdict(Counter)
+    incl: dict[str, Counter[str]] = defaultdict(Counter)
+    total: Counter[str] = Counter()
+    for f in out.parent.glob(out.name + ".*"):
+        if not f.is_file():
+            continue
+        for line in f.read_text(errors="replace").splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not count.isdigit():
+                continue
+            frames = stack.split(";")
+            proc = frames[0][:80] if frames and frames[0].startswith("process") else "?"
+            frames = [fr for fr in frames if not fr.startswith(("process", "thread"))]
+            n = int(count)
+            total[proc] += n
+            if frames:
+                per[proc][frames[-1][:160]] += n
+                for fr in set(frames):
+                    incl[proc][fr[:160]] += n
+    return {
+        p: {"samples": total[p], "leaf": per[p].most_common(top), "inclusive": incl[p].most_common(top)}
+        for p, _ in total.most_common(8)
+    }
+
+
+# --- main ----------------------------------------------------------------------------------------
+
+
+def make_model(path: Path) -> Path:
+    if (path / "config.json").is_file():
+        return path
+    from xavier_core.engine.tiny import QWEN25_05B, make_tiny
+
+    return make_tiny(path, "qwen2", dtype="float16", **QWEN25_05B)
+
+
+def run_mode(
+    name: str, args: argparse.Namespace, work: Path, env: dict[str, str]
+) -> Iterator[dict[str, Any]]:
+    t0 = time.monotonic()
+    mode = (start_up if name in UP_MODES else start_direct)(name, args, work, env)
+    started = round(time.monotonic() - t0, 1)
+    print(json.dumps({"mode": name, "started_s": started}), file=sys.stderr, flush=True)
+    try:
+        for kind in args.kinds.split(","):
+            for conc in [int(c) for c in args.concurrency.split(",")]:
+                since = time.time()
+                spy: list[subprocess.Popen[bytes]] = []
+                spy_out = work / f"pyspy-{name}-{kind}-{conc}.txt"
+                if args.py_spy and conc == 32 and kind == "repeat":
+                    spy = py_spy_start(mode, args.py_spy, spy_out)
+                row = asyncio.run(workload(mode, kind, conc, args.requests, args.max_tokens))
+                row["started_s"] = started
+                for sampler in spy:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        sampler.wait(args.py_spy + 30)
+                if spy:
+                    row["py_spy"] = py_spy_summary(spy_out)
+                time.sleep(1.0)  # rooms cleared by SGLang write their trace lines
+                row["handoff"] = breakdown(read_trace(mode.trace), since)
+                print(
+                    json.dumps({k: v for k, v in row.items() if k not in ("outputs", "py_spy")}), flush=True
+                )
+                yield row
+    finally:
+        mode.close()
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    kinds = sorted({r["kind"] for r in rows})
+    fig, axes = plt.subplots(1, 2 * len(kinds), figsize=(6 * 2 * len(kinds), 4))
+    for k, kind in enumerate(kinds):
+        for mode in sorted({r["mode"] for r in rows}):
+            pts: dict[int, list[float]] = defaultdict(list)
+            ttft: dict[int, list[float]] = defaultdict(list)
+            for r in rows:
+                if r["mode"] == mode and r["kind"] == kind:
+                    pts[r["concurrency"]].append(r["out_tok_s"])
+                    ttft[r["concurrency"]].append((r["ttft_p50"] or 0) * 1000)
+            xs = sorted(pts)
+            axes[2 * k].plot(xs, [statistics.median(pts[x]) for x in xs], marker="o", label=mode)
+            axes[2 * k + 1].plot(xs, [statistics.median(ttft[x]) for x in xs], marker="o", label=mode)
+        axes[2 * k].set(title=f"output tok/s ({kind})", xlabel="concurrency")
+        axes[2 * k + 1].set(title=f"TTFT p50 ms ({kind})", xlabel="concurrency")
+        axes[2 * k].legend()
+    fig.tight_layout()
+    fig.savefig(out)
+
+
+def outputs_equal(rows: list[dict[str, Any]]) -> dict[str, bool]:
+    """Per family (through the router: text; direct: token ids) and kind, whether every mode and level
+    gave the same greedy outputs for the first prompts."""
+    seen: dict[str, Any] = {}
+    equal: dict[str, bool] = {}
+    for r in rows:
+        if "outputs" not in r:
+            continue
+        key = ("direct" if r["mode"] in DIRECT_MODES else "router") + "/" + r["kind"]
+        ref = seen.setdefault(key, r["outputs"])
+        equal[key] = equal.get(key, True) and r["outputs"] == ref
+    return equal
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None, help="checkpoint (default: a Qwen2.5-0.5B-shaped one)")
+    p.add_argument("--modes", default="native,pd,colocated,direct-native,direct-xavier")
+    p.add_argument("--gpus", default="0,0", help="prefill,decode GPUs (colocated uses the first)")
+    p.add_argument("--concurrency", default="16,32,64")
+    p.add_argument("--kinds", default="repeat,unique")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1, help="rounds; each reverses the previous order")
+    p.add_argument("--py-spy", type=float, default=0.0, metavar="S", help="sample c32 repeat for S seconds")
+    p.add_argument("--sglang-arg", dest="sglang_args", action="append", default=None)
+    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sglang-pd")
+    args = p.parse_args()
+    args.sglang_args = args.sglang_args or list(SGLANG_ARGS)
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="sglang-pd-"))
+    args.model = make_model(args.model or work / "qwen2.5-0.5b-shape")
+    env = dict(os.environ)
+    modes = args.modes.split(",")
+    rows: list[dict[str, Any]] = []
+    for rnd in range(args.rounds):
+        for name in modes if rnd % 2 == 0 else modes[::-1]:
+            try:
+                for row in run_mode(name, args, work, env):
+                    row["round"] = rnd
+                    rows.append(row)
+            except (RuntimeError, TimeoutError) as exc:
+                print(json.dumps({"mode": name, "failed": str(exc)[-3000:]}), flush=True)
+                rows.append({"mode": name, "round": rnd, "failed": str(exc)[-3000:]})
+    summary = {"gpus": args.gpus, "modes": modes, "sglang_args": args.sglang_args, "rows": rows,
+               "outputs_equal": outputs_equal(rows)}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot([r for r in rows if "out_tok_s" in r], args.out.with_suffix(".png"))
+    print(json.dumps({"outputs_equal": summary["outputs_equal"], "out": str(args.out)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
