@@ -43,6 +43,7 @@ ENV_PEER_ID = "XAVIER_SGLANG_PEER_ID"
 ENV_BOOTSTRAP_TIMEOUT = "XAVIER_SGLANG_BOOTSTRAP_TIMEOUT"
 ENV_WAITING_TIMEOUT = "XAVIER_SGLANG_WAITING_TIMEOUT"
 ENV_TRANSFER_TIMEOUT = "XAVIER_SGLANG_TRANSFER_TIMEOUT"
+ENV_PROGRESS_THREAD = "XAVIER_SGLANG_NIXL_PROGRESS_THREAD"
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -95,6 +96,10 @@ class XavierSettings:
     bootstrap_timeout_s: float = 300.0
     waiting_timeout_s: float = 300.0
     transfer_timeout_s: float = 30.0
+    progress_thread: bool = True
+    """NIXL's own progress thread (`XAVIER_SGLANG_NIXL_PROGRESS_THREAD`, default on): transfers move
+    and notifications arrive without SGLang's scheduler driving them, so its polls only read states.
+    Off (`0`) the scheduler's polls drive NIXL, which costs it a large share of every iteration."""
 
     @classmethod
     def from_env(cls, default_advertise: str, environ: dict[str, str] | None = None) -> XavierSettings:
@@ -111,7 +116,19 @@ class XavierSettings:
             bootstrap_timeout_s=_seconds(env, ENV_BOOTSTRAP_TIMEOUT, 300.0),
             waiting_timeout_s=_seconds(env, ENV_WAITING_TIMEOUT, 300.0),
             transfer_timeout_s=_seconds(env, ENV_TRANSFER_TIMEOUT, 30.0),
+            progress_thread=_flag(env, ENV_PROGRESS_THREAD, True),
         )
+
+
+def _flag(env: Any, key: str, default: bool) -> bool:
+    raw = str(env.get(key) or "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise UnsupportedSetupError(key, f"expected 1 or 0, got {raw[:16]!r}")
 
 
 def _peer_id(env: Any) -> str:

@@ -131,10 +131,10 @@ class XavierKVSender(CommonKVSender):
         )
 
     def abort(self) -> None:
+        # Not Failed yet: the room stays Transferring while a WRITE of it may still read its pages, and
+        # SGLang frees them when poll() says Failed.
         self.room.abort("aborted by SGLang")
         self.kv_mgr.record_failure(self.bootstrap_room, "Aborted by AbortReq.")
-        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-        self.conclude_state = KVPoll.Failed
 
     def clear(self) -> None:
         self.room.clear()
@@ -159,14 +159,14 @@ class XavierKVReceiver(CommonKVReceiver):
         self.abort_notified = False
         self.bootstrap_infos: list[tuple[str, int]] = []
         self.room = ReaderRoom(mgr.hub, self.bootstrap_room)
-        mgr._readers[self.bootstrap_room] = self.room
+        mgr.readers[self.bootstrap_room] = self.room
         mgr.update_status(self.bootstrap_room, KVPoll.Bootstrapping)
 
     def init(self, prefill_dp_rank: int) -> None:
         prefill = self.kv_mgr.prefill_peer(self.bootstrap_addr)
         self.room.init(prefill)
         if prefill is not None:
-            self.bootstrap_infos = [prefill]
+            self.bootstrap_infos = [(prefill.peer_id, prefill.epoch)]
         else:
             self.conclude_state = KVPoll.Failed
 
@@ -221,10 +221,11 @@ class XavierKVReceiver(CommonKVReceiver):
         raise XavierTransferError(self.bootstrap_room, failure)
 
     def abort(self) -> None:
+        # conclude_state = Failed only makes SGLang keep polling this receiver; poll() stays
+        # Transferring until no WRITE of the prefill can land in its pages, and only then says Failed.
         self.room.abort("aborted by SGLang")
         self.abort_notified = True
         self.conclude_state = KVPoll.Failed
-        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
         if not self.abort_notified:

@@ -1,15 +1,14 @@
-"""One per SGLang process: the NIXL agent over SGLang's buffers, the directory session, and the room feed.
+"""One per SGLang process: the NIXL agent over SGLang's buffers, the directory session, the pair's peers
+and the routing of the pair protocol's notifications (`wire`) to rooms.
 
-SGLang's scheduler is synchronous and polls; Xavier's directory client is asyncio. The hub runs one
-event loop in a daemon thread and hands the synchronous side futures (`submit`), so no scheduler call
-ever blocks on the network. The loop also:
-
-- keeps the process registered (`PeerSession`: register, heartbeat, re-register with a new epoch);
-- follows this peer's rooms with a `RoomFeed` (one `WatchPeerRooms` stream) into `room()`, so a sender
-  learns that its decode joined, that the room completed, or that it ended, without one RPC per poll;
-- drives NIXL progress (`KvManager.progress`) every few milliseconds while a source is published, since
-  agents run without NIXL's spinning progress thread;
-- reclaims, once their READs have ended, receivers that SGLang already cleared (deferred reclamation).
+SGLang's scheduler is synchronous and polls. Nothing on a request's path leaves the process but NIXL
+notifications and WRITEs: the directory is asked only about peers, once per peer epoch and about once a
+second while rooms are live (to learn that a counterpart is gone), so its load grows with peers, not with
+requests. The hub's event loop (a daemon thread) keeps the registration alive (`PeerSession`), answers
+those peer questions, and reaps rooms SGLang cleared while a WRITE was still in flight. NIXL's own
+progress thread (on by default, `XavierSettings.progress_thread`) moves the bytes; the scheduler's polls
+call `pump()`, which reads the notifications that arrived at most once per `_PUMP_INTERVAL_S` however
+many rooms are polled in one scheduler iteration.
 """
 
 from __future__ import annotations
@@ -17,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
@@ -29,22 +31,54 @@ from xavier.v1 import types_pb2
 from xavier_core.contract import KvLayout
 from xavier_core.directory import DirectoryClient, PeerSession
 from xavier_core.directory.client import Registration
-from xavier_core.directory.room_feed import RoomFeed
 from xavier_core.transfer.aux_slots import AuxNixlAgent
-from xavier_core.transfer.kv_transfer import KvManager, KvReceiver
-from xavier_core.transfer.source import endpoint_proto, regions_proto
+from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.errors import TransferError
+from xavier_core.transfer.peers import peer_key
+from xavier_core.transfer.source import buffers_from_regions, endpoint_proto, regions_proto
 
+from . import wire
 from .config import PoolShape, XavierSettings
 from .loop import LoopThread
 
-__all__ = ["Hub"]
+__all__ = ["Hub", "PairPeer", "RoomEnd"]
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_PROGRESS_INTERVAL_S = 0.002
-_IDLE_INTERVAL_S = 0.02
-_ENDPOINTS = 256
+_PUMP_INTERVAL_S = 0.0002
+_WATCH_INTERVAL_S = 1.0
+_REAP_INTERVAL_S = 0.02
+_LOOKUP_RETRY_S = 0.5
+_PENDING_JOINS = 4096
+_JOINS_PER_ROOM = 4
 _START_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class PairPeer:
+    """The other side of this process's rooms, loaded once per epoch from its directory record."""
+
+    peer_id: str
+    epoch: int
+    key: str
+    """The NIXL peer key (`peer_key(peer_id, epoch)`)."""
+    agent: str
+    """Its NIXL agent name: notifications from it carry this name."""
+    kv: tuple[KvBuffer, ...]
+    aux: tuple[KvBuffer, ...]
+
+
+class RoomEnd(Protocol):
+    """What the hub calls on a room: a message of the room, its peer gone, a reap once SGLang cleared it."""
+
+    def on_message(self, who: str, msg: wire.Message) -> None: ...
+
+    def on_peer_lost(self, peer: PairPeer) -> None: ...
+
+    def counterpart(self) -> PairPeer | None: ...
+
+    def reap(self) -> bool: ...
 
 
 class Hub:
@@ -66,12 +100,25 @@ class Hub:
         self.fingerprint = layout.fingerprint
         self.settings = settings
         name = agent_name or f"xavier-sglang-{uuid.uuid4().hex[:12]}"
-        self.agent = AuxNixlAgent(name, pool.kv, pool.aux, transfer_timeout_s=settings.transfer_timeout_s)
-        self.kv = KvManager(self.agent, pool.kv, pool.page_size)
-        self._lock = threading.Lock()
-        self._endpoints: OrderedDict[tuple[str, int], types_pb2.TransferEndpoint] = OrderedDict()
-        self._parked: list[KvReceiver] = []
-        self._publishing = 0
+        self.agent = AuxNixlAgent(
+            name, pool.kv, pool.aux, settings.progress_thread, transfer_timeout_s=settings.transfer_timeout_s
+        )
+        self._lock = threading.Lock()  # the tables below
+        self._pump_lock = threading.Lock()
+        self._last_pump = 0.0
+        self._rooms: dict[int, RoomEnd] = {}
+        self._parked: list[RoomEnd] = []
+        # Joins that came before SGLang created the room's sender: room -> ({agent: JOIN}, arrival).
+        self._pending: OrderedDict[int, tuple[dict[str, wire.Message], float]] = OrderedDict()
+        # Rooms a decode cancelled before SGLang created their sender: a late sender fails at once.
+        self._cancelled: OrderedDict[int, float] = OrderedDict()
+        self._by_agent: dict[str, PairPeer] = {}
+        self._lookup: concurrent.futures.Future[list[dpb.Peer]] | None = None
+        self._lookup_lock = threading.Lock()
+        self._looked_up = float("-inf")
+        # FAILED messages owed to decodes not loaded yet: (agent, message).
+        self._owed: list[tuple[str, bytes]] = []
+        self.counters = {"dropped": 0, "rejected": 0}
         self._closed = False
         self._loop = LoopThread("xavier-sglang")
         try:
@@ -92,54 +139,178 @@ class Hub:
         """Runs `coro` on the hub's loop; the caller polls the future."""
         return self._loop.submit(coro)
 
-    def room(self, room_id: int) -> dpb.Room | None:
-        """The latest view of one of this peer's rooms (from the feed), or None if none was seen."""
-        return self.rooms.latest(room_id)
-
-    def submit_room(self, coro: Coroutine[Any, Any, dpb.Room]) -> concurrent.futures.Future[dpb.Room]:
-        """Runs an RPC that answers with a room; the answer is in `room()` once the future is done (the
-        feed's stream may lag behind it, and never carries a room that ended before anyone opened it)."""
-
-        async def noted() -> dpb.Room:
-            room = await coro
-            self.rooms.apply(room)
-            return room
-
-        return self.submit(noted())
-
-    def forget_room(self, room_id: int) -> None:
-        self._loop.loop.call_soon_threadsafe(self.rooms.forget, room_id)
-
-    def endpoint(self, prefill: tuple[str, int]) -> types_pb2.TransferEndpoint | None:
+    def load_peer(self, peer: dpb.Peer) -> PairPeer:
+        """Loads a counterpart's NIXL agent from its directory record (once per epoch); `TransferError`
+        for a record whose endpoint this process cannot use."""
+        key = peer_key(peer.peer_id, int(peer.epoch))
         with self._lock:
-            return self._endpoints.get(prefill)
-
-    def cache_endpoint(self, prefill: tuple[str, int], endpoint: types_pb2.TransferEndpoint) -> None:
+            known = self._by_agent.get(peer.endpoint.agent_name)
+            if known is not None and known.key == key:
+                return known
+        endpoint = peer.endpoint
+        kv = buffers_from_regions(endpoint.regions, "endpoint.regions")
+        aux = buffers_from_regions(endpoint.aux_regions, "endpoint.aux_regions")
+        agent = self.agent.add_peer(key, endpoint.agent_metadata)
+        loaded = PairPeer(str(peer.peer_id), int(peer.epoch), key, agent, kv, aux)
         with self._lock:
-            self._endpoints[prefill] = endpoint
-            while len(self._endpoints) > _ENDPOINTS:
-                self._endpoints.popitem(last=False)
+            self._by_agent[agent] = loaded
+        return loaded
 
-    def forget_endpoint(self, prefill: tuple[str, int]) -> None:
+    def decode_peer(self, agent: str) -> PairPeer | None:
+        """The registered decode whose NIXL agent is `agent` (the sender of a JOIN), or None while it is
+        not known yet: the first call for an unknown agent asks the directory (once per retry interval)."""
         with self._lock:
-            self._endpoints.pop(prefill, None)
+            peer = self._by_agent.get(agent)
+        if peer is not None:
+            return peer
+        with self._lookup_lock:
+            fut = self._lookup
+            if fut is not None and fut.done():
+                self._lookup = None
+                if fut.exception() is None:
+                    for p in fut.result():
+                        if p.endpoint.agent_name and p.contract_fingerprint == self.fingerprint:
+                            with contextlib.suppress(TransferError):
+                                self.load_peer(p)
+                with self._lock:
+                    peer = self._by_agent.get(agent)
+                if peer is not None:
+                    return peer
+            now = time.monotonic()
+            if self._lookup is None and now - self._looked_up >= _LOOKUP_RETRY_S:
+                self._looked_up = now
+                self._lookup = self.submit(self.client.list_peers(types_pb2.ROLE_DECODE))
+        return None
 
-    def publishing(self, delta: int) -> None:
-        """Counts published sources: NIXL progress runs fast only while there is one."""
+    def forget_peer(self, peer: PairPeer) -> None:
+        """Drops a counterpart whose epoch ended (its NIXL agent is unloaded)."""
         with self._lock:
-            self._publishing += delta
+            if self._by_agent.get(peer.agent) == peer:
+                del self._by_agent[peer.agent]
+        self.agent.drop_peer(peer.key)
 
-    def park(self, receiver: KvReceiver) -> None:
-        """Keeps a receiver whose READ may still write its pages until the READ ends, then forgets it."""
+    def add_room(self, room_id: int, room: RoomEnd) -> bool:
+        """Routes the room's notifications to `room`; False if another live room has the id."""
         with self._lock:
-            self._parked.append(receiver)
+            if room_id in self._rooms:
+                return False
+            self._rooms[room_id] = room
+            return True
 
-    def parked(self) -> int:
+    def remove_room(self, room_id: int, room: RoomEnd) -> None:
         with self._lock:
-            return len(self._parked)
+            if self._rooms.get(room_id) is room:
+                del self._rooms[room_id]
+
+    def park(self, room_id: int, room: RoomEnd) -> None:
+        """Keeps a room SGLang cleared while a transfer of it may still be in flight, until `reap()`."""
+        with self._lock:
+            self._parked.append(room)
+
+    def cancelled(self, room_id: int) -> bool:
+        """Whether the room's decode cancelled it before SGLang created the room's sender."""
+        with self._lock:
+            return room_id in self._cancelled
+
+    def take_joins(self, room_id: int) -> dict[str, wire.Message]:
+        """The JOINs that arrived before SGLang created the room's sender (the decode was first), by
+        the NIXL agent that sent each (only a registered decode's will be used)."""
+        with self._lock:
+            got = self._pending.pop(room_id, None)
+        return {} if got is None else got[0]
+
+    def send(self, peer: PairPeer, msg: bytes) -> bool:
+        """A notification to `peer`; False if NIXL could not send it (the peer is gone)."""
+        try:
+            self.agent.send_notif(peer.key, msg)
+        except TransferError as exc:
+            log.info("notification to %s not sent: %s", peer.key, exc)
+            return False
+        return True
+
+    def pump(self, *, force: bool = False) -> None:
+        """Routes the notifications that arrived to their rooms. Called by every poll, it reads NIXL at
+        most once per `_PUMP_INTERVAL_S`; callers hold no room lock (handlers take the room's)."""
+        now = time.monotonic()
+        if not force and now - self._last_pump < _PUMP_INTERVAL_S:
+            return
+        if not self._pump_lock.acquire(blocking=False):
+            return  # another thread is routing right now
+        try:
+            self._last_pump = now
+            for who, raw in self.agent.notifications():
+                msg = wire.parse(raw)
+                if msg is None:
+                    self.counters["dropped"] += 1
+                    continue
+                self._route(who, msg, now)
+            if self._owed:
+                self._pay_owed()
+        finally:
+            self._pump_lock.release()
+
+    def _route(self, who: str, msg: wire.Message, now: float) -> None:
+        with self._lock:
+            room = self._rooms.get(msg.room)
+            if room is None and msg.kind == wire.Kind.JOIN:
+                # The decode was first: the prefill's sender for this room does not exist yet.
+                joins, _ = self._pending.setdefault(msg.room, ({}, now))
+                if len(joins) < _JOINS_PER_ROOM:
+                    joins.setdefault(who, msg)
+                limit = now - self.settings.bootstrap_timeout_s
+                while self._pending and (
+                    len(self._pending) > _PENDING_JOINS or next(iter(self._pending.values()))[1] < limit
+                ):
+                    self._pending.popitem(last=False)
+                return
+            if room is None and msg.kind == wire.Kind.CANCEL:
+                pending = self._pending.get(msg.room)
+                join = pending[0].get(who) if pending is not None else None
+                if pending is not None and join is not None and join.token == msg.token:
+                    del pending[0][who]
+                    if not pending[0]:
+                        del self._pending[msg.room]
+                    self._cancelled[msg.room] = now
+                    while len(self._cancelled) > _PENDING_JOINS:
+                        self._cancelled.popitem(last=False)
+        if room is not None:
+            room.on_message(who, msg)
+        elif msg.kind == wire.Kind.CANCEL and self.role == types_pb2.ROLE_PREFILL:
+            # No room here (never created, or done and cleared): nothing of ours is in flight for it,
+            # so the decode may reuse its pages.
+            self.tell_failed(
+                who, wire.failed(msg.room, msg.token, "ROOM_END_CAUSE_DECODE_FAILED", "cancelled")
+            )
+        else:
+            self.counters["dropped"] += 1
+
+    def tell_failed(self, agent: str, msg: bytes) -> None:
+        """Sends a FAILED to the decode behind `agent` now, or once it is loaded (it was not yet)."""
+        peer = self.decode_peer(agent)
+        if peer is not None:
+            self.send(peer, msg)
+        elif len(self._owed) < _PENDING_JOINS:
+            self._owed.append((agent, msg))
+
+    def _pay_owed(self) -> None:
+        owed, self._owed = self._owed, []
+        for agent, msg in owed:
+            self.tell_failed(agent, msg)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "rooms": len(self._rooms),
+                "parked": len(self._parked),
+                "pending_joins": len(self._pending),
+                "cancelled": len(self._cancelled),
+                "peers": len(self._by_agent),
+                "live_transfers": self.agent.live_transfers(),
+                **self.counters,
+            }
 
     def close(self) -> None:
-        """Unregisters, stops the loop and releases NIXL (every READ cancelled). Idempotent."""
+        """Unregisters, stops the loop and releases NIXL (every transfer cancelled). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -164,9 +335,10 @@ class Hub:
         )
         self.session = PeerSession(self.client, request)
         registration = await self.session.start()
-        self.rooms = RoomFeed(self.client, lambda: self.peer)
-        self.rooms.start()
-        self._tasks = [asyncio.create_task(self._progress(), name="xavier-sglang-progress")]
+        self._tasks = [
+            asyncio.create_task(self._watch(), name="xavier-sglang-watch"),
+            asyncio.create_task(self._reap(), name="xavier-sglang-reap"),
+        ]
         return registration
 
     async def _stop(self) -> None:
@@ -175,21 +347,46 @@ class Hub:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        await self.rooms.stop()
         await self.session.stop()
         await self.client.close()
 
-    async def _progress(self) -> None:
+    async def _watch(self) -> None:
+        """About once a second while rooms are live: rooms whose counterpart's epoch left the directory
+        end (a dead peer writes nothing, and will never answer). A directory that does not answer ends
+        nothing: a blip of the control plane is not a failed transfer."""
+        other = types_pb2.ROLE_DECODE if self.role == types_pb2.ROLE_PREFILL else types_pb2.ROLE_PREFILL
         while True:
+            await asyncio.sleep(_WATCH_INTERVAL_S)
             with self._lock:
-                busy = self._publishing > 0 or bool(self._parked)
+                rooms = list(self._rooms.values()) + list(self._parked)
+            peers = {p for p in (r.counterpart() for r in rooms) if p is not None}
+            if not peers:
+                continue
+            try:
+                live = {(p.peer_id, int(p.epoch)) for p in await self.client.list_peers(other)}
+            except Exception as exc:  # the directory is down or slow: try again next time
+                log.debug("peer watch: %s", exc)
+                continue
+            for lost in [p for p in peers if (p.peer_id, p.epoch) not in live]:
+                log.info("peer %s left the directory: its rooms end", lost.key)
+                for room in rooms:
+                    if room.counterpart() == lost:
+                        room.on_peer_lost(lost)
+                self.forget_peer(lost)
+
+    async def _reap(self) -> None:
+        """Every `_REAP_INTERVAL_S`: notifications that came while SGLang polls no room (a JOIN before
+        the request, a CANCEL of a room never seen) are routed, and parked rooms that may end, end."""
+        while True:
+            await asyncio.sleep(_REAP_INTERVAL_S)
+            self.pump()
+            with self._lock:
                 parked = list(self._parked)
-            if busy:
-                self.kv.progress()
-                done = [r for r in parked if not r.in_flight()]
-                for receiver in done:
-                    receiver.clear()
-                if done:
-                    with self._lock:
-                        self._parked = [r for r in self._parked if r not in done]
-            await asyncio.sleep(_PROGRESS_INTERVAL_S if busy else _IDLE_INTERVAL_S)
+            if not parked:
+                continue
+            done = [r for r in parked if r.reap()]
+            if done:
+                with self._lock:
+                    self._parked = [r for r in self._parked if r not in done]
+                    for room_id in [k for k, v in self._rooms.items() if v in done]:
+                        del self._rooms[room_id]

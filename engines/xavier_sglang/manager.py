@@ -24,9 +24,10 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
 from xavier_core.contract import differing_fields
+from xavier_core.transfer.errors import TransferError
 
 from .config import PoolShape, ProcessShape, XavierSettings, check_supported, contract_layout
-from .hub import Hub
+from .hub import Hub, PairPeer
 from .reader import ReaderRoom
 from .rooms import RoomFailure
 
@@ -94,9 +95,9 @@ class XavierKVManager(CommonKVManager):
         self.prefill_info_table: dict[str, Any] = {}
         self.bootstrap_timeout = settings.bootstrap_timeout_s
         self.waiting_timeout = settings.waiting_timeout_s
-        self._prefill_peers: dict[str, tuple[str, int]] = {}
+        self._prefill_peers: dict[str, PairPeer] = {}
         self._lookups: dict[str, concurrent.futures.Future[list[dpb.Peer]]] = {}
-        self._readers: weakref.WeakValueDictionary[int, ReaderRoom] = weakref.WeakValueDictionary()
+        self.readers: weakref.WeakValueDictionary[int, ReaderRoom] = weakref.WeakValueDictionary()
         self.hub = Hub(role, pool, layout, settings)
         # Unregister at exit so decodes see a stopped prefill at once, not after its lease.
         atexit.register(self.hub.close)
@@ -147,19 +148,22 @@ class XavierKVManager(CommonKVManager):
         if not ours:
             return False
         peer = max(ours, key=lambda p: p.epoch)
-        self._prefill_peers[bootstrap_addr] = (peer.peer_id, int(peer.epoch))
+        try:
+            self._prefill_peers[bootstrap_addr] = self.hub.load_peer(peer)
+        except TransferError as exc:
+            raise RuntimeError(f"the prefill at {bootstrap_addr} cannot be reached over NIXL: {exc}") from exc
         self.prefill_info_table[bootstrap_addr] = _prefill_info(
             self.kv_args.page_size, self.kv_cache_dtype_str
         )
         return True
 
-    def prefill_peer(self, bootstrap_addr: str) -> tuple[str, int] | None:
+    def prefill_peer(self, bootstrap_addr: str) -> PairPeer | None:
         return self._prefill_peers.get(bootstrap_addr)
 
-    def forget_prefill(self, bootstrap_addr: str, prefill: tuple[str, int]) -> None:
-        """Drops `prefill` (peer id, epoch), whose epoch ended, from the address it served (unless a newer
-        lookup replaced it already) and its cached endpoint, so the next request looks it up again."""
-        self.hub.forget_endpoint(prefill)
+    def forget_prefill(self, bootstrap_addr: str, prefill: PairPeer) -> None:
+        """Drops `prefill`, whose epoch ended, from the address it served (unless a newer lookup replaced
+        it already) and unloads its NIXL agent, so the next request looks it up again."""
+        self.hub.forget_peer(prefill)
         if self._prefill_peers.get(bootstrap_addr) == prefill:
             del self._prefill_peers[bootstrap_addr]
             self.prefill_info_table.pop(bootstrap_addr, None)
@@ -167,9 +171,10 @@ class XavierKVManager(CommonKVManager):
     # --- 0.5.23 deferred decode KV release ------------------------------------------------
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
-        """True once no READ of the room can still write the decode's pages (Xavier's decode READs,
-        so this is known locally and needs no acknowledgement from the prefill)."""
-        reader = self._readers.get(bootstrap_room)
+        """True once no WRITE of the prefill can still land in the room's pages: the prefill answered
+        the decode's CANCEL (it sends FAILED only once nothing of the room is in flight), or it left
+        the directory (see `reader.ReaderRoom`)."""
+        reader = self.readers.get(bootstrap_room)
         return reader is None or reader.release_safe()
 
     def register_deferred_abort_room(self, bootstrap_room: int) -> int:

@@ -1,35 +1,40 @@
-"""The decode side of one room, as SGLang's receiver polls it (the states are described in `rooms`)."""
+"""The decode side of one room, as SGLang's receiver polls it (the prefill side is `rooms.SourceRoom`).
+
+BOOTSTRAPPING until `init` names the prefill (the manager found it in the directory and loaded its NIXL
+agent) → WAITING_FOR_INPUT → `send_metadata(pages, aux slot)` sends the prefill a JOIN naming them →
+TRANSFERRING while the prefill WRITEs → SUCCESS once every page and the aux slot were written (each
+WRITE's notification arrives after its bytes). No directory call and no READ: the scheduler's polls only
+read what the hub's `pump` routed here.
+
+A failure (SGLang's abort, the prefill's FAILED, the wait for the prefill's WRITEs running out) ends the
+room, but the room reports TRANSFERRING until no WRITE of the prefill can still land in its pages
+(invariant I1): the prefill answered FAILED (sent only once nothing of the room is in flight there), the
+prefill left the directory, or a CANCEL went unanswered for the transfer timeout. Only then FAILED, and
+SGLang hands the pages to another request.
+"""
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
+import secrets
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
-from xavier.v1 import directory_service_pb2 as dpb
-from xavier.v1 import types_pb2
 
-from xavier_core.directory.client import TERMINAL_ROOM_STATES
-from xavier_core.transfer.aux_slots import aux_from_proto
 from xavier_core.transfer.errors import TransferError
-from xavier_core.transfer.kv_transfer import KvPoll, KvReceiver
-from xavier_core.transfer.peers import peer_key
-from xavier_core.transfer.source import SourceInfo
-from xavier_core.transfer.xfer import Transfer
+from xavier_core.transfer.kv_transfer import KvPoll
+from xavier_core.transfer.runs import as_page_array
 
-from .hub import Hub
-from .rooms import RoomFailure, _ended, _rpc_failure
+from . import wire
+from .hub import Hub, PairPeer
+from .rooms import RoomFailure
 from .trace import RoomTrace
 
 __all__ = ["ReaderRoom"]
 
-# Failures that say the named prefill epoch is gone: PEER_NOT_FOUND (its peer id left the directory, as a
-# restarted process registers under a new id), STALE_EPOCH (it registered again), PEER_UNAVAILABLE (the
-# directory has no endpoint for it) and the room's PEER_LOST.
+# Failures that say the named prefill epoch is gone: a request for the same bootstrap address must look
+# the prefill up again.
 _PREFILL_GONE = frozenset(("PEER_NOT_FOUND", "STALE_EPOCH", "PEER_UNAVAILABLE", "ROOM_END_CAUSE_PEER_LOST"))
 
 
@@ -40,22 +45,24 @@ class ReaderRoom:
         self.hub = hub
         self.room_id = room_id
         self._lock = threading.Lock()
-        self.kv = KvReceiver(hub.kv, str(room_id))
+        self.token = secrets.token_bytes(wire.TOKEN_BYTES)
         self.failure: RoomFailure | None = None
-        self.prefill: tuple[str, int] | None = None
-        self._state = KvPoll.BOOTSTRAPPING
-        self._aux_slot: int | None = None
-        self._begin: concurrent.futures.Future[dpb.BeginTransferResponse] | None = None
-        # The prefill epoch's endpoint as cached when BeginTransfer was sent (None: the answer carries it).
-        self._endpoint: types_pb2.TransferEndpoint | None = None
-        self._complete: concurrent.futures.Future[dpb.Room] | None = None
-        self._read_posted = False  # a READ of the source (aux slot or pages) was posted
-        self.bytes_read = 0
-        self.started: float | None = None
-        self.finished: float | None = None
+        self.prefill: PairPeer | None = None
         self.trace = RoomTrace("decode", room_id)
+        self._state = KvPoll.BOOTSTRAPPING
+        self._pages = 0
+        self._aux_slot: int | None = None
+        self._written = 0
+        self._aux_written = False
+        self._joined: float | None = None
+        self._progress = 0.0  # when the last WRITE arrived (or the JOIN went out)
+        self._released = False  # nothing of the prefill's can land in our pages any more
+        self._cancelled: float | None = None
+        self._registered = False
 
-    def init(self, prefill: tuple[str, int] | None) -> None:
+    # --- SGLang's calls -----------------------------------------------------------------------
+
+    def init(self, prefill: PairPeer | None) -> None:
         with self._lock:
             if prefill is None:
                 self._fail_locked(
@@ -68,116 +75,54 @@ class ReaderRoom:
 
     def send_metadata(self, pages: npt.NDArray[np.integer] | list[int], aux_slot: int | None) -> None:
         with self._lock:
-            if self.failure is not None or self.prefill is None:
+            if self.failure is not None or self.prefill is None or self._joined is not None:
                 return
             try:
-                self.kv.init()
-                self.kv.send_metadata(pages)
-            except TransferError as exc:  # malformed page ids
-                self._fail_locked(RoomFailure("INVALID_ARGUMENT", str(exc)), read_posted=False)
+                dest = as_page_array(pages)
+                limit = min(b.num_pages for b in self.hub.pool.kv)
+                if dest.size and int(dest.max()) >= limit:
+                    raise TransferError(f"destination page {int(dest.max())} is outside the pool ({limit})")
+                if np.unique(dest).size != dest.size:
+                    raise TransferError("destination page ids repeat")
+            except TransferError as exc:
+                self._fail_locked(RoomFailure("INVALID_ARGUMENT", str(exc)))
                 return
-            self._aux_slot = aux_slot
+            if not self.hub.add_room(self.room_id, self):
+                self._fail_locked(RoomFailure("ROOM_BUSY", f"room {self.room_id} is already live here"))
+                return
+            self._registered = True
+            self._pages, self._aux_slot = int(dest.size), aux_slot
             self.trace.mark("metadata")
-            # Read once: the cache may drop this entry before the answer comes, and an answer to a call
-            # that said "cached" carries no endpoint.
-            self._endpoint = self.hub.endpoint(self.prefill)
-            self._begin = self.hub.submit(
-                self.hub.client.begin_transfer(
-                    self.room_id,
-                    self.prefill,
-                    self.hub.peer,
-                    request_id=f"sgl-{self.room_id}-begin",
-                    wait_for_source=self.hub.settings.waiting_timeout_s,
-                    source_endpoint_cached=self._endpoint is not None,
+            if not self.hub.send(self.prefill, wire.join(self.room_id, self.token, dest, aux_slot)):
+                self._fail_locked(
+                    RoomFailure("PEER_UNAVAILABLE", f"prefill {self.prefill.key} is unreachable")
                 )
-            )
+                return
+            self._joined = self._progress = time.monotonic()
+            self._state = KvPoll.TRANSFERRING
 
     def poll(self) -> KvPoll:
+        self.hub.pump()
         with self._lock:
             self.trace.polls += 1
-            if self.failure is not None or self._state == KvPoll.SUCCESS:
+            if self._state in (KvPoll.SUCCESS, KvPoll.FAILED):
                 return self._state
-            if self._begin is not None and self.started is None and self._begin.done():
-                self.trace.mark("begin_answered")
-                if self.prefill is not None:
-                    self._start_locked(self._begin, self.prefill)
-            if self._read_posted and self._complete is None and self.failure is None:
-                state = self.kv.poll()
-                if state == KvPoll.FAILED:
-                    self._fail_locked(RoomFailure("TRANSFER_FAILED", self.kv.error or "READ failed"))
-                elif state == KvPoll.SUCCESS:
-                    self.trace.mark("read_done")
-                    self.finished = time.monotonic()
-                    self._complete = self.hub.submit(
-                        self.hub.client.complete_room(
-                            self.room_id,
-                            *self.hub.peer,
-                            bytes_transferred=self.bytes_read,
-                            transfer_seconds=self.finished - (self.started or self.finished),
-                            request_id=f"sgl-{self.room_id}-complete",
-                        )
-                    )
-            if self._complete is not None and self._complete.done() and self.failure is None:
-                failed = _rpc_failure(self._complete, "CompleteRoom")
-                if failed is not None:
-                    self._fail_locked(failed)
-                else:
+            now = time.monotonic()
+            if self.failure is None and self._joined is not None:
+                if self._written >= self._pages and (self._aux_written or self._aux_slot is None):
                     self.trace.mark("success")
                     self._state = KvPoll.SUCCESS
+                    return self._state
+                if now - self._progress > self.hub.settings.waiting_timeout_s:
+                    self._fail_locked(
+                        RoomFailure("DEADLINE_EXCEEDED", "the prefill's KV did not arrive in time")
+                    )
+            if self.failure is not None:
+                if self._safe_locked(now):
+                    self._state = KvPoll.FAILED
+                    return self._state
+                return KvPoll.TRANSFERRING
             return self._state
-
-    def _start_locked(
-        self, begin: concurrent.futures.Future[dpb.BeginTransferResponse], prefill: tuple[str, int]
-    ) -> None:
-        failed = _rpc_failure(begin, "BeginTransfer")
-        if failed is not None:
-            self._fail_locked(failed, read_posted=False)
-            return
-        resp = begin.result()
-        room = resp.room
-        if room.state in TERMINAL_ROOM_STATES:
-            self._fail_locked(_ended(room), read_posted=False, tell_directory=False)
-            return
-        if room.source.contract_fingerprint != self.hub.fingerprint:
-            self._fail_locked(
-                RoomFailure("LAYOUT_MISMATCH", "the source pages were computed under another KV layout")
-            )
-            return
-        endpoint = self._endpoint
-        if endpoint is None:
-            endpoint = resp.source_endpoint
-            if resp.HasField("source_endpoint"):
-                self.hub.cache_endpoint(prefill, endpoint)
-        key = peer_key(*prefill)
-        try:
-            source = SourceInfo.from_proto(room.source, endpoint)
-            aux_buffers, aux_src = aux_from_proto(room.source, endpoint)
-        except TransferError as exc:
-            self._fail_locked(RoomFailure("TRANSFER_FAILED", str(exc)), read_posted=False)
-            return
-        lead: Callable[[], Transfer] | None = None
-        self.bytes_read = self.hub.page_bytes * source.num_pages
-        if self._aux_slot is not None and aux_src.size:
-            # The aux slot (first token, metadata) lands before the pages: see `KvReceiver.start`.
-            lead = functools.partial(self.hub.agent.read_slots, key, aux_buffers, aux_src, [self._aux_slot])
-            self.bytes_read += sum(b.bytes_per_page for b in aux_buffers)
-        self.started = time.monotonic()
-        self._state = KvPoll.TRANSFERRING
-        self.kv.start(source, key, lead=lead)
-        if self.kv.poll() == KvPoll.FAILED:  # refused before anything was posted, or already ended
-            self._fail_locked(
-                RoomFailure("TRANSFER_FAILED", self.kv.error or "READ failed"), read_posted=False
-            )
-            return
-        self._read_posted = True
-        self.trace.mark("read_posted")
-
-    @property
-    def prefill_gone(self) -> bool:
-        """True when the room failed because the prefill epoch it named is no longer registered (it
-        stopped, restarted as a new peer, or registered again with a new epoch): a request for the same
-        bootstrap address must look the prefill up again."""
-        return self.failure is not None and self.failure.code in _PREFILL_GONE
 
     def abort(self, detail: str = "aborted by SGLang") -> None:
         self.fail(RoomFailure("ROOM_END_CAUSE_DECODE_FAILED", detail))
@@ -189,29 +134,80 @@ class ReaderRoom:
                 self._fail_locked(failure)
 
     def release_safe(self) -> bool:
-        """True once no READ of this room may still write its pages (KV or aux)."""
-        return not self.kv.in_flight()
+        """True once no WRITE of the prefill can still land in this room's pages (KV or aux)."""
+        with self._lock:
+            return self._state == KvPoll.SUCCESS or self._safe_locked(time.monotonic())
+
+    @property
+    def prefill_gone(self) -> bool:
+        """True when the room failed because the prefill epoch it named is no longer registered (it
+        stopped, restarted as a new peer, or registered again with a new epoch)."""
+        return self.failure is not None and self.failure.code in _PREFILL_GONE
 
     def clear(self) -> None:
-        """Forgets the room; a READ still in flight is parked with the hub until it ends."""
+        """Forgets the room; one the prefill may still write into is kept by the hub until it may not."""
         with self._lock:
             self.trace.write("success" if self._state == KvPoll.SUCCESS else "failed")
-            if self.kv.in_flight():
-                self.hub.park(self.kv)
-            else:
-                self.kv.clear()
-        self.hub.forget_room(self.room_id)
+            if self._state != KvPoll.SUCCESS and self.failure is None:
+                self._fail_locked(RoomFailure("ROOM_END_CAUSE_DECODE_FAILED", "cleared before it ended"))
+            safe = self._state == KvPoll.SUCCESS or self._safe_locked(time.monotonic())
+        if not self._registered:
+            return
+        if safe:
+            self.hub.remove_room(self.room_id, self)
+        else:
+            self.hub.park(self.room_id, self)
 
-    def _fail_locked(
-        self, failure: RoomFailure, *, read_posted: bool | None = None, tell_directory: bool = True
-    ) -> None:
+    # --- the hub's calls ------------------------------------------------------------------------
+
+    def on_message(self, who: str, msg: wire.Message) -> None:
+        with self._lock:
+            if self.prefill is None or who != self.prefill.agent or msg.token != self.token:
+                self.hub.counters["rejected"] += 1
+                return
+            if msg.kind == wire.Kind.WRITTEN:
+                self._progress = time.monotonic()
+                if msg.aux:
+                    self._aux_written = True
+                else:
+                    self._written += msg.count
+                if msg.count:
+                    self.trace.mark("first_write")
+            elif msg.kind == wire.Kind.FAILED:
+                self._released = True
+                if self.failure is None and self._state != KvPoll.SUCCESS:
+                    self._fail_locked(RoomFailure.parse(msg.detail, "ROOM_END_CAUSE_PREFILL_FAILED"))
+            else:
+                self.hub.counters["rejected"] += 1
+
+    def on_peer_lost(self, peer: PairPeer) -> None:
+        with self._lock:
+            self._released = True  # a process that left the directory writes nothing more
+            if self.failure is None and self._state != KvPoll.SUCCESS:
+                self._fail_locked(
+                    RoomFailure("ROOM_END_CAUSE_PEER_LOST", f"prefill {peer.key} left the directory")
+                )
+
+    def counterpart(self) -> PairPeer | None:
+        return self.prefill if self._joined is not None else None
+
+    def reap(self) -> bool:
+        with self._lock:
+            return self._safe_locked(time.monotonic())
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _safe_locked(self, now: float) -> bool:
+        if self._joined is None or self._released:
+            return True
+        # A CANCEL the prefill never answered: its WRITEs are bounded by the transfer timeout.
+        return self._cancelled is not None and now - self._cancelled > self.hub.settings.transfer_timeout_s
+
+    def _fail_locked(self, failure: RoomFailure) -> None:
         self.failure = failure
-        self._state = KvPoll.FAILED
-        posted = self._read_posted if read_posted is None else read_posted
-        # Tells the source once no READ of ours can touch its pages or slot any more (KvReceiver).
-        self.kv.abort(str(failure))
-        if tell_directory and self.prefill is not None:
-            cause = dpb.ROOM_END_CAUSE_DECODE_FAILED if posted else dpb.ROOM_END_CAUSE_DECODE_DECLINED
-            self.hub.submit(
-                self.hub.client.abort_room(self.room_id, cause, failure.detail[:1000], *self.hub.peer)
-            )
+        if self._joined is not None and not self._released and self._cancelled is None:
+            self._cancelled = time.monotonic()
+            if self.prefill is not None and not self.hub.send(
+                self.prefill, wire.cancel(self.room_id, self.token)
+            ):
+                self._released = True  # the prefill is unreachable: NIXL refused to talk to it

@@ -1,46 +1,40 @@
-"""One room seen from each side, as SGLang's sender and receiver poll it. No SGLang import.
+"""The prefill side of one room, as SGLang's sender polls it. No SGLang import.
 
-`bootstrap_room` is the Xavier room id. States are SGLang's `KVPoll` values (`KvPoll` has the same).
+`bootstrap_room` is the Xavier room id. States are SGLang's `KVPoll` values (`KvPoll` has the same). The
+messages are `wire`'s; the decode side is `reader.ReaderRoom`.
 
-Source (prefill), `SourceRoom`:
-  BOOTSTRAPPING until the room's decode has joined (its BeginTransfer opened or adopted the room; the
-  hub's feed shows it) → WAITING_FOR_INPUT → `init(pages, aux slot)`, `send(chunk)`… (chunked prefill
-  sends several chunks; the source is published once, with every page, after the last) → PublishSource
-  → TRANSFERRING → SUCCESS when the reader's done notification arrives or the room COMPLETED.
+`SourceRoom`: BOOTSTRAPPING until the decode's JOIN arrived and its sender is a registered decode of this
+contract (the hub loads it once per epoch) → WAITING_FOR_INPUT → `init(pages, aux slot)` → each
+`send(chunk)` WRITEs that chunk's pages into the decode's destination pages at once (chunked prefill
+overlaps the transfer with the next chunk's compute); the last also WRITEs the aux slot (first token,
+metadata) → TRANSFERRING → SUCCESS once every WRITE is done (NIXL delivers each WRITE's notification to
+the decode after its bytes).
 
-Reader (decode), `ReaderRoom`:
-  BOOTSTRAPPING until `init` names the prefill peer → WAITING_FOR_INPUT → `send_metadata(pages, aux
-  slot)` reserves the destination and calls BeginTransfer (waiting in the directory for the source) →
-  READ of the aux slot, then of the pages (TRANSFERRING) → CompleteRoom → SUCCESS.
-
-Every failure ends the room in the directory with its cause and keeps `failure` = (code, detail), where
-code is the Xavier reason (an ErrorInfo reason of a failed RPC, or the room's end cause).
+A failure (SGLang's abort, the decode's CANCEL, a WRITE error, the decode leaving the directory) keeps
+the room TRANSFERRING while any WRITE of it is in flight: the pages it reads are not SGLang's to reuse
+yet (invariant I1). Then the decode is told FAILED (so it may reuse its pages) and the room is FAILED.
+`failure` = (code, detail), code the Xavier reason or the room's end cause.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from xavier.v1 import directory_service_pb2 as dpb
 
-from xavier_core.directory.client import TERMINAL_ROOM_STATES
-from xavier_core.runtime.errors import XavierError
-from xavier_core.transfer.errors import TransferError
-from xavier_core.transfer.kv_transfer import KvPoll, KvSender
+from xavier_core.transfer.errors import InvalidPagesError, LayoutError, TransferError
+from xavier_core.transfer.kv_transfer import KvPoll
 from xavier_core.transfer.runs import as_page_array
+from xavier_core.transfer.xfer import Transfer
 
-from .hub import Hub
+from . import wire
+from .hub import Hub, PairPeer
 from .trace import RoomTrace
 
 __all__ = ["RoomFailure", "SourceRoom"]
-
-_PROBE_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -53,21 +47,13 @@ class RoomFailure:
     def __str__(self) -> str:
         return f"{self.code}: {self.detail}"
 
-
-def _ended(room: dpb.Room) -> RoomFailure:
-    cause = dpb.RoomEndCause.Name(room.end_cause)
-    return RoomFailure(
-        cause, room.end_detail or f"room {room.room_id} ended {dpb.RoomState.Name(room.state)}"
-    )
-
-
-def _rpc_failure(fut: concurrent.futures.Future[Any], what: str) -> RoomFailure | None:
-    exc = fut.exception()
-    if exc is None:
-        return None
-    if isinstance(exc, XavierError):
-        return RoomFailure(exc.reason, f"{what}: {exc.message or exc}")
-    return RoomFailure("UNAVAILABLE", f"{what}: {type(exc).__name__}: {exc}")
+    @classmethod
+    def parse(cls, text: str, default: str) -> RoomFailure:
+        """A failure from its wire form `CODE: detail` (a FAILED message)."""
+        code, sep, detail = text.partition(": ")
+        if not sep or not code.replace("_", "").isalnum() or not code.isupper():
+            return cls(default, text or "the peer failed the room")
+        return cls(code, detail)
 
 
 class SourceRoom:
@@ -77,116 +63,120 @@ class SourceRoom:
         self.hub = hub
         self.room_id = room_id
         self._lock = threading.Lock()
-        self.kv = KvSender(hub.kv, str(room_id))
         self.created = time.monotonic()
+        self.epoch = hub.peer[1]
         self.failure: RoomFailure | None = None
-        self._decode: tuple[str, int] | None = None
+        self.trace = RoomTrace("prefill", room_id)
+        self._join: wire.Message | None = None  # the registered decode's, once resolved
+        self._join_from = ""
+        self._joins: dict[str, wire.Message] = {}  # until then: by sending agent (a stranger may send one)
+        self._decode: PairPeer | None = None
         self._num_pages = 0
         self._aux_slot: int | None = None
-        self._chunks: list[npt.NDArray[np.int64]] = []
         self._sent = 0
-        self._publish: concurrent.futures.Future[dpb.Room] | None = None
-        self._ended = False
-        self._probe: concurrent.futures.Future[dpb.Room] | None = None
-        self._probed = float("-inf")
-        self.trace = RoomTrace("prefill", room_id)
+        self._last_sent = False
+        self._writes: list[Transfer] = []
+        self._told = False
+        self._done = False
+        if not hub.add_room(room_id, self):
+            self.failure = RoomFailure("ROOM_BUSY", f"room {room_id} is already live in this process")
+            self._registered = False
+        else:
+            self._registered = True
+
+    # --- SGLang's calls -----------------------------------------------------------------------
 
     def init(self, num_pages: int, aux_slot: int | None) -> None:
         with self._lock:
             self._num_pages = num_pages
             self._aux_slot = aux_slot
-            self.kv.init(num_pages)
             self.trace.mark("init")
+            join = self._join
+            if self.failure is None and join is not None and join.count != num_pages:
+                self._fail_locked(
+                    RoomFailure(
+                        "INVALID_ARGUMENT",
+                        f"the decode reserved {join.count} pages, the prompt has {num_pages}",
+                    )
+                )
 
     def send(self, pages: npt.NDArray[np.integer] | list[int]) -> None:
-        """One chunk of pages; the source is published with all of them after the last chunk."""
-        chunk = as_page_array(pages)
+        """One chunk of pages, WRITTEN to the decode now; the last chunk also writes the aux slot. A
+        chunk SGLang should not have sent fails the room (never SGLang's scheduler)."""
+        try:
+            chunk = as_page_array(pages)
+        except TransferError as exc:
+            self.fail(RoomFailure("INVALID_ARGUMENT", str(exc)))
+            return
+        self.hub.pump(force=True)  # a CANCEL that already came means: write nothing
         with self._lock:
             if self.failure is not None:
                 return
-            if self._publish is not None:
-                raise TransferError(f"room {self.room_id}: send() after the last chunk")
-            self._chunks.append(chunk)
-            self._sent += int(chunk.size)
-            if self._sent > self._num_pages:
+            decode, join = self._decode, self._join
+            if decode is None or join is None or join.pages is None:
+                self._fail_locked(RoomFailure("FAILED_PRECONDITION", "send() before the decode joined"))
+                return
+            if self._last_sent:
+                self._fail_locked(RoomFailure("FAILED_PRECONDITION", "send() after the last chunk"))
+                return
+            start, n = self._sent, int(chunk.size)
+            if start + n > self._num_pages:
                 self._fail_locked(
-                    RoomFailure("INVALID_ARGUMENT", f"{self._sent} pages sent, init said {self._num_pages}")
+                    RoomFailure("INVALID_ARGUMENT", f"{start + n} pages sent, init said {self._num_pages}")
                 )
                 return
-            if self._sent < self._num_pages:
-                return
-            if self._decode is None:
-                self._fail_locked(
-                    RoomFailure("FAILED_PRECONDITION", "send() before the decode joined the room")
-                )
-                return
-            all_pages = np.concatenate(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
+            last = start + n == self._num_pages
+            aux = last and self._aux_slot is not None and join.aux_slot is not None
             try:
-                info = self.kv.send(all_pages)
-            except TransferError as exc:  # pages outside the pool, a count that differs from init()
+                if n:
+                    note = wire.written(self.room_id, join.token, n, last=last and not aux)
+                    dest = join.pages[start : start + n]
+                    self._writes.append(self.hub.agent.write(decode.key, decode.kv, chunk, dest, note))
+                if aux:
+                    assert self._aux_slot is not None and join.aux_slot is not None
+                    note = wire.written(self.room_id, join.token, 0, aux=True, last=True)
+                    self._writes.append(
+                        self.hub.agent.write_slots(
+                            decode.key, decode.aux, [self._aux_slot], [join.aux_slot], note
+                        )
+                    )
+                elif last and not n:
+                    self.hub.send(decode, wire.written(self.room_id, join.token, 0, last=True))
+            except (InvalidPagesError, LayoutError) as exc:  # pages outside a pool, another page geometry
                 self._fail_locked(RoomFailure("INVALID_ARGUMENT", str(exc)))
                 return
-            desc = info.to_proto(self.hub.fingerprint)
-            if self._aux_slot is not None:
-                desc.aux_runs.add(first_page=self._aux_slot, count=1)
-            self.trace.mark("last_chunk")
-            self.hub.publishing(+1)
-            self._publish = self.hub.submit_room(
-                self.hub.client.publish_source(
-                    self.room_id, self.hub.peer, self._decode, desc, request_id=f"sgl-{self.room_id}-publish"
-                )
-            )
+            except TransferError as exc:  # NIXL refused the WRITE: the decode is gone
+                self._fail_locked(RoomFailure("TRANSFER_FAILED", str(exc)))
+                return
+            self._sent += n
+            self._last_sent = last
+            if last:
+                self.trace.mark("last_chunk")
 
     def poll(self) -> KvPoll:
+        self.hub.pump()
         with self._lock:
             self.trace.polls += 1
+            if self._done:
+                return KvPoll.FAILED if self.failure is not None else KvPoll.SUCCESS
+            if self.failure is None and self._decode is None:
+                self._resolve_locked()
+            in_flight = self._check_writes_locked()
             if self.failure is not None:
+                if in_flight:
+                    return KvPoll.TRANSFERRING
+                self._tell_locked()
+                self._done = True
                 return KvPoll.FAILED
-            room = self.hub.room(self.room_id)
             if self._decode is None:
-                if room is not None and room.decode_peer_id and room.state not in TERMINAL_ROOM_STATES:
-                    self._decode = (room.decode_peer_id, int(room.decode_epoch))
-                    self.trace.mark("decode_joined")
-                elif room is not None and room.state in TERMINAL_ROOM_STATES:
-                    self._fail_locked(_ended(room))
-                    return KvPoll.FAILED
-                elif time.monotonic() - self.created > self.hub.settings.bootstrap_timeout_s:
-                    self._fail_locked(RoomFailure("DEADLINE_EXCEEDED", "the decode never joined the room"))
-                    return KvPoll.FAILED
-                else:
-                    self._probe_locked()
-                    return KvPoll.BOOTSTRAPPING
-            if self._publish is not None and self._publish.done():
-                failed = _rpc_failure(self._publish, "PublishSource")
-                if failed is not None:
-                    self._fail_locked(failed)
-                    return KvPoll.FAILED
-                room = self.hub.room(self.room_id)  # the answer is in by now
-                self.trace.mark("published")
-            if room is not None and room.state == dpb.ROOM_STATE_COMPLETED:
-                self.kv.mark_complete()
-            elif room is not None and room.state in TERMINAL_ROOM_STATES:
-                self._fail_locked(_ended(room))
-                return KvPoll.FAILED
-            state = self.kv.poll()
-            if state == KvPoll.FAILED:
-                self._fail_locked(RoomFailure("TRANSFER_FAILED", self.kv.error or "the reader failed"))
-                return KvPoll.FAILED
-            if state == KvPoll.SUCCESS:
-                self.trace.mark("success")
-                self._end_locked()
-                return KvPoll.SUCCESS
-            return KvPoll.WAITING_FOR_INPUT if self._publish is None else KvPoll.TRANSFERRING
-
-    def _probe_locked(self) -> None:
-        """Asks the directory for the room now and then while no view of it has come: a room ended
-        before anyone opened it (a tombstone) reaches no peer's feed."""
-        if self._probe is not None and self._probe.done():
-            self._probe = None  # its answer is in the feed; NOT_FOUND: nobody opened the room yet
-        now = time.monotonic()
-        if self._probe is None and now - self._probed >= _PROBE_INTERVAL_S:
-            self._probed = now
-            self._probe = self.hub.submit_room(self.hub.client.get_room(self.room_id))
+                return KvPoll.BOOTSTRAPPING
+            if not self._last_sent:
+                return KvPoll.TRANSFERRING if self._sent else KvPoll.WAITING_FOR_INPUT
+            if in_flight:
+                return KvPoll.TRANSFERRING
+            self.trace.mark("success")
+            self._done = True
+            return KvPoll.SUCCESS
 
     def abort(self, detail: str = "aborted by SGLang") -> None:
         self.fail(RoomFailure("ROOM_END_CAUSE_PREFILL_FAILED", detail))
@@ -194,32 +184,122 @@ class SourceRoom:
     def fail(self, failure: RoomFailure) -> None:
         """Ends the room with `failure` unless it already ended."""
         with self._lock:
-            if self.failure is None and self.kv.peek()[0] != KvPoll.SUCCESS:
+            if self.failure is None and not self._done:
                 self._fail_locked(failure)
 
     def in_flight(self) -> bool:
-        """True while the reader may still be reading the published pages."""
-        return self.kv.in_flight()
+        """True while a WRITE of the room may still read its pages."""
+        with self._lock:
+            return self._check_writes_locked()
 
     def clear(self) -> None:
+        """Forgets the room; one with a WRITE still in flight is kept by the hub until it ends."""
         with self._lock:
             self.trace.write("failed" if self.failure is not None else "success")
-            self._end_locked()
-            self.kv.clear()
-            self.hub.forget_room(self.room_id)
+            busy = self._check_writes_locked()
+            if self.failure is None and not self._done:
+                self._fail_locked(RoomFailure("ROOM_END_CAUSE_PREFILL_FAILED", "cleared before it ended"))
+            if not busy and self.failure is not None:
+                self._tell_locked()
+        if not self._registered:
+            return
+        if busy:
+            self.hub.park(self.room_id, self)
+        else:
+            self._finish()
+
+    # --- the hub's calls ------------------------------------------------------------------------
+
+    def on_message(self, who: str, msg: wire.Message) -> None:
+        with self._lock:
+            if msg.kind == wire.Kind.JOIN and self._join is None:
+                if len(self._joins) < 4:
+                    self._joins.setdefault(who, msg)
+            elif msg.kind == wire.Kind.CANCEL:
+                if self._join is None and who in self._joins and self._joins[who].token == msg.token:
+                    # Cancelled before it was resolved (the JOIN and the CANCEL came in one batch).
+                    self._join, self._join_from = self._joins.pop(who), who
+                    self._joins.clear()
+                if self._join is None or who != self._join_from or msg.token != self._join.token:
+                    self.hub.counters["rejected"] += 1
+                elif self.failure is None and not self._done:
+                    self._fail_locked(
+                        RoomFailure("ROOM_END_CAUSE_DECODE_FAILED", "the decode gave the room up")
+                    )
+            else:
+                self.hub.counters["rejected"] += 1
+
+    def on_peer_lost(self, peer: PairPeer) -> None:
+        self.fail(RoomFailure("ROOM_END_CAUSE_PEER_LOST", f"decode {peer.key} left the directory"))
+
+    def counterpart(self) -> PairPeer | None:
+        return self._decode
+
+    def reap(self) -> bool:
+        """For a parked room: True (and the decode told) once no WRITE of it is in flight."""
+        with self._lock:
+            if self._check_writes_locked():
+                return False
+            if self.failure is not None:
+                self._tell_locked()
+        return True
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _resolve_locked(self) -> None:
+        for who, msg in self.hub.take_joins(self.room_id).items():
+            self._joins.setdefault(who, msg)
+        if not self._joins and self.hub.cancelled(self.room_id):
+            self._fail_locked(
+                RoomFailure("ROOM_END_CAUSE_DECODE_FAILED", "the decode gave the room up first")
+            )
+            return
+        if self.hub.peer[1] != self.epoch:
+            self._fail_locked(RoomFailure("STALE_EPOCH", "this prefill registered again: its rooms ended"))
+            return
+        for who, msg in self._joins.items():
+            peer = self.hub.decode_peer(who)
+            if peer is not None:
+                self._decode, self._join, self._join_from = peer, msg, who
+                self._joins.clear()
+                self.trace.mark("decode_joined")
+                if self._num_pages and msg.count != self._num_pages:
+                    self._fail_locked(
+                        RoomFailure(
+                            "INVALID_ARGUMENT",
+                            f"the decode reserved {msg.count} pages, the prompt has {self._num_pages}",
+                        )
+                    )
+                return
+        if time.monotonic() - self.created > self.hub.settings.bootstrap_timeout_s:
+            what = "the decode never joined" if not self._joins else "no registered decode joined"
+            self._fail_locked(RoomFailure("DEADLINE_EXCEEDED", what))
+
+    def _check_writes_locked(self) -> bool:
+        """Polls the room's WRITEs; a failed one fails the room. True while any is in flight."""
+        live = False
+        for xfer in self._writes:
+            if xfer.in_flight and xfer.poll() == "ERR" and self.failure is None:
+                self._fail_locked(RoomFailure("TRANSFER_FAILED", f"WRITE to the decode failed: {xfer.error}"))
+            live = live or xfer.in_flight
+        if not live:
+            self._writes = [x for x in self._writes if x.in_flight]
+        return live
 
     def _fail_locked(self, failure: RoomFailure) -> None:
         self.failure = failure
-        self.kv.abort(str(failure))
-        if not failure.code.startswith("ROOM_END_CAUSE_") or failure.code == "ROOM_END_CAUSE_PREFILL_FAILED":
-            self.hub.submit(
-                self.hub.client.abort_room(
-                    self.room_id, dpb.ROOM_END_CAUSE_PREFILL_FAILED, failure.detail[:1000], *self.hub.peer
-                )
-            )
-        self._end_locked()
 
-    def _end_locked(self) -> None:
-        if self._publish is not None and not self._ended:
-            self._ended = True
-            self.hub.publishing(-1)
+    def _tell_locked(self) -> None:
+        """Tells the decode once, when nothing of ours is in flight, that it may reuse its pages."""
+        if self._told:
+            return
+        self._told = True
+        failure = self.failure or RoomFailure("ROOM_END_CAUSE_PREFILL_FAILED", "the prefill failed")
+        if failure.code == "ROOM_END_CAUSE_PEER_LOST":
+            return
+        joins = {self._join_from: self._join} if self._join is not None else dict(self._joins)
+        for who, join in joins.items():
+            self.hub.tell_failed(who, wire.failed(self.room_id, join.token, failure.code, failure.detail))
+
+    def _finish(self) -> None:
+        self.hub.remove_room(self.room_id, self)

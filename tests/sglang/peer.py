@@ -126,8 +126,29 @@ def _poll_until(obj: Any, states: list[int], done: set[int], deadline: float) ->
     while True:
         state = int(obj.poll())
         _record(states, state)
+        if state == 0:  # KVPoll.Failed: SGLang frees the room's pages now (invariant I1)
+            _check_nothing_in_flight(obj)
         if state in done or time.monotonic() > deadline:
             return state
+        time.sleep(0.002)
+
+
+def _check_nothing_in_flight(obj: Any) -> None:
+    """Failed is what makes SGLang hand a room's pages to another request: by then no transfer of the
+    room may still read or write them."""
+    room = obj.room
+    if hasattr(room, "in_flight") and room.in_flight():
+        raise AssertionError(f"room {room.room_id}: Failed while a WRITE of it is in flight")
+    if hasattr(room, "release_safe") and not room.release_safe():
+        raise AssertionError(f"room {room.room_id}: Failed while the prefill may still write its pages")
+
+
+def _hold(cmd: dict[str, Any], sender: Any, states: list[int], deadline: float) -> None:
+    """Waits, polling like SGLang's scheduler, until the parent creates `hold_file` (or the room fails)."""
+    path = cmd.get("hold_file")
+    while path and not os.path.exists(path) and time.monotonic() < deadline:
+        if int(sender.poll()) == 0:
+            return
         time.sleep(0.002)
 
 
@@ -147,11 +168,16 @@ def serve(mgr: Any, classes: dict[str, Any], pools: Pools, cmd: dict[str, Any]) 
     failure = ""
     if state == KVPoll.WaitingForInput:
         sender.init(len(pages), aux_slot)
+        _hold(cmd, sender, states, deadline)
         at = 0
         for n in cmd["chunks"]:
             sender.send(np.asarray(pages[at : at + n], dtype=np.int32))
             at += n
             _record(states, int(sender.poll()))
+        if cmd.get("extra_send"):  # SGLang allows a zero-page last chunk; one past the last is a bug
+            sender.send(np.asarray(pages[:1], dtype=np.int32))
+        if cmd.get("abort_after_send"):
+            sender.abort()
         state = _poll_until(sender, states, {KVPoll.Success, KVPoll.Failed}, deadline)
     if state == KVPoll.Failed:
         try:
@@ -201,15 +227,14 @@ def fetch(mgr: Any, classes: dict[str, Any], pools: Pools, cmd: dict[str, Any]) 
             recv.failure_exception()
         except Exception as exc:
             failure = f"{type(exc).__name__}|{getattr(exc, 'xavier_reason', '')}|{exc}"
+    ended_at = time.time()
     safe = recv.is_abort_release_safe() if hasattr(recv, "is_abort_release_safe") else True
-    while not safe and time.monotonic() < deadline:
-        time.sleep(0.002)
-        safe = recv.is_abort_release_safe()
     recv.clear()
     return {
         "states": states,
         "failure": failure,
         "release_safe": safe,
+        "ended_at": ended_at,
         "kv": page_digests(pools.kv, pages, BPP),
         "aux": page_digests(pools.aux, [aux_slot], AUX_ITEMS),
     }
@@ -217,16 +242,7 @@ def fetch(mgr: Any, classes: dict[str, Any], pools: Pools, cmd: dict[str, Any]) 
 
 def stats(mgr: Any) -> dict[str, Any]:
     hub = mgr.hub
-    kv = hub.kv.stats()
-    return {
-        "senders": kv["senders"],
-        "receivers": kv["receivers"],
-        "parked": hub.parked(),
-        "live_reads": len(hub.agent._live),
-        "peer": list(hub.peer),
-        "fingerprint": hub.fingerprint,
-        "notifications_rejected": kv["notifications_rejected"],
-    }
+    return {**hub.stats(), "peer": list(hub.peer), "fingerprint": hub.fingerprint}
 
 
 def peer_main(
@@ -258,6 +274,11 @@ def peer_main(
                 conn.send({"ok": True, **handler(mgr, classes, pools, cmd)})
             elif cmd["op"] == "stats":
                 conn.send({"ok": True, **stats(mgr)})
+            elif cmd["op"] == "fill_kv":
+                for a in pools.kv:
+                    for page in cmd["pages"]:
+                        a[page * BPP : (page + 1) * BPP] = cmd["value"]
+                conn.send({"ok": True})
             elif cmd["op"] == "fill_aux":
                 slot, value = cmd["slot"], cmd["value"]
                 for a, n in zip(pools.aux, AUX_ITEMS, strict=True):

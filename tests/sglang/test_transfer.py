@@ -1,10 +1,13 @@
-"""Two SGLang-shaped processes move KV and aux bytes over real NIXL (DRAM) through a real directory, driven
-only through SGLang's sender / receiver API with SGLang's own `KVArgs`, `KVPoll` and `get_kv_class`.
+"""Two SGLang-shaped processes move KV and aux bytes over real NIXL (DRAM), driven only through SGLang's
+sender / receiver API with SGLang's own `KVArgs`, `KVPoll` and `get_kv_class`; a real directory serves
+only who is who (no room of these pairs goes through it).
 
 Checked: bytes arrive bitwise (pages in several chunks, scattered page ids, an aux slot of three aux
-buffers); `KVPoll` walks Bootstrapping → WaitingForInput → Transferring → Success on both sides; an
-abort (before the source exists, or with a READ posted) and a kill -9 of either side end the room with
-its Xavier reason and leave nothing pinned or parked in the survivors.
+buffers); `KVPoll` walks Bootstrapping → WaitingForInput → Transferring → Success on both sides; every
+poll that says Failed finds nothing of the room in flight (the harness checks it: that is when SGLang
+frees the pages); an aborted decode stays Transferring until its prefill confirms nothing more will be
+written; a stopped directory does not stop a transfer; an abort, a bad chunk and a kill -9 of either side
+end the room with its Xavier reason and leave nothing live or parked in the survivors.
 """
 
 from __future__ import annotations
@@ -49,7 +52,13 @@ class Peer:
         self.conn, child = ctx.Pipe()
         self.port = next(_ports) if port is None else port
         self.addr = f"127.0.0.1:{self.port}"
-        env = {"XAVIER_DIRECTORY": directory, "SGLANG_PLUGINS": "xavier", **(env or {})}
+        env = {
+            "XAVIER_DIRECTORY": directory,
+            "SGLANG_PLUGINS": "xavier",
+            # A 2-core CI box: NIXL's progress thread spins a core, so the polls drive NIXL instead.
+            "XAVIER_SGLANG_NIXL_PROGRESS_THREAD": "0",
+            **(env or {}),
+        }
         self.proc = ctx.Process(
             target=peer_main, args=(role, child, env, str(model), self.port, seed), name=f"sgl-{role}"
         )
@@ -106,12 +115,17 @@ def new_room() -> int:
 
 
 def assert_idle(*peers: Peer) -> None:
-    """Nothing of any room is left: no sender, receiver, parked receiver or live READ."""
+    """Nothing of any room is left: no live room, parked room, JOIN waiting or live transfer."""
     deadline = time.monotonic() + 10
     for peer in peers:
         while True:
             st = peer.call("stats")
-            idle = st["senders"] == 0 and st["receivers"] == 0 and st["parked"] == 0 and st["live_reads"] == 0
+            idle = (
+                st["rooms"] == 0
+                and st["parked"] == 0
+                and st["pending_joins"] == 0
+                and st["live_transfers"] == 0
+            )
             if idle or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
@@ -145,55 +159,73 @@ def test_kv_and_aux_arrive_bitwise(pair: tuple[Peer, Peer], chunks: list[int]) -
     assert_idle(prefill, decode)
 
 
-def test_decode_abort_before_the_source_exists(pair: tuple[Peer, Peer]) -> None:
-    prefill, decode = pair
-    room = new_room()
-    decode.send("fetch", room=room, addr=prefill.addr, pages=[1, 2], aux_slot=1, abort_at="waiting")
-    got_d = decode.result()
-    assert got_d["states"][-1] == FAILED and got_d["release_safe"]
-    assert "|ROOM_END_CAUSE_DECODE_FAILED|" in got_d["failure"]
-    # The prefill's request for the same room arrives late: the room already ended.
-    prefill.send("serve", room=room, addr=prefill.addr, pages=[5, 6], chunks=[2], aux_slot=1, timeout=20)
-    got_p = prefill.result()
-    assert got_p["states"][-1] == FAILED
-    assert "|ROOM_END_CAUSE_DECODE_DECLINED|" in got_p["failure"], got_p["failure"]
-    assert_idle(prefill, decode)
-
-
-def test_room_the_router_aborted_before_anyone_joined(
-    pair: tuple[Peer, Peer], directory: ServiceProc
+def test_bytes_arrive_with_nixls_progress_thread(
+    directory: ServiceProc, tiny_model: Path, plugin_entry_point: str
 ) -> None:
-    """A tombstone reaches no peer's feed: the waiting prefill learns of it by asking the directory."""
-    import uuid
+    """The GPU default: NIXL's progress thread moves the bytes, SGLang's polls only read states."""
+    on = {"XAVIER_SGLANG_NIXL_PROGRESS_THREAD": "1"}
+    prefill = Peer("prefill", directory.address, tiny_model, seed=11, env=on)
+    decode = Peer("decode", directory.address, tiny_model, seed=None, env=on)
+    try:
+        room = new_room()
+        src, dst = [2, 3, 4, 30, 31], [9, 8, 7, 6, 5]
+        prefill.send("serve", room=room, addr=prefill.addr, pages=src, chunks=[2, 3], aux_slot=1)
+        got_d = decode.call("fetch", room=room, addr=prefill.addr, pages=dst, aux_slot=2)
+        got_p = prefill.result()
+        assert got_d["failure"] == "" and got_p["failure"] == ""
+        assert got_d["kv"] == got_p["kv"] and got_d["aux"] == got_p["aux"]
+        assert_idle(prefill, decode)
+    finally:
+        decode.close()
+        prefill.close()
 
-    import grpc
-    from xavier.v1 import directory_service_pb2 as dpb
-    from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
 
+def test_decode_abort_before_the_prefill_request_waits_for_the_prefills_word(
+    pair: tuple[Peer, Peer], tmp_path: Path
+) -> None:
+    """The decode joins and gives up before the prefill's request exists. Its pages are not free until
+    the prefill says nothing will be written: while the prefill process is stopped the decode stays
+    Transferring, and Failed comes only after the prefill runs again. The prefill's request for the
+    room, when it comes, fails at once."""
     prefill, decode = pair
     room = new_room()
-    with grpc.insecure_channel(directory.address) as ch:
-        dpb_grpc.DirectoryServiceStub(ch).AbortRoom(
-            dpb.AbortRoomRequest(
-                request_id=uuid.uuid4().hex, room_id=room, cause=dpb.ROOM_END_CAUSE_ROUTER_ABORT
-            ),
-            timeout=10,
-        )
+    assert prefill.proc.pid is not None
+    os.kill(prefill.proc.pid, signal.SIGSTOP)
+    try:
+        decode.send("fetch", room=room, addr=prefill.addr, pages=[1, 2], aux_slot=1, abort_at="waiting")
+        assert not decode.conn.poll(1.0), "the decode ended the room while its prefill could not answer"
+    finally:
+        resumed = time.time()
+        os.kill(prefill.proc.pid, signal.SIGCONT)
+    got_d = decode.result()
+    assert got_d["states"] == [BOOTING, WAITING, TRANSFERRING, FAILED] and got_d["release_safe"]
+    assert got_d["ended_at"] >= resumed
+    assert "|ROOM_END_CAUSE_DECODE_FAILED|" in got_d["failure"]
     got_p = prefill.call(
         "serve", room=room, addr=prefill.addr, pages=[5, 6], chunks=[2], aux_slot=1, timeout=20
     )
-    assert got_p["states"] == [BOOTING, FAILED]
-    assert "|ROOM_END_CAUSE_ROUTER_ABORT|" in got_p["failure"], got_p["failure"]
-    got_d = decode.call("fetch", room=room, addr=prefill.addr, pages=[1, 2], aux_slot=1, timeout=20)
-    assert got_d["states"][-1] == FAILED and "|ROOM_END_CAUSE_ROUTER_ABORT|" in got_d["failure"]
+    assert got_p["states"] == [FAILED]  # at its first poll
+    assert "|ROOM_END_CAUSE_DECODE_FAILED|" in got_p["failure"], got_p["failure"]
     assert_idle(prefill, decode)
 
 
-def test_decode_abort_mid_transfer_releases_everything(pair: tuple[Peer, Peer]) -> None:
+def test_decode_abort_mid_transfer_writes_nothing(pair: tuple[Peer, Peer], tmp_path: Path) -> None:
+    """The decode gives up while the prefill computes (its sender is WaitingForInput): the prefill sees
+    the CANCEL before its WRITE, writes nothing, and only then lets the decode free its pages."""
     prefill, decode = pair
     room = new_room()
+    hold = tmp_path / "go"
     pages = list(range(PAGES // 2))
-    prefill.send("serve", room=room, addr=prefill.addr, pages=pages, chunks=[len(pages)], aux_slot=3)
+    decode.call("fill_kv", pages=pages[::-1], value=0)
+    prefill.send(
+        "serve",
+        room=room,
+        addr=prefill.addr,
+        pages=pages,
+        chunks=[len(pages)],
+        aux_slot=3,
+        hold_file=str(hold),
+    )
     decode.send(
         "fetch",
         room=room,
@@ -202,12 +234,61 @@ def test_decode_abort_mid_transfer_releases_everything(pair: tuple[Peer, Peer]) 
         aux_slot=AUX_SLOTS - 1,
         abort_at="transferring",
     )
+    time.sleep(0.3)
+    hold.touch()
     got_p, got_d = prefill.result(), decode.result()
-    assert got_d["states"][:3] == [BOOTING, WAITING, TRANSFERRING]
-    assert got_d["states"][-1] == FAILED and got_d["release_safe"]
+    assert got_d["states"] == [BOOTING, WAITING, TRANSFERRING, FAILED] and got_d["release_safe"]
     assert "|ROOM_END_CAUSE_DECODE_FAILED|" in got_d["failure"]
-    # The source learns it from the reader's fail notification or from the directory, whichever is first.
-    assert got_p["states"][-1] == FAILED, got_p
+    assert got_p["states"][-1] == FAILED and "|ROOM_END_CAUSE_DECODE_FAILED|" in got_p["failure"], got_p
+    assert len(set(got_d["kv"])) == 1, "a cancelled room's pages were written"
+    assert_idle(prefill, decode)
+
+
+def test_prefill_abort_after_its_write_tells_the_decode(pair: tuple[Peer, Peer]) -> None:
+    prefill, decode = pair
+    room = new_room()
+    prefill.send(
+        "serve", room=room, addr=prefill.addr, pages=[7, 8, 9], chunks=[3], aux_slot=2, abort_after_send=True
+    )
+    got_d = decode.call("fetch", room=room, addr=prefill.addr, pages=[10, 11, 12], aux_slot=4)
+    got_p = prefill.result()
+    # The WRITE may have landed before the abort: then both sides succeeded; else both failed.
+    if got_p["states"][-1] == FAILED:
+        assert got_d["states"][-1] == FAILED and got_d["release_safe"]
+        assert "|ROOM_END_CAUSE_PREFILL_FAILED|" in got_d["failure"], got_d["failure"]
+    else:
+        assert got_d["states"][-1] == SUCCESS and got_d["kv"] == got_p["kv"]
+    assert_idle(prefill, decode)
+
+
+def test_send_after_the_last_chunk_fails_the_room_not_the_scheduler(pair: tuple[Peer, Peer]) -> None:
+    prefill, decode = pair
+    room = new_room()
+    prefill.send("serve", room=room, addr=prefill.addr, pages=[1, 2], chunks=[2], aux_slot=0, extra_send=True)
+    got_d = decode.call("fetch", room=room, addr=prefill.addr, pages=[3, 4], aux_slot=0)
+    got_p = prefill.result()
+    assert got_p["states"][-1] == FAILED and "|FAILED_PRECONDITION|" in got_p["failure"], got_p["failure"]
+    # The decode got every page before the stray chunk: its room may end either way, never stuck.
+    assert got_d["states"][-1] in (SUCCESS, FAILED) and got_d["release_safe"]
+    assert_idle(prefill, decode)
+
+
+def test_a_stopped_directory_does_not_stop_a_transfer(
+    pair: tuple[Peer, Peer], directory: ServiceProc
+) -> None:
+    """Peers met through the directory once; after that a room needs nothing of it."""
+    prefill, decode = pair
+    room = new_room()
+    assert directory.proc.pid is not None
+    os.kill(directory.proc.pid, signal.SIGSTOP)
+    try:
+        prefill.send("serve", room=room, addr=prefill.addr, pages=[12, 13, 14], chunks=[1, 2], aux_slot=6)
+        got_d = decode.call("fetch", room=room, addr=prefill.addr, pages=[20, 21, 22], aux_slot=6)
+        got_p = prefill.result()
+    finally:
+        os.kill(directory.proc.pid, signal.SIGCONT)
+    assert got_d["failure"] == "" and got_p["failure"] == "", (got_d["failure"], got_p["failure"])
+    assert got_d["kv"] == got_p["kv"] and got_d["aux"] == got_p["aux"]
     assert_idle(prefill, decode)
 
 
@@ -218,8 +299,8 @@ def test_pages_outside_the_pool_fail_the_room_not_the_scheduler(pair: tuple[Peer
     decode.send("fetch", room=room, addr=prefill.addr, pages=[1, 2], aux_slot=0)
     got_p, got_d = prefill.result(), decode.result()
     assert got_p["states"][-1] == FAILED and "|INVALID_ARGUMENT|" in got_p["failure"], got_p["failure"]
-    assert got_d["states"][-1] == FAILED
-    assert "|ROOM_END_CAUSE_PREFILL_FAILED|" in got_d["failure"], got_d["failure"]
+    assert got_d["states"][-1] == FAILED and got_d["release_safe"]
+    assert "|INVALID_ARGUMENT|" in got_d["failure"], got_d["failure"]  # the prefill's reason reaches it
     assert_idle(prefill, decode)
 
 
@@ -227,8 +308,8 @@ def test_decode_finds_a_prefill_restarted_at_the_same_address(
     pair: tuple[Peer, Peer], directory: ServiceProc, tiny_model: Path, plugin_entry_point: str
 ) -> None:
     """A prefill that stops and starts again at the same bootstrap address is a new directory peer. The
-    decode still maps the address to the old (peer, epoch): the first request names it and fails
-    PEER_NOT_FOUND, and that failure must drop the mapping so the next request finds the new prefill."""
+    decode still maps the address to the old one: the first request fails with a reason that says the
+    prefill is gone, and that drops the mapping so the next request finds the new prefill."""
     _, decode = pair
     old = Peer("prefill", directory.address, tiny_model, seed=3)
     try:
@@ -240,11 +321,11 @@ def test_decode_finds_a_prefill_restarted_at_the_same_address(
         old.close()  # unregisters: its peer id leaves the directory
     new = Peer("prefill", directory.address, tiny_model, seed=4, port=old.port)
     try:
-        room = new_room()
-        new.send("serve", room=room, addr=new.addr, pages=[1, 2], chunks=[2], aux_slot=0, timeout=20)
-        got_d = decode.call("fetch", room=room, addr=new.addr, pages=[3, 4], aux_slot=0, timeout=20)
-        assert got_d["states"][-1] == FAILED and "|PEER_NOT_FOUND|" in got_d["failure"], got_d["failure"]
-        assert new.result()["states"][-1] == FAILED  # the decode's abort left a tombstone
+        got_d = decode.call("fetch", room=new_room(), addr=new.addr, pages=[3, 4], aux_slot=0, timeout=20)
+        assert got_d["states"][-1] == FAILED and got_d["release_safe"]
+        assert got_d["failure"].split("|")[1] in ("PEER_UNAVAILABLE", "ROOM_END_CAUSE_PEER_LOST"), got_d[
+            "failure"
+        ]
         room = new_room()
         new.send("serve", room=room, addr=new.addr, pages=[5, 6, 7], chunks=[3], aux_slot=1)
         got_d = decode.call("fetch", room=room, addr=new.addr, pages=[8, 9, 10], aux_slot=2)
@@ -257,16 +338,17 @@ def test_decode_finds_a_prefill_restarted_at_the_same_address(
 
 
 def test_kill9_decode_fails_the_prefills_room(
-    directory: ServiceProc, tiny_model: Path, plugin_entry_point: str
+    directory: ServiceProc, tiny_model: Path, plugin_entry_point: str, tmp_path: Path
 ) -> None:
     prefill = Peer("prefill", directory.address, tiny_model, seed=3)
     decode = Peer("decode", directory.address, tiny_model, seed=None)
     try:
         room = new_room()
+        # The prefill holds its WRITE (as while it computes); the decode joins and dies.
         prefill.send(
-            "serve", room=room, addr=prefill.addr, pages=[1, 2, 3], chunks=[3], aux_slot=0, timeout=40
-        )
-        # The decode joins (BeginTransfer opens the room) and dies before it reads.
+            "serve", room=room, addr=prefill.addr, pages=[1, 2, 3], chunks=[3], aux_slot=0, timeout=40,
+            hold_file=str(tmp_path / "never"),
+        )  # fmt: skip
         decode.send("fetch", room=room, addr=prefill.addr, pages=[4, 5, 6], aux_slot=0, abort_at="hang")
         time.sleep(0.5)
         decode.kill()

@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 XferState = Literal["PROC", "DONE", "ERR"]
 MemType = Literal["DRAM", "VRAM"]
+Op = Literal["READ", "WRITE"]
 
 _MODULES = ("nixl_cu12._api", "nixl._api", "nixl_cu13._api")
 
@@ -68,7 +69,7 @@ class RawAgent:
         remote_mem: MemType,
         remote_name: str,
         notif: bytes,
-        op: Literal["READ", "WRITE"] = "READ",
+        op: Op = "READ",
     ) -> tuple[object, XferState]:
         """Creates and posts a READ (or, with `op`, a WRITE); returns the raw handle and the state
         `transfer` reported. A handle whose transfer could not be posted is released."""

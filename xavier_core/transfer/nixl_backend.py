@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from xavier_core.transfer import runs
-from xavier_core.transfer._nixl import MemType, RawAgent
+from xavier_core.transfer._nixl import MemType, Op, RawAgent
 from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import InvalidPagesError, LayoutError, PeerError, StaleEpochError
 from xavier_core.transfer.peers import split_peer_key
@@ -199,6 +199,23 @@ class NixlAgent:
             timeout_s,
         )
 
+    def write(
+        self,
+        peer_key: str,
+        remote_buffers: Sequence[KvBuffer],
+        src_page_ids: Sequence[int] | npt.NDArray[np.integer],
+        dst_page_ids: Sequence[int] | npt.NDArray[np.integer],
+        notif: bytes = b"",
+        mode: runs.Mode = "coalesced",
+        timeout_s: float | None = None,
+    ) -> Transfer:
+        """WRITEs local pages `src_page_ids[i]` into the peer's pages `dst_page_ids[i]` for every buffer,
+        with the checks and descriptors of `read`; `notif` reaches the peer once the bytes are there."""
+        return self._read_group(
+            self.buffers, self.mem, "KV", peer_key, remote_buffers, dst_page_ids, src_page_ids, notif,
+            mode, timeout_s, op="WRITE",
+        )  # fmt: skip
+
     def _read_group(
         self,
         local_buffers: Sequence[KvBuffer],
@@ -211,16 +228,24 @@ class NixlAgent:
         notif: bytes,
         mode: runs.Mode,
         timeout_s: float | None,
+        op: Op = "READ",
     ) -> Transfer:
         """`read` into one registered group of local buffers (`label` names the group in errors): a
-        subclass that registers a second group (`aux_slots.AuxNixlAgent`) reads it through this."""
+        subclass that registers a second group (`aux_slots.AuxNixlAgent`) reads it through this. With
+        `op="WRITE"` the bytes go the other way: `src_page_ids` are then the peer's pages written and
+        `dst_page_ids` the local pages read (the written side's ids must not repeat)."""
         remote_mem = check_buffers(remote_buffers, f"peer {peer_key}")
         _check_layout(remote_buffers, local_buffers, label)
         src = runs.as_page_array(src_page_ids)
         dst = runs.as_page_array(dst_page_ids)
-        _check_range(src, _num_pages(remote_buffers), f"{label} source")
-        _check_range(dst, _num_pages(local_buffers), f"{label} destination")
-        if np.unique(dst).size != dst.size:
+        _check_range(
+            src, _num_pages(remote_buffers), f"{label} {'destination' if op == 'WRITE' else 'source'}"
+        )
+        _check_range(
+            dst, _num_pages(local_buffers), f"{label} {'source' if op == 'WRITE' else 'destination'}"
+        )
+        written = src if op == "WRITE" else dst
+        if np.unique(written).size != written.size:
             raise InvalidPagesError(f"{label} destination page ids repeat")
         table = runs.descriptors(
             [b.addr for b in remote_buffers],
@@ -233,8 +258,10 @@ class NixlAgent:
         per_buffer = table.shape[0] // len(local_buffers)
         local = _dlist(table[:, 1], table[:, 2], local_buffers, per_buffer)
         remote = _dlist(table[:, 0], table[:, 2], remote_buffers, per_buffer)
-        what = f"{label} READ"
-        return self._post_read(peer_key, local, local_mem, remote, remote_mem, table, notif, timeout_s, what)
+        what = f"{label} {op}"
+        return self._post_read(
+            peer_key, local, local_mem, remote, remote_mem, table, notif, timeout_s, what, op
+        )
 
     def read_ranges(
         self,
@@ -267,16 +294,17 @@ class NixlAgent:
         notif: bytes,
         timeout_s: float | None,
         what: str,
+        op: Op = "READ",
     ) -> Transfer:
-        """Posts one READ of descriptor lists built from `table` (rows: remote, local, length)."""
+        """Posts one READ (or WRITE) of descriptor lists built from `table` (rows: remote, local, length)."""
         with self.lock:
             peer = self._peers.get(peer_key)
             if peer is None:
                 raise PeerError(f"unknown peer {peer_key!r} (add_peer first)")
             try:
-                handle, state = self.raw.read(local, local_mem, remote, remote_mem, peer.name, notif)
+                handle, state = self.raw.read(local, local_mem, remote, remote_mem, peer.name, notif, op)
             except Exception as exc:
-                raise PeerError(f"{what} from peer {peer_key!r} failed: {type(exc).__name__}: {exc}") from exc
+                raise PeerError(f"{what} with peer {peer_key!r} failed: {type(exc).__name__}: {exc}") from exc
             xfer = Transfer(
                 self.raw,
                 self.lock,
@@ -289,6 +317,11 @@ class NixlAgent:
             self._live.add(xfer)
             xfer._settle(state)
             return xfer
+
+    def live_transfers(self) -> int:
+        """Transfers posted by this agent whose NIXL handles are not released yet."""
+        with self.lock:
+            return len(self._live)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """New notifications as (sender agent name, message). Calling this also drives progress."""
