@@ -3,15 +3,16 @@
 SGLang's prefill answers only once its decode has taken the KV, so the sequential flow (prefill, then
 decode from the prefill's first token) would wait for itself. Here both calls start together under one
 room id; the decode's stream is the answer from its first token (the first token reaches the decode in
-SGLang's aux buffer). A prefill that fails while the decode waits ends the attempt at once with the
-prefill's error (the decode would otherwise wait out SGLang's bootstrap timeout). A prefill still running
-when the decode finished is left to end by itself (its call has the request deadline).
+SGLang's aux buffer). The two SGLang servers hand the KV over between themselves (the xavier backend's
+pair protocol, `engines/xavier_sglang/wire.py`): the room is never in the directory, so nothing here
+calls it. A prefill that fails while the decode waits ends the attempt at once with the prefill's error
+(the decode would otherwise wait out SGLang's bootstrap timeout). A prefill still running when the decode
+finished is left to end by itself (its call has the request deadline).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 from collections.abc import AsyncIterator
 
@@ -101,8 +102,8 @@ async def concurrent_attempt(
         dec_call.cancel()
         prefill.add_done_callback(_consume)
         if not finished:
+            # Cancelling both calls aborts the request in both SGLang servers, which end the room
+            # between themselves (it never was in the directory).
             prefill.cancel()
             pf_call.cancel()
-            with contextlib.suppress(RuntimeError):
-                env.spawn(flows.abort_room(env, prep.request_id, room_id, "router: request ended early"))
         pool.release(p, d)
