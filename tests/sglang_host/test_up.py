@@ -76,6 +76,25 @@ def test_up_pd(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
         assert mesh.stop() == 0
 
 
+def test_up_starts_replicas_that_share_a_gpu_one_after_another(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang sizes its KV pool from the memory free when it starts: on one GPU the decode's SGLang starts
+    only once the prefill's service is ready (its SGLang answered /health, its pool allocated)."""
+    mesh = _up(tmp_path, tiny_model, monkeypatch, "--mode", "pd", "--gpus", "0,0")
+    try:
+        prefill, decode, pargv, dargv = _pair(mesh)
+        assert _flag(pargv, "--base-gpu-id") == "0" and _flag(dargv, "--base-gpu-id") == "0"
+        prefill_ready = (mesh.workdir / "prefill-0.ready").stat().st_mtime
+        assert float(decode["started_at"]) >= prefill_ready > float(prefill["started_at"])  # type: ignore[arg-type]
+        assert "share a GPU" in mesh.log.read_text()
+        with Client(mesh.grpc) as client:
+            out = client.generate([3, 4, 5], max_tokens=4, mode="pd", ignore_eos=True)
+        assert out.token_ids == _expected([3, 4, 5], 4)
+    finally:
+        assert mesh.stop() == 0
+
+
 def test_up_native(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mesh = _up(
         tmp_path,

@@ -44,6 +44,7 @@ from typing import Any
 from aiohttp import web
 
 _BACKENDS = ["mooncake", "nixl", "ascend", "fake", "mori"]
+_STARTED_AT = time.time()
 _HELPER = "import ctypes,signal,time; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); time.sleep(3600)"
 
 
@@ -164,6 +165,7 @@ class Standin:
                 "argv": sys.argv[1:],
                 "env": {k: os.environ[k] for k in keys if k in os.environ},
                 "pid": os.getpid(),
+                "started_at": _STARTED_AT,
                 "helper_pid": self.helper.pid,
                 **self.counters,
             }
