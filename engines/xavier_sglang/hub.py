@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import logging
 import threading
 import time
@@ -188,6 +189,24 @@ class Hub:
             if self._by_agent.get(peer.agent) == peer:
                 del self._by_agent[peer.agent]
         self.agent.drop_peer(peer.key)
+
+    def read_aux_slot(self, slot: int) -> bytes:
+        """The bytes of one aux slot, buffer after buffer (host memory: SGLang's metadata buffers)."""
+        return b"".join(
+            ctypes.string_at(b.addr + _slot_offset(b, slot), b.bytes_per_page) for b in self.pool.aux
+        )
+
+    def write_aux_slot(self, slot: int, data: bytes) -> None:
+        """Copies a peer's aux slot (as its `read_aux_slot` gave it) into one of ours; `ValueError` for a
+        slot outside the buffers or bytes of another geometry."""
+        want = sum(b.bytes_per_page for b in self.pool.aux)
+        if len(data) != want:
+            raise ValueError(f"{len(data)} bytes for a slot of {want}")
+        offsets = [_slot_offset(b, slot) for b in self.pool.aux]  # all checked before any byte moves
+        at = 0
+        for b, off in zip(self.pool.aux, offsets, strict=True):
+            ctypes.memmove(b.addr + off, data[at : at + b.bytes_per_page], b.bytes_per_page)
+            at += b.bytes_per_page
 
     def add_room(self, room_id: int, room: RoomEnd) -> bool:
         """Routes the room's notifications to `room`; False if another live room has the id."""
@@ -390,3 +409,9 @@ class Hub:
                     self._parked = [r for r in self._parked if r not in done]
                     for room_id in [k for k, v in self._rooms.items() if v in done]:
                         del self._rooms[room_id]
+
+
+def _slot_offset(buffer: KvBuffer, slot: int) -> int:
+    if not 0 <= slot < buffer.num_pages:
+        raise ValueError(f"aux slot {slot} is outside the {buffer.num_pages} slots")
+    return slot * buffer.bytes_per_page

@@ -2,8 +2,9 @@
 
 BOOTSTRAPPING until `init` names the prefill (the manager found it in the directory and loaded its NIXL
 agent) → WAITING_FOR_INPUT → `send_metadata(pages, aux slot)` sends the prefill a JOIN naming them →
-TRANSFERRING while the prefill WRITEs → SUCCESS once every page and the aux slot were written (each
-WRITE's notification arrives after its bytes). No directory call and no READ: the scheduler's polls only
+TRANSFERRING while the prefill WRITEs → SUCCESS once every page was written and the aux slot arrived
+(each WRITE's notification arrives after its bytes; the last carries the prefill's aux slot, which is
+copied into ours). No directory call and no READ: the scheduler's polls only
 read what the hub's `pump` routed here.
 
 A failure (SGLang's abort, the prefill's FAILED, the wait for the prefill's WRITEs running out) ends the
@@ -167,12 +168,16 @@ class ReaderRoom:
                 return
             if msg.kind == wire.Kind.WRITTEN:
                 self._progress = time.monotonic()
-                if msg.aux:
-                    self._aux_written = True
-                else:
-                    self._written += msg.count
+                self._written += msg.count
                 if msg.count:
                     self.trace.mark("first_write")
+                if msg.aux is not None and self._aux_slot is not None and self.failure is None:
+                    try:
+                        self.hub.write_aux_slot(self._aux_slot, msg.aux)
+                    except ValueError as exc:  # another slot geometry than ours
+                        self._fail_locked(RoomFailure("INVALID_ARGUMENT", f"aux slot: {exc}"))
+                        return
+                    self._aux_written = True
             elif msg.kind == wire.Kind.FAILED:
                 self._released = True
                 if self.failure is None and self._state != KvPoll.SUCCESS:

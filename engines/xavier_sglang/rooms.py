@@ -6,9 +6,9 @@ messages are `wire`'s; the decode side is `reader.ReaderRoom`.
 `SourceRoom`: BOOTSTRAPPING until the decode's JOIN arrived and its sender is a registered decode of this
 contract (the hub loads it once per epoch) → WAITING_FOR_INPUT → `init(pages, aux slot)` → each
 `send(chunk)` WRITEs that chunk's pages into the decode's destination pages at once (chunked prefill
-overlaps the transfer with the next chunk's compute); the last also WRITEs the aux slot (first token,
-metadata) → TRANSFERRING → SUCCESS once every WRITE is done (NIXL delivers each WRITE's notification to
-the decode after its bytes).
+overlaps the transfer with the next chunk's compute); the last one's notification also carries the aux
+slot (first token, metadata) → TRANSFERRING → SUCCESS once every WRITE is done (NIXL delivers each
+WRITE's notification to the decode after its bytes).
 
 A failure (SGLang's abort, the decode's CANCEL, a WRITE error, the decode leaving the directory) keeps
 the room TRANSFERRING while any WRITE of it is in flight: the pages it reads are not SGLang's to reuse
@@ -101,8 +101,8 @@ class SourceRoom:
                 )
 
     def send(self, pages: npt.NDArray[np.integer] | list[int]) -> None:
-        """One chunk of pages, WRITTEN to the decode now; the last chunk also writes the aux slot. A
-        chunk SGLang should not have sent fails the room (never SGLang's scheduler)."""
+        """One chunk of pages, WRITTEN to the decode now; the last one's notification carries the aux
+        slot. A chunk SGLang should not have sent fails the room (never SGLang's scheduler)."""
         try:
             chunk = as_page_array(pages)
         except TransferError as exc:
@@ -126,23 +126,17 @@ class SourceRoom:
                 )
                 return
             last = start + n == self._num_pages
-            aux = last and self._aux_slot is not None and join.aux_slot is not None
+            aux = None
             try:
+                if last and self._aux_slot is not None and join.aux_slot is not None:
+                    aux = self.hub.read_aux_slot(self._aux_slot)  # SGLang filled it before the last send
+                note = wire.written(self.room_id, join.token, n, aux=aux, last=last)
                 if n:
-                    note = wire.written(self.room_id, join.token, n, last=last and not aux)
                     dest = join.pages[start : start + n]
                     self._writes.append(self.hub.agent.write(decode.key, decode.kv, chunk, dest, note))
-                if aux:
-                    assert self._aux_slot is not None and join.aux_slot is not None
-                    note = wire.written(self.room_id, join.token, 0, aux=True, last=True)
-                    self._writes.append(
-                        self.hub.agent.write_slots(
-                            decode.key, decode.aux, [self._aux_slot], [join.aux_slot], note
-                        )
-                    )
-                elif last and not n:
-                    self.hub.send(decode, wire.written(self.room_id, join.token, 0, last=True))
-            except (InvalidPagesError, LayoutError) as exc:  # pages outside a pool, another page geometry
+                elif last:
+                    self.hub.send(decode, note)
+            except (InvalidPagesError, LayoutError, ValueError) as exc:  # pages outside a pool, a bad slot
                 self._fail_locked(RoomFailure("INVALID_ARGUMENT", str(exc)))
                 return
             except TransferError as exc:  # NIXL refused the WRITE: the decode is gone

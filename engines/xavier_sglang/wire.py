@@ -7,8 +7,9 @@ then costs a handful of NIXL notifications:
 - `JOIN` (decode → prefill): the room, the decode's token for it, its destination pages and aux slot.
   The prefill can now WRITE; SGLang's sender leaves Bootstrapping.
 - `WRITTEN` (prefill → decode): carried by a WRITE, so NIXL delivers it once that WRITE's bytes are in
-  place; `count` pages of KV, or the aux slot (`AUX`). The decode succeeds when every page and the slot
-  were written.
+  place: `count` pages of KV. The last one also carries the bytes of the prefill's aux slot (first token
+  and its metadata, a few KiB), which the decode copies into its own slot: KV and aux in one transfer.
+  The decode succeeds when every page and the slot arrived.
 - `CANCEL` (decode → prefill): the decode gave the room up. The prefill writes nothing more.
 - `FAILED` (prefill → decode): the prefill will not write (any more) **and no WRITE of the room is in
   flight**: only now may the decode hand the pages to another request (invariant I1), which is why an
@@ -34,6 +35,9 @@ TOKEN_BYTES = 16
 MAX_PAGES = 1 << 20
 """The most destination pages one JOIN may name (a 16M-token prompt at page size 16)."""
 MAX_DETAIL = 512
+MAX_AUX_BYTES = 1 << 20
+"""The most aux bytes one WRITTEN may carry (an SGLang slot is a few KiB: token ids, logprobs, a hidden
+state for speculative decoding)."""
 _HEAD = struct.Struct("<3sBQ16sIiB")  # magic, kind, room, token, count, aux slot (-1: none), flags
 _AUX = 1
 _LAST = 2
@@ -56,8 +60,8 @@ class Message:
     count: int = 0
     """JOIN: destination pages; WRITTEN: pages this WRITE carried (0 for the aux slot)."""
     aux_slot: int | None = None
-    aux: bool = False
-    """WRITTEN of the aux slot."""
+    aux: bytes | None = None
+    """WRITTEN: the prefill's aux slot, when this WRITE ends the room's KV."""
     last: bool = False
     """WRITTEN: the prefill's last WRITE of the room."""
     pages: npt.NDArray[np.int64] | None = None
@@ -79,8 +83,11 @@ def join(room: int, token: bytes, pages: npt.NDArray[np.integer], aux_slot: int 
     return _pack(Kind.JOIN, room, token, int(body.size), aux_slot) + body.tobytes()
 
 
-def written(room: int, token: bytes, count: int, *, aux: bool = False, last: bool = False) -> bytes:
-    return _pack(Kind.WRITTEN, room, token, count, flags=(_AUX if aux else 0) | (_LAST if last else 0))
+def written(room: int, token: bytes, count: int, *, aux: bytes | None = None, last: bool = False) -> bytes:
+    if aux is not None and len(aux) > MAX_AUX_BYTES:
+        raise ValueError(f"an aux slot of {len(aux)} bytes is over {MAX_AUX_BYTES}")
+    flags = (_AUX if aux is not None else 0) | (_LAST if last else 0)
+    return _pack(Kind.WRITTEN, room, token, count, flags=flags) + (aux or b"")
 
 
 def cancel(room: int, token: bytes) -> bytes:
@@ -111,11 +118,11 @@ def parse(msg: bytes) -> Message | None:
             return None
         return Message(kind, int(room), bytes(token), int(count), slot, pages=pages)
     if kind == Kind.WRITTEN:
-        if body:
+        has_aux = bool(flags & _AUX)
+        if (body and not has_aux) or len(body) > MAX_AUX_BYTES:
             return None
-        return Message(
-            kind, int(room), bytes(token), int(count), aux=bool(flags & _AUX), last=bool(flags & _LAST)
-        )
+        aux = bytes(body) if has_aux else None
+        return Message(kind, int(room), bytes(token), int(count), aux=aux, last=bool(flags & _LAST))
     if kind == Kind.FAILED:
         if len(body) > MAX_DETAIL:
             return None

@@ -28,11 +28,14 @@ def test_each_message_round_trips() -> None:
         wire.Kind.WRITTEN,
         2**63 - 1,
         17,
-        False,
+        None,
         True,
     )
-    a = wire.parse(wire.written(9, TOKEN, 0, aux=True, last=True))
-    assert a is not None and a.aux and a.last and a.count == 0
+    slot = bytes(range(256)) * 13  # an aux slot: the first token and its metadata
+    a = wire.parse(wire.written(9, TOKEN, 5, aux=slot, last=True))
+    assert a is not None and a.aux == slot and a.last and a.count == 5
+    assert wire.parse(wire.written(9, TOKEN, 0, aux=b"", last=True)).aux == b""  # type: ignore[union-attr]
+    assert w.aux is None
     c = wire.parse(wire.cancel(9, TOKEN))
     assert c is not None and c.kind == wire.Kind.CANCEL and c.token == TOKEN
     f = wire.parse(wire.failed(9, TOKEN, "INVALID_ARGUMENT", "page 64 is outside the pool"))
@@ -65,6 +68,11 @@ def test_failed_detail_is_bounded() -> None:
 )
 def test_malformed_is_none(raw: bytes) -> None:
     assert wire.parse(raw) is None
+
+
+def test_an_aux_slot_is_bounded() -> None:
+    with pytest.raises(ValueError):
+        wire.written(1, TOKEN, 1, aux=b"x" * (wire.MAX_AUX_BYTES + 1))
 
 
 def test_a_token_is_sixteen_bytes() -> None:

@@ -78,23 +78,6 @@ class AuxNixlAgent(NixlAgent):
             "coalesced", timeout_s,
         )  # fmt: skip
 
-    def write_slots(
-        self,
-        peer_key: str,
-        remote_aux: Sequence[KvBuffer],
-        src_slots: Sequence[int] | npt.NDArray[np.integer],
-        dst_slots: Sequence[int] | npt.NDArray[np.integer],
-        notif: bytes = b"",
-        timeout_s: float | None = None,
-    ) -> Transfer:
-        """WRITEs local slots `src_slots[i]` into the peer's slots `dst_slots[i]` of every aux buffer."""
-        if not self.aux_buffers:
-            raise LayoutError("this agent registered no aux buffers")
-        return self._read_group(
-            self.aux_buffers, self.aux_mem, "aux", peer_key, remote_aux, dst_slots, src_slots, notif,
-            "coalesced", timeout_s, op="WRITE",
-        )  # fmt: skip
-
 
 def aux_from_proto(
     source: dpb.SourceDescriptor, endpoint: types_pb2.TransferEndpoint
