@@ -103,3 +103,47 @@ def test_bad_chat_is_400_through_the_client(oa: openai.OpenAI, mesh: Mesh) -> No
         oa.chat.completions.create(model=mesh.model.name, messages=[], max_tokens=4)
     assert info.value.code == "EMPTY_PROMPT"
     assert info.value.status_code == 400
+
+
+def test_models_retrieve(oa: openai.OpenAI, mesh: Mesh) -> None:
+    got = oa.models.retrieve(mesh.model.name)
+    assert got.id == mesh.model.name and got.object == "model"
+    with pytest.raises(openai.NotFoundError) as err:
+        oa.models.retrieve("no-such-model")
+    assert err.value.status_code == 404 and "no-such-model" in str(err.value)
+
+
+def test_chat_without_max_tokens_runs_to_the_context_limit(mesh: Mesh) -> None:
+    """OpenAI's default for chat: no cap but the context. A prompt that leaves a few tokens of context
+    gets exactly those (ignore_eos), not the completions default of 16."""
+    info = httpx.get(f"http://{mesh.http}/v1/models", timeout=30).json()["data"][0]
+    limit = int(info["max_model_len"])
+    body = {
+        "model": mesh.model.name,
+        "messages": [{"role": "user", "content": "a " * (limit - 60)}],
+        "ignore_eos": True,
+    }
+    got = httpx.post(f"http://{mesh.http}/v1/chat/completions", json=body, timeout=120).json()
+    usage = got["usage"]
+    assert usage["completion_tokens"] == limit - usage["prompt_tokens"] > 16, usage
+    assert got["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_token_ids_end_the_answer(mesh: Mesh) -> None:
+    from xavier_client import Client
+
+    prompt = "The quick brown fox"
+    with Client(mesh.grpc) as client:
+        ids = list(client.generate(prompt, max_tokens=12, temperature=0.0, ignore_eos=True).token_ids)
+    body = {
+        "model": mesh.model.name,
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    stopped = httpx.post(
+        f"http://{mesh.http}/v1/completions", json={**body, "stop_token_ids": [ids[2]]}, timeout=60
+    ).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop", stopped
+    assert stopped["usage"]["completion_tokens"] == ids.index(ids[2]) + 1

@@ -79,6 +79,31 @@ def test_lone_surrogates_name_the_field(body: dict[str, object], param: str) -> 
         ({"prompt": "a", "presence_penalty": -1}, "presence_penalty", "UNSUPPORTED_PARAMETER"),
         ({"prompt": "a", "logit_bias": {"5": 10}}, "logit_bias", "UNSUPPORTED_PARAMETER"),
         ({"prompt": "a", "echo": True}, "echo", "UNSUPPORTED_PARAMETER"),
+        # Extensions no engine honours yet: refused, never silently ignored.
+        ({"prompt": "a", "min_tokens": 4}, "min_tokens", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "min_p": 0.1}, "min_p", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "typical_p": 0.5}, "typical_p", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "guided_json": {"type": "object"}}, "guided_json", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "guided_regex": "a+"}, "guided_regex", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "structured_outputs": {"json": {}}}, "structured_outputs", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "bad_words": ["x"]}, "bad_words", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "allowed_token_ids": [1, 2]}, "allowed_token_ids", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens", "UNSUPPORTED_PARAMETER"),
+        (
+            {"prompt": "a", "include_stop_str_in_output": True},
+            "include_stop_str_in_output",
+            "UNSUPPORTED_PARAMETER",
+        ),
+        ({"prompt": "a", "tool_choice": "required"}, "tool_choice", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "modalities": ["text", "audio"]}, "modalities", "UNSUPPORTED_PARAMETER"),
+        (
+            {"prompt": "a", "prediction": {"type": "content", "content": "x"}},
+            "prediction",
+            "UNSUPPORTED_PARAMETER",
+        ),
+        ({"prompt": "a", "stop_token_ids": [1, "2"]}, "stop_token_ids", "INVALID_SAMPLING"),
+        ({"prompt": "a", "stop_token_ids": 5}, "stop_token_ids", "INVALID_SAMPLING"),
         ({"prompt": "a", "xavier_mode": 1}, "xavier_mode", "INVALID_ARGUMENT"),
         ({"prompt": "a", "user_request_id": ["x"]}, "user_request_id", "INVALID_ARGUMENT"),
     ],
@@ -184,3 +209,15 @@ def test_the_reported_bodies_are_400_naming_the_field(mesh: Mesh, raw: bytes, pa
     assert info.value.headers["Content-Type"].startswith("application/json")
     err = json.loads(info.value.read())["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
+
+
+def test_no_op_values_of_refused_extensions_pass() -> None:
+    """What clients send by default asks for nothing and is accepted."""
+    body = {"prompt": "a", "min_tokens": 0, "min_p": 0.0, "typical_p": 1.0, "tool_choice": "none",
+            "modalities": ["text"], "include_stop_str_in_output": False, "guided_json": None,
+            "bad_words": []}  # fmt: skip
+    oa = parse(body, False, "m", 16)
+    assert oa.request.sampling.max_tokens == 16
+    assert list(
+        parse({"prompt": "a", "stop_token_ids": [7, 9]}, False, "m", 16).request.sampling.stop_token_ids
+    ) == [7, 9]

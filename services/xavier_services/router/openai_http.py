@@ -81,6 +81,7 @@ class OpenAiFront:
             client_max_size=self.router.config.http_max_body_bytes, middlewares=[self._errors, *self._auth()]
         )
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/health", self.health)
@@ -129,15 +130,27 @@ class OpenAiFront:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def models(self, request: web.Request) -> web.Response:
-        entry = {
+    def _model_entry(self) -> dict[str, Any]:
+        return {
             "id": self.router.model.name,
             "object": "model",
             "created": 0,
             "owned_by": "xavier",
             "max_model_len": self.router.model.max_context,
         }
-        return web.json_response({"object": "list", "data": [entry]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_entry()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """`GET /v1/models/{id}` (the OpenAI SDK's `models.retrieve`): this router's model, else 404."""
+        name = request.match_info["model"]
+        if name != self.router.model.name:
+            served = self.router.model.name
+            return json_error(
+                404, f"model {name!r} does not exist; this router serves {served!r}", reason="UNKNOWN_MODEL"
+            )
+        return web.json_response(self._model_entry())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -153,6 +166,8 @@ class OpenAiFront:
         body = await self._body(request)
         oa = parse(body, chat, self.router.model.name, self.default_max_tokens)
         prep = await self.router.prepare_async(oa.request)  # raises before any byte is sent: a clean HTTP 400
+        if oa.max_tokens_to_context:
+            prep.sampling.max_tokens = self.router.model.max_context - len(prep.token_ids)
         if oa.stream:
             return await self._stream(request, oa, prep)
         text, ids, lps = "", [], []

@@ -41,8 +41,26 @@ _MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits: completions `logprobs`, chat `t
 _MAX_TOP_LOGPROBS = 20
 # Parameters that change what is sampled: a value other than the no-op one is refused (400 naming the
 # parameter), never silently ignored. The no-op values are accepted because clients send them by default.
-_NOOP_NUMBERS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
-_NOOP_EMPTY = ("logit_bias", "tools", "functions", "suffix")
+_NOOP_NUMBERS = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0.0,
+    "min_p": 0.0,
+    "typical_p": 1.0,
+}
+# Extensions (OpenAI's, vLLM's, SGLang's) that no engine here honours yet: any value but an empty one is
+# refused. `modalities: ["text"]` and `tool_choice: "none"` ask for nothing, so they pass.
+_NOOP_EMPTY = (
+    "logit_bias", "tools", "functions", "function_call", "suffix", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "structured_outputs", "bad_words", "allowed_token_ids",
+    "prompt_logprobs", "truncate_prompt_tokens", "prediction",
+)  # fmt: skip
+_NOOP_VALUES: dict[str, tuple[Any, ...]] = {
+    "include_stop_str_in_output": (None, False),
+    "tool_choice": (None, "none"),
+    "modalities": (None, ["text"]),
+}
 
 
 def _unsupported(param: str, what: str) -> InvalidArgument:
@@ -56,6 +74,9 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for key in _NOOP_EMPTY:
         if body.get(key) not in (None, "", [], {}):
             raise _unsupported(key, key)
+    for key, noops in _NOOP_VALUES.items():
+        if body.get(key) not in noops:
+            raise _unsupported(key, f"{key} {json.dumps(body.get(key))[:40]}")
     n = get_int(body, "n", 1, 1 << 30, reason="UNSUPPORTED_N")
     if n not in (None, 1):
         raise InvalidArgument("only n=1 is supported", reason="UNSUPPORTED_N", param="n")
@@ -78,6 +99,23 @@ def _stops(value: Any) -> list[str]:
     raise InvalidArgument(
         "stop must be a string or a list of strings", reason="INVALID_SAMPLING", param="stop"
     )
+
+
+def _stop_token_ids(value: Any) -> list[int]:
+    """The vLLM / SGLang `stop_token_ids` extension: token ids that end the request like EOS."""
+    if value is None:
+        return []
+    if (
+        not isinstance(value, list)
+        or len(value) > 1024
+        or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _MAX_TOKEN_ID for t in value)
+    ):
+        raise InvalidArgument(
+            "stop_token_ids must be a list of at most 1024 token ids",
+            reason="INVALID_SAMPLING",
+            param="stop_token_ids",
+        )
+    return list(value)
 
 
 def _max_tokens(body: Mapping[str, Any], default: int) -> int:
@@ -133,6 +171,9 @@ class OpenAiRequest:
     include_usage: bool
     model: str
     chat: bool
+    max_tokens_to_context: bool = False
+    """A chat request without `max_tokens`: as OpenAI, it may run to the context limit (set once the
+    prompt's length is known; `max_tokens` is 1 until then)."""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -220,7 +261,8 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
     else:
         _completion(req, body)
     logprobs = _logprobs(body, chat)
-    max_tokens = _max_tokens(body, default_max_tokens)
+    to_context = chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None
+    max_tokens = 1 if to_context else _max_tokens(body, default_max_tokens)
     temperature = get_number(body, "temperature", 1.0)
     top_p = get_number(body, "top_p", 1.0)
     # vLLM / SGLang extension: -1 and 0 turn the cut off.
@@ -237,6 +279,7 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
     if seed is not None:
         s.seed = seed
     s.stop.extend(stops)
+    s.stop_token_ids.extend(_stop_token_ids(body.get("stop_token_ids")))
     s.ignore_eos = get_bool(body, "ignore_eos")  # the vLLM / SGLang extension
     mode = get_str(body, "xavier_mode")
     if mode:
@@ -253,6 +296,7 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
         include_usage=get_bool(opts, "include_usage"),
         model=model or served_model,
         chat=chat,
+        max_tokens_to_context=to_context,
     )
 
 

@@ -37,7 +37,7 @@ class PageStoreServiceStub:
     sum of `segment_bytes[0..b)`. So consecutive slots of one chunk are one contiguous range per segment, and
     a run of pages travels as one NIXL descriptor per segment.
 
-    Checksums are BLAKE2b with a 16-byte digest over a page's segments concatenated in segment order.
+    Checksums are XXH3-128 (its 16-byte canonical digest) over a page's segments concatenated in segment order.
 
     Errors carry one google.rpc.ErrorInfo (domain "xavier.v1") with these reasons: INVALID_ARGUMENT (the
     metadata key "field" names the offending field), PAGE_SIZE_MISMATCH (INVALID_ARGUMENT: the namespace was
@@ -104,7 +104,7 @@ class PageStoreServiceServicer:
     sum of `segment_bytes[0..b)`. So consecutive slots of one chunk are one contiguous range per segment, and
     a run of pages travels as one NIXL descriptor per segment.
 
-    Checksums are BLAKE2b with a 16-byte digest over a page's segments concatenated in segment order.
+    Checksums are XXH3-128 (its 16-byte canonical digest) over a page's segments concatenated in segment order.
 
     Errors carry one google.rpc.ErrorInfo (domain "xavier.v1") with these reasons: INVALID_ARGUMENT (the
     metadata key "field" names the offending field), PAGE_SIZE_MISMATCH (INVALID_ARGUMENT: the namespace was
@@ -226,7 +226,7 @@ class PageStoreService:
     sum of `segment_bytes[0..b)`. So consecutive slots of one chunk are one contiguous range per segment, and
     a run of pages travels as one NIXL descriptor per segment.
 
-    Checksums are BLAKE2b with a 16-byte digest over a page's segments concatenated in segment order.
+    Checksums are XXH3-128 (its 16-byte canonical digest) over a page's segments concatenated in segment order.
 
     Errors carry one google.rpc.ErrorInfo (domain "xavier.v1") with these reasons: INVALID_ARGUMENT (the
     metadata key "field" names the offending field), PAGE_SIZE_MISMATCH (INVALID_ARGUMENT: the namespace was
