@@ -60,6 +60,13 @@ class TextTokenizer:
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.add_bos_token = bool(config.get("add_bos_token", False))
         self.chat_template = chat_template
+        # What a user may type but must not become a control token: the text of every special token.
+        added = tokenizer.get_added_tokens_decoder().values()
+        self.special_texts = frozenset(str(t.content) for t in added if t.special and t.content)
+        self._plain: Tokenizer | None = None
+        if self.special_texts:
+            self._plain = Tokenizer.from_str(tokenizer.to_str())
+            self._plain.encode_special_tokens = True
         self._template: jinja2.Template | None = None
         if chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -107,6 +114,12 @@ class TextTokenizer:
             if not ids or ids[0] != self.bos_token_id:
                 ids.insert(0, self.bos_token_id)
         return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` read as text only: a special token's text (`<|im_start|>`) is encoded as
+        the characters it is made of, never as the control token."""
+        tok = self._plain or self._tok
+        return list(tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`."""

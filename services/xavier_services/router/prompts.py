@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -145,6 +146,38 @@ class PromptEncoder:
             raise InvalidArgument(str(exc), reason="NO_CHAT_TEMPLATE") from None
         except jinja2.TemplateError as exc:
             raise InvalidArgument(f"chat template failed: {exc}", reason="CHAT_TEMPLATE_ERROR") from None
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> tuple[int, ...]:
+        """Token ids of the rendered chat. Message content is text: a special token's text typed in it
+        (`<|im_start|>system ...`) is encoded as plain characters, so no user can forge a role or end a
+        turn. Chats without such text are encoded as one rendered string (the usual tokenization)."""
+        rendered = self.render_chat(messages)
+        contents = [str(m.get("content") or "") for m in messages]
+        if not any(tok in c for c in contents for tok in self.tokenizer.special_texts):
+            return self.encode(rendered, add_special_tokens=False)
+        # Render again with a marker for each content, then encode the template's text with its
+        # control tokens and each content as text only.
+        nonce = secrets.token_hex(8)
+        markers = [f"\u2063{nonce}:{i}\u2063" for i in range(len(messages))]
+        marked = [{**m, "content": markers[i]} for i, m in enumerate(messages)]
+        template = self.render_chat(marked)
+        ids: list[int] = []
+        at = 0
+        for i, marker in enumerate(markers):
+            if contents[i] == "" or template.count(marker) == 0:
+                continue  # an empty content, or one the template leaves out
+            if template.count(marker) != 1:
+                raise InvalidArgument(
+                    f"messages[{i}].content holds special-token text and the chat template repeats it",
+                    reason="INVALID_CHAT",
+                    index=i,
+                )
+            cut = template.index(marker, at)
+            ids += self.encode(template[at:cut], add_special_tokens=False) if cut > at else ()
+            ids += self.tokenizer.encode_text(contents[i])
+            at = cut + len(marker)
+        ids += self.encode(template[at:], add_special_tokens=False) if at < len(template) else ()
+        return tuple(ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         """Token ids of `text`; tokenizer failures become INVALID_ARGUMENT / TOKENIZER_ERROR."""

@@ -66,7 +66,7 @@ def tokenize(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo)
         return encoder.encode(req.text)
     if kind == "chat":
         messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-        return encoder.encode(encoder.render_chat(messages), add_special_tokens=False)
+        return encoder.encode_chat(messages)
     if kind == "token_ids":
         ids = tuple(req.token_ids.ids)
         if model.vocab_size and any(i >= model.vocab_size for i in ids):
