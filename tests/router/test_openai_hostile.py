@@ -221,3 +221,18 @@ def test_no_op_values_of_refused_extensions_pass() -> None:
     assert list(
         parse({"prompt": "a", "stop_token_ids": [7, 9]}, False, "m", 16).request.sampling.stop_token_ids
     ) == [7, 9]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "x-unknown"])
+def test_a_body_that_is_not_in_its_content_encoding_is_400(mesh: Mesh, encoding: str) -> None:
+    request = urllib.request.Request(
+        f"http://{mesh.http}/v1/completions",
+        data=b'{"prompt": "a"}',  # not compressed at all
+        headers={"Content-Type": "application/json", "Content-Encoding": encoding},
+    )
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=60)
+    assert info.value.code == 400
+    err = json.loads(info.value.read())["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "INVALID_JSON", err

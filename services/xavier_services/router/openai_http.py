@@ -9,9 +9,10 @@ from typing import Any
 
 import grpc
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from xavier.v1 import router_service_pb2 as rpb
 
-from xavier_core.runtime import XavierError
+from xavier_core.runtime import InvalidArgument, XavierError
 from xavier_services.router.core import Router
 from xavier_services.router.keepalive import Tick, with_ticks
 from xavier_services.router.openai_body import decode_json
@@ -67,6 +68,10 @@ def error_response(err: XavierError) -> web.Response:
     retry_after = err.metadata.get("retry_after_seconds")
     headers = {"Retry-After": retry_after} if status == 429 and retry_after else None
     return web.json_response(body, status=status, headers=headers)
+
+
+_ENCODINGS = frozenset(("identity", "gzip", "deflate"))
+"""Request body encodings aiohttp decodes (brotli needs a package the router does not install)."""
 
 
 class OpenAiFront:
@@ -159,8 +164,21 @@ class OpenAiFront:
         return await self._generate(request, chat=True)
 
     async def _body(self, request: web.Request) -> Any:
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in _ENCODINGS:
+            raise InvalidArgument(
+                f"Content-Encoding {encoding[:40]!r} is not supported (identity, gzip, deflate)",
+                reason="INVALID_JSON",
+            )
         # read() raises HTTPRequestEntityTooLarge past client_max_size: the middleware answers JSON 413.
-        return decode_json(await request.read())
+        try:
+            raw = await request.read()
+        except RequestPayloadError:  # a body that is not in its Content-Encoding, or cut short
+            raise InvalidArgument(
+                f"the request body could not be read as {encoding} (malformed or cut short)",
+                reason="INVALID_JSON",
+            ) from None
+        return decode_json(raw)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
