@@ -106,3 +106,18 @@ def test_hardening_as_promised() -> None:
         assert ("PrivateDevices" in keys) is not gpu and ("DeviceAllow" in keys) is gpu, name
         # GPU units may host an SGLang server: SIGTERM goes to the service alone, which drains first.
         assert (keys.get("KillMode") == "mixed") is gpu, name
+
+
+def test_engines_sharing_a_gpu_start_one_after_another() -> None:
+    """Instances of one number share a GPU: the decode there waits for the prefill to be READY and the
+    unified one for both (an SGLang server sizes its KV pool from the memory free when it starts);
+    Type=notify is what makes After= wait for READY=1, not just for the process to start."""
+    units = _units()
+
+    def after(name: str) -> set[str]:
+        lines = [ln.split("=", 1)[1] for ln in units[name].splitlines() if ln.startswith("After=")]
+        return {u for ln in lines for u in ln.split()}
+
+    assert "xavier-prefill@%i.service" in after("xavier-decode@.service")
+    assert {"xavier-prefill@%i.service", "xavier-decode@%i.service"} <= after("xavier-unified@.service")
+    assert not any("@%i" in u for u in after("xavier-prefill@.service"))  # the first on its GPU
