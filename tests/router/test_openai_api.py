@@ -62,6 +62,9 @@ def test_chat_unary_stream_and_logprobs(oa: openai.OpenAI, mesh: Mesh) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    # As OpenAI: the usage in a last chunk of its own, with no choices; null on every other chunk.
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason == "length"
 
 
 def test_sampling_with_seed_is_reproducible(oa: openai.OpenAI, mesh: Mesh) -> None:

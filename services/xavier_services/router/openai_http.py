@@ -233,9 +233,14 @@ class OpenAiFront:
                 finish = FINISH_NAMES.get(msg.finish_reason)
                 if msg.text or msg.token_ids or finish:
                     chunk = envelope(oa, [choice(oa, msg.text, finish, lp, delta=True)], chunk=True)
-                    if finish and oa.include_usage:
-                        chunk["usage"] = usage_json(msg.usage)
+                    if oa.include_usage:
+                        chunk["usage"] = None  # as OpenAI: null on every chunk but the last
                     await resp.write(sse(chunk))
+                if finish and oa.include_usage:
+                    # The usage comes last, in a chunk of its own with no choices, as OpenAI sends it.
+                    last = envelope(oa, [], chunk=True)
+                    last["usage"] = usage_json(msg.usage)
+                    await resp.write(sse(last))
         except XavierError as err:
             if first:  # nothing sent yet: a proper error status
                 return error_response(err)
