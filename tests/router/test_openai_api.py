@@ -150,3 +150,17 @@ def test_stop_token_ids_end_the_answer(mesh: Mesh) -> None:
     ).json()
     assert stopped["choices"][0]["finish_reason"] == "stop", stopped
     assert stopped["usage"]["completion_tokens"] == ids.index(ids[2]) + 1
+
+
+def test_a_prompt_batch_answers_each_prompt_in_order(oa: openai.OpenAI, mesh: Mesh) -> None:
+    """OpenAI's `prompt` list (lm-eval's batches, LangChain's batch): one choice per prompt, indexed in
+    order, each the answer the prompt gets alone; usage adds them up."""
+    prompts = ["The quick brown fox", "A journey of a thousand miles", "Once upon a time"]
+    kw = {"model": mesh.model.name, "max_tokens": 5, "temperature": 0.0}
+    alone = [oa.completions.create(prompt=p, **kw) for p in prompts]  # type: ignore[call-overload]
+    batch = oa.completions.create(prompt=prompts, **kw)  # type: ignore[call-overload]
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage is not None
+    assert batch.usage.completion_tokens == 15
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone if a.usage)

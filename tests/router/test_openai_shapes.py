@@ -37,7 +37,11 @@ def test_parse_completion_defaults_and_fields() -> None:
     ("body", "reason"),
     [
         ({"prompt": "a", "n": 3}, "UNSUPPORTED_N"),
-        ({"prompt": ["a", "b"]}, "INVALID_PROMPT"),
+        ({"prompt": ["a", 5]}, "INVALID_PROMPT"),
+        ({"prompt": ["a", ["x"]]}, "INVALID_PROMPT"),
+        ({"prompt": ["a", ""]}, "EMPTY_PROMPT"),
+        ({"prompt": ["a"] * 257}, "INVALID_PROMPT"),
+        ({"prompt": ["a", "b"], "stream": True}, "UNSUPPORTED_PARAMETER"),
         ({"prompt": "a", "max_tokens": 0}, "INVALID_MAX_TOKENS"),
         ({"prompt": "a", "max_tokens": True}, "INVALID_MAX_TOKENS"),
         ({"prompt": "a", "top_p": 2}, "INVALID_SAMPLING"),
@@ -50,6 +54,22 @@ def test_parse_rejects(body: dict[str, object], reason: str) -> None:
     with pytest.raises(InvalidArgument) as info:
         parse(body, False, "m", 16)
     assert info.value.reason == reason
+
+
+def test_a_prompt_batch_is_one_request_per_prompt() -> None:
+    oa = parse(
+        {"prompt": ["one", [5, 6, 7], "three"], "max_tokens": 3, "seed": 9, "user_request_id": "r"},
+        False,
+        "m",
+        16,
+    )
+    reqs = [oa.request, *oa.more]
+    assert [r.WhichOneof("prompt") for r in reqs] == ["text", "token_ids", "text"]
+    assert reqs[0].text == "one" and list(reqs[1].token_ids.ids) == [5, 6, 7] and reqs[2].text == "three"
+    assert all(r.sampling.max_tokens == 3 and r.sampling.seed == 9 for r in reqs)
+    assert [r.request_id for r in reqs] == ["r", "r-1", "r-2"]
+    single = parse({"prompt": ["only"]}, False, "m", 16)
+    assert single.request.text == "only" and single.more == ()
 
 
 def test_chat_shapes() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -11,6 +12,7 @@ import grpc
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from xavier.v1 import router_service_pb2 as rpb
+from xavier.v1 import types_pb2
 
 from xavier_core.runtime import InvalidArgument, XavierError
 from xavier_services.router.core import Router
@@ -183,11 +185,44 @@ class OpenAiFront:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
         oa = parse(body, chat, self.router.model.name, self.default_max_tokens)
-        prep = await self.router.prepare_async(oa.request)  # raises before any byte is sent: a clean HTTP 400
+        # Every prompt is checked before anything runs or any byte is sent: a clean HTTP 400.
+        preps = [await self.router.prepare_async(r) for r in (oa.request, *oa.more)]
         if oa.max_tokens_to_context:
-            prep.sampling.max_tokens = self.router.model.max_context - len(prep.token_ids)
+            preps[0].sampling.max_tokens = self.router.model.max_context - len(preps[0].token_ids)
         if oa.stream:
-            return await self._stream(request, oa, prep)
+            return await self._stream(request, oa, preps[0])
+        # A prompt batch runs its requests side by side; choices keep the prompts' order.
+        answers = await self._answers(oa, preps)
+        choices = []
+        usage = types_pb2.Usage()
+        for i, (text, lp, last) in enumerate(answers):
+            one = choice(oa, text, FINISH_NAMES.get(last.finish_reason), lp, delta=False)
+            one["index"] = i
+            choices.append(one)
+            usage.prompt_tokens += last.usage.prompt_tokens
+            usage.completion_tokens += last.usage.completion_tokens
+            usage.cached_tokens += last.usage.cached_tokens
+        out = envelope(oa, choices, chunk=False)
+        out["usage"] = usage_json(usage if len(answers) > 1 else answers[0][2].usage)
+        return web.json_response(out)
+
+    async def _answers(
+        self, oa: OpenAiRequest, preps: list[Any]
+    ) -> list[tuple[str, dict[str, Any] | None, rpb.GenerateResponse]]:
+        """The answers of `preps`, side by side; the first failure cancels the rest and is raised."""
+        if len(preps) == 1:
+            return [await self._answer(oa, preps[0])]
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._answer(oa, p)) for p in preps]
+        except ExceptionGroup as errors:
+            raise errors.exceptions[0] from None
+        return [t.result() for t in tasks]
+
+    async def _answer(
+        self, oa: OpenAiRequest, prep: Any
+    ) -> tuple[str, dict[str, Any] | None, rpb.GenerateResponse]:
+        """One request's whole answer: its text, its logprobs (if asked) and its last message."""
         text, ids, lps = "", [], []
         last = rpb.GenerateResponse()
         async for msg in self.router.generate(prep):
@@ -195,11 +230,7 @@ class OpenAiFront:
             ids.extend(msg.token_ids)
             lps.extend(msg.logprobs)
             last = msg
-        lp = self._logprobs(oa, ids, lps) if oa.logprobs else None
-        finish = FINISH_NAMES.get(last.finish_reason)
-        out = envelope(oa, [choice(oa, text, finish, lp, delta=False)], chunk=False)
-        out["usage"] = usage_json(last.usage)
-        return web.json_response(out)
+        return text, (self._logprobs(oa, ids, lps) if oa.logprobs else None), last
 
     def _logprobs(self, oa: OpenAiRequest, ids: list[int], values: list[float]) -> dict[str, Any]:
         enc = self.router.encoder

@@ -28,6 +28,8 @@ _MODES = {
     "native": rpb.ROUTING_MODE_NATIVE,
 }
 _MAX_MESSAGES = 1024
+MAX_PROMPTS = 256
+"""Prompts one completions request may batch (each becomes a request of its own)."""
 
 
 def sse(payload: Mapping[str, Any] | str) -> bytes:
@@ -166,11 +168,13 @@ class OpenAiRequest:
     """A parsed OpenAI request: the GenerateRequest plus what the response shape needs."""
 
     request: rpb.GenerateRequest
+    """The (first) prompt's request; `more` holds the others of a prompt batch, sampled alike."""
     stream: bool
     logprobs: bool
     include_usage: bool
     model: str
     chat: bool
+    more: tuple[rpb.GenerateRequest, ...] = ()
     max_tokens_to_context: bool = False
     """A chat request without `max_tokens`: as OpenAI, it may run to the context limit (set once the
     prompt's length is known; `max_tokens` is 1 until then)."""
@@ -231,22 +235,43 @@ def _token_ids(prompt: list[Any]) -> list[int]:
     return prompt
 
 
-def _completion(req: rpb.GenerateRequest, body: Mapping[str, Any]) -> None:
+def _prompts(body: Mapping[str, Any]) -> list[str | list[int]]:
+    """The completion prompts: a string, a list of token ids, or a list of either (a batch, as OpenAI's
+    API and lm-eval's `--batch_size` send it), at most `MAX_PROMPTS`."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
     if prompt in (None, "", []):
         raise InvalidArgument("the prompt is empty", reason="EMPTY_PROMPT", param="prompt")
-    if isinstance(prompt, str):
-        req.text = prompt
-    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        req.token_ids.ids.extend(_token_ids(prompt))
-    else:
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+        return [prompt]
+    if not isinstance(prompt, list) or not all(isinstance(p, str | list) for p in prompt):
         raise InvalidArgument(
-            "prompt must be a string or a list of token ids (one prompt per request)",
+            "prompt must be a string, a list of token ids, or a list of either",
             reason="INVALID_PROMPT",
             param="prompt",
         )
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidArgument(
+            f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}",
+            reason="INVALID_PROMPT",
+            param="prompt",
+        )
+    for i, p in enumerate(prompt):
+        if p in ("", []):
+            raise InvalidArgument(f"prompt[{i}] is empty", reason="EMPTY_PROMPT", param=f"prompt[{i}]")
+        if isinstance(p, list) and not all(isinstance(t, int) for t in p):
+            raise InvalidArgument(
+                f"prompt[{i}] must be a string or a list of token ids",
+                reason="INVALID_PROMPT",
+                param=f"prompt[{i}]",
+            )
+    return list(prompt)
+
+
+def _completion(req: rpb.GenerateRequest, prompt: str | list[int]) -> None:
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(_token_ids(prompt))
 
 
 def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> OpenAiRequest:
@@ -256,10 +281,12 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
     _refuse_unsupported(body)
     model = get_str(body, "model")
     req = rpb.GenerateRequest(model=model, request_id=get_str(body, "user_request_id"))
+    prompts: list[str | list[int]] = []
     if chat:
         _chat(req, body)
     else:
-        _completion(req, body)
+        prompts = _prompts(body)
+        _completion(req, prompts[0])
     logprobs = _logprobs(body, chat)
     to_context = chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None
     max_tokens = 1 if to_context else _max_tokens(body, default_max_tokens)
@@ -289,9 +316,22 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
             )
         req.mode = _MODES[mode]
     opts = get_object(body, "stream_options")
+    stream = get_bool(body, "stream")
+    if stream and len(prompts) > 1:
+        raise _unsupported("prompt", "streaming several prompts in one request")
+    more = []
+    for i, prompt in enumerate(prompts[1:], start=1):
+        other = rpb.GenerateRequest()
+        other.CopyFrom(req)
+        other.ClearField("prompt")
+        _completion(other, prompt)
+        if req.request_id:
+            other.request_id = f"{req.request_id}-{i}"
+        more.append(other)
     return OpenAiRequest(
+        more=tuple(more),
         request=req,
-        stream=get_bool(body, "stream"),
+        stream=stream,
         logprobs=logprobs,
         include_usage=get_bool(opts, "include_usage"),
         model=model or served_model,
