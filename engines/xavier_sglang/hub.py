@@ -32,11 +32,11 @@ from xavier.v1 import types_pb2
 from xavier_core.contract import KvLayout
 from xavier_core.directory import DirectoryClient, PeerSession
 from xavier_core.directory.client import Registration
-from xavier_core.transfer.aux_slots import AuxNixlAgent
 from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import TransferError
+from xavier_core.transfer.nixl_backend import NixlAgent
 from xavier_core.transfer.peers import peer_key
-from xavier_core.transfer.source import buffers_from_regions, endpoint_proto, regions_proto
+from xavier_core.transfer.source import buffers_from_regions, endpoint_proto
 
 from . import wire
 from .config import PoolShape, XavierSettings
@@ -67,7 +67,6 @@ class PairPeer:
     agent: str
     """Its NIXL agent name: notifications from it carry this name."""
     kv: tuple[KvBuffer, ...]
-    aux: tuple[KvBuffer, ...]
 
 
 class RoomEnd(Protocol):
@@ -101,8 +100,9 @@ class Hub:
         self.fingerprint = layout.fingerprint
         self.settings = settings
         name = agent_name or f"xavier-sglang-{uuid.uuid4().hex[:12]}"
-        self.agent = AuxNixlAgent(
-            name, pool.kv, pool.aux, settings.progress_thread, transfer_timeout_s=settings.transfer_timeout_s
+        # Only the KV pool is registered: the aux slot (host memory) travels inside a notification.
+        self.agent = NixlAgent(
+            name, pool.kv, settings.progress_thread, transfer_timeout_s=settings.transfer_timeout_s
         )
         self._lock = threading.Lock()  # the tables below
         self._pump_lock = threading.Lock()
@@ -150,9 +150,8 @@ class Hub:
                 return known
         endpoint = peer.endpoint
         kv = buffers_from_regions(endpoint.regions, "endpoint.regions")
-        aux = buffers_from_regions(endpoint.aux_regions, "endpoint.aux_regions")
         agent = self.agent.add_peer(key, endpoint.agent_metadata)
-        loaded = PairPeer(str(peer.peer_id), int(peer.epoch), key, agent, kv, aux)
+        loaded = PairPeer(str(peer.peer_id), int(peer.epoch), key, agent, kv)
         with self._lock:
             self._by_agent[agent] = loaded
         return loaded
@@ -221,7 +220,7 @@ class Hub:
             if self._rooms.get(room_id) is room:
                 del self._rooms[room_id]
 
-    def park(self, room_id: int, room: RoomEnd) -> None:
+    def park(self, room: RoomEnd) -> None:
         """Keeps a room SGLang cleared while a transfer of it may still be in flight, until `reap()`."""
         with self._lock:
             self._parked.append(room)
@@ -344,7 +343,6 @@ class Hub:
     async def _start(self) -> Registration:
         self.client = DirectoryClient(self.settings.directory)
         endpoint = endpoint_proto(self.agent.name, self.agent.metadata(), self.pool.kv)
-        endpoint.aux_regions.extend(regions_proto(self.pool.aux))
         request = dpb.RegisterPeerRequest(
             peer_id=self.settings.peer_id,
             role=self.role,

@@ -157,7 +157,7 @@ class ReaderRoom:
         if safe:
             self.hub.remove_room(self.room_id, self)
         else:
-            self.hub.park(self.room_id, self)
+            self.hub.park(self)
 
     # --- the hub's calls ------------------------------------------------------------------------
 

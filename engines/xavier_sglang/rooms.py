@@ -198,7 +198,7 @@ class SourceRoom:
         if not self._registered:
             return
         if busy:
-            self.hub.park(self.room_id, self)
+            self.hub.park(self)
         else:
             self._finish()
 

@@ -186,17 +186,8 @@ class NixlAgent:
 
         `notif` reaches the peer's `notifications()` once the READ has completed.
         """
-        return self._read_group(
-            self.buffers,
-            self.mem,
-            "KV",
-            peer_key,
-            remote_buffers,
-            src_page_ids,
-            dst_page_ids,
-            notif,
-            mode,
-            timeout_s,
+        return self._transfer(
+            "READ", peer_key, remote_buffers, src_page_ids, dst_page_ids, notif, mode, timeout_s
         )
 
     def write(
@@ -211,56 +202,47 @@ class NixlAgent:
     ) -> Transfer:
         """WRITEs local pages `src_page_ids[i]` into the peer's pages `dst_page_ids[i]` for every buffer,
         with the checks and descriptors of `read`; `notif` reaches the peer once the bytes are there."""
-        return self._read_group(
-            self.buffers, self.mem, "KV", peer_key, remote_buffers, dst_page_ids, src_page_ids, notif,
-            mode, timeout_s, op="WRITE",
-        )  # fmt: skip
+        return self._transfer(
+            "WRITE", peer_key, remote_buffers, dst_page_ids, src_page_ids, notif, mode, timeout_s
+        )
 
-    def _read_group(
+    def _transfer(
         self,
-        local_buffers: Sequence[KvBuffer],
-        local_mem: MemType,
-        label: str,
+        op: Op,
         peer_key: str,
         remote_buffers: Sequence[KvBuffer],
-        src_page_ids: Sequence[int] | npt.NDArray[np.integer],
-        dst_page_ids: Sequence[int] | npt.NDArray[np.integer],
+        remote_page_ids: Sequence[int] | npt.NDArray[np.integer],
+        local_page_ids: Sequence[int] | npt.NDArray[np.integer],
         notif: bytes,
         mode: runs.Mode,
         timeout_s: float | None,
-        op: Op = "READ",
     ) -> Transfer:
-        """`read` into one registered group of local buffers (`label` names the group in errors): a
-        subclass that registers a second group (`aux_slots.AuxNixlAgent`) reads it through this. With
-        `op="WRITE"` the bytes go the other way: `src_page_ids` are then the peer's pages written and
-        `dst_page_ids` the local pages read (the written side's ids must not repeat)."""
+        """One READ (remote pages into local ones) or WRITE (local pages into remote ones) of the KV
+        buffers, page `remote_page_ids[i]` paired with `local_page_ids[i]`; the written side's ids must
+        not repeat."""
         remote_mem = check_buffers(remote_buffers, f"peer {peer_key}")
-        _check_layout(remote_buffers, local_buffers, label)
-        src = runs.as_page_array(src_page_ids)
-        dst = runs.as_page_array(dst_page_ids)
-        _check_range(
-            src, _num_pages(remote_buffers), f"{label} {'destination' if op == 'WRITE' else 'source'}"
-        )
-        _check_range(
-            dst, _num_pages(local_buffers), f"{label} {'source' if op == 'WRITE' else 'destination'}"
-        )
-        written = src if op == "WRITE" else dst
+        _check_layout(remote_buffers, self.buffers, "KV")
+        remote = runs.as_page_array(remote_page_ids)
+        local = runs.as_page_array(local_page_ids)
+        remote_side, local_side = ("destination", "source") if op == "WRITE" else ("source", "destination")
+        _check_range(remote, _num_pages(remote_buffers), f"KV {remote_side}")
+        _check_range(local, _num_pages(self.buffers), f"KV {local_side}")
+        written = remote if op == "WRITE" else local
         if np.unique(written).size != written.size:
-            raise InvalidPagesError(f"{label} destination page ids repeat")
+            raise InvalidPagesError("KV destination page ids repeat")
         table = runs.descriptors(
             [b.addr for b in remote_buffers],
-            [b.addr for b in local_buffers],
-            [b.bytes_per_page for b in local_buffers],
-            src,
-            dst,
+            [b.addr for b in self.buffers],
+            [b.bytes_per_page for b in self.buffers],
+            remote,
+            local,
             mode,
         )
-        per_buffer = table.shape[0] // len(local_buffers)
-        local = _dlist(table[:, 1], table[:, 2], local_buffers, per_buffer)
-        remote = _dlist(table[:, 0], table[:, 2], remote_buffers, per_buffer)
-        what = f"{label} {op}"
+        per_buffer = table.shape[0] // len(self.buffers)
+        local_list = _dlist(table[:, 1], table[:, 2], self.buffers, per_buffer)
+        remote_list = _dlist(table[:, 0], table[:, 2], remote_buffers, per_buffer)
         return self._post_read(
-            peer_key, local, local_mem, remote, remote_mem, table, notif, timeout_s, what, op
+            peer_key, local_list, self.mem, remote_list, remote_mem, table, notif, timeout_s, f"KV {op}", op
         )
 
     def read_ranges(
