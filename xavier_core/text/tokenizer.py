@@ -63,10 +63,7 @@ class TextTokenizer:
         # What a user may type but must not become a control token: the text of every special token.
         added = tokenizer.get_added_tokens_decoder().values()
         self.special_texts = frozenset(str(t.content) for t in added if t.special and t.content)
-        self._plain: Tokenizer | None = None
-        if self.special_texts:
-            self._plain = Tokenizer.from_str(tokenizer.to_str())
-            self._plain.encode_special_tokens = True
+        self._plain: Tokenizer | None = None  # made on first use: few prompts ever need it
         self._template: jinja2.Template | None = None
         if chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -118,8 +115,13 @@ class TextTokenizer:
     def encode_text(self, text: str) -> list[int]:
         """Token ids of `text` read as text only: a special token's text (`<|im_start|>`) is encoded as
         the characters it is made of, never as the control token."""
-        tok = self._plain or self._tok
-        return list(tok.encode(text, add_special_tokens=False).ids)
+        if not self.special_texts:
+            return list(self._tok.encode(text, add_special_tokens=False).ids)
+        if self._plain is None:  # two threads racing here build two equal copies: harmless
+            plain = Tokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return list(self._plain.encode(text, add_special_tokens=False).ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`."""
