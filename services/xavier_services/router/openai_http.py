@@ -203,15 +203,13 @@ class OpenAiFront:
             usage.completion_tokens += last.usage.completion_tokens
             usage.cached_tokens += last.usage.cached_tokens
         out = envelope(oa, choices, chunk=False)
-        out["usage"] = usage_json(usage if len(answers) > 1 else answers[0][2].usage)
+        out["usage"] = usage_json(usage)
         return web.json_response(out)
 
     async def _answers(
         self, oa: OpenAiRequest, preps: list[Any]
     ) -> list[tuple[str, dict[str, Any] | None, rpb.GenerateResponse]]:
         """The answers of `preps`, side by side; the first failure cancels the rest and is raised."""
-        if len(preps) == 1:
-            return [await self._answer(oa, preps[0])]
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._answer(oa, p)) for p in preps]
