@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -277,40 +277,47 @@ def start_direct(name: str, args: argparse.Namespace, work: Path, env: dict[str,
 Record = tuple[float, float | None, float, int, str | None, Any]
 
 
+class _StreamError(Exception):
+    """A streamed answer that failed: an HTTP status other than 200, or an error event."""
+
+
+async def _events(r: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of a server-sent stream, up to `[DONE]`."""
+    if r.status != 200:
+        raise _StreamError(f"http {r.status}: {(await r.text())[:200]}")
+    async for raw in r.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        ev = json.loads(line[5:])
+        if ev.get("error"):
+            raise _StreamError(str(ev["error"])[:200])
+        yield ev
+
+
 async def _openai(
     s: aiohttp.ClientSession, mode: Mode, model: str, ids: list[int], max_tokens: int
 ) -> Record:
     t0 = time.perf_counter()
     first, n, err, toks = None, 0, None, []
     body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "logprobs": None}  # fmt: skip
-    body.pop("logprobs")
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     try:
         async with s.post(mode.base + "/v1/completions", json=body) as r:
-            if r.status != 200:
-                err = f"http {r.status}: {(await r.text())[:200]}"
-            else:
-                async for raw in r.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:") or line == "data: [DONE]":
-                        continue
-                    ev = json.loads(line[5:])
-                    if ev.get("error"):
-                        err = str(ev["error"])[:200]
-                        break
-                    if ev.get("choices") and first is None:
-                        first = time.perf_counter()
-                    toks += [ch.get("text") or "" for ch in ev.get("choices") or []]
-                    if ev.get("usage"):
-                        n = ev["usage"].get("completion_tokens", 0)
+            async for ev in _events(r):
+                if ev.get("choices") and first is None:
+                    first = time.perf_counter()
+                toks += [ch.get("text") or "" for ch in ev.get("choices") or []]
+                if ev.get("usage"):
+                    n = ev["usage"].get("completion_tokens", 0)
     except Exception as e:
-        err = repr(e)[:200]
+        err = str(e) if isinstance(e, _StreamError) else repr(e)[:200]
     return t0, first, time.perf_counter(), n, err, "".join(toks)
 
 
 async def _direct(s: aiohttp.ClientSession, mode: Mode, ids: list[int], max_tokens: int) -> Record:
     t0 = time.perf_counter()
-    first, n, err, toks = None, 0, None, []
+    first, err, toks = None, None, []
     assert mode.bootstrap is not None
     room = random.getrandbits(63) or 1
     sampling = {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
@@ -325,30 +332,19 @@ async def _direct(s: aiohttp.ClientSession, mode: Mode, ids: list[int], max_toke
     pf = asyncio.ensure_future(prefill())
     try:
         async with s.post(mode.base + "/generate", json={**body, "stream": True}) as r:
-            if r.status != 200:
-                err = f"http {r.status}: {(await r.text())[:200]}"
-            else:
-                async for raw in r.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:") or line == "data: [DONE]":
-                        continue
-                    ev = json.loads(line[5:])
-                    if ev.get("error"):
-                        err = str(ev["error"])[:200]
-                        break
-                    out = ev.get("output_ids") or []
-                    if out and first is None:
-                        first = time.perf_counter()
-                    toks = list(out)
-                    fin = (ev.get("meta_info") or {}).get("finish_reason")
-                    if isinstance(fin, dict) and fin.get("type") == "abort":
-                        err = str(fin.get("message"))[:200]
-            n = len(toks)
+            async for ev in _events(r):
+                out = ev.get("output_ids") or []
+                if out and first is None:
+                    first = time.perf_counter()
+                toks = list(out)
+                fin = (ev.get("meta_info") or {}).get("finish_reason")
+                if isinstance(fin, dict) and fin.get("type") == "abort":
+                    err = str(fin.get("message"))[:200]
         await pf
     except Exception as e:
-        err = repr(e)[:200]
+        err = str(e) if isinstance(e, _StreamError) else repr(e)[:200]
         pf.cancel()
-    return t0, first, time.perf_counter(), n, err, toks
+    return t0, first, time.perf_counter(), len(toks), err, toks
 
 
 async def workload(mode: Mode, kind: str, conc: int, nreq: int, max_tokens: int) -> dict[str, Any]:
