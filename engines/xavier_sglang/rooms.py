@@ -92,13 +92,8 @@ class SourceRoom:
             self._aux_slot = aux_slot
             self.trace.mark("init")
             join = self._join
-            if self.failure is None and join is not None and join.count != num_pages:
-                self._fail_locked(
-                    RoomFailure(
-                        "INVALID_ARGUMENT",
-                        f"the decode reserved {join.count} pages, the prompt has {num_pages}",
-                    )
-                )
+            if self.failure is None and join is not None:
+                self._check_count_locked(join)
 
     def send(self, pages: npt.NDArray[np.integer] | list[int]) -> None:
         """One chunk of pages, WRITTEN to the decode now; the last one's notification carries the aux
@@ -257,17 +252,23 @@ class SourceRoom:
                 self._decode, self._join, self._join_from = peer, msg, who
                 self._joins.clear()
                 self.trace.mark("decode_joined")
-                if self._num_pages and msg.count != self._num_pages:
-                    self._fail_locked(
-                        RoomFailure(
-                            "INVALID_ARGUMENT",
-                            f"the decode reserved {msg.count} pages, the prompt has {self._num_pages}",
-                        )
-                    )
+                if self._num_pages:  # init() came first
+                    self._check_count_locked(msg)
                 return
         if time.monotonic() - self.created > self.hub.settings.bootstrap_timeout_s:
             what = "the decode never joined" if not self._joins else "no registered decode joined"
             self._fail_locked(RoomFailure("DEADLINE_EXCEEDED", what))
+
+    def _check_count_locked(self, join: wire.Message) -> None:
+        """The decode must have reserved a page for every page of the prompt (whichever of the JOIN
+        and SGLang's init() came first, this runs once both are here)."""
+        if join.count != self._num_pages:
+            self._fail_locked(
+                RoomFailure(
+                    "INVALID_ARGUMENT",
+                    f"the decode reserved {join.count} pages, the prompt has {self._num_pages}",
+                )
+            )
 
     def _check_writes_locked(self) -> bool:
         """Polls the room's WRITEs; a failed one fails the room. True while any is in flight."""

@@ -395,3 +395,15 @@ def test_decode_of_another_contract_is_told_why(
         assert "weights_fingerprint" in str(err.value)
     finally:
         stranger.close()
+
+
+def test_a_decode_that_reserved_another_page_count_is_refused(pair: tuple[Peer, Peer]) -> None:
+    prefill, decode = pair
+    room = new_room()
+    prefill.send("serve", room=room, addr=prefill.addr, pages=[1, 2, 3], chunks=[3], aux_slot=0)
+    got_d = decode.call("fetch", room=room, addr=prefill.addr, pages=[4, 5], aux_slot=0)
+    got_p = prefill.result()
+    assert got_p["states"][-1] == FAILED and "reserved 2 pages, the prompt has 3" in got_p["failure"]
+    assert got_d["states"][-1] == FAILED and got_d["release_safe"]
+    assert "|INVALID_ARGUMENT|" in got_d["failure"], got_d["failure"]
+    assert_idle(prefill, decode)
