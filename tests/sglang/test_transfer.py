@@ -154,7 +154,9 @@ def test_kv_and_aux_arrive_bitwise(pair: tuple[Peer, Peer], chunks: list[int]) -
     assert got_d["failure"] == "" and got_p["failure"] == ""
     assert got_d["kv"] == got_p["kv"], "KV pages differ"
     assert got_d["aux"] == got_p["aux"], "aux slot differs"
-    assert got_p["states"] == [BOOTING, WAITING, TRANSFERRING, SUCCESS]
+    # The prefill's WRITE (DRAM) may already be done at the first poll after the last send: then it
+    # goes from WaitingForInput straight to Success. The decode is Transferring from its JOIN on.
+    assert got_p["states"] in ([BOOTING, WAITING, TRANSFERRING, SUCCESS], [BOOTING, WAITING, SUCCESS])
     assert got_d["states"] == [BOOTING, WAITING, TRANSFERRING, SUCCESS]
     assert_idle(prefill, decode)
 
