@@ -44,6 +44,7 @@ ENV_BOOTSTRAP_TIMEOUT = "XAVIER_SGLANG_BOOTSTRAP_TIMEOUT"
 ENV_WAITING_TIMEOUT = "XAVIER_SGLANG_WAITING_TIMEOUT"
 ENV_TRANSFER_TIMEOUT = "XAVIER_SGLANG_TRANSFER_TIMEOUT"
 ENV_PROGRESS_THREAD = "XAVIER_SGLANG_NIXL_PROGRESS_THREAD"
+ENV_CUDA_IPC = "XAVIER_SGLANG_CUDA_IPC"
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -100,6 +101,12 @@ class XavierSettings:
     """NIXL's own progress thread (`XAVIER_SGLANG_NIXL_PROGRESS_THREAD`, default on): transfers move
     and notifications arrive without SGLang's scheduler driving them, so its polls only read states.
     Off (`0`) the scheduler's polls drive NIXL, which costs it a large share of every iteration."""
+    cuda_ipc: bool = True
+    """Same-host GPU pairs copy KV through CUDA IPC (`XAVIER_SGLANG_CUDA_IPC`, default on): the decode
+    exports its pool, the prefill maps it once per decode epoch and writes each chunk with one fused
+    copy kernel, then notifies over NIXL. NIXL WRITEs cost a few microseconds per descriptor (one per
+    page run per buffer), tens of milliseconds for a scattered prompt. Off (`0`), or where the pool
+    cannot be shared (another host, DRAM pools, no Triton), the prefill WRITEs over NIXL."""
 
     @classmethod
     def from_env(cls, default_advertise: str, environ: dict[str, str] | None = None) -> XavierSettings:
@@ -117,6 +124,7 @@ class XavierSettings:
             waiting_timeout_s=_seconds(env, ENV_WAITING_TIMEOUT, 300.0),
             transfer_timeout_s=_seconds(env, ENV_TRANSFER_TIMEOUT, 30.0),
             progress_thread=_flag(env, ENV_PROGRESS_THREAD, True),
+            cuda_ipc=_flag(env, ENV_CUDA_IPC, True),
         )
 
 

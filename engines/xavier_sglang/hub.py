@@ -9,6 +9,11 @@ those peer questions, and reaps rooms SGLang cleared while a WRITE was still in 
 progress thread (on by default, `XavierSettings.progress_thread`) moves the bytes; the scheduler's polls
 call `pump()`, which reads the notifications that arrived at most once per `_PUMP_INTERVAL_S` however
 many rooms are polled in one scheduler iteration.
+
+Chunks go to a decode on this host through CUDA IPC when both pools are on GPUs and
+`XavierSettings.cuda_ipc` is on: the decode's directory record carries its pool's IPC handles, the
+prefill maps them once per decode epoch (`load_peer`) and `write` runs one fused copy per chunk
+(`push`). A pool that cannot be shared or mapped leaves that pair on NIXL WRITEs.
 """
 
 from __future__ import annotations
@@ -33,14 +38,18 @@ from xavier_core.contract import KvLayout
 from xavier_core.directory import DirectoryClient, PeerSession
 from xavier_core.directory.client import Registration
 from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.copy_plan import PoolView
 from xavier_core.transfer.errors import TransferError
 from xavier_core.transfer.nixl_backend import NixlAgent
 from xavier_core.transfer.peers import peer_key
+from xavier_core.transfer.runs import as_page_array
 from xavier_core.transfer.source import buffers_from_regions, endpoint_proto
+from xavier_core.transfer.transport import IpcPeers, export_blob, is_vram
 
 from . import wire
 from .config import PoolShape, XavierSettings
 from .loop import LoopThread
+from .push import IpcNotifier, IpcWrite, Write
 
 __all__ = ["Hub", "PairPeer", "RoomEnd"]
 
@@ -67,6 +76,8 @@ class PairPeer:
     agent: str
     """Its NIXL agent name: notifications from it carry this name."""
     kv: tuple[KvBuffer, ...]
+    view: PoolView | None = None
+    """Its KV pool mapped here through CUDA IPC (a decode on this host), or None: NIXL WRITEs."""
 
 
 class RoomEnd(Protocol):
@@ -119,7 +130,13 @@ class Hub:
         self._looked_up = float("-inf")
         # FAILED messages owed to decodes not loaded yet: (agent, message).
         self._owed: list[tuple[str, bytes]] = []
-        self.counters = {"dropped": 0, "rejected": 0}
+        self.counters = {"dropped": 0, "rejected": 0, "ipc_writes": 0, "nixl_writes": 0}
+        self._ipc: IpcPeers | None = None  # the prefill's CUDA IPC mappings of decodes' pools
+        self._notifier: IpcNotifier | None = None
+        self._ipc_lock = threading.Lock()
+        self._ipc_blob = b""  # the decode's pool as CUDA IPC handles, in its directory record
+        if settings.cuda_ipc and is_vram(pool.kv):
+            self._init_ipc()
         self._closed = False
         self._loop = LoopThread("xavier-sglang")
         try:
@@ -127,6 +144,19 @@ class Hub:
         except BaseException:
             self.close()
             raise
+
+    def _init_ipc(self) -> None:
+        """A decode exports its pool; a prefill gets ready to map decodes' pools (compiling the copy
+        kernel now, not inside the first request). Either failing leaves NIXL WRITEs."""
+        try:
+            if self.role == types_pb2.ROLE_DECODE:
+                self._ipc_blob = export_blob(self.pool.kv)
+            else:
+                ipc = IpcPeers(self.pool.kv)
+                ipc.warm_up()
+                self._ipc, self._notifier = ipc, IpcNotifier()
+        except (TransferError, ImportError, RuntimeError, TimeoutError) as exc:
+            log.info("CUDA IPC unavailable, KV moves by NIXL WRITEs: %s", exc)
 
     # --- the synchronous face -------------------------------------------------------------
 
@@ -151,7 +181,11 @@ class Hub:
         endpoint = peer.endpoint
         kv = buffers_from_regions(endpoint.regions, "endpoint.regions")
         agent = self.agent.add_peer(key, endpoint.agent_metadata)
-        loaded = PairPeer(str(peer.peer_id), int(peer.epoch), key, agent, kv)
+        view = None
+        if self._ipc is not None and endpoint.cuda_ipc_pool:
+            with self._ipc_lock:
+                view = self._ipc.view(str(peer.peer_id), int(peer.epoch), endpoint.cuda_ipc_pool)
+        loaded = PairPeer(str(peer.peer_id), int(peer.epoch), key, agent, kv, view)
         with self._lock:
             self._by_agent[agent] = loaded
         return loaded
@@ -188,6 +222,29 @@ class Hub:
             if self._by_agent.get(peer.agent) == peer:
                 del self._by_agent[peer.agent]
         self.agent.drop_peer(peer.key)
+        if self._ipc is not None and peer.view is not None:
+            with self._ipc_lock:
+                self._ipc.drop(peer.peer_id, peer.epoch)
+
+    def write(self, peer: PairPeer, src: object, dst: object, note: bytes) -> Write:
+        """WRITEs local pages `src[i]` into the peer's `dst[i]`, every KV buffer; `note` reaches the
+        peer after the bytes. Through CUDA IPC when the peer's pool is mapped here, else NIXL.
+        `InvalidPagesError`/`LayoutError` for pages or pools that do not line up, `TransferError` when
+        the copy cannot be issued."""
+        src_pages, dst_pages = as_page_array(src), as_page_array(dst)  # type: ignore[arg-type]
+        if peer.view is None or self._ipc is None or self._notifier is None:
+            self.counters["nixl_writes"] += 1
+            return self.agent.write(peer.key, peer.kv, src_pages, dst_pages, note)
+        with self._ipc_lock:
+            if self._ipc.mapped(peer.peer_id) != peer.epoch:
+                # The decode registered again and its new epoch is mapped: this room's pool is gone.
+                raise TransferError(f"decode {peer.key} is no longer mapped (it registered again)")
+            try:
+                copy = self._ipc.push(peer.peer_id, peer.view, src_pages, dst_pages)
+            except RuntimeError as exc:  # CUDA or Triton refused the launch
+                raise TransferError(f"CUDA IPC copy to {peer.key} failed: {exc}") from exc
+        self.counters["ipc_writes"] += 1
+        return self._notifier.submit(IpcWrite(copy, lambda: self.send(peer, note)))
 
     def read_aux_slot(self, slot: int) -> bytes:
         """The bytes of one aux slot, buffer after buffer (host memory: SGLang's metadata buffers)."""
@@ -336,6 +393,11 @@ class Hub:
             with contextlib.suppress(Exception):
                 self.submit(self._stop()).result(10.0)
             self._loop.stop()
+        if self._notifier is not None:
+            self._notifier.close()
+        if self._ipc is not None:
+            with self._ipc_lock:
+                self._ipc.close()  # waits for copies still running, then unmaps
         self.agent.close()
 
     # --- the loop side --------------------------------------------------------------------
@@ -343,6 +405,7 @@ class Hub:
     async def _start(self) -> Registration:
         self.client = DirectoryClient(self.settings.directory)
         endpoint = endpoint_proto(self.agent.name, self.agent.metadata(), self.pool.kv)
+        endpoint.cuda_ipc_pool = self._ipc_blob
         request = dpb.RegisterPeerRequest(
             peer_id=self.settings.peer_id,
             role=self.role,
@@ -397,6 +460,9 @@ class Hub:
         while True:
             await asyncio.sleep(_REAP_INTERVAL_S)
             self.pump()
+            if self._ipc is not None:
+                with self._ipc_lock:
+                    self._ipc.collect()  # unmaps retired decodes' pools once their copies are done
             with self._lock:
                 parked = list(self._parked)
             if not parked:

@@ -5,8 +5,9 @@ messages are `wire`'s; the decode side is `reader.ReaderRoom`.
 
 `SourceRoom`: BOOTSTRAPPING until the decode's JOIN arrived and its sender is a registered decode of this
 contract (the hub loads it once per epoch) → WAITING_FOR_INPUT → `init(pages, aux slot)` → each
-`send(chunk)` WRITEs that chunk's pages into the decode's destination pages at once (chunked prefill
-overlaps the transfer with the next chunk's compute); the last one's notification also carries the aux
+`send(chunk)` WRITEs that chunk's pages into the decode's destination pages at once (a NIXL WRITE, or a
+CUDA IPC copy to a decode on this host: `push`), so chunked prefill overlaps the transfer with the next
+chunk's compute; the last one's notification also carries the aux
 slot (first token, metadata) → TRANSFERRING → SUCCESS once every WRITE is done (NIXL delivers each
 WRITE's notification to the decode after its bytes).
 
@@ -28,10 +29,10 @@ import numpy.typing as npt
 from xavier_core.transfer.errors import InvalidPagesError, LayoutError, TransferError
 from xavier_core.transfer.kv_transfer import KvPoll
 from xavier_core.transfer.runs import as_page_array
-from xavier_core.transfer.xfer import Transfer
 
 from . import wire
 from .hub import Hub, PairPeer
+from .push import IpcWrite, Write
 from .trace import RoomTrace
 
 __all__ = ["RoomFailure", "SourceRoom"]
@@ -75,7 +76,7 @@ class SourceRoom:
         self._aux_slot: int | None = None
         self._sent = 0
         self._last_sent = False
-        self._writes: list[Transfer] = []
+        self._writes: list[Write] = []
         self._told = False
         self._done = False
         if not hub.add_room(room_id, self):
@@ -128,7 +129,9 @@ class SourceRoom:
                 note = wire.written(self.room_id, join.token, n, aux=aux, last=last)
                 if n:
                     dest = join.pages[start : start + n]
-                    self._writes.append(self.hub.agent.write(decode.key, decode.kv, chunk, dest, note))
+                    write = self.hub.write(decode, chunk, dest, note)
+                    self._writes.append(write)
+                    self.trace.mark("ipc_posted" if isinstance(write, IpcWrite) else "nixl_posted")
                 elif last:
                     self.hub.send(decode, note)
             except (InvalidPagesError, LayoutError, ValueError) as exc:  # pages outside a pool, a bad slot

@@ -1,4 +1,5 @@
-"""An SGLang-shaped peer in a child process: a real `KVArgs` over DRAM buffers, Xavier's manager built the way
+"""An SGLang-shaped peer in a child process: a real `KVArgs` over DRAM buffers (or GPU ones, with
+`XAVIER_TEST_KV_DEVICE=cuda` in its environment), Xavier's manager built the way
 SGLang builds it (`get_kv_class(TransferBackend(...), KVClassType.MANAGER)` after the plugin's hooks), and
 requests driven through the sender / receiver API in SGLang's own order, polling as its scheduler does.
 
@@ -30,10 +31,18 @@ AUX_SLOTS = 8
 DEADLINE_S = 60.0
 
 
+ENV_KV_DEVICE = "XAVIER_TEST_KV_DEVICE"
+
+
 @dataclass
 class Pools:
-    kv: list[np.ndarray]
+    kv: list[Any]  # numpy arrays (DRAM) or torch CUDA uint8 tensors
     aux: list[np.ndarray]
+
+
+def kv_device() -> str:
+    """Where this peer's KV pool lives: "cpu" (numpy, the default) or "cuda" (GPU 0)."""
+    return os.environ.get(ENV_KV_DEVICE) or "cpu"
 
 
 def make_pools(seed: int | None, bpp: int = BPP) -> Pools:
@@ -42,10 +51,16 @@ def make_pools(seed: int | None, bpp: int = BPP) -> Pools:
     def fill(n: int) -> np.ndarray:
         return rng.integers(0, 256, n, dtype=np.uint8) if seed is not None else np.zeros(n, np.uint8)
 
-    return Pools(
-        kv=[fill(PAGES * bpp) for _ in range(2 * LAYERS)],
-        aux=[fill(AUX_SLOTS * item) for item in AUX_ITEMS],
-    )
+    kv: list[Any] = [fill(PAGES * bpp) for _ in range(2 * LAYERS)]
+    if kv_device() == "cuda":
+        import torch
+
+        kv = [torch.from_numpy(a).to("cuda:0") for a in kv]
+    return Pools(kv=kv, aux=[fill(AUX_SLOTS * item) for item in AUX_ITEMS])
+
+
+def _addr(a: Any) -> int:
+    return int(a.data_ptr()) if hasattr(a, "data_ptr") else int(a.ctypes.data)
 
 
 def kv_args(pools: Pools, bpp: int = BPP, **extra: Any) -> Any:
@@ -54,7 +69,7 @@ def kv_args(pools: Pools, bpp: int = BPP, **extra: Any) -> Any:
 
     args = KVArgs()
     args.engine_rank = 0
-    args.kv_data_ptrs = [a.ctypes.data for a in pools.kv]
+    args.kv_data_ptrs = [_addr(a) for a in pools.kv]
     args.kv_data_lens = [a.nbytes for a in pools.kv]
     args.kv_item_lens = [bpp] * len(pools.kv)
     args.kv_layer_ids = list(range(LAYERS)) * 2
@@ -86,7 +101,7 @@ def server_args(model: str, port: int, **extra: Any) -> Any:
         dp_size=1,
         host="127.0.0.1",
         disaggregation_bootstrap_port=port,
-        device="cpu",
+        device=kv_device(),
     )
     base.update(extra)
     return SimpleNamespace(**base)
@@ -106,8 +121,9 @@ def kv_classes() -> dict[str, Any]:
     return {t.value: utils.get_kv_class(backend, t) for t in utils.KVClassType}
 
 
-def page_digests(arrays: Sequence[np.ndarray], pages: Sequence[int], item: Sequence[int] | int) -> list[str]:
+def page_digests(arrays: Sequence[Any], pages: Sequence[int], item: Sequence[int] | int) -> list[str]:
     items = [item] * len(arrays) if isinstance(item, int) else list(item)
+    arrays = [a.cpu().numpy() if hasattr(a, "cpu") else a for a in arrays]
     out = []
     for p in pages:
         h = hashlib.sha256()

@@ -97,17 +97,24 @@ class Peer:
             self.kill()
 
 
-@pytest.fixture(scope="module")
-def pair(directory: ServiceProc, tiny_model: Path, plugin_entry_point: str) -> Iterator[tuple[Peer, Peer]]:
-    prefill = Peer("prefill", directory.address, tiny_model, seed=7)
+def peer_pair(
+    directory: ServiceProc, model: Path, env: dict[str, str] | None = None
+) -> Iterator[tuple[Peer, Peer]]:
+    """A prefill (random pages) and a decode (zeros), closed when the generator is."""
+    prefill = Peer("prefill", directory.address, model, seed=7, env=env)
     try:
-        decode = Peer("decode", directory.address, tiny_model, seed=None)
+        decode = Peer("decode", directory.address, model, seed=None, env=env)
     except BaseException:
         prefill.close()
         raise
     yield prefill, decode
     decode.close()
     prefill.close()
+
+
+@pytest.fixture(scope="module")
+def pair(directory: ServiceProc, tiny_model: Path, plugin_entry_point: str) -> Iterator[tuple[Peer, Peer]]:
+    yield from peer_pair(directory, tiny_model)
 
 
 def new_room() -> int:
@@ -132,6 +139,22 @@ def assert_idle(*peers: Peer) -> None:
         assert idle, f"{peer.proc.name} still holds room state: {st}"
 
 
+def scattered_room(prefill: Peer, decode: Peer, chunks: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One room of nine scattered pages sent in `chunks`, with an aux slot; checks that it succeeded on
+    both sides with every byte equal and returns the two sides' results."""
+    room = new_room()
+    src_pages = [3, 4, 5, 10, 11, 20, 40, 41, 63]
+    dst_pages = [60, 1, 2, 7, 8, 9, 30, 31, 0]
+    decode.call("fill_aux", slot=5, value=0)
+    prefill.send("serve", room=room, addr=prefill.addr, pages=src_pages, chunks=chunks, aux_slot=2)
+    decode.send("fetch", room=room, addr=prefill.addr, pages=dst_pages, aux_slot=5)
+    got_p, got_d = prefill.result(), decode.result()
+    assert got_d["failure"] == "" and got_p["failure"] == ""
+    assert got_d["kv"] == got_p["kv"], "KV pages differ"
+    assert got_d["aux"] == got_p["aux"], "aux slot differs"
+    return got_p, got_d
+
+
 def test_manager_registers_one_contract(pair: tuple[Peer, Peer]) -> None:
     prefill, decode = pair
     assert prefill.ready["classes"]["manager"] == "XavierKVManager"
@@ -144,16 +167,7 @@ def test_manager_registers_one_contract(pair: tuple[Peer, Peer]) -> None:
 @pytest.mark.parametrize("chunks", [[9], [4, 3, 2]], ids=["one-chunk", "chunked-prefill"])
 def test_kv_and_aux_arrive_bitwise(pair: tuple[Peer, Peer], chunks: list[int]) -> None:
     prefill, decode = pair
-    room = new_room()
-    src_pages = [3, 4, 5, 10, 11, 20, 40, 41, 63]
-    dst_pages = [60, 1, 2, 7, 8, 9, 30, 31, 0]
-    decode.call("fill_aux", slot=5, value=0)
-    prefill.send("serve", room=room, addr=prefill.addr, pages=src_pages, chunks=chunks, aux_slot=2)
-    decode.send("fetch", room=room, addr=prefill.addr, pages=dst_pages, aux_slot=5)
-    got_p, got_d = prefill.result(), decode.result()
-    assert got_d["failure"] == "" and got_p["failure"] == ""
-    assert got_d["kv"] == got_p["kv"], "KV pages differ"
-    assert got_d["aux"] == got_p["aux"], "aux slot differs"
+    got_p, got_d = scattered_room(prefill, decode, chunks)
     # The prefill's WRITE (DRAM) may already be done at the first poll after the last send: then it
     # goes from WaitingForInput straight to Success. The decode is Transferring from its JOIN on.
     assert got_p["states"] in ([BOOTING, WAITING, TRANSFERRING, SUCCESS], [BOOTING, WAITING, SUCCESS])

@@ -152,9 +152,11 @@ def _launch(plan: CopyPlan, device: int, num_warps: int | None) -> None:
     import torch
 
     # One host-to-device copy for all index arrays; allocated on the copy stream, so the caching
-    # allocator reuses the memory only after work queued on that stream (this kernel) has run.
+    # allocator reuses the memory only after work queued on that stream (this kernel) has run. From
+    # pinned memory (torch's caching host allocator, which keeps the block until the copy is done): a copy
+    # from pageable memory first waits, on the host, for everything queued on the stream before it.
     packed = np.concatenate((plan.src_off, plan.dst_off, plan.src_pages, plan.dst_pages))
-    args = torch.from_numpy(packed).to(f"cuda:{device}", non_blocking=True)
+    args = torch.from_numpy(packed).pin_memory().to(f"cuda:{device}", non_blocking=True)
     nb, n = plan.src_off.size, plan.src_pages.size
     block_bytes = plan.block * plan.elem_bytes
     warps = num_warps or (2 if block_bytes <= 2048 else 4 if block_bytes <= 8192 else 8)

@@ -42,7 +42,7 @@ from xavier_core.transfer.source import SourceInfo, endpoint_proto
 from xavier_core.transfer.staging import SlabLayout
 from xavier_core.transfer.transport import (
     TRANSPORTS,
-    IpcPuller,
+    IpcPeers,
     RunLengths,
     Transport,
     TransportChoice,
@@ -111,8 +111,8 @@ class KvPort(PortCore):
         """On the NIXL thread: export this pool and get ready to import peers' (compiling the kernel)."""
         try:
             self._ipc_blob = export_blob(self._buffers)
-            puller = IpcPuller(self._buffers)
-            puller.warm_up()
+            ipc = IpcPeers(self._buffers)
+            ipc.warm_up()
         except (TransferError, ImportError, RuntimeError) as exc:
             if self.transport == "cuda_ipc":
                 raise FailedPrecondition(
@@ -121,7 +121,7 @@ class KvPort(PortCore):
             log.info("CUDA IPC transport unavailable; NIXL only", error=str(exc))
             self._ipc_blob = b""
             return
-        self._ipc = puller
+        self._ipc = ipc
 
     def endpoint(self, host_id: str) -> types_pb2.TransferEndpoint:
         """This process's endpoint: built once (metadata is fixed after registration), then reused."""

@@ -31,7 +31,7 @@ from xavier_core.transfer.nixl_thread import NixlThread
 if TYPE_CHECKING:
     from xavier_core.transfer.cuda_copy import CopyHandle
     from xavier_core.transfer.staged_read import StagedRead
-    from xavier_core.transfer.transport import IpcPuller
+    from xavier_core.transfer.transport import IpcPeers
 
 T = TypeVar("T")
 log = get_logger(__name__)
@@ -94,7 +94,7 @@ class PortCore:
         self._reads: dict[KvReceiver, asyncio.Future[KvPoll]] = {}
         self._copies: dict[CopyHandle, IpcCopy] = {}
         self._staged: dict[StagedRead, asyncio.Future[KvPoll]] = {}
-        self._ipc: IpcPuller | None = None
+        self._ipc: IpcPeers | None = None
         self._flush_until = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = NixlThread(self._tick, self._busy, poll_interval, device_lock)

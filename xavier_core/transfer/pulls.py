@@ -30,7 +30,7 @@ from xavier_core.transfer.staging import I64, Slab, View
 
 if TYPE_CHECKING:
     from xavier_core.transfer.copy_plan import PoolView
-    from xavier_core.transfer.transport import IpcPuller
+    from xavier_core.transfer.transport import IpcPeers
 
 log = get_logger(__name__)
 
@@ -70,7 +70,7 @@ async def _park(done: asyncio.Future[KvPoll], park_timeout: float, room_id: int,
 
 async def pull_ipc(
     core: PortCore,
-    ipc: IpcPuller,
+    ipc: IpcPeers,
     room_id: int,
     info: SourceInfo,
     endpoint: types_pb2.TransferEndpoint,
@@ -89,7 +89,7 @@ async def pull_ipc(
     def _start() -> None:
         nonlocal posted
         core.agent.add_peer(peer, endpoint.agent_metadata)  # the read-end notification goes over NIXL
-        handle = ipc.start(peer_id, view, *pages)
+        handle = ipc.pull(peer_id, view, *pages)
         core._copies[handle] = copy
         posted = True  # from here the copy's end tells the source (even if this task is cancelled)
 

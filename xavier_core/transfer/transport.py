@@ -83,9 +83,10 @@ def is_vram(buffers: Sequence[KvBuffer]) -> bool:
     return all(b.device.startswith("cuda") for b in buffers)
 
 
-class IpcPuller:
-    """The reader's side of CUDA IPC: peers' pools mapped once per epoch, copies into the local pool.
-    Owned by the port's NIXL thread (not thread-safe)."""
+class IpcPeers:
+    """Peers' pools mapped once per epoch through CUDA IPC, and copies between them and the local pool:
+    `pull` (a reader copies a source's pages into its own) and `push` (a prefill writes its pages into a
+    decode's). Not thread-safe: one owner calls it (the port's NIXL thread, or under the owner's lock)."""
 
     def __init__(self, buffers: Sequence[KvBuffer]) -> None:
         from xavier_core.transfer.copy_plan import PoolView
@@ -115,19 +116,52 @@ class IpcPuller:
             log.info("CUDA IPC not usable for this peer; reading over NIXL", peer=peer_id, error=str(exc))
             return None
 
-    def start(
+    def pull(
         self,
         peer_id: str,
         view: PoolView,
         src_pages: npt.NDArray[np.int64],
         dst_pages: npt.NDArray[np.int64],
     ) -> CopyHandle:
-        """Issues the copy (one fused launch per page size); the mapping lives until it is done."""
+        """Copies the peer's `src_pages` into local `dst_pages` (one fused launch per page size); the
+        mapping lives until the copy is done."""
+        return self._copy(peer_id, view, self.local, src_pages, dst_pages)
+
+    def push(
+        self,
+        peer_id: str,
+        view: PoolView,
+        src_pages: npt.NDArray[np.int64],
+        dst_pages: npt.NDArray[np.int64],
+    ) -> CopyHandle:
+        """Copies local `src_pages` into the peer's `dst_pages`, as `pull` the other way."""
+        return self._copy(peer_id, self.local, view, src_pages, dst_pages)
+
+    def _copy(
+        self,
+        peer_id: str,
+        src: PoolView,
+        dst: PoolView,
+        src_pages: npt.NDArray[np.int64],
+        dst_pages: npt.NDArray[np.int64],
+    ) -> CopyHandle:
         from xavier_core.transfer.cuda_copy import copy_pages
 
-        handle = copy_pages(view, self.local, src_pages, dst_pages, device=self.local.device)
+        handle = copy_pages(src, dst, src_pages, dst_pages, device=self.local.device)
         self.importer.track(peer_id, handle)
         return handle
+
+    def mapped(self, peer_id: str) -> int | None:
+        """The peer's epoch mapped now, if any."""
+        return self.importer.mapped().get(peer_id)
+
+    def drop(self, peer_id: str, epoch: int) -> None:
+        """Retires the peer's mapping if it is of `epoch` (that epoch ended; a newer one stays mapped);
+        it is unmapped once its copies are done."""
+        if self.mapped(peer_id) == epoch:
+            self.importer.drop(peer_id)
+        if self._unreachable.get(peer_id) == epoch:
+            del self._unreachable[peer_id]
 
     def collect(self) -> None:
         self.importer.collect()
