@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -14,7 +15,8 @@ from xavier.v1 import page_store_service_pb2 as spb
 from xavier.v1 import page_store_service_pb2_grpc as spb_grpc
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
-from xavier_client import Client, Prompt, XavierError, mode_name
+from xavier_client import Client, Prompt, TlsOptions, XavierError, mode_name
+from xavier_client._options import channel_credentials
 
 from xavier_cli.up import DEFAULT_GRPC, state_file
 
@@ -22,7 +24,37 @@ from xavier_cli.up import DEFAULT_GRPC, state_file
 def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=os.environ.get("XAVIER_ADDRESS", DEFAULT_GRPC), help="router gRPC")
     p.add_argument("--token", default=os.environ.get("XAVIER_TOKEN"), help="bearer token")
-    p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds (default: 120)")
+    p.add_argument("--ca", type=Path, default=None, help="CA bundle of a TLS mesh (default: xavier up's)")
+    p.add_argument("--cert", type=Path, default=None, help="client certificate for a TLS mesh")
+    p.add_argument("--key", type=Path, default=None, help="private key of --cert")
+    p.add_argument("--insecure", action="store_true", help="plaintext, even where xavier up runs TLS")
+
+
+def tls_options(args: argparse.Namespace) -> TlsOptions | None:
+    """mTLS for the mesh at --address: --ca/--cert/--key, else the client certificate that the `xavier
+    up` serving that address recorded in its state file; None (plaintext) for an insecure mesh."""
+    if args.insecure:
+        return None
+    if args.ca or args.cert or args.key:
+        if not (args.ca and args.cert and args.key):
+            raise SystemExit("error: --ca, --cert and --key go together")
+        return TlsOptions(root_certificates=args.ca, certificate_chain=args.cert, private_key=args.key)
+    try:
+        tls = json.loads(state_file(args.address).read_text()).get("client_tls")
+    except (OSError, ValueError):
+        return None
+    if not tls:
+        return None
+    return TlsOptions(
+        root_certificates=Path(tls["ca_file"]),
+        certificate_chain=Path(tls["cert_file"]),
+        private_key=Path(tls["key_file"]),
+    )
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(args.address, token=args.token, timeout=args.timeout, tls=tls_options(args))
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +78,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "mode": args.mode,
     }
     try:
-        with Client(args.address, token=args.token, timeout=args.timeout) as client:
+        with _client(args) as client:
             if args.stream:
                 finish = None
                 for chunk in client.generate_stream(prompt, **kw):
@@ -116,9 +148,10 @@ def add_status_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print peers and store stats as JSON")
 
 
-def store_stats(address: str, timeout: float) -> spb.GetPageStoreStatsResponse:
+def store_stats(address: str, timeout: float, tls: TlsOptions | None = None) -> spb.GetPageStoreStatsResponse:
     """The page store's stats; raises grpc.RpcError when it cannot answer."""
-    with grpc.insecure_channel(address) as ch:
+    creds = channel_credentials(tls, None)
+    with grpc.secure_channel(address, creds) if creds is not None else grpc.insecure_channel(address) as ch:
         resp: spb.GetPageStoreStatsResponse = spb_grpc.PageStoreServiceStub(ch).GetPageStoreStats(
             spb.GetPageStoreStatsRequest(), timeout=timeout
         )
@@ -151,7 +184,7 @@ def _up_store(address: str) -> str:
 
 def run_status(args: argparse.Namespace) -> int:
     try:
-        with Client(args.address, token=args.token, timeout=args.timeout) as client:
+        with _client(args) as client:
             st = client.cluster_status()
     except XavierError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -162,7 +195,7 @@ def run_status(args: argparse.Namespace) -> int:
         args.pagestore = _up_store(args.address)
     if args.pagestore:
         try:
-            store = store_stats(args.pagestore, min(args.timeout, 5.0))
+            store = store_stats(args.pagestore, min(args.timeout, 5.0), tls_options(args))
         except grpc.RpcError as err:
             store_error = f"{err.code().name}: {err.details()}"  # a down store is reported, not fatal
     if args.json:

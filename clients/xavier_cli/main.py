@@ -1,10 +1,10 @@
 """`xavier`: run the mesh locally and talk to it.
 
 xavier up [--model DIR] [--mode pd|colocated|native] [--prefill N --decode N --unified N]
-          [--grpc HOST:PORT] [--http HOST:PORT] [--compute model|null] [--workdir DIR] [--tls]
+          [--grpc HOST:PORT] [--http HOST:PORT] [--compute model|null] [--workdir DIR] [--insecure]
           [--no-pagestore] [--engine reference|sglang] [--gpus LIST] [--sglang-arg ARG ...]
 xavier generate "prompt" [--stream] [--mode pd|colocated|native] [--address HOST:PORT]
-xavier status [--address HOST:PORT] [--pagestore HOST:PORT] [--json]
+xavier status [--address HOST:PORT] [--pagestore HOST:PORT] [--json] [--ca F --cert F --key F]
 xavier models make-tiny DIR --arch qwen2|qwen3|llama [...]
 xavier deploy render --hosts FILE --host NAME --out DIR [--units DIR]
 """

@@ -75,9 +75,16 @@ class Child:
 class Supervisor:
     """Starts console scripts (`xavier-directory`, ...) and stops them in reverse order."""
 
-    def __init__(self, workdir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        env: dict[str, str] | None = None,
+        env_for: Callable[[str], dict[str, str]] | None = None,
+    ) -> None:
         self.workdir = workdir
         self.env = {**os.environ, **(env or {})}
+        self.env_for = env_for
+        """Extra environment of one child by name (its own certificate), on every start and restart."""
         self.children: list[Child] = []
 
     def start(self, name: str, binary: str, args: Sequence[str], stage: int = 0) -> Child:
@@ -93,7 +100,7 @@ class Supervisor:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env,
+                env={**self.env, **self.env_for(name)} if self.env_for is not None else self.env,
                 start_new_session=True,  # Ctrl-C reaches only `xavier up`, which stops children in order
                 preexec_fn=_die_with_parent,
             )

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from xavier_cli.sglang_up import (
     add_sglang_args,
@@ -24,6 +25,10 @@ from xavier_cli.sglang_up import (
     shares_a_gpu,
 )
 from xavier_cli.supervisor import Child, GaveUp, Keeper, RestartPolicy, Supervisor
+
+if TYPE_CHECKING:
+    from xavier_core.runtime.identity import Identity
+    from xavier_core.runtime.tls import DevCertificates
 
 DEFAULT_GRPC = "127.0.0.1:50051"
 DEFAULT_HTTP = "127.0.0.1:8000"
@@ -77,7 +82,13 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         "--compute", choices=["model", "null"], default="model", help="engine compute (null: no model math)"
     )
     p.add_argument("--workdir", type=Path, default=None, help="ready files and logs (default: a temp dir)")
-    p.add_argument("--tls", action="store_true", help="mTLS between all services (a throwaway CA)")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext gRPC: anyone who reaches a port can register, evict or impersonate a peer "
+        "(default: mTLS, a throwaway CA, one certificate per service naming its identity)",
+    )
+    p.add_argument("--tls", action="store_true", help=argparse.SUPPRESS)  # the default; kept for scripts
     p.add_argument("--ready-file", type=Path, default=None, help="write the endpoints here once up (JSON)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every service")
     p.add_argument(
@@ -157,8 +168,14 @@ def run_up(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     # The engine binaries take engine.compute from the environment; the directory and router have no
     # `engine` section, so they ignore the variable.
-    env = {"XAVIER_ENGINE__COMPUTE": args.compute, **(_tls_env(workdir) if args.tls else {})}
-    sup = Supervisor(workdir, env=env)
+    env = {"XAVIER_ENGINE__COMPUTE": args.compute}
+    if args.insecure and args.tls:
+        print("xavier up: --tls and --insecure contradict each other", file=sys.stderr)
+        return 2
+    certs = None if args.insecure else MeshCertificates(workdir / "tls")
+    if certs is None:
+        say("WARNING: --insecure: plaintext gRPC, no identities; anyone who reaches a port owns the mesh")
+    sup = Supervisor(workdir, env=env, env_for=certs.env if certs is not None else None)
     code = 0
     state: Path | None = None
     try:
@@ -236,11 +253,7 @@ def run_up(args: argparse.Namespace) -> int:
             "model": str(model),
             "workdir": str(workdir),
             "pid": os.getpid(),
-            **(
-                {"tls": {k.split("__")[1].lower(): v for k, v in env.items() if "TLS" in k}}
-                if args.tls
-                else {}
-            ),
+            **({"client_tls": certs.client()} if certs is not None else {}),
         }
         engine = " on SGLang" if sglang else ""
         print(f"\nXavier is up ({args.mode}{engine}, {model.name}).", flush=True)
@@ -336,13 +349,41 @@ def _devices(device: str) -> list[str]:
     return [f"cuda:{i}" for i in range(count)] or ["cuda:0"]
 
 
-def _tls_env(workdir: Path) -> dict[str, str]:
-    """A throwaway CA and one certificate for every service; the ``[tls]`` section as environment."""
-    from xavier_core.runtime.tls import make_dev_certificates
+class MeshCertificates:
+    """The throwaway CA of one `xavier up` and a certificate per service, issued on first use: the
+    child named `prefill-0` is identity prefill/prefill-0, `router` router/router, and so on (see
+    ``xavier_core.runtime.identity``). The CA key lives only in this process."""
 
-    certs = make_dev_certificates(workdir / "tls")
-    return {
-        "XAVIER_TLS__CERT_FILE": str(certs.cert_file),
-        "XAVIER_TLS__KEY_FILE": str(certs.key_file),
-        "XAVIER_TLS__CA_FILE": str(certs.ca_file),
-    }
+    def __init__(self, directory: Path) -> None:
+        from xavier_core.runtime.tls import DevCa
+
+        self._ca = DevCa(directory)
+        self._issued: dict[str, DevCertificates] = {}
+
+    def _files(self, name: str, identity: Identity) -> DevCertificates:
+        if name not in self._issued:
+            self._issued[name] = self._ca.issue(name, identity)
+        return self._issued[name]
+
+    def env(self, child: str) -> dict[str, str]:
+        """The ``[tls]`` section of the service `child`, as environment."""
+        from xavier_core.runtime.identity import Identity
+
+        role = child.rsplit("-", 1)[0] if child.rsplit("-", 1)[-1].isdigit() else child
+        files = self._files(child, Identity(role, child))
+        return {
+            "XAVIER_TLS__CERT_FILE": str(files.cert_file),
+            "XAVIER_TLS__KEY_FILE": str(files.key_file),
+            "XAVIER_TLS__CA_FILE": str(files.ca_file),
+        }
+
+    def client(self) -> dict[str, str]:
+        """The CLI's certificate (identity client/cli), for the state file."""
+        from xavier_core.runtime.identity import Identity
+
+        files = self._files("client", Identity("client", "cli"))
+        return {
+            "ca_file": str(files.ca_file),
+            "cert_file": str(files.cert_file),
+            "key_file": str(files.key_file),
+        }

@@ -95,6 +95,12 @@ class UnauthenticatedError(XavierError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDeniedError(XavierError):
+    """The caller's certificate names no identity allowed to make the call (reason PERMISSION_DENIED)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class InternalError(XavierError):
     """A server bug or unexpected failure."""
 
@@ -113,6 +119,7 @@ _BY_CODE: dict[grpc.StatusCode, type[XavierError]] = {
         CancelledError,
         AbortedError,
         UnauthenticatedError,
+        PermissionDeniedError,
         InternalError,
     )
 }

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from xavier_core.contract import DEFAULT_MEMORY_LAYOUT, KvLayout, layout_from_model_dir
+from xavier_core.runtime.config import TlsSettings
 from xavier_core.runtime.errors import InvalidArgument
 from xavier_core.transfer.buffers import KvBuffer
 
@@ -101,6 +102,9 @@ class XavierSettings:
     """NIXL's own progress thread (`XAVIER_SGLANG_NIXL_PROGRESS_THREAD`, default on): transfers move
     and notifications arrive without SGLang's scheduler driving them, so its polls only read states.
     Off (`0`) the scheduler's polls drive NIXL, which costs it a large share of every iteration."""
+    tls: TlsSettings | None = None
+    """mTLS to the directory (`XAVIER_TLS__CERT_FILE`, `__KEY_FILE`, `__CA_FILE`: the hosting service's
+    own `[tls]`, whose certificate names the peer this process registers as); None: plaintext."""
     cuda_ipc: bool = True
     """Same-host GPU pairs copy KV through CUDA IPC (`XAVIER_SGLANG_CUDA_IPC`, default on): the decode
     exports its pool, the prefill maps it once per decode epoch and writes each chunk with one fused
@@ -125,7 +129,20 @@ class XavierSettings:
             transfer_timeout_s=_seconds(env, ENV_TRANSFER_TIMEOUT, 30.0),
             progress_thread=_flag(env, ENV_PROGRESS_THREAD, True),
             cuda_ipc=_flag(env, ENV_CUDA_IPC, True),
+            tls=_tls(env),
         )
+
+
+def _tls(env: Any) -> TlsSettings | None:
+    files = {k: str(env.get(f"XAVIER_TLS__{k.upper()}") or "") for k in ("cert_file", "key_file", "ca_file")}
+    if not any(files.values()):
+        return None
+    missing = [f"XAVIER_TLS__{k.upper()}" for k, v in files.items() if not v]
+    if missing:
+        raise UnsupportedSetupError(missing[0], "mTLS needs a certificate, its key and the CA bundle")
+    return TlsSettings(
+        cert_file=Path(files["cert_file"]), key_file=Path(files["key_file"]), ca_file=Path(files["ca_file"])
+    )
 
 
 def _flag(env: Any, key: str, default: bool) -> bool:

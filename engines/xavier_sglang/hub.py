@@ -37,6 +37,7 @@ from xavier.v1 import types_pb2
 from xavier_core.contract import KvLayout
 from xavier_core.directory import DirectoryClient, PeerSession
 from xavier_core.directory.client import Registration
+from xavier_core.runtime.channels import use_client_tls
 from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.copy_plan import PoolView
 from xavier_core.transfer.errors import TransferError
@@ -403,6 +404,8 @@ class Hub:
     # --- the loop side --------------------------------------------------------------------
 
     async def _start(self) -> Registration:
+        if self.settings.tls is not None:
+            use_client_tls(self.settings.tls)  # this process dials the directory with its service's identity
         self.client = DirectoryClient(self.settings.directory)
         endpoint = endpoint_proto(self.agent.name, self.agent.metadata(), self.pool.kv)
         endpoint.cuda_ipc_pool = self._ipc_blob

@@ -47,8 +47,10 @@ class Mesh:
             return self.proc.wait(10)
 
 
-def start_up(workdir: Path, cache: Path, *extra: str, timeout: float = 180.0) -> Mesh:
-    """Runs `xavier up` with ephemeral ports and waits for its ready file."""
+def start_up(workdir: Path, cache: Path, *extra: str, timeout: float = 180.0, insecure: bool = True) -> Mesh:
+    """Runs `xavier up` with ephemeral ports and waits for its ready file. Plaintext (`--insecure`)
+    unless `insecure` is False: most tests dial the mesh's services directly; `tests/deploy/test_mtls.py`
+    runs the default, mTLS with identities."""
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / "up.json"
     log = workdir / "up.log"
@@ -68,6 +70,7 @@ def start_up(workdir: Path, cache: Path, *extra: str, timeout: float = 180.0) ->
                 str(workdir / "svc"),
                 "--ready-file",
                 str(ready),
+                *(["--insecure"] if insecure else []),
                 *extra,
             ],
             stdout=out,

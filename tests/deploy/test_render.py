@@ -133,6 +133,8 @@ def test_router_config_loads_the_rendered_token_path(tmp_path: Path) -> None:
         (("num_pages = 4096", 'num_pages = "many"'), "service.decode.engine.num_pages"),
         (("[service.router]", "[service.router]\nlisten = '0.0.0.0:1'"), "service.router.listen"),
         (('UCX_TLS = "tcp"', '"UCX TLS" = "tcp"'), "cluster.env"),
+        (("[tls]", "[tls_off]"), "tls_off"),  # an unknown section
+        (("[tls]\n", "[unused]\n"), "unused"),
     ],
 )
 def test_bad_description_names_the_key(tmp_path: Path, edit: tuple[str, str], key: str) -> None:
@@ -144,6 +146,28 @@ def test_bad_description_names_the_key(tmp_path: Path, edit: tuple[str, str], ke
         for host in cluster.hosts:
             render_host(cluster, host, tmp_path / host)
     assert key in [issue[0] for issue in info.value.issues], info.value
+
+
+def test_a_cluster_without_tls_is_refused_unless_it_says_insecure(tmp_path: Path) -> None:
+    start, end = TWO_HOSTS.index("[tls]"), TWO_HOSTS.index("[hosts.ctl]")
+    plain = TWO_HOSTS[:start] + TWO_HOSTS[end:]
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(plain)
+    with pytest.raises(ConfigError) as info:
+        load_cluster(hosts)
+    assert [issue[0] for issue in info.value.issues] == ["tls"]
+    hosts.write_text(plain.replace('directory = "ctl"', 'directory = "ctl"\ninsecure = true', 1))
+    render_host(load_cluster(hosts), "ctl", tmp_path / "out")
+    assert "tls" not in read_toml(tmp_path / "out/etc/xavier/xavier-router.toml")
+
+
+def test_per_service_certificates(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts.toml"
+    hosts.write_text(TWO_HOSTS.replace("{host}.pem", "{host}-{service}.pem"))
+    render_host(load_cluster(hosts), "gpu", tmp_path / "gpu")
+    tls = read_toml(tmp_path / "gpu/etc/xavier/xavier-prefill@0.toml")["tls"]
+    assert tls["cert_file"] == "/etc/xavier/tls/gpu-gpu-prefill-0.pem"
+    assert tls["ca_file"] == "/etc/xavier/tls/ca.pem"
 
 
 def test_module_entry_point(tmp_path: Path) -> None:

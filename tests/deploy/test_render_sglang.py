@@ -21,6 +21,7 @@ EXAMPLES = ROOT / "deploy" / "examples"
 
 ONE_HOST = """
 [cluster]
+insecure = true
 directory = "gpu"
 model = "/srv/models/m"
 prefix = "/usr/local/xavier"

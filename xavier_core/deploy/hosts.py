@@ -65,6 +65,9 @@ class ClusterSection(_Model):
     """Installed virtualenv; the units' ExecStart lines point at its ``bin/``."""
     env: dict[str, str] = {}
     """Environment for every unit (e.g. ``UCX_TLS``); a host's ``env`` wins key by key."""
+    insecure: bool = False
+    """Plaintext gRPC between the services, no identities: anyone who reaches a port can register,
+    evict or impersonate a peer. Without ``[tls]`` the renderer refuses the cluster unless this is set."""
 
     @field_validator("env")
     @classmethod
@@ -93,7 +96,12 @@ class Ports(_Model):
 
 
 class TlsFiles(_Model):
-    """mTLS files as they lie on each host; ``{host}`` in a path becomes the host's name."""
+    """mTLS files as they lie on each host; ``{host}`` in a path becomes the host's name and
+    ``{service}`` the unit's identity peer id (an engine's peer id ``{host}-{role}-{gpu}``, else the
+    role: ``router``, ``directory``, ``pagestore``). Each service's certificate must name its identity
+    as the URI SAN ``spiffe://xavier/<role>/<peer id>`` (``xavier_core.runtime.identity``): the
+    directory and the engines refuse what an identity may not do (another peer's registration, a
+    Prefill call not from a router, ...)."""
 
     ca_file: str
     cert_file: str
@@ -214,6 +222,17 @@ def load_cluster(path: Path) -> Cluster:
         raise ConfigError([("hosts", f"file not found: {path}", "flag --hosts")])
     cluster = load_config(Cluster, path)
     source = f"file {path}"
+    if cluster.tls is None and not cluster.cluster.insecure:
+        raise ConfigError(
+            [
+                (
+                    "tls",
+                    "missing: give every service a certificate naming its identity ([tls]), or say "
+                    "[cluster] insecure = true for a plaintext mesh anyone on the network can take over",
+                    source,
+                )
+            ]
+        )
     names = cluster.cluster.directory_hosts
     holders = [host for host, spec in cluster.hosts.items() if "directory" in spec.roles]
     for name in names:

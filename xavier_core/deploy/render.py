@@ -113,8 +113,9 @@ def _unit(cluster: Cluster, host_name: str, host: HostSpec, role: Role, gpu: int
         config["native"] = _native_router(cluster, host_name)
     unit = RenderedUnit(role, name, template, config, {**cluster.cluster.env, **host.env})
     if cluster.tls is not None:
+        service = config["peer"]["peer_id"] if gpu is not None else role
         tls = {
-            k: getattr(cluster.tls, k).replace("{host}", host_name)
+            k: getattr(cluster.tls, k).replace("{host}", host_name).replace("{service}", service)
             for k in ("ca_file", "cert_file", "key_file")
         }
         config["tls"] = {k: _file_for(unit, f"tls-{k.removesuffix('_file')}.pem", v) for k, v in tls.items()}

@@ -52,6 +52,7 @@ __all__ = [
     "LayoutMismatch",
     "LeaseExpired",
     "NotFound",
+    "PermissionDenied",
     "Unavailable",
     "Unimplemented",
     "XavierError",
@@ -118,6 +119,13 @@ class InvalidArgument(XavierError):
 
     code = grpc.StatusCode.INVALID_ARGUMENT
     reason = "INVALID_ARGUMENT"
+
+
+class PermissionDenied(XavierError):
+    """The caller's mTLS identity may not make this call (see ``xavier_core.runtime.identity``)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
 
 
 class NotFound(XavierError):
@@ -191,6 +199,7 @@ _BY_CODE: dict[grpc.StatusCode, type[XavierError]] = {
     cls.code: cls
     for cls in (
         InvalidArgument,
+        PermissionDenied,
         NotFound,
         FailedPrecondition,
         CapacityExhausted,

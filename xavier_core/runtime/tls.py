@@ -15,13 +15,16 @@ import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from .config import ConfigError, TlsSettings
+from .identity import Identity
 from .logging import get_logger
 
 __all__ = [
+    "DevCa",
     "DevCertificates",
     "ServerTls",
     "TlsFiles",
@@ -31,6 +34,12 @@ __all__ = [
 ]
 
 _log = get_logger("xavier.tls")
+
+
+def _pem_encoding() -> Any:
+    from cryptography.hazmat.primitives import serialization
+
+    return serialization.Encoding.PEM
 
 
 @dataclass(frozen=True)
@@ -146,75 +155,98 @@ class DevCertificates:
 def make_dev_certificates(
     directory: Path, names: tuple[str, ...] = ("localhost", "127.0.0.1")
 ) -> DevCertificates:
-    """A new CA and a leaf for ``names`` (client and server use) written under ``directory`` (mode 0600).
-
-    Uses ``trustme`` when installed, else the ``cryptography`` package directly. For a local mesh and
-    tests only: the CA key is not kept, so nothing else can ever be signed by it.
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    try:
-        import trustme
-    except ImportError:
-        ca_pem, cert_pem, key_pem = _cryptography_certificates(names)
-    else:
-        ca = trustme.CA()
-        leaf = ca.issue_cert(*names)
-        ca_pem = ca.cert_pem.bytes()
-        cert_pem = b"".join(blob.bytes() for blob in leaf.cert_chain_pems)
-        key_pem = leaf.private_key_pem.bytes()
-    files = DevCertificates(directory / "ca.pem", directory / "cert.pem", directory / "key.pem")
-    for path, data in ((files.ca_file, ca_pem), (files.cert_file, cert_pem), (files.key_file, key_pem)):
-        path.touch(mode=0o600)
-        path.write_bytes(data)
-    return files
+    """A new CA and a leaf for ``names`` (client and server use, no Xavier identity) written under
+    ``directory`` (mode 0600). For tests: the CA key is not kept, so nothing else can be signed by it."""
+    return DevCa(directory).issue("", None, names)
 
 
-def _cryptography_certificates(names: tuple[str, ...]) -> tuple[bytes, bytes, bytes]:
-    """(CA PEM, leaf PEM, leaf key PEM) made with ``cryptography``: ECDSA P-256, valid one day."""
+class DevCa:
+    """A throwaway CA held in memory (``xavier up``): ``ca.pem`` under ``directory`` and, per
+    :meth:`issue`, one leaf certificate naming one service's identity (a URI SAN, see ``identity``).
+    ECDSA P-256, valid 30 days; the CA key is never written, so nothing outlives this object's owner."""
+
+    def __init__(self, directory: Path) -> None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        self._cert = (
+            _builder(_name("xavier mesh CA"), _name("xavier mesh CA"), self._key)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .sign(self._key, hashes.SHA256())
+        )
+        self.ca_file = directory / "ca.pem"
+        _write(self.ca_file, self._cert.public_bytes(_pem_encoding()))
+
+    def issue(
+        self,
+        name: str,
+        identity: Identity | None,
+        names: tuple[str, ...] = ("localhost", "127.0.0.1"),
+    ) -> DevCertificates:
+        """A leaf for ``names`` (server and client use) naming ``identity``, as ``<name>cert.pem`` and
+        ``<name>key.pem`` (``name`` "" gives ``cert.pem``/``key.pem``)."""
+        import ipaddress
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID
+
+        alt: list[x509.GeneralName] = []
+        for n in names:
+            try:
+                alt.append(x509.IPAddress(ipaddress.ip_address(n)))
+            except ValueError:
+                alt.append(x509.DNSName(n))
+        if identity is not None:
+            alt.append(x509.UniformResourceIdentifier(identity.uri))
+        key = ec.generate_private_key(ec.SECP256R1())
+        usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        leaf = (
+            _builder(_name(str(identity or names[0])), self._cert.subject, key)
+            .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
+            .sign(self._key, hashes.SHA256())
+        )
+        prefix = f"{name}-" if name else ""
+        files = DevCertificates(
+            self.ca_file, self.directory / f"{prefix}cert.pem", self.directory / f"{prefix}key.pem"
+        )
+        _write(files.cert_file, leaf.public_bytes(_pem_encoding()))
+        pkcs8, none = serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        _write(files.key_file, key.private_bytes(_pem_encoding(), pkcs8, none))
+        return files
+
+
+def _name(common_name: str) -> Any:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _builder(subject: Any, issuer: Any, key: Any) -> Any:
     import datetime
-    import ipaddress
 
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     now = datetime.datetime.now(datetime.UTC)
-
-    def build(
-        subject: str, issuer: x509.Name | None, key: ec.EllipticCurvePrivateKey
-    ) -> x509.CertificateBuilder:
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-        return (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(issuer or name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-        )
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_cert = (
-        build("xavier dev CA", None, ca_key)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=30))
     )
-    alt: list[x509.GeneralName] = []
-    for n in names:
-        try:
-            alt.append(x509.IPAddress(ipaddress.ip_address(n)))
-        except ValueError:
-            alt.append(x509.DNSName(n))
-    key = ec.generate_private_key(ec.SECP256R1())
-    usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-    leaf = (
-        build(names[0], ca_cert.subject, key)
-        .add_extension(x509.SubjectAlternativeName(alt), critical=False)
-        .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    pem = serialization.Encoding.PEM
-    key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    return ca_cert.public_bytes(pem), leaf.public_bytes(pem), key_pem
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_bytes(data)

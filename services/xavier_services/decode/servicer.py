@@ -31,6 +31,7 @@ from xavier_core.runtime.errors import (
     LeaseExpired,
     Unavailable,
 )
+from xavier_core.runtime.identity import require
 from xavier_core.runtime.logging import get_logger
 from xavier_core.transfer.peers import peer_key
 from xavier_services.peer.convert import check_prompt, check_room_id, finish_to_pb, sampling_from_pb, usage_pb
@@ -74,6 +75,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         request: pb.DecodeRequest,
         context: grpc.aio.ServicerContext[pb.DecodeRequest, pb.DecodeResponse],
     ) -> AsyncIterator[pb.DecodeResponse]:
+        require(context, "Decode", roles=("router",))
         host = self.host
         if host.role != types_pb2.ROLE_DECODE:
             raise FailedPrecondition("this replica is unified: use GenerateUnified", reason="WRONG_ROLE")
@@ -236,6 +238,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         request: pb.GenerateUnifiedRequest,
         context: grpc.aio.ServicerContext[pb.GenerateUnifiedRequest, pb.GenerateUnifiedResponse],
     ) -> AsyncIterator[pb.GenerateUnifiedResponse]:
+        require(context, "GenerateUnified", roles=("router",))
         host = self.host
         if host.role != types_pb2.ROLE_UNIFIED:
             raise FailedPrecondition("this replica is a P/D decode: use Decode", reason="WRONG_ROLE")

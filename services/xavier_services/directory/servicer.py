@@ -27,6 +27,7 @@ from xavier.v1 import types_pb2
 
 from xavier_core.runtime.durations import to_duration
 from xavier_core.runtime.errors import CapacityExhausted, InvalidArgument, Unavailable
+from xavier_core.runtime.identity import require
 from xavier_services.directory.config import DirectorySettings
 from xavier_services.directory.etcd_commands import OPS, Arg
 from xavier_services.directory.records import (
@@ -70,6 +71,15 @@ def _subscribed(table: dict[K, list[V]], key: K, item: V, limit: int, owner: str
             left.remove(item)
             if not left:
                 del table[key]
+
+
+# The identity role (`xavier_core.runtime.identity`) a peer of each directory role must have.
+_IDENTITY_ROLES = {
+    types_pb2.ROLE_PREFILL: "prefill",
+    types_pb2.ROLE_DECODE: "decode",
+    types_pb2.ROLE_UNIFIED: "unified",
+    types_pb2.ROLE_PAGE_STORE: "pagestore",
+}
 
 
 class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc]
@@ -146,6 +156,7 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
     # --- peers --------------------------------------------------------------------
 
     async def RegisterPeer(self, req: dpb.RegisterPeerRequest, ctx: Ctx) -> dpb.RegisterPeerResponse:
+        require(ctx, "RegisterPeer", peer_id=req.peer_id, peer_role=_IDENTITY_ROLES.get(req.role, "?"))
         layout, endpoint = _opt(req, "layout"), _opt(req, "endpoint")
         peer = await self._apply(
             "register", req.request_id, req.peer_id, req.role, req.address, layout, endpoint
@@ -157,12 +168,14 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         )
 
     async def Heartbeat(self, req: dpb.HeartbeatRequest, ctx: Ctx) -> dpb.HeartbeatResponse:
+        require(ctx, "Heartbeat", peer_id=req.peer_id)
         peer = await self._apply("heartbeat", req.request_id, req.peer_id, req.epoch, _opt(req, "load"))
         if peer is None:
             return dpb.HeartbeatResponse(must_register=True)
         return dpb.HeartbeatResponse(lease_expires_at=timestamp(peer.expires_at + self._offset))
 
     async def UnregisterPeer(self, req: dpb.UnregisterPeerRequest, ctx: Ctx) -> dpb.UnregisterPeerResponse:
+        require(ctx, "UnregisterPeer", peer_id=req.peer_id)
         return dpb.UnregisterPeerResponse(
             rooms_aborted=await self._apply("unregister", req.peer_id, req.epoch)
         )
@@ -189,11 +202,13 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
     # --- rooms --------------------------------------------------------------------
 
     async def PublishSource(self, req: dpb.PublishSourceRequest, ctx: Ctx) -> dpb.PublishSourceResponse:
+        require(ctx, "PublishSource", peer_id=req.prefill_peer_id)
         pair = astuple(Pair.of(req))
         room = await self._apply("publish", req.request_id, req.room_id, *pair, req.source)
         return dpb.PublishSourceResponse(room=self._room(room))
 
     async def BeginTransfer(self, req: dpb.BeginTransferRequest, ctx: Ctx) -> dpb.BeginTransferResponse:
+        require(ctx, "BeginTransfer", peer_id=req.decode_peer_id)
         if req.wait_for_source:
             # The live record: the wait ends when the room leaves OPEN.
             room: RoomRecord = await self._apply("join", req.room_id, *astuple(Pair.of(req)))
@@ -208,10 +223,13 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         return resp
 
     async def CompleteRoom(self, req: dpb.CompleteRoomRequest, ctx: Ctx) -> dpb.CompleteRoomResponse:
+        require(ctx, "CompleteRoom", peer_id=req.peer_id)
         room = await self._apply("complete", req.request_id, req.room_id, req.peer_id, req.epoch)
         return dpb.CompleteRoomResponse(room=self._room(room))
 
     async def AbortRoom(self, req: dpb.AbortRoomRequest, ctx: Ctx) -> dpb.AbortRoomResponse:
+        # Empty peer_id: as the router (any room); else as that peer, which must be one of the room's.
+        require(ctx, "AbortRoom", roles=("router",), peer_id=req.peer_id or None)
         room = await self._apply(
             "abort", req.request_id, req.room_id, req.cause, req.detail, req.peer_id, req.epoch
         )
@@ -225,6 +243,7 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
     async def WatchPeerRooms(
         self, req: dpb.WatchPeerRoomsRequest, ctx: Ctx
     ) -> AsyncIterator[dpb.WatchPeerRoomsResponse]:
+        require(ctx, "WatchPeerRooms", peer_id=req.peer_id)
         await self._sync()
         with self._reading():
             live = self.state.peer_rooms(req.peer_id, req.epoch)

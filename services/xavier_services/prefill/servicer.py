@@ -30,6 +30,7 @@ from xavier_core.runtime.errors import (
     Unavailable,
     XavierError,
 )
+from xavier_core.runtime.identity import require
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.convert import (
     check_prompt,
@@ -89,6 +90,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
         request: pb.PrefillRequest,
         context: grpc.aio.ServicerContext[pb.PrefillRequest, pb.PrefillResponse],
     ) -> pb.PrefillResponse:
+        require(context, "Prefill", roles=("router",))
         host = self.host
         check_room_id(request.room_id)
         if not request.decode_peer_id:

@@ -25,6 +25,7 @@ from xavier.v1 import prefill_service_pb2 as ppb
 from xavier_core.runtime.config import parse_host_port
 from xavier_core.runtime.durations import to_duration
 from xavier_core.runtime.errors import Aborted, FailedPrecondition, InvalidArgument
+from xavier_core.runtime.identity import require
 from xavier_services.peer.convert import check_room_id, sampling_from_pb
 from xavier_services.sglang_host.host import ROLE_NAMES, SglangHost
 from xavier_services.sglang_host.protocol import Delta, abort_message, generate_body
@@ -74,6 +75,7 @@ class _Base:
 
 class SglangPrefillServicer(_Base, prefill_service_pb2_grpc.PrefillServiceServicer):  # type: ignore[misc]
     async def Prefill(self, request: ppb.PrefillRequest, context: Ctx) -> ppb.PrefillResponse:
+        require(context, "Prefill", roles=("router",))
         host = self.host
         self._check_mode(types_pb2.ROLE_PREFILL, "Prefill")
         check_room_id(request.room_id)
@@ -115,6 +117,7 @@ class SglangPrefillServicer(_Base, prefill_service_pb2_grpc.PrefillServiceServic
 
 class SglangDecodeServicer(_Base, decode_service_pb2_grpc.DecodeServiceServicer):  # type: ignore[misc]
     async def Decode(self, request: dpb.DecodeRequest, context: Ctx) -> AsyncIterator[dpb.DecodeResponse]:
+        require(context, "Decode", roles=("router",))
         host = self.host
         self._check_mode(types_pb2.ROLE_DECODE, "Decode")
         check_room_id(request.room_id)
@@ -149,6 +152,7 @@ class SglangDecodeServicer(_Base, decode_service_pb2_grpc.DecodeServiceServicer)
     async def GenerateUnified(
         self, request: dpb.GenerateUnifiedRequest, context: Ctx
     ) -> AsyncIterator[dpb.GenerateUnifiedResponse]:
+        require(context, "GenerateUnified", roles=("router",))
         host = self.host
         self._check_mode(types_pb2.ROLE_UNIFIED, "GenerateUnified")
         token_ids = list(request.token_ids)

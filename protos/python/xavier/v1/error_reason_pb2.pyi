@@ -270,6 +270,14 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The router's in-flight and queued request limits are full; status RESOURCE_EXHAUSTED (HTTP 429 with
     Retry-After), metadata "limit" and "retry_after_seconds".
     """
+    ERROR_REASON_PERMISSION_DENIED: _ErrorReason.ValueType  # 73
+    """Authorization by identity (mTLS).
+
+    The caller's certificate does not name an identity allowed to make this call: another peer's
+    registration, heartbeat, rooms or room watch; a Prefill or Decode call not from a router; or a
+    certificate with no Xavier identity at all. Status PERMISSION_DENIED, metadata "method", "caller"
+    (the identity the certificate names, "" for none) and "needs" (what the call requires).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every `google.rpc.ErrorInfo.reason` that a xavier.v1 service or client emits.
@@ -528,5 +536,13 @@ ended the request and freed its room; status DEADLINE_EXCEEDED (HTTP 504), metad
 ERROR_REASON_ROUTER_OVERLOADED: ErrorReason.ValueType  # 72
 """The router's in-flight and queued request limits are full; status RESOURCE_EXHAUSTED (HTTP 429 with
 Retry-After), metadata "limit" and "retry_after_seconds".
+"""
+ERROR_REASON_PERMISSION_DENIED: ErrorReason.ValueType  # 73
+"""Authorization by identity (mTLS).
+
+The caller's certificate does not name an identity allowed to make this call: another peer's
+registration, heartbeat, rooms or room watch; a Prefill or Decode call not from a router; or a
+certificate with no Xavier identity at all. Status PERMISSION_DENIED, metadata "method", "caller"
+(the identity the certificate names, "" for none) and "needs" (what the call requires).
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
