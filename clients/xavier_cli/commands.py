@@ -24,8 +24,13 @@ from xavier_cli.up import DEFAULT_GRPC, state_file
 def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=os.environ.get("XAVIER_ADDRESS", DEFAULT_GRPC), help="router gRPC")
     p.add_argument("--token", default=os.environ.get("XAVIER_TOKEN"), help="bearer token")
-    p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds (default: 120)")
-    p.add_argument("--ca", type=Path, default=None, help="CA bundle of a TLS mesh (default: xavier up's)")
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    p.add_argument(
+        "--ca",
+        type=Path,
+        default=None,
+        help="CA bundle of a TLS mesh (none: the certificates of the xavier up at --address)",
+    )
     p.add_argument("--cert", type=Path, default=None, help="client certificate for a TLS mesh")
     p.add_argument("--key", type=Path, default=None, help="private key of --cert")
     p.add_argument("--insecure", action="store_true", help="plaintext, even where xavier up runs TLS")
@@ -57,14 +62,32 @@ def _client(args: argparse.Namespace) -> Client:
     return Client(args.address, token=args.token, timeout=args.timeout, tls=tls_options(args))
 
 
+def _say_error(err: XavierError, address: str) -> None:
+    print(f"error: {err}", file=sys.stderr)
+    if err.code == grpc.StatusCode.UNAVAILABLE:
+        print(
+            f"hint: nothing answers at {address}: is `xavier up` running (or pass --address)?",
+            file=sys.stderr,
+        )
+    elif "Socket closed" in str(err) or "handshake" in str(err).lower():
+        print(
+            "hint: a TLS mesh needs --ca/--cert/--key (xavier up's are found by --address)", file=sys.stderr
+        )
+
+
 def add_generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the prompt text (with --chat: one user message)")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
-    p.add_argument("--mode", choices=["pd", "colocated", "native"], default=None)
+    p.add_argument(
+        "--mode",
+        choices=["pd", "colocated", "native"],
+        default=None,
+        help="routing mode (none: the router's)",
+    )
     p.add_argument("--chat", action="store_true", help="send the prompt as one user chat turn")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (none: a random one)")
     p.add_argument("--verbose", "-v", action="store_true", help="print usage and timings")
     add_client_args(p)
 
@@ -103,7 +126,7 @@ def run_generate(args: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
     except XavierError as err:
-        print(f"error: {err}", file=sys.stderr)
+        _say_error(err, args.address)
         for key, value in sorted(err.metadata.items()):
             print(f"  {key}: {value}", file=sys.stderr)
         return 1
@@ -143,7 +166,7 @@ def add_status_args(p: argparse.ArgumentParser) -> None:
         "--pagestore",
         default=os.environ.get("XAVIER_PAGESTORE", ""),
         metavar="HOST:PORT",
-        help="also show this page store's stats (default: the store of the `xavier up` serving --address)",
+        help="also show this page store's stats (empty: the store of the `xavier up` serving --address)",
     )
     p.add_argument("--json", action="store_true", help="print peers and store stats as JSON")
 
@@ -187,7 +210,7 @@ def run_status(args: argparse.Namespace) -> int:
         with _client(args) as client:
             st = client.cluster_status()
     except XavierError as err:
-        print(f"error: {err}", file=sys.stderr)
+        _say_error(err, args.address)
         return 1
     store: spb.GetPageStoreStatsResponse | None = None
     store_error = ""
@@ -199,11 +222,17 @@ def run_status(args: argparse.Namespace) -> int:
         except grpc.RpcError as err:
             store_error = f"{err.code().name}: {err.details()}"  # a down store is reported, not fatal
     if args.json:
-        out: dict[str, Any] = MessageToDict(st, preserving_proto_field_name=True)
+        out: dict[str, Any] = MessageToDict(
+            st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
         if args.pagestore:
             out["pagestore"] = {"address": args.pagestore, "error": store_error}
             if store is not None:
-                out["pagestore"].update(MessageToDict(store, preserving_proto_field_name=True))
+                out["pagestore"].update(
+                    MessageToDict(
+                        store, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+                    )
+                )
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
     print(format_status(st))

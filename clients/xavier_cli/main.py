@@ -16,15 +16,30 @@ import sys
 from collections.abc import Sequence
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("xavier")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
     from xavier_cli.commands import add_generate_args, add_status_args
     from xavier_cli.up import add_up_args
 
-    p = argparse.ArgumentParser(prog="xavier", description="Xavier LLM serving mesh")
+    p = argparse.ArgumentParser(
+        prog="xavier",
+        description="Xavier LLM serving mesh",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"xavier {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    add_up_args(sub.add_parser("up", help="start the whole mesh locally"))
-    add_generate_args(sub.add_parser("generate", help="generate an answer"))
-    add_status_args(sub.add_parser("status", help="peers, rooms, pages, page store"))
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    add_up_args(sub.add_parser("up", help="start the whole mesh locally", formatter_class=fmt))
+    add_generate_args(sub.add_parser("generate", help="generate an answer", formatter_class=fmt))
+    add_status_args(sub.add_parser("status", help="peers, rooms, pages, page store", formatter_class=fmt))
     sub.add_parser("deploy", help="render systemd units and configs for a host", add_help=False)
     models = sub.add_parser("models", help="model utilities")
     msub = models.add_subparsers(dest="models_command", required=True)

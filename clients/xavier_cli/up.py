@@ -156,6 +156,19 @@ def run_up(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    for flag, address in (
+        ("--grpc", args.grpc),
+        ("--http", args.http),
+        ("--pagestore-listen", args.pagestore_listen),
+    ):
+        taken = _taken(address)
+        if taken:
+            print(
+                f"xavier up: {address} cannot be bound ({taken}); is another xavier up running? "
+                f"Choose another with {flag} HOST:PORT",
+                file=sys.stderr,
+            )
+            return 2
     problem = _sglang_problem(args, prefill, decode, unified)
     if problem:
         print(f"xavier up: {problem}", file=sys.stderr)
@@ -292,6 +305,23 @@ def run_up(args: argparse.Namespace) -> int:
             state.unlink(missing_ok=True)
         say("stopped")
     return code
+
+
+def _taken(address: str) -> str:
+    """Why `address` (HOST:PORT) cannot be bound now, or "" (port 0 always can)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return ""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host.strip("[]") or "0.0.0.0", int(port)))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return ""
 
 
 def _sglang_problem(args: argparse.Namespace, prefill: int, decode: int, unified: int) -> str:

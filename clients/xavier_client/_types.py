@@ -10,6 +10,8 @@ from typing import Literal
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 
+from xavier_client._errors import InvalidArgumentError
+
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 """Plain text, token ids, or chat messages ({"role": ..., "content": ...})."""
 
@@ -59,6 +61,19 @@ class Sampling:
     logprobs: bool = False
 
     def to_proto(self) -> types_pb2.SamplingParams:
+        """The wire form; `InvalidArgumentError` naming the field for a value it cannot carry (the
+        server would refuse it anyway; protobuf alone says only "Value out of range")."""
+        limits = {"max_tokens": 2**32, "top_k": 2**32, "seed": 2**64}
+        for name, limit in limits.items():
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit
+            ):
+                raise _invalid(f"{name} must be an integer in 0..{limit - 1}, got {value!r}", name)
+        if any(
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**32 for t in self.stop_token_ids
+        ):
+            raise _invalid("stop_token_ids must be integers in 0..4294967295", "stop_token_ids")
         return types_pb2.SamplingParams(
             max_tokens=self.max_tokens,
             temperature=self.temperature,
@@ -70,6 +85,10 @@ class Sampling:
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
         )
+
+
+def _invalid(message: str, field_name: str) -> InvalidArgumentError:
+    return InvalidArgumentError(message, reason="INVALID_ARGUMENT", metadata={"field": field_name})
 
 
 def build_request(

@@ -83,6 +83,26 @@ def test_up_stops_every_child_and_exits_zero(
     assert not list(up.workdir.glob("*.ready"))
 
 
+def test_cli_names_what_is_wrong(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        address = f"127.0.0.1:{busy.getsockname()[1]}"
+        up = subprocess.run([*XAVIER, "up", "--grpc", address], capture_output=True, text=True, timeout=60)
+    assert up.returncode == 2 and "Choose another with --grpc" in up.stderr and "Traceback" not in up.stderr
+    status = subprocess.run(
+        [*XAVIER, "status", "--address", address, "--timeout", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 1 and "is `xavier up` running" in status.stderr
+    version = subprocess.run([*XAVIER, "--version"], capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("xavier ")
+
+
 def test_make_tiny_command(tmp_path: Path) -> None:
     out = subprocess.run(
         [*XAVIER, "models", "make-tiny", str(tmp_path / "m"), "--arch", "llama", "--layers", "1"],

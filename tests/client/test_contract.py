@@ -181,3 +181,21 @@ def test_request_building() -> None:
     assert not xavier_client.build_request("t", xavier_client.Sampling()).sampling.HasField("seed")
     with pytest.raises(ValueError):
         xavier_client.build_request("t", xavier_client.Sampling(), mode="warp")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"top_k": 2**32}, "top_k"),
+        ({"seed": -5}, "seed"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"stop_token_ids": (1, -2)}, "stop_token_ids"),
+    ],
+)
+def test_a_sampling_value_the_wire_cannot_carry_is_a_typed_error(
+    sampling: dict[str, object], field: str
+) -> None:
+    with pytest.raises(xavier_client.InvalidArgumentError) as info:
+        xavier_client.build_request("hi", xavier_client.Sampling(**sampling))  # type: ignore[arg-type]
+    assert info.value.metadata == {"field": field}

@@ -95,7 +95,9 @@ def test_pd_mesh_serves_over_mtls_and_the_cli_finds_its_certificate(tls_mesh: Me
 
     found = status("--json")  # the CLI's certificate, from xavier up's state file
     assert found.returncode == 0, found.stderr
-    assert {p["peer_id"] for p in json.loads(found.stdout)["peers"]} >= {"prefill-0", "decode-0"}
+    report = json.loads(found.stdout)
+    assert {p["peer_id"] for p in report["peers"]} >= {"prefill-0", "decode-0"}
+    assert "active" in report["rooms"]  # zero-valued fields are printed too
     assert status("--insecure").returncode != 0
 
 
