@@ -95,6 +95,7 @@ class Router:
             self.spawn,
             config.prefix_affinity_tokens,
             config.failover_attempts,
+            config.peer_wait_seconds,
         )
 
     @property

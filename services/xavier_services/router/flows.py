@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from xavier.v1 import decode_service_pb2 as decpb
@@ -45,6 +45,9 @@ from xavier_services.router.request import Prepared
 
 _log = get_logger("xavier.router.flows")
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -70,6 +73,7 @@ class FlowEnv:
     spawn: Spawn
     affinity_tokens: int = 0  # leading tokens keying prefix affinity in pair selection (0: off)
     failover_attempts: int = 1
+    peer_wait: float = 0.0  # how long a first attempt waits for peers while none is registered
 
 
 @dataclass
@@ -170,11 +174,19 @@ def colocated_flow(prep: Prepared, env: FlowEnv, trace: Trace | None = None) -> 
     return _failover(lambda exclude: _colocated_attempt(prep, env, exclude, trace), env, trace)
 
 
+async def _pick(env: FlowEnv, exclude: frozenset[str], pick: Callable[[], Awaitable[T]]) -> T:
+    """A request's first pick waits up to `env.peer_wait` for peers while none is registered (a
+    restarted directory has them back within about a second); a failover's pick does not wait."""
+    if exclude or env.peer_wait <= 0:
+        return await pick()
+    return await env.pool.wait_for_peers(pick, env.peer_wait)
+
+
 async def _colocated_attempt(
     prep: Prepared, env: FlowEnv, exclude: frozenset[str], trace: Trace | None
 ) -> AsyncIterator[Step]:
     pool = env.pool
-    peer = await pool.retry_unavailable(lambda: pool.pick_unified(exclude))
+    peer = await _pick(env, exclude, lambda: pool.retry_unavailable(lambda: pool.pick_unified(exclude)))
     _note(trace, peer)
     stub = decpb_grpc.DecodeServiceStub(pool.channel(peer.address))
     req = decpb.GenerateUnifiedRequest(
@@ -256,7 +268,9 @@ async def _pd_attempt(
     trace: Trace | None,
 ) -> AsyncIterator[Step]:
     pool = env.pool
-    pair: Pair = await pool.retry_unavailable(lambda: pool.pick_pair(key, exclude))
+    pair: Pair = await _pick(
+        env, exclude, lambda: pool.retry_unavailable(lambda: pool.pick_pair(key, exclude))
+    )
     p, d = pair.prefill, pair.decode
     _note(trace, p, d)
     from xavier_services.router.pd_concurrent import concurrent_attempt, concurrent_pair  # (imports us)
