@@ -149,3 +149,28 @@ def test_a_long_cache_salt_is_rejected(encoder: PromptEncoder, model_dir: Path) 
     with pytest.raises(InvalidArgument) as err:
         prepare(_req(text="hi", cache_salt="s" * 5000), encoder, info)
     assert (err.value.reason, err.value.metadata["field"]) == ("INVALID_CACHE_SALT", "cache_salt")
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(
+    encoder: PromptEncoder, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    info = load_model_info(model_dir)
+    limit = info.max_context * encoder.max_token_bytes * 4
+    calls: list[str] = []
+    real = encoder.tokenizer.encode
+    monkeypatch.setattr(
+        encoder.tokenizer, "encode", lambda text, **kw: calls.append(text) or real(text, **kw)
+    )
+    huge = "x" * (limit + 1)
+    for req in (
+        rpb.GenerateRequest(text=huge),
+        rpb.GenerateRequest(chat=rpb.ChatPrompt(messages=[rpb.ChatMessage(role="user", content=huge)])),
+    ):
+        with pytest.raises(InvalidArgument) as err:
+            prepare(req, encoder, info)
+        assert err.value.reason == "PROMPT_TOO_LONG" and err.value.metadata["prompt_bytes"] == str(limit + 1)
+    assert calls == []  # measured, never tokenized
+    # Just under the bound it is tokenized, and still too long (by its token count).
+    with pytest.raises(InvalidArgument) as err:
+        prepare(rpb.GenerateRequest(text="x " * (info.max_context + 1)), encoder, info)
+    assert err.value.reason == "PROMPT_TOO_LONG" and "prompt_tokens" in err.value.metadata and calls

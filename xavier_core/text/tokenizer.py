@@ -140,6 +140,10 @@ class TextTokenizer:
             return bytes([int(match.group(1), 16)])
         return piece.replace("\u2581", " ").encode()  # SentencePiece's word marker is a space
 
+    def vocabulary(self) -> list[str]:
+        """Every vocabulary entry (added tokens included), as the tokenizer spells it."""
+        return list(self._tok.get_vocab(with_added_tokens=True))
+
     def token_to_id(self, token: str) -> int | None:
         """Id of one vocabulary entry, or None."""
         value = self._tok.token_to_id(token)

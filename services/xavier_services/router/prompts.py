@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import secrets
@@ -19,6 +20,8 @@ from xavier_core.runtime import InvalidArgument, get_registry
 from xavier_core.text.errors import ModelFilesError
 from xavier_core.text.tokenizer import TextTokenizer
 from xavier_services.router.offload import ProcessEncoder
+
+_NORMALIZER_SLACK = 4  # how much a tokenizer normalizer may shrink text (NFC: at most 3x)
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,31 @@ class PromptEncoder:
         self.cache = cache
         self.offload: ProcessEncoder | None = None
         """Encodes the texts it `wants` (very large ones) in a child process."""
+
+    def check_length(self, texts: Sequence[str], max_context: int) -> None:
+        """PROMPT_TOO_LONG, before any tokenizing, for text too long for `max_context` tokens whatever
+        it says: no token stands for more than the vocabulary's longest entry (UTF-8 bytes), and a
+        normalizer may shrink text (NFC composes) by `_NORMALIZER_SLACK` at most, so text of more bytes
+        than max_context x longest x slack has more tokens than the context. Bounds the work a huge
+        prompt costs: it is refused at the price of measuring it, not of tokenizing it."""
+        nbytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if nbytes <= max_context:  # every token is at least one byte: nothing to learn
+            return
+        limit = max_context * self.max_token_bytes * _NORMALIZER_SLACK
+        if nbytes > limit:
+            raise InvalidArgument(
+                f"the prompt is {nbytes} bytes, more than {max_context} tokens can hold; the context "
+                f"limit is {max_context} tokens",
+                reason="PROMPT_TOO_LONG",
+                prompt_bytes=nbytes,
+                max_context=max_context,
+            )
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the vocabulary's longest entry (an upper bound of the bytes one token stands
+        for: byte-level and SentencePiece entries are at least as long as the text they decode to)."""
+        return max(1, *(len(t.encode("utf-8", "surrogatepass")) for t in self.tokenizer.vocabulary()))
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The chat rendered with the model's template, ending with the assistant's turn prompt."""

@@ -93,6 +93,11 @@ def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) 
         )
     if len(req.request_id) > 128:
         raise InvalidArgument("request_id is longer than 128 characters", reason="INVALID_REQUEST_ID")
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        encoder.check_length([req.text], model.max_context)
+    elif kind == "chat":
+        encoder.check_length([m.content for m in req.chat.messages], model.max_context)
     ids = tokenize(req, encoder, model)
     if not ids:
         raise InvalidArgument("the prompt has no tokens", reason="EMPTY_PROMPT")
