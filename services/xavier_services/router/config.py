@@ -63,6 +63,14 @@ class RouterConfig(ServiceConfig):
     """OpenAI-compatible HTTP address; "" disables the HTTP front."""
     http_max_body_bytes: int = Field(default=8 << 20, ge=1024, le=1 << 30)
     """Largest HTTP request body; a larger one is answered 413 with a JSON error."""
+    http_max_connections: int = Field(default=1024, ge=1, le=1 << 20)
+    """Open HTTP connections at most; one more is answered 503 and closed (keep the process's file
+    limit, `LimitNOFILE` in the unit, well above this plus the gRPC channels)."""
+    http_header_timeout_seconds: float = Field(default=10.0, ge=0, le=3600)
+    """A connection must deliver a request's headers within this of its first byte (or of opening, or
+    of its previous response); else it is closed. 0: no deadline."""
+    http_body_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    """A request's body must arrive within this of its headers; else 408 REQUEST_TIMEOUT."""
     default_mode: ModeName = "auto"
     """auto: pd when prefill and decode peers exist, else colocated, else native."""
     prompt_cache_size: int = Field(default=4096, ge=0, le=10_000_000)

@@ -32,6 +32,7 @@ from xavier_core.text.errors import ModelFilesError
 from xavier_core.text.tokenizer import TextTokenizer
 from xavier_services.router.config import RouterConfig
 from xavier_services.router.core import Router
+from xavier_services.router.http_guard import ConnectionGuard
 from xavier_services.router.openai_http import OpenAiFront
 from xavier_services.router.prompts import ModelInfo, PromptCache, PromptEncoder, load_model_info
 from xavier_services.router.servicer import RouterServicer, TokenInterceptor
@@ -88,26 +89,34 @@ async def run(config: RouterConfig) -> int:
         exit_on_config_error(ConfigError([("model", str(exc), "flag --model")]))
     router = Router(config, encoder, info)
     runner: web.AppRunner | None = None
+    http_server: asyncio.Server | None = None
 
     def register(server: grpc.aio.Server) -> Sequence[str]:
         rpb_grpc.add_RouterServiceServicer_to_server(RouterServicer(router), server)
         return [SERVICE]
 
     async def on_start(handle: ServerHandle) -> dict[str, Any]:
-        nonlocal runner
+        nonlocal runner, http_server
         router.start()
         if not config.http_listen:
             return {}
         host, port = parse_host_port(config.http_listen)
         runner = web.AppRunner(OpenAiFront(router).app(), handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, host.strip("[]"), port)
-        await site.start()
-        bound = runner.addresses[0][1]
+        assert runner.server is not None
+        guard = ConnectionGuard(
+            runner.server, config.http_max_connections, config.http_header_timeout_seconds
+        )
+        http_server = await asyncio.get_running_loop().create_server(
+            guard, host.strip("[]") or None, port, reuse_address=True
+        )
+        bound = http_server.sockets[0].getsockname()[1]
         shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
         return {"http": f"{shown}:{bound}"}
 
     async def on_stop(handle: ServerHandle) -> None:
+        if http_server is not None:
+            http_server.close()
         if runner is not None:
             await runner.cleanup()
         await router.close()

@@ -16,6 +16,7 @@ from xavier.v1 import types_pb2
 
 from xavier_core.runtime import InvalidArgument, XavierError
 from xavier_services.router.core import Router
+from xavier_services.router.http_guard import GuardedProtocol
 from xavier_services.router.keepalive import Tick, with_ticks
 from xavier_services.router.openai_body import decode_json
 from xavier_services.router.openai_shapes import (
@@ -73,6 +74,12 @@ def error_response(err: XavierError) -> web.Response:
 
 
 _ENCODINGS = frozenset(("identity", "gzip", "deflate"))
+
+
+class _BodyTimeout(Exception):
+    """The request body did not arrive in time (answered 408 by the error middleware)."""
+
+
 """Request body encodings aiohttp decodes (brotli needs a package the router does not install)."""
 
 
@@ -85,7 +92,8 @@ class OpenAiFront:
 
     def app(self) -> web.Application:
         app = web.Application(
-            client_max_size=self.router.config.http_max_body_bytes, middlewares=[self._errors, *self._auth()]
+            client_max_size=self.router.config.http_max_body_bytes,
+            middlewares=[self._connection, self._errors, *self._auth()],
         )
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
@@ -113,11 +121,29 @@ class OpenAiFront:
         return [auth]
 
     @web.middleware
+    async def _connection(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Tells the connection guard when a request's headers are in and when it is answered."""
+        proto = request.transport.get_protocol() if request.transport is not None else None
+        guarded = proto if isinstance(proto, GuardedProtocol) else None
+        if guarded is not None:
+            guarded.request_started()
+        try:
+            return await handler(request)
+        finally:
+            if guarded is not None:
+                guarded.request_done()
+
+    @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except XavierError as err:
             return error_response(err)
+        except _BodyTimeout:
+            limit_s = self.router.config.http_body_timeout_seconds
+            return json_error(
+                408, f"the request body did not arrive within {limit_s:g} s", reason="REQUEST_TIMEOUT"
+            )
         except web.HTTPRequestEntityTooLarge:
             limit = self.router.config.http_max_body_bytes
             return json_error(
@@ -174,7 +200,9 @@ class OpenAiFront:
             )
         # read() raises HTTPRequestEntityTooLarge past client_max_size: the middleware answers JSON 413.
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.router.config.http_body_timeout_seconds)
+        except TimeoutError:
+            raise _BodyTimeout from None
         except RequestPayloadError:  # a body that is not in its Content-Encoding, or cut short
             raise InvalidArgument(
                 f"the request body could not be read as {encoding} (malformed or cut short)",

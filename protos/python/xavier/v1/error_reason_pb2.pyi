@@ -278,6 +278,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     certificate with no Xavier identity at all. Status PERMISSION_DENIED, metadata "method", "caller"
     (the identity the certificate names, "" for none) and "needs" (what the call requires).
     """
+    ERROR_REASON_REQUEST_TIMEOUT: _ErrorReason.ValueType  # 74
+    """The HTTP request's body did not arrive within the router's http_body_timeout_seconds of its
+    headers; HTTP 408 with the OpenAI error shape (the HTTP front only).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every `google.rpc.ErrorInfo.reason` that a xavier.v1 service or client emits.
@@ -544,5 +548,9 @@ The caller's certificate does not name an identity allowed to make this call: an
 registration, heartbeat, rooms or room watch; a Prefill or Decode call not from a router; or a
 certificate with no Xavier identity at all. Status PERMISSION_DENIED, metadata "method", "caller"
 (the identity the certificate names, "" for none) and "needs" (what the call requires).
+"""
+ERROR_REASON_REQUEST_TIMEOUT: ErrorReason.ValueType  # 74
+"""The HTTP request's body did not arrive within the router's http_body_timeout_seconds of its
+headers; HTTP 408 with the OpenAI error shape (the HTTP front only).
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
