@@ -187,6 +187,9 @@ async def test_bad_input(client: DirectoryClient) -> None:
         await client.register_peer(dpb.RegisterPeerRequest(peer_id="x" * 200, role=PREFILL, address="a:1"))
     with pytest.raises(InvalidArgument, match="layout"):
         await client.register_peer(dpb.RegisterPeerRequest(peer_id="nolayout", role=PREFILL, address="a:1"))
+    for token in ("!!!", "a", "Zm9v!"):  # not base64url: refused, not read as "from the start"
+        with pytest.raises(InvalidArgument, match="page_token"):
+            await client._call(client.stub.ListPeers, dpb.ListPeersRequest(page_token=token))
     # The room is still usable after every rejected call.
     assert (await client.get_room(room.room_id)).state == dpb.ROOM_STATE_SOURCE_READY
     aborted = await client.abort_room(room.room_id, ROUTER, "client went away")

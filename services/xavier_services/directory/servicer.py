@@ -186,7 +186,8 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         after = ""
         if req.page_token:
             try:
-                after = base64.urlsafe_b64decode(req.page_token.encode("ascii")).decode("utf-8")
+                raw = req.page_token.encode("ascii")
+                after = base64.b64decode(raw, altchars=b"-_", validate=True).decode("utf-8")
             except (ValueError, UnicodeError, binascii.Error):
                 raise InvalidArgument("page_token is not valid", field="page_token") from None
         if req.role not in types_pb2.Role.values():
