@@ -64,6 +64,11 @@ def test_lone_surrogates_name_the_field(body: dict[str, object], param: str) -> 
         ({"prompt": "a", "stream": 1}, "stream", "INVALID_ARGUMENT"),
         ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos", "INVALID_ARGUMENT"),
         ({"prompt": "a", "stream_options": []}, "stream_options", "INVALID_ARGUMENT"),
+        (
+            {"prompt": "a", "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+            "INVALID_ARGUMENT",
+        ),
         ({"prompt": "a", "temperature": "0.5"}, "temperature", "INVALID_SAMPLING"),
         ({"prompt": "a", "temperature": True}, "temperature", "INVALID_SAMPLING"),
         ({"prompt": "a", "temperature": 1e400}, "temperature", "INVALID_SAMPLING"),

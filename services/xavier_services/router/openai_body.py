@@ -77,13 +77,14 @@ def _type_error(key: str, what: str) -> InvalidArgument:
     return InvalidArgument(f"{key} must be {what}", reason="INVALID_ARGUMENT", param=key)
 
 
-def get_bool(body: Mapping[str, Any], key: str, default: bool = False) -> bool:
-    """A JSON boolean (or null: `default`); the string "false" is not a boolean."""
+def get_bool(body: Mapping[str, Any], key: str, default: bool = False, *, within: str = "") -> bool:
+    """A JSON boolean (or null: `default`); the string "false" is not a boolean. `within` names the
+    object `body` is (`stream_options`), so an error names the parameter as the client wrote it."""
     value = body.get(key)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _type_error(key, "a boolean")
+        raise _type_error(f"{within}.{key}" if within else key, "a boolean")
     return value
 
 

@@ -333,7 +333,7 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
         request=req,
         stream=stream,
         logprobs=logprobs,
-        include_usage=get_bool(opts, "include_usage"),
+        include_usage=get_bool(opts, "include_usage", within="stream_options"),
         model=model or served_model,
         chat=chat,
         max_tokens_to_context=to_context,
