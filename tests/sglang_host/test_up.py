@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from xavier_client import Client
+from xavier_client import Client, TlsOptions
 
 from tests.cli.mesh import Mesh, start_up
 from tests.sglang_host.conftest import STANDIN, standin_state
@@ -24,10 +24,12 @@ def _expected(prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def _up(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, *flags: str) -> Mesh:
+def _up(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, *flags: str, insecure: bool = True
+) -> Mesh:
     monkeypatch.setenv("XAVIER_STANDIN_DIR", str(tmp_path / "rendezvous"))
     common = ["--engine", "sglang", "--model", str(tiny_model), "--sglang-command", STANDIN]
-    return start_up(tmp_path, tmp_path / "cache", *common, *flags, timeout=120)
+    return start_up(tmp_path, tmp_path / "cache", *common, *flags, timeout=120, insecure=insecure)
 
 
 def _standin(mesh: Mesh, name: str) -> dict[str, object]:
@@ -72,6 +74,28 @@ def test_up_pd(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
         assert _flag(pargv, "--disaggregation-transfer-backend") == "xavier"
         assert _flag(pargv, "--log-level") == "warning"  # passed through
         assert _flag(pargv, "--api-key") != _flag(dargv, "--api-key")  # a key per replica
+    finally:
+        assert mesh.stop() == 0
+
+
+def test_up_pd_over_mtls_hands_the_sglang_process_its_services_identity(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default mesh (mTLS, identities): the SGLang-hosting services register and serve, and the SGLang
+    process each starts gets the service's own certificate for the plugin's directory calls."""
+    mesh = _up(tmp_path, tiny_model, monkeypatch, "--mode", "pd", "--gpus", "0,1", insecure=False)
+    try:
+        tls = json.loads((tmp_path / "up.json").read_text())["client_tls"]
+        opts = TlsOptions(Path(tls["ca_file"]), Path(tls["key_file"]), Path(tls["cert_file"]))
+        with Client(mesh.grpc, tls=opts) as client:
+            out = client.generate([3, 4, 5], max_tokens=4, mode="pd", ignore_eos=True)
+        assert out.token_ids == _expected([3, 4, 5], 4)
+        prefill, decode, _, _ = _pair(mesh)
+        for state, name in ((prefill, "prefill-0"), (decode, "decode-0")):
+            env = state["env"]
+            assert isinstance(env, dict)
+            assert env["XAVIER_TLS__CERT_FILE"].endswith(f"{name}-cert.pem")
+            assert env["XAVIER_SGLANG_PEER_ID"] == name
     finally:
         assert mesh.stop() == 0
 

@@ -111,6 +111,10 @@ class Standin:
 
         # The plugin's own parser of what the service hands it (directory, address, peer id).
         settings = XavierSettings.from_env(default_advertise="")
+        if settings.tls is not None:  # as the plugin's hub: the service's own certificate
+            from xavier_core.runtime.channels import use_client_tls
+
+            use_client_tls(settings.tls)
         self.directory = DirectoryClient(settings.directory)
         dtype = "float32" if self.args.dtype in ("float", "float32") else "float16"
         layout = layout_from_model_dir(
@@ -159,7 +163,7 @@ class Standin:
 
     async def state(self, request: web.Request) -> web.Response:
         keys = ("SGLANG_PLUGINS", "XAVIER_DIRECTORY", "XAVIER_SGLANG_ADVERTISE", "XAVIER_SGLANG_PEER_ID",
-                "CUDA_VISIBLE_DEVICES")  # fmt: skip
+                "CUDA_VISIBLE_DEVICES", "XAVIER_TLS__CERT_FILE")  # fmt: skip
         return web.json_response(
             {
                 "argv": sys.argv[1:],
