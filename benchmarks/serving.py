@@ -112,6 +112,7 @@ def start_mesh(
     cmd = [
         str(Path(sys.executable).parent / "xavier"),
         "up",
+        "--insecure",  # plaintext, as docs/results were measured: this script dials the services directly
         "--grpc",
         "127.0.0.1:0",
         "--http",

@@ -179,7 +179,8 @@ def start_up(name: str, args: argparse.Namespace, work: Path, env: dict[str, str
            str(args.model), "--no-pagestore", "--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0",
            "--workdir", str(updir / "svc"), "--ready-file", str(ready), "--gpus", ",".join(gpus),
            "--timeout", "900", "--sglang-command", json.dumps([sys.executable, "-m", "sglang.launch_server"]),
-           *flags, *(f"--sglang-arg={a}" for a in args.sglang_args)]  # fmt: skip
+           *flags, *(["--insecure"] if args.insecure else []),
+           *(f"--sglang-arg={a}" for a in args.sglang_args)]  # fmt: skip
     log = updir / "up.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -582,6 +583,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="rounds; each reverses the previous order")
     p.add_argument("--py-spy", type=float, default=0.0, metavar="S", help="sample c32 repeat for S seconds")
     p.add_argument("--sglang-arg", dest="sglang_args", action="append", default=None)
+    p.add_argument(
+        "--insecure", action="store_true", help="xavier up without mTLS (the runs of 2026-12-01 and before)"
+    )
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sglang-pd")
     args = p.parse_args()
