@@ -7,7 +7,9 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
@@ -444,3 +446,34 @@ async def test_decode_declines_the_read(client: DirectoryClient) -> None:
     await feed.stop()
     await p.stop()
     await d.stop()
+
+
+async def test_room_feed_slots_are_per_epoch(tmp_path: Path) -> None:
+    """Watches of a peer's old epoch (a dead process's streams not yet timed out) fill only that epoch's
+    slots: the restarted peer, a new epoch, still watches its rooms."""
+    env = {**ENV, "XAVIER_DIRECTORY__MAX_WATCHERS_PER_ROOM": "2"}
+    proc = start_service("xavier-directory", ["--listen", "127.0.0.1:0"], tmp_path, env=env)
+    try:
+        async with DirectoryClient(proc.address) as client:
+            p, d = await _pair(client, "feed")
+            peer_id, epoch = ids(p, d)[0]
+
+            def watch(e: int) -> Any:
+                return client.stub.WatchPeerRooms(dpb.WatchPeerRoomsRequest(peer_id=peer_id, epoch=e))
+
+            held = [watch(epoch) for _ in range(2)]
+            for call in held:
+                await call.read()  # the snapshot: the slot is taken
+            with pytest.raises(grpc.aio.AioRpcError) as full:
+                await watch(epoch).read()
+            assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            await p.stop()  # the peer restarts: a new epoch, its old watches still open
+            again = await client.register_peer(register_request(peer_id, PREFILL))
+            assert again.epoch != epoch
+            fresh = watch(again.epoch)
+            assert list((await fresh.read()).rooms) == []  # the new epoch has slots of its own
+            for call in (*held, fresh):
+                call.cancel()
+            await d.stop()
+    finally:
+        proc.stop()

@@ -91,7 +91,9 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         self.state.listener = self._changed
         self._offset = self.state.wall_offset
         # Per-peer feeds (WatchPeerRooms) and BeginTransfer calls waiting for a room to leave OPEN.
-        self._feeds: dict[str, list[asyncio.Queue[dpb.Room | None]]] = {}
+        # WatchPeerRooms feeds by (peer id, epoch): a restarted peer's new epoch has slots of its own, so
+        # watches of its old epoch (a dead process's, not yet timed out) never keep it from watching.
+        self._feeds: dict[tuple[str, int], list[asyncio.Queue[dpb.Room | None]]] = {}
         self._waiters: dict[int, list[asyncio.Future[None]]] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -122,7 +124,8 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
             self.state.sweep()
 
     def _changed(self, room: RoomRecord) -> None:
-        feeds = [q for p in (room.prefill_peer_id, room.decode_peer_id) for q in self._feeds.get(p, ())]
+        members = ((room.prefill_peer_id, room.prefill_epoch), (room.decode_peer_id, room.decode_epoch))
+        feeds = [q for member in members for q in self._feeds.get(member, ())]
         if feeds:
             brief = room_to_proto(room, self._offset, with_source=False)
             for queue in feeds:
@@ -251,7 +254,8 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         limit = self.settings.max_watchers_per_room
         # Registered in the same step as the snapshot (no await between): no change falls between the two.
         queue: asyncio.Queue[dpb.Room | None] = asyncio.Queue()
-        with _subscribed(self._feeds, req.peer_id, queue, limit, f"peer {req.peer_id}", "feeds"):
+        owner = f"peer {req.peer_id} epoch {req.epoch}"
+        with _subscribed(self._feeds, (req.peer_id, int(req.epoch)), queue, limit, owner, "feeds"):
             yield dpb.WatchPeerRoomsResponse(
                 rooms=[room_to_proto(r, self._offset, with_source=False) for r in live]
             )
