@@ -16,7 +16,7 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
 from xavier_core.directory import DirectoryClient
-from xavier_core.runtime import FailedPrecondition, Unavailable
+from xavier_core.runtime import FailedPrecondition, Unavailable, XavierError
 from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.retry import retry_unavailable
 from xavier_services.router.health import PeerHealth, peer_key
@@ -144,7 +144,17 @@ class PeerPool:
     async def _list_all(self) -> list[dpb.Peer]:
         if self.directory is None:
             return []
-        return await self.directory.list_peers()
+        try:
+            return await self.directory.list_peers()
+        except XavierError as err:
+            if err.code != grpc.StatusCode.UNAVAILABLE or err.reason not in ("UNAVAILABLE", "SHUTTING_DOWN"):
+                raise
+            # A transport failure names internal addresses: say which service failed, not where.
+            raise Unavailable(
+                "the directory does not answer (it is down or restarting); retry shortly",
+                reason="DIRECTORY_UNAVAILABLE",
+                service="directory",
+            ) from None
 
     async def usable(self, exclude: frozenset[str] = frozenset()) -> list[dpb.Peer]:
         """Listed peers that are healthy and not in `exclude` (peer keys)."""

@@ -109,7 +109,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     ERROR_REASON_DIRECTORY_UNAVAILABLE: _ErrorReason.ValueType  # 26
     """Prefill and decode services.
 
-    The peer is not connected to the directory, so it cannot open, publish or complete rooms; status
+    The peer is not connected to the directory, so it cannot open, publish or complete rooms; or (the
+    router) the directory does not answer, so no peer can be chosen (metadata "service"); status
     UNAVAILABLE.
     """
     ERROR_REASON_ROOM_BUSY: _ErrorReason.ValueType  # 27
@@ -380,7 +381,8 @@ retry against another directory.
 ERROR_REASON_DIRECTORY_UNAVAILABLE: ErrorReason.ValueType  # 26
 """Prefill and decode services.
 
-The peer is not connected to the directory, so it cannot open, publish or complete rooms; status
+The peer is not connected to the directory, so it cannot open, publish or complete rooms; or (the
+router) the directory does not answer, so no peer can be chosen (metadata "service"); status
 UNAVAILABLE.
 """
 ERROR_REASON_ROOM_BUSY: ErrorReason.ValueType  # 27
