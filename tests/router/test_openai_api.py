@@ -101,6 +101,14 @@ def test_bad_requests_are_400_with_reason(mesh: Mesh, body: dict[str, object], c
     assert r.json()["error"]["code"] == code
 
 
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_too_large_names_the_parameter_the_client_used(mesh: Mesh, key: str) -> None:
+    body = {"model": mesh.model.name, "messages": [{"role": "user", "content": "hi"}], key: 10**6}
+    r = httpx.post(f"http://{mesh.http}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "MAX_TOKENS_TOO_LARGE" and r.json()["error"]["param"] == key
+
+
 def test_bad_chat_is_400_through_the_client(oa: openai.OpenAI, mesh: Mesh) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         oa.chat.completions.create(model=mesh.model.name, messages=[], max_tokens=4)

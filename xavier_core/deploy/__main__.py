@@ -1,4 +1,5 @@
-"""``python -m xavier_core.deploy render --hosts FILE --host NAME --out DIR [--units DIR]``."""
+"""Render one host's systemd units, environment files and service configs from a cluster description
+(a TOML file: see deploy/examples/hosts.toml and docs/deploy.md)."""
 
 from __future__ import annotations
 

@@ -214,7 +214,12 @@ class OpenAiFront:
         body = await self._body(request)
         oa = parse(body, chat, self.router.model.name, self.default_max_tokens)
         # Every prompt is checked before anything runs or any byte is sent: a clean HTTP 400.
-        preps = [await self.router.prepare_async(r) for r in (oa.request, *oa.more)]
+        try:
+            preps = [await self.router.prepare_async(r) for r in (oa.request, *oa.more)]
+        except XavierError as err:
+            if err.metadata.get("param") == "max_tokens" and body.get("max_completion_tokens") is not None:
+                err.metadata["param"] = "max_completion_tokens"  # the name this client used
+            raise
         if oa.max_tokens_to_context:
             preps[0].sampling.max_tokens = self.router.model.max_context - len(preps[0].token_ids)
         if oa.stream:

@@ -51,6 +51,7 @@ def _check_sampling(s: types_pb2.SamplingParams, prompt_len: int, model: ModelIn
             f"prompt ({prompt_len} tokens) + max_tokens ({s.max_tokens}) exceeds the context limit "
             f"of {model.max_context} tokens",
             reason="MAX_TOKENS_TOO_LARGE",
+            param="max_tokens",
             max_tokens=s.max_tokens,
             prompt_tokens=prompt_len,
             max_context=model.max_context,
