@@ -89,7 +89,8 @@ def test_sampling_with_seed_is_reproducible(oa: openai.OpenAI, mesh: Mesh) -> No
         ({"prompt": "hi", "max_tokens": -3}, "INVALID_MAX_TOKENS"),
         ({"prompt": "hi", "max_tokens": 10**6}, "MAX_TOKENS_TOO_LARGE"),
         ({"prompt": "hello " * 5000, "max_tokens": 1}, "PROMPT_TOO_LONG"),
-        ({"prompt": "hi", "n": 2}, "UNSUPPORTED_N"),
+        ({"prompt": "hi", "n": 257}, "UNSUPPORTED_N"),
+        ({"prompt": "hi", "n": 2, "stream": True}, "UNSUPPORTED_N"),
         ({"prompt": "hi", "model": "no-such-model"}, "UNKNOWN_MODEL"),
         ({"prompt": "hi", "temperature": -1}, "INVALID_SAMPLING"),
     ],
@@ -172,3 +173,24 @@ def test_a_prompt_batch_answers_each_prompt_in_order(oa: openai.OpenAI, mesh: Me
     assert batch.usage is not None
     assert batch.usage.completion_tokens == 15
     assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone if a.usage)
+
+
+def test_n_choices_per_prompt_in_openais_order(oa: openai.OpenAI, mesh: Mesh) -> None:
+    """`n`: every prompt's n choices, prompt after prompt, indexed in order; greedy choices equal the
+    prompt's answer alone; seeded sampled choices reproduce; a prompt's tokens count once in usage."""
+    prompts = ["The quick brown fox", "Once upon a time"]
+    kw = {"model": mesh.model.name, "max_tokens": 5}
+    alone = [oa.completions.create(prompt=p, temperature=0.0, **kw) for p in prompts]  # type: ignore[call-overload]
+    out = oa.completions.create(prompt=prompts, n=3, temperature=0.0, **kw)  # type: ignore[call-overload]
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [c.text for c in out.choices] == [a.choices[0].text for a in alone for _ in range(3)]
+    assert out.usage is not None and out.usage.completion_tokens == 30
+    assert out.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone if a.usage)
+    chat = oa.chat.completions.create(
+        messages=[{"role": "user", "content": "hi"}], n=2, temperature=1.0, seed=11, **kw
+    )  # type: ignore[call-overload]
+    again = oa.chat.completions.create(
+        messages=[{"role": "user", "content": "hi"}], n=2, temperature=1.0, seed=11, **kw
+    )  # type: ignore[call-overload]
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert [c.message.content for c in chat.choices] == [c.message.content for c in again.choices]

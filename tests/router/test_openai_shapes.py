@@ -36,7 +36,8 @@ def test_parse_completion_defaults_and_fields() -> None:
 @pytest.mark.parametrize(
     ("body", "reason"),
     [
-        ({"prompt": "a", "n": 3}, "UNSUPPORTED_N"),
+        ({"prompt": "a", "n": 257}, "UNSUPPORTED_N"),
+        ({"prompt": ["a", "b"], "n": 129}, "UNSUPPORTED_N"),
         ({"prompt": ["a", 5]}, "INVALID_PROMPT"),
         ({"prompt": ["a", ["x"]]}, "INVALID_PROMPT"),
         ({"prompt": ["a", ""]}, "EMPTY_PROMPT"),

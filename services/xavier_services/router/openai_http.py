@@ -221,10 +221,11 @@ class OpenAiFront:
                 err.metadata["param"] = "max_completion_tokens"  # the name this client used
             raise
         if oa.max_tokens_to_context:
-            preps[0].sampling.max_tokens = self.router.model.max_context - len(preps[0].token_ids)
+            for prep in preps:
+                prep.sampling.max_tokens = self.router.model.max_context - len(prep.token_ids)
         if oa.stream:
             return await self._stream(request, oa, preps[0])
-        # A prompt batch runs its requests side by side; choices keep the prompts' order.
+        # A prompt batch and n > 1 run their requests side by side; choices keep OpenAI's order.
         answers = await self._answers(oa, preps)
         choices = []
         usage = types_pb2.Usage()
@@ -232,9 +233,10 @@ class OpenAiFront:
             one = choice(oa, text, FINISH_NAMES.get(last.finish_reason), lp, delta=False)
             one["index"] = i
             choices.append(one)
-            usage.prompt_tokens += last.usage.prompt_tokens
+            if i % oa.n == 0:  # a prompt counts once, however many choices it has (as OpenAI's usage)
+                usage.prompt_tokens += last.usage.prompt_tokens
+                usage.cached_tokens += last.usage.cached_tokens
             usage.completion_tokens += last.usage.completion_tokens
-            usage.cached_tokens += last.usage.cached_tokens
         out = envelope(oa, choices, chunk=False)
         out["usage"] = usage_json(usage)
         return web.json_response(out)

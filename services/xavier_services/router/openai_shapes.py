@@ -29,6 +29,7 @@ _MODES = {
 }
 _MAX_MESSAGES = 1024
 MAX_PROMPTS = 256
+MAX_CHOICES = 256  # choices one request may ask for: prompts x n
 """Prompts one completions request may batch (each becomes a request of its own)."""
 
 
@@ -79,9 +80,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for key, noops in _NOOP_VALUES.items():
         if body.get(key) not in noops:
             raise _unsupported(key, f"{key} {json.dumps(body.get(key))[:40]}")
-    n = get_int(body, "n", 1, 1 << 30, reason="UNSUPPORTED_N")
-    if n not in (None, 1):
-        raise InvalidArgument("only n=1 is supported", reason="UNSUPPORTED_N", param="n")
     if get_int(body, "best_of", 0, 1 << 30) not in (None, 1):
         raise _unsupported("best_of", "best_of other than 1")
     if get_bool(body, "echo"):
@@ -175,6 +173,8 @@ class OpenAiRequest:
     model: str
     chat: bool
     more: tuple[rpb.GenerateRequest, ...] = ()
+    n: int = 1
+    """Choices per prompt: `request` and `more` hold every prompt's n requests, prompt after prompt."""
     max_tokens_to_context: bool = False
     """A chat request without `max_tokens`: as OpenAI, it may run to the context limit (set once the
     prompt's length is known; `max_tokens` is 1 until then)."""
@@ -319,17 +319,34 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
     stream = get_bool(body, "stream")
     if stream and len(prompts) > 1:
         raise _unsupported("prompt", "streaming several prompts in one request")
-    more = []
-    for i, prompt in enumerate(prompts[1:], start=1):
+    n = get_int(body, "n", 1, MAX_CHOICES, reason="UNSUPPORTED_N") or 1
+    if stream and n > 1:
+        raise InvalidArgument("streaming n > 1 choices is not supported", reason="UNSUPPORTED_N", param="n")
+    if max(1, len(prompts)) * n > MAX_CHOICES:
+        raise InvalidArgument(f"prompts x n must be at most {MAX_CHOICES}", reason="UNSUPPORTED_N", param="n")
+    # Choices in OpenAI's order: every prompt's n choices, prompt after prompt; choice j of a prompt
+    # samples with seed + j (when a seed is given), so the choices differ yet reproduce.
+    bases = [req]
+    for prompt in prompts[1:]:
         other = rpb.GenerateRequest()
         other.CopyFrom(req)
         other.ClearField("prompt")
         _completion(other, prompt)
-        if req.request_id:
-            other.request_id = f"{req.request_id}-{i}"
-        more.append(other)
+        bases.append(other)
+    every = []
+    for base in bases:
+        for j in range(n):
+            one = rpb.GenerateRequest()
+            one.CopyFrom(base)
+            if j and one.sampling.HasField("seed"):
+                one.sampling.seed = (one.sampling.seed + j) % (1 << 64)
+            every.append(one)
+    if req.request_id:
+        for i, one in enumerate(every[1:], start=1):
+            one.request_id = f"{req.request_id}-{i}"
     return OpenAiRequest(
-        more=tuple(more),
+        more=tuple(every[1:]),
+        n=n,
         request=req,
         stream=stream,
         logprobs=logprobs,

@@ -212,7 +212,9 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     ERROR_REASON_INVALID_JSON: _ErrorReason.ValueType  # 56
     """The HTTP body is not JSON or not a JSON object; status INVALID_ARGUMENT (HTTP 400)."""
     ERROR_REASON_UNSUPPORTED_N: _ErrorReason.ValueType  # 57
-    """The HTTP request asks for n other than 1; status INVALID_ARGUMENT."""
+    """The HTTP request asks for an n this router cannot serve: below 1, prompts x n above 256, or n > 1
+    while streaming; status INVALID_ARGUMENT, metadata "param" ("n").
+    """
     ERROR_REASON_UNSUPPORTED_PARAMETER: _ErrorReason.ValueType  # 58
     """The HTTP request asks for something not implemented (echo, best_of, suffix, penalties, logit_bias,
     tools, alternative logprobs, a non-text content part); status INVALID_ARGUMENT (HTTP 400), metadata
@@ -484,7 +486,9 @@ ERROR_REASON_TOKENIZER_ERROR: ErrorReason.ValueType  # 55
 ERROR_REASON_INVALID_JSON: ErrorReason.ValueType  # 56
 """The HTTP body is not JSON or not a JSON object; status INVALID_ARGUMENT (HTTP 400)."""
 ERROR_REASON_UNSUPPORTED_N: ErrorReason.ValueType  # 57
-"""The HTTP request asks for n other than 1; status INVALID_ARGUMENT."""
+"""The HTTP request asks for an n this router cannot serve: below 1, prompts x n above 256, or n > 1
+while streaming; status INVALID_ARGUMENT, metadata "param" ("n").
+"""
 ERROR_REASON_UNSUPPORTED_PARAMETER: ErrorReason.ValueType  # 58
 """The HTTP request asks for something not implemented (echo, best_of, suffix, penalties, logit_bias,
 tools, alternative logprobs, a non-text content part); status INVALID_ARGUMENT (HTTP 400), metadata
