@@ -194,3 +194,31 @@ def test_n_choices_per_prompt_in_openais_order(oa: openai.OpenAI, mesh: Mesh) ->
     )  # type: ignore[call-overload]
     assert [c.index for c in chat.choices] == [0, 1]
     assert [c.message.content for c in chat.choices] == [c.message.content for c in again.choices]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "code", "param"),
+    [
+        ("completions", {"prompt": "hi", "model": "no-such-model"}, "UNKNOWN_MODEL", "model"),
+        ("completions", {"prompt": [1, 10**7]}, "INVALID_TOKEN_ID", "prompt"),
+        ("completions", {"prompt": "hello " * 5000}, "PROMPT_TOO_LONG", "prompt"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "wizard", "content": "x"}]},
+            "INVALID_CHAT",
+            "messages[0].role",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hello " * 5000}]},
+            "PROMPT_TOO_LONG",
+            "messages",
+        ),
+    ],
+)
+def test_errors_name_the_parameter(
+    mesh: Mesh, path: str, body: dict[str, object], code: str, param: str
+) -> None:
+    r = httpx.post(f"http://{mesh.http}/v1/{path}", json={"model": mesh.model.name, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == code and r.json()["error"]["param"] == param, r.json()

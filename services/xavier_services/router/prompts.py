@@ -132,7 +132,7 @@ class PromptEncoder:
         self.offload: ProcessEncoder | None = None
         """Encodes the texts it `wants` (very large ones) in a child process."""
 
-    def check_length(self, texts: Sequence[str], max_context: int) -> None:
+    def check_length(self, texts: Sequence[str], max_context: int, param: str = "prompt") -> None:
         """PROMPT_TOO_LONG, before any tokenizing, for text too long for `max_context` tokens whatever
         it says: no token stands for more than the vocabulary's longest entry (UTF-8 bytes), and a
         normalizer may shrink text (NFC composes) by `_NORMALIZER_SLACK` at most, so text of more bytes
@@ -147,6 +147,7 @@ class PromptEncoder:
                 f"the prompt is {nbytes} bytes, more than {max_context} tokens can hold; the context "
                 f"limit is {max_context} tokens",
                 reason="PROMPT_TOO_LONG",
+                param=param,
                 prompt_bytes=nbytes,
                 max_context=max_context,
             )
@@ -167,6 +168,7 @@ class PromptEncoder:
                     f"messages[{i}].role {msg.get('role')!r} is not a chat role",
                     reason="INVALID_CHAT",
                     index=i,
+                    param=f"messages[{i}].role",
                 )
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -199,6 +201,7 @@ class PromptEncoder:
                     f"messages[{i}].content holds special-token text and the chat template repeats it",
                     reason="INVALID_CHAT",
                     index=i,
+                    param=f"messages[{i}].content",
                 )
             cut = template.index(marker, at)
             ids += self.encode(template[at:cut], add_special_tokens=False) if cut > at else ()

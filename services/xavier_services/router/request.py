@@ -75,6 +75,7 @@ def tokenize(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo)
                 f"token ids must be below the vocabulary size {model.vocab_size}",
                 reason="INVALID_TOKEN_ID",
                 field="token_ids",
+                param="prompt",
             )
         return ids
     raise InvalidArgument("the prompt is empty", reason="EMPTY_PROMPT")
@@ -87,6 +88,7 @@ def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) 
             f"unknown model {req.model!r}; this router serves {model.name!r}",
             reason="UNKNOWN_MODEL",
             model=req.model,
+            param="model",
         )
     if req.mode not in rpb.RoutingMode.values():  # proto3 enums are open: 99 parses
         raise InvalidArgument(
@@ -98,7 +100,7 @@ def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) 
     if kind == "text":
         encoder.check_length([req.text], model.max_context)
     elif kind == "chat":
-        encoder.check_length([m.content for m in req.chat.messages], model.max_context)
+        encoder.check_length([m.content for m in req.chat.messages], model.max_context, "messages")
     ids = tokenize(req, encoder, model)
     if not ids:
         raise InvalidArgument("the prompt has no tokens", reason="EMPTY_PROMPT")
@@ -106,6 +108,7 @@ def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) 
         raise InvalidArgument(
             f"prompt has {len(ids)} tokens; the context limit is {model.max_context}",
             reason="PROMPT_TOO_LONG",
+            param="messages" if req.WhichOneof("prompt") == "chat" else "prompt",
             prompt_tokens=len(ids),
             max_context=model.max_context,
         )
