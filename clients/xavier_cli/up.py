@@ -400,12 +400,7 @@ class MeshCertificates:
         from xavier_core.runtime.identity import Identity
 
         role = child.rsplit("-", 1)[0] if child.rsplit("-", 1)[-1].isdigit() else child
-        files = self._files(child, Identity(role, child))
-        return {
-            "XAVIER_TLS__CERT_FILE": str(files.cert_file),
-            "XAVIER_TLS__KEY_FILE": str(files.key_file),
-            "XAVIER_TLS__CA_FILE": str(files.ca_file),
-        }
+        return self._files(child, Identity(role, child)).settings().env()
 
     def client(self) -> dict[str, str]:
         """The CLI's certificate (identity client/cli), for the state file."""

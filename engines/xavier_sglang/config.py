@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from xavier_core.contract import DEFAULT_MEMORY_LAYOUT, KvLayout, layout_from_model_dir
-from xavier_core.runtime.config import TlsSettings
+from xavier_core.runtime.config import TLS_FILE_ENV, TlsSettings
 from xavier_core.runtime.errors import InvalidArgument
 from xavier_core.transfer.buffers import KvBuffer
 
@@ -134,15 +134,13 @@ class XavierSettings:
 
 
 def _tls(env: Any) -> TlsSettings | None:
-    files = {k: str(env.get(f"XAVIER_TLS__{k.upper()}") or "") for k in ("cert_file", "key_file", "ca_file")}
+    files = {key: str(env.get(name) or "") for key, name in TLS_FILE_ENV.items()}
     if not any(files.values()):
         return None
-    missing = [f"XAVIER_TLS__{k.upper()}" for k, v in files.items() if not v]
+    missing = [TLS_FILE_ENV[key] for key, value in files.items() if not value]
     if missing:
         raise UnsupportedSetupError(missing[0], "mTLS needs a certificate, its key and the CA bundle")
-    return TlsSettings(
-        cert_file=Path(files["cert_file"]), key_file=Path(files["key_file"]), ca_file=Path(files["ca_file"])
-    )
+    return TlsSettings.model_validate(files)
 
 
 def _flag(env: Any, key: str, default: bool) -> bool:

@@ -31,6 +31,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
+import numpy.typing as npt
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
@@ -227,12 +229,14 @@ class Hub:
             with self._ipc_lock:
                 self._ipc.drop(peer.peer_id, peer.epoch)
 
-    def write(self, peer: PairPeer, src: object, dst: object, note: bytes) -> Write:
+    def write(
+        self, peer: PairPeer, src: npt.NDArray[np.integer], dst: npt.NDArray[np.integer], note: bytes
+    ) -> Write:
         """WRITEs local pages `src[i]` into the peer's `dst[i]`, every KV buffer; `note` reaches the
         peer after the bytes. Through CUDA IPC when the peer's pool is mapped here, else NIXL.
         `InvalidPagesError`/`LayoutError` for pages or pools that do not line up, `TransferError` when
         the copy cannot be issued."""
-        src_pages, dst_pages = as_page_array(src), as_page_array(dst)  # type: ignore[arg-type]
+        src_pages, dst_pages = as_page_array(src), as_page_array(dst)
         if peer.view is None or self._ipc is None or self._notifier is None:
             self.counters["nixl_writes"] += 1
             return self.agent.write(peer.key, peer.kv, src_pages, dst_pages, note)

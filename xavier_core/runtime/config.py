@@ -121,6 +121,15 @@ class TlsSettings(BaseModel):
     server_name: str = ""
     """As a client: the name checked against the server's certificate; empty uses the target host."""
 
+    def env(self) -> dict[str, str]:
+        """The files as the environment variables that set them (``XAVIER_TLS__CERT_FILE``, ...): for a
+        child process (a service `xavier up` starts, the SGLang server a hosting service starts)."""
+        return {name: str(getattr(self, key)) for key, name in TLS_FILE_ENV.items()}
+
+
+TLS_FILE_ENV = {key: f"XAVIER_TLS__{key.upper()}" for key in ("cert_file", "key_file", "ca_file")}
+"""The environment variable of each ``[tls]`` file."""
+
 
 class ServiceConfig(BaseModel):
     """Settings every service shares; services subclass it and add their own sections."""

@@ -23,11 +23,14 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from xavier.v1 import types_pb2
+
 from .errors import PermissionDenied
 
 __all__ = [
     "PEER_ROLES",
     "ROLES",
+    "ROLE_NAMES",
     "Identity",
     "caller",
     "identity_of_pem",
@@ -37,6 +40,14 @@ __all__ = [
 _SCHEME = "spiffe://xavier/"
 PEER_ROLES = frozenset({"prefill", "decode", "unified"})
 ROLES = frozenset({"directory", "router", "pagestore", "client", *PEER_ROLES})
+ROLE_NAMES: dict[int, str] = {
+    types_pb2.ROLE_PREFILL: "prefill",
+    types_pb2.ROLE_DECODE: "decode",
+    types_pb2.ROLE_UNIFIED: "unified",
+    types_pb2.ROLE_PAGE_STORE: "pagestore",
+}
+"""The name of each directory role: the identity role its peers' certificates name, and the word in
+default peer ids and metrics."""
 
 
 @dataclass(frozen=True)
@@ -100,10 +111,14 @@ def _over_tls(auth: dict[str, list[bytes]]) -> bool:
     return b"ssl" in (auth.get("transport_security_type") or ())
 
 
+def _identity(auth: dict[str, list[bytes]]) -> Identity | None:
+    pems = auth.get("x509_pem_cert") or ()
+    return identity_of_pem(bytes(pems[0])) if pems else None
+
+
 def caller(ctx: Any) -> Identity | None:
     """The identity in the certificate the caller presented on this call's connection, if any."""
-    pems = _auth(ctx).get("x509_pem_cert") or ()
-    return identity_of_pem(bytes(pems[0])) if pems else None
+    return _identity(_auth(ctx))
 
 
 def require(
@@ -120,8 +135,7 @@ def require(
     auth = _auth(ctx)
     if not _over_tls(auth):
         return None
-    pems = auth.get("x509_pem_cert") or ()
-    who = identity_of_pem(bytes(pems[0])) if pems else None
+    who = _identity(auth)
     if who is not None:
         if who.role in roles:
             return who

@@ -27,7 +27,7 @@ from xavier.v1 import types_pb2
 
 from xavier_core.runtime.durations import to_duration
 from xavier_core.runtime.errors import CapacityExhausted, InvalidArgument, Unavailable
-from xavier_core.runtime.identity import require
+from xavier_core.runtime.identity import ROLE_NAMES, require
 from xavier_services.directory.config import DirectorySettings
 from xavier_services.directory.etcd_commands import OPS, Arg
 from xavier_services.directory.records import (
@@ -71,15 +71,6 @@ def _subscribed(table: dict[K, list[V]], key: K, item: V, limit: int, owner: str
             left.remove(item)
             if not left:
                 del table[key]
-
-
-# The identity role (`xavier_core.runtime.identity`) a peer of each directory role must have.
-_IDENTITY_ROLES = {
-    types_pb2.ROLE_PREFILL: "prefill",
-    types_pb2.ROLE_DECODE: "decode",
-    types_pb2.ROLE_UNIFIED: "unified",
-    types_pb2.ROLE_PAGE_STORE: "pagestore",
-}
 
 
 class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc]
@@ -159,7 +150,7 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
     # --- peers --------------------------------------------------------------------
 
     async def RegisterPeer(self, req: dpb.RegisterPeerRequest, ctx: Ctx) -> dpb.RegisterPeerResponse:
-        require(ctx, "RegisterPeer", peer_id=req.peer_id, peer_role=_IDENTITY_ROLES.get(req.role, "?"))
+        require(ctx, "RegisterPeer", peer_id=req.peer_id, peer_role=ROLE_NAMES.get(req.role, "?"))
         layout, endpoint = _opt(req, "layout"), _opt(req, "endpoint")
         peer = await self._apply(
             "register", req.request_id, req.peer_id, req.role, req.address, layout, endpoint

@@ -28,18 +28,13 @@ from xavier_core.runtime.errors import (
     Unavailable,
     XavierError,
 )
+from xavier_core.runtime.identity import ROLE_NAMES
 from xavier_core.runtime.logging import get_logger
 from xavier_core.transfer.metrics import register_port_metrics
 from xavier_core.transfer.port import KvPort
 from xavier_services.peer.config import PeerServiceConfig
 
 log = get_logger(__name__)
-
-ROLE_NAMES = {
-    types_pb2.ROLE_PREFILL: "prefill",
-    types_pb2.ROLE_DECODE: "decode",
-    types_pb2.ROLE_UNIFIED: "unified",
-}
 
 
 def _version() -> str:

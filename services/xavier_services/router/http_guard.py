@@ -12,7 +12,7 @@ aiohttp's protocol factory:
   kept-alive connection (``request_done``). A connection past it is closed
   (``xavier_http_connections_timed_out_total``).
 
-The body has its own deadline in the handler (`read_body`): 408 ``REQUEST_TIMEOUT``.
+The body has its own deadline where the OpenAI front reads it (`OpenAiFront._body`): 408 ``REQUEST_TIMEOUT``.
 """
 
 from __future__ import annotations

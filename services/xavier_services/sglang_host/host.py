@@ -31,6 +31,7 @@ from xavier_core.directory import DirectoryClient, PeerSession, Registration
 from xavier_core.runtime import ServerHandle
 from xavier_core.runtime.config import ConfigError
 from xavier_core.runtime.errors import InvalidArgument, NotFound, Unavailable, XavierError
+from xavier_core.runtime.identity import ROLE_NAMES
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.sglang_host.child import SglangChild
@@ -38,11 +39,6 @@ from xavier_services.sglang_host.client import SglangHttp
 from xavier_services.sglang_host.launch import LaunchSpec, build_launch
 
 log = get_logger(__name__)
-ROLE_NAMES = {
-    types_pb2.ROLE_PREFILL: "prefill",
-    types_pb2.ROLE_DECODE: "decode",
-    types_pb2.ROLE_UNIFIED: "unified",
-}
 _PREFILL_CACHE = 256
 
 

@@ -144,9 +144,7 @@ def _xavier_env(spec: LaunchSpec) -> dict[str, str]:
         env[ENV_PEER_ID] = spec.peer_id
     tls = client_tls()  # the service's own [tls]: the plugin registers as this service's peer
     if tls is not None:
-        env["XAVIER_TLS__CERT_FILE"] = str(tls.cert_file)
-        env["XAVIER_TLS__KEY_FILE"] = str(tls.key_file)
-        env["XAVIER_TLS__CA_FILE"] = str(tls.ca_file)
+        env.update(tls.env())
     try:
         # The plugin's own parser: what it would refuse inside SGLang is refused here, before the launch.
         XavierSettings.from_env(default_advertise=spec.advertise, environ=env)

@@ -25,9 +25,9 @@ from xavier.v1 import prefill_service_pb2 as ppb
 from xavier_core.runtime.config import parse_host_port
 from xavier_core.runtime.durations import to_duration
 from xavier_core.runtime.errors import Aborted, FailedPrecondition, InvalidArgument
-from xavier_core.runtime.identity import require
+from xavier_core.runtime.identity import ROLE_NAMES, require
 from xavier_services.peer.convert import check_room_id, sampling_from_pb
-from xavier_services.sglang_host.host import ROLE_NAMES, SglangHost
+from xavier_services.sglang_host.host import SglangHost
 from xavier_services.sglang_host.protocol import Delta, abort_message, generate_body
 from xavier_services.sglang_host.stats import engine_stats
 
