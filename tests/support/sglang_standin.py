@@ -23,7 +23,10 @@ run. Run as `python -m tests.support.sglang_standin ARGS...` (the service's `sgl
   `num_waiting_reqs`, `num_used_tokens` = prompt + max new tokens of the requests open,
   `max_total_num_tokens` = XAVIER_STANDIN_MAX_TOKENS or 4096); 404 with XAVIER_STANDIN_NO_LOADS=1.
 - `POST /standin/health?ok=0|1` makes `/health` answer 503 or 200.
-- `GET /standin/state`: its argv, environment, helper pid and counters, for the tests.
+- `GET /server_info`: `{"version": XAVIER_STANDIN_VERSION or "0.5.23"}` (SGLang's answer has many more
+  fields); 404 with XAVIER_STANDIN_VERSION=none.
+- `GET /standin/state`: its argv, environment, helper pid and counters, and the salt fields
+  (`cache_salt`, `extra_key`) of the last `/generate`, for the tests.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-tokenizer-init", action="store_true")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--lora-paths", nargs="*", default=None)
     return p
 
 
@@ -95,6 +100,7 @@ class Standin:
         self.held: dict[int, int] = {}  # request -> KV tokens it holds (prompt + max new), for /v1/loads
         self.max_tokens = int(os.environ.get("XAVIER_STANDIN_MAX_TOKENS") or 4096)
         self.healthy = True
+        self.last_salt: dict[str, Any] = {}
         self.helper = subprocess.Popen([sys.executable, "-c", _HELPER])
         self.session: Any = None
         self.directory: Any = None
@@ -157,6 +163,12 @@ class Standin:
             return web.Response(status=503, text="unhealthy")
         return web.Response(text="ok")
 
+    async def server_info(self, request: web.Request) -> web.Response:
+        version = os.environ.get("XAVIER_STANDIN_VERSION") or "0.5.23"
+        if version == "none":
+            return web.Response(status=404, text="not found")
+        return web.json_response({"version": version})
+
     async def set_health(self, request: web.Request) -> web.Response:
         self.healthy = request.query.get("ok") == "1"
         return web.Response(text="ok")
@@ -171,6 +183,7 @@ class Standin:
                 "pid": os.getpid(),
                 "started_at": _STARTED_AT,
                 "helper_pid": self.helper.pid,
+                "last_salt": self.last_salt,
                 **self.counters,
             }
         )
@@ -181,6 +194,7 @@ class Standin:
             return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
         body = await request.json()
         self.counters["requests"] += 1
+        self.last_salt = {k: body[k] for k in ("cache_salt", "extra_key") if k in body}
         status = int(os.environ.get("XAVIER_STANDIN_GENERATE_STATUS") or 200)
         if status != 200:  # a server that refuses every request (the tests' failure injection)
             await asyncio.sleep(float(os.environ.get("XAVIER_STANDIN_FAIL_AFTER") or 0))
@@ -331,6 +345,7 @@ async def serve(args: argparse.Namespace) -> None:
         app.router.add_post("/standin/health", standin.set_health)
         app.router.add_post("/generate", standin.generate)
         app.router.add_get("/v1/loads", standin.loads)
+        app.router.add_get("/server_info", standin.server_info)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()

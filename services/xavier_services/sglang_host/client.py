@@ -83,6 +83,18 @@ class SglangHttp:
             raise Internal("SGLang's /v1/loads did not report exactly one rank", reason="ENGINE_ERROR")
         return dict(loads[0])
 
+    async def release(self, timeout: float) -> str:
+        """SGLang's version from `GET /server_info` ("" when it does not answer with one)."""
+        try:
+            async with self.session.get(
+                f"{self.url}/server_info", headers=self._headers, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
+                answer = await resp.json(content_type=None) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return ""
+        version = answer.get("version") if isinstance(answer, dict) else None
+        return version if isinstance(version, str) else ""
+
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[Delta]:
         """A streamed `/generate` as deltas; leaving early (cancel) closes the connection: SGLang aborts."""
         resp: aiohttp.ClientResponse | None = None

@@ -37,6 +37,7 @@ from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.sglang_host.child import SglangChild
 from xavier_services.sglang_host.client import SglangHttp
 from xavier_services.sglang_host.launch import LaunchSpec, build_launch
+from xavier_services.sglang_host.salt import SaltSupport, lora_refusal, salt_support
 
 log = get_logger(__name__)
 _PREFILL_CACHE = 256
@@ -73,6 +74,8 @@ class SglangHost:
         self._watch: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None
         self._prefills: dict[tuple[str, int], str] = {}  # (peer id, epoch) -> address
+        self.salts = SaltSupport("", None, "SGLang has not started")
+        """How a request's cache salt reaches this SGLang (read from its release once it is healthy)."""
 
     @property
     def native(self) -> bool:
@@ -123,6 +126,7 @@ class SglangHost:
         try:
             await self.child.start()
             await self.child.wait_healthy(self.http.session, cfg.sglang.health_timeout_seconds)
+            await self._read_release()
             if not self.native:
                 self.directory = DirectoryClient(cfg.peer.directory, timeout=cfg.peer.rpc_timeout_seconds)
             if self.role == types_pb2.ROLE_UNIFIED:
@@ -140,6 +144,20 @@ class SglangHost:
         if self.native:
             info["bootstrap_port"] = cfg.sglang.bootstrap_port
         return info
+
+    async def _read_release(self) -> None:
+        """The salt field of the running release; a set-up it cannot isolate exits 2 naming the key."""
+        cfg = self.config.sglang
+        release = await self.sglang.release(cfg.health_probe_timeout_seconds)
+        refused = lora_refusal(release, storage=cfg.hicache, extra_args=cfg.extra_args)
+        if refused:
+            raise ConfigError([("sglang.hicache", refused, "config")])
+        self.salts = salt_support(release, storage=cfg.hicache)
+        log.info(
+            "sglang release",
+            release=release or "unknown",
+            salt_field=self.salts.field.value if self.salts.field is not None else "refused",
+        )
 
     async def _register(self) -> None:
         e = self.config.engine

@@ -8,6 +8,9 @@
   engine's Decode, the stream starts with the *first* token (it reaches the decode in the aux buffer).
 - GenerateUnified (unified role): a streamed `/generate`.
 
+Prefill and GenerateUnified pass the request's `cache_salt` in the field the running release honours, or
+refuse a salted request with FAILED_PRECONDITION where it cannot be isolated (`salt`).
+
 Cancelling an RPC closes its HTTP connection, which aborts the request inside SGLang.
 """
 
@@ -89,6 +92,7 @@ class SglangPrefillServicer(_Base, prefill_service_pb2_grpc.PrefillServiceServic
             stream=False,
             bootstrap=(bootstrap_host, bootstrap_port, request.room_id),
         )
+        host.salts.apply(body, request.cache_salt)
         started = time.perf_counter()
         with host.busy():
             answer = await host.sglang.generate(body)
@@ -158,6 +162,7 @@ class SglangDecodeServicer(_Base, decode_service_pb2_grpc.DecodeServiceServicer)
         token_ids = list(request.token_ids)
         _check(token_ids, request.sampling)
         body = generate_body(request.request_id, token_ids, request.sampling)
+        host.salts.apply(body, request.cache_salt)
         started = time.perf_counter()
         first_at: float | None = None
         n = 0

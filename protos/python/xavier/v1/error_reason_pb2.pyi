@@ -285,6 +285,14 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The HTTP request's body did not arrive within the router's http_body_timeout_seconds of its
     headers; HTTP 408 with the OpenAI error shape (the HTTP front only).
     """
+    ERROR_REASON_CACHE_SALT_UNSUPPORTED: _ErrorReason.ValueType  # 75
+    """Tenant salts on SGLang replicas.
+
+    The request carries a cache_salt, but the SGLang release this replica runs cannot keep a salt's
+    prefix pages apart from another's (0.5.17's HiCache storage keys ignore a request's extra_key; a
+    release the service does not know), so it is refused rather than served unisolated; status
+    FAILED_PRECONDITION, metadata "release" (SGLang's version, "unknown" when it did not say) and "why".
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every `google.rpc.ErrorInfo.reason` that a xavier.v1 service or client emits.
@@ -558,5 +566,13 @@ certificate with no Xavier identity at all. Status PERMISSION_DENIED, metadata "
 ERROR_REASON_REQUEST_TIMEOUT: ErrorReason.ValueType  # 74
 """The HTTP request's body did not arrive within the router's http_body_timeout_seconds of its
 headers; HTTP 408 with the OpenAI error shape (the HTTP front only).
+"""
+ERROR_REASON_CACHE_SALT_UNSUPPORTED: ErrorReason.ValueType  # 75
+"""Tenant salts on SGLang replicas.
+
+The request carries a cache_salt, but the SGLang release this replica runs cannot keep a salt's
+prefix pages apart from another's (0.5.17's HiCache storage keys ignore a request's extra_key; a
+release the service does not know), so it is refused rather than served unisolated; status
+FAILED_PRECONDITION, metadata "release" (SGLang's version, "unknown" when it did not say) and "why".
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
