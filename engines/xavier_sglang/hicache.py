@@ -19,9 +19,14 @@ Keys: SGLang's per-page SHA-256 chain names a page and its prefix but neither th
 fingerprint (model, dtype, page size, host layout) and the configured salt, and the store namespace also
 carries fingerprint, salt and tensor-parallel rank.
 
-Failure policy: the store can only make SGLang faster. Every error (store down, slow, a failed READ or
-WRITE, a checksum mismatch) is a miss and is counted (`get_stats()`, and the page store client's metrics);
-nothing raises into SGLang's cache threads.
+Failure policy: the store can only make SGLang faster. Every error (store down, slow, restarted, a failed
+READ or WRITE, a checksum mismatch) is a miss and is counted (`get_stats()`, and the page store client's
+metric `xavier_pagestore_client_errors{op,reason}` in the process's default Prometheus registry), with a
+rate-limited log line (`log_interval_s`, default 30); nothing raises into SGLang's cache threads.
+
+Host pages of a get stay under a hold (`quarantine`) until the READ into them has ended, even when the
+wait for it gave up first; a READ NIXL refused to cancel (`Fetched.stuck`) keeps its pages out of the pool
+for good.
 """
 # mypy: disable-error-code="misc"
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +44,13 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from xavier_core.contract import layout_from_model_dir
 from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
+from xavier_core.pagestore.client import Fetched, InOrder
 from xavier_core.prefix_keys import chain_seed
 from xavier_core.transfer.buffers import KvBuffer
 
 from .config import UnsupportedSetupError
 from .loop import LoopThread
+from .quarantine import Hold, HostQuarantine
 
 __all__ = ["XavierHiCacheStorage", "host_pool_buffers"]
 
@@ -96,12 +104,14 @@ class XavierHiCacheStorage(HiCacheStorage):
         self.settings = ClientSettings(
             rpc_timeout_s=float(extra.get("rpc_timeout_s", 1.0)),
             transfer_timeout_s=float(extra.get("transfer_timeout_s", 5.0)),
+            log_interval_s=float(extra.get("log_interval_s", 30.0)),
         )
         self._wait_s = self.settings.rpc_timeout_s * 4 + self.settings.transfer_timeout_s + _WAIT_MARGIN_S
         self._lock = threading.Lock()
         self.errors = 0
         self.client: PageStoreClient | None = None
         self.namespace: PageNamespace | None = None
+        self.quarantine: HostQuarantine | None = None
         self._seed = b""
         self._page_size = 1
         self._loop = LoopThread("xavier-hicache")
@@ -121,6 +131,7 @@ class XavierHiCacheStorage(HiCacheStorage):
             memory_layout=f"sglang_host_{mem_pool_host.layout}",
         )
         self._page_size = int(mem_pool_host.page_size)
+        self.quarantine = HostQuarantine(mem_pool_host)
         self.namespace = PageNamespace(layout.fingerprint, self.salt, self.rank)
         self._seed = chain_seed(layout.fingerprint, self.salt)
 
@@ -151,18 +162,40 @@ class XavierHiCacheStorage(HiCacheStorage):
             return 0
 
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
-        client, ns = self.client, self.namespace
-        if client is None or ns is None:
+        client, ns, guard = self.client, self.namespace, self.quarantine
+        if client is None or ns is None or guard is None:
             return [False] * len(keys)
         try:
-            pages = self._pages(host_indices, len(keys))
-            hit = int(
-                self._loop.run(client.lookup_and_fetch(ns, self._store_keys(keys), pages), self._wait_s)
-            )
+            tokens = self._tokens(host_indices, len(keys))
+        except ValueError as exc:
+            self._error("get", exc)
+            return [False] * len(keys)
+        page = self._page_size
+        allocate = InOrder([tokens[i * page] // page for i in range(len(keys))])
+        # SGLang frees the pages it is told are missing and lends them again: they stay held until the
+        # fetch has ended (not when the wait below gives up), and for good if its READ is stuck.
+        hold = guard.hold(tokens)
+        future = self._loop.submit(client.fetch(ns, self._store_keys(keys), allocate))
+        future.add_done_callback(lambda f: self._settle(f, hold, tokens, allocate))
+        try:
+            hit = future.result(self._wait_s).hit
         except Exception as exc:
             self._error("get", exc)
             hit = 0
         return [True] * hit + [False] * (len(keys) - hit)
+
+    def _settle(self, future: Future[Fetched], hold: Hold, tokens: list[int], allocate: InOrder) -> None:
+        """Lifts a get's hold once its fetch ended; a stuck READ's pages past the hit are kept."""
+        guard = self.quarantine
+        if guard is None:
+            return
+        got = None if future.cancelled() or future.exception() is not None else future.result()
+        if got is None or not got.stuck:
+            guard.lift(hold)
+            return
+        keep = tokens[got.hit * self._page_size : allocate.handed * self._page_size]
+        log.error("page store: %d host pages lost to a stuck READ", len(keep) // self._page_size)
+        guard.lift(hold, keep)
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         client, ns = self.client, self.namespace
@@ -205,6 +238,7 @@ class XavierHiCacheStorage(HiCacheStorage):
         counters = client.counters if client is not None else None
         return {
             "errors": self.errors,
+            "lost_host_pages": (self.quarantine.lost_tokens // self._page_size) if self.quarantine else 0,
             "hit_pages": getattr(counters, "hit_pages", 0),
             "miss_pages": getattr(counters, "miss_pages", 0),
             "pages_written": getattr(counters, "pages_written", 0),
@@ -217,17 +251,28 @@ class XavierHiCacheStorage(HiCacheStorage):
         """SGLang's hex keys re-hashed with the namespace seed (fingerprint + salt)."""
         return [hashlib.sha256(self._seed + bytes.fromhex(k)).digest() for k in keys]
 
-    def _pages(self, host_indices: Any, count: int) -> list[int]:
-        """Host page ids of a page-aligned token index list (one page per key)."""
+    def _tokens(self, host_indices: Any, count: int) -> list[int]:
+        """The host token indices of `count` pages (one page per key)."""
         idx = (
             [int(i) for i in host_indices.tolist()] if hasattr(host_indices, "tolist") else list(host_indices)
         )
         page = self._page_size
         if len(idx) != count * page:
             raise ValueError(f"{len(idx)} host indices for {count} pages of {page} tokens")
+        return idx
+
+    def _pages(self, host_indices: Any, count: int) -> list[int]:
+        """Host page ids of a page-aligned token index list (one page per key)."""
+        idx, page = self._tokens(host_indices, count), self._page_size
         return [idx[i * page] // page for i in range(count)]
 
     def _error(self, op: str, exc: BaseException) -> None:
+        """A call given up on (its wait timed out, or bad host indices): a miss, counted and logged as
+        the client counts and logs its own (`PageStoreClient.failed`)."""
         with self._lock:
             self.errors += 1
-        log.warning("xavier page store %s failed (a miss): %s: %s", op, type(exc).__name__, exc)
+        client = self.client
+        if client is not None:
+            client.failed(op, exc)
+        else:
+            log.warning("xavier page store %s failed (a miss): %s: %s", op, type(exc).__name__, exc)

@@ -34,12 +34,13 @@ from xavier_core.pagestore.layout import PageGeometry, Span, local_page_checksum
 from xavier_core.pagestore.metrics import ClientCounters, client_metrics
 from xavier_core.pagestore.namespace import PageNamespace
 from xavier_core.pagestore.staging import HostStaging
+from xavier_core.pagestore.trouble import TroubleLog
 from xavier_core.pagestore.writer import Background, WriteQueue
 from xavier_core.runtime.errors import XavierError
 from xavier_core.transfer.buffers import KvBuffer
 from xavier_core.transfer.errors import InvalidPagesError
 
-__all__ = ["ClientSettings", "Fetched", "PageNamespace", "PageStoreClient"]
+__all__ = ["ClientSettings", "Fetched", "InOrder", "PageNamespace", "PageStoreClient"]
 
 log = logging.getLogger(__name__)
 Rows = npt.NDArray[np.uint64]
@@ -61,6 +62,8 @@ class ClientSettings:
     """Pages of the pinned host mirror of a device pool (unused for a host pool); bounds one call's chunk."""
     stage_host_pool: bool = False
     """Pass a host pool through the mirror too: the exact path a device pool takes, on any machine."""
+    log_interval_s: float = 30.0
+    """While the store keeps failing, at most one log line per this many seconds (see `trouble`)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,19 @@ class Fetched:
     stuck: bool
     """A timed-out READ that NIXL refused to cancel may still write into the pages past `hit`: the caller
     must never reuse them (they are lost to the pool, as a device pool loses the staging slots)."""
+
+
+class InOrder:
+    """A `fetch` allocator handing out `pages` in order (page i for key i); `handed` counts those given."""
+
+    def __init__(self, pages: Sequence[int]) -> None:
+        self.pages = list(pages)
+        self.handed = 0
+
+    def __call__(self, n: int) -> list[int]:
+        out = self.pages[self.handed : self.handed + n]
+        self.handed += len(out)
+        return out
 
 
 class _BadAllocation(InvalidPagesError):
@@ -110,6 +126,7 @@ class PageStoreClient:
         self._num_pages = min(b.num_pages for b in buffers)
         self._writes = WriteQueue(self.write, self.settings.write_queue, self._dropped)
         self._releases = Background("pagestore-release")
+        self._trouble = TroubleLog(log, self.settings.log_interval_s)
 
     @property
     def address(self) -> str:
@@ -123,16 +140,7 @@ class PageStoreClient:
     ) -> int:
         """READs the longest stored prefix of `keys` into `dest_pages` (same length, page i for key i) and
         returns how many pages arrived verified; pages past that count hold unspecified bytes."""
-        pages = self._check_pages(keys, dest_pages)
-        handed = 0
-
-        def allocate(n: int) -> list[int]:
-            nonlocal handed
-            out = pages[handed : handed + n]
-            handed += len(out)
-            return out
-
-        return (await self.fetch(namespace, keys, allocate)).hit
+        return (await self.fetch(namespace, keys, InOrder(self._check_pages(keys, dest_pages)))).hit
 
     async def fetch(
         self, namespace: PageNamespace, keys: Sequence[bytes], allocate: Callable[[int], Sequence[int]]
@@ -157,12 +165,13 @@ class PageStoreClient:
                 hit += got
                 if got < len(chunk):
                     break
+            self._trouble.ok()
         except _BadAllocation as exc:
             raise InvalidPagesError(str(exc)) from None
         except Exception as exc:
             # A device pool's stuck READ writes into staging slots (never lent again), not into pages.
             stuck = isinstance(exc, TransferStuck) and self.staging is None
-            self._failed("get", exc)
+            self.failed("get", exc)
         self.counters.hit_pages += hit
         self.counters.miss_pages += len(keys) - hit
         self._metrics.hit_pages.inc(hit)
@@ -175,9 +184,10 @@ class PageStoreClient:
             resp = await self.conn.call(
                 "ExistsPages", pb.ExistsPagesRequest(namespace=_ns_proto(namespace), keys=keys)
             )
+            self._trouble.ok()
             return int(resp.hit_count)
         except Exception as exc:
-            self._failed("exists", exc)
+            self.failed("exists", exc)
             return 0
 
     def write_through(
@@ -203,8 +213,9 @@ class PageStoreClient:
             limit = self._chunk_limit()
             for at in range(0, len(keys), limit):
                 committed += await self._put(namespace, list(keys[at : at + limit]), pages[at : at + limit])
+            self._trouble.ok()
         except Exception as exc:
-            self._failed("put", exc)
+            self.failed("put", exc)
             self.counters.writes_failed += 1
         self.counters.pages_written += committed
         self._metrics.pages_written.inc(committed)
@@ -347,17 +358,20 @@ class PageStoreClient:
         try:
             await self.conn.call("ReleaseLease", req)
         except Exception as exc:  # the lease expires on its own
-            self._failed("release", exc)
+            self.failed("release", exc)
 
     def _dropped(self) -> None:
         self.counters.writes_dropped += 1
         self._metrics.writes_dropped.inc()
 
-    def _failed(self, op: str, exc: BaseException) -> None:
+    def failed(self, op: str, exc: BaseException) -> None:
+        """Records a store call that failed and was served as a miss: the counter, the metric
+        (`errors{op,reason}`) and a rate-limited log line. Callers that gave up waiting on a call (a
+        timed-out wait) record it here too."""
         reason = exc.reason if isinstance(exc, XavierError) else type(exc).__name__
         self.counters.errors += 1
         self._metrics.errors.labels(op, reason).inc()
-        log.warning("page store %s failed, served as a miss: %s", op, exc)
+        self._trouble.failed(op, exc)
 
     def _allocated(self, allocate: Callable[[int], Sequence[int]], n: int, given: set[int]) -> list[int]:
         out = [int(p) for p in allocate(n)]
