@@ -285,6 +285,12 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The HTTP request's body did not arrive within the router's http_body_timeout_seconds of its
     headers; HTTP 408 with the OpenAI error shape (the HTTP front only).
     """
+    ERROR_REASON_MALFORMED_HTTP: _ErrorReason.ValueType  # 75
+    """The HTTP request could not be read as HTTP/1.1 (its request line, method, version or URL, a header,
+    Content-Length, Transfer-Encoding or chunk framing, a line or a header count past the limits, or an
+    Expect other than 100-continue); HTTP 400 (417 for Expect) with the OpenAI error shape, "param"
+    naming the header where the parser names one, and the connection closed (the HTTP front only).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every `google.rpc.ErrorInfo.reason` that a xavier.v1 service or client emits.
@@ -558,5 +564,11 @@ certificate with no Xavier identity at all. Status PERMISSION_DENIED, metadata "
 ERROR_REASON_REQUEST_TIMEOUT: ErrorReason.ValueType  # 74
 """The HTTP request's body did not arrive within the router's http_body_timeout_seconds of its
 headers; HTTP 408 with the OpenAI error shape (the HTTP front only).
+"""
+ERROR_REASON_MALFORMED_HTTP: ErrorReason.ValueType  # 75
+"""The HTTP request could not be read as HTTP/1.1 (its request line, method, version or URL, a header,
+Content-Length, Transfer-Encoding or chunk framing, a line or a header count past the limits, or an
+Expect other than 100-continue); HTTP 400 (417 for Expect) with the OpenAI error shape, "param"
+naming the header where the parser names one, and the connection closed (the HTTP front only).
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
