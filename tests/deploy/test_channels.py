@@ -52,6 +52,58 @@ async def test_process_tls_and_server_name(tls_server: tuple[str, Path]) -> None
         await _check(channels.open_channel(address))
 
 
+async def _tls_health_server(files: Path, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    settings = channels.TlsSettings(
+        cert_file=files / "cert.pem", key_file=files / "key.pem", ca_file=files / "ca.pem"
+    )
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    bound = server.add_secure_port(f"127.0.0.1:{port}", ServerTls(settings).credentials())
+    await server.start()
+    return server, bound
+
+
+async def test_an_open_channel_follows_a_client_tls_reload(tmp_path: Path) -> None:
+    """One stub over one channel: refused by a server of a new CA until the reload, served after it; a
+    reload that finds a broken key keeps the certificate it had."""
+    client = tmp_path / "client"
+    client.mkdir()
+
+    def install(source: Path) -> None:
+        for name in ("cert.pem", "key.pem", "ca.pem"):
+            (client / name).write_bytes((source / name).read_bytes())
+
+    make_dev_certificates(tmp_path / "old")
+    install(tmp_path / "old")
+    server, port = await _tls_health_server(tmp_path / "old")
+    channels.use_client_tls(
+        channels.TlsSettings(
+            cert_file=client / "cert.pem", key_file=client / "key.pem", ca_file=client / "ca.pem"
+        )
+    )
+    channel = channels.open_channel(f"127.0.0.1:{port}")
+    stub = health_pb2_grpc.HealthStub(channel)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    try:
+        assert (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == serving
+        # The server restarts on a new CA; the client's files are rotated but not yet reloaded.
+        await server.stop(None)
+        make_dev_certificates(tmp_path / "new")
+        server, _ = await _tls_health_server(tmp_path / "new", port)
+        install(tmp_path / "new")
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        channels.reload_client_tls()
+        assert (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == serving
+        (client / "key.pem").write_text("not a key\n")
+        channels.reload_client_tls()
+        assert (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == serving
+    finally:
+        channels.use_client_tls(None)
+        await channel.close()
+        await server.stop(None)
+
+
 def test_several_addresses_make_one_round_robin_channel() -> None:
     assert channels._targets("10.0.0.1:7100") == ("10.0.0.1:7100", ())
     target, options = channels._targets("10.0.0.1:7100,10.0.0.2:7100")

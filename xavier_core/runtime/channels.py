@@ -8,8 +8,9 @@ A service configured with ``[tls]`` dials every other service over mTLS: the ser
 :func:`use_client_tls` with its settings, and from then on :func:`open_channel` presents the service's
 certificate and trusts only ``ca_file`` — a plaintext channel is never opened by such a process, since
 its peers (configured alike) refuse plaintext anyway and a silent downgrade would only hide a mistake.
-The certificate files are re-read for each new channel, so channels opened after a rotation (and the
-SIGHUP that reloads the server side) use the new certificate.
+Such a mesh channel is a :class:`~xavier_core.runtime.client_tls.ReloadingChannel`: after
+:func:`reload_client_tls` (what SIGHUP calls, beside the server side's reload) its next call re-reads the
+files and dials again, so channels already open follow a rotation as well as new ones do.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ipaddress
 
 import grpc
 
+from .client_tls import ClientTls, ReloadingChannel
 from .config import TlsSettings
 from .tls import channel_credentials
 
@@ -26,24 +28,31 @@ __all__ = [
     "channel_options",
     "client_tls",
     "open_channel",
+    "reload_client_tls",
     "use_client_tls",
 ]
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 """Largest message sent or received on an internal channel (a peer's stats, a long prompt's tokens)."""
 
-_client_tls: TlsSettings | None = None
+_client_tls: ClientTls | None = None
 
 
 def use_client_tls(settings: TlsSettings | None) -> None:
     """Makes ``settings`` the TLS of every channel this process opens from now on (None: plaintext)."""
     global _client_tls
-    _client_tls = settings
+    _client_tls = ClientTls(settings) if settings is not None else None
 
 
 def client_tls() -> TlsSettings | None:
     """The TLS settings channels are opened with (None: plaintext)."""
-    return _client_tls
+    return _client_tls.settings if _client_tls is not None else None
+
+
+def reload_client_tls() -> None:
+    """The process's mesh channels re-read their certificate files before their next call (SIGHUP)."""
+    if _client_tls is not None:
+        _client_tls.request_reload()
 
 
 def channel_options(
@@ -75,17 +84,20 @@ def open_channel(
 
     mTLS with ``tls`` when given, else with the process's settings (:func:`use_client_tls`), else
     plaintext. ``mesh=False`` dials a service outside the mesh (etcd), which the process's settings
-    do not fit: ``tls`` or plaintext. A bad certificate file raises
+    do not fit: ``tls`` or plaintext. Only a channel on the process's settings follows
+    :func:`reload_client_tls`. A bad certificate file raises
     :class:`~xavier_core.runtime.config.ConfigError`.
     """
-    settings = tls if tls is not None or not mesh else _client_tls
     target, extra = _targets(target)
-    if settings is None:
-        return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes) + extra)
-    return grpc.aio.secure_channel(
-        target,
-        channel_credentials(settings),
-        options=channel_options(max_message_bytes, settings.server_name) + extra,
+    if tls is not None or not mesh or _client_tls is None:
+        if tls is None:
+            return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes) + extra)
+        options = channel_options(max_message_bytes, tls.server_name) + extra
+        return grpc.aio.secure_channel(target, channel_credentials(tls), options=options)
+    # The process's own certificate: a channel that follows its reloads.
+    options = channel_options(max_message_bytes, _client_tls.settings.server_name) + extra
+    return ReloadingChannel(
+        _client_tls, lambda credentials: grpc.aio.secure_channel(target, credentials, options=options)
     )
 
 

@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from . import sdnotify
-from .channels import use_client_tls
+from .channels import client_tls, reload_client_tls, use_client_tls
 from .config import ConfigError, ServiceConfig, exit_on_config_error, parse_host_port
 from .interceptors import RuntimeInterceptor
 from .logging import configure_logging, get_logger
@@ -215,8 +215,15 @@ async def start_service(
     return handle
 
 
-def _nothing_to_reload() -> None:
-    _log.info("SIGHUP ignored: no [tls] files to reload")
+def _reload_tls(handle: ServerHandle) -> None:
+    """SIGHUP: the ``[tls]`` files are re-read for the server's next handshakes and the next calls of the
+    channels this process opened."""
+    if handle.tls is None and client_tls() is None:
+        _log.info("SIGHUP ignored: no [tls] files to reload")
+        return
+    if handle.tls is not None:
+        handle.tls.request_reload()
+    reload_client_tls()
 
 
 async def serve(
@@ -234,7 +241,8 @@ async def serve(
 ) -> int:
     """Run a service until SIGTERM/SIGINT (or ``handle.request_stop()``); return the exit code 0.
 
-    SIGHUP re-reads the ``[tls]`` certificate files for the next connections (a no-op without TLS).
+    SIGHUP re-reads the ``[tls]`` certificate files for the next connections, served and dialled (a
+    no-op without TLS).
 
     ``started(handle)`` is called once SERVING (in-process callers keep the
     handle to stop it). Signal handlers are installed only when
@@ -263,8 +271,7 @@ async def serve(
             started(handle)
         if handle_signals:
             # SIGHUP (systemctl reload) must never kill a service, with or without TLS to reload.
-            reload = handle.tls.request_reload if handle.tls is not None else _nothing_to_reload
-            loop.add_signal_handler(signal.SIGHUP, reload)
+            loop.add_signal_handler(signal.SIGHUP, _reload_tls, handle)
             installed.append(signal.SIGHUP)
         signal_wait = asyncio.create_task(stop_signal.wait())
         request_wait = asyncio.create_task(handle.wait_for_stop_request())

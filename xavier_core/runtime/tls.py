@@ -6,7 +6,8 @@ first handshake. The server side is built on ``grpc.dynamic_ssl_server_credentia
 :meth:`ServerTls.fetch` for a new certificate configuration before each handshake, and it hands one over
 only after :meth:`ServerTls.request_reload` (what SIGHUP does), so rotating certificates needs no restart
 and connections already open keep the certificate they were made with. A reload that finds broken files
-keeps serving the old ones and logs why; the next SIGHUP tries again.
+keeps serving the old ones and logs why; the next SIGHUP tries again. The channels a service dials
+follow the same SIGHUP (``client_tls``).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from xavier_core.text.errors import ModelFilesError
 from xavier_core.text.tokenizer import TextTokenizer
 from xavier_services.router.config import RouterConfig
 from xavier_services.router.core import Router
+from xavier_services.router.http_errors import json_error_protocols
 from xavier_services.router.http_guard import ConnectionGuard
 from xavier_services.router.openai_http import OpenAiFront
 from xavier_services.router.prompts import ModelInfo, PromptCache, PromptEncoder, load_model_info
@@ -105,7 +106,9 @@ async def run(config: RouterConfig) -> int:
         await runner.setup()
         assert runner.server is not None
         guard = ConnectionGuard(
-            runner.server, config.http_max_connections, config.http_header_timeout_seconds
+            json_error_protocols(runner.server),
+            config.http_max_connections,
+            config.http_header_timeout_seconds,
         )
         http_server = await asyncio.get_running_loop().create_server(
             guard, host.strip("[]") or None, port, reuse_address=True

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
@@ -50,10 +50,10 @@ _log = logging.getLogger("xavier.router.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def json_error(status: int, message: str, *, reason: str) -> web.Response:
-    """OpenAI's error shape for a status the gRPC mapping does not produce (413, 404, 405, 500)."""
+def json_error(status: int, message: str, *, reason: str, param: str | None = None) -> web.Response:
+    """OpenAI's error shape for a status the gRPC mapping does not produce (413, 404, 405, 417, 500)."""
     kind = _ERROR_TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    body = {"error": {"message": message, "type": kind, "param": None, "code": reason}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": reason}}
     return web.json_response(body, status=status)
 
 
@@ -95,12 +95,26 @@ class OpenAiFront:
             client_max_size=self.router.config.http_max_body_bytes,
             middlewares=[self._connection, self._errors, *self._auth()],
         )
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model:.+}", self.model)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/health", self.health)
+        expect = self.expect
+        app.router.add_get("/v1/models", self.models, expect_handler=expect)
+        app.router.add_get("/v1/models/{model:.+}", self.model, expect_handler=expect)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=expect)
+        app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=expect)
+        app.router.add_get("/health", self.health, expect_handler=expect)
         return app
+
+    @staticmethod
+    async def expect(request: web.Request) -> None:
+        """``Expect: 100-continue`` gets its interim answer; any other expectation a JSON 417. (aiohttp's
+        own answer is text/plain, sent before the middleware runs.)"""
+        if request.headers.get(hdrs.EXPECT, "").strip().lower() != "100-continue":
+            body = json_error(
+                417, "Expect must be 100-continue", reason="MALFORMED_HTTP", param="Expect"
+            ).text
+            raise web.HTTPExpectationFailed(text=body, content_type="application/json")
+        if request.version == HttpVersion11:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # the answer proper has not started yet
 
     def _auth(self) -> list[Any]:
         token = self.router.config.bearer_token

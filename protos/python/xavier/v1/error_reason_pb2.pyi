@@ -293,6 +293,12 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     release the service does not know), so it is refused rather than served unisolated; status
     FAILED_PRECONDITION, metadata "release" (SGLang's version, "unknown" when it did not say) and "why".
     """
+    ERROR_REASON_MALFORMED_HTTP: _ErrorReason.ValueType  # 76
+    """The HTTP request could not be read as HTTP/1.1 (its request line, method, version or URL, a header,
+    Content-Length, Transfer-Encoding or chunk framing, a line or a header count past the limits, or an
+    Expect other than 100-continue); HTTP 400 (417 for Expect) with the OpenAI error shape, "param"
+    naming the header where the parser names one, and the connection closed (the HTTP front only).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every `google.rpc.ErrorInfo.reason` that a xavier.v1 service or client emits.
@@ -574,5 +580,11 @@ The request carries a cache_salt, but the SGLang release this replica runs canno
 prefix pages apart from another's (0.5.17's HiCache storage keys ignore a request's extra_key; a
 release the service does not know), so it is refused rather than served unisolated; status
 FAILED_PRECONDITION, metadata "release" (SGLang's version, "unknown" when it did not say) and "why".
+"""
+ERROR_REASON_MALFORMED_HTTP: ErrorReason.ValueType  # 76
+"""The HTTP request could not be read as HTTP/1.1 (its request line, method, version or URL, a header,
+Content-Length, Transfer-Encoding or chunk framing, a line or a header count past the limits, or an
+Expect other than 100-continue); HTTP 400 (417 for Expect) with the OpenAI error shape, "param"
+naming the header where the parser names one, and the connection closed (the HTTP front only).
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
