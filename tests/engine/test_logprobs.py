@@ -101,3 +101,26 @@ def test_top_logprobs_limit() -> None:
     with pytest.raises(SamplingError) as err:
         Sampling(top_logprobs=21).check()
     assert err.value.field == "top_logprobs"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_on_cuda_with_decode_graphs(engine_factory: Factory, tiny_dirs: dict[str, Path]) -> None:
+    """The prompt rows run in the general forward, the later tokens' alternatives from the decode graphs'
+    logits; float32 keeps the comparison with transformers on the CPU tight."""
+    engine = engine_factory("llama", device="cuda", dtype="float32", chunk_tokens=8)
+    assert engine.capture_decode_graphs() > 0
+    prompt = prompt_of(engine, 21)
+    sampling = Sampling(max_tokens=6, ignore_eos=True, top_logprobs=5, prompt_logprobs=True)
+    events = await collect(engine.generate("g", prompt, sampling))
+    ids = prompt + [e.token_id for e in events]
+    rows = _rows(tiny_dirs["llama"], ids)
+    assert events[0].prompt is not None
+    _check_prompt(events[0].prompt, prompt, rows, 5)
+    for k, event in enumerate(events):
+        at = len(prompt) - 1 + k
+        assert event.top is not None and event.top.token_ids[0] == event.token_id
+        assert list(event.top.logprobs) == [
+            pytest.approx(float(v), abs=1e-3) for v in torch.topk(rows[at], 5)[0]
+        ]
+    assert engine.stats().extra["decode_graphs"] > 0
