@@ -19,6 +19,7 @@ MAX_TOKENS = 1 << 20  # an upper bound on any context; the router also checks pr
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_LOGPROBS = 20  # alternatives per token: OpenAI's chat limit, and vLLM's default cap
 MAX_SEED = (1 << 64) - 1  # SamplingParams.seed is a uint64
 MAX_CACHE_SALT_CHARS = 256
 
@@ -46,6 +47,7 @@ def check_sampling(
     seed: int | None = None,
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
+    top_logprobs: int = 0,
 ) -> None:
     """Raises `SamplingError` for the first value outside the limits above."""
     if not 1 <= max_tokens <= MAX_TOKENS:
@@ -71,6 +73,10 @@ def check_sampling(
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in stop_token_ids):
         raise SamplingError(
             f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} non-negative ids", "stop_token_ids"
+        )
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise SamplingError(
+            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}", "top_logprobs"
         )
 
 

@@ -81,6 +81,18 @@ def test_streams_through_the_openai_front(native: tuple[SglangDouble, ServicePro
     assert text.count("t") == 4 and chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_features_native_servers_do_not_declare_are_refused(native: tuple[SglangDouble, ServiceProc]) -> None:
+    double, router = native
+    http = json.loads((router.log_path.parent / "router.ready").read_text())["http"]
+    sent = len(double.state.decode_bodies)
+    for extra, param in (({"logprobs": 3}, "logprobs"), ({"echo": True, "logprobs": 1}, "echo")):
+        oa = openai.OpenAI(base_url=f"http://{http}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as err:
+            oa.completions.create(model="", prompt="Hello", max_tokens=2, extra_body=extra)  # type: ignore[call-overload]
+        assert err.value.code == "UNSUPPORTED_PARAMETER" and err.value.param == param
+    assert len(double.state.decode_bodies) == sent  # refused before either server was called
+
+
 def test_client_cancel_reaches_the_decode_server(native: tuple[SglangDouble, ServiceProc]) -> None:
     double, router = native
     double.state.token_delay = 0.05

@@ -79,12 +79,12 @@ def test_lone_surrogates_name_the_field(body: dict[str, object], param: str) -> 
         ({"prompt": "a", "n": "2"}, "n", "UNSUPPORTED_N"),
         ({"prompt": "a", "n": 0}, "n", "UNSUPPORTED_N"),
         ({"prompt": "a", "n": 2, "stream": True}, "n", "UNSUPPORTED_N"),
-        ({"prompt": "a", "logprobs": 5}, "logprobs", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "logprobs": 21}, "logprobs", "INVALID_ARGUMENT"),
         ({"prompt": "a", "logprobs": "5"}, "logprobs", "INVALID_ARGUMENT"),
         ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty", "UNSUPPORTED_PARAMETER"),
         ({"prompt": "a", "presence_penalty": -1}, "presence_penalty", "UNSUPPORTED_PARAMETER"),
         ({"prompt": "a", "logit_bias": {"5": 10}}, "logit_bias", "UNSUPPORTED_PARAMETER"),
-        ({"prompt": "a", "echo": True}, "echo", "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "echo": 1}, "echo", "INVALID_ARGUMENT"),
         # Extensions no engine honours yet: refused, never silently ignored.
         ({"prompt": "a", "min_tokens": 4}, "min_tokens", "UNSUPPORTED_PARAMETER"),
         ({"prompt": "a", "min_p": 0.1}, "min_p", "UNSUPPORTED_PARAMETER"),
@@ -123,7 +123,9 @@ def test_completion_fields_are_typed_and_named(body: dict[str, object], param: s
 @pytest.mark.parametrize(
     ("body", "param", "reason"),
     [
-        ({"logprobs": True, "top_logprobs": 3}, "top_logprobs", "UNSUPPORTED_PARAMETER"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "INVALID_ARGUMENT"),
+        ({"top_logprobs": 3}, "top_logprobs", "INVALID_ARGUMENT"),  # alternatives need logprobs: true
+        ({"echo": True}, "echo", "UNSUPPORTED_PARAMETER"),
         ({"logprobs": "true"}, "logprobs", "INVALID_ARGUMENT"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -187,9 +189,9 @@ _OVER_HTTP = [
     (b'{"prompt": [1, 18446744073709551616]}', "prompt"),
     (b'{"prompt": "a", "stream": "false"}', "stream"),
     (b'{"prompt": "a", "top_p": 0}', "top_p"),
-    (b'{"prompt": "a", "logprobs": 5}', "logprobs"),
+    (b'{"prompt": "a", "logprobs": 50}', "logprobs"),
     (
-        b'{"messages": [{"role": "user", "content": "a"}], "logprobs": true, "top_logprobs": 2}',
+        b'{"messages": [{"role": "user", "content": "a"}], "logprobs": true, "top_logprobs": 21}',
         "top_logprobs",
     ),
     (b'{"prompt": "a", "frequency_penalty": 1.0}', "frequency_penalty"),

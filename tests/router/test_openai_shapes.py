@@ -10,7 +10,8 @@ from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 from xavier_services.peer.convert import sampling_from_pb
 from xavier_services.router.openai_http import error_response
-from xavier_services.router.openai_shapes import choice, envelope, logprobs_json, parse, sse
+from xavier_services.router.openai_logprobs import ChoiceLogprobs
+from xavier_services.router.openai_shapes import choice, envelope, parse, sse
 from xavier_services.router.request import check_sampling_pb
 
 from xavier_core.runtime import InvalidArgument
@@ -81,9 +82,23 @@ def test_chat_shapes() -> None:
     assert choice(oa, "", "stop", None, delta=True)["delta"] == {}
     body = envelope(oa, [choice(oa, "ok", "stop", None, delta=False)], chunk=False)
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "ok"
-    chat_lp = logprobs_json(True, ["\ufffd"], [-0.5], [b"\xe3"])["content"][0]
+    names = _Names({1: ("\ufffd", b"\xe3"), 2: ("ab", b"ab"), 3: ("c", b"c")})
+    chat_lp = ChoiceLogprobs(names, chat=True, top=0).render([1], [-0.5])["content"][0]
     assert chat_lp["logprob"] == -0.5 and chat_lp["bytes"] == [0xE3]  # the token's bytes, not U+FFFD's
-    assert logprobs_json(False, ["ab", "c"], [-1.0, -2.0], [b"ab", b"c"])["text_offset"] == [0, 2]
+    shaper = ChoiceLogprobs(names, chat=False, top=0)
+    assert shaper.render([2, 3], [-1.0, -2.0])["text_offset"] == [0, 2]
+    assert shaper.render([2], [-1.0])["text_offset"] == [3]  # a stream's offsets carry on
+
+
+class _Names:
+    def __init__(self, table: dict[int, tuple[str, bytes]]) -> None:
+        self.table = table
+
+    def token_text(self, token_id: int) -> str:
+        return self.table[token_id][0]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.table[token_id][1]
 
 
 # Out-of-range values both wire shapes can carry: (OpenAI JSON fields, SamplingParams fields, field named).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 from xavier_client import Client, TlsOptions
 
@@ -49,6 +50,16 @@ def _flag(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
+def _refuses_what_sglang_does_not_declare(mesh: Mesh, mode: str) -> None:
+    """SGLang replicas list no engine features: the router refuses alternatives and echoed prompt
+    logprobs per request, with a 400 naming the parameter as the client sent it."""
+    for extra, param in (({"logprobs": 2}, "logprobs"), ({"echo": True, "logprobs": 0}, "echo")):
+        body = {"prompt": [3, 4, 5], "max_tokens": 2, "xavier_mode": mode, **extra}
+        r = httpx.post(f"http://{mesh.http}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "UNSUPPORTED_PARAMETER" and r.json()["error"]["param"] == param
+
+
 def test_up_pd(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mesh = _up(
         tmp_path,
@@ -74,6 +85,7 @@ def test_up_pd(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
         assert _flag(pargv, "--disaggregation-transfer-backend") == "xavier"
         assert _flag(pargv, "--log-level") == "warning"  # passed through
         assert _flag(pargv, "--api-key") != _flag(dargv, "--api-key")  # a key per replica
+        _refuses_what_sglang_does_not_declare(mesh, "pd")
     finally:
         assert mesh.stop() == 0
 
@@ -157,6 +169,7 @@ def test_up_colocated(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.Monk
                 assert out.token_ids == _expected([i + 1, 9], 4)
         served = [_standin(mesh, f"unified-{i}")["requests"] for i in range(2)]
         assert sum(served) == 4  # type: ignore[arg-type]
+        _refuses_what_sglang_does_not_declare(mesh, "colocated")
     finally:
         assert mesh.stop() == 0
 

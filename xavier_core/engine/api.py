@@ -45,6 +45,14 @@ class RequestNotFoundError(EngineError):
     """No live request with that id."""
 
 
+class EngineFeature(enum.Enum):
+    """A request feature an engine may or may not honour (`Engine.features`); peers declare theirs in
+    `KvLayout.features` and the router refuses a request that needs one its chosen peer lacks."""
+
+    TOP_LOGPROBS = "top_logprobs"  # `Sampling.top_logprobs` alternatives beside each token
+    PROMPT_LOGPROBS = "prompt_logprobs"  # `Sampling.prompt_logprobs`: the prompt tokens' logprobs
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context limit
@@ -63,6 +71,8 @@ class Sampling:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_logprobs: int = 0  # alternatives returned beside each token (0..MAX_TOP_LOGPROBS)
+    prompt_logprobs: bool = False  # return the prompt tokens' logprobs (the whole prompt is computed)
 
     def check(self) -> None:
         """Raises `xavier_core.sampling.SamplingError` naming the first value outside the shared limits."""
@@ -74,7 +84,25 @@ class Sampling:
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            top_logprobs=self.top_logprobs,
         )
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The most likely tokens at one position and their logprobs, most likely first."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """`logprobs[i]` is prompt token i + 1's logprob under tokens 0..i; `top[i]` the alternatives there
+    (empty when the request asked for none)."""
+
+    logprobs: tuple[float, ...]
+    top: tuple[TopLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,6 +118,10 @@ class TokenEvent:
     # in `cached_tokens_store`). Set on a request's first token only.
     cached_tokens: int = 0
     cached_tokens_store: int = 0
+    # The alternatives at this token's position, when `Sampling.top_logprobs` asked for them.
+    top: TopLogprobs | None = None
+    # The prompt's logprobs, on a generate request's first token when `Sampling.prompt_logprobs`.
+    prompt: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +147,8 @@ class PrefillResult:
     finish: FinishReason | None = None  # set if the first token already ends the request (EOS, max_tokens=1)
     text: str = ""  # the first token's text (stop strings applied; flushed when `finish` is set)
     cached_tokens_store: int = 0  # the page store's share of `cached_tokens`
+    first_top: TopLogprobs | None = None  # the first token's alternatives, when asked for
+    prompt_logprobs: PromptLogprobs | None = None  # when `Sampling.prompt_logprobs`
 
 
 @dataclass(frozen=True)
@@ -162,6 +196,11 @@ class Engine(Protocol):
     @property
     def dtype_name(self) -> str:
         """KV dtype as a short name ("float16", "bfloat16", "float32"), part of the KV layout."""
+        ...
+
+    @property
+    def features(self) -> frozenset[EngineFeature]:
+        """The optional request features this engine honours; it refuses the others."""
         ...
 
     @property

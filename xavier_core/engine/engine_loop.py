@@ -21,7 +21,7 @@ from xavier_core.engine.kv_pool import KvPool
 from xavier_core.engine.model import ForwardBatch
 from xavier_core.engine.prefix_cache import PrefixCache
 from xavier_core.engine.request import Delivery, Request
-from xavier_core.engine.runner import build_batch, sample
+from xavier_core.engine.runner import build_batch, prompt_rows, record_prompt_logprobs, sample
 from xavier_core.engine.scheduler import Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
@@ -127,11 +127,14 @@ class EngineLoop:
     def _step(self, plan: StepPlan) -> None:
         try:
             if self.decoder is not None and self.decoder.accepts(plan.items):
-                logits = self.decoder.run([req for req, _ in plan.items])
+                logits = self.decoder.run([req for req, _ in plan.items])  # no prompt rows: decode-only
             else:
-                batch = build_batch(plan, self.pool.page_size, self.pool.device)
+                rows = prompt_rows(plan)
+                batch = build_batch(plan, self.pool.page_size, self.pool.device, rows)
                 logits = self.model.forward(batch, self.pool)
-            sampled = sample(logits, plan.sampling)
+                if rows:
+                    record_prompt_logprobs(logits[len(batch.sample_idx) :], rows)
+            sampled = sample(logits[: len(plan.sampling)], plan.sampling)
         except Exception as exc:
             log.exception("engine step failed; failing every live request")
             with self.lock:

@@ -42,9 +42,17 @@ class ForwardBatch:
     out_slots: torch.Tensor  # [T] pool slots where the new K/V go
     sample_idx: torch.Tensor  # [S] rows of the batch whose logits are wanted
     num_decode: int = 0
+    # [P] more rows whose logits are wanted after `sample_idx`'s (prompt logprobs); None: none.
+    prompt_idx: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None  # [B, Lmax] slots, padded
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] True where a key is visible
     segments: list[PrefillSegment] = field(default_factory=list)
+
+    def logit_rows(self) -> torch.Tensor:
+        """The rows whose logits a forward returns: `sample_idx`, then `prompt_idx`."""
+        if self.prompt_idx is None:
+            return self.sample_idx
+        return torch.cat((self.sample_idx, self.prompt_idx))
 
 
 @dataclass
@@ -146,7 +154,8 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KvPool) -> torch.Tensor:
-        """Writes the batch's K/V into the pool and returns float32 logits `[S, vocab]` of `sample_idx`."""
+        """Writes the batch's K/V into the pool and returns float32 logits `[S + P, vocab]` of `sample_idx`
+        then `prompt_idx`."""
         with sdpa_kernel(_SDPA_BACKENDS):
             return self._forward(batch, pool)
 
@@ -158,7 +167,7 @@ class CausalLM:
             pool,
             lambda q, k, v: self._attention(q, k, v, batch),
         )
-        last = _rms_norm(h[batch.sample_idx], self.norm, self.cfg.rms_norm_eps)
+        last = _rms_norm(h[batch.logit_rows()], self.norm, self.cfg.rms_norm_eps)
         return F.linear(last, self.lm_head).float()
 
     @torch.inference_mode()

@@ -39,7 +39,7 @@ class NullLM:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KvPool) -> torch.Tensor:
-        """Writes K/V of every layer at `out_slots`; float32 logits `[S, vocab]` with one 1.0 per row.
+        """Writes K/V of every layer at `out_slots`; float32 logits `[S + P, vocab]` with one 1.0 per row.
 
         Buffer `b` (K of layer i is 2i, V is 2i+1) gets `((id * 31 + position + 17 * b) % 251) / 251` in
         every head and channel of the token's slot.
@@ -52,6 +52,6 @@ class NullLM:
             k_buf[slots] = values[2 * i]
             v_buf[slots] = values[2 * i + 1]
         vocab = self.cfg.vocab_size
-        last = batch.input_ids[batch.sample_idx]  # [S]
+        last = batch.input_ids[batch.logit_rows()]  # [S + P]
         logits = torch.zeros(last.shape[0], vocab, dtype=torch.float32, device=self.device)
         return logits.scatter_(1, ((last * 7 + 1) % vocab).unsqueeze(1), 1.0)

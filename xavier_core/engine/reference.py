@@ -21,6 +21,7 @@ import torch
 from xavier_core.engine.api import (
     AbortEvent,
     EngineBusyError,
+    EngineFeature,
     EngineStats,
     InvalidRequestError,
     PrefillResult,
@@ -225,6 +226,11 @@ class ReferenceEngine:
         return str(self.kv_pool.dtype).removeprefix("torch.")
 
     @property
+    def features(self) -> frozenset[EngineFeature]:
+        """Every optional feature: alternatives per token and prompt logprobs."""
+        return frozenset(EngineFeature)
+
+    @property
     def device(self) -> str:
         """Device the model and the pool live on."""
         return str(self.kv_pool.device)
@@ -396,8 +402,9 @@ class ReferenceEngine:
         )
 
     async def _take_prefix(self, req: Request) -> None:
-        """With a page store, the request takes its local and stored prefix before it is queued."""
-        if self._store is not None and req.role is not Role.DECODE:
+        """With a page store, the request takes its local and stored prefix before it is queued (not one
+        that wants its prompt's logprobs: it computes the whole prompt)."""
+        if self._store is not None and req.role is not Role.DECODE and not req.sampling.prompt_logprobs:
             await self._store.take_prefix(req)
 
     def release_prefix(self, req: Request) -> None:

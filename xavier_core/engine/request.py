@@ -14,13 +14,17 @@ from xavier_core.engine.api import (
     FinishReason,
     InvalidRequestError,
     PrefillResult,
+    PromptLogprobs,
     Sampling,
     TokenEvent,
+    TopLogprobs,
 )
 from xavier_core.text.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 
 # What the engine loop hands back to the asyncio side for one request.
 Delivery = TokenEvent | AbortEvent | PrefillResult | BaseException
+# One sampled token: its id, its logprob and (when the request asked for them) the alternatives.
+Sampled = tuple[int, float, TopLogprobs | None]
 
 
 class Role(enum.Enum):
@@ -55,6 +59,8 @@ class Request:
     admitted: bool = False
     finish: FinishReason | None = None
     prompt_keys: list[bytes] = field(default_factory=list)
+    # Prompt logprobs by position (entry i: prompt token i + 1), filled as the prompt's chunks compute.
+    prompt_lps: list[tuple[float, TopLogprobs | None] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
@@ -68,9 +74,33 @@ class Request:
         """Tokens still to compute before the next sample."""
         return len(self.tokens) - self.num_computed
 
-    def accept(self, token: int, logprob: float) -> TokenEvent:
-        """Appends a sampled token, applies the stop rules and returns its event."""
+    def prompt_positions(self, start: int, count: int) -> range:
+        """Positions of a chunk [start, start + count) whose logits give a prompt logprob: those before
+        the prompt's last token, while the prompt is still being computed and the request asked."""
+        if not self.sampling.prompt_logprobs or self.output or self.role is Role.DECODE:
+            return range(0)
+        return range(start, min(start + count, len(self.prompt) - 1))
+
+    def record_prompt(self, position: int, logprob: float, top: TopLogprobs | None) -> None:
+        """Keeps the logprob of prompt token `position + 1` (a recomputed chunk writes the same values)."""
+        if not self.prompt_lps:
+            self.prompt_lps = [None] * (len(self.prompt) - 1)
+        self.prompt_lps[position] = (logprob, top)
+
+    def _prompt_logprobs(self) -> PromptLogprobs | None:
+        if not self.sampling.prompt_logprobs:
+            return None
+        if len(self.prompt_lps) != len(self.prompt) - 1 or any(v is None for v in self.prompt_lps):
+            raise InvalidRequestError(f"request {self.id}: prompt logprobs incomplete")  # an engine bug
+        values = [v for v in self.prompt_lps if v is not None]
+        tops = tuple(t for _, t in values if t is not None)
+        return PromptLogprobs(tuple(lp for lp, _ in values), tops)
+
+    def accept(self, token: int, logprob: float, top: TopLogprobs | None = None) -> TokenEvent:
+        """Appends a sampled token, applies the stop rules and returns its event (the first one of a
+        request that asked for prompt logprobs carries them)."""
         s = self.sampling
+        prompt = self._prompt_logprobs() if not self.output and self.role is not Role.DECODE else None
         self.tokens.append(token)
         self.output.append(token)
         self.logprobs.append(logprob)
@@ -78,7 +108,7 @@ class Request:
             # The stop token's own text is not output; bytes held back before it end as U+FFFD.
             self.finish = FinishReason.STOP
             text, _ = self._stop.feed(self._detok.flush())
-            return TokenEvent(token, logprob, self.finish, text + self._stop.flush())
+            return TokenEvent(token, logprob, self.finish, text + self._stop.flush(), top=top, prompt=prompt)
         text, hit = self._stop.feed(self._detok.push(token))
         if hit:
             self.finish = FinishReason.STOP
@@ -88,7 +118,7 @@ class Request:
             text += tail if hit else tail + self._stop.flush()
             if hit:
                 self.finish = FinishReason.STOP
-        return TokenEvent(token, logprob, self.finish, text)
+        return TokenEvent(token, logprob, self.finish, text, top=top, prompt=prompt)
 
     def prefill_result(self, event: TokenEvent) -> PrefillResult:
         """The PrefillResult of a prefill-role request after its first token."""
@@ -101,6 +131,8 @@ class Request:
             finish=event.finish,
             text=event.text,
             cached_tokens_store=self.cached_tokens_store,
+            first_top=event.top,
+            prompt_logprobs=event.prompt,
         )
 
 

@@ -6,9 +6,13 @@ from collections.abc import Sequence
 
 import torch
 
+from xavier_core.engine.api import TopLogprobs
 from xavier_core.engine.model import ForwardBatch, PrefillSegment
-from xavier_core.engine.request import Request
+from xavier_core.engine.request import Request, Sampled
 from xavier_core.engine.scheduler import StepPlan
+
+# The prompt positions of one step whose logits are wanted: (request, first position, batch offset, count).
+PromptRows = list[tuple[Request, int, int, int]]
 
 
 def _all_slots(pages: Sequence[int], length: int, page_size: int) -> torch.Tensor:
@@ -16,8 +20,21 @@ def _all_slots(pages: Sequence[int], length: int, page_size: int) -> torch.Tenso
     return (base + torch.arange(page_size)).view(-1)[:length]
 
 
-def build_batch(plan: StepPlan, page_size: int, device: torch.device) -> ForwardBatch:
-    """The flattened `ForwardBatch` of a step (decode items first, as the scheduler orders them)."""
+def prompt_rows(plan: StepPlan) -> PromptRows:
+    """Where the step's prompt-logprob rows are: only requests that asked for prompt logprobs have any."""
+    rows: PromptRows = []
+    offset = 0
+    for req, n in plan.items:
+        wanted = req.prompt_positions(req.num_computed, n)
+        if wanted:
+            rows.append((req, wanted.start, offset + wanted.start - req.num_computed, len(wanted)))
+        offset += n
+    return rows
+
+
+def build_batch(plan: StepPlan, page_size: int, device: torch.device, rows: PromptRows) -> ForwardBatch:
+    """The flattened `ForwardBatch` of a step (decode items first, as the scheduler orders them); the
+    logits of `rows` (`prompt_rows(plan)`) come after the sampled rows'."""
     ids: list[int] = []
     positions: list[int] = []
     out_slots: list[torch.Tensor] = []
@@ -45,6 +62,9 @@ def build_batch(plan: StepPlan, page_size: int, device: torch.device) -> Forward
         num_decode=len(decode_rows),
         segments=segments,
     )
+    if rows:
+        extra = [torch.arange(at, at + count) for _, _, at, count in rows]
+        batch.prompt_idx = torch.cat(extra).to(device, non_blocking=True)
     if decode_rows:
         lens = torch.tensor([len(r) for r in decode_rows])
         # Padding the width to a multiple of 64 keeps the set of attention shapes small.
@@ -74,8 +94,30 @@ def _sample_one(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=req.generator)
 
 
-def sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[tuple[int, float]]:
-    """One (token, logprob) per request; the logprob is under the model's unscaled distribution."""
+def _with_top(
+    logprobs: torch.Tensor, ids: torch.Tensor, counts: Sequence[int]
+) -> list[tuple[int, float, TopLogprobs | None]]:
+    """Each row's token of `ids`, its logprob and its `counts[row]` most likely alternatives (none for a
+    count of 0). One device-to-host copy: token ids are far below 2**53, so float64 carries them exactly."""
+    k = max(counts, default=0)
+    chosen = logprobs.gather(1, ids.unsqueeze(1))
+    parts = [ids.double().unsqueeze(1), chosen.double()]
+    if k:
+        top = torch.topk(logprobs, k, dim=-1)
+        parts += [top.values.double(), top.indices.double()]
+    host = torch.cat(parts, dim=1).cpu().tolist()
+    out: list[tuple[int, float, TopLogprobs | None]] = []
+    for row, n in zip(host, counts, strict=True):
+        alts = None
+        if n:
+            alts = TopLogprobs(tuple(int(t) for t in row[2 + k : 2 + k + n]), tuple(row[2 : 2 + n]))
+        out.append((int(row[0]), row[1], alts))
+    return out
+
+
+def sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[Sampled]:
+    """One (token, logprob, alternatives) per request; logprobs are under the model's unscaled
+    distribution, the alternatives (`top_logprobs` of them) only where the request asked."""
     if not reqs:
         return []
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -83,7 +125,17 @@ def sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[tuple[int, flo
     for row, req in enumerate(reqs):
         if req.sampling.temperature > 0.0:
             tokens[row] = _sample_one(logits[row], req)[0]
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    # One device-to-host copy per step: token ids are far below 2**53, so float64 carries them exactly.
-    host = torch.stack((tokens.double(), chosen.double())).cpu()
-    return [(int(t), float(lp)) for t, lp in zip(host[0].tolist(), host[1].tolist(), strict=True)]
+    return _with_top(logprobs, tokens, [r.sampling.top_logprobs for r in reqs])
+
+
+def record_prompt_logprobs(logits: torch.Tensor, rows: PromptRows) -> None:
+    """Gives each request of `rows` the logprobs of its prompt tokens after the positions computed;
+    `logits` are the prompt rows' (in `rows` order), position p's scoring prompt token p + 1."""
+    targets = [req.prompt[p + 1] for req, first, _, count in rows for p in range(first, first + count)]
+    counts = [req.sampling.top_logprobs for req, _, _, count in rows for _ in range(count)]
+    ids = torch.tensor(targets, dtype=torch.long).to(logits.device, non_blocking=True)
+    values = iter(_with_top(torch.log_softmax(logits, dim=-1), ids, counts))
+    for req, first, _, count in rows:
+        for position in range(first, first + count):
+            _, logprob, top = next(values)
+            req.record_prompt(position, logprob, top)

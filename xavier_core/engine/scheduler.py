@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from xavier_core.engine.api import FinishReason, OutOfPagesError, TokenEvent
 from xavier_core.engine.prefix_cache import PrefixCache
-from xavier_core.engine.request import Delivery, Request, Role, pages_for
+from xavier_core.engine.request import Delivery, Request, Role, Sampled, pages_for
 from xavier_core.prefix_keys import page_keys
 
 
@@ -105,9 +105,7 @@ class Scheduler:
         plan.items.sort(key=lambda item: item[1] != 1)
         return plan, failed
 
-    def complete(
-        self, plan: StepPlan, sampled: Sequence[tuple[int, float]]
-    ) -> list[tuple[Request, Delivery]]:
+    def complete(self, plan: StepPlan, sampled: Sequence[Sampled]) -> list[tuple[Request, Delivery]]:
         """Advances the requests of a finished step and returns what to deliver to their callers."""
         out: list[tuple[Request, Delivery]] = []
         samples = iter(sampled)
@@ -179,7 +177,9 @@ class Scheduler:
         req.cached_tokens, req.cached_tokens_store = hit, store
 
     def _match_prefix(self, req: Request) -> None:
-        if req.chain_seed is None:
+        # A request that wants its prompt's logprobs computes every prompt position (it still fills the
+        # cache for others).
+        if req.chain_seed is None or req.prompt_positions(0, len(req.prompt)):
             return
         if not req.prompt_keys:
             req.prompt_keys = page_keys(req.chain_seed, req.prompt, self.page_size)

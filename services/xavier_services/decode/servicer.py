@@ -34,7 +34,15 @@ from xavier_core.runtime.errors import (
 from xavier_core.runtime.identity import require
 from xavier_core.runtime.logging import get_logger
 from xavier_core.transfer.peers import peer_key
-from xavier_services.peer.convert import check_prompt, check_room_id, finish_to_pb, sampling_from_pb, usage_pb
+from xavier_services.peer.convert import (
+    check_prompt,
+    check_room_id,
+    finish_to_pb,
+    prompt_logprobs_pb,
+    sampling_from_pb,
+    top_pb,
+    usage_pb,
+)
 from xavier_services.peer.host import PeerHost
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
 
@@ -48,7 +56,13 @@ _ENDPOINT_CACHE = 256
 def _delta(ev: StreamEvent) -> pb.TokenDelta:
     if isinstance(ev, AbortEvent):  # ends an aborted stream; it carries no token
         return pb.TokenDelta()
-    return pb.TokenDelta(token_ids=[ev.token_id], logprobs=[ev.logprob], text=ev.text)
+    top = top_pb(ev.top)
+    return pb.TokenDelta(
+        token_ids=[ev.token_id],
+        logprobs=[ev.logprob],
+        text=ev.text,
+        top_logprobs=[top] if top is not None else [],
+    )
 
 
 class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ignore[misc]
@@ -261,6 +275,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
                     if isinstance(ev, TokenEvent):
                         cached, cached_store = ev.cached_tokens, ev.cached_tokens_store
                 msg = pb.GenerateUnifiedResponse(delta=_delta(ev))
+                if isinstance(ev, TokenEvent) and ev.prompt is not None:
+                    msg.prompt_logprobs.CopyFrom(prompt_logprobs_pb(ev.prompt))
                 if ev.finish is not None:
                     msg.finish_reason = finish_to_pb(ev.finish)
                     msg.usage.CopyFrom(usage_pb(len(token_ids), cached, cached_store, completion_tokens=n))

@@ -6,7 +6,13 @@ from collections.abc import Sequence
 
 from xavier.v1 import types_pb2
 
-from xavier_core.engine.api import FinishReason, Sampling
+from xavier_core.engine.api import (
+    EngineFeature,
+    FinishReason,
+    PromptLogprobs,
+    Sampling,
+    TopLogprobs,
+)
 from xavier_core.runtime.errors import InvalidArgument
 
 MAX_ROOM_ID = (1 << 63) - 1
@@ -17,6 +23,32 @@ _FINISH_TO_PB = {
     FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: types_pb2.FINISH_REASON_ABORT,
 }
+
+
+_FEATURE_TO_PB = {
+    EngineFeature.TOP_LOGPROBS: types_pb2.ENGINE_FEATURE_TOP_LOGPROBS,
+    EngineFeature.PROMPT_LOGPROBS: types_pb2.ENGINE_FEATURE_PROMPT_LOGPROBS,
+}
+
+
+def features_pb(features: frozenset[EngineFeature]) -> list[types_pb2.EngineFeature.ValueType]:
+    """An engine's features as `KvLayout.features` lists them (in declaration order)."""
+    return [pb for feature, pb in _FEATURE_TO_PB.items() if feature in features]
+
+
+def top_pb(top: TopLogprobs | None) -> types_pb2.TopLogprobs | None:
+    """The wire form of one position's alternatives (None when none were asked for)."""
+    if top is None:
+        return None
+    return types_pb2.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs)
+
+
+def prompt_logprobs_pb(prompt: PromptLogprobs) -> types_pb2.PromptLogprobs:
+    """The wire form of a prompt's logprobs."""
+    return types_pb2.PromptLogprobs(
+        logprobs=prompt.logprobs,
+        top_logprobs=[types_pb2.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs) for t in prompt.top],
+    )
 
 
 def finish_to_pb(finish: FinishReason | None) -> types_pb2.FinishReason.ValueType:
@@ -49,6 +81,8 @@ def sampling_from_pb(p: types_pb2.SamplingParams, default_max_tokens: int = 16) 
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        top_logprobs=p.top_logprobs,
+        prompt_logprobs=p.prompt_logprobs,
     )
     sampling.check()
     return sampling

@@ -33,6 +33,7 @@ from xavier_core.runtime.logging import get_logger
 from xavier_core.transfer.metrics import register_port_metrics
 from xavier_core.transfer.port import KvPort
 from xavier_services.peer.config import PeerServiceConfig
+from xavier_services.peer.convert import features_pb
 
 log = get_logger(__name__)
 
@@ -102,6 +103,12 @@ class PeerHost:
         self._session: PeerSession | None = None
         self._peer_hosts: dict[tuple[str, int], str] = {}  # (decode id, epoch) -> host id
 
+    def layout_pb(self) -> types_pb2.KvLayout:
+        """The layout this peer registers, with the features its engine honours."""
+        layout = self.layout.to_proto()
+        layout.features.extend(features_pb(self.engine.features))
+        return layout
+
     # -- lifecycle ------------------------------------------------------------------------------------------
 
     async def start(self, port: int) -> dict[str, Any]:
@@ -129,7 +136,7 @@ class PeerHost:
             self._attach_store()
         self.directory = DirectoryClient(cfg.peer.directory, timeout=cfg.peer.rpc_timeout_seconds)
         req = dpb.RegisterPeerRequest(
-            peer_id=self.peer_id, role=self.role, address=self.address, layout=self.layout.to_proto()
+            peer_id=self.peer_id, role=self.role, address=self.address, layout=self.layout_pb()
         )
         if self.kv is not None:
             req.endpoint.CopyFrom(self.kv.endpoint(self.host_id))

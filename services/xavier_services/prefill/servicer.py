@@ -36,7 +36,9 @@ from xavier_services.peer.convert import (
     check_prompt,
     check_room_id,
     finish_to_pb,
+    prompt_logprobs_pb,
     sampling_from_pb,
+    top_pb,
     usage_pb,
 )
 from xavier_services.peer.host import PeerHost
@@ -52,6 +54,16 @@ _UNSURE = frozenset(
         grpc.StatusCode.CANCELLED,
     )
 )
+
+
+def _with_logprobs(resp: pb.PrefillResponse, res: PrefillResult) -> pb.PrefillResponse:
+    """Adds the first token's alternatives and the prompt's logprobs, where the request asked."""
+    top = top_pb(res.first_top)
+    if top is not None:
+        resp.first_top_logprobs.CopyFrom(top)
+    if res.prompt_logprobs is not None:
+        resp.prompt_logprobs.CopyFrom(prompt_logprobs_pb(res.prompt_logprobs))
+    return resp
 
 
 @dataclass
@@ -126,13 +138,16 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
             # The first token ends the request: no decode will come, so nothing is published.
             host.engine.release_pages(hold.request_id)
             self._drop(hold)
-            return pb.PrefillResponse(
-                first_token=res.first_token,
-                first_logprob=res.first_logprob,
-                first_text=res.text,
-                finish_reason=finish_to_pb(res.finish),
-                usage=usage,
-                timings=timings,
+            return _with_logprobs(
+                pb.PrefillResponse(
+                    first_token=res.first_token,
+                    first_logprob=res.first_logprob,
+                    first_text=res.text,
+                    finish_reason=finish_to_pb(res.finish),
+                    usage=usage,
+                    timings=timings,
+                ),
+                res,
             )
         # The first token goes back at once (TTFT = prefill time); publication runs beside it and the
         # decode, which the router starts on this answer, finds the source through BeginTransfer.
@@ -144,14 +159,17 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
         if request.return_kv_digest:
             data = await asyncio.to_thread(host.engine.read_pages, res.page_ids)
             digest = hashlib.sha256(data).digest()
-        return pb.PrefillResponse(
-            kv_digest=digest,
-            first_token=res.first_token,
-            first_logprob=res.first_logprob,
-            first_text=res.text,
-            usage=usage,
-            timings=timings,
-            num_pages=len(res.page_ids),
+        return _with_logprobs(
+            pb.PrefillResponse(
+                kv_digest=digest,
+                first_token=res.first_token,
+                first_logprob=res.first_logprob,
+                first_text=res.text,
+                usage=usage,
+                timings=timings,
+                num_pages=len(res.page_ids),
+            ),
+            res,
         )
 
     async def _publish_and_hold(

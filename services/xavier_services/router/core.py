@@ -272,6 +272,8 @@ class Router:
                         text=step.text,
                         logprobs=step.logprobs,
                         mode=mode,
+                        top_logprobs=step.top_logprobs,
+                        prompt_logprobs=step.prompt_logprobs,
                     )
             total = time.monotonic() - prep.arrival
             if ttft is not None and completion > 1:
@@ -288,6 +290,8 @@ class Router:
                 token_ids=last.token_ids if last else [],
                 text=last.text if last else "",
                 logprobs=last.logprobs if last else [],
+                top_logprobs=last.top_logprobs if last else [],
+                prompt_logprobs=last.prompt_logprobs if last else None,
                 finish_reason=finish,
                 usage=types_pb2.Usage(
                     prompt_tokens=len(prep.token_ids),

@@ -41,7 +41,7 @@ from xavier_core.runtime import Unavailable, XavierError, from_rpc_error, get_lo
 from xavier_core.runtime.durations import to_seconds
 from xavier_services.router.health import peer_key, role_name
 from xavier_services.router.peers import Pair, PeerPool, affinity_key
-from xavier_services.router.request import Prepared
+from xavier_services.router.request import Prepared, require_features
 
 _log = get_logger("xavier.router.flows")
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
@@ -58,6 +58,8 @@ class Step:
     text: str
     logprobs: list[float] = field(default_factory=list)
     finish: int = types_pb2.FINISH_REASON_UNSPECIFIED
+    top_logprobs: list[types_pb2.TopLogprobs] = field(default_factory=list)  # one per token, when asked
+    prompt_logprobs: types_pb2.PromptLogprobs | None = None  # on the first step, when asked
     cached_tokens: int | None = None
     cached_tokens_store: int | None = None  # the page store's share of cached_tokens
     prefill_seconds: float | None = None
@@ -187,6 +189,7 @@ async def _colocated_attempt(
 ) -> AsyncIterator[Step]:
     pool = env.pool
     peer = await _pick(env, exclude, lambda: pool.retry_unavailable(lambda: pool.pick_unified(exclude)))
+    require_features(prep, peer.layout, "unified")
     _note(trace, peer)
     stub = decpb_grpc.DecodeServiceStub(pool.channel(peer.address))
     req = decpb.GenerateUnifiedRequest(
@@ -209,6 +212,8 @@ async def _colocated_attempt(
                 cached_tokens=msg.usage.cached_tokens if msg.HasField("usage") else None,
                 cached_tokens_store=msg.usage.cached_tokens_store if msg.HasField("usage") else None,
                 prefill_seconds=to_seconds(msg.timings.prefill) if msg.HasField("timings") else None,
+                top_logprobs=list(msg.delta.top_logprobs),
+                prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
             )
             if msg.finish_reason:
                 return
@@ -272,6 +277,8 @@ async def _pd_attempt(
         env, exclude, lambda: pool.retry_unavailable(lambda: pool.pick_pair(key, exclude))
     )
     p, d = pair.prefill, pair.decode
+    require_features(prep, p.layout, "prefill")
+    require_features(prep, d.layout, "decode")
     _note(trace, p, d)
     from xavier_services.router.pd_concurrent import concurrent_attempt, concurrent_pair  # (imports us)
 
@@ -331,6 +338,7 @@ async def _pd_attempt(
                 list(msg.delta.logprobs) if s.logprobs else [],
                 msg.finish_reason,
                 transfer_seconds=transfer,
+                top_logprobs=list(msg.delta.top_logprobs),
             )
             if msg.finish_reason:
                 finished_cleanly = True
@@ -394,6 +402,8 @@ def _first_step(prep: Prepared, token: int, logprob: float, pf: pfpb.PrefillResp
         cached_tokens=pf.usage.cached_tokens,
         cached_tokens_store=pf.usage.cached_tokens_store,
         prefill_seconds=to_seconds(pf.timings.prefill),
+        top_logprobs=[pf.first_top_logprobs] if pf.HasField("first_top_logprobs") else [],
+        prompt_logprobs=pf.prompt_logprobs if pf.HasField("prompt_logprobs") else None,
     )
 
 

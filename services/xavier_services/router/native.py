@@ -21,7 +21,7 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime import Internal, InvalidArgument, Unavailable
 from xavier_services.router.config import NativeConfig
 from xavier_services.router.flows import Step
-from xavier_services.router.request import Prepared
+from xavier_services.router.request import Prepared, require_features
 from xavier_services.sglang_host.protocol import Deltas, generate_body, sse_events
 
 _PREFILL_FAILED = "native prefill failed"
@@ -60,6 +60,7 @@ async def native_flow(
     """Sends the request to both servers and streams the decode's answer as deltas."""
     if not cfg.enabled:
         raise Unavailable("native mode is not configured", reason="NO_PEERS", mode="native")
+    require_features(prep, None, "native SGLang")  # native servers declare no features
     body = native_body(prep, cfg, new_bootstrap_room())
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     client_timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 10.0))

@@ -19,16 +19,17 @@ from xavier_services.router.core import Router
 from xavier_services.router.http_guard import GuardedProtocol
 from xavier_services.router.keepalive import Tick, with_ticks
 from xavier_services.router.openai_body import decode_json
+from xavier_services.router.openai_logprobs import ChoiceLogprobs, prompt_rows
 from xavier_services.router.openai_shapes import (
     FINISH_NAMES,
     OpenAiRequest,
     choice,
     envelope,
-    logprobs_json,
     parse,
     sse,
     usage_json,
 )
+from xavier_services.router.request import Prepared
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -240,7 +241,11 @@ class OpenAiFront:
         if oa.stream:
             return await self._stream(request, oa, preps[0])
         # A prompt batch and n > 1 run their requests side by side; choices keep OpenAI's order.
-        answers = await self._answers(oa, preps)
+        try:
+            answers = await self._answers(oa, preps)
+        except XavierError as err:
+            oa.name_params(err)
+            raise
         choices = []
         usage = types_pb2.Usage()
         for i, (text, lp, last) in enumerate(answers):
@@ -250,13 +255,13 @@ class OpenAiFront:
             if i % oa.n == 0:  # a prompt counts once, however many choices it has (as OpenAI's usage)
                 usage.prompt_tokens += last.usage.prompt_tokens
                 usage.cached_tokens += last.usage.cached_tokens
-            usage.completion_tokens += last.usage.completion_tokens
+            usage.completion_tokens += 0 if oa.echo_only else last.usage.completion_tokens
         out = envelope(oa, choices, chunk=False)
         out["usage"] = usage_json(usage)
         return web.json_response(out)
 
     async def _answers(
-        self, oa: OpenAiRequest, preps: list[Any]
+        self, oa: OpenAiRequest, preps: list[Prepared]
     ) -> list[tuple[str, dict[str, Any] | None, rpb.GenerateResponse]]:
         """The answers of `preps`, side by side; the first failure cancels the rest and is raised."""
         try:
@@ -267,27 +272,59 @@ class OpenAiFront:
         return [t.result() for t in tasks]
 
     async def _answer(
-        self, oa: OpenAiRequest, prep: Any
+        self, oa: OpenAiRequest, prep: Prepared
     ) -> tuple[str, dict[str, Any] | None, rpb.GenerateResponse]:
-        """One request's whole answer: its text, its logprobs (if asked) and its last message."""
-        text, ids, lps = "", [], []
+        """One request's whole answer: its text (after the prompt's, with `echo`), its logprobs (if
+        asked) and its last message (with `max_tokens: 0` and `echo`, the token sampled is left out)."""
+        text, ids, values, tops = "", [], [], []
+        prompt: rpb.GenerateResponse | None = None
         last = rpb.GenerateResponse()
         async for msg in self.router.generate(prep):
+            prompt = prompt or msg
             text += msg.text
             ids.extend(msg.token_ids)
-            lps.extend(msg.logprobs)
+            values.extend(msg.logprobs)
+            tops.extend(msg.top_logprobs)
             last = msg
-        return text, (self._logprobs(oa, ids, lps) if oa.logprobs else None), last
+        if oa.echo_only:
+            text, ids, values, tops = "", [], [], []
+            last.finish_reason = types_pb2.FINISH_REASON_LENGTH
+        shaper = ChoiceLogprobs(self.router.encoder, chat=oa.chat, top=oa.top_logprobs)
+        if not oa.echo:
+            return text, (shaper.render(ids, values, tops) if oa.logprobs else None), last
+        echoed = self._prompt_text(prep)
+        if not oa.logprobs:
+            return echoed + text, None, last
+        lp = self._echo_logprobs(shaper, prep, prompt)
+        more = shaper.render(ids, values, tops)
+        if lp is None:  # aborted before its first token: nothing scored the prompt
+            return echoed + text, more, last
+        for key in ("tokens", "token_logprobs", "text_offset"):
+            lp[key] += more[key]
+        if lp["top_logprobs"] is not None:
+            lp["top_logprobs"] += more["top_logprobs"]
+        return echoed + text, lp, last
 
-    def _logprobs(self, oa: OpenAiRequest, ids: list[int], values: list[float]) -> dict[str, Any]:
-        enc = self.router.encoder
-        return logprobs_json(
-            oa.chat, [enc.token_text(i) for i in ids], values, [enc.token_bytes(i) for i in ids]
-        )
+    def _prompt_text(self, prep: Prepared) -> str:
+        """The text `echo` repeats: the prompt as the client wrote it, or its token ids decoded."""
+        if prep.prompt_text is not None:
+            return prep.prompt_text
+        return self.router.encoder.tokenizer.decode(list(prep.token_ids), skip_special_tokens=False)
 
-    async def _stream(self, request: web.Request, oa: OpenAiRequest, prep: Any) -> web.StreamResponse:
+    def _echo_logprobs(
+        self, shaper: ChoiceLogprobs, prep: Prepared, first: rpb.GenerateResponse | None
+    ) -> dict[str, Any] | None:
+        """The logprobs of an echoed prompt (the first response carries them; None for a request that
+        ended before its first token)."""
+        if first is None or not first.HasField("prompt_logprobs"):
+            return None
+        values, tops = prompt_rows(prep.token_ids, first.prompt_logprobs)
+        return shaper.render(prep.token_ids, values, tops)
+
+    async def _stream(self, request: web.Request, oa: OpenAiRequest, prep: Prepared) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         first = True
+        shaper = ChoiceLogprobs(self.router.encoder, chat=oa.chat, top=oa.top_logprobs)
         gen = self.router.generate(prep)  # an async generator: closed below
         ticks = with_ticks(gen, self.router.config.keepalive_seconds)
         try:
@@ -304,22 +341,29 @@ class OpenAiFront:
                                 envelope(oa, [choice(oa, "", None, None, delta=True, first=True)], chunk=True)
                             )
                         )
+                    elif oa.echo:  # the prompt comes first, in a chunk of its own
+                        lp = self._echo_logprobs(shaper, prep, msg) if oa.logprobs else None
+                        await resp.write(self._chunk(oa, self._prompt_text(prep), None, lp))
                     first = False
+                if oa.echo_only:  # the token sampled is not part of the answer
+                    msg.ClearField("token_ids")
+                    msg.text = ""
+                    if msg.finish_reason:
+                        msg.finish_reason = types_pb2.FINISH_REASON_LENGTH
+                        msg.usage.completion_tokens = 0
                 lp = None
                 if oa.logprobs and msg.token_ids:
-                    lp = self._logprobs(oa, list(msg.token_ids), list(msg.logprobs))
+                    lp = shaper.render(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs))
                 finish = FINISH_NAMES.get(msg.finish_reason)
                 if msg.text or msg.token_ids or finish:
-                    chunk = envelope(oa, [choice(oa, msg.text, finish, lp, delta=True)], chunk=True)
-                    if oa.include_usage:
-                        chunk["usage"] = None  # as OpenAI: null on every chunk but the last
-                    await resp.write(sse(chunk))
+                    await resp.write(self._chunk(oa, msg.text, finish, lp))
                 if finish and oa.include_usage:
                     # The usage comes last, in a chunk of its own with no choices, as OpenAI sends it.
                     last = envelope(oa, [], chunk=True)
                     last["usage"] = usage_json(msg.usage)
                     await resp.write(sse(last))
         except XavierError as err:
+            oa.name_params(err)
             if first:  # nothing sent yet: a proper error status
                 return error_response(err)
             await resp.write(sse({"error": {"message": err.message, "code": err.reason}}))
@@ -329,3 +373,10 @@ class OpenAiFront:
         await resp.write(sse("[DONE]"))
         await resp.write_eof()
         return resp
+
+    @staticmethod
+    def _chunk(oa: OpenAiRequest, text: str, finish: str | None, lp: dict[str, Any] | None) -> bytes:
+        chunk = envelope(oa, [choice(oa, text, finish, lp, delta=True)], chunk=True)
+        if oa.include_usage:
+            chunk["usage"] = None  # as OpenAI: null on every chunk but the last
+        return sse(chunk)

@@ -12,9 +12,9 @@ from typing import Any
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 
-from xavier_core.runtime import InvalidArgument
+from xavier_core.runtime import InvalidArgument, XavierError
 from xavier_core.runtime.domain_errors import sampling_status
-from xavier_core.sampling import SamplingError, check_sampling
+from xavier_core.sampling import MAX_TOP_LOGPROBS, SamplingError, check_sampling
 from xavier_services.router.openai_body import get_bool, get_int, get_number, get_object, get_str
 
 FINISH_NAMES = {
@@ -40,8 +40,6 @@ def sse(payload: Mapping[str, Any] | str) -> bytes:
 
 
 _MAX_TOKEN_ID = (1 << 31) - 1  # PromptTokens.ids are uint32; the router checks the vocabulary later
-_MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits: completions `logprobs`, chat `top_logprobs`
-_MAX_TOP_LOGPROBS = 20
 # Parameters that change what is sampled: a value other than the no-op one is refused (400 naming the
 # parameter), never silently ignored. The no-op values are accepted because clients send them by default.
 _NOOP_NUMBERS = {
@@ -82,8 +80,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
             raise _unsupported(key, f"{key} {json.dumps(body.get(key))[:40]}")
     if get_int(body, "best_of", 0, 1 << 30) not in (None, 1):
         raise _unsupported("best_of", "best_of other than 1")
-    if get_bool(body, "echo"):
-        raise _unsupported("echo", "echo")
     fmt = get_object(body, "response_format")
     if fmt and fmt.get("type") != "text":
         raise _unsupported("response_format", "response_format other than text")
@@ -118,14 +114,18 @@ def _stop_token_ids(value: Any) -> list[int]:
     return list(value)
 
 
-def _max_tokens(body: Mapping[str, Any], default: int) -> int:
+def _max_tokens(body: Mapping[str, Any], default: int, echo: bool) -> tuple[int, bool]:
+    """`max_tokens` and whether it was 0 with `echo` (the prompt alone is answered: the engines still
+    sample one token, which the answer leaves out)."""
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     value = body.get(key)
     if value is None:
-        return default
+        return default, False
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgument(f"{key} must be a positive integer", reason="INVALID_MAX_TOKENS", param=key)
-    return value
+    if value == 0 and echo:
+        return 1, True
+    return value, False
 
 
 def _check_limits(
@@ -143,22 +143,28 @@ def _check_limits(
         raise status from None
 
 
-def _logprobs(body: Mapping[str, Any], chat: bool) -> bool:
-    """Whether the chosen tokens' logprobs are asked for. Alternatives (completions `logprobs` > 0, chat
-    `top_logprobs` > 0) are refused: the engines return only the chosen token's logprob."""
+def _logprobs(body: Mapping[str, Any], chat: bool) -> tuple[bool, int]:
+    """Whether the chosen tokens' logprobs are asked for, and how many alternatives beside each: chat
+    `logprobs: true` with `top_logprobs` 0..20, completions `logprobs` 0..20 (`true` counts as 0)."""
     if chat:
         wanted = get_bool(body, "logprobs")
-        top = get_int(body, "top_logprobs", 0, _MAX_TOP_LOGPROBS)
-        if top:
-            raise _unsupported("top_logprobs", "top_logprobs above 0 (alternative tokens)")
-        return wanted
+        top = get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+        if top and not wanted:
+            raise InvalidArgument(
+                "top_logprobs needs logprobs: true", reason="INVALID_ARGUMENT", param="top_logprobs"
+            )
+        return wanted, top
     value = body.get("logprobs")
     if value is None or value is False:
-        return False
-    count = get_int(body, "logprobs", 0, _MAX_COMPLETION_LOGPROBS)
-    if count:
-        raise _unsupported("logprobs", "logprobs above 0 (alternative tokens)")
-    return True
+        return False, 0
+    if value is True:  # some clients send the chat form to completions
+        return True, 0
+    return True, get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS) or 0
+
+
+# SamplingParams fields an error may name, as each API calls them.
+_CHAT_PARAMS = {"prompt_logprobs": "echo"}
+_COMPLETION_PARAMS = {"top_logprobs": "logprobs", "prompt_logprobs": "echo"}
 
 
 @dataclass
@@ -178,8 +184,21 @@ class OpenAiRequest:
     max_tokens_to_context: bool = False
     """A chat request without `max_tokens`: as OpenAI, it may run to the context limit (set once the
     prompt's length is known; `max_tokens` is 1 until then)."""
+    top_logprobs: int = 0
+    """Alternatives per token (completions `logprobs`, chat `top_logprobs`)."""
+    echo: bool = False
+    """Completions `echo`: the prompt's text (and with logprobs its tokens' logprobs) comes first."""
+    echo_only: bool = False
+    """`max_tokens: 0` with `echo`: the answer is the prompt alone (the token sampled is left out)."""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def name_params(self, err: XavierError) -> None:
+        """Renames an error's `param` from the SamplingParams field to the one this client sent."""
+        names = _CHAT_PARAMS if self.chat else _COMPLETION_PARAMS
+        param = err.metadata.get("param")
+        if param in names:
+            err.metadata["param"] = names[param]
 
 
 def _content(i: int, content: Any) -> str:
@@ -287,9 +306,12 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
     else:
         prompts = _prompts(body)
         _completion(req, prompts[0])
-    logprobs = _logprobs(body, chat)
+    logprobs, top_logprobs = _logprobs(body, chat)
+    echo = get_bool(body, "echo")
+    if echo and chat:
+        raise _unsupported("echo", "echo on chat completions")
     to_context = chat and body.get("max_tokens") is None and body.get("max_completion_tokens") is None
-    max_tokens = 1 if to_context else _max_tokens(body, default_max_tokens)
+    max_tokens, echo_only = (1, False) if to_context else _max_tokens(body, default_max_tokens, echo)
     temperature = get_number(body, "temperature", 1.0)
     top_p = get_number(body, "top_p", 1.0)
     # vLLM / SGLang extension: -1 and 0 turn the cut off.
@@ -303,6 +325,8 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
     s.top_p = top_p
     s.top_k = top_k
     s.logprobs = logprobs
+    s.top_logprobs = top_logprobs
+    s.prompt_logprobs = echo and logprobs
     if seed is not None:
         s.seed = seed
     s.stop.extend(stops)
@@ -354,6 +378,9 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
         model=model or served_model,
         chat=chat,
         max_tokens_to_context=to_context,
+        top_logprobs=top_logprobs,
+        echo=echo,
+        echo_only=echo_only,
     )
 
 
@@ -364,24 +391,6 @@ def usage_json(usage: types_pb2.Usage) -> dict[str, Any]:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
-
-
-def logprobs_json(
-    chat: bool, tokens: list[str], values: list[float], token_bytes: list[bytes]
-) -> dict[str, Any]:
-    """OpenAI logprobs of the chosen tokens (no alternatives: those are refused at parse time). `bytes` are
-    each token's own bytes, which for a token holding part of a character differ from its text's."""
-    if chat:
-        content = [
-            {"token": t, "logprob": v, "bytes": list(b), "top_logprobs": []}
-            for t, v, b in zip(tokens, values, token_bytes, strict=False)
-        ]
-        return {"content": content}
-    offsets, pos = [], 0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
 
 
 def choice(

@@ -25,6 +25,7 @@ class Prepared:
     mode: int
     cache_salt: str
     arrival: float = field(default_factory=time.monotonic)
+    prompt_text: str | None = None  # the prompt as the client wrote it, for a text prompt (OpenAI `echo`)
 
 
 def check_sampling_pb(s: types_pb2.SamplingParams) -> None:
@@ -39,9 +40,49 @@ def check_sampling_pb(s: types_pb2.SamplingParams) -> None:
             seed=s.seed if s.HasField("seed") else None,
             stop=s.stop,
             stop_token_ids=s.stop_token_ids,
+            top_logprobs=s.top_logprobs,
         )
     except SamplingError as err:
         raise sampling_status(err) from None
+    if s.top_logprobs and not s.logprobs:
+        raise InvalidArgument(
+            "top_logprobs needs logprobs",
+            reason="INVALID_SAMPLING",
+            field="top_logprobs",
+            param="top_logprobs",
+        )
+
+
+_FEATURE_PARAMS = {
+    types_pb2.ENGINE_FEATURE_TOP_LOGPROBS: "top_logprobs",
+    types_pb2.ENGINE_FEATURE_PROMPT_LOGPROBS: "prompt_logprobs",
+}
+
+
+def needed_features(s: types_pb2.SamplingParams) -> list[types_pb2.EngineFeature.ValueType]:
+    """The engine features a request's sampling needs (`KvLayout.features`), the prompt's first: an
+    echo that would fail is named as the echo."""
+    needs = []
+    if s.prompt_logprobs:
+        needs.append(types_pb2.ENGINE_FEATURE_PROMPT_LOGPROBS)
+    if s.top_logprobs:
+        needs.append(types_pb2.ENGINE_FEATURE_TOP_LOGPROBS)
+    return needs
+
+
+def require_features(prep: Prepared, layout: types_pb2.KvLayout | None, who: str) -> None:
+    """Refuses (INVALID_ARGUMENT, UNSUPPORTED_PARAMETER naming the sampling field) a request that needs
+    a feature the chosen engine does not declare; `layout` None: an engine that declares none."""
+    have = set(layout.features) if layout is not None else set()
+    for feature in needed_features(prep.sampling):
+        if feature not in have:
+            param = _FEATURE_PARAMS[feature]
+            raise InvalidArgument(
+                f"{param} is not supported by the {who} engine that would serve this request",
+                reason="UNSUPPORTED_PARAMETER",
+                field=f"sampling.{param}",
+                param=param,
+            )
 
 
 def _check_sampling(s: types_pb2.SamplingParams, prompt_len: int, model: ModelInfo) -> None:
@@ -123,4 +164,5 @@ def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) 
         sampling=req.sampling,
         mode=int(req.mode),
         cache_salt=req.cache_salt,
+        prompt_text=req.text if kind == "text" else None,
     )

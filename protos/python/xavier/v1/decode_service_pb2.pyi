@@ -28,6 +28,7 @@ class TokenDelta(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The text those tokens add to the answer: a plain delta that continues the text sent before it (stop
     strings removed, incomplete UTF-8 held back).
@@ -40,16 +41,23 @@ class TokenDelta(_message.Message):
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """The natural-log probabilities of those tokens, when the request asked for them."""
 
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.TopLogprobs]:
+        """The most likely alternatives at each of those tokens' positions, one per token, when the request
+        asked for top_logprobs; else empty.
+        """
+
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
         text: _builtins.str = ...,
+        top_logprobs: _abc.Iterable[_types_pb2.TopLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -205,6 +213,7 @@ class GenerateUnifiedResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     finish_reason: _types_pb2.FinishReason.ValueType
     """Why the request ended; set on the last message only."""
     @_builtins.property
@@ -219,6 +228,10 @@ class GenerateUnifiedResponse(_message.Message):
     def timings(self) -> _types_pb2.Timings:
         """The timings, on the last message."""
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _types_pb2.PromptLogprobs:
+        """The prompt's logprobs, on the first message, when sampling asked for prompt_logprobs."""
+
     def __init__(
         self,
         *,
@@ -226,10 +239,11 @@ class GenerateUnifiedResponse(_message.Message):
         finish_reason: _types_pb2.FinishReason.ValueType = ...,
         usage: _types_pb2.Usage | None = ...,
         timings: _types_pb2.Timings | None = ...,
+        prompt_logprobs: _types_pb2.PromptLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "prompt_logprobs", b"prompt_logprobs", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "finish_reason", b"finish_reason", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "finish_reason", b"finish_reason", "prompt_logprobs", b"prompt_logprobs", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -216,8 +216,9 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     while streaming; status INVALID_ARGUMENT, metadata "param" ("n").
     """
     ERROR_REASON_UNSUPPORTED_PARAMETER: _ErrorReason.ValueType  # 58
-    """The HTTP request asks for something not implemented (echo, best_of, suffix, penalties, logit_bias,
-    tools, alternative logprobs, a non-text content part); status INVALID_ARGUMENT (HTTP 400), metadata
+    """The request asks for something not implemented (best_of, suffix, penalties, logit_bias, tools, a
+    non-text content part, echo on chat), or for a feature the chosen engine does not declare in
+    KvLayout.features (top_logprobs, prompt_logprobs); status INVALID_ARGUMENT (HTTP 400), metadata
     "param" names it.
     """
     ERROR_REASON_INVALID_MODE: _ErrorReason.ValueType  # 59
@@ -504,8 +505,9 @@ ERROR_REASON_UNSUPPORTED_N: ErrorReason.ValueType  # 57
 while streaming; status INVALID_ARGUMENT, metadata "param" ("n").
 """
 ERROR_REASON_UNSUPPORTED_PARAMETER: ErrorReason.ValueType  # 58
-"""The HTTP request asks for something not implemented (echo, best_of, suffix, penalties, logit_bias,
-tools, alternative logprobs, a non-text content part); status INVALID_ARGUMENT (HTTP 400), metadata
+"""The request asks for something not implemented (best_of, suffix, penalties, logit_bias, tools, a
+non-text content part, echo on chat), or for a feature the chosen engine does not declare in
+KvLayout.features (top_logprobs, prompt_logprobs); status INVALID_ARGUMENT (HTTP 400), metadata
 "param" names it.
 """
 ERROR_REASON_INVALID_MODE: ErrorReason.ValueType  # 59

@@ -87,6 +87,8 @@ class PrefillResponse(_message.Message):
     NUM_PAGES_FIELD_NUMBER: _builtins.int
     KV_DIGEST_FIELD_NUMBER: _builtins.int
     FIRST_TEXT_FIELD_NUMBER: _builtins.int
+    FIRST_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     """The first generated token."""
     first_logprob: _builtins.float
@@ -113,6 +115,14 @@ class PrefillResponse(_message.Message):
     def timings(self) -> _types_pb2.Timings:
         """The prefill's timings; the time to the first token is the prefill time."""
 
+    @_builtins.property
+    def first_top_logprobs(self) -> _types_pb2.TopLogprobs:
+        """The most likely alternatives at the first token's position, when sampling asked for top_logprobs."""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _types_pb2.PromptLogprobs:
+        """The prompt's logprobs, when sampling asked for prompt_logprobs."""
+
     def __init__(
         self,
         *,
@@ -124,10 +134,12 @@ class PrefillResponse(_message.Message):
         num_pages: _builtins.int = ...,
         kv_digest: _builtins.bytes = ...,
         first_text: _builtins.str = ...,
+        first_top_logprobs: _types_pb2.TopLogprobs | None = ...,
+        prompt_logprobs: _types_pb2.PromptLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_top_logprobs", b"first_top_logprobs", "prompt_logprobs", b"prompt_logprobs", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_logprob", b"first_logprob", "first_text", b"first_text", "first_token", b"first_token", "kv_digest", b"kv_digest", "num_pages", b"num_pages", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_logprob", b"first_logprob", "first_text", b"first_text", "first_token", b"first_token", "first_top_logprobs", b"first_top_logprobs", "kv_digest", b"kv_digest", "num_pages", b"num_pages", "prompt_logprobs", b"prompt_logprobs", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

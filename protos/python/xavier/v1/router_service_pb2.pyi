@@ -208,6 +208,8 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request id: the client's (with a suffix when that id was already live) or the one the router made."""
     text: _builtins.str
@@ -232,6 +234,16 @@ class GenerateResponse(_message.Message):
     def timings(self) -> _types_pb2.Timings:
         """Time to first token, prefill, transfer and total time; set on the last response only."""
 
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.TopLogprobs]:
+        """The most likely alternatives at each token of token_ids, one per token, when sampling asked for
+        top_logprobs; else empty.
+        """
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _types_pb2.PromptLogprobs:
+        """The prompt's logprobs, on the first response, when sampling asked for prompt_logprobs."""
+
     def __init__(
         self,
         *,
@@ -243,10 +255,12 @@ class GenerateResponse(_message.Message):
         usage: _types_pb2.Usage | None = ...,
         timings: _types_pb2.Timings | None = ...,
         mode: Global___RoutingMode.ValueType = ...,
+        top_logprobs: _abc.Iterable[_types_pb2.TopLogprobs] | None = ...,
+        prompt_logprobs: _types_pb2.PromptLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt_logprobs", b"prompt_logprobs", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "mode", b"mode", "request_id", b"request_id", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "mode", b"mode", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -118,6 +118,30 @@ FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 """The request was aborted (client cancel, disconnect or a fault)."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _EngineFeature:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EngineFeatureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EngineFeature.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ENGINE_FEATURE_UNSPECIFIED: _EngineFeature.ValueType  # 0
+    """Never listed; a zero feature means the field was not set."""
+    ENGINE_FEATURE_TOP_LOGPROBS: _EngineFeature.ValueType  # 1
+    """The engine returns the most likely alternatives of each token (SamplingParams.top_logprobs)."""
+    ENGINE_FEATURE_PROMPT_LOGPROBS: _EngineFeature.ValueType  # 2
+    """The engine returns the logprobs of the prompt's tokens (SamplingParams.prompt_logprobs)."""
+
+class EngineFeature(_EngineFeature, metaclass=_EngineFeatureEnumTypeWrapper):
+    """EngineFeature names a request feature that some engines honour and others do not."""
+
+ENGINE_FEATURE_UNSPECIFIED: EngineFeature.ValueType  # 0
+"""Never listed; a zero feature means the field was not set."""
+ENGINE_FEATURE_TOP_LOGPROBS: EngineFeature.ValueType  # 1
+"""The engine returns the most likely alternatives of each token (SamplingParams.top_logprobs)."""
+ENGINE_FEATURE_PROMPT_LOGPROBS: EngineFeature.ValueType  # 2
+"""The engine returns the logprobs of the prompt's tokens (SamplingParams.prompt_logprobs)."""
+Global___EngineFeature: _TypeAlias = EngineFeature  # noqa: Y015
+
 @_typing.final
 class KvLayout(_message.Message):
     """KvLayout describes a peer's KV cache exactly enough to decide whether two peers may exchange KV pages.
@@ -139,6 +163,7 @@ class KvLayout(_message.Message):
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _builtins.int
     CONFIG_FINGERPRINT_FIELD_NUMBER: _builtins.int
     MODEL_NAME_FIELD_NUMBER: _builtins.int
+    FEATURES_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     """The engine's name, for example "reference" or "sglang"; required."""
     engine_version: _builtins.str
@@ -163,6 +188,12 @@ class KvLayout(_message.Message):
     """The hex SHA-256 over the model's config.json."""
     model_name: _builtins.str
     """The served model's name; informational and not part of the fingerprint."""
+    @_builtins.property
+    def features(self) -> _containers.RepeatedScalarFieldContainer[Global___EngineFeature.ValueType]:
+        """What the peer's engine honours beyond the base sampling parameters; informational and not part of
+        the fingerprint. The router refuses a request that needs a feature its chosen peer does not list.
+        """
+
     def __init__(
         self,
         *,
@@ -178,10 +209,11 @@ class KvLayout(_message.Message):
         tokenizer_fingerprint: _builtins.str = ...,
         config_fingerprint: _builtins.str = ...,
         model_name: _builtins.str = ...,
+        features: _abc.Iterable[Global___EngineFeature.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_fingerprint", b"config_fingerprint", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "head_dim", b"head_dim", "memory_layout", b"memory_layout", "model_name", b"model_name", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "page_size", b"page_size", "tokenizer_fingerprint", b"tokenizer_fingerprint", "weights_fingerprint", b"weights_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_fingerprint", b"config_fingerprint", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "features", b"features", "head_dim", b"head_dim", "memory_layout", b"memory_layout", "model_name", b"model_name", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "page_size", b"page_size", "tokenizer_fingerprint", b"tokenizer_fingerprint", "weights_fingerprint", b"weights_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -333,6 +365,8 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """The maximum number of tokens to generate, including the first one."""
     temperature: _builtins.float
@@ -347,6 +381,16 @@ class SamplingParams(_message.Message):
     """Whether to keep generating past the end-of-sequence token."""
     logprobs: _builtins.bool
     """Whether to return the natural-log probability of each chosen token."""
+    top_logprobs: _builtins.int
+    """How many of the most likely tokens (0 to 20) to return beside each chosen token, with their
+    natural-log probabilities; above 0 it needs logprobs. Engines without ENGINE_FEATURE_TOP_LOGPROBS
+    refuse it.
+    """
+    prompt_logprobs: _builtins.bool
+    """Whether to return the logprob of every prompt token after the first (each under the prompt before
+    it), with top_logprobs alternatives each. Such a request computes its whole prompt: it takes no
+    prefix-cache or page-store hit. Engines without ENGINE_FEATURE_PROMPT_LOGPROBS refuse it.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Strings that stop generation; the returned text never includes them."""
@@ -367,16 +411,78 @@ class SamplingParams(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool = ...,
         logprobs: _builtins.bool = ...,
+        top_logprobs: _builtins.int = ...,
+        prompt_logprobs: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "prompt_logprobs", b"prompt_logprobs", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class TopLogprobs(_message.Message):
+    """TopLogprobs is the most likely tokens at one position, most likely first."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The token ids."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Their natural-log probabilities, one per token id."""
+
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopLogprobs: _TypeAlias = TopLogprobs  # noqa: Y015
+
+@_typing.final
+class PromptLogprobs(_message.Message):
+    """PromptLogprobs holds the logprobs of a prompt's tokens after the first, in prompt order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The logprob of prompt token i + 1 under prompt tokens 0..i, for i from 0."""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprobs]:
+        """The alternatives at each of those positions, when top_logprobs was above 0; else empty."""
+
+    def __init__(
+        self,
+        *,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        top_logprobs: _abc.Iterable[Global___TopLogprobs] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptLogprobs: _TypeAlias = PromptLogprobs  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):
