@@ -39,6 +39,8 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from xavier.v1 import directory_service_pb2 as dir_pb
+from xavier.v1 import directory_service_pb2_grpc as dir_grpc
 from xavier_client import AsyncClient
 
 _WORDS = (
@@ -105,7 +107,12 @@ def start_bare_server() -> tuple[subprocess.Popen[bytes], str]:
 
 
 def start_mesh(
-    workdir: Path, model: Path | None, device: str = "cpu", compute: str = "model", pagestore: bool = False
+    workdir: Path,
+    model: Path | None,
+    device: str = "cpu",
+    compute: str = "model",
+    pagestore: bool = False,
+    protocol: str = "pair",
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / "up.json"
@@ -134,7 +141,8 @@ def start_mesh(
     if model is not None:
         cmd += ["--model", str(model)]
     log = open(workdir / "up.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**os.environ, "XAVIER_HANDOFF__PROTOCOL": protocol}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.monotonic() + 300
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -231,9 +239,11 @@ async def overhead(
                 ttft.append(r["ttft"] * 1e3)
                 engine.append(r["prefill"] * 1e3)
 
+        rooms0 = await directory_rooms(directory)
         await asyncio.gather(*(req(p) for p in ps))
         wall = time.perf_counter() - t_start
         cpu1, me1 = cpu_seconds(pids), time.process_time()
+        rooms = (await directory_rooms(directory) - rooms0) / n
     cpu = {k: (cpu1[k] - cpu0.get(k, 0.0)) * 1e3 / n for k in cpu1}
     cpu["client"] = (me1 - me0) * 1e3 / n
     control = [t - e for t, e in zip(ttft, engine, strict=True)]
@@ -270,7 +280,17 @@ async def overhead(
         "cpu_ms_per_request": {k: round(v, 3) for k, v in sorted(cpu.items())},
         "cpu_ms_per_request_total": round(cpu_total, 3),
         "cpu_per_request_over_bare_rpc": round(cpu_total / bare_cpu, 1),
+        "directory_rooms_per_request": round(rooms, 3),
     }
+
+
+async def directory_rooms(address: str) -> int:
+    """Rooms the directory opened so far (a P/D request on directory rooms opens one)."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        stats = await dir_grpc.DirectoryServiceStub(ch).GetDirectoryStats(
+            dir_pb.GetDirectoryStatsRequest(), timeout=5
+        )
+    return int(stats.rooms_opened)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -405,6 +425,12 @@ def main() -> int:
         default=600,
         help="requests per concurrency level of the overhead part (at least 40 per concurrent client)",
     )
+    p.add_argument(
+        "--protocols",
+        type=lambda v: v.split(","),
+        default=["pair"],
+        help="P/D handoff protocols of the overhead part, one mesh each in this order (pair,directory)",
+    )
     args = p.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="xavier-bench-"))
     meshes = {"model": ("levels", run_levels), "null": ("overhead", run_overhead)}
@@ -414,17 +440,23 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "pagestore": args.pagestore,
     }
-    for compute in ("model", "null") if not args.overhead_only else ("null",):
-        proc, info = start_mesh(workdir / compute, args.model, args.device, compute, args.pagestore)
+    runs = [("model", args.protocols[0])] if not args.overhead_only else []
+    runs += [("null", protocol) for protocol in args.protocols]
+    for compute, protocol in runs:
+        where = workdir / f"{compute}-{protocol}"
+        proc, info = start_mesh(where, args.model, args.device, compute, args.pagestore, protocol)
         try:
             key, fn = meshes[compute]
             result["model"] = Path(info["model"]).name
-            coro = (
-                fn(args, info) if compute == "model" else fn(args, info, _services(workdir / compute / "svc"))
-            )
-            result[key] = _run_loop(coro)
+            coro = fn(args, info) if compute == "model" else fn(args, info, _services(where / "svc"))
+            out = _run_loop(coro)
+            if compute == "null":  # the first protocol's is "overhead"; each one's by protocol
+                result.setdefault(key, out)
+                result.setdefault("overhead_by_protocol", {})[protocol] = out
+            else:
+                result[key] = out
             if compute == "model" and args.run_lengths:
-                result["run_lengths"] = _run_loop(run_lengths(args, info, workdir / compute / "svc"))
+                result["run_lengths"] = _run_loop(run_lengths(args, info, where / "svc"))
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)

@@ -104,18 +104,30 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
             raise FailedPrecondition(f"room {request.room_id} is already decoding here", reason="ROOM_BUSY")
         self._refuse_when_draining()
         source_key = (request.prefill_peer_id, request.prefill_epoch)
+        pair = request.HasField("source")  # a pair handoff: no directory room
         started = time.perf_counter()
-        pages = host.engine.reserve_pages(rid, len(token_ids))
+        endpoint: types_pb2.TransferEndpoint | None = None
+        if pair:
+            endpoint = await self._prefill_endpoint(source_key)
+        try:
+            pages = host.engine.reserve_pages(rid, len(token_ids))
+        except BaseException:
+            if endpoint is not None:  # no read will come: the prefill unpins now
+                await asyncio.shield(
+                    host.port.decline(
+                        request.room_id, request.source.read_token, endpoint, peer_key(*source_key)
+                    )
+                )
+            raise
         self._enter(rid, request.room_id, request.request_id)
         completed = False
-        begun: dpb.Room | None = None  # the room, once this decode moved it to TRANSFERRING
-        endpoint: types_pb2.TransferEndpoint | None = None
+        src = request.source  # a pair's source; a directory room's comes with BeginTransfer
         pulling = False
-        complete: asyncio.Future[dpb.Room] | None = None
+        complete: asyncio.Future[object] | None = None
         try:
-            room, endpoint = await self._begin(request.room_id, source_key, rid)
-            begun = room
-            src = room.source
+            if not pair:
+                room, endpoint = await self._begin(request.room_id, source_key, rid)
+                src = room.source
             if src.contract_fingerprint != host.fingerprint:
                 raise LayoutMismatch(
                     "source pages were computed under another KV layout",
@@ -135,19 +147,23 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
                 handoff.park_timeout_seconds,
             )
             self._refuse_when_draining()  # the pages came as the decode stops: its stream would not end
-            # The room's work is done once the pages are here: completing it ends it, so the decode
-            # keeps nothing in the directory while it streams the answer. The engine's first step runs
-            # while the directory answers; no message goes out before it did.
-            complete = asyncio.ensure_future(
-                host.dir.complete_room(
-                    request.room_id,
-                    host.peer_id,
-                    host.epoch,
-                    bytes_transferred=nbytes,
-                    transfer_seconds=transfer_s,
-                    request_id=f"{rid}-complete",
+            if pair:  # the read's end already told the prefill: nothing to complete
+                complete = asyncio.get_running_loop().create_future()
+                complete.set_result(None)
+            else:
+                # The room's work is done once the pages are here: completing it ends it, so the decode
+                # keeps nothing in the directory while it streams the answer. The engine's first step
+                # runs while the directory answers; no message goes out before it did.
+                complete = asyncio.ensure_future(
+                    host.dir.complete_room(
+                        request.room_id,
+                        host.peer_id,
+                        host.epoch,
+                        bytes_transferred=nbytes,
+                        transfer_seconds=transfer_s,
+                        request_id=f"{rid}-complete",
+                    )
                 )
-            )
             digest = b""
             if request.return_kv_digest:
                 data = await asyncio.to_thread(host.engine.read_pages, pages)
@@ -166,12 +182,27 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
                     complete.cancel()
                 elif not complete.cancelled() and complete.exception() is None:
                     completed = True
-            if begun is not None and endpoint is not None and not pulling:
-                decline = host.port.decline(
-                    request.room_id, begun.source.read_token, endpoint, peer_key(*source_key)
-                )
+            if endpoint is not None and not pulling:  # the room began (or came with the request)
+                decline = host.port.decline(request.room_id, src.read_token, endpoint, peer_key(*source_key))
                 await asyncio.shield(decline)
-            await asyncio.shield(self._finish(rid, request.room_id, completed, read_posted=pulling))
+            await asyncio.shield(
+                self._finish(rid, request.room_id, completed, read_posted=pulling, room=not pair)
+            )
+
+    async def _prefill_endpoint(self, source: tuple[str, int]) -> types_pb2.TransferEndpoint:
+        """A pair handoff's prefill endpoint: from the directory's peer list once per prefill epoch."""
+        cached = self._endpoints.get(source)
+        if cached is not None:
+            return cached
+        for peer in await self.host.dir.list_peers(types_pb2.ROLE_PREFILL, self.host.fingerprint):
+            self._endpoints[(peer.peer_id, peer.epoch)] = peer.endpoint
+        while len(self._endpoints) > _ENDPOINT_CACHE:
+            del self._endpoints[next(iter(self._endpoints))]
+        if source not in self._endpoints:
+            raise Unavailable(
+                f"prefill {source[0]} epoch {source[1]} is not in the directory", reason="PEER_UNAVAILABLE"
+            )
+        return self._endpoints[source]
 
     async def _begin(
         self, room_id: int, source: tuple[str, int], rid: str
@@ -205,12 +236,14 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
                 del self._endpoints[next(iter(self._endpoints))]
         return room, cached
 
-    async def _finish(self, rid: str, room_id: int, completed: bool, read_posted: bool) -> None:
+    async def _finish(self, rid: str, room_id: int, completed: bool, read_posted: bool, room: bool) -> None:
+        """Frees the request's pages; `room`: it has a directory room to end (else its read's end, or
+        its decline, told the prefill)."""
         host = self.host
         try:
             await host.engine.abort(rid)
             host.engine.release_pages(rid)
-            if not completed:
+            if room and not completed:
                 # Without a posted read this decode never touched the source: say so, so the prefill
                 # unpins at once even if this decode's BeginTransfer was applied but its answer never came.
                 if read_posted:
@@ -228,7 +261,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         prompt_tokens: int,
         started: float,
         transfer_s: float,
-        before_first: asyncio.Future[dpb.Room],
+        before_first: asyncio.Future[object],
     ) -> AsyncIterator[pb.DecodeResponse]:
         n = 0
         async for ev in events:

@@ -62,8 +62,13 @@ class PeerSection(_Section):
 class HandoffSection(_Section):
     """P/D handoff timing. Every wait is bounded by one of these (invariant I7)."""
 
+    protocol: Literal["pair", "directory"] = "pair"
+    """How this peer meets its partner for a request (`KvLayout.handoff`): "pair" (the prefill's answer
+    carries the source, the router hands it to the decode, no directory call per request; used when both
+    peers of a pair declare it) or "directory" (a directory room per request, xavier.v1.0's protocol)."""
     room_lease_seconds: float = Field(default=30.0, gt=0, le=86400)
-    """Lease asked for a room; a room whose other side never comes ends within it."""
+    """Lease asked for a room; a room whose other side never comes ends within it. A pair handoff's
+    source waits this long for its reader's word before it parks."""
     transfer_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
     """Longest a KV read may take before the decode gives up."""
     park_timeout_seconds: float = Field(default=60.0, gt=0, le=86400)

@@ -36,6 +36,10 @@ from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.peer.convert import features_pb
 
 log = get_logger(__name__)
+_HANDOFF = {
+    "pair": types_pb2.HANDOFF_PROTOCOL_PAIR,
+    "directory": types_pb2.HANDOFF_PROTOCOL_DIRECTORY_ROOMS,
+}
 
 
 def _version() -> str:
@@ -107,6 +111,8 @@ class PeerHost:
         """The layout this peer registers, with the features its engine honours."""
         layout = self.layout.to_proto()
         layout.features.extend(features_pb(self.engine.features))
+        if self.role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE):
+            layout.handoff = _HANDOFF[self.config.handoff.protocol]
         return layout
 
     # -- lifecycle ------------------------------------------------------------------------------------------

@@ -6,6 +6,11 @@ the decode reports done (NIXL notification) or the room completes (directory), w
 the room ends any other way after publication, a read may still be in flight, so the pages stay *parked*
 until the reader reports done/failed or `park_timeout_seconds` passes. A first token that already ends the
 request publishes nothing: its pages are freed at once and no room is opened.
+
+A pair handoff (`PrefillRequest.pair_handoff`, HandoffProtocol PAIR) keeps the directory out: the source
+goes back in the response, and the pages are unpinned on the reader's NIXL notification (done, failed or
+declined), at once on a ReleaseSource that says no decode was called, and otherwise (the router gave up
+after calling the decode, or no word within the room lease) once parked as above.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import hashlib
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from xavier.v1 import directory_service_pb2 as dpb
@@ -75,6 +81,8 @@ class _Hold:
     task: asyncio.Task[None] | None = None
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the prefill stops: every wait of the hold ends at once."""
+    released: asyncio.Future[bool] | None = None
+    """A pair handoff's ReleaseSource, once it came: whether the router had called the decode."""
 
 
 class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type: ignore[misc]
@@ -127,7 +135,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
                 raise Aborted(f"room {request.room_id} aborted during prefill")
         except BaseException:
             # Cancelled by the router, aborted or failed: nothing may stay pinned.
-            await asyncio.shield(self._fail(hold, published=False))
+            await asyncio.shield(self._fail(hold, published=False, room=not request.pair_handoff))
             raise
         prefill_s = time.perf_counter() - started
         usage = usage_pb(len(token_ids), res.cached_tokens, res.cached_tokens_store)
@@ -149,12 +157,17 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
                 ),
                 res,
             )
-        # The first token goes back at once (TTFT = prefill time); publication runs beside it and the
-        # decode, which the router starts on this answer, finds the source through BeginTransfer.
         decode = (request.decode_peer_id, request.decode_epoch)
-        hold.task = asyncio.get_running_loop().create_task(
-            self._publish_and_hold(hold, res, len(token_ids), decode)
-        )
+        source: dpb.SourceDescriptor | None = None
+        if request.pair_handoff:
+            # The source goes back with the first token; the router hands it to the decode.
+            source = await self._publish_pair(hold, res, len(token_ids), decode)
+        else:
+            # The first token goes back at once (TTFT = prefill time); publication runs beside it and
+            # the decode, which the router starts on this answer, finds the source through BeginTransfer.
+            hold.task = asyncio.get_running_loop().create_task(
+                self._publish_and_hold(hold, res, len(token_ids), decode)
+            )
         digest = b""
         if request.return_kv_digest:
             data = await asyncio.to_thread(host.engine.read_pages, res.page_ids)
@@ -168,9 +181,64 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
                 usage=usage,
                 timings=timings,
                 num_pages=len(res.page_ids),
+                source=source,
             ),
             res,
         )
+
+    async def _publish_pair(
+        self, hold: _Hold, res: PrefillResult, num_tokens: int, decode: tuple[str, int]
+    ) -> dpb.SourceDescriptor:
+        """Publishes a pair handoff's source on the port only, and starts the hold that unpins it."""
+        host = self.host
+        hold.released = asyncio.get_running_loop().create_future()
+        try:
+            reader = await host.peer_host(decode) if host.port.needs_reader_host else None
+            source = await host.port.publish(hold.room_id, res.page_ids, host.fingerprint, reader_host=reader)
+        except BaseException:
+            await asyncio.shield(self._fail(hold, published=False, room=False))
+            raise
+        source.num_tokens = num_tokens
+        hold.task = asyncio.get_running_loop().create_task(self._hold_pair(hold))
+        return source
+
+    async def _hold_pair(self, hold: _Hold) -> None:
+        """Unpins a pair handoff's source on its reader's word, or on the router's when no decode was
+        called; parks it when the router gave up after calling the decode or no word came in the lease."""
+        host = self.host
+        assert hold.released is not None
+        notif = asyncio.ensure_future(
+            host.port.wait_read_end(hold.room_id, host.config.handoff.room_lease_seconds)
+        )
+        stop = asyncio.ensure_future(hold.aborted.wait())
+        try:
+            waits: set[asyncio.Future[Any]] = {notif, hold.released, stop}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            outcome = notif.result() if notif.done() else ""
+            if outcome or stop.done() or (hold.released.done() and not hold.released.result()):
+                await self._unpin(hold, completed=outcome == "done")
+                return
+            await self._park(hold)
+        finally:
+            notif.cancel()
+            stop.cancel()
+            host.feed.forget(hold.room_id)
+
+    async def ReleaseSource(
+        self,
+        request: pb.ReleaseSourceRequest,
+        context: grpc.aio.ServicerContext[pb.ReleaseSourceRequest, pb.ReleaseSourceResponse],
+    ) -> pb.ReleaseSourceResponse:
+        require(context, "ReleaseSource", roles=("router",))
+        check_room_id(request.room_id)
+        hold = self._holds.get(request.room_id)
+        if hold is None:
+            return pb.ReleaseSourceResponse(held=False)
+        # A hold without `released` is a directory room's, or a prefill still running (the router ends
+        # that by cancelling its call): the room's own end unpins those.
+        if hold.released is not None and not hold.released.done():
+            hold.released.set_result(request.decode_called)
+        return pb.ReleaseSourceResponse(held=True)
 
     async def _publish_and_hold(
         self, hold: _Hold, res: PrefillResult, num_tokens: int, decode: tuple[str, int]
@@ -203,11 +271,16 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
             return
         await self._hold_until_read(hold)
 
-    async def _fail(self, hold: _Hold, published: bool) -> None:
+    async def _fail(self, hold: _Hold, published: bool, room: bool = True) -> None:
+        """Ends a failed or cancelled prefill; `room`: the request has a directory room to end."""
         host = self.host
         await host.engine.abort(hold.request_id)
-        # Before the room exists this leaves a tombstone, so a decode waiting for the source learns now.
-        await host.abort_room(hold.room_id, dpb.ROOM_END_CAUSE_PREFILL_FAILED, "prefill failed or cancelled")
+        if room:
+            # Before the room exists this leaves a tombstone, so a decode waiting for the source learns
+            # now.
+            await host.abort_room(
+                hold.room_id, dpb.ROOM_END_CAUSE_PREFILL_FAILED, "prefill failed or cancelled"
+            )
         if published:
             # The directory may have shown the source to the decode: unpin only once no read can run.
             await self._hold_until_read(hold)

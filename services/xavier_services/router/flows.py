@@ -44,6 +44,8 @@ from xavier_services.router.peers import Pair, PeerPool, affinity_key
 from xavier_services.router.request import Prepared, require_features
 
 _log = get_logger("xavier.router.flows")
+_RELEASE_TIMEOUT_S = 5.0
+"""Deadline of a ReleaseSource (best effort: the prefill's lease bounds the pin without it)."""
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
 
@@ -244,6 +246,25 @@ async def abort_room(env: FlowEnv, request_id: str, room_id: int, detail: str) -
         _log.info("abort room failed", room_id=room_id, code=exc.code.name)
 
 
+async def release_source(
+    env: FlowEnv, prefill: dpb.Peer, request_id: str, room_id: int, decode_called: bool
+) -> None:
+    """Best-effort ReleaseSource of a pair handoff the router gave up on (the prefill's room lease, then
+    its park timeout, bound it if this fails)."""
+    try:
+        await pfpb_grpc.PrefillServiceStub(env.pool.channel(prefill.address)).ReleaseSource(
+            pfpb.ReleaseSourceRequest(request_id=request_id, room_id=room_id, decode_called=decode_called),
+            timeout=_RELEASE_TIMEOUT_S,
+        )
+    except grpc.aio.AioRpcError as exc:
+        _log.info("release source failed", room_id=room_id, code=exc.code().name)
+
+
+def pair_handoff(pair: Pair) -> bool:
+    """Whether both peers hand over between themselves (HandoffProtocol PAIR), not in a directory room."""
+    return all(p.layout.handoff == types_pb2.HANDOFF_PROTOCOL_PAIR for p in (pair.prefill, pair.decode))
+
+
 @dataclass
 class _Sent:
     """The first token the client already has (a retry's decode continues from it)."""
@@ -294,10 +315,11 @@ async def _pd_attempt(
         return
     room_id = secrets.randbits(63) or 1
     s = prep.sampling
+    direct = pair_handoff(pair)
     pool.acquire(p, d)
     prefill_held = True
     pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(
-        prefill_request(prep, room_id, d), timeout=env.request_timeout
+        prefill_request(prep, room_id, d, pair_handoff=direct), timeout=env.request_timeout
     )
     dec_call: Any = None
     calling = p
@@ -318,9 +340,10 @@ async def _pd_attempt(
         first = sent[0] if sent else _Sent(pf.first_token, pf.first_logprob)
         calling = d
         dec_channel = pool.channel(d.address)
-        dec_call = decpb_grpc.DecodeServiceStub(dec_channel).Decode(
-            decode_request(prep, room_id, p, first.token, first.logprob), timeout=env.request_timeout
-        )
+        dec_request = decode_request(prep, room_id, p, first.token, first.logprob)
+        if direct:
+            dec_request.source.CopyFrom(pf.source)
+        dec_call = decpb_grpc.DecodeServiceStub(dec_channel).Decode(dec_request, timeout=env.request_timeout)
         if dec_channel.get_state() != grpc.ChannelConnectivity.READY:
             # No live connection to the decode (first use, or it went away): a dead decode refuses the
             # connection here, found before the client sees a token. On a ready connection this wait
@@ -358,12 +381,19 @@ async def _pd_attempt(
             pool.release(p)
         if not finished_cleanly:
             with contextlib.suppress(RuntimeError):
-                env.spawn(abort_room(env, prep.request_id, room_id, "router: request ended early"))
+                if direct:
+                    called = dec_call is not None
+                    env.spawn(release_source(env, p, prep.request_id, room_id, decode_called=called))
+                else:
+                    env.spawn(abort_room(env, prep.request_id, room_id, "router: request ended early"))
 
 
-def prefill_request(prep: Prepared, room_id: int, decode: dpb.Peer) -> pfpb.PrefillRequest:
+def prefill_request(
+    prep: Prepared, room_id: int, decode: dpb.Peer, *, pair_handoff: bool = False
+) -> pfpb.PrefillRequest:
     """The Prefill of a request in `room_id`, paired with `decode`."""
     return pfpb.PrefillRequest(
+        pair_handoff=pair_handoff,
         request_id=prep.request_id,
         room_id=room_id,
         decode_peer_id=decode.peer_id,

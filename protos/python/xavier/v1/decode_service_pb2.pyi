@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from xavier.v1 import directory_service_pb2 as _directory_service_pb2
 from xavier.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
@@ -78,6 +79,7 @@ class DecodeRequest(_message.Message):
     FIRST_LOGPROB_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     RETURN_KV_DIGEST_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The client's request id (at most 128 characters), for logs."""
     room_id: _builtins.int
@@ -100,6 +102,13 @@ class DecodeRequest(_message.Message):
     def sampling(self) -> _types_pb2.SamplingParams:
         """The sampling parameters of the rest of the answer (max_tokens counts the first token)."""
 
+    @_builtins.property
+    def source(self) -> _directory_service_pb2.SourceDescriptor:
+        """A pair handoff (HandoffProtocol PAIR): the prefill's source, as its PrefillResponse gave it. The
+        decode reads it at once, with no directory room; its read's end reaches the prefill as a NIXL
+        notification.
+        """
+
     def __init__(
         self,
         *,
@@ -112,10 +121,11 @@ class DecodeRequest(_message.Message):
         first_logprob: _builtins.float = ...,
         sampling: _types_pb2.SamplingParams | None = ...,
         return_kv_digest: _builtins.bool = ...,
+        source: _directory_service_pb2.SourceDescriptor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "source", b"source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_logprob", b"first_logprob", "first_token", b"first_token", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "request_id", b"request_id", "return_kv_digest", b"return_kv_digest", "room_id", b"room_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_logprob", b"first_logprob", "first_token", b"first_token", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "request_id", b"request_id", "return_kv_digest", b"return_kv_digest", "room_id", b"room_id", "sampling", b"sampling", "source", b"source", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from xavier.v1 import directory_service_pb2 as _directory_service_pb2
 from xavier.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
@@ -33,6 +34,7 @@ class PrefillRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     RETURN_KV_DIGEST_FIELD_NUMBER: _builtins.int
+    PAIR_HANDOFF_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The client's request id (at most 128 characters), for logs."""
     room_id: _builtins.int
@@ -45,6 +47,10 @@ class PrefillRequest(_message.Message):
     """The tenant salt isolating prefix-cache pages (at most 256 characters)."""
     return_kv_digest: _builtins.bool
     """Whether to return a SHA-256 of the published KV pages' bytes (end-to-end verification; costs a hash)."""
+    pair_handoff: _builtins.bool
+    """Hand the room over without the directory (HandoffProtocol PAIR; both peers must list it): the
+    response carries the source and nothing is published in the directory.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt's token ids: non-empty, each below the vocabulary size, fewer than the context limit."""
@@ -64,10 +70,11 @@ class PrefillRequest(_message.Message):
         sampling: _types_pb2.SamplingParams | None = ...,
         cache_salt: _builtins.str = ...,
         return_kv_digest: _builtins.bool = ...,
+        pair_handoff: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "decode_epoch", b"decode_epoch", "decode_peer_id", b"decode_peer_id", "request_id", b"request_id", "return_kv_digest", b"return_kv_digest", "room_id", b"room_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "decode_epoch", b"decode_epoch", "decode_peer_id", b"decode_peer_id", "pair_handoff", b"pair_handoff", "request_id", b"request_id", "return_kv_digest", b"return_kv_digest", "room_id", b"room_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -89,6 +96,7 @@ class PrefillResponse(_message.Message):
     FIRST_TEXT_FIELD_NUMBER: _builtins.int
     FIRST_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
     """The first generated token."""
     first_logprob: _builtins.float
@@ -123,6 +131,13 @@ class PrefillResponse(_message.Message):
     def prompt_logprobs(self) -> _types_pb2.PromptLogprobs:
         """The prompt's logprobs, when sampling asked for prompt_logprobs."""
 
+    @_builtins.property
+    def source(self) -> _directory_service_pb2.SourceDescriptor:
+        """With pair_handoff (and no finish_reason): the pinned source pages, for the router to hand to the
+        decode (DecodeRequest.source). The pages stay pinned until the decode's read ends (NIXL
+        notification), ReleaseSource, or the room lease and then the park timeout pass.
+        """
+
     def __init__(
         self,
         *,
@@ -136,14 +151,69 @@ class PrefillResponse(_message.Message):
         first_text: _builtins.str = ...,
         first_top_logprobs: _types_pb2.TopLogprobs | None = ...,
         prompt_logprobs: _types_pb2.PromptLogprobs | None = ...,
+        source: _directory_service_pb2.SourceDescriptor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["first_top_logprobs", b"first_top_logprobs", "prompt_logprobs", b"prompt_logprobs", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_top_logprobs", b"first_top_logprobs", "prompt_logprobs", b"prompt_logprobs", "source", b"source", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_logprob", b"first_logprob", "first_text", b"first_text", "first_token", b"first_token", "first_top_logprobs", b"first_top_logprobs", "kv_digest", b"kv_digest", "num_pages", b"num_pages", "prompt_logprobs", b"prompt_logprobs", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_logprob", b"first_logprob", "first_text", b"first_text", "first_token", b"first_token", "first_top_logprobs", b"first_top_logprobs", "kv_digest", b"kv_digest", "num_pages", b"num_pages", "prompt_logprobs", b"prompt_logprobs", "source", b"source", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrefillResponse: _TypeAlias = PrefillResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseSourceRequest(_message.Message):
+    """ReleaseSourceRequest names a pair handoff's room the router gave up on."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    DECODE_CALLED_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The client's request id (at most 128 characters), for logs."""
+    room_id: _builtins.int
+    """The room of the pair handoff (1 to 2^63-1)."""
+    decode_called: _builtins.bool
+    """Whether the router sent the room's Decode: then a read may be in flight, and the pages stay parked
+    until it ends or the park timeout passes.
+    """
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        room_id: _builtins.int = ...,
+        decode_called: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_called", b"decode_called", "request_id", b"request_id", "room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseSourceRequest: _TypeAlias = ReleaseSourceRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseSourceResponse(_message.Message):
+    """ReleaseSourceResponse says whether the room was held here."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HELD_FIELD_NUMBER: _builtins.int
+    held: _builtins.bool
+    """Whether this prefill held the room when the request arrived."""
+    def __init__(
+        self,
+        *,
+        held: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held", b"held"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseSourceResponse: _TypeAlias = ReleaseSourceResponse  # noqa: Y015
 
 @_typing.final
 class GetPrefillStatsRequest(_message.Message):

@@ -42,6 +42,11 @@ class PrefillServiceStub:
                 request_serializer=xavier_dot_v1_dot_prefill__service__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=xavier_dot_v1_dot_prefill__service__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.ReleaseSource = channel.unary_unary(
+                '/xavier.v1.PrefillService/ReleaseSource',
+                request_serializer=xavier_dot_v1_dot_prefill__service__pb2.ReleaseSourceRequest.SerializeToString,
+                response_deserializer=xavier_dot_v1_dot_prefill__service__pb2.ReleaseSourceResponse.FromString,
+                _registered_method=True)
         self.GetPrefillStats = channel.unary_unary(
                 '/xavier.v1.PrefillService/GetPrefillStats',
                 request_serializer=xavier_dot_v1_dot_prefill__service__pb2.GetPrefillStatsRequest.SerializeToString,
@@ -63,6 +68,16 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseSource(self, request, context):
+        """ReleaseSource tells the prefill that the router gave up on a pair handoff's room (the client
+        cancelled, the decode failed or was never called): its pages are unpinned at once when no decode
+        was called, else once the decode's read has ended or the park timeout passed. A room this prefill
+        does not hold (already read, never prefilled here) is answered OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetPrefillStats(self, request, context):
         """GetPrefillStats reports pages, rooms and transfers.
         """
@@ -77,6 +92,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=xavier_dot_v1_dot_prefill__service__pb2.PrefillRequest.FromString,
                     response_serializer=xavier_dot_v1_dot_prefill__service__pb2.PrefillResponse.SerializeToString,
+            ),
+            'ReleaseSource': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSource,
+                    request_deserializer=xavier_dot_v1_dot_prefill__service__pb2.ReleaseSourceRequest.FromString,
+                    response_serializer=xavier_dot_v1_dot_prefill__service__pb2.ReleaseSourceResponse.SerializeToString,
             ),
             'GetPrefillStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPrefillStats,
@@ -114,6 +134,33 @@ class PrefillService:
             '/xavier.v1.PrefillService/Prefill',
             xavier_dot_v1_dot_prefill__service__pb2.PrefillRequest.SerializeToString,
             xavier_dot_v1_dot_prefill__service__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSource(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xavier.v1.PrefillService/ReleaseSource',
+            xavier_dot_v1_dot_prefill__service__pb2.ReleaseSourceRequest.SerializeToString,
+            xavier_dot_v1_dot_prefill__service__pb2.ReleaseSourceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,12 @@ class PrefillServiceStub:
     """Prefill runs a prompt's prefill for a room and returns the first token as soon as it exists; the
     publication of the source pages continues after the response.
     """
+    ReleaseSource: _grpc.UnaryUnaryMultiCallable[_prefill_service_pb2.ReleaseSourceRequest, _prefill_service_pb2.ReleaseSourceResponse]
+    """ReleaseSource tells the prefill that the router gave up on a pair handoff's room (the client
+    cancelled, the decode failed or was never called): its pages are unpinned at once when no decode
+    was called, else once the decode's read has ended or the park timeout passed. A room this prefill
+    does not hold (already read, never prefilled here) is answered OK.
+    """
     GetPrefillStats: _grpc.UnaryUnaryMultiCallable[_prefill_service_pb2.GetPrefillStatsRequest, _prefill_service_pb2.GetPrefillStatsResponse]
     """GetPrefillStats reports pages, rooms and transfers."""
 
@@ -54,6 +60,12 @@ class PrefillServiceAsyncStub(PrefillServiceStub):
     Prefill: _aio.UnaryUnaryMultiCallable[_prefill_service_pb2.PrefillRequest, _prefill_service_pb2.PrefillResponse]  # type: ignore[assignment]
     """Prefill runs a prompt's prefill for a room and returns the first token as soon as it exists; the
     publication of the source pages continues after the response.
+    """
+    ReleaseSource: _aio.UnaryUnaryMultiCallable[_prefill_service_pb2.ReleaseSourceRequest, _prefill_service_pb2.ReleaseSourceResponse]  # type: ignore[assignment]
+    """ReleaseSource tells the prefill that the router gave up on a pair handoff's room (the client
+    cancelled, the decode failed or was never called): its pages are unpinned at once when no decode
+    was called, else once the decode's read has ended or the park timeout passed. A room this prefill
+    does not hold (already read, never prefilled here) is answered OK.
     """
     GetPrefillStats: _aio.UnaryUnaryMultiCallable[_prefill_service_pb2.GetPrefillStatsRequest, _prefill_service_pb2.GetPrefillStatsResponse]  # type: ignore[assignment]
     """GetPrefillStats reports pages, rooms and transfers."""
@@ -72,6 +84,18 @@ class PrefillServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_prefill_service_pb2.PrefillResponse, _abc.Awaitable[_prefill_service_pb2.PrefillResponse]]:
         """Prefill runs a prompt's prefill for a room and returns the first token as soon as it exists; the
         publication of the source pages continues after the response.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseSource(
+        self,
+        request: _prefill_service_pb2.ReleaseSourceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prefill_service_pb2.ReleaseSourceResponse, _abc.Awaitable[_prefill_service_pb2.ReleaseSourceResponse]]:
+        """ReleaseSource tells the prefill that the router gave up on a pair handoff's room (the client
+        cancelled, the decode failed or was never called): its pages are unpinned at once when no decode
+        was called, else once the decode's read has ended or the park timeout passed. A room this prefill
+        does not hold (already read, never prefilled here) is answered OK.
         """
 
     @_abc_1.abstractmethod

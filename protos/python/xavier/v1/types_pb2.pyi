@@ -118,6 +118,42 @@ FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 """The request was aborted (client cancel, disconnect or a fault)."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _HandoffProtocol:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _HandoffProtocolEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_HandoffProtocol.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    HANDOFF_PROTOCOL_UNSPECIFIED: _HandoffProtocol.ValueType  # 0
+    """Not set: a peer of xavier.v1.0, which meets its partner in a directory room."""
+    HANDOFF_PROTOCOL_DIRECTORY_ROOMS: _HandoffProtocol.ValueType  # 1
+    """Every request opens a directory room: the prefill's PublishSource, the decode's BeginTransfer and
+    CompleteRoom (architecture: "Room state machine").
+    """
+    HANDOFF_PROTOCOL_PAIR: _HandoffProtocol.ValueType  # 2
+    """The pair meets without the directory: the prefill's answer carries the source
+    (PrefillResponse.source), the router hands it to the decode (DecodeRequest.source), the read's end
+    reaches the prefill as a NIXL notification, and a router that gives up tells the prefill
+    (PrefillService.ReleaseSource). The directory sees peers, never requests.
+    """
+
+class HandoffProtocol(_HandoffProtocol, metaclass=_HandoffProtocolEnumTypeWrapper):
+    """HandoffProtocol names how a prefill and a decode meet for one request."""
+
+HANDOFF_PROTOCOL_UNSPECIFIED: HandoffProtocol.ValueType  # 0
+"""Not set: a peer of xavier.v1.0, which meets its partner in a directory room."""
+HANDOFF_PROTOCOL_DIRECTORY_ROOMS: HandoffProtocol.ValueType  # 1
+"""Every request opens a directory room: the prefill's PublishSource, the decode's BeginTransfer and
+CompleteRoom (architecture: "Room state machine").
+"""
+HANDOFF_PROTOCOL_PAIR: HandoffProtocol.ValueType  # 2
+"""The pair meets without the directory: the prefill's answer carries the source
+(PrefillResponse.source), the router hands it to the decode (DecodeRequest.source), the read's end
+reaches the prefill as a NIXL notification, and a router that gives up tells the prefill
+(PrefillService.ReleaseSource). The directory sees peers, never requests.
+"""
+Global___HandoffProtocol: _TypeAlias = HandoffProtocol  # noqa: Y015
+
 class _EngineFeature:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -164,6 +200,7 @@ class KvLayout(_message.Message):
     CONFIG_FINGERPRINT_FIELD_NUMBER: _builtins.int
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
+    HANDOFF_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     """The engine's name, for example "reference" or "sglang"; required."""
     engine_version: _builtins.str
@@ -188,6 +225,11 @@ class KvLayout(_message.Message):
     """The hex SHA-256 over the model's config.json."""
     model_name: _builtins.str
     """The served model's name; informational and not part of the fingerprint."""
+    handoff: Global___HandoffProtocol.ValueType
+    """How the peer hands a P/D request's KV to its partner; informational and not part of the
+    fingerprint. The router uses a pair's own handoff only when both peers list HANDOFF_PROTOCOL_PAIR,
+    and directory rooms otherwise.
+    """
     @_builtins.property
     def features(self) -> _containers.RepeatedScalarFieldContainer[Global___EngineFeature.ValueType]:
         """What the peer's engine honours beyond the base sampling parameters; informational and not part of
@@ -210,10 +252,11 @@ class KvLayout(_message.Message):
         config_fingerprint: _builtins.str = ...,
         model_name: _builtins.str = ...,
         features: _abc.Iterable[Global___EngineFeature.ValueType] | None = ...,
+        handoff: Global___HandoffProtocol.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_fingerprint", b"config_fingerprint", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "features", b"features", "head_dim", b"head_dim", "memory_layout", b"memory_layout", "model_name", b"model_name", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "page_size", b"page_size", "tokenizer_fingerprint", b"tokenizer_fingerprint", "weights_fingerprint", b"weights_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_fingerprint", b"config_fingerprint", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "features", b"features", "handoff", b"handoff", "head_dim", b"head_dim", "memory_layout", b"memory_layout", "model_name", b"model_name", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "page_size", b"page_size", "tokenizer_fingerprint", b"tokenizer_fingerprint", "weights_fingerprint", b"weights_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

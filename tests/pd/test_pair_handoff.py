@@ -1,0 +1,158 @@
+"""The pair handoff (HandoffProtocol PAIR): the prefill's answer carries the source, the decode reads it
+with no directory room, and every way a request can end unpins the prefill's pages (I1, I2)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+import pytest
+from xavier.v1 import decode_service_pb2_grpc as dec_grpc
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
+from xavier.v1 import prefill_service_pb2 as pre
+from xavier.v1 import prefill_service_pb2_grpc as pre_grpc
+from xavier.v1 import types_pb2
+
+from tests.pd.conftest import Mesh, mesh_stats, wait_drained
+from tests.pd.test_pd import Channels, prompt
+from tests.support.pd_driver import decode_request, new_room_id, prefill_request, unified_generate
+
+pytestmark = pytest.mark.integration
+
+GREEDY = types_pb2.SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+async def _rooms_opened(ch: Channels) -> int:
+    stats = await dpb_grpc.DirectoryServiceStub(ch.directory).GetDirectoryStats(
+        dpb.GetDirectoryStatsRequest(), timeout=5
+    )
+    return stats.rooms_opened
+
+
+async def _prefill(ch: Channels, room_id: int, tokens: list[int]) -> pre.PrefillResponse:
+    _, d = await ch.peers()
+    req = prefill_request(room_id, d, tokens, GREEDY, pair_handoff=True)
+    resp: pre.PrefillResponse = await pre_grpc.PrefillServiceStub(ch.prefill).Prefill(req, timeout=30)
+    return resp
+
+
+async def _release(ch: Channels, room_id: int, decode_called: bool) -> pre.ReleaseSourceResponse:
+    req = pre.ReleaseSourceRequest(request_id=uuid.uuid4().hex, room_id=room_id, decode_called=decode_called)
+    resp: pre.ReleaseSourceResponse = await pre_grpc.PrefillServiceStub(ch.prefill).ReleaseSource(
+        req, timeout=5
+    )
+    return resp
+
+
+async def test_peers_declare_the_pair_handoff(mesh: Mesh) -> None:
+    ch = Channels(mesh)
+    try:
+        p, d = await ch.peers()
+        assert p.layout.handoff == d.layout.handoff == types_pb2.HANDOFF_PROTOCOL_PAIR
+    finally:
+        await ch.close()
+
+
+async def test_pair_handoff_equals_unified_and_opens_no_room(mesh: Mesh) -> None:
+    ch = Channels(mesh)
+    try:
+        p, _ = await ch.peers()
+        opened = await _rooms_opened(ch)
+        for n, seed in ((1, 1), (17, 2), (130, 3)):
+            tokens = prompt(n, seed)
+            room_id = new_room_id()
+            pf = await _prefill(ch, room_id, tokens)
+            assert pf.HasField("source") and pf.source.num_pages == pf.num_pages > 0
+            req = decode_request(room_id, p, tokens, GREEDY, pf.first_token, pf.first_logprob)
+            req.source.CopyFrom(pf.source)
+            got = [pf.first_token]
+            async for msg in dec_grpc.DecodeServiceStub(ch.decode).Decode(req, timeout=30):
+                got.extend(msg.delta.token_ids)
+            assert got == await unified_generate(ch.unified, tokens, max_tokens=8)
+        assert await _rooms_opened(ch) == opened  # the directory saw no request
+        assert not any((await wait_drained(mesh)).values())
+    finally:
+        await ch.close()
+
+
+async def test_release_without_a_decode_unpins_at_once(mesh: Mesh) -> None:
+    ch = Channels(mesh)
+    try:
+        room_id = new_room_id()
+        pf = await _prefill(ch, room_id, prompt(40, 4))
+        assert (await mesh_stats(mesh))["prefill-0.pages_pinned"] == pf.num_pages
+        assert (await _release(ch, room_id, decode_called=False)).held
+        assert not any((await wait_drained(mesh, timeout=2)).values())
+        assert not (await _release(ch, room_id, decode_called=False)).held  # again: nothing held
+    finally:
+        await ch.close()
+
+
+async def test_release_after_a_decode_call_parks_until_the_park_timeout(mesh: Mesh) -> None:
+    """The router gave up after calling the decode: a read may run, so the pages wait (parked)."""
+    ch = Channels(mesh)
+    try:
+        room_id = new_room_id()
+        pf = await _prefill(ch, room_id, prompt(40, 5))
+        await _release(ch, room_id, decode_called=True)
+        await asyncio.sleep(0.5)
+        stats = await mesh_stats(mesh)
+        assert stats["prefill-0.pages_parked"] == pf.num_pages, stats
+        assert not any((await wait_drained(mesh, timeout=15)).values())  # the park timeout is 5 s here
+    finally:
+        await ch.close()
+
+
+async def test_a_source_nobody_reads_is_reclaimed_after_its_lease(mesh: Mesh) -> None:
+    """No decode and no word from the router (it died): the room lease, then the park timeout."""
+    ch = Channels(mesh)
+    try:
+        await _prefill(ch, new_room_id(), prompt(20, 6))
+        assert (await mesh_stats(mesh))["prefill-0.pages_pinned"] > 0
+        assert not any((await wait_drained(mesh, timeout=20)).values())
+    finally:
+        await ch.close()
+
+
+async def test_a_decode_that_refuses_the_source_declines_it(mesh: Mesh) -> None:
+    """A source of another layout: the decode refuses it naming the field and tells the prefill over
+    NIXL that no read will come, so the pages are unpinned at once, with no word from the router."""
+    ch = Channels(mesh)
+    try:
+        p, _ = await ch.peers()
+        tokens = prompt(40, 7)
+        room_id = new_room_id()
+        pf = await _prefill(ch, room_id, tokens)
+        req = decode_request(room_id, p, tokens, GREEDY, pf.first_token, pf.first_logprob)
+        req.source.CopyFrom(pf.source)
+        req.source.contract_fingerprint = "0" * 64
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in dec_grpc.DecodeServiceStub(ch.decode).Decode(req, timeout=30):
+                pass
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert not any((await wait_drained(mesh, timeout=2)).values())
+    finally:
+        await ch.close()
+
+
+async def test_a_decode_that_cannot_find_the_prefill_fails_clearly(mesh: Mesh) -> None:
+    ch = Channels(mesh)
+    try:
+        p, _ = await ch.peers()
+        tokens = prompt(40, 8)
+        room_id = new_room_id()
+        pf = await _prefill(ch, room_id, tokens)
+        req = decode_request(room_id, p, tokens, GREEDY, pf.first_token, pf.first_logprob)
+        req.source.CopyFrom(pf.source)
+        req.prefill_epoch = p.epoch + 100  # an epoch the directory never saw
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in dec_grpc.DecodeServiceStub(ch.decode).Decode(req, timeout=30):
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # As the router does: the decode was called, so the pages are parked until the park timeout.
+        await _release(ch, room_id, decode_called=True)
+        assert not any((await wait_drained(mesh, timeout=15)).values())
+    finally:
+        await ch.close()
