@@ -4,6 +4,7 @@ with no directory room, and every way a request can end unpins the prefill's pag
 from __future__ import annotations
 
 import asyncio
+import signal
 import uuid
 
 import grpc
@@ -154,5 +155,37 @@ async def test_a_decode_that_cannot_find_the_prefill_fails_clearly(mesh: Mesh) -
         # As the router does: the decode was called, so the pages are parked until the park timeout.
         await _release(ch, room_id, decode_called=True)
         assert not any((await wait_drained(mesh, timeout=15)).values())
+    finally:
+        await ch.close()
+
+
+async def test_decode_killed_mid_handoff_leaves_nothing(mesh: Mesh) -> None:
+    """The decode dies with the source handed to it and no word sent: the prefill's lease, then its
+    park, reclaim the pages (I2), and the restarted decode serves pair handoffs again."""
+    ch = Channels(mesh)
+    try:
+        room_id = new_room_id()
+        pf = await _prefill(ch, room_id, prompt(200, 9))
+        assert pf.num_pages == 13
+        mesh.procs["decode-0"].stop(signal.SIGKILL)
+        del mesh.procs["decode-0"]
+        await _release(ch, room_id, decode_called=True)  # the router saw its Decode call fail
+        assert not any((await wait_drained(mesh, timeout=20)).values())
+    finally:
+        await ch.close()
+    mesh.start_peer("decode-0", "decode")
+    ch = Channels(mesh)
+    try:
+        p, _ = await ch.peers()
+        tokens = prompt(50, 10)
+        room_id = new_room_id()
+        pf = await _prefill(ch, room_id, tokens)
+        req = decode_request(room_id, p, tokens, GREEDY, pf.first_token, pf.first_logprob)
+        req.source.CopyFrom(pf.source)
+        got = [pf.first_token]
+        async for msg in dec_grpc.DecodeServiceStub(ch.decode).Decode(req, timeout=30):
+            got.extend(msg.delta.token_ids)
+        assert got == await unified_generate(ch.unified, tokens, max_tokens=8)
+        assert not any((await wait_drained(mesh)).values())
     finally:
         await ch.close()
