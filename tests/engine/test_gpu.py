@@ -81,3 +81,25 @@ async def test_cuda_graph_decode_equals_eager(arch: str, tiny_dirs: dict[str, Pa
     finally:
         await graphed.close()
         await eager.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_chunked_and_prefix_hit_prefill_on_cuda_follow_fp32_cpu(
+    arch: str, tiny_dirs: dict[str, Path]
+) -> None:
+    """Chunks after the first, and a prompt whose prefix is cached, attend over keys before their own
+    queries (the lower-right causal mask): the tokens still follow the float32 CPU reference."""
+    cpu = ReferenceEngine.load(tiny_dirs[arch], num_pages=64)
+    gpu = ReferenceEngine.load(tiny_dirs[arch], device="cuda", num_pages=64, chunk_tokens=16)
+    try:
+        shared = prompt_of(cpu, 48, seed=7)
+        for i, tail in enumerate((prompt_of(cpu, 5, seed=8), prompt_of(cpu, 21, seed=9))):
+            prompt = shared + tail  # the second one hits the first one's cached pages
+            want = await greedy_tokens(cpu, prompt, 24, rid=f"c{i}")
+            sampling = Sampling(max_tokens=24, ignore_eos=True)
+            events = await collect(gpu.generate(f"g{i}", prompt, sampling))
+            assert (events[0].cached_tokens > 0) == (i == 1)  # the second prompt took the first's pages
+            _check_near_tie(tiny_dirs[arch], prompt, want, [e.token_id for e in events])
+    finally:
+        await cpu.close()
+        await gpu.close()

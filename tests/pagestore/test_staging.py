@@ -70,3 +70,43 @@ async def test_retired_slots_are_never_lent_and_waiters_are_refused() -> None:
         await waiting
     assert sorted(await staging.acquire(2)) == [2, 3]
     assert staging.usable == 2
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_a_vram_pool_crosses_in_runs_of_slots_bitwise() -> None:
+    """A VRAM pool (equal page sizes: one pinned mirror): gathered and scattered on the GPU, each run of
+    consecutive slots one DMA; runs, gaps and single slots all land where they should."""
+    import torch
+
+    per_page, pages_in_pool = 256, 40
+    gen = torch.Generator().manual_seed(5)
+    pool = [
+        torch.randint(0, 256, (pages_in_pool * per_page,), generator=gen, dtype=torch.uint8).cuda()
+        for _ in range(6)
+    ]
+    out = [torch.zeros_like(t) for t in pool]
+    buffers = [KvBuffer(t.data_ptr(), t.numel(), per_page, "cuda:0") for t in pool]
+    staging = HostStaging(buffers, 16)
+    back = HostStaging([KvBuffer(t.data_ptr(), t.numel(), per_page, "cuda:0") for t in out], 16)
+    pages = [7, 2, 19, 3, 30, 31, 0, 12]
+    slots = [4, 5, 6, 0, 9, 10, 11, 15]  # runs 4-6, 0, 9-11, 15
+    staging.to_host(pages, slots)
+    for buf, t in zip(staging.buffers, pool, strict=True):
+        mirror = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * buf.nbytes).from_address(buf.addr))
+        host = t.cpu().numpy()
+        for p, slot in zip(pages, slots, strict=True):
+            assert bytes(mirror[slot * per_page : (slot + 1) * per_page]) == bytes(
+                host[p * per_page : (p + 1) * per_page]
+            )
+    for src, dst in zip(staging.buffers, back.buffers, strict=True):
+        np.ctypeslib.ctypes.memmove(dst.addr, src.addr, src.nbytes)
+    targets = [1, 2, 3, 10, 11, 12, 20, 39]
+    back.to_pool(slots, targets)
+    for a, b in zip(pool, out, strict=True):
+        ha, hb = a.cpu().numpy(), b.cpu().numpy()
+        for p, q in zip(pages, targets, strict=True):
+            assert bytes(hb[q * per_page : (q + 1) * per_page]) == bytes(
+                ha[p * per_page : (p + 1) * per_page]
+            )
+        untouched = sorted(set(range(pages_in_pool)) - set(targets))
+        assert not any(hb[q * per_page : (q + 1) * per_page].any() for q in untouched)

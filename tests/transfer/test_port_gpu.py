@@ -162,15 +162,21 @@ async def test_abort_mid_copy_waits_for_the_copy_and_never_blocks_the_loop(sourc
             gaps.append(now - last)
             last = now
 
+    # One whole pull first: the copy kernel's variant for this shape is compiled now, not while the spin
+    # below runs (a compile longer than the spin would let the copy finish before the cancel).
+    desc, endpoint = await source.publish(1999, src_pages)
+    await port.pull(1999, desc, endpoint, SRC_KEY, dst_pages, timeout=30, park_timeout=30)
+    assert await source.call("wait", 1999) == "done"
+    await source.call("unpublish", 1999, True)
     tick = asyncio.create_task(ticker())
     try:
         for attempt in range(3):
             room = 2000 + attempt
             desc, endpoint = await source.publish(room, src_pages)
-            # Keep the copy in flight: a ~0.5 s spin queued first on the copy stream holds it back while
+            # Keep the copy in flight: a ~1 s spin queued first on the copy stream holds it back while
             # the pull is cancelled.
             with torch.cuda.device(pool[0].device), torch.cuda.stream(copy_stream(pool[0].device.index)):
-                torch.cuda._sleep(1_000_000_000)
+                torch.cuda._sleep(2_000_000_000)
             pull = asyncio.create_task(
                 port.pull(room, desc, endpoint, SRC_KEY, dst_pages, timeout=30, park_timeout=30)
             )

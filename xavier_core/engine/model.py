@@ -15,6 +15,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from xavier_core.engine.checkpoint import ModelConfig, RopeConfig
 from xavier_core.engine.kv_pool import KvPool
@@ -274,10 +275,12 @@ class CausalLM:
                     qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
                 )
             else:
-                rows = torch.arange(seg.length, device=q.device).unsqueeze(1) + seg.prefix_len
-                cols = torch.arange(seg.prefix_len + seg.length, device=q.device).unsqueeze(0)
+                # The chunk's queries are the last `length` of `prefix_len + length` keys: a causal mask
+                # aligned to the lower right, which CUDA's flash kernel takes as is (a boolean mask
+                # would send it to the math kernel); on the CPU it is materialized.
+                causal = causal_lower_right(seg.length, seg.prefix_len + seg.length)
                 o = F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=cols <= rows, scale=self.scale, enable_gqa=True
+                    qs, ks, vs, attn_mask=causal, scale=self.scale, enable_gqa=True
                 )
             outs.append(o.squeeze(0).transpose(0, 1).reshape(seg.length, -1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)

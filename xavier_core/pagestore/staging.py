@@ -127,7 +127,9 @@ class HostStaging:
         cuda = dev.type == "cuda"
         stream = torch.cuda.default_stream(dev) if cuda else None
         with self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
-            if self._mirror is not None and into_host:
+            if self._mirror is not None and cuda:
+                self._copy_runs(p_idx, slots, into_host)
+            elif self._mirror is not None and into_host:
                 gathered = torch.stack([pool.index_select(0, p_idx) for pool in self._pool])
                 self._mirror.index_copy_(1, s_idx, gathered.to("cpu"))
             elif self._mirror is not None:
@@ -142,6 +144,38 @@ class HostStaging:
                         pool.index_copy_(0, p_idx, host.index_select(0, s_idx).to(dev))
             if stream is not None:
                 stream.synchronize()
+
+    def _copy_runs(self, p_idx: torch.Tensor, slots: Sequence[int], into_host: bool) -> None:
+        """A VRAM pool and the pinned mirror: the pages are gathered (or scattered) on the GPU, and each
+        run of consecutive slots of each buffer crosses the bus as one asynchronous DMA from or to the
+        pinned mirror (no pageable bounce, no host-side gather)."""
+        import torch
+
+        assert self._mirror is not None
+        n, per_page = len(slots), self._mirror.shape[2]
+        runs: list[tuple[int, int, int]] = []  # (first index in the call, first slot, length)
+        for i, slot in enumerate(slots):
+            if runs and runs[-1][1] + runs[-1][2] == slot:
+                first, start, length = runs[-1]
+                runs[-1] = (first, start, length + 1)
+            else:
+                runs.append((i, slot, 1))
+        if into_host:
+            gathered = torch.stack([pool.index_select(0, p_idx) for pool in self._pool])
+            for b in range(len(self._pool)):
+                for first, start, length in runs:
+                    self._mirror[b, start : start + length].copy_(
+                        gathered[b, first : first + length], non_blocking=True
+                    )
+            return
+        moved = torch.empty((len(self._pool), n, per_page), dtype=torch.uint8, device=p_idx.device)
+        for b in range(len(self._pool)):
+            for first, start, length in runs:
+                moved[b, first : first + length].copy_(
+                    self._mirror[b, start : start + length], non_blocking=True
+                )
+        for b, pool in enumerate(self._pool):
+            pool.index_copy_(0, p_idx, moved[b])
 
 
 def _view(buf: KvBuffer) -> torch.Tensor:
