@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from xavier_core.transfer import runs
-from xavier_core.transfer._nixl import MemType, Op, RawAgent
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidPagesError, LayoutError, PeerError, StaleEpochError
-from xavier_core.transfer.peers import split_peer_key
-from xavier_core.transfer.xfer import Transfer
+from xavier_core.transfer.common import runs
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidPagesError, LayoutError, PeerError, StaleEpochError
+from xavier_core.transfer.common.peers import split_peer_key
+from xavier_core.transfer.nixl._raw import MemType, Op, RawAgent
+from xavier_core.transfer.nixl.xfer import Transfer
 
 log = logging.getLogger(__name__)
 
