@@ -140,10 +140,6 @@ class NixlAgent:
             self._peers[peer_key] = _Peer(name)
             return name
 
-    def has_peer(self, peer_key: str) -> bool:
-        with self.lock:
-            return peer_key in self._peers
-
     def peer_keys(self) -> list[str]:
         with self.lock:
             return list(self._peers)
