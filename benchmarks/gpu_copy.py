@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.copy_plan import PoolView
-from xavier_core.transfer.cuda_copy import copy_pages, copy_stream
-from xavier_core.transfer.cuda_ipc import IpcImporter, export_pool
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.cuda.copy import copy_pages, copy_stream
+from xavier_core.transfer.cuda.copy_plan import PoolView
+from xavier_core.transfer.cuda.ipc import IpcImporter, export_pool
 
 # name: (layers, kv_heads, head_dim); 0.5B/7B as Qwen2.5 (the handoff benchmark's shapes), 8B as Llama-3.
 SHAPES = {"0.5b": (24, 2, 64), "7b": (28, 4, 128), "8b": (32, 8, 128)}

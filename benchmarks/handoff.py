@@ -41,9 +41,10 @@ from xavier_core.transfer import (
     SourceInfo,
     peer_key,
 )
-from xavier_core.transfer.runs import coalesce
-from xavier_core.transfer.staged_read import PIPELINE_DEPTH, StagedRead
-from xavier_core.transfer.staging import Slab, SlabLayout, View
+from xavier_core.transfer.common.runs import coalesce
+from xavier_core.transfer.common.slab_layout import SlabLayout
+from xavier_core.transfer.staged.read import PIPELINE_DEPTH, StagedRead
+from xavier_core.transfer.staged.slab import Slab, View
 
 MODES = ("coalesced", "per_page", "staged")
 ALL_MODES = ("coalesced", "per_page", "staged", "cuda_ipc")
@@ -136,7 +137,7 @@ def source_main(conn: Connection, args: argparse.Namespace, pool_pages: int) -> 
             break
         room, pages = rest
         if cmd == "export":
-            from xavier_core.transfer.cuda_ipc import export_pool
+            from xavier_core.transfer.cuda.ipc import export_pool
 
             conn.send(export_pool(bufs).to_bytes())
         elif cmd in ("publish", "publish_staged"):
@@ -208,7 +209,7 @@ def handoff_staged(
 
 def handoff_ipc(view: Any, local: Any, src: list[int], dst: list[int]) -> tuple[float, int]:
     """One fused copy from the mapped source pool, timed until its CUDA event completes."""
-    from xavier_core.transfer.cuda_copy import copy_pages
+    from xavier_core.transfer.cuda.copy import copy_pages
 
     t0 = time.perf_counter()
     h = copy_pages(view, local, src, dst, device=local.device)
@@ -244,8 +245,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     manager = KvManager(agent, bufs, args.page_size)
     view = local = None
     if "cuda_ipc" in modes:
-        from xavier_core.transfer.copy_plan import PoolView
-        from xavier_core.transfer.cuda_ipc import IpcImporter
+        from xavier_core.transfer.cuda.copy_plan import PoolView
+        from xavier_core.transfer.cuda.ipc import IpcImporter
 
         conn.send(("export", "", []))
         local = PoolView.from_buffers(bufs)

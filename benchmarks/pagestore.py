@@ -35,7 +35,7 @@ from tests.support.procs import start_service
 from xavier_core.pagestore import PageNamespace, PageStoreClient
 from xavier_core.pagestore import client as client_module
 from xavier_core.pagestore.layout import local_page_checksums
-from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.common.buffers import KvBuffer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -21,7 +21,7 @@ from typing import Any
 from xavier_core.contract import DEFAULT_MEMORY_LAYOUT, KvLayout, layout_from_model_dir
 from xavier_core.runtime.config import TLS_FILE_ENV, TlsSettings
 from xavier_core.runtime.errors import InvalidArgument
-from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.common.buffers import KvBuffer
 
 __all__ = [
     "DTYPE_BYTES",

@@ -46,7 +46,7 @@ from xavier_core.contract import layout_from_model_dir
 from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
 from xavier_core.pagestore.client import Fetched, InOrder
 from xavier_core.prefix_keys import chain_seed
-from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.common.buffers import KvBuffer
 
 from .config import UnsupportedSetupError
 from .loop import LoopThread

@@ -40,14 +40,14 @@ from xavier_core.contract import KvLayout
 from xavier_core.directory import DirectoryClient, PeerSession
 from xavier_core.directory.client import Registration
 from xavier_core.runtime.channels import use_client_tls
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.copy_plan import PoolView
-from xavier_core.transfer.errors import TransferError
-from xavier_core.transfer.nixl_backend import NixlAgent
-from xavier_core.transfer.peers import peer_key
-from xavier_core.transfer.runs import as_page_array
-from xavier_core.transfer.source import buffers_from_regions, endpoint_proto
-from xavier_core.transfer.transport import IpcPeers, export_blob, is_vram
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import TransferError
+from xavier_core.transfer.common.peers import peer_key
+from xavier_core.transfer.common.runs import as_page_array
+from xavier_core.transfer.common.source import buffers_from_regions, endpoint_proto
+from xavier_core.transfer.cuda.copy_plan import PoolView
+from xavier_core.transfer.nixl.agent import NixlAgent
+from xavier_core.transfer.port.transport import IpcPeers, export_blob, is_vram
 
 from . import wire
 from .config import PoolShape, XavierSettings

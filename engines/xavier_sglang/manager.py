@@ -24,7 +24,7 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
 from xavier_core.contract import differing_fields
-from xavier_core.transfer.errors import TransferError
+from xavier_core.transfer.common.errors import TransferError
 
 from .config import PoolShape, ProcessShape, XavierSettings, check_supported, contract_layout
 from .hub import Hub, PairPeer

@@ -3,7 +3,7 @@ decode on this host (`XavierSettings.cuda_ipc`).
 
 A NIXL WRITE costs a few microseconds per descriptor, one per page run per buffer: tens of milliseconds
 for a prompt whose pages are scattered. Through CUDA IPC the prefill maps the decode's pool once per
-decode epoch and one fused kernel copies every page of every buffer (`xavier_core.transfer.cuda_copy`);
+decode epoch and one fused kernel copies every page of every buffer (`xavier_core.transfer.cuda.copy`);
 the chunk's WRITTEN notification then goes over NIXL once the copy's CUDA event has completed, so the
 decode sees it after the bytes, as with a NIXL WRITE. The notification is sent by a thread of the hub
 (`IpcNotifier`) that waits for each copy's event in issue order, not by the prefill's next poll, which
@@ -18,10 +18,10 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from xavier_core.transfer._nixl import XferState
+from xavier_core.transfer.nixl._raw import XferState
 
 if TYPE_CHECKING:
-    from xavier_core.transfer.cuda_copy import CopyHandle
+    from xavier_core.transfer.cuda.copy import CopyHandle
 
 __all__ = ["IpcNotifier", "IpcWrite", "Write"]
 

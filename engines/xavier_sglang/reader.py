@@ -23,9 +23,9 @@ import time
 import numpy as np
 import numpy.typing as npt
 
-from xavier_core.transfer.errors import TransferError
-from xavier_core.transfer.kv_transfer import KvPoll
-from xavier_core.transfer.runs import as_page_array
+from xavier_core.transfer.common.errors import TransferError
+from xavier_core.transfer.common.runs import as_page_array
+from xavier_core.transfer.nixl.rooms import KvPoll
 
 from . import wire
 from .hub import Hub, PairPeer

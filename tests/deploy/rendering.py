@@ -35,6 +35,8 @@ def verify_rendered_units(tmp_path: Path, text: str, host: str) -> list[Path]:
     wants = sorted((systemd / "xavier.target.wants").iterdir())
     for link in wants:  # verify reads instances of templates as files of their own
         shutil.copyfile(link.resolve(), tmp_path / link.name)
+    for dropins in systemd.glob("*@.service.d"):  # and the drop-ins of a template beside them
+        shutil.copytree(dropins, tmp_path / dropins.name)
     units = [tmp_path / link.name for link in wants]
     done = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", *map(str, units)],

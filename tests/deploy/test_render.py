@@ -74,8 +74,13 @@ def test_two_hosts_each_get_their_units(tmp_path: Path) -> None:
     link = gpu / "etc/systemd/system/xavier.target.wants/xavier-decode@2.service"
     assert os.readlink(link) == "../xavier-decode@.service" and link.resolve().is_file()
     assert not (ctl / "etc/systemd/system/xavier-prefill@.service").exists()
+    # The GPU roles' one unit under each role's name (the role is %j), and the roles' drop-ins.
     unit = (gpu / "etc/systemd/system/xavier-prefill@.service").read_text()
-    assert "ExecStart=/usr/local/xavier/bin/xavier-prefill " in unit and "/opt/xavier" not in unit
+    assert "ExecStart=/usr/local/xavier/bin/xavier-%j " in unit and "/opt/xavier" not in unit
+    assert (gpu / "etc/systemd/system/xavier-decode@.service").read_text() == unit
+    dropins = sorted(p.relative_to(gpu / "etc/systemd/system") for p in gpu.glob("etc/systemd/system/*.d/*"))
+    assert dropins == [Path("xavier-decode@.service.d/role.conf")]
+    assert "After=xavier-prefill@%i.service" in (gpu / "etc/systemd/system" / dropins[0]).read_text()
 
     etc = ctl / "etc/xavier"
     directory = load_config(DirectoryConfig, etc / "xavier-directory.toml")

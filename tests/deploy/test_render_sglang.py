@@ -60,8 +60,8 @@ def test_sglang_instances_get_their_section(tmp_path: Path) -> None:
         "xavier-unified@2.service",
         "xavier-unified@3.service",
     ]
-    unit = (out / "etc/systemd/system/xavier-unified@.service").read_text()
-    assert "ExecStart=/usr/local/xavier/bin/xavier-decode --role unified --config" in unit
+    role = (out / "etc/systemd/system/xavier-unified@.service.d/role.conf").read_text()
+    assert "ExecStart=/usr/local/xavier/bin/xavier-decode --role unified --config" in role
     etc = out / "etc/xavier"
     prefill = load_config(PeerServiceConfig, etc / "xavier-prefill@0.toml")
     assert prefill.engine.kind == "sglang" and prefill.engine.model == Path("/srv/models/m")

@@ -20,7 +20,7 @@ from xavier.v1 import types_pb2
 
 from tests.pd.conftest import FAST_ENV, Mesh, mesh_stats, wait_drained
 from tests.support.pd_driver import pd_generate, peer, unified_generate
-from xavier_core.transfer.port import DROP_DONE_ENV
+from xavier_core.transfer.port.kv_port import DROP_DONE_ENV
 
 pytestmark = pytest.mark.integration
 

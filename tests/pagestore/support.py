@@ -20,7 +20,7 @@ from xavier.v1 import page_store_service_pb2_grpc as pb_grpc
 from tests.support.procs import ServiceProc, start_service
 from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
 from xavier_core.prefix_keys import chain_seed, page_keys
-from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.common.buffers import KvBuffer
 
 NBUF, BPP, PAGES, TOKENS_PER_PAGE = 4, 2048, 64, 16
 PAGE_BYTES = NBUF * BPP

@@ -15,8 +15,8 @@ from tests.pagestore.support import BPP, NBUF, buffers, chain, make_pool, stub
 from tests.support.procs import ServiceProc
 from xavier_core.pagestore import PageNamespace, PageStoreClient
 from xavier_core.runtime.errors import from_rpc_error
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidPagesError
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidPagesError
 
 pytestmark = pytest.mark.integration
 

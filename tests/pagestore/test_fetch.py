@@ -13,7 +13,7 @@ from tests.pagestore.support import buffers, chain, make_pool, ns_stats, page_di
 from tests.support.procs import ServiceProc
 from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
 from xavier_core.pagestore.connection import TransferStuck
-from xavier_core.transfer.errors import InvalidPagesError
+from xavier_core.transfer.common.errors import InvalidPagesError
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from xavier_core.pagestore.staging import HostStaging
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidPagesError
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidPagesError
 
 pytest.importorskip("torch")
 

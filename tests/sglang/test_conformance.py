@@ -91,7 +91,7 @@ def test_version_specific_signatures() -> None:
 
 
 def test_kvpoll_values_are_sglangs() -> None:
-    from xavier_core.transfer.kv_transfer import KvPoll
+    from xavier_core.transfer.nixl.rooms import KvPoll
 
     for ours in KvPoll:
         name = "".join(w.capitalize() for w in ours.name.split("_")).replace(

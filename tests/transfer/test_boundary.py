@@ -54,3 +54,32 @@ def test_the_check_catches_every_import_form() -> None:
         "xavier_core.engine",
         "xavier_core.engine.reference",
     ]
+
+
+ROOMS = ("common", "nixl", "cuda", "staged", "port")  # bottom up, as the package docstring lists them
+BELOW = {"common": set(), "nixl": {"common"}, "cuda": {"common"}, "staged": {"common", "nixl", "cuda"}}
+
+
+def _room_of(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[:2] != ["xavier_core", "transfer"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in ROOMS else None
+
+
+def test_each_room_imports_only_the_rooms_below_it() -> None:
+    assert sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()) == sorted(ROOMS)
+    allowed = {**BELOW, "port": set(ROOMS) - {"port"}}
+    bad = [
+        f"{path.relative_to(PACKAGE)}: {name}"
+        for room in ROOMS
+        for path in sorted((PACKAGE / room).glob("*.py"))
+        for name in _imports(ast.parse(path.read_text(), str(path)))
+        if (target := _room_of(name)) is not None and target != room and target not in allowed[room]
+    ]
+    assert not bad, "a room of the transfer layer imports a room above it:\n" + "\n".join(bad)
+
+
+def test_the_room_check_sees_an_upward_import() -> None:
+    tree = ast.parse("from xavier_core.transfer.port.kv_port import KvPort\nimport xavier_core.transfer\n")
+    assert [_room_of(n) for n in _imports(tree)] == ["port", "port", None]

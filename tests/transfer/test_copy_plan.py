@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.copy_plan import CopyPlan, PoolView, plan_copy
-from xavier_core.transfer.cuda_copy import copy_pages
-from xavier_core.transfer.cuda_ipc import PoolExport, host_id
-from xavier_core.transfer.errors import InvalidPagesError, InvalidSourceError, LayoutError
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidPagesError, InvalidSourceError, LayoutError
+from xavier_core.transfer.cuda.copy import copy_pages
+from xavier_core.transfer.cuda.copy_plan import CopyPlan, PoolView, plan_copy
+from xavier_core.transfer.cuda.ipc import PoolExport, host_id
 
 ANCHOR = 1 << 20  # where the fake memory starts; the kernel's anchor tensor sits here
 

@@ -14,11 +14,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from xavier_core.transfer.buffers import KvBuffer  # noqa: E402
-from xavier_core.transfer.copy_plan import PoolView  # noqa: E402
-from xavier_core.transfer.cuda_copy import copy_pages, triton_available  # noqa: E402
-from xavier_core.transfer.cuda_ipc import IpcImporter, export_pool  # noqa: E402
-from xavier_core.transfer.errors import StaleEpochError  # noqa: E402
+from xavier_core.transfer.common.buffers import KvBuffer  # noqa: E402
+from xavier_core.transfer.common.errors import StaleEpochError  # noqa: E402
+from xavier_core.transfer.cuda.copy import copy_pages, triton_available  # noqa: E402
+from xavier_core.transfer.cuda.copy_plan import PoolView  # noqa: E402
+from xavier_core.transfer.cuda.ipc import IpcImporter, export_pool  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

@@ -26,7 +26,7 @@ from xavier.v1 import types_pb2  # noqa: E402
 
 from tests.transfer.kvpool import serve_port, spawned  # noqa: E402
 from xavier_core.transfer import KvBuffer, KvPort, peer_key  # noqa: E402
-from xavier_core.transfer.cuda_copy import copy_stream  # noqa: E402
+from xavier_core.transfer.cuda.copy import copy_stream  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

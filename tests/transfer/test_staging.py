@@ -8,10 +8,11 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
 from tests.transfer.kvpool import PAGES, kv_buffers, make_pool, page_bytes
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidSourceError, LayoutError
-from xavier_core.transfer.source import SourceInfo, endpoint_proto
-from xavier_core.transfer.staging import Slab, SlabLayout, View
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidSourceError, LayoutError
+from xavier_core.transfer.common.slab_layout import SlabLayout
+from xavier_core.transfer.common.source import SourceInfo, endpoint_proto
+from xavier_core.transfer.staged.slab import Slab, View
 
 
 def test_layout_cuts_whole_records_into_chunks() -> None:
@@ -87,7 +88,7 @@ def test_chunk_views_stay_inside_the_slab() -> None:
 @pytest.mark.gpu
 def test_cuda_gather_and_scatter_are_fused_and_exact() -> None:
     torch = pytest.importorskip("torch")
-    from xavier_core.transfer.cuda_copy import triton_available
+    from xavier_core.transfer.cuda.copy import triton_available
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -5,7 +5,9 @@ Output, laid out as on the target host (copy the tree to ``/``, then ``systemctl
 
     etc/xavier/<unit>.toml                         the service's config (--config), validated here
     etc/xavier/<unit>.env                          its process environment (EnvironmentFile=)
-    etc/systemd/system/<unit file>                 the unit files of deploy/systemd this host uses
+    etc/systemd/system/<unit file>                 the unit files of deploy/systemd this host uses (a GPU
+                                                   role's is xavier-engine@.service, under the role's name)
+    etc/systemd/system/<unit file>.d/<name>.conf   their drop-ins in deploy/systemd (what a GPU role changes)
     etc/systemd/system/xavier.target.wants/<unit>  the enabled instances, as `systemctl enable` links them
     etc/systemd/system/<unit>.service.d/credentials.conf   LoadCredential= for DynamicUser units
 
@@ -34,6 +36,8 @@ __all__ = ["DEFAULT_UNITS_DIR", "RenderedUnit", "plan_host", "render_host", "to_
 DEFAULT_UNITS_DIR = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 """The unit files in a source checkout (``deploy/systemd``)."""
 _UNIT_PREFIX = "/opt/xavier/.venv/"
+_ENGINE_UNIT = "xavier-engine@.service"
+"""The one unit file of the GPU roles; each installs it as ``xavier-<role>@.service`` beside its drop-ins."""
 _CREDENTIALS = "/run/credentials"
 # The services whose units run under DynamicUser=: files they read are handed over with LoadCredential=.
 _DYNAMIC_USER: frozenset[Role] = frozenset({"directory", "router", "pagestore"})
@@ -267,8 +271,7 @@ def _env_text(unit: RenderedUnit) -> str:
     return f"# {unit.unit}: process environment (EnvironmentFile=); its config is {unit.unit}.toml.\n{body}"
 
 
-def _unit_text(units_dir: Path, template: str, prefix: Path) -> str:
-    path = units_dir / template
+def _unit_text(path: Path, prefix: Path) -> str:
     try:
         text = path.read_text()
     except OSError as exc:
@@ -291,8 +294,12 @@ def render_host(
         written.append(path)
 
     etc, systemd = out / "etc" / "xavier", out / "etc" / "systemd" / "system"
+    prefix = cluster.cluster.prefix
     for template in ["xavier.target", *dict.fromkeys(u.template for u in units)]:
-        write(systemd / template, _unit_text(units_dir, template, cluster.cluster.prefix))
+        source = _ENGINE_UNIT if template.endswith("@.service") else template
+        write(systemd / template, _unit_text(units_dir / source, prefix))
+        for conf in sorted((units_dir / f"{template}.d").glob("*.conf")):
+            write(systemd / f"{template}.d" / conf.name, _unit_text(conf, prefix))
     wants = systemd / "xavier.target.wants"
     wants.mkdir(parents=True, exist_ok=True)
     for unit in units:

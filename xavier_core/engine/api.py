@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from xavier_core.sampling import check_sampling
-from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.common.buffers import KvBuffer
 
 if TYPE_CHECKING:
     from xavier_core.pagestore.client import PageStoreClient

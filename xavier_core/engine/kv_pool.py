@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from xavier_core.engine.api import InvalidRequestError
-from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.common.buffers import KvBuffer
 
 
 class KvPool:

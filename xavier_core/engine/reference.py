@@ -47,7 +47,7 @@ from xavier_core.prefix_keys import chain_seed
 from xavier_core.sampling import check_cache_salt
 from xavier_core.text.errors import ModelFilesError
 from xavier_core.text.tokenizer import TextTokenizer
-from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.common.buffers import KvBuffer
 
 if TYPE_CHECKING:
     from xavier_core.pagestore.client import PageStoreClient

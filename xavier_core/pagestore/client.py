@@ -37,8 +37,8 @@ from xavier_core.pagestore.staging import HostStaging
 from xavier_core.pagestore.trouble import TroubleLog
 from xavier_core.pagestore.writer import Background, WriteQueue
 from xavier_core.runtime.errors import XavierError
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidPagesError
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidPagesError
 
 __all__ = ["ClientSettings", "Fetched", "InOrder", "PageNamespace", "PageStoreClient"]
 

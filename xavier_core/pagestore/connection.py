@@ -25,8 +25,8 @@ from xavier_core.pagestore.metrics import client_metrics
 from xavier_core.pagestore.nixl import Op, PageAgent, wait
 from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.errors import from_rpc_error
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import PeerError
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import PeerError
 
 __all__ = ["StoreConnection", "StorePeer", "TransferStuck"]
 

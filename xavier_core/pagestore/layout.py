@@ -20,9 +20,9 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from xavier_core.transfer import runs
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidPagesError
+from xavier_core.transfer.common import runs
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidPagesError
 
 CHECKSUM_BYTES = 16
 KEY_BYTES = 32

@@ -17,11 +17,11 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from xavier_core.transfer._nixl import MemType, RawAgent, XferState
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import PeerError
-from xavier_core.transfer.nixl_backend import check_buffers, register_buffers
-from xavier_core.transfer.xfer import Transfer
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import PeerError
+from xavier_core.transfer.nixl._raw import MemType, RawAgent, XferState
+from xavier_core.transfer.nixl.agent import check_buffers, register_buffers
+from xavier_core.transfer.nixl.xfer import Transfer
 
 Op = Literal["READ", "WRITE"]
 

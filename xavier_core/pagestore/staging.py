@@ -22,9 +22,9 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.cuda_copy import CudaBytes
-from xavier_core.transfer.errors import InvalidPagesError
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidPagesError
+from xavier_core.transfer.cuda.copy import CudaBytes
 
 if TYPE_CHECKING:
     import torch

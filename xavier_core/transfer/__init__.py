@@ -5,15 +5,24 @@ ids (coalesced into `PageRun`s), and peers (`peer_key(peer_id, epoch)` plus NIXL
 an engine: the reference engine, the services and SGLang's KV sender/receiver all drive it with exactly
 those values, and it imports neither `xavier_core.engine` nor `xavier_services` (a test checks).
 
-Layers, bottom up: `NixlAgent` (one per process: registered buffers, cached peers, READs of page lists);
-`KvManager` / `KvSender` / `KvReceiver` (per-room state machines modelled on SGLang's `KVPoll`, driven by
-polling); `KvPort` (the asyncio service face: one NIXL thread, publish / pull of contract
-`SourceDescriptor`s, the errors the services answer with). Beside NIXL page runs a pull may take CUDA
-IPC (`cuda_ipc`, `cuda_copy`) or the staged transport (`staging`, `staged_read`: slab chunks); the
-choice is `transport`'s.
+Rooms, bottom up (each package's docstring is its own map):
+- `common`: the shared types: buffers, page runs, peer keys, the published source and its wire form, the
+  slab layout, the typed errors.
+- `nixl`: `NixlAgent` (one per process: registered buffers, cached peers, READs of page lists), the posted
+  READ (`Transfer`), `KvManager` / `KvSender` / `KvReceiver` (per-room state machines modelled on SGLang's
+  `KVPoll`, driven by polling) and the one NIXL thread.
+- `cuda`: between two GPUs of one host, CUDA IPC (a peer's pool mapped once per epoch) and the fused
+  page-copy kernel.
+- `staged`: across hosts, the staged transport: a room's pages gathered into whole slab chunks, READ and
+  scattered chunk by chunk.
+- `port`: `KvPort`, the asyncio service face: one NIXL thread, publish / pull of contract
+  `SourceDescriptor`s over whichever transport `port.transport` picks, the errors the services answer
+  with, and the port's metrics.
 
-Names load on first use (PEP 562), so importing one module of the package (the engine imports
-`buffers`) does not load NIXL, gRPC or the protos.
+A room imports only rooms above it in that list (`nixl` and `cuda` use `common`, `staged` those three,
+`port` all; a test checks). `peers.py` here is the old path of `common.peers`, kept for one importer
+outside the package. Names load on first use (PEP 562), so importing one module of the package (the
+engine imports `common.buffers`) does not load NIXL, gRPC or the protos.
 """
 
 from __future__ import annotations
@@ -23,8 +32,8 @@ from typing import TYPE_CHECKING
 from xavier_core._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from xavier_core.transfer.buffers import KvBuffer
-    from xavier_core.transfer.errors import (
+    from xavier_core.transfer.common.buffers import KvBuffer
+    from xavier_core.transfer.common.errors import (
         InvalidPagesError,
         InvalidSourceError,
         LayoutError,
@@ -33,7 +42,11 @@ if TYPE_CHECKING:
         TransferError,
         TransferInFlightError,
     )
-    from xavier_core.transfer.kv_transfer import (
+    from xavier_core.transfer.common.peers import peer_key, split_peer_key
+    from xavier_core.transfer.common.runs import Mode, PageRun, coalesce, descriptors, expand, pair_stretches
+    from xavier_core.transfer.common.source import SourceInfo, endpoint_proto
+    from xavier_core.transfer.nixl.agent import NixlAgent, device_mem
+    from xavier_core.transfer.nixl.rooms import (
         DONE_PREFIX,
         FAIL_PREFIX,
         KvManager,
@@ -43,47 +56,43 @@ if TYPE_CHECKING:
         done_notif,
         fail_notif,
     )
-    from xavier_core.transfer.nixl_backend import NixlAgent, device_mem
-    from xavier_core.transfer.nixl_thread import NixlThread
-    from xavier_core.transfer.peers import peer_key, split_peer_key
-    from xavier_core.transfer.port import KvPort, TransferTotals
-    from xavier_core.transfer.runs import Mode, PageRun, coalesce, descriptors, expand, pair_stretches
-    from xavier_core.transfer.source import SourceInfo, endpoint_proto
-    from xavier_core.transfer.xfer import Transfer
+    from xavier_core.transfer.nixl.thread import NixlThread
+    from xavier_core.transfer.nixl.xfer import Transfer
+    from xavier_core.transfer.port.kv_port import KvPort, TransferTotals
 
 _MODULES: dict[str, str] = {
-    "DONE_PREFIX": "xavier_core.transfer.kv_transfer",
-    "FAIL_PREFIX": "xavier_core.transfer.kv_transfer",
-    "InvalidPagesError": "xavier_core.transfer.errors",
-    "InvalidSourceError": "xavier_core.transfer.errors",
-    "KvBuffer": "xavier_core.transfer.buffers",
-    "KvManager": "xavier_core.transfer.kv_transfer",
-    "KvPoll": "xavier_core.transfer.kv_transfer",
-    "KvPort": "xavier_core.transfer.port",
-    "KvReceiver": "xavier_core.transfer.kv_transfer",
-    "KvSender": "xavier_core.transfer.kv_transfer",
-    "LayoutError": "xavier_core.transfer.errors",
-    "Mode": "xavier_core.transfer.runs",
-    "NixlAgent": "xavier_core.transfer.nixl_backend",
-    "NixlThread": "xavier_core.transfer.nixl_thread",
-    "PageRun": "xavier_core.transfer.runs",
-    "PeerError": "xavier_core.transfer.errors",
-    "SourceInfo": "xavier_core.transfer.source",
-    "StaleEpochError": "xavier_core.transfer.errors",
-    "Transfer": "xavier_core.transfer.xfer",
-    "TransferError": "xavier_core.transfer.errors",
-    "TransferInFlightError": "xavier_core.transfer.errors",
-    "TransferTotals": "xavier_core.transfer.port",
-    "coalesce": "xavier_core.transfer.runs",
-    "descriptors": "xavier_core.transfer.runs",
-    "device_mem": "xavier_core.transfer.nixl_backend",
-    "done_notif": "xavier_core.transfer.kv_transfer",
-    "endpoint_proto": "xavier_core.transfer.source",
-    "expand": "xavier_core.transfer.runs",
-    "fail_notif": "xavier_core.transfer.kv_transfer",
-    "pair_stretches": "xavier_core.transfer.runs",
-    "peer_key": "xavier_core.transfer.peers",
-    "split_peer_key": "xavier_core.transfer.peers",
+    "DONE_PREFIX": "xavier_core.transfer.nixl.rooms",
+    "FAIL_PREFIX": "xavier_core.transfer.nixl.rooms",
+    "InvalidPagesError": "xavier_core.transfer.common.errors",
+    "InvalidSourceError": "xavier_core.transfer.common.errors",
+    "KvBuffer": "xavier_core.transfer.common.buffers",
+    "KvManager": "xavier_core.transfer.nixl.rooms",
+    "KvPoll": "xavier_core.transfer.nixl.rooms",
+    "KvPort": "xavier_core.transfer.port.kv_port",
+    "KvReceiver": "xavier_core.transfer.nixl.rooms",
+    "KvSender": "xavier_core.transfer.nixl.rooms",
+    "LayoutError": "xavier_core.transfer.common.errors",
+    "Mode": "xavier_core.transfer.common.runs",
+    "NixlAgent": "xavier_core.transfer.nixl.agent",
+    "NixlThread": "xavier_core.transfer.nixl.thread",
+    "PageRun": "xavier_core.transfer.common.runs",
+    "PeerError": "xavier_core.transfer.common.errors",
+    "SourceInfo": "xavier_core.transfer.common.source",
+    "StaleEpochError": "xavier_core.transfer.common.errors",
+    "Transfer": "xavier_core.transfer.nixl.xfer",
+    "TransferError": "xavier_core.transfer.common.errors",
+    "TransferInFlightError": "xavier_core.transfer.common.errors",
+    "TransferTotals": "xavier_core.transfer.port.kv_port",
+    "coalesce": "xavier_core.transfer.common.runs",
+    "descriptors": "xavier_core.transfer.common.runs",
+    "device_mem": "xavier_core.transfer.nixl.agent",
+    "done_notif": "xavier_core.transfer.nixl.rooms",
+    "endpoint_proto": "xavier_core.transfer.common.source",
+    "expand": "xavier_core.transfer.common.runs",
+    "fail_notif": "xavier_core.transfer.nixl.rooms",
+    "pair_stretches": "xavier_core.transfer.common.runs",
+    "peer_key": "xavier_core.transfer.common.peers",
+    "split_peer_key": "xavier_core.transfer.common.peers",
 }
 
 

@@ -1,16 +1,8 @@
-"""Peer keys: one epoch of one peer, the unit the NIXL agent caches remote metadata under."""
+"""The old path of `common.peers`, kept while `services/xavier_services/decode/servicer.py` imports
+`peer_key` by it; new code imports from `xavier_core.transfer`."""
 
 from __future__ import annotations
 
+from xavier_core.transfer.common.peers import peer_key, split_peer_key
 
-def peer_key(peer_id: str, epoch: int) -> str:
-    """The key of one epoch of a peer; `NixlAgent.add_peer` drops older epochs of the same id."""
-    return f"{peer_id}@{epoch}"
-
-
-def split_peer_key(key: str) -> tuple[str, int] | None:
-    """(peer id, epoch) of a key made by `peer_key`; None for any other string (an ad-hoc key)."""
-    peer_id, sep, epoch = key.rpartition("@")
-    if not sep or not peer_id or not epoch.isdigit():
-        return None
-    return peer_id, int(epoch)
+__all__ = ["peer_key", "split_peer_key"]

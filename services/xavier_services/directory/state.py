@@ -226,10 +226,6 @@ class DirectoryState:
                 self.listener(room)
         return room
 
-    def member_room(self, room_id: int, peer_id: str, epoch: int, role: int | None) -> RoomRecord:
-        """The room, once ``peer_id`` is shown to hold ``role`` (None: either) in it at ``epoch``."""
-        return self._member("", room_id, peer_id, epoch, role)[0]
-
     def peer_rooms(self, peer_id: str, epoch: int) -> list[RoomRecord]:
         """The live rooms of a registered peer at its current epoch."""
         check_peer_id(peer_id, "peer_id")

@@ -11,7 +11,7 @@ import numpy as np
 
 from xavier_core.pagestore.layout import PageGeometry, buffer_view, page_checksum
 from xavier_core.pagestore.nixl import PageAgent
-from xavier_core.transfer.buffers import KvBuffer
+from xavier_core.transfer.common.buffers import KvBuffer
 
 
 @dataclass

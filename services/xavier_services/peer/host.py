@@ -30,8 +30,8 @@ from xavier_core.runtime.errors import (
 )
 from xavier_core.runtime.identity import ROLE_NAMES
 from xavier_core.runtime.logging import get_logger
-from xavier_core.transfer.metrics import register_port_metrics
-from xavier_core.transfer.port import KvPort
+from xavier_core.transfer.port.kv_port import KvPort
+from xavier_core.transfer.port.metrics import register_port_metrics
 from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.peer.convert import features_pb
 

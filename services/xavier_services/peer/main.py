@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 from xavier.v1 import types_pb2
@@ -14,10 +14,6 @@ from xavier_core.runtime import ServerHandle, run_service, serve
 from xavier_core.runtime.config import ConfigError, add_common_args, config_from_args, exit_on_config_error
 from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.peer.host import PeerHost, load_engine
-
-
-class Servicer(Protocol):
-    async def drain(self) -> None: ...
 
 
 def peer_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:

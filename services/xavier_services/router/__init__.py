@@ -1,1 +1,23 @@
-"""The router: public gRPC `RouterService` and an OpenAI-compatible HTTP front in one process."""
+"""The router: public gRPC `RouterService` and an OpenAI-compatible HTTP front in one process.
+
+One request, file by file: `main` starts both fronts over one `core.Router`. The gRPC front is
+`servicer` (`RouterService`; `TokenInterceptor` checks the bearer token); the HTTP front is `openai_http`
+(`/v1/models`, `/v1/completions`, `/v1/chat/completions`, SSE), which decodes bodies with `openai_body`,
+parses and shapes them with `openai_shapes` and `openai_logprobs`, sends SSE keepalives through
+`keepalive`, and is guarded by `http_guard` (connection cap, header deadline) and `http_errors`
+(aiohttp's own answers in OpenAI's error shape). Both fronts hand a request to `core`:
+
+- `request`: `prepare`, the validated request (token ids, sampling, mode) a flow runs; `prompts` turns
+  its prompt into token ids (chat rendering, the prompt-fingerprint cache, model facts), and `offload`
+  tokenizes very large prompts in a helper process.
+- `core`: `Router.generate`: a serving slot from `admission`, the mode, the flow in its own task, its
+  steps read back with a progress deadline, the metrics and log line of `observe`.
+- `stream`: what the flow's task hands the reader (a step, ended, failed) and the responses built from
+  the steps.
+- the flows, each an async iterator of `flows.Step`: `flows` (P/D through a directory room, colocated on a
+  unified peer, failover), `pd_concurrent` (a pair whose prefill and decode are called at once) and
+  `native` (SGLang's own prefill and decode servers over HTTP).
+- `peers`: live peers from the directory, channels to them, least-outstanding-work pair selection with
+  prefix affinity; `health` leaves failing peers out and probes them back.
+- `config`: `RouterConfig` (TOML, `XAVIER_*` environment, flags), validated at start.
+"""

@@ -1,15 +1,16 @@
 """The router's request path, shared by the gRPC servicer and the HTTP front.
 
-Each request's flow runs in its own task feeding a queue: cancelling that task is how Abort, a client
-cancel and a disconnect all stop a request, and the flow's own cleanup (cancel calls, abort the room)
-runs there, independent of whoever was reading.
+Each request's flow runs in its own task feeding a queue of `stream.Item`s: cancelling that task is how
+Abort, a client cancel and a disconnect all stop a request, and the flow's own cleanup (cancel calls,
+abort the room) runs there, independent of whoever was reading. `_read` reads the queue back,
+`_serve` sends what it reads and the last response that `stream` builds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any
@@ -22,7 +23,6 @@ from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 
 from xavier_core.runtime import GenericError, Unavailable, XavierError, get_registry
-from xavier_core.runtime.durations import to_duration
 from xavier_services.router.admission import Admission
 from xavier_services.router.config import RouterConfig
 from xavier_services.router.flows import FlowEnv, Step, Trace, colocated_flow, pd_flow
@@ -33,6 +33,7 @@ from xavier_services.router.offload import ProcessEncoder
 from xavier_services.router.peers import PeerPool
 from xavier_services.router.prompts import ModelInfo, PromptEncoder
 from xavier_services.router.request import Prepared, prepare
+from xavier_services.router.stream import Ended, Failed, Item, Tally, last_response, pump, step_response
 
 _MODE_NAMES = {
     rpb.ROUTING_MODE_PD: "pd",
@@ -40,8 +41,6 @@ _MODE_NAMES = {
     rpb.ROUTING_MODE_NATIVE: "native",
 }
 _BY_NAME = {v: k for k, v in _MODE_NAMES.items()}
-_END = object()
-_ABORTED = object()
 
 
 class ProgressTimeout(XavierError):
@@ -172,21 +171,6 @@ class Router:
             self._session = aiohttp.ClientSession()
         return native_flow(prep, self.config.native, self._session, self.config.request_timeout_seconds)
 
-    async def _pump(self, flow: AsyncIterator[Step], queue: asyncio.Queue[Any]) -> None:
-        try:
-            async with aclosing(flow) as steps:  # type: ignore[type-var]
-                async for step in steps:
-                    queue.put_nowait(step)
-                    # Let the reader send this step before the flow goes on: the first token must not
-                    # wait while the flow sets up the decode call.
-                    await asyncio.sleep(0)
-            queue.put_nowait(_END)
-        except asyncio.CancelledError:
-            queue.put_nowait(_ABORTED)
-            raise
-        except Exception as exc:
-            queue.put_nowait(exc)
-
     async def generate(self, prep: Prepared) -> AsyncIterator[rpb.GenerateResponse]:
         """Runs a prepared request and yields its responses; the last carries usage and timings.
 
@@ -220,89 +204,24 @@ class Router:
         mode = prep.mode or await self.default_mode()
         if prep.request_id in self._live:
             prep.request_id = f"{prep.request_id}-{int(time.monotonic_ns())}"
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        queue: asyncio.Queue[Item] = asyncio.Queue()
         trace = Trace()
         rec.peers, rec.failed_peers = trace.peers, trace.failed
-        task = asyncio.get_running_loop().create_task(self._pump(self._flow(prep, mode, trace), queue))
+        task = asyncio.get_running_loop().create_task(pump(self._flow(prep, mode, trace), queue))
         rid = rec.request_id = prep.request_id
         self._live[rid] = task
         self._metrics.active.inc()
         mode_name = rec.mode = _MODE_NAMES.get(mode, "unknown")
-        progress = self.config.progress_timeout_seconds
-        completion = 0
-        ttft: float | None = None
-        cached = store = prefill_s = transfer_s = None
-        finish = 0
-        last: Step | None = None
+        tally = Tally()
         try:
-            while not finish:
-                try:
-                    item = await asyncio.wait_for(queue.get(), progress)
-                except TimeoutError:
-                    raise ProgressTimeout(
-                        f"no token for {progress:g} s; the request was ended", seconds=progress
-                    ) from None
-                if item is _END or item is _ABORTED:
-                    finish = types_pb2.FINISH_REASON_ABORT
-                    if item is _ABORTED:
-                        rec.status, rec.cause = "CANCELLED", "abort"
-                        self._metrics.cancels.labels("abort").inc()
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                step: Step = item
-                if ttft is None and step.token_ids:
-                    rec.ttft = ttft = time.monotonic() - prep.arrival
-                    self._metrics.ttft.labels(mode_name).observe(ttft)
-                completion += len(step.token_ids)
-                rec.completion_tokens = completion
-                self._metrics.output_tokens.labels(mode_name).inc(len(step.token_ids))
-                cached = step.cached_tokens if step.cached_tokens is not None else cached
-                store = step.cached_tokens_store if step.cached_tokens_store is not None else store
-                prefill_s = step.prefill_seconds if step.prefill_seconds is not None else prefill_s
-                transfer_s = step.transfer_seconds if step.transfer_seconds is not None else transfer_s
-                finish = step.finish
-                if finish:
-                    last = step
-                    break
-                if step.token_ids or step.text:
-                    yield rpb.GenerateResponse(
-                        request_id=rid,
-                        token_ids=step.token_ids,
-                        text=step.text,
-                        logprobs=step.logprobs,
-                        mode=mode,
-                        top_logprobs=step.top_logprobs,
-                        prompt_logprobs=step.prompt_logprobs,
-                    )
+            async with aclosing(self._read(queue, prep, rec, tally)) as steps:
+                async for step in steps:
+                    yield step_response(rid, mode, step)
             total = time.monotonic() - prep.arrival
-            if ttft is not None and completion > 1:
-                self._metrics.tpot.labels(mode_name).observe((total - ttft) / (completion - 1))
-            timings = types_pb2.Timings(
-                time_to_first_token=to_duration(ttft if ttft is not None else total),
-                prefill=to_duration(prefill_s or 0.0),
-                transfer=to_duration(transfer_s or 0.0),
-                total=to_duration(total),
-            )
-            rec.finish = types_pb2.FinishReason.Name(finish)
-            yield rpb.GenerateResponse(
-                request_id=rid,
-                token_ids=last.token_ids if last else [],
-                text=last.text if last else "",
-                logprobs=last.logprobs if last else [],
-                top_logprobs=last.top_logprobs if last else [],
-                prompt_logprobs=last.prompt_logprobs if last else None,
-                finish_reason=finish,
-                usage=types_pb2.Usage(
-                    prompt_tokens=len(prep.token_ids),
-                    completion_tokens=completion,
-                    cached_tokens=cached or 0,
-                    cached_tokens_local=(cached or 0) - (store or 0),
-                    cached_tokens_store=store or 0,
-                ),
-                timings=timings,
-                mode=mode,
-            )
+            if tally.ttft is not None and tally.completion > 1:
+                self._metrics.tpot.labels(mode_name).observe((total - tally.ttft) / (tally.completion - 1))
+            rec.finish = types_pb2.FinishReason.Name(tally.finish)
+            yield last_response(rid, mode, len(prep.token_ids), tally, total)
             self._metrics.requests.labels(mode_name, rec.finish).inc()
         finally:
             if trace.failovers:
@@ -311,6 +230,39 @@ class Router:
                 task.cancel()
             self._live.pop(rid, None)
             self._metrics.active.dec()
+
+    async def _read(
+        self, queue: asyncio.Queue[Item], prep: Prepared, rec: RequestRecord, tally: Tally
+    ) -> AsyncGenerator[Step, None]:
+        """The steps to send (those with tokens or text), read from the flow's queue into `tally` until a
+        step finishes the request or the flow ends (finish ABORT) or fails (its error raised); a gap of
+        `progress_timeout_seconds` raises `ProgressTimeout`."""
+        progress = self.config.progress_timeout_seconds
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), progress)
+            except TimeoutError:
+                raise ProgressTimeout(
+                    f"no token for {progress:g} s; the request was ended", seconds=progress
+                ) from None
+            if isinstance(item, Ended):
+                tally.finish = types_pb2.FINISH_REASON_ABORT
+                if item.cancelled:
+                    rec.status, rec.cause = "CANCELLED", "abort"
+                    self._metrics.cancels.labels("abort").inc()
+                return
+            if isinstance(item, Failed):
+                raise item.error
+            if tally.ttft is None and item.token_ids:
+                rec.ttft = tally.ttft = time.monotonic() - prep.arrival
+                self._metrics.ttft.labels(rec.mode).observe(tally.ttft)
+            tally.add(item)
+            rec.completion_tokens = tally.completion
+            self._metrics.output_tokens.labels(rec.mode).inc(len(item.token_ids))
+            if tally.finish:
+                return
+            if item.token_ids or item.text:
+                yield item
 
     def abort(self, request_id: str) -> bool:
         """Stops a live request; its stream ends with FINISH_REASON_ABORT. True when it was live."""

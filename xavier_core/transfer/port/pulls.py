@@ -19,18 +19,18 @@ from xavier.v1 import types_pb2
 
 from xavier_core.runtime.errors import Unavailable
 from xavier_core.runtime.logging import get_logger
-from xavier_core.transfer.errors import TransferError
-from xavier_core.transfer.kv_transfer import KvPoll, KvReceiver, fail_notif
-from xavier_core.transfer.peers import split_peer_key
-from xavier_core.transfer.port_core import IpcCopy, PortCore
-from xavier_core.transfer.runs import Mode
-from xavier_core.transfer.source import SourceInfo
-from xavier_core.transfer.staged_read import PIPELINE_DEPTH, StagedRead
-from xavier_core.transfer.staging import I64, Slab, View
+from xavier_core.transfer.common.errors import TransferError
+from xavier_core.transfer.common.peers import split_peer_key
+from xavier_core.transfer.common.runs import Mode
+from xavier_core.transfer.common.source import SourceInfo
+from xavier_core.transfer.nixl.rooms import KvPoll, KvReceiver, fail_notif
+from xavier_core.transfer.port.core import IpcCopy, PortCore
+from xavier_core.transfer.staged.read import PIPELINE_DEPTH, StagedRead
+from xavier_core.transfer.staged.slab import I64, Slab, View
 
 if TYPE_CHECKING:
-    from xavier_core.transfer.copy_plan import PoolView
-    from xavier_core.transfer.transport import IpcPeers
+    from xavier_core.transfer.cuda.copy_plan import PoolView
+    from xavier_core.transfer.port.transport import IpcPeers
 
 log = get_logger(__name__)
 

@@ -3,13 +3,13 @@ over the transfer layer's KV manager and one NIXL agent per process.
 
 The port knows buffers (addresses, lengths, bytes per page, a device string), page ids and peer keys;
 it speaks the contract's `SourceDescriptor` / `TransferEndpoint` on the wire, never an engine. Its NIXL
-thread and the live work on it are `port_core`; how each transport pulls is `pulls`.
+thread and the live work on it are `port.core`; how each transport pulls is `port.pulls`.
 
-Transports (see `transport`): a VRAM port exports its pool through CUDA IPC in its endpoint, and a reader
+Transports (see `port.transport`): a VRAM port exports its pool through CUDA IPC in its endpoint, and a reader
 on the same host copies from the mapped pool with one fused kernel. A port whose transport is staged (or
 auto on a VRAM pool) owns a staging slab, registered with its agent and named in its endpoint: as a
-source it gathers a room into slab chunks when it publishes (`staging`), as a reader it pulls staged
-rooms chunk by chunk (`staged_read`).
+source it gathers a room into slab chunks when it publishes (`staged.slab`), as a reader it pulls staged
+rooms chunk by chunk (`staged.read`).
 """
 
 from __future__ import annotations
@@ -24,23 +24,22 @@ from xavier.v1 import directory_service_pb2, types_pb2
 
 from xavier_core.runtime.errors import FailedPrecondition, LayoutMismatch, Unavailable
 from xavier_core.runtime.logging import get_logger
-from xavier_core.transfer import pulls
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidSourceError, TransferError
-from xavier_core.transfer.kv_transfer import KvSender
-from xavier_core.transfer.peers import split_peer_key
-from xavier_core.transfer.port_core import (
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidSourceError, TransferError
+from xavier_core.transfer.common.peers import split_peer_key
+from xavier_core.transfer.common.runs import Mode, as_page_array
+from xavier_core.transfer.common.slab_layout import SlabLayout
+from xavier_core.transfer.common.source import SourceInfo, endpoint_proto
+from xavier_core.transfer.nixl.rooms import KvSender
+from xavier_core.transfer.port import pulls
+from xavier_core.transfer.port.core import (
     DEFAULT_POLL_INTERVAL_S,
     DROP_DONE_ENV,
     PortCore,
     Published,
     TransferTotals,
 )
-from xavier_core.transfer.port_slab import PortSlab
-from xavier_core.transfer.runs import Mode, as_page_array
-from xavier_core.transfer.source import SourceInfo, endpoint_proto
-from xavier_core.transfer.staging import SlabLayout
-from xavier_core.transfer.transport import (
+from xavier_core.transfer.port.transport import (
     TRANSPORTS,
     IpcPeers,
     RunLengths,
@@ -49,9 +48,10 @@ from xavier_core.transfer.transport import (
     export_blob,
     is_vram,
 )
+from xavier_core.transfer.staged.port_slab import PortSlab
 
 if TYPE_CHECKING:
-    from xavier_core.transfer.copy_plan import PoolView
+    from xavier_core.transfer.cuda.copy_plan import PoolView
 
 __all__ = ["DEFAULT_POLL_INTERVAL_S", "DROP_DONE_ENV", "KvPort", "TransferTotals"]
 

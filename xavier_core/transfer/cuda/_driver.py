@@ -13,7 +13,7 @@ import functools
 import threading
 from collections.abc import Iterator
 
-from xavier_core.transfer.errors import TransferError
+from xavier_core.transfer.common.errors import TransferError
 
 IPC_HANDLE_SIZE = 64  # CU_IPC_HANDLE_SIZE
 _LAZY_ENABLE_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS

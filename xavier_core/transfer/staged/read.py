@@ -1,4 +1,4 @@
-"""The reader's side of the staged transport (see `staging`): one pull, as a state machine the port's
+"""The reader's side of the staged transport (see `staged.slab`): one pull, as a state machine the port's
 NIXL thread steps between its polls.
 
 A pull holds a ring of local slab chunks (up to `PIPELINE_DEPTH`). It posts one NIXL READ per source
@@ -21,15 +21,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from xavier_core.runtime.logging import get_logger
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidPagesError, LayoutError, TransferError
-from xavier_core.transfer.kv_transfer import KvPoll, done_notif, fail_notif
-from xavier_core.transfer.nixl_backend import NixlAgent
-from xavier_core.transfer.staging import I64, Slab, SlabLayout, View
-from xavier_core.transfer.xfer import Transfer
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidPagesError, LayoutError, TransferError
+from xavier_core.transfer.common.slab_layout import SlabLayout
+from xavier_core.transfer.nixl.agent import NixlAgent
+from xavier_core.transfer.nixl.rooms import KvPoll, done_notif, fail_notif
+from xavier_core.transfer.nixl.xfer import Transfer
+from xavier_core.transfer.staged.slab import I64, Slab, View
 
 if TYPE_CHECKING:
-    from xavier_core.transfer.cuda_copy import CopyHandle
+    from xavier_core.transfer.cuda.copy import CopyHandle
 
 log = get_logger(__name__)
 

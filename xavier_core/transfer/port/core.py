@@ -22,16 +22,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from xavier.v1 import types_pb2
 
 from xavier_core.runtime.logging import get_logger
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import TransferError
-from xavier_core.transfer.kv_transfer import KvManager, KvPoll, KvReceiver, KvSender, done_notif, fail_notif
-from xavier_core.transfer.nixl_backend import NixlAgent
-from xavier_core.transfer.nixl_thread import NixlThread
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import TransferError
+from xavier_core.transfer.nixl.agent import NixlAgent
+from xavier_core.transfer.nixl.rooms import KvManager, KvPoll, KvReceiver, KvSender, done_notif, fail_notif
+from xavier_core.transfer.nixl.thread import NixlThread
 
 if TYPE_CHECKING:
-    from xavier_core.transfer.cuda_copy import CopyHandle
-    from xavier_core.transfer.staged_read import StagedRead
-    from xavier_core.transfer.transport import IpcPeers
+    from xavier_core.transfer.cuda.copy import CopyHandle
+    from xavier_core.transfer.port.transport import IpcPeers
+    from xavier_core.transfer.staged.read import StagedRead
 
 T = TypeVar("T")
 log = get_logger(__name__)

@@ -3,7 +3,7 @@
 Transports: "nixl" (NIXL READs of registered memory, DRAM or VRAM, any host: every endpoint offers it),
 "cuda_ipc" (the reader maps the source's VRAM pool once per peer epoch and one fused Triton kernel
 copies every page of every buffer; same host and peer access only) and "staged" (the source gathers the
-room into a registered slab, the reader READs whole chunks and scatters them; see `staging`). "auto"
+room into a registered slab, the reader READs whole chunks and scatters them; see `staged.slab`). "auto"
 takes CUDA IPC when the source's endpoint offers it and mapping it works, else staged when the source
 staged the room (VRAM pools; the prefill stages for readers on other hosts), else NIXL. A forced
 cuda_ipc never falls back; a forced staged stages every room and falls back to NIXL page runs only when
@@ -23,14 +23,14 @@ import numpy as np
 import numpy.typing as npt
 
 from xavier_core.runtime.logging import get_logger
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidSourceError, TransferError
-from xavier_core.transfer.runs import pair_stretches
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidSourceError, TransferError
+from xavier_core.transfer.common.runs import pair_stretches
 
 if TYPE_CHECKING:
-    from xavier_core.transfer.copy_plan import PoolView
-    from xavier_core.transfer.cuda_copy import CopyHandle
-    from xavier_core.transfer.cuda_ipc import IpcImporter
+    from xavier_core.transfer.cuda.copy import CopyHandle
+    from xavier_core.transfer.cuda.copy_plan import PoolView
+    from xavier_core.transfer.cuda.ipc import IpcImporter
 
 log = get_logger(__name__)
 
@@ -71,7 +71,7 @@ class RunLengths:
 def export_blob(buffers: Sequence[KvBuffer]) -> bytes:
     """This process's VRAM pool as CUDA IPC handles (the endpoint's `cuda_ipc_pool`); raises
     `TransferError` when it cannot be shared."""
-    from xavier_core.transfer.cuda_ipc import export_pool
+    from xavier_core.transfer.cuda.ipc import export_pool
 
     try:
         return export_pool(buffers).to_bytes()
@@ -89,8 +89,8 @@ class IpcPeers:
     decode's). Not thread-safe: one owner calls it (the port's NIXL thread, or under the owner's lock)."""
 
     def __init__(self, buffers: Sequence[KvBuffer]) -> None:
-        from xavier_core.transfer.copy_plan import PoolView
-        from xavier_core.transfer.cuda_ipc import IpcImporter
+        from xavier_core.transfer.cuda.copy_plan import PoolView
+        from xavier_core.transfer.cuda.ipc import IpcImporter
 
         self.local: PoolView = PoolView.from_buffers(buffers)
         self.importer: IpcImporter = IpcImporter(self.local.device)
@@ -98,14 +98,14 @@ class IpcPeers:
 
     def warm_up(self) -> None:
         """Compiles the copy kernel now (a page copied onto itself), not inside the first pull."""
-        from xavier_core.transfer.cuda_copy import copy_pages
+        from xavier_core.transfer.cuda.copy import copy_pages
 
         copy_pages(self.local, self.local, [0], [0]).wait(60.0)
 
     def view(self, peer_id: str, epoch: int, blob: bytes) -> PoolView | None:
         """The peer's pool mapped here, or None when CUDA IPC cannot reach it (another host, no peer
         access, a bad export); one failed attempt per peer epoch."""
-        from xavier_core.transfer.cuda_ipc import CudaIpcError
+        from xavier_core.transfer.cuda.ipc import CudaIpcError
 
         if not blob or self._unreachable.get(peer_id) == epoch:
             return None
@@ -145,7 +145,7 @@ class IpcPeers:
         src_pages: npt.NDArray[np.int64],
         dst_pages: npt.NDArray[np.int64],
     ) -> CopyHandle:
-        from xavier_core.transfer.cuda_copy import copy_pages
+        from xavier_core.transfer.cuda.copy import copy_pages
 
         handle = copy_pages(src, dst, src_pages, dst_pages, device=self.local.device)
         self.importer.track(peer_id, handle)

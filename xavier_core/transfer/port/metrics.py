@@ -11,7 +11,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from xavier_core.transfer.transport import RUN_BUCKETS
+from xavier_core.transfer.port.transport import RUN_BUCKETS
 
 
 class PortCollector(Collector):

@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from xavier_core.transfer.errors import InvalidPagesError, LayoutError
+from xavier_core.transfer.common.errors import InvalidPagesError, LayoutError
 
 Mode = Literal["coalesced", "per_page"]
 U64 = npt.NDArray[np.uint64]

@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from xavier_core.transfer._nixl import RawAgent, XferState
+from xavier_core.transfer.nixl._raw import RawAgent, XferState
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ import numpy.typing as npt
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidPagesError, InvalidSourceError
-from xavier_core.transfer.runs import PageRun, runs_to_pages
-from xavier_core.transfer.staging import SlabLayout
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidPagesError, InvalidSourceError
+from xavier_core.transfer.common.runs import PageRun, runs_to_pages
+from xavier_core.transfer.common.slab_layout import SlabLayout
 
 # Limits on network input: NIXL metadata is ~0.5 KB + 44 B per region.
 MAX_METADATA_BYTES = 1 << 20
@@ -35,7 +35,7 @@ class SourceInfo:
     buffers: tuple[KvBuffer, ...]
     runs: tuple[PageRun, ...]
     token: str = ""  # the source's read token: the reader's notifications carry it
-    # Staged transport (see `staging`): the source's slab chunks holding the pages, and its slab.
+    # Staged transport (see `staged.slab`): the source's slab chunks holding the pages, and its slab.
     staging_runs: tuple[PageRun, ...] = ()
     slab: KvBuffer | None = None
 

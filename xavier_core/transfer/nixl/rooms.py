@@ -24,12 +24,12 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import LayoutError, TransferError, TransferInFlightError
-from xavier_core.transfer.nixl_backend import NixlAgent
-from xavier_core.transfer.runs import Mode, as_page_array, coalesce
-from xavier_core.transfer.source import SourceInfo
-from xavier_core.transfer.xfer import Transfer
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import LayoutError, TransferError, TransferInFlightError
+from xavier_core.transfer.common.runs import Mode, as_page_array, coalesce
+from xavier_core.transfer.common.source import SourceInfo
+from xavier_core.transfer.nixl.agent import NixlAgent
+from xavier_core.transfer.nixl.xfer import Transfer
 
 log = logging.getLogger(__name__)
 

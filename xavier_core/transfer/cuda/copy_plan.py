@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidPagesError, LayoutError
-from xavier_core.transfer.runs import as_page_array
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidPagesError, LayoutError
+from xavier_core.transfer.common.runs import as_page_array
 
 I64 = npt.NDArray[np.int64]
 

@@ -1,4 +1,4 @@
-"""A port's staging slab (see `staging`): allocated and registered once, the source rooms that hold
+"""A port's staging slab (see `staged.slab`): allocated and registered once, the source rooms that hold
 chunks of it, when a room is staged at all, and the counters the stats report.
 
 Owned by the port's NIXL thread, like the slab itself; the counters are read from the loop (plain ints).
@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from xavier_core.runtime.errors import FailedPrecondition
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.nixl_backend import NixlAgent
-from xavier_core.transfer.runs import as_page_array, coalesce
-from xavier_core.transfer.source import SourceInfo
-from xavier_core.transfer.staging import Slab, SlabLayout, View
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.runs import as_page_array, coalesce
+from xavier_core.transfer.common.slab_layout import SlabLayout
+from xavier_core.transfer.common.source import SourceInfo
+from xavier_core.transfer.nixl.agent import NixlAgent
+from xavier_core.transfer.staged.slab import Slab, View
 
 
 class PortSlab:

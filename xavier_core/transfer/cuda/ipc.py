@@ -22,7 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xavier_core.transfer._cuda_driver import (
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidSourceError, StaleEpochError, TransferError
+from xavier_core.transfer.cuda._driver import (
     IPC_HANDLE_SIZE,
     allocation_range,
     current_device,
@@ -30,10 +32,8 @@ from xavier_core.transfer._cuda_driver import (
     ipc_get_handle,
     ipc_open,
 )
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.copy_plan import PoolView
-from xavier_core.transfer.cuda_copy import CopyHandle
-from xavier_core.transfer.errors import InvalidSourceError, StaleEpochError, TransferError
+from xavier_core.transfer.cuda.copy import CopyHandle
+from xavier_core.transfer.cuda.copy_plan import PoolView
 
 _FORMAT = 1
 _MAX_BLOB = 1 << 20

@@ -11,7 +11,7 @@ buffer. A room's page i sits in its chunk `i // chunk_pages`; every chunk is ful
 pages a chunk holds are packed from its start, buffer-major: buffer b's n pages sit together at
 `n * offsets[b]`. So what a chunk holds is one contiguous range of `n * record_bytes` (one descriptor,
 one READ), holds whole pages of all layers (it can be scattered on its own while the next chunk is still
-on the wire), and is, to the fused page-copy kernel of `cuda_copy`, just a pool of n pages per buffer.
+on the wire), and is, to the fused page-copy kernel of `cuda.copy`, just a pool of n pages per buffer.
 
 Protocol, with no new request from the decode to the prefill: the prefill knows its decode peer when it
 publishes (the Prefill call carries it), so it decides then whether to gather (transport "staged", or
@@ -23,10 +23,10 @@ the page runs as coalesced NIXL descriptors. Running out of slab never fails a r
 Lifetimes (I1): the source takes its chunks before the gather, the gather has finished before the
 descriptor leaves, and the chunks come back when the room is unpublished (terminal, and the read ended or
 the park timeout passed). The reader's chunks come back once no READ into them is in flight and their
-scatter has finished (`staged_read`). `bytes_in_use` counts what is held, so tests see it return to 0.
+scatter has finished (`staged.read`). `bytes_in_use` counts what is held, so tests see it return to 0.
 
 Copies: one gather per chunk on the source, one scatter per chunk on the reader, both as page copies
-between two pool views (bases, bytes per page): the fused Triton kernel of `cuda_copy` on VRAM (one
+between two pool views (bases, bytes per page): the fused Triton kernel of `cuda.copy` on VRAM (one
 launch per chunk, all buffers; a `CopyHandle` whose CUDA event says when it is done), numpy by index
 over DRAM (done on return). The same view arithmetic runs on both, so CPU CI checks the GPU's addresses.
 """
@@ -42,72 +42,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidPagesError, InvalidSourceError, LayoutError
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidPagesError, LayoutError
+from xavier_core.transfer.common.slab_layout import SlabLayout
 
 if TYPE_CHECKING:
-    from xavier_core.transfer.cuda_copy import CopyHandle
+    from xavier_core.transfer.cuda.copy import CopyHandle
 
 I64 = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True)
-class SlabLayout:
-    """How a slab is cut: page records of `sizes` (bytes per page of each KV buffer), chunks of
-    `chunk_pages` records, `num_chunks` chunks."""
-
-    sizes: tuple[int, ...]
-    chunk_pages: int
-    num_chunks: int
-
-    def __post_init__(self) -> None:
-        if not self.sizes or min(self.sizes) < 1 or self.chunk_pages < 1 or self.num_chunks < 1:
-            raise LayoutError(f"invalid staging slab layout {self}")
-
-    @property
-    def record_bytes(self) -> int:
-        return sum(self.sizes)
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        return tuple(int(x) for x in np.cumsum((0, *self.sizes[:-1])))
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.chunk_pages * self.record_bytes
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_chunks * self.chunk_bytes
-
-    def chunks_for(self, num_pages: int) -> int:
-        return -(-num_pages // self.chunk_pages)
-
-    @classmethod
-    def plan(cls, buffers: Sequence[KvBuffer], chunk_bytes: int, slab_bytes: int) -> SlabLayout:
-        """A slab for `buffers`: chunks of whole records (at least one) within `chunk_bytes`, as many
-        as fit in `slab_bytes` (at least one)."""
-        sizes = tuple(b.bytes_per_page for b in buffers)
-        record = sum(sizes)
-        pages = max(1, chunk_bytes // record)
-        return cls(sizes, pages, max(1, slab_bytes // (pages * record)))
-
-    @classmethod
-    def of_peer(cls, buffers: Sequence[KvBuffer], region: KvBuffer) -> SlabLayout:
-        """A peer's slab from its endpoint: its KV buffers and its `staging_slab` region (whose
-        bytes_per_page is the chunk size). `InvalidSourceError` when the two do not fit together."""
-        sizes = tuple(b.bytes_per_page for b in buffers)
-        if not sizes or min(sizes) < 1:
-            raise InvalidSourceError("endpoint.regions: a KV buffer without bytes per page")
-        record = sum(sizes)
-        if region.addr <= 0 or region.bytes_per_page < record or region.bytes_per_page % record:
-            raise InvalidSourceError(
-                f"endpoint.staging_slab: chunk of {region.bytes_per_page} bytes is not whole "
-                f"page records of {record} bytes"
-            )
-        if region.nbytes < region.bytes_per_page:
-            raise InvalidSourceError("endpoint.staging_slab: shorter than one chunk")
-        return cls(sizes, region.bytes_per_page // record, region.nbytes // region.bytes_per_page)
 
 
 @dataclass(frozen=True)
@@ -160,8 +102,8 @@ def copy_view_pages(src: View, dst: View, src_pages: I64, dst_pages: I64, device
     if device == "cpu":
         _host_copy(src, dst, src_pages, dst_pages)
         return None
-    from xavier_core.transfer.copy_plan import PoolView
-    from xavier_core.transfer.cuda_copy import copy_pages
+    from xavier_core.transfer.cuda.copy import copy_pages
+    from xavier_core.transfer.cuda.copy_plan import PoolView
 
     ordinal = int(device.partition(":")[2] or 0)
     views = [PoolView(v.bases, v.sizes, v.num_pages, ordinal) for v in (src, dst)]

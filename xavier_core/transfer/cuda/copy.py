@@ -4,7 +4,7 @@ Per-descriptor transports (NIXL, cudaMemcpy per page) pay a fixed cost per page 
 pages fall to a few GB/s. Here one launch copies every (page pair, buffer) as its own program straight
 from the source pool to the destination pool: no staging buffer, vector loads and stores (16 bytes
 where Triton can prove the alignment), and the source may be this device, a peer device (peer access)
-or another process's pool (CUDA IPC, see `cuda_ipc`). Without Triton a torch path gathers, copies and
+or another process's pool (CUDA IPC, see `cuda.ipc`). Without Triton a torch path gathers, copies and
 scatters per buffer (slower, same bytes).
 
 The copy runs on a side stream and returns a `CopyHandle` at once. Invariant I1 on the GPU: neither the
@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from xavier_core.transfer._cuda_driver import enable_peer_access
-from xavier_core.transfer.copy_plan import CopyPlan, PoolView, check_layout, check_pages, plan_copy
-from xavier_core.transfer.errors import LayoutError
+from xavier_core.transfer.common.errors import LayoutError
+from xavier_core.transfer.cuda._driver import enable_peer_access
+from xavier_core.transfer.cuda.copy_plan import CopyPlan, PoolView, check_layout, check_pages, plan_copy
 
 if TYPE_CHECKING:
     import torch

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from xavier_core.transfer import runs
-from xavier_core.transfer._nixl import MemType, Op, RawAgent
-from xavier_core.transfer.buffers import KvBuffer
-from xavier_core.transfer.errors import InvalidPagesError, LayoutError, PeerError, StaleEpochError
-from xavier_core.transfer.peers import split_peer_key
-from xavier_core.transfer.xfer import Transfer
+from xavier_core.transfer.common import runs
+from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidPagesError, LayoutError, PeerError, StaleEpochError
+from xavier_core.transfer.common.peers import split_peer_key
+from xavier_core.transfer.nixl._raw import MemType, Op, RawAgent
+from xavier_core.transfer.nixl.xfer import Transfer
 
 log = logging.getLogger(__name__)
 
@@ -139,10 +139,6 @@ class NixlAgent:
                 raise PeerError(f"cannot load metadata of peer {peer_key!r}: {exc}") from exc
             self._peers[peer_key] = _Peer(name)
             return name
-
-    def has_peer(self, peer_key: str) -> bool:
-        with self.lock:
-            return peer_key in self._peers
 
     def peer_keys(self) -> list[str]:
         with self.lock:
