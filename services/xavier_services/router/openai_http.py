@@ -29,6 +29,7 @@ from xavier_services.router.openai_shapes import (
     sse,
     usage_json,
 )
+from xavier_services.router.openai_tools import tool_message
 from xavier_services.router.request import Prepared
 
 _HTTP_STATUS = {
@@ -249,7 +250,10 @@ class OpenAiFront:
         choices = []
         usage = types_pb2.Usage()
         for i, (text, lp, last) in enumerate(answers):
-            one = choice(oa, text, FINISH_NAMES.get(last.finish_reason), lp, delta=False)
+            finish = FINISH_NAMES.get(last.finish_reason)
+            one = choice(oa, text, finish, lp, delta=False)
+            if oa.tools is not None:
+                one["message"], one["finish_reason"] = tool_message(oa.tools, text, finish)
             one["index"] = i
             choices.append(one)
             if i % oa.n == 0:  # a prompt counts once, however many choices it has (as OpenAI's usage)
