@@ -124,3 +124,20 @@ async def test_bad_grammars_are_refused_naming_the_field(
     with pytest.raises(GrammarError):
         await collect(engine.generate("bad", [5, 6, 7], Sampling(max_tokens=4, grammar=spec)))
     assert engine.stats().running == 0
+
+
+def test_a_step_without_grammars_is_left_alone(engine_factory: Factory) -> None:
+    """No request of the step has a grammar: the logits are the very tensor the model gave (no copy,
+    no mask); with one, only its row changes."""
+    import torch
+
+    from xavier_core.grammar.masks import constrain
+
+    engine = engine_factory("qwen2")
+    logits = torch.randn(3, engine.vocab_size, generator=torch.Generator().manual_seed(0))
+    assert constrain(logits, [None, None, None]) is logits
+    grammar = engine._grammars.matcher(GrammarSpec(GrammarKind.REGEX, "[0-9]+"))
+    masked = constrain(logits, [None, grammar, None])
+    assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
+    allowed = [t for t in range(engine.vocab_size) if masked[1, t] > float("-inf")]
+    assert allowed and all(engine.tokenizer.decode([t]).isdigit() for t in allowed)

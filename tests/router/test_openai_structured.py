@@ -118,6 +118,48 @@ def test_a_named_tool_choice_returns_a_valid_call(mesh: Mesh, mode: str) -> None
     assert choice["message"]["content"] is None
 
 
+def _stream(mesh: Mesh, body: dict[str, Any]) -> list[dict[str, Any]]:
+    chunks = []
+    body = {"model": mesh.model.name, "stream": True, **body}
+    with httpx.stream("POST", f"http://{mesh.http}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_streamed_tool_calls_are_the_whole_answers(mesh: Mesh, tool_choice: object) -> None:
+    body = {"messages": _HI, "tools": _TOOLS, "tool_choice": tool_choice, "max_tokens": 300, "temperature": 0}
+    whole = _ok(mesh, "chat/completions", body)
+    chunks = _stream(mesh, {**body, "stream_options": {"include_usage": True}})
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    calls = [
+        c for chunk in chunks if chunk["choices"] for c in chunk["choices"][0]["delta"].get("tool_calls", [])
+    ]
+    assert [c.pop("index") for c in calls] == list(range(len(calls)))
+    strip = [{**c, "id": ""} for c in whole["message"]["tool_calls"]]
+    assert [{**c, "id": ""} for c in calls] == strip  # the same calls (ids are made per answer)
+    finishes = [chunk["choices"][0]["finish_reason"] for chunk in chunks if chunk["choices"]]
+    assert finishes[-1] == "tool_calls" and finishes.count("tool_calls") == 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_streamed_auto_tool_choice_sends_the_text(mesh: Mesh) -> None:
+    body = {"messages": _HI, "tools": _TOOLS, "max_tokens": 12, "temperature": 0}
+    whole = _ok(mesh, "chat/completions", body)
+    chunks = _stream(mesh, body)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert "<tool_call>" not in text  # the random model writes no call: its text comes back
+    assert (
+        text == whole["message"]["content"]
+        and whole["finish_reason"] == chunks[-1]["choices"][0]["finish_reason"]
+    )
+
+
 def test_required_tool_choice_calls_some_tool(mesh: Mesh) -> None:
     body = {"messages": _HI, "tools": _TOOLS, "tool_choice": "required", "max_tokens": 300, "temperature": 0,
             "parallel_tool_calls": False}  # fmt: skip
@@ -189,7 +231,6 @@ _BAD = [
     (_CHAT, {"tool_choice": "required"}, "tool_choice", "INVALID_ARGUMENT"),
     (_CHAT, {"tools": _TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format", "UNSUPPORTED_PARAMETER"),
-    (_CHAT, {"tools": _TOOLS, "stream": True}, "stream", "UNSUPPORTED_PARAMETER"),
 ]  # fmt: skip
 
 

@@ -380,8 +380,6 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
     stream = get_bool(body, "stream")
     if stream and len(prompts) > 1:
         raise _unsupported("prompt", "streaming several prompts in one request")
-    if stream and plan is not None and plan.choice != "none":
-        raise _unsupported("stream", "streaming an answer that may call tools (tool_choice none streams)")
     n = get_int(body, "n", 1, MAX_CHOICES, reason="UNSUPPORTED_N") or 1
     if stream and n > 1:
         raise InvalidArgument("streaming n > 1 choices is not supported", reason="UNSUPPORTED_N", param="n")

@@ -168,6 +168,23 @@ def tool_message(plan: ToolPlan, text: str, finish: str | None) -> tuple[dict[st
     return {"role": "assistant", "content": rest or None, "tool_calls": calls}, "tool_calls"
 
 
+class HeldAnswer:
+    """A streamed answer that may call tools, held until it ends (its calls are parsed from the whole)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._content: list[dict[str, Any]] = []
+
+    def add(self, text: str, logprobs: dict[str, Any] | None) -> None:
+        self.text += text
+        if logprobs is not None:
+            self._content += logprobs["content"]
+
+    def logprobs(self) -> dict[str, Any] | None:
+        """The chat logprobs of every token held, or None when none were asked for."""
+        return {"content": self._content} if self._content else None
+
+
 def tool_calls(i: int, value: Any) -> list[rpb.ToolCall]:
     """An assistant turn's `tool_calls` (OpenAI's shape, arguments as JSON text) for the template."""
     if value in (None, []):
