@@ -89,8 +89,10 @@ def test_lone_surrogates_name_the_field(body: dict[str, object], param: str) -> 
         ({"prompt": "a", "min_tokens": 4}, "min_tokens", "UNSUPPORTED_PARAMETER"),
         ({"prompt": "a", "min_p": 0.1}, "min_p", "UNSUPPORTED_PARAMETER"),
         ({"prompt": "a", "typical_p": 0.5}, "typical_p", "UNSUPPORTED_PARAMETER"),
-        ({"prompt": "a", "guided_json": {"type": "object"}}, "guided_json", "UNSUPPORTED_PARAMETER"),
-        ({"prompt": "a", "guided_regex": "a+"}, "guided_regex", "UNSUPPORTED_PARAMETER"),
+        # vLLM's guided_json / guided_regex are honoured (openai_grammar): only bad values are refused.
+        ({"prompt": "a", "guided_json": 5}, "guided_json", "INVALID_GRAMMAR"),
+        ({"prompt": "a", "guided_regex": ["a+"]}, "guided_regex", "INVALID_GRAMMAR"),
+        ({"prompt": "a", "guided_choice": ["a"]}, "guided_choice", "UNSUPPORTED_PARAMETER"),
         ({"prompt": "a", "structured_outputs": {"json": {}}}, "structured_outputs", "UNSUPPORTED_PARAMETER"),
         ({"prompt": "a", "bad_words": ["x"]}, "bad_words", "UNSUPPORTED_PARAMETER"),
         ({"prompt": "a", "allowed_token_ids": [1, 2]}, "allowed_token_ids", "UNSUPPORTED_PARAMETER"),
@@ -135,7 +137,9 @@ def test_completion_fields_are_typed_and_named(body: dict[str, object], param: s
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "INVALID_CHAT"),
         ({"messages": [{"role": 5, "content": "a"}]}, "messages[0].role", "INVALID_CHAT"),
         ({"messages": "hi"}, "messages", "EMPTY_PROMPT"),
-        ({"tools": [{"type": "function"}]}, "tools", "UNSUPPORTED_PARAMETER"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function.name", "INVALID_ARGUMENT"),
+        ({"tools": {"type": "function"}}, "tools", "INVALID_ARGUMENT"),
+        ({"tool_choice": "required"}, "tool_choice", "INVALID_ARGUMENT"),  # needs tools
     ],
 )
 def test_chat_fields_are_typed_and_named(body: dict[str, object], param: str, reason: str) -> None:

@@ -51,9 +51,15 @@ def _flag(argv: list[str], flag: str) -> str:
 
 
 def _refuses_what_sglang_does_not_declare(mesh: Mesh, mode: str) -> None:
-    """SGLang replicas list no engine features: the router refuses alternatives and echoed prompt
-    logprobs per request, with a 400 naming the parameter as the client sent it."""
-    for extra, param in (({"logprobs": 2}, "logprobs"), ({"echo": True, "logprobs": 0}, "echo")):
+    """SGLang replicas list no engine features: the router refuses alternatives, echoed prompt logprobs
+    and grammars per request, with a 400 naming the parameter as the client sent it."""
+    refused = (
+        ({"logprobs": 2}, "logprobs"),
+        ({"echo": True, "logprobs": 0}, "echo"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_regex": "[a-z]+"}, "guided_regex"),
+    )
+    for extra, param in refused:
         body = {"prompt": [3, 4, 5], "max_tokens": 2, "xavier_mode": mode, **extra}
         r = httpx.post(f"http://{mesh.http}/v1/completions", json=body, timeout=60)
         assert r.status_code == 400, r.text

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from xavier_core.grammar import GrammarSpec
 from xavier_core.sampling import check_sampling
 from xavier_core.transfer.common.buffers import KvBuffer
 
@@ -51,6 +52,7 @@ class EngineFeature(enum.Enum):
 
     TOP_LOGPROBS = "top_logprobs"  # `Sampling.top_logprobs` alternatives beside each token
     PROMPT_LOGPROBS = "prompt_logprobs"  # `Sampling.prompt_logprobs`: the prompt tokens' logprobs
+    STRUCTURED_OUTPUT = "structured_output"  # `Sampling.grammar`: every token follows the grammar
 
 
 class FinishReason(enum.Enum):
@@ -73,6 +75,7 @@ class Sampling:
     ignore_eos: bool = False
     top_logprobs: int = 0  # alternatives returned beside each token (0..MAX_TOP_LOGPROBS)
     prompt_logprobs: bool = False  # return the prompt tokens' logprobs (the whole prompt is computed)
+    grammar: GrammarSpec | None = None  # constrains every token sampled (compiled by the engine)
 
     def check(self) -> None:
         """Raises `xavier_core.sampling.SamplingError` naming the first value outside the shared limits."""

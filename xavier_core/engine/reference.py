@@ -43,6 +43,7 @@ from xavier_core.engine.request import Delivery, Request, Role, check_prompt, pa
 from xavier_core.engine.scheduler import Scheduler
 from xavier_core.engine.store_link import StoreLink
 from xavier_core.engine.stream import TokenStream
+from xavier_core.grammar.masks import LazyCompiler
 from xavier_core.prefix_keys import chain_seed
 from xavier_core.sampling import check_cache_salt
 from xavier_core.text.errors import ModelFilesError
@@ -113,6 +114,7 @@ class ReferenceEngine:
         self._loop = EngineLoop(model, pool, self._sched, self._cache, decoder)
         self._lock = self._loop.lock
         self._store: StoreLink | None = None
+        self._grammars = LazyCompiler(tokenizer, self.config.vocab_size, self.eos_token_ids)
 
     @classmethod
     def load(
@@ -227,7 +229,7 @@ class ReferenceEngine:
 
     @property
     def features(self) -> frozenset[EngineFeature]:
-        """Every optional feature: alternatives per token and prompt logprobs."""
+        """Every optional feature: alternatives per token, prompt logprobs and grammars."""
         return frozenset(EngineFeature)
 
     @property
@@ -295,6 +297,7 @@ class ReferenceEngine:
                 future.set_exception(RequestAbortedError(f"request {request_id} was aborted"))
 
         req.deliver = deliver
+        await self._compile_grammar(req)
         await self._take_prefix(req)
         try:
             self._submit(req, loop)
@@ -401,6 +404,12 @@ class ReferenceEngine:
             cache_salt=salt or "",
         )
 
+    async def _compile_grammar(self, req: Request) -> None:
+        """Gives a request with `sampling.grammar` its matcher (compiled off the event loop); a decode's
+        matcher then replays its first token. Requests without a grammar skip this."""
+        if req.sampling.grammar is not None:
+            req.grammar = await asyncio.to_thread(self._grammars.matcher, req.sampling.grammar)
+
     async def _take_prefix(self, req: Request) -> None:
         """With a page store, the request takes its local and stored prefix before it is queued (not one
         that wants its prompt's logprobs: it computes the whole prompt)."""
@@ -421,6 +430,7 @@ class ReferenceEngine:
         req.deliver = queue.put_nowait
         submitted = done = False
         try:
+            await self._compile_grammar(req)
             if first is not None:
                 event = self._claim_reservation(req, *first)
                 done = event.finish is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,10 @@ from xavier_core.engine.api import (
     TokenEvent,
     TopLogprobs,
 )
+from xavier_core.grammar.masks import TokenGrammar
 from xavier_core.text.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
+
+log = logging.getLogger(__name__)
 
 # What the engine loop hands back to the asyncio side for one request.
 Delivery = TokenEvent | AbortEvent | PrefillResult | BaseException
@@ -61,6 +65,9 @@ class Request:
     prompt_keys: list[bytes] = field(default_factory=list)
     # Prompt logprobs by position (entry i: prompt token i + 1), filled as the prompt's chunks compute.
     prompt_lps: list[tuple[float, TopLogprobs | None] | None] = field(default_factory=list)
+    # The request's grammar matcher, when `sampling.grammar` is set (the engine compiles it before the
+    # request is queued); it has accepted every token of `output`.
+    grammar: TokenGrammar | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
@@ -101,10 +108,11 @@ class Request:
         request that asked for prompt logprobs carries them)."""
         s = self.sampling
         prompt = self._prompt_logprobs() if not self.output and self.role is not Role.DECODE else None
+        ended = self._follow_grammar(token)
         self.tokens.append(token)
         self.output.append(token)
         self.logprobs.append(logprob)
-        if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
+        if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids or ended:
             # The stop token's own text is not output; bytes held back before it end as U+FFFD.
             self.finish = FinishReason.STOP
             text, _ = self._stop.feed(self._detok.flush())
@@ -119,6 +127,20 @@ class Request:
             if hit:
                 self.finish = FinishReason.STOP
         return TokenEvent(token, logprob, self.finish, text, top=top, prompt=prompt)
+
+    def _follow_grammar(self, token: int) -> bool:
+        """Advances the grammar by `token`; True when the grammar is done (its stop token accepted), which
+        ends the request as EOS does. A decode's first token comes from its prefill: one the grammar
+        refuses is refused here, before anything changed. A sampled token always follows the mask; if
+        the grammar still refused it, the request stops rather than emit text outside the grammar."""
+        if self.grammar is None:
+            return False
+        if self.grammar.accept(token):
+            return self.grammar.terminated
+        if self.role is Role.DECODE and not self.output:
+            raise InvalidRequestError(f"request {self.id}: first token {token} does not follow its grammar")
+        log.error("request %s: sampled token %d outside its grammar; stopping it", self.id, token)
+        return True
 
     def prefill_result(self, event: TokenEvent) -> PrefillResult:
         """The PrefillResult of a prefill-role request after its first token."""

@@ -10,6 +10,7 @@ from xavier_core.engine.api import TopLogprobs
 from xavier_core.engine.model import ForwardBatch, PrefillSegment
 from xavier_core.engine.request import Request, Sampled
 from xavier_core.engine.scheduler import StepPlan
+from xavier_core.grammar.masks import constrain
 
 # The prompt positions of one step whose logits are wanted: (request, first position, batch offset, count).
 PromptRows = list[tuple[Request, int, int, int]]
@@ -117,10 +118,12 @@ def _with_top(
 
 def sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[Sampled]:
     """One (token, logprob, alternatives) per request; logprobs are under the model's unscaled
-    distribution, the alternatives (`top_logprobs` of them) only where the request asked."""
+    distribution, the alternatives (`top_logprobs` of them) only where the request asked. A request with
+    a grammar samples only tokens the grammar allows (its logprobs stay the model's)."""
     if not reqs:
         return []
     logprobs = torch.log_softmax(logits, dim=-1)
+    logits = constrain(logits, [r.grammar for r in reqs])  # the same tensor when no request has a grammar
     tokens = torch.argmax(logits, dim=-1)
     for row, req in enumerate(reqs):
         if req.sampling.temperature > 0.0:

@@ -22,9 +22,22 @@ from xavier_core.engine.errors import CheckpointError
 
 ARCHS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# ChatML; with `tools`, a system turn lists them and asks for Qwen2.5's (Hermes') `<tool_call>` form, and
+# an assistant turn's tool calls are written in it. Without tools it renders exactly as plain ChatML.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n\\nYou may call one or more functions. Their "
+    "signatures are within <tools></tools>:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and arguments "
+    'within <tool_call></tool_call> tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% for call in message.tool_calls or [] %}"
+    '{{ \'\\n<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' '
+    "+ (call.function.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

@@ -49,6 +49,20 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """Templates' `tojson` as transformers defines it (plain `json.dumps`, no HTML escaping): chat
+    templates write tools and tool calls with it."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 class TextTokenizer:
     """Encodes and decodes text, and renders the checkpoint's chat template."""
 
@@ -68,6 +82,7 @@ class TextTokenizer:
         if chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_exception
+            env.filters["tojson"] = _tojson
             try:
                 self._template = env.from_string(chat_template)
             except jinja2.TemplateError as exc:

@@ -13,6 +13,7 @@ from xavier_core.engine.api import (
     Sampling,
     TopLogprobs,
 )
+from xavier_core.grammar.wire import grammar_from_pb
 from xavier_core.runtime.errors import InvalidArgument
 
 MAX_ROOM_ID = (1 << 63) - 1
@@ -28,6 +29,7 @@ _FINISH_TO_PB = {
 _FEATURE_TO_PB = {
     EngineFeature.TOP_LOGPROBS: types_pb2.ENGINE_FEATURE_TOP_LOGPROBS,
     EngineFeature.PROMPT_LOGPROBS: types_pb2.ENGINE_FEATURE_PROMPT_LOGPROBS,
+    EngineFeature.STRUCTURED_OUTPUT: types_pb2.ENGINE_FEATURE_STRUCTURED_OUTPUT,
 }
 
 
@@ -83,6 +85,7 @@ def sampling_from_pb(p: types_pb2.SamplingParams, default_max_tokens: int = 16) 
         ignore_eos=p.ignore_eos,
         top_logprobs=p.top_logprobs,
         prompt_logprobs=p.prompt_logprobs,
+        grammar=grammar_from_pb(p),
     )
     sampling.check()
     return sampling

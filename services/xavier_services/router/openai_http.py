@@ -29,6 +29,7 @@ from xavier_services.router.openai_shapes import (
     sse,
     usage_json,
 )
+from xavier_services.router.openai_tools import HeldAnswer, tool_message
 from xavier_services.router.request import Prepared
 
 _HTTP_STATUS = {
@@ -249,7 +250,10 @@ class OpenAiFront:
         choices = []
         usage = types_pb2.Usage()
         for i, (text, lp, last) in enumerate(answers):
-            one = choice(oa, text, FINISH_NAMES.get(last.finish_reason), lp, delta=False)
+            finish = FINISH_NAMES.get(last.finish_reason)
+            one = choice(oa, text, finish, lp, delta=False)
+            if oa.tools is not None:
+                one["message"], one["finish_reason"] = tool_message(oa.tools, text, finish)
             one["index"] = i
             choices.append(one)
             if i % oa.n == 0:  # a prompt counts once, however many choices it has (as OpenAI's usage)
@@ -325,6 +329,7 @@ class OpenAiFront:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         first = True
         shaper = ChoiceLogprobs(self.router.encoder, chat=oa.chat, top=oa.top_logprobs)
+        held = HeldAnswer() if oa.tools is not None and oa.tools.choice != "none" else None
         gen = self.router.generate(prep)  # an async generator: closed below
         ticks = with_ticks(gen, self.router.config.keepalive_seconds)
         try:
@@ -355,7 +360,11 @@ class OpenAiFront:
                 if oa.logprobs and msg.token_ids:
                     lp = shaper.render(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs))
                 finish = FINISH_NAMES.get(msg.finish_reason)
-                if msg.text or msg.token_ids or finish:
+                if held is not None:  # an answer that may call tools: sent whole once it ended
+                    held.add(msg.text, lp)
+                    if finish:
+                        await resp.write(self._tool_chunks(oa, held, finish))
+                elif msg.text or msg.token_ids or finish:
                     await resp.write(self._chunk(oa, msg.text, finish, lp))
                 if finish and oa.include_usage:
                     # The usage comes last, in a chunk of its own with no choices, as OpenAI sends it.
@@ -373,6 +382,25 @@ class OpenAiFront:
         await resp.write(sse("[DONE]"))
         await resp.write_eof()
         return resp
+
+    @classmethod
+    def _tool_chunks(cls, oa: OpenAiRequest, held: HeldAnswer, finish: str) -> bytes:
+        """A held answer's chunks: its tool calls (each whole, with its index) or its text, then the
+        finish reason in a chunk of its own."""
+        if oa.tools is None:
+            return b""
+        message, finish_reason = tool_message(oa.tools, held.text, finish)
+        first = envelope(oa, [choice(oa, "", None, held.logprobs(), delta=True)], chunk=True)
+        if "tool_calls" in message:
+            calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+            first["choices"][0]["delta"] = {"content": message["content"], "tool_calls": calls}
+        else:
+            first["choices"][0]["delta"] = {"content": held.text}
+        last = envelope(oa, [choice(oa, "", finish_reason, None, delta=True)], chunk=True)
+        for chunk in (first, last):
+            if oa.include_usage:
+                chunk["usage"] = None
+        return sse(first) + sse(last)
 
     @staticmethod
     def _chunk(oa: OpenAiRequest, text: str, finish: str | None, lp: dict[str, Any] | None) -> bytes:

@@ -12,10 +12,13 @@ from typing import Any
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 
+from xavier_core.grammar.wire import grammar_to_pb
 from xavier_core.runtime import InvalidArgument, XavierError
 from xavier_core.runtime.domain_errors import sampling_status
 from xavier_core.sampling import MAX_TOP_LOGPROBS, SamplingError, check_sampling
 from xavier_services.router.openai_body import get_bool, get_int, get_number, get_object, get_str
+from xavier_services.router.openai_grammar import grammar_of
+from xavier_services.router.openai_tools import ToolPlan, tool_calls, tool_plan
 
 FINISH_NAMES = {
     types_pb2.FINISH_REASON_STOP: "stop",
@@ -52,15 +55,22 @@ _NOOP_NUMBERS = {
 }
 # Extensions (OpenAI's, vLLM's, SGLang's) that no engine here honours yet: any value but an empty one is
 # refused. `modalities: ["text"]` and `tool_choice: "none"` ask for nothing, so they pass.
+# (`guided_json` and `guided_regex` are honoured as `response_format` is: `openai_grammar`; chat `tools`
+# and `tool_choice`: `openai_tools`.)
 _NOOP_EMPTY = (
-    "logit_bias", "tools", "functions", "function_call", "suffix", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "structured_outputs", "bad_words", "allowed_token_ids",
-    "prompt_logprobs", "truncate_prompt_tokens", "prediction",
+    "logit_bias", "functions", "function_call", "suffix", "guided_choice", "guided_grammar",
+    "structured_outputs", "bad_words", "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
+    "prediction",
 )  # fmt: skip
 _NOOP_VALUES: dict[str, tuple[Any, ...]] = {
     "include_stop_str_in_output": (None, False),
-    "tool_choice": (None, "none"),
     "modalities": (None, ["text"]),
+}
+# Chat-only parameters a completions request may send only as no-ops.
+_CHAT_ONLY: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
 }
 
 
@@ -68,7 +78,10 @@ def _unsupported(param: str, what: str) -> InvalidArgument:
     return InvalidArgument(f"{what} is not supported", reason="UNSUPPORTED_PARAMETER", param=param)
 
 
-def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+def _refuse_unsupported(body: Mapping[str, Any], chat: bool) -> None:
+    for key, noops in () if chat else _CHAT_ONLY.items():
+        if body.get(key) not in noops:
+            raise _unsupported(key, f"{key} on completions")
     for key, noop in _NOOP_NUMBERS.items():
         if get_number(body, key, noop) != noop:
             raise _unsupported(key, f"{key} other than {noop:g}")
@@ -80,9 +93,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
             raise _unsupported(key, f"{key} {json.dumps(body.get(key))[:40]}")
     if get_int(body, "best_of", 0, 1 << 30) not in (None, 1):
         raise _unsupported("best_of", "best_of other than 1")
-    fmt = get_object(body, "response_format")
-    if fmt and fmt.get("type") != "text":
-        raise _unsupported("response_format", "response_format other than text")
 
 
 def _stops(value: Any) -> list[str]:
@@ -165,6 +175,7 @@ def _logprobs(body: Mapping[str, Any], chat: bool) -> tuple[bool, int]:
 # SamplingParams fields an error may name, as each API calls them.
 _CHAT_PARAMS = {"prompt_logprobs": "echo"}
 _COMPLETION_PARAMS = {"top_logprobs": "logprobs", "prompt_logprobs": "echo"}
+_GRAMMAR_FIELDS = ("grammar", "json_schema", "json_object", "regex")
 
 
 @dataclass
@@ -190,6 +201,10 @@ class OpenAiRequest:
     """Completions `echo`: the prompt's text (and with logprobs its tokens' logprobs) comes first."""
     echo_only: bool = False
     """`max_tokens: 0` with `echo`: the answer is the prompt alone (the token sampled is left out)."""
+    tools: ToolPlan | None = None
+    """A chat's tools and tool choice: its answers become `tool_calls` (`openai_tools`)."""
+    grammar_param: str = "response_format"
+    """The parameter that set `SamplingParams.grammar` (response_format, guided_json, tool_choice, ...)."""
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -199,6 +214,8 @@ class OpenAiRequest:
         param = err.metadata.get("param")
         if param in names:
             err.metadata["param"] = names[param]
+        elif param in _GRAMMAR_FIELDS:
+            err.metadata["param"] = self.grammar_param
 
 
 def _content(i: int, content: Any) -> str:
@@ -240,7 +257,17 @@ def _chat(req: rpb.GenerateRequest, body: Mapping[str, Any]) -> None:
             raise InvalidArgument(
                 f"messages[{i}] needs a string role", reason="INVALID_CHAT", param=f"messages[{i}].role"
             )
-        req.chat.messages.add(role=m["role"], content=_content(i, m.get("content")))
+        msg = req.chat.messages.add(role=m["role"], content=_content(i, m.get("content")))
+        msg.tool_calls.extend(tool_calls(i, m.get("tool_calls")))
+        call_id = m.get("tool_call_id")
+        if call_id is not None:
+            if not isinstance(call_id, str) or len(call_id) > 256:
+                raise InvalidArgument(
+                    f"messages[{i}].tool_call_id must be a string of at most 256 characters",
+                    reason="INVALID_CHAT",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            msg.tool_call_id = call_id
 
 
 def _token_ids(prompt: list[Any]) -> list[int]:
@@ -297,7 +324,7 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
     """Validates an OpenAI request body; every problem is INVALID_ARGUMENT naming the field."""
     if not isinstance(body, dict):
         raise InvalidArgument("the request body must be a JSON object", reason="INVALID_JSON")
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, chat)
     model = get_str(body, "model")
     req = rpb.GenerateRequest(model=model, request_id=get_str(body, "user_request_id"))
     prompts: list[str | list[int]] = []
@@ -332,6 +359,16 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
     s.stop.extend(stops)
     s.stop_token_ids.extend(_stop_token_ids(body.get("stop_token_ids")))
     s.ignore_eos = get_bool(body, "ignore_eos")  # the vLLM / SGLang extension
+    plan = tool_plan(body) if chat else None
+    grammar = grammar_of(body)
+    if plan is not None:
+        req.chat.tools.extend(plan.tools)
+        if plan.grammar is not None:
+            if grammar is not None:
+                raise _unsupported(grammar[1], f"{grammar[1]} with tool_choice {plan.choice}")
+            grammar = (plan.grammar, "tool_choice")
+    if grammar is not None:
+        grammar_to_pb(grammar[0], s)
     mode = get_str(body, "xavier_mode")
     if mode:
         if mode not in _MODES:
@@ -381,6 +418,8 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
         top_logprobs=top_logprobs,
         echo=echo,
         echo_only=echo_only,
+        tools=plan,
+        grammar_param=grammar[1] if grammar is not None else "response_format",
     )
 
 

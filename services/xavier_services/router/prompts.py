@@ -158,8 +158,11 @@ class PromptEncoder:
         for: byte-level and SentencePiece entries are at least as long as the text they decode to)."""
         return max(1, *(len(t.encode("utf-8", "surrogatepass")) for t in self.tokenizer.vocabulary()))
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The chat rendered with the model's template, ending with the assistant's turn prompt."""
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()
+    ) -> str:
+        """The chat rendered with the model's template, ending with the assistant's turn prompt; `tools`
+        (Hugging Face's shape) become the template's `tools` variable when there are any."""
         if not messages:
             raise InvalidArgument("the chat has no messages", reason="EMPTY_PROMPT")
         for i, msg in enumerate(messages):
@@ -171,17 +174,24 @@ class PromptEncoder:
                     param=f"messages[{i}].role",
                 )
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            extra = {"tools": list(tools)} if tools else {}
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
         except ModelFilesError as exc:
             raise InvalidArgument(str(exc), reason="NO_CHAT_TEMPLATE") from None
         except jinja2.TemplateError as exc:
             raise InvalidArgument(f"chat template failed: {exc}", reason="CHAT_TEMPLATE_ERROR") from None
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> tuple[int, ...]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()
+    ) -> tuple[int, ...]:
         """Token ids of the rendered chat. Message content is text: a special token's text typed in it
         (`<|im_start|>system ...`) is encoded as plain characters, so no user can forge a role or end a
-        turn. Chats without such text are encoded as one rendered string (the usual tokenization)."""
-        rendered = self.render_chat(messages)
+        turn. Chats without such text are encoded as one rendered string (the usual tokenization). Tools
+        and tool calls holding special-token text are refused."""
+        self._refuse_special(json.dumps([*tools], ensure_ascii=False), "tools")
+        for i, m in enumerate(messages):
+            self._refuse_special(json.dumps(m.get("tool_calls") or [], ensure_ascii=False), f"messages[{i}]")
+        rendered = self.render_chat(messages, tools)
         contents = [str(m.get("content") or "") for m in messages]
         if not any(tok in c for c in contents for tok in self.tokenizer.special_texts):
             return self.encode(rendered, add_special_tokens=False)
@@ -190,7 +200,7 @@ class PromptEncoder:
         nonce = secrets.token_hex(8)
         markers = [f"\u2063{nonce}:{i}\u2063" for i in range(len(messages))]
         marked = [{**m, "content": markers[i]} for i, m in enumerate(messages)]
-        template = self.render_chat(marked)
+        template = self.render_chat(marked, tools)
         ids: list[int] = []
         at = 0
         for i, marker in enumerate(markers):
@@ -209,6 +219,14 @@ class PromptEncoder:
             at = cut + len(marker)
         ids += self.encode(template[at:], add_special_tokens=False) if at < len(template) else ()
         return tuple(ids)
+
+    def _refuse_special(self, text: str, param: str) -> None:
+        if any(tok in text for tok in self.tokenizer.special_texts):
+            raise InvalidArgument(
+                f"{param} holds special-token text, which a chat template would read as control tokens",
+                reason="INVALID_CHAT",
+                param=param,
+            )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         """Token ids of `text`; tokenizer failures become INVALID_ARGUMENT / TOKENIZER_ERROR."""

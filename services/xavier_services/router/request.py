@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 
+from xavier_core.grammar.wire import grammar_from_pb
 from xavier_core.runtime import InvalidArgument
 from xavier_core.runtime.domain_errors import sampling_status
 from xavier_core.sampling import SamplingError, check_cache_salt, check_sampling
+from xavier_services.router.chat_tools import chat_message, chat_tool
 from xavier_services.router.prompts import ModelInfo, PromptEncoder
 
 
@@ -42,6 +44,9 @@ def check_sampling_pb(s: types_pb2.SamplingParams) -> None:
             stop_token_ids=s.stop_token_ids,
             top_logprobs=s.top_logprobs,
         )
+        grammar = grammar_from_pb(s)
+        if grammar is not None:
+            grammar.check()
     except SamplingError as err:
         raise sampling_status(err) from None
     if s.top_logprobs and not s.logprobs:
@@ -56,6 +61,7 @@ def check_sampling_pb(s: types_pb2.SamplingParams) -> None:
 _FEATURE_PARAMS = {
     types_pb2.ENGINE_FEATURE_TOP_LOGPROBS: "top_logprobs",
     types_pb2.ENGINE_FEATURE_PROMPT_LOGPROBS: "prompt_logprobs",
+    types_pb2.ENGINE_FEATURE_STRUCTURED_OUTPUT: "grammar",
 }
 
 
@@ -67,6 +73,8 @@ def needed_features(s: types_pb2.SamplingParams) -> list[types_pb2.EngineFeature
         needs.append(types_pb2.ENGINE_FEATURE_PROMPT_LOGPROBS)
     if s.top_logprobs:
         needs.append(types_pb2.ENGINE_FEATURE_TOP_LOGPROBS)
+    if grammar_from_pb(s) is not None:
+        needs.append(types_pb2.ENGINE_FEATURE_STRUCTURED_OUTPUT)
     return needs
 
 
@@ -107,8 +115,8 @@ def tokenize(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo)
             raise InvalidArgument("the prompt is empty", reason="EMPTY_PROMPT")
         return encoder.encode(req.text)
     if kind == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-        return encoder.encode_chat(messages)
+        messages = [chat_message(m) for m in req.chat.messages]
+        return encoder.encode_chat(messages, [chat_tool(t) for t in req.chat.tools])
     if kind == "token_ids":
         ids = tuple(req.token_ids.ids)
         if model.vocab_size and any(i >= model.vocab_size for i in ids):
@@ -141,7 +149,10 @@ def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) 
     if kind == "text":
         encoder.check_length([req.text], model.max_context)
     elif kind == "chat":
-        encoder.check_length([m.content for m in req.chat.messages], model.max_context, "messages")
+        texts = [m.content for m in req.chat.messages]
+        texts += [c.arguments for m in req.chat.messages for c in m.tool_calls]
+        texts += [t.description + t.parameters_json for t in req.chat.tools]
+        encoder.check_length(texts, model.max_context, "messages")
     ids = tokenize(req, encoder, model)
     if not ids:
         raise InvalidArgument("the prompt has no tokens", reason="EMPTY_PROMPT")

@@ -300,6 +300,14 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     Expect other than 100-continue); HTTP 400 (417 for Expect) with the OpenAI error shape, "param"
     naming the header where the parser names one, and the connection closed (the HTTP front only).
     """
+    ERROR_REASON_INVALID_GRAMMAR: _ErrorReason.ValueType  # 77
+    """Structured output.
+
+    A grammar could not be used: a response_format json_schema, a regex or a tool's parameters that is not
+    a JSON Schema the engine's grammar compiler supports (or not JSON), a regular expression that does not
+    parse, or one past its size limit; status INVALID_ARGUMENT, metadata "field" (the SamplingParams
+    field) and, over HTTP, "param" naming the request parameter (response_format, tools, guided_json).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every `google.rpc.ErrorInfo.reason` that a xavier.v1 service or client emits.
@@ -588,5 +596,13 @@ ERROR_REASON_MALFORMED_HTTP: ErrorReason.ValueType  # 76
 Content-Length, Transfer-Encoding or chunk framing, a line or a header count past the limits, or an
 Expect other than 100-continue); HTTP 400 (417 for Expect) with the OpenAI error shape, "param"
 naming the header where the parser names one, and the connection closed (the HTTP front only).
+"""
+ERROR_REASON_INVALID_GRAMMAR: ErrorReason.ValueType  # 77
+"""Structured output.
+
+A grammar could not be used: a response_format json_schema, a regex or a tool's parameters that is not
+a JSON Schema the engine's grammar compiler supports (or not JSON), a regular expression that does not
+parse, or one past its size limit; status INVALID_ARGUMENT, metadata "field" (the SamplingParams
+field) and, over HTTP, "param" naming the request parameter (response_format, tools, guided_json).
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -25,23 +25,23 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15xavier/v1/types.proto\x12\txavier.v1\x1a\x1egoogle/protobuf/duration.proto\"\xec\x02\n\x08KvLayout\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x15\n\rmemory_layout\x18\x08 \x01(\t\x12\x1b\n\x13weights_fingerprint\x18\t \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\n \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x0b \x01(\t\x12\x12\n\nmodel_name\x18\x0c \x01(\t\x12*\n\x08\x66\x65\x61tures\x18\r \x03(\x0e\x32\x18.xavier.v1.EngineFeature\x12+\n\x07handoff\x18\x0e \x01(\x0e\x32\x1a.xavier.v1.HandoffProtocol\"\\\n\x0cMemoryRegion\x12\x14\n\x0c\x62\x61se_address\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x16\n\x0e\x62ytes_per_page\x18\x04 \x01(\x04\"\x95\x02\n\x10TransferEndpoint\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.xavier.v1.TransportKind\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12(\n\x07regions\x18\x04 \x03(\x0b\x32\x17.xavier.v1.MemoryRegion\x12\x0f\n\x07host_id\x18\x05 \x01(\t\x12\x15\n\rcuda_ipc_pool\x18\x06 \x01(\x0c\x12,\n\x0b\x61ux_regions\x18\x07 \x03(\x0b\x32\x17.xavier.v1.MemoryRegion\x12-\n\x0cstaging_slab\x18\x08 \x01(\x0b\x32\x17.xavier.v1.MemoryRegion\",\n\x07PageRun\x12\x12\n\nfirst_page\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\xee\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x0b \x01(\x08\x42\x07\n\x05_seed\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"P\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x16.xavier.v1.TopLogprobs\"\x8a\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_tokens_local\x18\x04 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_tokens_store\x18\x05 \x01(\r\"\xc4\x01\n\x07Timings\x12\x36\n\x13time_to_first_token\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07prefill\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12+\n\x08transfer\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xa7\x01\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x11\n\ttransfers\x18\x03 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x04 \x01(\x04\x12\x1c\n\x14staging_bytes_in_use\x18\x05 \x01(\x04\x12\x18\n\x10staged_transfers\x18\x06 \x01(\x04\x12\x19\n\x11staging_fallbacks\x18\x07 \x01(\x04\"\xd0\x02\n\x0b\x45ngineStats\x12\x13\n\x0bpages_total\x18\x01 \x01(\r\x12\x12\n\npages_free\x18\x02 \x01(\r\x12\x14\n\x0cpages_pinned\x18\x03 \x01(\r\x12\x14\n\x0cpages_parked\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x1e\n\x16prompt_tokens_computed\x18\x07 \x01(\x04\x12\x1c\n\x14prompt_tokens_cached\x18\x08 \x01(\x04\x12\"\n\x1aprompt_tokens_cached_store\x18\t \x01(\x04\x12\x17\n\x0fstore_hit_pages\x18\n \x01(\x04\x12\x1b\n\x13store_pages_written\x18\x0b \x01(\x04\x12\x1c\n\x14store_writes_dropped\x18\x0c \x01(\x04\x12\x14\n\x0cstore_errors\x18\r \x01(\x04*f\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x10\n\x0cROLE_UNIFIED\x10\x03\x12\x13\n\x0fROLE_PAGE_STORE\x10\x04*\x80\x01\n\rTransportKind\x12\x1e\n\x1aTRANSPORT_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13TRANSPORT_KIND_NIXL\x10\x01\x12\x1b\n\x17TRANSPORT_KIND_CUDA_IPC\x10\x02\x12\x19\n\x15TRANSPORT_KIND_STAGED\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*t\n\x0fHandoffProtocol\x12 \n\x1cHANDOFF_PROTOCOL_UNSPECIFIED\x10\x00\x12$\n HANDOFF_PROTOCOL_DIRECTORY_ROOMS\x10\x01\x12\x19\n\x15HANDOFF_PROTOCOL_PAIR\x10\x02*t\n\rEngineFeature\x12\x1e\n\x1a\x45NGINE_FEATURE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45NGINE_FEATURE_TOP_LOGPROBS\x10\x01\x12\"\n\x1e\x45NGINE_FEATURE_PROMPT_LOGPROBS\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15xavier/v1/types.proto\x12\txavier.v1\x1a\x1egoogle/protobuf/duration.proto\"\xec\x02\n\x08KvLayout\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x15\n\rmemory_layout\x18\x08 \x01(\t\x12\x1b\n\x13weights_fingerprint\x18\t \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\n \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x0b \x01(\t\x12\x12\n\nmodel_name\x18\x0c \x01(\t\x12*\n\x08\x66\x65\x61tures\x18\r \x03(\x0e\x32\x18.xavier.v1.EngineFeature\x12+\n\x07handoff\x18\x0e \x01(\x0e\x32\x1a.xavier.v1.HandoffProtocol\"\\\n\x0cMemoryRegion\x12\x14\n\x0c\x62\x61se_address\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x16\n\x0e\x62ytes_per_page\x18\x04 \x01(\x04\"\x95\x02\n\x10TransferEndpoint\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.xavier.v1.TransportKind\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12(\n\x07regions\x18\x04 \x03(\x0b\x32\x17.xavier.v1.MemoryRegion\x12\x0f\n\x07host_id\x18\x05 \x01(\t\x12\x15\n\rcuda_ipc_pool\x18\x06 \x01(\x0c\x12,\n\x0b\x61ux_regions\x18\x07 \x03(\x0b\x32\x17.xavier.v1.MemoryRegion\x12-\n\x0cstaging_slab\x18\x08 \x01(\x0b\x32\x17.xavier.v1.MemoryRegion\",\n\x07PageRun\x12\x12\n\nfirst_page\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\xb8\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x0b \x01(\x08\x12\x15\n\x0bjson_schema\x18\x0c \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\r \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x0e \x01(\tH\x00\x42\t\n\x07grammarB\x07\n\x05_seed\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"P\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x16.xavier.v1.TopLogprobs\"\x8a\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_tokens_local\x18\x04 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_tokens_store\x18\x05 \x01(\r\"\xc4\x01\n\x07Timings\x12\x36\n\x13time_to_first_token\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07prefill\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12+\n\x08transfer\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xa7\x01\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x11\n\ttransfers\x18\x03 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x04 \x01(\x04\x12\x1c\n\x14staging_bytes_in_use\x18\x05 \x01(\x04\x12\x18\n\x10staged_transfers\x18\x06 \x01(\x04\x12\x19\n\x11staging_fallbacks\x18\x07 \x01(\x04\"\xd0\x02\n\x0b\x45ngineStats\x12\x13\n\x0bpages_total\x18\x01 \x01(\r\x12\x12\n\npages_free\x18\x02 \x01(\r\x12\x14\n\x0cpages_pinned\x18\x03 \x01(\r\x12\x14\n\x0cpages_parked\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x1e\n\x16prompt_tokens_computed\x18\x07 \x01(\x04\x12\x1c\n\x14prompt_tokens_cached\x18\x08 \x01(\x04\x12\"\n\x1aprompt_tokens_cached_store\x18\t \x01(\x04\x12\x17\n\x0fstore_hit_pages\x18\n \x01(\x04\x12\x1b\n\x13store_pages_written\x18\x0b \x01(\x04\x12\x1c\n\x14store_writes_dropped\x18\x0c \x01(\x04\x12\x14\n\x0cstore_errors\x18\r \x01(\x04*f\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x10\n\x0cROLE_UNIFIED\x10\x03\x12\x13\n\x0fROLE_PAGE_STORE\x10\x04*\x80\x01\n\rTransportKind\x12\x1e\n\x1aTRANSPORT_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13TRANSPORT_KIND_NIXL\x10\x01\x12\x1b\n\x17TRANSPORT_KIND_CUDA_IPC\x10\x02\x12\x19\n\x15TRANSPORT_KIND_STAGED\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*t\n\x0fHandoffProtocol\x12 \n\x1cHANDOFF_PROTOCOL_UNSPECIFIED\x10\x00\x12$\n HANDOFF_PROTOCOL_DIRECTORY_ROOMS\x10\x01\x12\x19\n\x15HANDOFF_PROTOCOL_PAIR\x10\x02*\x9a\x01\n\rEngineFeature\x12\x1e\n\x1a\x45NGINE_FEATURE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45NGINE_FEATURE_TOP_LOGPROBS\x10\x01\x12\"\n\x1e\x45NGINE_FEATURE_PROMPT_LOGPROBS\x10\x02\x12$\n ENGINE_FEATURE_STRUCTURED_OUTPUT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'xavier.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=2079
-  _globals['_ROLE']._serialized_end=2181
-  _globals['_TRANSPORTKIND']._serialized_start=2184
-  _globals['_TRANSPORTKIND']._serialized_end=2312
-  _globals['_FINISHREASON']._serialized_start=2314
-  _globals['_FINISHREASON']._serialized_end=2434
-  _globals['_HANDOFFPROTOCOL']._serialized_start=2436
-  _globals['_HANDOFFPROTOCOL']._serialized_end=2552
-  _globals['_ENGINEFEATURE']._serialized_start=2554
-  _globals['_ENGINEFEATURE']._serialized_end=2670
+  _globals['_ROLE']._serialized_start=2153
+  _globals['_ROLE']._serialized_end=2255
+  _globals['_TRANSPORTKIND']._serialized_start=2258
+  _globals['_TRANSPORTKIND']._serialized_end=2386
+  _globals['_FINISHREASON']._serialized_start=2388
+  _globals['_FINISHREASON']._serialized_end=2508
+  _globals['_HANDOFFPROTOCOL']._serialized_start=2510
+  _globals['_HANDOFFPROTOCOL']._serialized_end=2626
+  _globals['_ENGINEFEATURE']._serialized_start=2629
+  _globals['_ENGINEFEATURE']._serialized_end=2783
   _globals['_KVLAYOUT']._serialized_start=69
   _globals['_KVLAYOUT']._serialized_end=433
   _globals['_MEMORYREGION']._serialized_start=435
@@ -51,17 +51,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PAGERUN']._serialized_start=809
   _globals['_PAGERUN']._serialized_end=853
   _globals['_SAMPLINGPARAMS']._serialized_start=856
-  _globals['_SAMPLINGPARAMS']._serialized_end=1094
-  _globals['_TOPLOGPROBS']._serialized_start=1096
-  _globals['_TOPLOGPROBS']._serialized_end=1146
-  _globals['_PROMPTLOGPROBS']._serialized_start=1148
-  _globals['_PROMPTLOGPROBS']._serialized_end=1228
-  _globals['_USAGE']._serialized_start=1231
-  _globals['_USAGE']._serialized_end=1369
-  _globals['_TIMINGS']._serialized_start=1372
-  _globals['_TIMINGS']._serialized_end=1568
-  _globals['_TRANSFERSTATS']._serialized_start=1571
-  _globals['_TRANSFERSTATS']._serialized_end=1738
-  _globals['_ENGINESTATS']._serialized_start=1741
-  _globals['_ENGINESTATS']._serialized_end=2077
+  _globals['_SAMPLINGPARAMS']._serialized_end=1168
+  _globals['_TOPLOGPROBS']._serialized_start=1170
+  _globals['_TOPLOGPROBS']._serialized_end=1220
+  _globals['_PROMPTLOGPROBS']._serialized_start=1222
+  _globals['_PROMPTLOGPROBS']._serialized_end=1302
+  _globals['_USAGE']._serialized_start=1305
+  _globals['_USAGE']._serialized_end=1443
+  _globals['_TIMINGS']._serialized_start=1446
+  _globals['_TIMINGS']._serialized_end=1642
+  _globals['_TRANSFERSTATS']._serialized_start=1645
+  _globals['_TRANSFERSTATS']._serialized_end=1812
+  _globals['_ENGINESTATS']._serialized_start=1815
+  _globals['_ENGINESTATS']._serialized_end=2151
 # @@protoc_insertion_point(module_scope)

@@ -166,6 +166,10 @@ class _EngineFeatureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EngineF
     """The engine returns the most likely alternatives of each token (SamplingParams.top_logprobs)."""
     ENGINE_FEATURE_PROMPT_LOGPROBS: _EngineFeature.ValueType  # 2
     """The engine returns the logprobs of the prompt's tokens (SamplingParams.prompt_logprobs)."""
+    ENGINE_FEATURE_STRUCTURED_OUTPUT: _EngineFeature.ValueType  # 3
+    """The engine constrains what it samples to a grammar (SamplingParams.grammar: a JSON schema, any JSON
+    object or a regular expression), every token of the output, the first one included.
+    """
 
 class EngineFeature(_EngineFeature, metaclass=_EngineFeatureEnumTypeWrapper):
     """EngineFeature names a request feature that some engines honour and others do not."""
@@ -176,6 +180,10 @@ ENGINE_FEATURE_TOP_LOGPROBS: EngineFeature.ValueType  # 1
 """The engine returns the most likely alternatives of each token (SamplingParams.top_logprobs)."""
 ENGINE_FEATURE_PROMPT_LOGPROBS: EngineFeature.ValueType  # 2
 """The engine returns the logprobs of the prompt's tokens (SamplingParams.prompt_logprobs)."""
+ENGINE_FEATURE_STRUCTURED_OUTPUT: EngineFeature.ValueType  # 3
+"""The engine constrains what it samples to a grammar (SamplingParams.grammar: a JSON schema, any JSON
+object or a regular expression), every token of the output, the first one included.
+"""
 Global___EngineFeature: _TypeAlias = EngineFeature  # noqa: Y015
 
 @_typing.final
@@ -410,6 +418,9 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """The maximum number of tokens to generate, including the first one."""
     temperature: _builtins.float
@@ -434,6 +445,12 @@ class SamplingParams(_message.Message):
     it), with top_logprobs alternatives each. Such a request computes its whole prompt: it takes no
     prefix-cache or page-store hit. Engines without ENGINE_FEATURE_PROMPT_LOGPROBS refuse it.
     """
+    json_schema: _builtins.str
+    """A JSON Schema document, as JSON text (at most 256 KiB): the output is a JSON value it validates."""
+    json_object: _builtins.bool
+    """When true, the output is any JSON object (OpenAI's response_format json_object); false is unset."""
+    regex: _builtins.str
+    """A regular expression (at most 16 KiB) the whole output must match."""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Strings that stop generation; the returned text never includes them."""
@@ -456,14 +473,22 @@ class SamplingParams(_message.Message):
         logprobs: _builtins.bool = ...,
         top_logprobs: _builtins.int = ...,
         prompt_logprobs: _builtins.bool = ...,
+        json_schema: _builtins.str = ...,
+        json_object: _builtins.bool = ...,
+        regex: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "prompt_logprobs", b"prompt_logprobs", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "json_object", b"json_object", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType_grammar: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex"]  # noqa: Y015
+    _WhichOneofArgType_grammar: _TypeAlias = _typing.Literal["grammar", b"grammar"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_grammar) -> _WhichOneofReturnType_grammar | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
