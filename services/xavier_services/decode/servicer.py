@@ -33,7 +33,7 @@ from xavier_core.runtime.errors import (
 )
 from xavier_core.runtime.identity import require
 from xavier_core.runtime.logging import get_logger
-from xavier_core.transfer.peers import peer_key
+from xavier_core.transfer import peer_key
 from xavier_services.peer.convert import (
     check_prompt,
     check_room_id,
