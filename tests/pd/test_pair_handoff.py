@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,10 +16,13 @@ from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
 from xavier.v1 import prefill_service_pb2 as pre
 from xavier.v1 import prefill_service_pb2_grpc as pre_grpc
 from xavier.v1 import types_pb2
+from xavier_client import AsyncClient, XavierError
 
-from tests.pd.conftest import Mesh, mesh_stats, wait_drained
+from tests.faults.test_shutdown import ghost
+from tests.pd.conftest import FAST_ENV, Mesh, mesh_stats, wait_drained
 from tests.pd.test_pd import Channels, prompt
 from tests.support.pd_driver import decode_request, new_room_id, prefill_request, unified_generate
+from tests.support.procs import start_service
 
 pytestmark = pytest.mark.integration
 
@@ -189,3 +193,49 @@ async def test_decode_killed_mid_handoff_leaves_nothing(mesh: Mesh) -> None:
         assert not any((await wait_drained(mesh)).values())
     finally:
         await ch.close()
+
+
+async def test_a_decode_that_never_connected_frees_the_source_at_once(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The router picks a listed decode that nothing answers for (a peer that only registers): its
+    Decode never reaches it, so the router's ReleaseSource says so and the prefill unpins at once, not
+    after the lease and the park timeout (here ten minutes each)."""
+    env = {
+        **FAST_ENV,
+        "XAVIER_HANDOFF__ROOM_LEASE_SECONDS": "600",
+        "XAVIER_HANDOFF__PARK_TIMEOUT_SECONDS": "600",
+        "XAVIER_HEALTH_INTERVAL_SECONDS": "600",  # only the failed call takes it out
+    }
+    m = Mesh(tiny_model, tmp_path, env)
+    try:
+        m.start_directory()
+        m.start_peer("prefill-0", "prefill")
+        args = ["--model", str(tiny_model), "--directory", m.directory, "--listen", "127.0.0.1:0"]
+        m.procs["router"] = start_service(
+            "xavier-router", [*args, "--http", ""], tmp_path, name="router", env=env
+        )
+        async with (
+            ghost(m, "decode-ghost", types_pb2.ROLE_DECODE, like="prefill-0"),
+            AsyncClient(m.procs["router"].address, timeout=60) as client,
+        ):
+            with pytest.raises(XavierError) as err:
+                await client.generate("a prompt for a decode that is not there", max_tokens=4, mode="pd")
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value  # no pair left after the ghost
+            m.procs.pop("router").stop()
+            async with grpc.aio.insecure_channel(m.procs["prefill-0"].address) as ch:
+                pf = await pre_grpc.PrefillServiceStub(ch).GetPrefillStats(
+                    pre.GetPrefillStatsRequest(), timeout=5
+                )
+            assert (
+                pf.engine.prompt_tokens_computed > 0
+            )  # the prefill ran: the router got as far as the decode
+            stats: dict[str, int] = {}
+            for _ in range(300):
+                stats = await mesh_stats(m)
+                if not any(stats.values()):
+                    break
+                await asyncio.sleep(0.1)
+            assert not any(stats.values()), stats
+    finally:
+        m.stop()

@@ -322,6 +322,7 @@ async def _pd_attempt(
         prefill_request(prep, room_id, d, pair_handoff=direct), timeout=env.request_timeout
     )
     dec_call: Any = None
+    reached = False
     calling = p
     decoded = False
     finished_cleanly = False
@@ -349,6 +350,7 @@ async def _pd_attempt(
             # connection here, found before the client sees a token. On a ready connection this wait
             # would cost the client milliseconds of TTFT; a decode that fails later fails over too.
             await dec_call.wait_for_connection()
+        reached = True  # from here the decode may have the request (and may read the source)
         if not sent:
             sent.append(first)
             yield _first_step(prep, first.token, first.logprob, pf)
@@ -382,8 +384,8 @@ async def _pd_attempt(
         if not finished_cleanly:
             with contextlib.suppress(RuntimeError):
                 if direct:
-                    called = dec_call is not None
-                    env.spawn(release_source(env, p, prep.request_id, room_id, decode_called=called))
+                    # A decode never connected never read: the source is unpinned at once.
+                    env.spawn(release_source(env, p, prep.request_id, room_id, decode_called=reached))
                 else:
                     env.spawn(abort_room(env, prep.request_id, room_id, "router: request ended early"))
 
