@@ -23,7 +23,6 @@ token the client already has, so the stream continues where it was.
 from __future__ import annotations
 
 import contextlib
-import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from xavier_core.runtime import Unavailable, XavierError, from_rpc_error, get_lo
 from xavier_core.runtime.durations import to_seconds
 from xavier_services.router.health import peer_key, role_name
 from xavier_services.router.peers import Pair, PeerPool, affinity_key
-from xavier_services.router.request import Prepared, require_features
+from xavier_services.router.request import Prepared, new_room_id, require_features
 
 _log = get_logger("xavier.router.flows")
 _RELEASE_TIMEOUT_S = 5.0
@@ -313,7 +312,7 @@ async def _pd_attempt(
             async for step in steps:
                 yield step
         return
-    room_id = secrets.randbits(63) or 1
+    room_id = new_room_id()
     s = prep.sampling
     direct = pair_handoff(pair)
     pool.acquire(p, d)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,15 +20,10 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime import Internal, InvalidArgument, Unavailable
 from xavier_services.router.config import NativeConfig
 from xavier_services.router.flows import Step
-from xavier_services.router.request import Prepared, require_features
+from xavier_services.router.request import Prepared, new_room_id, require_features
 from xavier_services.sglang_host.protocol import Deltas, generate_body, sse_events
 
 _PREFILL_FAILED = "native prefill failed"
-
-
-def new_bootstrap_room() -> int:
-    """A random 63-bit room id (SGLang keys its transfer state by it)."""
-    return secrets.randbits(63)
 
 
 def native_body(prep: Prepared, cfg: NativeConfig, room: int) -> dict[str, Any]:
@@ -61,7 +55,7 @@ async def native_flow(
     if not cfg.enabled:
         raise Unavailable("native mode is not configured", reason="NO_PEERS", mode="native")
     require_features(prep, None, "native SGLang")  # native servers declare no features
-    body = native_body(prep, cfg, new_bootstrap_room())
+    body = native_body(prep, cfg, new_room_id())  # SGLang keys its transfer state by it
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     client_timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 10.0))
     prefill = asyncio.ensure_future(
@@ -122,4 +116,4 @@ def _unreachable(who: str, exc: BaseException, timeout: float) -> Unavailable:
     return Unavailable(f"{who} unreachable: {exc}", reason="NATIVE_UNAVAILABLE")
 
 
-__all__ = ["native_body", "native_flow", "new_bootstrap_room"]
+__all__ = ["native_body", "native_flow"]

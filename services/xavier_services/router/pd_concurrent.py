@@ -13,7 +13,6 @@ finished is left to end by itself (its call has the request deadline).
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import AsyncIterator
 
 import grpc
@@ -27,7 +26,7 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime.durations import to_seconds
 from xavier_services.router import flows
 from xavier_services.router.peers import Pair
-from xavier_services.router.request import Prepared
+from xavier_services.router.request import Prepared, new_room_id
 
 SGLANG_ENGINE = "sglang"
 """`KvLayout.engine` of peers whose prefill ends only after the transfer (the xavier SGLang backend)."""
@@ -54,7 +53,7 @@ async def concurrent_attempt(
 ) -> AsyncIterator[flows.Step]:
     pool = env.pool
     p, d = pair.prefill, pair.decode
-    room_id = secrets.randbits(63) or 1
+    room_id = new_room_id()
     s = prep.sampling
     pool.acquire(p, d)
     pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -177,3 +178,9 @@ def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) 
         cache_salt=req.cache_salt,
         prompt_text=req.text if kind == "text" else None,
     )
+
+
+def new_room_id() -> int:
+    """The id of one P/D handoff (a directory room, a pair handoff, an SGLang bootstrap room): 63 random
+    bits, never 0 (0 means "not set" on the wire)."""
+    return secrets.randbits(63) or 1
