@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from xavier_core.engine.api import FinishReason, InvalidRequestError, Sampling, TokenEvent
 from xavier_core.engine.reference import ReferenceEngine
+from xavier_core.grammar import GrammarKind, GrammarSpec
 from xavier_core.sampling import SamplingError
 
 from .conftest import collect, prompt_of
@@ -218,3 +219,5 @@ async def test_out_of_range_controls_are_refused(
     assert info.value.field == field
     with pytest.raises(InvalidRequestError):
         await _run(engine, [1, 2, 3], Sampling(logit_bias=((engine.vocab_size, 1.0),)))
+    with pytest.raises(InvalidRequestError):  # a grammar may allow only its end: nothing to sample
+        await _run(engine, [1, 2, 3], Sampling(min_tokens=2, grammar=GrammarSpec(GrammarKind.JSON_OBJECT)))

@@ -171,6 +171,7 @@ def test_streams_of_several_choices_carry_each_choices_index(mesh: Mesh, chat: b
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "INVALID_SAMPLING"),
         ({"best_of": 1, "n": 2}, "best_of", "INVALID_SAMPLING"),
         ({"best_of": 2, "stream": True}, "best_of", "UNSUPPORTED_PARAMETER"),
+        ({"min_tokens": 2, "guided_regex": "a+"}, "min_tokens", "UNSUPPORTED_PARAMETER"),
         ({"typical_p": 0.5}, "typical_p", "UNSUPPORTED_PARAMETER"),
         ({"bad_words": ["x"]}, "bad_words", "UNSUPPORTED_PARAMETER"),
         ({"allowed_token_ids": [1]}, "allowed_token_ids", "UNSUPPORTED_PARAMETER"),

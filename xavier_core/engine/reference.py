@@ -390,6 +390,10 @@ class ReferenceEngine:
             raise InvalidRequestError(
                 f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size})"
             )
+        if sampling.min_tokens and sampling.grammar is not None:
+            raise InvalidRequestError(
+                "min_tokens cannot be combined with a grammar"
+            )  # nothing could be sampled
         prompt = check_prompt(token_ids, self.config.vocab_size, self.max_context)
         if salt is not None:
             check_cache_salt(salt)

@@ -56,6 +56,14 @@ def check_sampling_pb(s: types_pb2.SamplingParams) -> None:
             grammar.check()
     except SamplingError as err:
         raise sampling_status(err) from None
+    if s.min_tokens and s.WhichOneof("grammar") is not None:
+        # A grammar may allow nothing but its end before min_tokens: nothing would be left to sample.
+        raise InvalidArgument(
+            "min_tokens cannot be combined with a grammar",
+            reason="UNSUPPORTED_PARAMETER",
+            field="min_tokens",
+            param="min_tokens",
+        )
     if s.top_logprobs and not s.logprobs:
         raise InvalidArgument(
             "top_logprobs needs logprobs",

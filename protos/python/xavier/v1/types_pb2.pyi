@@ -518,7 +518,8 @@ class SamplingParams(_message.Message):
     min_tokens: _builtins.int
     """The fewest tokens to generate (vLLM's min_tokens): before that many, the end-of-sequence and
     stop_token_ids tokens are never sampled and stop strings do not stop. At most max_tokens; 0 is off.
-    Engines without ENGINE_FEATURE_MIN_TOKENS refuse a value above 0.
+    A request with a grammar (which may allow nothing but its end) cannot set it. Engines without
+    ENGINE_FEATURE_MIN_TOKENS refuse a value above 0.
     """
     min_p: _builtins.float
     """Sampling (temperature above 0) drops tokens whose probability is below min_p times the most
