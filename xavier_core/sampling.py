@@ -10,7 +10,7 @@ INVALID_ARGUMENT with the error's `reason` and `field` (`xavier_core.runtime.dom
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range; 0 is greedy
 # A top-k cut above a few thousand candidates samples the same tokens as no cut; 0 turns it off.
@@ -22,6 +22,10 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_TOP_LOGPROBS = 20  # alternatives per token: OpenAI's chat limit, and vLLM's default cap
 MAX_SEED = (1 << 64) - 1  # SamplingParams.seed is a uint64
 MAX_CACHE_SALT_CHARS = 256
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range [-2, 2]
+MAX_REPETITION_PENALTY = 10.0  # above that every seen token is gone already; (0, 10], 1 is off
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 INVALID_SAMPLING = "INVALID_SAMPLING"
 INVALID_MAX_TOKENS = "INVALID_MAX_TOKENS"
@@ -48,8 +52,15 @@ def check_sampling(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     top_logprobs: int = 0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
+    min_p: float = 0.0,
 ) -> None:
-    """Raises `SamplingError` for the first value outside the limits above."""
+    """Raises `SamplingError` for the first value outside the limits above (the token ids of
+    `logit_bias` against the vocabulary are the caller's check: only it knows the model)."""
     if not 1 <= max_tokens <= MAX_TOKENS:
         raise SamplingError(
             f"max_tokens must be in [1, {MAX_TOKENS}], got {max_tokens}", "max_tokens", INVALID_MAX_TOKENS
@@ -78,6 +89,49 @@ def check_sampling(
         raise SamplingError(
             f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}", "top_logprobs"
         )
+    _check_controls(
+        max_tokens,
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty,
+        logit_bias or {},
+        min_tokens,
+        min_p,
+    )
+
+
+def _check_controls(
+    max_tokens: int,
+    presence: float,
+    frequency: float,
+    repetition: float,
+    logit_bias: Mapping[int, float],
+    min_tokens: int,
+    min_p: float,
+) -> None:
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+            raise SamplingError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}", name)
+    if not (math.isfinite(repetition) and 0.0 < repetition <= MAX_REPETITION_PENALTY):
+        raise SamplingError(
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {repetition}",
+            "repetition_penalty",
+        )
+    if len(logit_bias) > MAX_LOGIT_BIAS_TOKENS or any(
+        t < 0 or not (math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS)
+        for t, b in logit_bias.items()
+    ):
+        raise SamplingError(
+            f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} token ids, each with a bias in "
+            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            "logit_bias",
+        )
+    if not 0 <= min_tokens <= max_tokens:
+        raise SamplingError(
+            f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}", "min_tokens"
+        )
+    if not (math.isfinite(min_p) and 0.0 <= min_p <= 1.0):
+        raise SamplingError(f"min_p must be in [0, 1], got {min_p}", "min_p")
 
 
 def check_cache_salt(salt: str) -> None:

@@ -90,7 +90,6 @@ def test_sampling_with_seed_is_reproducible(oa: openai.OpenAI, mesh: Mesh) -> No
         ({"prompt": "hi", "max_tokens": 10**6}, "MAX_TOKENS_TOO_LARGE"),
         ({"prompt": "hello " * 5000, "max_tokens": 1}, "PROMPT_TOO_LONG"),
         ({"prompt": "hi", "n": 257}, "UNSUPPORTED_N"),
-        ({"prompt": "hi", "n": 2, "stream": True}, "UNSUPPORTED_N"),
         ({"prompt": "hi", "model": "no-such-model"}, "UNKNOWN_MODEL"),
         ({"prompt": "hi", "temperature": -1}, "INVALID_SAMPLING"),
     ],

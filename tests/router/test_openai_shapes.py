@@ -12,7 +12,7 @@ from xavier_services.peer.convert import sampling_from_pb
 from xavier_services.router.openai_http import error_response
 from xavier_services.router.openai_logprobs import ChoiceLogprobs
 from xavier_services.router.openai_shapes import choice, envelope, parse, sse
-from xavier_services.router.request import check_sampling_pb
+from xavier_services.router.request import Prepared, check_sampling_pb, require_features
 
 from xavier_core.runtime import InvalidArgument
 from xavier_core.runtime.domain_errors import sampling_status
@@ -43,7 +43,7 @@ def test_parse_completion_defaults_and_fields() -> None:
         ({"prompt": ["a", ["x"]]}, "INVALID_PROMPT"),
         ({"prompt": ["a", ""]}, "EMPTY_PROMPT"),
         ({"prompt": ["a"] * 257}, "INVALID_PROMPT"),
-        ({"prompt": ["a", "b"], "stream": True}, "UNSUPPORTED_PARAMETER"),
+        ({"prompt": "a", "best_of": 2, "stream": True}, "UNSUPPORTED_PARAMETER"),
         ({"prompt": "a", "max_tokens": 0}, "INVALID_MAX_TOKENS"),
         ({"prompt": "a", "max_tokens": True}, "INVALID_MAX_TOKENS"),
         ({"prompt": "a", "top_p": 2}, "INVALID_SAMPLING"),
@@ -160,3 +160,45 @@ def test_a_huge_seed_is_a_clear_error_over_http() -> None:
     with pytest.raises(InvalidArgument) as err:
         parse({"prompt": "a", "seed": 2**64}, False, "m", 16)
     assert (err.value.reason, err.value.metadata["param"]) == ("INVALID_SAMPLING", "seed")
+
+
+_CONTROLS = {
+    "presence_penalty": 0.5,
+    "frequency_penalty": -1.0,
+    "repetition_penalty": 1.3,
+    "min_tokens": 2,
+    "min_p": 0.2,
+    "include_stop_str_in_output": True,
+}
+
+
+@pytest.mark.parametrize("field", [*_CONTROLS, "logit_bias"])
+def test_an_engine_that_does_not_declare_a_control_refuses_it_by_name(field: str) -> None:
+    sampling = types_pb2.SamplingParams(max_tokens=4)
+    if field == "logit_bias":
+        sampling.logit_bias[5] = 1.0
+    else:
+        setattr(sampling, field, _CONTROLS[field])
+    prep = Prepared("r", (1, 2), sampling, 0, "")
+    with pytest.raises(InvalidArgument) as info:
+        require_features(prep, types_pb2.KvLayout(), "sglang")
+    assert (info.value.reason, info.value.metadata["param"]) == ("UNSUPPORTED_PARAMETER", field)
+    every = types_pb2.KvLayout(features=types_pb2.EngineFeature.values()[1:])
+    require_features(prep, every, "reference")  # an engine that declares them all serves it
+    # The wire's off values ask for nothing: repetition_penalty 0 (unset) and 1 both pass anywhere.
+    for off in (0.0, 1.0):
+        require_features(
+            Prepared("r", (1,), types_pb2.SamplingParams(repetition_penalty=off), 0, ""), None, "x"
+        )
+
+
+def test_the_grpc_and_peer_paths_check_the_controls_alike() -> None:
+    bad = types_pb2.SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(InvalidArgument) as at_router:
+        check_sampling_pb(bad)
+    with pytest.raises(SamplingError) as at_peer:
+        sampling_from_pb(bad)
+    assert at_router.value.metadata["field"] == at_peer.value.field == "min_tokens"
+    good = sampling_from_pb(types_pb2.SamplingParams(max_tokens=4, logit_bias={9: -3.0, 2: 1.5}))
+    assert good.logit_bias == ((2, 1.5), (9, -3.0)) and good.repetition_penalty == 1.0
+    assert good.adjusts_logits and not sampling_from_pb(types_pb2.SamplingParams(max_tokens=4)).adjusts_logits

@@ -21,6 +21,7 @@ from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import router_service_pb2_grpc as rpb_grpc
 
 from tests.cli.mesh import Mesh
+from tests.router.sse import stream_chunks
 from tests.router.structured_schemas import errors, schemas
 
 pytestmark = pytest.mark.integration
@@ -119,14 +120,7 @@ def test_a_named_tool_choice_returns_a_valid_call(mesh: Mesh, mode: str) -> None
 
 
 def _stream(mesh: Mesh, body: dict[str, Any]) -> list[dict[str, Any]]:
-    chunks = []
-    body = {"model": mesh.model.name, "stream": True, **body}
-    with httpx.stream("POST", f"http://{mesh.http}/v1/chat/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[6:]))
-    return chunks
+    return stream_chunks(mesh, "chat/completions", body)
 
 
 @pytest.mark.parametrize(

@@ -51,13 +51,20 @@ def _flag(argv: list[str], flag: str) -> str:
 
 
 def _refuses_what_sglang_does_not_declare(mesh: Mesh, mode: str) -> None:
-    """SGLang replicas list no engine features: the router refuses alternatives, echoed prompt logprobs
-    and grammars per request, with a 400 naming the parameter as the client sent it."""
+    """SGLang replicas list no engine features: the router refuses alternatives, echoed prompt logprobs,
+    grammars and logit controls per request, with a 400 naming the parameter as the client sent it."""
     refused = (
         ({"logprobs": 2}, "logprobs"),
         ({"echo": True, "logprobs": 0}, "echo"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"guided_regex": "[a-z]+"}, "guided_regex"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -0.5}, "frequency_penalty"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"min_tokens": 1}, "min_tokens"),
+        ({"min_p": 0.1}, "min_p"),
+        ({"stop": ["x"], "include_stop_str_in_output": True}, "include_stop_str_in_output"),
     )
     for extra, param in refused:
         body = {"prompt": [3, 4, 5], "max_tokens": 2, "xavier_mode": mode, **extra}

@@ -53,6 +53,11 @@ class EngineFeature(enum.Enum):
     TOP_LOGPROBS = "top_logprobs"  # `Sampling.top_logprobs` alternatives beside each token
     PROMPT_LOGPROBS = "prompt_logprobs"  # `Sampling.prompt_logprobs`: the prompt tokens' logprobs
     STRUCTURED_OUTPUT = "structured_output"  # `Sampling.grammar`: every token follows the grammar
+    PENALTIES = "penalties"  # presence, frequency and repetition penalties
+    LOGIT_BIAS = "logit_bias"  # `Sampling.logit_bias` added to the logits
+    MIN_TOKENS = "min_tokens"  # no stopping token before `Sampling.min_tokens`
+    MIN_P = "min_p"  # `Sampling.min_p` cut when sampling
+    STOP_STRING_IN_OUTPUT = "stop_string_in_output"  # `Sampling.include_stop_str_in_output`
 
 
 class FinishReason(enum.Enum):
@@ -76,6 +81,26 @@ class Sampling:
     top_logprobs: int = 0  # alternatives returned beside each token (0..MAX_TOP_LOGPROBS)
     prompt_logprobs: bool = False  # return the prompt tokens' logprobs (the whole prompt is computed)
     grammar: GrammarSpec | None = None  # constrains every token sampled (compiled by the engine)
+    # Logit controls (`xavier_core.engine.logits`): presence and frequency count the output's tokens,
+    # repetition the prompt's and the output's (vLLM's definitions); the default values are off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), added before the penalties
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many tokens
+    min_p: float = 0.0  # sampling drops tokens below min_p x the most likely one's probability
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a step must change this request's logits before sampling (`engine.logits`)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def check(self) -> None:
         """Raises `xavier_core.sampling.SamplingError` naming the first value outside the shared limits."""
@@ -88,6 +113,12 @@ class Sampling:
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             top_logprobs=self.top_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=dict(self.logit_bias),
+            min_tokens=self.min_tokens,
+            min_p=self.min_p,
         )
 
 

@@ -229,7 +229,7 @@ class ReferenceEngine:
 
     @property
     def features(self) -> frozenset[EngineFeature]:
-        """Every optional feature: alternatives per token, prompt logprobs and grammars."""
+        """Every optional feature: alternatives per token, prompt logprobs, grammars and logit controls."""
         return frozenset(EngineFeature)
 
     @property
@@ -386,6 +386,14 @@ class ReferenceEngine:
         self, request_id: str, token_ids: Sequence[int], sampling: Sampling, role: Role, salt: str | None
     ) -> Request:
         sampling.check()
+        if any(t >= self.config.vocab_size for t, _ in sampling.logit_bias):
+            raise InvalidRequestError(
+                f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size})"
+            )
+        if sampling.min_tokens and sampling.grammar is not None:
+            raise InvalidRequestError(
+                "min_tokens cannot be combined with a grammar"
+            )  # nothing could be sampled
         prompt = check_prompt(token_ids, self.config.vocab_size, self.max_context)
         if salt is not None:
             check_cache_salt(salt)

@@ -20,6 +20,7 @@ from xavier_core.engine.api import (
     TokenEvent,
     TopLogprobs,
 )
+from xavier_core.engine.logits import TokenHistory
 from xavier_core.grammar.masks import TokenGrammar
 from xavier_core.text.tokenizer import IncrementalDetokenizer, StopMatcher, TextTokenizer
 
@@ -68,13 +69,15 @@ class Request:
     # The request's grammar matcher, when `sampling.grammar` is set (the engine compiles it before the
     # request is queued); it has accepted every token of `output`.
     grammar: TokenGrammar | None = None
+    # The counts the penalties read, built at the first step that needs them (`engine.logits`).
+    history: TokenHistory | None = None
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
         seed = self.sampling.seed if self.sampling.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt)
-        self._stop = StopMatcher(self.sampling.stop)
+        self._stop = StopMatcher(self.sampling.stop, include=self.sampling.include_stop_str_in_output)
 
     @property
     def remaining(self) -> int:
@@ -112,12 +115,18 @@ class Request:
         self.tokens.append(token)
         self.output.append(token)
         self.logprobs.append(logprob)
-        if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids or ended:
+        if self.history is not None:
+            self.history.add(token)
+        # Before min_tokens nothing but the grammar stops the request (its stopping tokens are masked;
+        # a decode's first token was sampled under the same mask).
+        armed = len(self.output) > s.min_tokens
+        stops = (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids
+        if (armed and stops) or ended:
             # The stop token's own text is not output; bytes held back before it end as U+FFFD.
             self.finish = FinishReason.STOP
             text, _ = self._stop.feed(self._detok.flush())
             return TokenEvent(token, logprob, self.finish, text + self._stop.flush(), top=top, prompt=prompt)
-        text, hit = self._stop.feed(self._detok.push(token))
+        text, hit = self._stop.feed(self._detok.push(token), armed=len(self.output) >= s.min_tokens)
         if hit:
             self.finish = FinishReason.STOP
         elif len(self.output) >= s.max_tokens or len(self.tokens) >= self.max_context:

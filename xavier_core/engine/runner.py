@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from xavier_core.engine.api import TopLogprobs
+from xavier_core.engine.logits import adjust
 from xavier_core.engine.model import ForwardBatch, PrefillSegment
 from xavier_core.engine.request import Request, Sampled
 from xavier_core.engine.scheduler import StepPlan
@@ -86,6 +87,8 @@ def _sample_one(logits: torch.Tensor, req: Request) -> torch.Tensor:
         kth = torch.topk(scaled, s.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
+    if s.min_p > 0.0:
+        probs = probs.masked_fill(probs < s.min_p * probs.max(), 0.0)
     if s.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest set whose mass reaches top_p: a token stays if the mass before it is < top_p.
@@ -119,10 +122,13 @@ def _with_top(
 def sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[Sampled]:
     """One (token, logprob, alternatives) per request; logprobs are under the model's unscaled
     distribution, the alternatives (`top_logprobs` of them) only where the request asked. A request with
-    a grammar samples only tokens the grammar allows (its logprobs stay the model's)."""
+    a grammar samples only tokens the grammar allows, and one with logit controls (penalties,
+    `logit_bias`, `min_tokens`: `engine.logits`) samples from its adjusted logits; the logprobs stay the
+    model's."""
     if not reqs:
         return []
     logprobs = torch.log_softmax(logits, dim=-1)
+    logits = adjust(logits, reqs)  # the same tensor when no request adjusts its logits
     logits = constrain(logits, [r.grammar for r in reqs])  # the same tensor when no request has a grammar
     tokens = torch.argmax(logits, dim=-1)
     for row, req in enumerate(reqs):

@@ -220,21 +220,28 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    """Holds back text that could still turn into a stop string, so no stop string is ever emitted."""
+    """Holds back text that could still turn into a stop string, so no stop string is ever emitted
+    (with `include`, the text ends with the stop string matched, as vLLM's include_stop_str_in_output)."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], *, include: bool = False) -> None:
         self._stops = [s for s in stops if s]
         self._pending = ""
+        self._include = include
 
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, whether a stop string was reached)."""
+    def feed(self, delta: str, *, armed: bool = True) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was reached). While not `armed` (before
+        `min_tokens`) nothing stops and nothing is held back."""
         if not self._stops:
             return delta, False
         text = self._pending + delta
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        if not armed:
+            self._pending = ""
+            return text, False
+        hits = [(i, -len(s)) for s, i in ((s, text.find(s)) for s in self._stops) if i >= 0]
         if hits:
             self._pending = ""
-            return text[: min(hits)], True
+            at, minus_len = min(hits)  # the earliest match; of those starting there, the longest
+            return text[: at - minus_len if self._include else at], True
         keep = 0
         for s in self._stops:
             for n in range(min(len(s) - 1, len(text)), 0, -1):

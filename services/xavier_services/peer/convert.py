@@ -30,6 +30,11 @@ _FEATURE_TO_PB = {
     EngineFeature.TOP_LOGPROBS: types_pb2.ENGINE_FEATURE_TOP_LOGPROBS,
     EngineFeature.PROMPT_LOGPROBS: types_pb2.ENGINE_FEATURE_PROMPT_LOGPROBS,
     EngineFeature.STRUCTURED_OUTPUT: types_pb2.ENGINE_FEATURE_STRUCTURED_OUTPUT,
+    EngineFeature.PENALTIES: types_pb2.ENGINE_FEATURE_PENALTIES,
+    EngineFeature.LOGIT_BIAS: types_pb2.ENGINE_FEATURE_LOGIT_BIAS,
+    EngineFeature.MIN_TOKENS: types_pb2.ENGINE_FEATURE_MIN_TOKENS,
+    EngineFeature.MIN_P: types_pb2.ENGINE_FEATURE_MIN_P,
+    EngineFeature.STOP_STRING_IN_OUTPUT: types_pb2.ENGINE_FEATURE_STOP_STRING_IN_OUTPUT,
 }
 
 
@@ -72,7 +77,8 @@ def usage_pb(
 
 
 def sampling_from_pb(p: types_pb2.SamplingParams, default_max_tokens: int = 16) -> Sampling:
-    """Converts sampling parameters (0 max_tokens: the default; 0 top_p: off) and checks them against the
+    """Converts sampling parameters (0 max_tokens: the default; 0 top_p and 0 repetition_penalty: off)
+    and checks them against the
     shared limits: a `SamplingError` naming the field reaches the client as INVALID_ARGUMENT."""
     sampling = Sampling(
         max_tokens=p.max_tokens or default_max_tokens,
@@ -86,6 +92,13 @@ def sampling_from_pb(p: types_pb2.SamplingParams, default_max_tokens: int = 16) 
         top_logprobs=p.top_logprobs,
         prompt_logprobs=p.prompt_logprobs,
         grammar=grammar_from_pb(p),
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        min_tokens=p.min_tokens,
+        min_p=p.min_p,
+        include_stop_str_in_output=p.include_stop_str_in_output,
     )
     sampling.check()
     return sampling

@@ -29,6 +29,7 @@ from xavier_services.router.openai_shapes import (
     sse,
     usage_json,
 )
+from xavier_services.router.openai_stream import Choices, indexed, merge
 from xavier_services.router.openai_tools import HeldAnswer, tool_message
 from xavier_services.router.request import Prepared
 
@@ -49,6 +50,22 @@ _ERROR_TYPE = {
     429: "rate_limit_error",
 }
 _log = logging.getLogger("xavier.router.http")
+# One sequence's answer: its text, its logprobs (when asked), its last message, its cumulative logprob.
+Answer = tuple[str, dict[str, Any] | None, rpb.GenerateResponse, float]
+
+
+def best_answers(answers: list[Answer], n: int, best_of: int) -> list[Answer]:
+    """Each prompt's `n` answers of highest cumulative logprob, best first, out of its `best_of`
+    (`answers` holds them prompt after prompt); all of them, in order, when `best_of` is `n`."""
+    if best_of == n:
+        return answers
+    out: list[Answer] = []
+    for start in range(0, len(answers), best_of):
+        group = answers[start : start + best_of]
+        out += sorted(group, key=lambda a: -a[3])[:n]
+    return out
+
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -240,16 +257,18 @@ class OpenAiFront:
             for prep in preps:
                 prep.sampling.max_tokens = self.router.model.max_context - len(prep.token_ids)
         if oa.stream:
-            return await self._stream(request, oa, preps[0])
+            return await self._stream(request, oa, preps)
         # A prompt batch and n > 1 run their requests side by side; choices keep OpenAI's order.
         try:
             answers = await self._answers(oa, preps)
         except XavierError as err:
             oa.name_params(err)
             raise
-        choices = []
         usage = types_pb2.Usage()
-        for i, (text, lp, last) in enumerate(answers):
+        for _, _, last, _ in answers:  # best_of: every sequence sampled counts, as OpenAI bills it
+            usage.completion_tokens += 0 if oa.echo_only else last.usage.completion_tokens
+        choices = []
+        for i, (text, lp, last, _) in enumerate(best_answers(answers, oa.n, oa.best_of)):
             finish = FINISH_NAMES.get(last.finish_reason)
             one = choice(oa, text, finish, lp, delta=False)
             if oa.tools is not None:
@@ -259,14 +278,11 @@ class OpenAiFront:
             if i % oa.n == 0:  # a prompt counts once, however many choices it has (as OpenAI's usage)
                 usage.prompt_tokens += last.usage.prompt_tokens
                 usage.cached_tokens += last.usage.cached_tokens
-            usage.completion_tokens += 0 if oa.echo_only else last.usage.completion_tokens
         out = envelope(oa, choices, chunk=False)
         out["usage"] = usage_json(usage)
         return web.json_response(out)
 
-    async def _answers(
-        self, oa: OpenAiRequest, preps: list[Prepared]
-    ) -> list[tuple[str, dict[str, Any] | None, rpb.GenerateResponse]]:
+    async def _answers(self, oa: OpenAiRequest, preps: list[Prepared]) -> list[Answer]:
         """The answers of `preps`, side by side; the first failure cancels the rest and is raised."""
         try:
             async with asyncio.TaskGroup() as group:
@@ -275,11 +291,10 @@ class OpenAiFront:
             raise errors.exceptions[0] from None
         return [t.result() for t in tasks]
 
-    async def _answer(
-        self, oa: OpenAiRequest, prep: Prepared
-    ) -> tuple[str, dict[str, Any] | None, rpb.GenerateResponse]:
+    async def _answer(self, oa: OpenAiRequest, prep: Prepared) -> Answer:
         """One request's whole answer: its text (after the prompt's, with `echo`), its logprobs (if
-        asked) and its last message (with `max_tokens: 0` and `echo`, the token sampled is left out)."""
+        asked), its last message (with `max_tokens: 0` and `echo`, the token sampled is left out) and
+        its cumulative logprob."""
         text, ids, values, tops = "", [], [], []
         prompt: rpb.GenerateResponse | None = None
         last = rpb.GenerateResponse()
@@ -290,24 +305,25 @@ class OpenAiFront:
             values.extend(msg.logprobs)
             tops.extend(msg.top_logprobs)
             last = msg
+        score = sum(values)
         if oa.echo_only:
             text, ids, values, tops = "", [], [], []
             last.finish_reason = types_pb2.FINISH_REASON_LENGTH
         shaper = ChoiceLogprobs(self.router.encoder, chat=oa.chat, top=oa.top_logprobs)
         if not oa.echo:
-            return text, (shaper.render(ids, values, tops) if oa.logprobs else None), last
+            return text, (shaper.render(ids, values, tops) if oa.logprobs else None), last, score
         echoed = self._prompt_text(prep)
         if not oa.logprobs:
-            return echoed + text, None, last
+            return echoed + text, None, last, score
         lp = self._echo_logprobs(shaper, prep, prompt)
         more = shaper.render(ids, values, tops)
         if lp is None:  # aborted before its first token: nothing scored the prompt
-            return echoed + text, more, last
+            return echoed + text, more, last, score
         for key in ("tokens", "token_logprobs", "text_offset"):
             lp[key] += more[key]
         if lp["top_logprobs"] is not None:
             lp["top_logprobs"] += more["top_logprobs"]
-        return echoed + text, lp, last
+        return echoed + text, lp, last, score
 
     def _prompt_text(self, prep: Prepared) -> str:
         """The text `echo` repeats: the prompt as the client wrote it, or its token ids decoded."""
@@ -325,31 +341,32 @@ class OpenAiFront:
         values, tops = prompt_rows(prep.token_ids, first.prompt_logprobs)
         return shaper.render(prep.token_ids, values, tops)
 
-    async def _stream(self, request: web.Request, oa: OpenAiRequest, prep: Prepared) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, oa: OpenAiRequest, preps: list[Prepared]
+    ) -> web.StreamResponse:
+        """Streams every choice (n > 1 and prompt batches side by side, each chunk with its choice's
+        index), then the usage of them all when asked for."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        first = True
-        shaper = ChoiceLogprobs(self.router.encoder, chat=oa.chat, top=oa.top_logprobs)
-        held = HeldAnswer() if oa.tools is not None and oa.tools.choice != "none" else None
-        gen = self.router.generate(prep)  # an async generator: closed below
-        ticks = with_ticks(gen, self.router.config.keepalive_seconds)
+        started = False
+        shapers = [ChoiceLogprobs(self.router.encoder, chat=oa.chat, top=oa.top_logprobs) for _ in preps]
+        tools = oa.tools is not None and oa.tools.choice != "none"
+        held = [HeldAnswer() for _ in preps] if tools else []
+        gens = [self.router.generate(p) for p in preps]  # async generators: closed below
+        source = indexed(gens[0]) if len(gens) == 1 else merge(gens)
+        ticks = with_ticks(source, self.router.config.keepalive_seconds)
+        seen = Choices(n=oa.n)
         try:
-            async for msg in ticks:
-                if isinstance(msg, Tick):
-                    if not first:  # before the first token the status is still open (a clean error)
+            async for item in ticks:
+                if isinstance(item, Tick):
+                    if started:  # before the first token the status is still open (a clean error)
                         await resp.write(b": keepalive\n\n")
                     continue
-                if first:
+                i, msg = item
+                if not started:
                     await resp.prepare(request)
-                    if oa.chat:  # the role comes first, alone, as OpenAI sends it
-                        await resp.write(
-                            sse(
-                                envelope(oa, [choice(oa, "", None, None, delta=True, first=True)], chunk=True)
-                            )
-                        )
-                    elif oa.echo:  # the prompt comes first, in a chunk of its own
-                        lp = self._echo_logprobs(shaper, prep, msg) if oa.logprobs else None
-                        await resp.write(self._chunk(oa, self._prompt_text(prep), None, lp))
-                    first = False
+                    started = True
+                if seen.begin(i):
+                    await resp.write(self._opening(oa, preps[i], shapers[i], msg, i))
                 if oa.echo_only:  # the token sampled is not part of the answer
                     msg.ClearField("token_ids")
                     msg.text = ""
@@ -358,33 +375,56 @@ class OpenAiFront:
                         msg.usage.completion_tokens = 0
                 lp = None
                 if oa.logprobs and msg.token_ids:
-                    lp = shaper.render(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs))
+                    lp = shapers[i].render(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs))
                 finish = FINISH_NAMES.get(msg.finish_reason)
-                if held is not None:  # an answer that may call tools: sent whole once it ended
-                    held.add(msg.text, lp)
+                if held:  # an answer that may call tools: sent whole once it ended
+                    held[i].add(msg.text, lp)
                     if finish:
-                        await resp.write(self._tool_chunks(oa, held, finish))
+                        await resp.write(self._tool_chunks(oa, held[i], finish, i))
                 elif msg.text or msg.token_ids or finish:
-                    await resp.write(self._chunk(oa, msg.text, finish, lp))
-                if finish and oa.include_usage:
-                    # The usage comes last, in a chunk of its own with no choices, as OpenAI sends it.
-                    last = envelope(oa, [], chunk=True)
-                    last["usage"] = usage_json(msg.usage)
-                    await resp.write(sse(last))
+                    await resp.write(self._chunk(oa, msg.text, finish, lp, i))
+                if finish:
+                    seen.end(i, msg)
+            if oa.include_usage:
+                # The usage comes last, in a chunk of its own with no choices, as OpenAI sends it.
+                last = envelope(oa, [], chunk=True)
+                usage = types_pb2.Usage(
+                    prompt_tokens=seen.prompt_tokens,
+                    cached_tokens=seen.cached_tokens,
+                    completion_tokens=seen.completion_tokens,
+                )
+                last["usage"] = usage_json(usage)
+                await resp.write(sse(last))
         except XavierError as err:
             oa.name_params(err)
-            if first:  # nothing sent yet: a proper error status
+            if not started:  # nothing sent yet: a proper error status
                 return error_response(err)
             await resp.write(sse({"error": {"message": err.message, "code": err.reason}}))
         finally:
             await ticks.aclose()  # type: ignore[attr-defined]
-            await gen.aclose()  # type: ignore[attr-defined]
+            await source.aclose()
         await resp.write(sse("[DONE]"))
         await resp.write_eof()
         return resp
 
+    def _opening(
+        self, oa: OpenAiRequest, prep: Prepared, shaper: ChoiceLogprobs, msg: rpb.GenerateResponse, index: int
+    ) -> bytes:
+        """What a choice sends before its first token: chat's role, alone; completions' echoed prompt."""
+        if oa.chat:
+            opening = choice(oa, "", None, None, delta=True, first=True)
+            opening["index"] = index
+            chunk = envelope(oa, [opening], chunk=True)
+            if oa.include_usage:
+                chunk["usage"] = None
+            return sse(chunk)
+        if oa.echo:
+            lp = self._echo_logprobs(shaper, prep, msg) if oa.logprobs else None
+            return self._chunk(oa, self._prompt_text(prep), None, lp, index)
+        return b""
+
     @classmethod
-    def _tool_chunks(cls, oa: OpenAiRequest, held: HeldAnswer, finish: str) -> bytes:
+    def _tool_chunks(cls, oa: OpenAiRequest, held: HeldAnswer, finish: str, index: int) -> bytes:
         """A held answer's chunks: its tool calls (each whole, with its index) or its text, then the
         finish reason in a chunk of its own."""
         if oa.tools is None:
@@ -398,13 +438,18 @@ class OpenAiFront:
             first["choices"][0]["delta"] = {"content": held.text}
         last = envelope(oa, [choice(oa, "", finish_reason, None, delta=True)], chunk=True)
         for chunk in (first, last):
+            chunk["choices"][0]["index"] = index
             if oa.include_usage:
                 chunk["usage"] = None
         return sse(first) + sse(last)
 
     @staticmethod
-    def _chunk(oa: OpenAiRequest, text: str, finish: str | None, lp: dict[str, Any] | None) -> bytes:
-        chunk = envelope(oa, [choice(oa, text, finish, lp, delta=True)], chunk=True)
+    def _chunk(
+        oa: OpenAiRequest, text: str, finish: str | None, lp: dict[str, Any] | None, index: int
+    ) -> bytes:
+        one = choice(oa, text, finish, lp, delta=True)
+        one["index"] = index
+        chunk = envelope(oa, [one], chunk=True)
         if oa.include_usage:
             chunk["usage"] = None  # as OpenAI: null on every chunk but the last
         return sse(chunk)

@@ -18,6 +18,7 @@ from xavier_core.runtime.domain_errors import sampling_status
 from xavier_core.sampling import MAX_TOP_LOGPROBS, SamplingError, check_sampling
 from xavier_services.router.openai_body import get_bool, get_int, get_number, get_object, get_str
 from xavier_services.router.openai_grammar import grammar_of
+from xavier_services.router.openai_sampling import Controls, best_of_count, controls
 from xavier_services.router.openai_tools import ToolPlan, tool_calls, tool_plan
 
 FINISH_NAMES = {
@@ -45,26 +46,34 @@ def sse(payload: Mapping[str, Any] | str) -> bytes:
 _MAX_TOKEN_ID = (1 << 31) - 1  # PromptTokens.ids are uint32; the router checks the vocabulary later
 # Parameters that change what is sampled: a value other than the no-op one is refused (400 naming the
 # parameter), never silently ignored. The no-op values are accepted because clients send them by default.
-_NOOP_NUMBERS = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_tokens": 0.0,
-    "min_p": 0.0,
-    "typical_p": 1.0,
-}
+# (Penalties, `min_tokens`, `min_p`, `logit_bias`, `include_stop_str_in_output`, `truncate_prompt_tokens`
+# and `best_of` are honoured: `openai_sampling`.)
+_NOOP_NUMBERS = {"typical_p": 1.0, "length_penalty": 1.0}
 # Extensions (OpenAI's, vLLM's, SGLang's) that no engine here honours yet: any value but an empty one is
 # refused. `modalities: ["text"]` and `tool_choice: "none"` ask for nothing, so they pass.
 # (`guided_json` and `guided_regex` are honoured as `response_format` is: `openai_grammar`; chat `tools`
 # and `tool_choice`: `openai_tools`.)
 _NOOP_EMPTY = (
-    "logit_bias", "functions", "function_call", "suffix", "guided_choice", "guided_grammar",
-    "structured_outputs", "bad_words", "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
-    "prediction",
+    "functions", "function_call", "suffix", "guided_choice", "guided_grammar", "structured_outputs",
+    "bad_words", "allowed_token_ids", "prompt_logprobs", "prediction", "logits_processors",
+    "guided_decoding_backend", "guided_whitespace_pattern",
+    "return_tokens_as_token_ids", "chat_template", "chat_template_kwargs", "documents",
+    "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs", "no_stop_trim",
+    "min_new_tokens", "custom_logit_processor", "return_hidden_states", "lora_path", "audio",
+    "web_search_options", "metadata", "reasoning_effort", "verbosity",
 )  # fmt: skip
 _NOOP_VALUES: dict[str, tuple[Any, ...]] = {
-    "include_stop_str_in_output": (None, False),
     "modalities": (None, ["text"]),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "use_beam_search": (None, False),
+    "early_stopping": (None, False),
+    "priority": (None, 0),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "return_token_ids": (None, False),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
 }
 # Chat-only parameters a completions request may send only as no-ops.
 _CHAT_ONLY: dict[str, tuple[Any, ...]] = {
@@ -91,8 +100,6 @@ def _refuse_unsupported(body: Mapping[str, Any], chat: bool) -> None:
     for key, noops in _NOOP_VALUES.items():
         if body.get(key) not in noops:
             raise _unsupported(key, f"{key} {json.dumps(body.get(key))[:40]}")
-    if get_int(body, "best_of", 0, 1 << 30) not in (None, 1):
-        raise _unsupported("best_of", "best_of other than 1")
 
 
 def _stops(value: Any) -> list[str]:
@@ -139,13 +146,25 @@ def _max_tokens(body: Mapping[str, Any], default: int, echo: bool) -> tuple[int,
 
 
 def _check_limits(
-    max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None, stop: list[str]
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    stop: list[str],
+    extra: Controls,
 ) -> None:
     """The shared sampling limits, checked before the values enter a SamplingParams (a seed out of the
     uint64 range could not); `param` names the field as OpenAI's error shape expects."""
     try:
         check_sampling(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            **extra.limits(),
         )
     except SamplingError as err:
         status = sampling_status(err)
@@ -191,7 +210,10 @@ class OpenAiRequest:
     chat: bool
     more: tuple[rpb.GenerateRequest, ...] = ()
     n: int = 1
-    """Choices per prompt: `request` and `more` hold every prompt's n requests, prompt after prompt."""
+    """Choices per prompt."""
+    best_of: int = 1
+    """Sequences per prompt (n unless `best_of` was given): `request` and `more` hold every prompt's,
+    prompt after prompt, and the n with the highest cumulative logprob are the prompt's choices."""
     max_tokens_to_context: bool = False
     """A chat request without `max_tokens`: as OpenAI, it may run to the context limit (set once the
     prompt's length is known; `max_tokens` is 1 until then)."""
@@ -345,7 +367,10 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
     top_k = max(0, get_int(body, "top_k", -1, 1 << 30, reason="INVALID_SAMPLING") or 0)
     seed = get_int(body, "seed", -(1 << 70), 1 << 70, reason="INVALID_SAMPLING")
     stops = _stops(body.get("stop"))
-    _check_limits(max_tokens, temperature, top_p, top_k, seed, stops)
+    extra = controls(body)
+    if to_context:  # max_tokens is set once the prompt's length is known; it will be the context left
+        max_tokens = max(max_tokens, extra.min_tokens)
+    _check_limits(max_tokens, temperature, top_p, top_k, seed, stops, extra)
     s = req.sampling
     s.max_tokens = max_tokens
     s.temperature = temperature
@@ -359,6 +384,7 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
     s.stop.extend(stops)
     s.stop_token_ids.extend(_stop_token_ids(body.get("stop_token_ids")))
     s.ignore_eos = get_bool(body, "ignore_eos")  # the vLLM / SGLang extension
+    extra.apply(s)
     plan = tool_plan(body) if chat else None
     grammar = grammar_of(body)
     if plan is not None:
@@ -378,15 +404,19 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
         req.mode = _MODES[mode]
     opts = get_object(body, "stream_options")
     stream = get_bool(body, "stream")
-    if stream and len(prompts) > 1:
-        raise _unsupported("prompt", "streaming several prompts in one request")
     n = get_int(body, "n", 1, MAX_CHOICES, reason="UNSUPPORTED_N") or 1
-    if stream and n > 1:
-        raise InvalidArgument("streaming n > 1 choices is not supported", reason="UNSUPPORTED_N", param="n")
     if max(1, len(prompts)) * n > MAX_CHOICES:
         raise InvalidArgument(f"prompts x n must be at most {MAX_CHOICES}", reason="UNSUPPORTED_N", param="n")
-    # Choices in OpenAI's order: every prompt's n choices, prompt after prompt; choice j of a prompt
-    # samples with seed + j (when a seed is given), so the choices differ yet reproduce.
+    best_of = best_of_count(body, n, stream, MAX_CHOICES)
+    if max(1, len(prompts)) * best_of > MAX_CHOICES:
+        raise InvalidArgument(
+            f"prompts x best_of must be at most {MAX_CHOICES}", reason="INVALID_SAMPLING", param="best_of"
+        )
+    if best_of > n:  # the router ranks the sequences by their cumulative logprob
+        s.logprobs = True
+    # Sequences in OpenAI's order: every prompt's best_of (n unless best_of is given) sequences, prompt
+    # after prompt; sequence j of a prompt samples with seed + j (when a seed is given), so they differ
+    # yet reproduce.
     bases = [req]
     for prompt in prompts[1:]:
         other = rpb.GenerateRequest()
@@ -396,7 +426,7 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
         bases.append(other)
     every = []
     for base in bases:
-        for j in range(n):
+        for j in range(best_of):
             one = rpb.GenerateRequest()
             one.CopyFrom(base)
             if j and one.sampling.HasField("seed"):
@@ -408,6 +438,7 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
     return OpenAiRequest(
         more=tuple(every[1:]),
         n=n,
+        best_of=best_of,
         request=req,
         stream=stream,
         logprobs=logprobs,

@@ -32,7 +32,8 @@ class Prepared:
 
 
 def check_sampling_pb(s: types_pb2.SamplingParams) -> None:
-    """The shared sampling limits over a SamplingParams as the wire reads it (top_p 0: off); raises
+    """The shared sampling limits over a SamplingParams as the wire reads it (top_p 0 and
+    repetition_penalty 0: off); raises
     INVALID_ARGUMENT naming the field (`field` metadata)."""
     try:
         check_sampling(
@@ -44,12 +45,26 @@ def check_sampling_pb(s: types_pb2.SamplingParams) -> None:
             stop=s.stop,
             stop_token_ids=s.stop_token_ids,
             top_logprobs=s.top_logprobs,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty or 1.0,
+            logit_bias=dict(s.logit_bias),
+            min_tokens=s.min_tokens,
+            min_p=s.min_p,
         )
         grammar = grammar_from_pb(s)
         if grammar is not None:
             grammar.check()
     except SamplingError as err:
         raise sampling_status(err) from None
+    if s.min_tokens and s.WhichOneof("grammar") is not None:
+        # A grammar may allow nothing but its end before min_tokens: nothing would be left to sample.
+        raise InvalidArgument(
+            "min_tokens cannot be combined with a grammar",
+            reason="UNSUPPORTED_PARAMETER",
+            field="min_tokens",
+            param="min_tokens",
+        )
     if s.top_logprobs and not s.logprobs:
         raise InvalidArgument(
             "top_logprobs needs logprobs",
@@ -59,23 +74,30 @@ def check_sampling_pb(s: types_pb2.SamplingParams) -> None:
         )
 
 
-_FEATURE_PARAMS = {
-    types_pb2.ENGINE_FEATURE_TOP_LOGPROBS: "top_logprobs",
-    types_pb2.ENGINE_FEATURE_PROMPT_LOGPROBS: "prompt_logprobs",
-    types_pb2.ENGINE_FEATURE_STRUCTURED_OUTPUT: "grammar",
-}
-
-
-def needed_features(s: types_pb2.SamplingParams) -> list[types_pb2.EngineFeature.ValueType]:
-    """The engine features a request's sampling needs (`KvLayout.features`), the prompt's first: an
-    echo that would fail is named as the echo."""
+def needed_features(s: types_pb2.SamplingParams) -> list[tuple[types_pb2.EngineFeature.ValueType, str]]:
+    """The engine features a request's sampling needs (`KvLayout.features`), each with the sampling
+    field that needs it, the prompt's first: an echo that would fail is named as the echo."""
+    f = types_pb2
     needs = []
     if s.prompt_logprobs:
-        needs.append(types_pb2.ENGINE_FEATURE_PROMPT_LOGPROBS)
+        needs.append((f.ENGINE_FEATURE_PROMPT_LOGPROBS, "prompt_logprobs"))
     if s.top_logprobs:
-        needs.append(types_pb2.ENGINE_FEATURE_TOP_LOGPROBS)
+        needs.append((f.ENGINE_FEATURE_TOP_LOGPROBS, "top_logprobs"))
     if grammar_from_pb(s) is not None:
-        needs.append(types_pb2.ENGINE_FEATURE_STRUCTURED_OUTPUT)
+        needs.append((f.ENGINE_FEATURE_STRUCTURED_OUTPUT, "grammar"))
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(s, name):
+            needs.append((f.ENGINE_FEATURE_PENALTIES, name))
+    if s.repetition_penalty not in (0.0, 1.0):
+        needs.append((f.ENGINE_FEATURE_PENALTIES, "repetition_penalty"))
+    if s.logit_bias:
+        needs.append((f.ENGINE_FEATURE_LOGIT_BIAS, "logit_bias"))
+    if s.min_tokens:
+        needs.append((f.ENGINE_FEATURE_MIN_TOKENS, "min_tokens"))
+    if s.min_p:
+        needs.append((f.ENGINE_FEATURE_MIN_P, "min_p"))
+    if s.include_stop_str_in_output:
+        needs.append((f.ENGINE_FEATURE_STOP_STRING_IN_OUTPUT, "include_stop_str_in_output"))
     return needs
 
 
@@ -83,9 +105,8 @@ def require_features(prep: Prepared, layout: types_pb2.KvLayout | None, who: str
     """Refuses (INVALID_ARGUMENT, UNSUPPORTED_PARAMETER naming the sampling field) a request that needs
     a feature the chosen engine does not declare; `layout` None: an engine that declares none."""
     have = set(layout.features) if layout is not None else set()
-    for feature in needed_features(prep.sampling):
+    for feature, param in needed_features(prep.sampling):
         if feature not in have:
-            param = _FEATURE_PARAMS[feature]
             raise InvalidArgument(
                 f"{param} is not supported by the {who} engine that would serve this request",
                 reason="UNSUPPORTED_PARAMETER",
@@ -96,6 +117,13 @@ def require_features(prep: Prepared, layout: types_pb2.KvLayout | None, who: str
 
 def _check_sampling(s: types_pb2.SamplingParams, prompt_len: int, model: ModelInfo) -> None:
     check_sampling_pb(s)
+    if model.vocab_size and any(t >= model.vocab_size for t in s.logit_bias):
+        raise InvalidArgument(
+            f"logit_bias token ids must be below the vocabulary size {model.vocab_size}",
+            reason="INVALID_SAMPLING",
+            field="logit_bias",
+            param="logit_bias",
+        )
     if prompt_len + s.max_tokens > model.max_context:
         raise InvalidArgument(
             f"prompt ({prompt_len} tokens) + max_tokens ({s.max_tokens}) exceeds the context limit "
@@ -155,6 +183,10 @@ def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) 
         texts += [t.description + t.parameters_json for t in req.chat.tools]
         encoder.check_length(texts, model.max_context, "messages")
     ids = tokenize(req, encoder, model)
+    keep = req.sampling.truncate_prompt_tokens
+    truncated = 0 < keep < len(ids)
+    if truncated:  # vLLM's left truncation: the prompt's last `keep` tokens
+        ids = ids[-keep:]
     if not ids:
         raise InvalidArgument("the prompt has no tokens", reason="EMPTY_PROMPT")
     if len(ids) >= model.max_context:
@@ -176,7 +208,7 @@ def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) 
         sampling=req.sampling,
         mode=int(req.mode),
         cache_salt=req.cache_salt,
-        prompt_text=req.text if kind == "text" else None,
+        prompt_text=req.text if kind == "text" and not truncated else None,
     )
 
 

@@ -170,6 +170,16 @@ class _EngineFeatureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EngineF
     """The engine constrains what it samples to a grammar (SamplingParams.grammar: a JSON schema, any JSON
     object or a regular expression), every token of the output, the first one included.
     """
+    ENGINE_FEATURE_PENALTIES: _EngineFeature.ValueType  # 4
+    """The engine applies SamplingParams.presence_penalty, frequency_penalty and repetition_penalty."""
+    ENGINE_FEATURE_LOGIT_BIAS: _EngineFeature.ValueType  # 5
+    """The engine adds SamplingParams.logit_bias to the logits before sampling."""
+    ENGINE_FEATURE_MIN_TOKENS: _EngineFeature.ValueType  # 6
+    """The engine forbids every stopping token before SamplingParams.min_tokens tokens."""
+    ENGINE_FEATURE_MIN_P: _EngineFeature.ValueType  # 7
+    """The engine drops tokens less likely than SamplingParams.min_p times the most likely one."""
+    ENGINE_FEATURE_STOP_STRING_IN_OUTPUT: _EngineFeature.ValueType  # 8
+    """The engine keeps a matched stop string in the output (SamplingParams.include_stop_str_in_output)."""
 
 class EngineFeature(_EngineFeature, metaclass=_EngineFeatureEnumTypeWrapper):
     """EngineFeature names a request feature that some engines honour and others do not."""
@@ -184,6 +194,16 @@ ENGINE_FEATURE_STRUCTURED_OUTPUT: EngineFeature.ValueType  # 3
 """The engine constrains what it samples to a grammar (SamplingParams.grammar: a JSON schema, any JSON
 object or a regular expression), every token of the output, the first one included.
 """
+ENGINE_FEATURE_PENALTIES: EngineFeature.ValueType  # 4
+"""The engine applies SamplingParams.presence_penalty, frequency_penalty and repetition_penalty."""
+ENGINE_FEATURE_LOGIT_BIAS: EngineFeature.ValueType  # 5
+"""The engine adds SamplingParams.logit_bias to the logits before sampling."""
+ENGINE_FEATURE_MIN_TOKENS: EngineFeature.ValueType  # 6
+"""The engine forbids every stopping token before SamplingParams.min_tokens tokens."""
+ENGINE_FEATURE_MIN_P: EngineFeature.ValueType  # 7
+"""The engine drops tokens less likely than SamplingParams.min_p times the most likely one."""
+ENGINE_FEATURE_STOP_STRING_IN_OUTPUT: EngineFeature.ValueType  # 8
+"""The engine keeps a matched stop string in the output (SamplingParams.include_stop_str_in_output)."""
 Global___EngineFeature: _TypeAlias = EngineFeature  # noqa: Y015
 
 @_typing.final
@@ -407,6 +427,26 @@ class SamplingParams(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
@@ -421,6 +461,14 @@ class SamplingParams(_message.Message):
     JSON_SCHEMA_FIELD_NUMBER: _builtins.int
     JSON_OBJECT_FIELD_NUMBER: _builtins.int
     REGEX_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """The maximum number of tokens to generate, including the first one."""
     temperature: _builtins.float
@@ -451,6 +499,43 @@ class SamplingParams(_message.Message):
     """When true, the output is any JSON object (OpenAI's response_format json_object); false is unset."""
     regex: _builtins.str
     """A regular expression (at most 16 KiB) the whole output must match."""
+    presence_penalty: _builtins.float
+    """Subtracted from the logit of every token that already appears in the output (the first token
+    included; the prompt does not count), as OpenAI defines presence_penalty: in [-2, 2], 0 is off.
+    Every step of the request, the first one on a prefill included, applies the same rule. Engines
+    without ENGINE_FEATURE_PENALTIES refuse a value other than 0.
+    """
+    frequency_penalty: _builtins.float
+    """Multiplied by how often a token already appears in the output and subtracted from its logit
+    (OpenAI's frequency_penalty; the prompt does not count): in [-2, 2], 0 is off. Engines without
+    ENGINE_FEATURE_PENALTIES refuse a value other than 0.
+    """
+    repetition_penalty: _builtins.float
+    """vLLM's and transformers' repetition_penalty over every token of the prompt and the output: a
+    positive logit is divided by it, a negative one multiplied. In (0, 10]; 0 (unset) and 1 are off.
+    Engines without ENGINE_FEATURE_PENALTIES refuse a value other than 0 and 1.
+    """
+    min_tokens: _builtins.int
+    """The fewest tokens to generate (vLLM's min_tokens): before that many, the end-of-sequence and
+    stop_token_ids tokens are never sampled and stop strings do not stop. At most max_tokens; 0 is off.
+    A request with a grammar (which may allow nothing but its end) cannot set it. Engines without
+    ENGINE_FEATURE_MIN_TOKENS refuse a value above 0.
+    """
+    min_p: _builtins.float
+    """Sampling (temperature above 0) drops tokens whose probability is below min_p times the most
+    likely token's (vLLM's min_p): in [0, 1], 0 is off; greedy sampling is unaffected. Engines
+    without ENGINE_FEATURE_MIN_P refuse a value above 0.
+    """
+    include_stop_str_in_output: _builtins.bool
+    """Whether a matched stop string stays at the end of the output text (vLLM's
+    include_stop_str_in_output); stop token ids are not affected. Engines without
+    ENGINE_FEATURE_STOP_STRING_IN_OUTPUT refuse true.
+    """
+    truncate_prompt_tokens: _builtins.int
+    """When the prompt has more tokens than this, only its last truncate_prompt_tokens tokens are used
+    (vLLM's truncate_prompt_tokens, left truncation); 0 is off. The router applies it once it has
+    tokenized the prompt, so engines see the truncated prompt and usage counts it.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Strings that stop generation; the returned text never includes them."""
@@ -458,6 +543,13 @@ class SamplingParams(_message.Message):
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that stop generation; the stopping token is returned."""
+
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """Added to the logits of the token ids given (OpenAI's logit_bias): at most 1024 ids below the
+        vocabulary size, each bias in [-100, 100], applied every step before the penalties. Engines
+        without ENGINE_FEATURE_LOGIT_BIAS refuse a non-empty map.
+        """
 
     def __init__(
         self,
@@ -476,10 +568,18 @@ class SamplingParams(_message.Message):
         json_schema: _builtins.str = ...,
         json_object: _builtins.bool = ...,
         regex: _builtins.str = ...,
+        presence_penalty: _builtins.float = ...,
+        frequency_penalty: _builtins.float = ...,
+        repetition_penalty: _builtins.float = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        min_tokens: _builtins.int = ...,
+        min_p: _builtins.float = ...,
+        include_stop_str_in_output: _builtins.bool = ...,
+        truncate_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "json_object", b"json_object", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "json_object", b"json_object", "json_schema", b"json_schema", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
