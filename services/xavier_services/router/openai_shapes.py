@@ -15,7 +15,7 @@ from xavier.v1 import types_pb2
 from xavier_core.grammar.wire import grammar_to_pb
 from xavier_core.runtime import InvalidArgument, XavierError
 from xavier_core.runtime.domain_errors import sampling_status
-from xavier_core.sampling import MAX_TOP_LOGPROBS, SamplingError, check_sampling
+from xavier_core.sampling import MAX_TOP_LOGPROBS, SamplingError, check_cache_salt, check_sampling
 from xavier_services.router.openai_body import get_bool, get_int, get_number, get_object, get_str
 from xavier_services.router.openai_grammar import grammar_of
 from xavier_services.router.openai_sampling import Controls, best_of_count, controls
@@ -349,6 +349,13 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
     _refuse_unsupported(body, chat)
     model = get_str(body, "model")
     req = rpb.GenerateRequest(model=model, request_id=get_str(body, "user_request_id"))
+    # The tenant salt (vLLM's `cache_salt`): prefix-cache and page-store pages are shared only between
+    # requests of one salt (checked with the gRPC request's own limits).
+    req.cache_salt = get_str(body, "cache_salt")
+    try:
+        check_cache_salt(req.cache_salt)
+    except SamplingError as err:
+        raise InvalidArgument(str(err), reason=err.reason, param="cache_salt") from None
     prompts: list[str | list[int]] = []
     if chat:
         _chat(req, body)
