@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,10 +36,15 @@ _REFUSAL = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
     b"Content-Length: %d\r\n\r\n%s"
 )
-_REFUSAL_BODY = (
-    b'{"error": {"message": "too many open connections", "type": "server_error", '
-    b'"code": "TOO_MANY_CONNECTIONS", "param": null}}'
-)
+
+
+def _refusal_body(reason: str) -> bytes:
+    """The OpenAI error shape of a refused connection (written before any request is read)."""
+    error = {"message": "too many open connections", "type": "server_error", "code": reason, "param": None}
+    return json.dumps({"error": error}).encode()
+
+
+_REFUSAL_BODY = _refusal_body(reason="TOO_MANY_CONNECTIONS")
 
 
 @functools.cache

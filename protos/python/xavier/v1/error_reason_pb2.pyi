@@ -300,6 +300,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     Expect other than 100-continue); HTTP 400 (417 for Expect) with the OpenAI error shape, "param"
     naming the header where the parser names one, and the connection closed (the HTTP front only).
     """
+    ERROR_REASON_TOO_MANY_CONNECTIONS: _ErrorReason.ValueType  # 78
+    """The router already holds its http_max_connections open HTTP connections; HTTP 503 with the OpenAI
+    error shape, and the connection closed (the HTTP front only).
+    """
     ERROR_REASON_INVALID_GRAMMAR: _ErrorReason.ValueType  # 77
     """Structured output.
 
@@ -596,6 +600,10 @@ ERROR_REASON_MALFORMED_HTTP: ErrorReason.ValueType  # 76
 Content-Length, Transfer-Encoding or chunk framing, a line or a header count past the limits, or an
 Expect other than 100-continue); HTTP 400 (417 for Expect) with the OpenAI error shape, "param"
 naming the header where the parser names one, and the connection closed (the HTTP front only).
+"""
+ERROR_REASON_TOO_MANY_CONNECTIONS: ErrorReason.ValueType  # 78
+"""The router already holds its http_max_connections open HTTP connections; HTTP 503 with the OpenAI
+error shape, and the connection closed (the HTTP front only).
 """
 ERROR_REASON_INVALID_GRAMMAR: ErrorReason.ValueType  # 77
 """Structured output.
