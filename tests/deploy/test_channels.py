@@ -63,9 +63,11 @@ async def _tls_health_server(files: Path, port: int = 0) -> tuple[grpc.aio.Serve
     return server, bound
 
 
-async def test_an_open_channel_follows_a_client_tls_reload(tmp_path: Path) -> None:
+@pytest.mark.parametrize("own", [False, True], ids=["mesh", "own-tls"])
+async def test_an_open_channel_follows_a_client_tls_reload(tmp_path: Path, own: bool) -> None:
     """One stub over one channel: refused by a server of a new CA until the reload, served after it; a
-    reload that finds a broken key keeps the certificate it had."""
+    reload that finds a broken key keeps the certificate it had. The same for a channel opened with its
+    own `tls` outside the mesh (the directory's etcd channel)."""
     client = tmp_path / "client"
     client.mkdir()
 
@@ -76,12 +78,14 @@ async def test_an_open_channel_follows_a_client_tls_reload(tmp_path: Path) -> No
     make_dev_certificates(tmp_path / "old")
     install(tmp_path / "old")
     server, port = await _tls_health_server(tmp_path / "old")
-    channels.use_client_tls(
-        channels.TlsSettings(
-            cert_file=client / "cert.pem", key_file=client / "key.pem", ca_file=client / "ca.pem"
-        )
+    settings = channels.TlsSettings(
+        cert_file=client / "cert.pem", key_file=client / "key.pem", ca_file=client / "ca.pem"
     )
-    channel = channels.open_channel(f"127.0.0.1:{port}")
+    if own:
+        channel = channels.open_channel(f"127.0.0.1:{port}", tls=settings, mesh=False)
+    else:
+        channels.use_client_tls(settings)
+        channel = channels.open_channel(f"127.0.0.1:{port}")
     stub = health_pb2_grpc.HealthStub(channel)
     serving = health_pb2.HealthCheckResponse.SERVING
     try:

@@ -16,12 +16,12 @@ files and dials again, so channels already open follow a rotation as well as new
 from __future__ import annotations
 
 import ipaddress
+import weakref
 
 import grpc
 
 from .client_tls import ClientTls, ReloadingChannel
 from .config import TlsSettings
-from .tls import channel_credentials
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -36,6 +36,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 """Largest message sent or received on an internal channel (a peer's stats, a long prompt's tokens)."""
 
 _client_tls: ClientTls | None = None
+_named_tls: weakref.WeakSet[ClientTls] = weakref.WeakSet()
+"""The credentials of channels opened with their own ``tls`` (etcd's): they follow a reload too."""
 
 
 def use_client_tls(settings: TlsSettings | None) -> None:
@@ -53,6 +55,8 @@ def reload_client_tls() -> None:
     """The process's mesh channels re-read their certificate files before their next call (SIGHUP)."""
     if _client_tls is not None:
         _client_tls.request_reload()
+    for named in list(_named_tls):
+        named.request_reload()
 
 
 def channel_options(
@@ -84,8 +88,8 @@ def open_channel(
 
     mTLS with ``tls`` when given, else with the process's settings (:func:`use_client_tls`), else
     plaintext. ``mesh=False`` dials a service outside the mesh (etcd), which the process's settings
-    do not fit: ``tls`` or plaintext. Only a channel on the process's settings follows
-    :func:`reload_client_tls`. A bad certificate file raises
+    do not fit: ``tls`` or plaintext. A TLS channel, on the process's settings or its own ``tls``,
+    follows :func:`reload_client_tls`. A bad certificate file raises
     :class:`~xavier_core.runtime.config.ConfigError`.
     """
     target, extra = _targets(target)
@@ -93,7 +97,12 @@ def open_channel(
         if tls is None:
             return grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes) + extra)
         options = channel_options(max_message_bytes, tls.server_name) + extra
-        return grpc.aio.secure_channel(target, channel_credentials(tls), options=options)
+        named = ClientTls(tls)
+        channel = ReloadingChannel(
+            named, lambda credentials: grpc.aio.secure_channel(target, credentials, options=options)
+        )
+        _named_tls.add(named)  # held by the channel: gone with it
+        return channel
     # The process's own certificate: a channel that follows its reloads.
     options = channel_options(max_message_bytes, _client_tls.settings.server_name) + extra
     return ReloadingChannel(
