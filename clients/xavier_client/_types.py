@@ -59,11 +59,34 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    """Most likely alternatives returned beside each token (0..20)."""
+    prompt_logprobs: bool = False
+    """Return the prompt tokens' logprobs too (engines that declare it)."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    min_p: float = 0.0
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int = 0
+    json_schema: str | None = None
+    """A JSON Schema (JSON text) the output must validate; at most one of json_schema, json_object, regex."""
+    json_object: bool = False
+    regex: str | None = None
 
     def to_proto(self) -> types_pb2.SamplingParams:
         """The wire form; `InvalidArgumentError` naming the field for a value it cannot carry (the
         server would refuse it anyway; protobuf alone says only "Value out of range")."""
-        limits = {"max_tokens": 2**32, "top_k": 2**32, "seed": 2**64}
+        limits = {
+            "max_tokens": 2**32,
+            "top_k": 2**32,
+            "seed": 2**64,
+            "top_logprobs": 2**32,
+            "min_tokens": 2**32,
+            "truncate_prompt_tokens": 2**32,
+        }
         for name, limit in limits.items():
             value = getattr(self, name)
             if value is not None and (
@@ -74,7 +97,14 @@ class Sampling:
             isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**32 for t in self.stop_token_ids
         ):
             raise _invalid("stop_token_ids must be integers in 0..4294967295", "stop_token_ids")
-        return types_pb2.SamplingParams(
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**32 for t in self.logit_bias):
+            raise _invalid("logit_bias keys must be token ids in 0..4294967295", "logit_bias")
+        grammars = [g for g in ("json_schema", "regex") if getattr(self, g) is not None]
+        if self.json_object:
+            grammars.append("json_object")
+        if len(grammars) > 1:
+            raise _invalid(f"at most one grammar, got {', '.join(grammars)}", grammars[1])
+        msg = types_pb2.SamplingParams(
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -84,7 +114,24 @@ class Sampling:
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=dict(self.logit_bias),
+            min_tokens=self.min_tokens,
+            min_p=self.min_p,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
+        if self.json_schema is not None:
+            msg.json_schema = self.json_schema
+        elif self.regex is not None:
+            msg.regex = self.regex
+        elif self.json_object:
+            msg.json_object = True
+        return msg
 
 
 def _invalid(message: str, field_name: str) -> InvalidArgumentError:
@@ -163,6 +210,8 @@ class Completion:
     cached_tokens_store: int = 0  # of cached_tokens: fetched from the page store
     time_to_first_token: float = 0.0
     total_time: float = 0.0
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    """Per generated token, its most likely alternatives (token id to logprob), when asked for."""
 
     def add(self, chunk: Chunk) -> None:
         """Folds one streamed chunk into the answer."""
@@ -175,6 +224,7 @@ class Completion:
             self.finish_reason = chunk.finish_reason
         if msg is None:
             return
+        self.top_logprobs.extend(dict(zip(t.token_ids, t.logprobs, strict=True)) for t in msg.top_logprobs)
         if msg.mode:
             self.mode = mode_name(msg.mode)
         if msg.HasField("usage"):

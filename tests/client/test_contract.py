@@ -191,6 +191,10 @@ def test_request_building() -> None:
         ({"seed": -5}, "seed"),
         ({"max_tokens": 1.5}, "max_tokens"),
         ({"stop_token_ids": (1, -2)}, "stop_token_ids"),
+        ({"top_logprobs": -1}, "top_logprobs"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"logit_bias": {-3: 1.0}}, "logit_bias"),
+        ({"json_object": True, "regex": "a+"}, "json_object"),
     ],
 )
 def test_a_sampling_value_the_wire_cannot_carry_is_a_typed_error(

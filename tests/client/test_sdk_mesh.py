@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -24,6 +25,24 @@ def test_stream_and_unary_agree(mesh: Mesh) -> None:
     assert unary.prompt_tokens > 0 and unary.completion_tokens == 10
     assert 0 < unary.time_to_first_token <= unary.total_time
     assert chunks[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("mode", ["pd", "colocated"])
+def test_the_engine_controls_through_the_sdk(mesh: Mesh, mode: str) -> None:
+    """Alternatives, a logit bias and a grammar, as Sampling fields, reach the engine over either path."""
+    with Client(mesh.grpc) as client:
+        tops = client.generate(
+            "Good morning", max_tokens=3, ignore_eos=True, logprobs=True, top_logprobs=2, mode=mode
+        )
+        assert len(tops.top_logprobs) == 3 and all(len(alts) == 2 for alts in tops.top_logprobs)
+        plain = client.generate("Good morning", max_tokens=4, ignore_eos=True, mode=mode)
+        forced = next(t for t in range(100, 200) if t not in plain.token_ids)
+        biased = client.generate(
+            "Good morning", max_tokens=4, ignore_eos=True, logit_bias={forced: 100.0}, mode=mode
+        )
+        assert biased.token_ids == [forced] * 4
+        answer = client.generate("Give me JSON", max_tokens=48, json_object=True, mode=mode)
+        assert answer.finish_reason == "stop" and isinstance(json.loads(answer.text), dict), answer.text
 
 
 def test_models_and_status(mesh: Mesh) -> None:
