@@ -181,8 +181,8 @@ class PageStoreClient:
     async def exists(self, namespace: PageNamespace, keys: Sequence[bytes]) -> int:
         """Length of the stored prefix of `keys` (0 when the store cannot be asked)."""
         try:
-            resp = await self.conn.call(
-                "ExistsPages", pb.ExistsPagesRequest(namespace=_ns_proto(namespace), keys=keys)
+            resp = await self.conn.exists_pages(
+                pb.ExistsPagesRequest(namespace=_ns_proto(namespace), keys=keys)
             )
             self._trouble.ok()
             return int(resp.hit_count)
@@ -228,10 +228,7 @@ class PageStoreClient:
 
     async def stats(self) -> pb.GetPageStoreStatsResponse:
         """The store's stats; raises `XavierError` when the store cannot answer."""
-        resp: pb.GetPageStoreStatsResponse = await self.conn.call(
-            "GetPageStoreStats", pb.GetPageStoreStatsRequest()
-        )
-        return resp
+        return await self.conn.get_stats()
 
     async def close(self) -> None:
         """Stops the writer (queued writes are dropped), closes the channel and the NIXL agent."""
@@ -253,7 +250,7 @@ class PageStoreClient:
         )
         # GetPages answers what Exists would and leases the hits in the same round trip; local pages are
         # taken only once it says there is something to read.
-        resp: pb.GetPagesResponse = await self.conn.call("GetPages", req)
+        resp = await self.conn.get_pages(req)
         if resp.hit_count == 0:
             return 0
         corrupt: list[int] = []
@@ -309,7 +306,7 @@ class PageStoreClient:
             segment_bytes=self.geometry.segment_bytes,
             lease_seconds=self.settings.lease_seconds,
         )
-        resp: pb.PutPagesResponse = await self.conn.call("PutPages", req)
+        resp = await self.conn.put_pages(req)
         if not resp.reserved_indices:
             return 0
         local = [pages[i] for i in resp.reserved_indices]
@@ -331,7 +328,7 @@ class PageStoreClient:
             if slots and self.staging is not None:
                 await self.staging.release(slots)
         commit = pb.CommitPutRequest(request_id=uuid.uuid4().hex, lease_id=resp.lease_id, checksums=sums)
-        done: pb.CommitPutResponse = await self.conn.call("CommitPut", commit)
+        done = await self.conn.commit_put(commit)
         if done.checksum_failures:
             log.warning("page store: %d written pages failed their checksum", done.checksum_failures)
         return int(done.committed)
@@ -356,7 +353,7 @@ class PageStoreClient:
     async def _release(self, lease_id: str, corrupt: list[int]) -> None:
         req = pb.ReleaseLeaseRequest(request_id=uuid.uuid4().hex, lease_id=lease_id, corrupt_indices=corrupt)
         try:
-            await self.conn.call("ReleaseLease", req)
+            await self.conn.release_lease(req)
         except Exception as exc:  # the lease expires on its own
             self.failed("release", exc)
 

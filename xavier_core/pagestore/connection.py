@@ -1,17 +1,17 @@
 """One client's connection to one page store: its gRPC channel, its NIXL agent and the store's endpoint.
 
 `PageStoreClient` decides what to ask and what a failure means; this module only talks to the store:
-every RPC gets a deadline and its error mapped to `XavierError`; the store's NIXL endpoint is loaded once
-per store instance (a restarted store answers with a new instance, and its old agent is dropped); a NIXL
-READ or WRITE is posted and waited for, and one that ends otherwise raises `PeerError`, or
-`TransferStuck` when NIXL refused to cancel it. The gRPC channel reconnects by itself.
+one typed method per RPC, each with a deadline and its error mapped to `XavierError`; the store's NIXL
+endpoint is loaded once per store instance (a restarted store answers with a new instance, and its old
+agent is dropped); a NIXL READ or WRITE is posted and waited for, and one that ends otherwise raises
+`PeerError`, or `TransferStuck` when NIXL refused to cancel it. The gRPC channel reconnects by itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -84,13 +84,42 @@ class StoreConnection:
         """The store's batch limit, once its endpoint is loaded."""
         return self._store.max_keys if self._store is not None else _KEYS_PER_CALL
 
-    async def call(self, method: str, request: Any) -> Any:
-        """Calls `method` with the RPC deadline; a gRPC error is raised as `XavierError`."""
+    # -- RPCs: each with the RPC deadline; a gRPC error is raised as `XavierError` ------------------------
+
+    async def exists_pages(self, request: pb.ExistsPagesRequest) -> pb.ExistsPagesResponse:
+        """How long a prefix of the keys is stored (no lease)."""
+        return await self._call(self._stub.ExistsPages, request)
+
+    async def get_pages(self, request: pb.GetPagesRequest) -> pb.GetPagesResponse:
+        """The stored prefix of the keys, leased for a READ."""
+        return await self._call(self._stub.GetPages, request)
+
+    async def put_pages(self, request: pb.PutPagesRequest) -> pb.PutPagesResponse:
+        """Reserves store pages for the keys not stored yet, leased for a WRITE."""
+        return await self._call(self._stub.PutPages, request)
+
+    async def commit_put(self, request: pb.CommitPutRequest) -> pb.CommitPutResponse:
+        """Commits written pages against their checksums."""
+        return await self._call(self._stub.CommitPut, request)
+
+    async def release_lease(self, request: pb.ReleaseLeaseRequest) -> pb.ReleaseLeaseResponse:
+        """Ends a lease early (naming pages that failed their checksum)."""
+        return await self._call(self._stub.ReleaseLease, request)
+
+    async def get_stats(self) -> pb.GetPageStoreStatsResponse:
+        """The store's stats."""
+        return await self._call(self._stub.GetPageStoreStats, pb.GetPageStoreStatsRequest())
+
+    @property
+    def _stub(self) -> pb_grpc.PageStoreServiceStub:
         if self._stub_ is None:
             self._channel = open_channel(self.address)
             self._stub_ = pb_grpc.PageStoreServiceStub(self._channel)
+        return self._stub_
+
+    async def _call(self, method: Callable[..., Awaitable[_R]], request: Any) -> _R:
         try:
-            return await getattr(self._stub_, method)(request, timeout=self._rpc_timeout_s)
+            return await method(request, timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from None
 
@@ -103,9 +132,7 @@ class StoreConnection:
                 return self._store
             if self._store is not None:
                 self.forget_store(self._store)
-            resp: pb.GetStoreEndpointResponse = await self.call(
-                "GetStoreEndpoint", pb.GetStoreEndpointRequest()
-            )
+            resp = await self._call(self._stub.GetStoreEndpoint, pb.GetStoreEndpointRequest())
             if resp.store_instance != instance:
                 raise _StoreChanged(f"store restarted ({instance} -> {resp.store_instance})")
             name = await asyncio.to_thread(self.agent.add_remote, resp.endpoint.agent_metadata)

@@ -16,8 +16,8 @@ Rooms, bottom up (each package's docstring is its own map):
 - `staged`: across hosts, the staged transport: a room's pages gathered into whole slab chunks, READ and
   scattered chunk by chunk.
 - `port`: `KvPort`, the asyncio service face: one NIXL thread, publish / pull of contract
-  `SourceDescriptor`s over whichever transport `port.transport` picks, the errors the services answer
-  with, and the port's metrics.
+  `SourceDescriptor`s over whichever transport `port.transport` picks, how a source's read ended
+  (`ReadEnd`), the errors the services answer with, and the port's metrics.
 
 A room imports only rooms above it in that list (`nixl` and `cuda` use `common`, `staged` those three,
 `port` all; a test checks). `peers.py` here is the old path of `common.peers`, kept for one importer
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     )
     from xavier_core.transfer.nixl.thread import NixlThread
     from xavier_core.transfer.nixl.xfer import Transfer
-    from xavier_core.transfer.port.kv_port import KvPort, TransferTotals
+    from xavier_core.transfer.port.kv_port import KvPort, ReadEnd, TransferTotals
 
 _MODULES: dict[str, str] = {
     "DONE_PREFIX": "xavier_core.transfer.nixl.rooms",
@@ -77,6 +77,7 @@ _MODULES: dict[str, str] = {
     "NixlThread": "xavier_core.transfer.nixl.thread",
     "PageRun": "xavier_core.transfer.common.runs",
     "PeerError": "xavier_core.transfer.common.errors",
+    "ReadEnd": "xavier_core.transfer.port.kv_port",
     "SourceInfo": "xavier_core.transfer.common.source",
     "StaleEpochError": "xavier_core.transfer.common.errors",
     "Transfer": "xavier_core.transfer.nixl.xfer",
@@ -115,6 +116,7 @@ __all__ = [
     "NixlThread",
     "PageRun",
     "PeerError",
+    "ReadEnd",
     "SourceInfo",
     "StaleEpochError",
     "Transfer",

@@ -8,6 +8,7 @@ from xavier.v1 import decode_service_pb2, decode_service_pb2_grpc, types_pb2
 
 from xavier_services.decode.servicer import DecodeServicer
 from xavier_services.peer.main import peer_arg_parser, peer_config, run_peer
+from xavier_services.sglang_host.main import run_sglang_peer
 
 SERVICE = decode_service_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 ROLES = {"decode": types_pb2.ROLE_DECODE, "unified": types_pb2.ROLE_UNIFIED}
@@ -18,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", choices=sorted(ROLES), default="decode")
     args = parser.parse_args(argv)
     config = peer_config(args)
+    if config.engine.kind == "sglang":
+        return run_sglang_peer(config, ROLES[args.role], args.role)
     return run_peer(
         config,
         ROLES[args.role],

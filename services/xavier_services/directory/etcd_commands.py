@@ -1,25 +1,33 @@
-"""The directory's commands: what a replica applies for each logged call, and their stored form.
+"""The stored form of the directory's commands (`commands.py`) in the etcd log.
 
-A command is JSON: the op, the proposer's wall time, the proposer (process id, sequence number) and the
-arguments, with messages as base64 of their deterministic wire bytes (never pickle: the bytes come back
-from a network store).
+An entry is JSON: the op, the proposer's wall time, the proposer (process id, sequence number) and the
+command's fields in declaration order as a list (a `Pair` as its four values), with messages as base64 of
+their deterministic wire bytes (never pickle: the bytes come back from a network store). Reading one back
+checks every field's type against the command's declaration, so a malformed entry is unreadable on every
+replica alike rather than a wrong call on one.
+
+This is the form the log had when commands were names with positional arguments, unchanged: directories
+before and after the commands became dataclasses read each other's entries, so a mixed-version pair of
+replicas agrees.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import MISSING, astuple, dataclass, fields
+from typing import Any, get_type_hints
 
 from google.protobuf.message import Message
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
+from xavier_services.directory import commands
+from xavier_services.directory.commands import Command
 from xavier_services.directory.snapshot import from_b64, to_b64
-from xavier_services.directory.state import DirectoryState, Pair
+from xavier_services.directory.state import Pair
 
-__all__ = ["OPS", "Arg", "Command", "decode_command", "encode_command"]
+__all__ = ["COMMANDS", "Arg", "Entry", "command_args", "command_from_args", "decode_entry", "encode_entry"]
 
 _MESSAGES: dict[str, type[Message]] = {
     cls.DESCRIPTOR.full_name: cls
@@ -27,34 +35,77 @@ _MESSAGES: dict[str, type[Message]] = {
 }
 Arg = str | int | float | bool | None | Message
 
-
-def _pair(a: list[Any]) -> Pair:
-    return Pair(a[0], a[1], a[2], a[3])
-
-
-# op -> how a replica applies it (args as proposed).
-OPS: dict[str, Callable[[DirectoryState, list[Any]], Any]] = {
-    "register": lambda s, a: s.peers.register(*a),
-    "heartbeat": lambda s, a: s.peers.heartbeat(*a),
-    "unregister": lambda s, a: s.peers.unregister(*a),
-    "publish": lambda s, a: s.publish_source(a[0], a[1], _pair(a[2:6]), a[6]),
-    "join": lambda s, a: s.join_as_decode(a[0], _pair(a[1:5])),
-    "begin": lambda s, a: s.begin_transfer(*a),
-    "complete": lambda s, a: s.complete_room(*a),
-    "abort": lambda s, a: s.abort_room(*a),
-    "sweep": lambda s, a: s.sweep(),
+COMMANDS: dict[str, type[Command[Any]]] = {
+    cls.op: cls
+    for cls in (
+        commands.Register,
+        commands.Heartbeat,
+        commands.Unregister,
+        commands.Publish,
+        commands.Join,
+        commands.Begin,
+        commands.Complete,
+        commands.Abort,
+        commands.Sweep,
+    )
 }
+"""Every command by its name in the log."""
 
 
 @dataclass(frozen=True, slots=True)
-class Command:
-    """One logged call: the op, its proposer's wall time, who proposed it (process, sequence) and args."""
+class Entry:
+    """One logged command, its proposer's wall time and who proposed it (process, sequence)."""
 
-    op: str
+    command: Command[Any]
     time: float
     source: str
     seq: int
-    args: list[Any]
+
+
+@functools.cache
+def _fields(cls: type[Any]) -> list[tuple[str, Any, bool]]:
+    """(name, declared type, has a default) of each field of a dataclass, in declaration order."""
+    hints = get_type_hints(cls)
+    return [(f.name, hints[f.name], f.default is not MISSING) for f in fields(cls)]
+
+
+def command_args(command: Command[Any]) -> list[Arg]:
+    """The command's fields in stored order, a `Pair` as its four values."""
+    args: list[Arg] = []
+    for name, _, _ in _fields(type(command)):
+        value = getattr(command, name)
+        if isinstance(value, Pair):
+            args.extend(astuple(value))
+        else:
+            args.append(value)
+    return args
+
+
+def command_from_args(op: str, args: list[Any]) -> Command[Any]:
+    """The command ``op`` from its fields as :func:`command_args` lists them (trailing defaults may be
+    left out); ValueError for an unknown op, TypeError for a field of the wrong type or count."""
+    cls = COMMANDS.get(op)
+    if cls is None:
+        raise ValueError(f"unknown directory command {op!r}")
+    rest = list(args)
+    values: dict[str, Any] = {}
+    for name, kind, has_default in _fields(cls):
+        if kind is Pair:
+            values[name] = Pair(*(_take(op, f"{name}.{part}", hint, rest) for part, hint, _ in _fields(Pair)))
+        elif rest or not has_default:
+            values[name] = _take(op, name, kind, rest)
+    if rest:
+        raise TypeError(f"directory command {op!r} has {len(rest)} arguments too many")
+    return cls(**values)
+
+
+def _take(op: str, name: str, kind: Any, rest: list[Any]) -> Any:
+    if not rest:
+        raise TypeError(f"directory command {op!r} lacks {name}")
+    value = rest.pop(0)
+    if not isinstance(value, kind):
+        raise TypeError(f"directory command {op!r}: {name} is a {type(value).__name__}")
+    return value
 
 
 def _encode_arg(value: Arg) -> Any:
@@ -69,16 +120,15 @@ def _decode_arg(value: Any) -> Any:
     return value
 
 
-def encode_command(cmd: Command) -> bytes:
-    """The command as stored in etcd (JSON; messages as base64 of their deterministic bytes)."""
-    body = {"op": cmd.op, "t": cmd.time, "src": cmd.source, "n": cmd.seq}
-    return json.dumps({**body, "a": [_encode_arg(a) for a in cmd.args]}, separators=(",", ":")).encode()
+def encode_entry(entry: Entry) -> bytes:
+    """The entry as stored in etcd (JSON; messages as base64 of their deterministic bytes)."""
+    body = {"op": entry.command.op, "t": entry.time, "src": entry.source, "n": entry.seq}
+    args = [_encode_arg(a) for a in command_args(entry.command)]
+    return json.dumps({**body, "a": args}, separators=(",", ":")).encode()
 
 
-def decode_command(data: bytes) -> Command:
-    """Inverse of :func:`encode_command`; ValueError/KeyError on anything else."""
+def decode_entry(data: bytes) -> Entry:
+    """Inverse of :func:`encode_entry`; ValueError, KeyError or TypeError on anything else."""
     raw = json.loads(data)
-    if raw["op"] not in OPS:
-        raise ValueError(f"unknown directory command {raw['op']!r}")
-    args = [_decode_arg(a) for a in raw["a"]]
-    return Command(raw["op"], float(raw["t"]), str(raw["src"]), int(raw["n"]), args)
+    command = command_from_args(raw["op"], [_decode_arg(a) for a in raw["a"]])
+    return Entry(command, float(raw["t"]), str(raw["src"]), int(raw["n"]))

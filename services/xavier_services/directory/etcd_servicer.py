@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import TypeVar
 
 from xavier.v1 import directory_service_pb2 as dpb
 
 from xavier_core.runtime.errors import XavierError
 from xavier_core.runtime.logging import get_logger
+from xavier_services.directory.commands import Command, Sweep
 from xavier_services.directory.config import DirectorySettings
-from xavier_services.directory.etcd_commands import Arg
 from xavier_services.directory.etcd_store import EtcdLog
 from xavier_services.directory.servicer import Ctx, DirectoryServicer
 
 __all__ = ["EtcdDirectoryServicer"]
 
 _log = get_logger("xavier.directory.etcd")
+R = TypeVar("R")
 
 
 class EtcdDirectoryServicer(DirectoryServicer):
@@ -52,14 +53,12 @@ class EtcdDirectoryServicer(DirectoryServicer):
             await asyncio.sleep(self.settings.sweep_interval_seconds)
             if self.state.next_deadline() <= self.log.wall():
                 try:
-                    await self.log.propose("sweep")
+                    await self.log.submit(Sweep())
                 except XavierError as exc:
                     _log.warning("directory sweep not logged", error=str(exc))
 
-    async def _apply(self, op: str, *args: Arg) -> Any:
-        if op == "register":  # an id-less peer is named before logging, so every replica agrees
-            return await self.log.register_peer(*args)
-        return await self.log.propose(op, *args)
+    async def _apply(self, command: Command[R]) -> R:
+        return await self.log.submit(command)
 
     async def _sync(self) -> None:
         await self.log.sync()
@@ -72,7 +71,7 @@ class EtcdDirectoryServicer(DirectoryServicer):
     ) -> dpb.GetDirectoryStatsResponse:
         # As the in-memory handler sweeps first, but a sweep is logged only when something is due.
         if self.state.next_deadline() <= self.log.wall():
-            await self.log.propose("sweep")
+            await self.log.submit(Sweep())
         else:
             await self.log.sync()
         return self._stats()

@@ -38,7 +38,8 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from dataclasses import replace
+from typing import Any, TypeVar
 
 import grpc
 from aetcd.rpc import kv_pb2
@@ -48,8 +49,9 @@ from aetcd.rpc import rpc_pb2_grpc as egrpc
 from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.errors import Unavailable, XavierError
 from xavier_core.runtime.logging import get_logger
+from xavier_services.directory.commands import Command, Register
 from xavier_services.directory.config import DirectorySettings
-from xavier_services.directory.etcd_commands import OPS, Arg, Command, decode_command, encode_command
+from xavier_services.directory.etcd_commands import Arg, Entry, command_from_args, decode_entry, encode_entry
 from xavier_services.directory.etcd_snapshots import SnapshotStore
 from xavier_services.directory.records import RoomRecord
 from xavier_services.directory.snapshot import dump_state, load_state
@@ -58,6 +60,7 @@ from xavier_services.directory.state import DirectoryState
 __all__ = ["EtcdLog"]
 
 _log = get_logger("xavier.directory.etcd")
+R = TypeVar("R")
 
 
 class EtcdLog:
@@ -128,22 +131,33 @@ class EtcdLog:
 
     # --- proposing and reading --------------------------------------------------------
 
-    async def propose(self, op: str, *args: Arg) -> Any:
-        """Logs ``op(args)`` and returns what this replica's state machine answered (or raises its error)."""
+    async def submit(self, command: Command[R]) -> R:
+        """Logs ``command`` and returns what this replica's state machine answered (or raises its error).
+
+        A Register is given the id an id-less peer takes here, before logging, so every replica agrees.
+        """
+        logged: Command[Any] = command
+        if isinstance(command, Register) and not command.new_id:
+            logged = replace(command, new_id=f"peer-{secrets.token_hex(8)}")
         self._seq += 1
         seq = self._seq
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[seq] = fut
-        value = encode_command(Command(op, self.wall(), self._source, seq, list(args)))
+        value = encode_entry(Entry(logged, self.wall(), self._source, seq))
         try:
             await self._call(lambda kv, t: kv.Put(epb.PutRequest(key=self._key, value=value), timeout=t))
-            return await self._bounded(fut, f"applying {op}")
+            answer: R = await self._bounded(fut, f"applying {command.op}")
+            return answer
         finally:
             self._pending.pop(seq, None)
 
+    async def propose(self, op: str, *args: Arg) -> Any:
+        """:meth:`submit` of the command named ``op`` in the log, from its fields in stored order."""
+        return await self.submit(command_from_args(op, list(args)))
+
     async def register_peer(self, *args: Arg) -> Any:
-        """RegisterPeer: an id-less peer is named here, before logging, so every replica agrees."""
-        return await self.propose("register", *args, f"peer-{secrets.token_hex(8)}")
+        """RegisterPeer from its fields in stored order (the new id left out: it is named here)."""
+        return await self.propose("register", *args)
 
     async def sync(self) -> None:
         """Waits until every command etcd holds now is applied here (a linearizable read)."""
@@ -253,24 +267,25 @@ class EtcdLog:
         if revision <= self.applied:
             return
         try:
-            cmd = decode_command(data)
+            entry = decode_entry(data)
         except (ValueError, KeyError, TypeError) as exc:
             _log.error("skipping an unreadable directory command", revision=revision, error=str(exc))
             self.applied = revision
             return
-        self._time = max(self._time, cmd.time)
+        self._time = max(self._time, entry.time)
+        command = entry.command
         result: Any = None
         error: BaseException | None = None
         try:
-            result = OPS[cmd.op](self.state, cmd.args)
-            if isinstance(result, RoomRecord) and cmd.op != "join":
+            result = command.apply(self.state)
+            if isinstance(result, RoomRecord) and not command.live_reply:
                 # The reply shows the room as this command left it (later commands may apply before the
                 # caller resumes); a join's caller waits on the live record for the room to leave OPEN.
                 result = copy.copy(result)
         except XavierError as exc:
             error = exc
         except Exception as exc:  # a bug: every replica hits it alike; the caller gets INTERNAL
-            _log.exception("directory command failed", op=cmd.op, revision=revision)
+            _log.exception("directory command failed", op=command.op, revision=revision)
             error = exc
         self.applied = revision
         self._since_snapshot += 1
@@ -278,8 +293,8 @@ class EtcdLog:
             self._since_snapshot = 0
             data = dump_state(self.state, revision, self._time)
             self._snapshotting = asyncio.create_task(self._write_snapshot(revision, data))
-        if cmd.source == self._source:
-            fut = self._pending.pop(cmd.seq, None)
+        if entry.source == self._source:
+            fut = self._pending.pop(entry.seq, None)
             if fut is not None and not fut.done():
                 if error is not None:
                     fut.set_exception(error)

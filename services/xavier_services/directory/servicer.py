@@ -1,12 +1,12 @@
 """``xavier.v1.DirectoryService`` over the state machine.
 
 Handlers are thin: convert the request, call :class:`DirectoryState`, convert the answer. Every change
-goes through :meth:`DirectoryServicer._apply` as one of the directory's commands (``OPS``), and every read
-happens after :meth:`~DirectoryServicer._sync` and inside :meth:`~DirectoryServicer._reading`; here they
-apply at once and read as is, and the etcd servicer logs the commands and catches up first. Domain errors
-propagate as typed exceptions and the runtime interceptor turns them into rich statuses. Peer feeds wait
-on a per-feed queue, and BeginTransfer calls waiting for a source on a future, that the state machine's
-listener fills on every state change, so nothing polls.
+goes through :meth:`DirectoryServicer._apply` as one of the directory's commands (`commands.py`), and
+every read happens after :meth:`~DirectoryServicer._sync` and inside :meth:`~DirectoryServicer._reading`;
+here they apply at once and read as is, and the etcd servicer logs the commands and catches up first.
+Domain errors propagate as typed exceptions and the runtime interceptor turns them into rich statuses.
+Peer feeds wait on a per-feed queue, and BeginTransfer calls waiting for a source on a future, that the
+state machine's listener fills on every state change, so nothing polls.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import base64
 import binascii
 import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import astuple
 from typing import Any, TypeVar
 
 import grpc
@@ -28,8 +27,18 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime.durations import to_duration
 from xavier_core.runtime.errors import CapacityExhausted, InvalidArgument, Unavailable
 from xavier_core.runtime.identity import ROLE_NAMES, require
+from xavier_services.directory.commands import (
+    Abort,
+    Begin,
+    Command,
+    Complete,
+    Heartbeat,
+    Join,
+    Publish,
+    Register,
+    Unregister,
+)
 from xavier_services.directory.config import DirectorySettings
-from xavier_services.directory.etcd_commands import OPS, Arg
 from xavier_services.directory.records import (
     OPEN,
     TERMINAL_STATES,
@@ -48,6 +57,7 @@ Ctx = Any  # grpc.aio.ServicerContext; typed loosely to keep handler signatures 
 
 K = TypeVar("K")
 V = TypeVar("V")
+R = TypeVar("R")
 
 
 def _opt(req: Message, field: str) -> Message | None:
@@ -136,9 +146,9 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
     def _room(self, room: RoomRecord) -> dpb.Room:
         return room_to_proto(room, self._offset)
 
-    async def _apply(self, op: str, *args: Arg) -> Any:
+    async def _apply(self, command: Command[R]) -> R:
         """Applies one of the directory's commands and returns the state machine's answer."""
-        return OPS[op](self.state, list(args))
+        return command.apply(self.state)
 
     async def _sync(self) -> None:
         """Before a read: nothing to catch up with here."""
@@ -153,7 +163,7 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
         require(ctx, "RegisterPeer", peer_id=req.peer_id, peer_role=ROLE_NAMES.get(req.role, "?"))
         layout, endpoint = _opt(req, "layout"), _opt(req, "endpoint")
         peer = await self._apply(
-            "register", req.request_id, req.peer_id, req.role, req.address, layout, endpoint
+            Register(req.request_id, req.peer_id, req.role, req.address, layout, endpoint)
         )
         return dpb.RegisterPeerResponse(
             peer=peer_to_proto(peer, self._offset),
@@ -163,16 +173,14 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
 
     async def Heartbeat(self, req: dpb.HeartbeatRequest, ctx: Ctx) -> dpb.HeartbeatResponse:
         require(ctx, "Heartbeat", peer_id=req.peer_id)
-        peer = await self._apply("heartbeat", req.request_id, req.peer_id, req.epoch, _opt(req, "load"))
+        peer = await self._apply(Heartbeat(req.request_id, req.peer_id, req.epoch, _opt(req, "load")))
         if peer is None:
             return dpb.HeartbeatResponse(must_register=True)
         return dpb.HeartbeatResponse(lease_expires_at=timestamp(peer.expires_at + self._offset))
 
     async def UnregisterPeer(self, req: dpb.UnregisterPeerRequest, ctx: Ctx) -> dpb.UnregisterPeerResponse:
         require(ctx, "UnregisterPeer", peer_id=req.peer_id)
-        return dpb.UnregisterPeerResponse(
-            rooms_aborted=await self._apply("unregister", req.peer_id, req.epoch)
-        )
+        return dpb.UnregisterPeerResponse(rooms_aborted=await self._apply(Unregister(req.peer_id, req.epoch)))
 
     async def ListPeers(self, req: dpb.ListPeersRequest, ctx: Ctx) -> dpb.ListPeersResponse:
         s = self.settings
@@ -198,19 +206,18 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
 
     async def PublishSource(self, req: dpb.PublishSourceRequest, ctx: Ctx) -> dpb.PublishSourceResponse:
         require(ctx, "PublishSource", peer_id=req.prefill_peer_id)
-        pair = astuple(Pair.of(req))
-        room = await self._apply("publish", req.request_id, req.room_id, *pair, req.source)
+        room = await self._apply(Publish(req.request_id, req.room_id, Pair.of(req), req.source))
         return dpb.PublishSourceResponse(room=self._room(room))
 
     async def BeginTransfer(self, req: dpb.BeginTransferRequest, ctx: Ctx) -> dpb.BeginTransferResponse:
         require(ctx, "BeginTransfer", peer_id=req.decode_peer_id)
         if req.wait_for_source:
             # The live record: the wait ends when the room leaves OPEN.
-            room: RoomRecord = await self._apply("join", req.room_id, *astuple(Pair.of(req)))
+            room: RoomRecord = await self._apply(Join(req.room_id, Pair.of(req)))
             await self._until_not_open(room)
             if room.state in TERMINAL_STATES:
                 return dpb.BeginTransferResponse(room=self._room(room))
-        room = await self._apply("begin", req.request_id, req.room_id, req.decode_peer_id, req.decode_epoch)
+        room = await self._apply(Begin(req.request_id, req.room_id, req.decode_peer_id, req.decode_epoch))
         resp = dpb.BeginTransferResponse(room=room_to_proto(room, self._offset, with_token=True))
         if not req.source_endpoint_cached:
             with self._reading():
@@ -219,14 +226,14 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
 
     async def CompleteRoom(self, req: dpb.CompleteRoomRequest, ctx: Ctx) -> dpb.CompleteRoomResponse:
         require(ctx, "CompleteRoom", peer_id=req.peer_id)
-        room = await self._apply("complete", req.request_id, req.room_id, req.peer_id, req.epoch)
+        room = await self._apply(Complete(req.request_id, req.room_id, req.peer_id, req.epoch))
         return dpb.CompleteRoomResponse(room=self._room(room))
 
     async def AbortRoom(self, req: dpb.AbortRoomRequest, ctx: Ctx) -> dpb.AbortRoomResponse:
         # Empty peer_id: as the router (any room); else as that peer, which must be one of the room's.
         require(ctx, "AbortRoom", roles=("router",), peer_id=req.peer_id or None)
         room = await self._apply(
-            "abort", req.request_id, req.room_id, req.cause, req.detail, req.peer_id, req.epoch
+            Abort(req.request_id, req.room_id, req.cause, req.detail, req.peer_id, req.epoch)
         )
         return dpb.AbortRoomResponse(room=self._room(room))
 

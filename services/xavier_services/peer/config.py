@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from xavier_core.runtime.config import Addresses, AddressOrOff, ServiceConfig
-from xavier_services.sglang_host.config import SglangSection
+from xavier_services.peer.sglang_section import SglangSection
 
 
 class _Section(BaseModel):

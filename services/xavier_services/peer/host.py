@@ -1,7 +1,8 @@
 """PeerHost: the engine, its KV contract, its NIXL port and its membership in the directory.
 
-Shared by the prefill, decode and unified services. Registration gets an epoch; heartbeats renew the lease
-and re-register (new epoch) when the directory lost us, e.g. after a directory restart (invariant I6).
+Shared by the prefill, decode and unified services. The membership (`peer/membership.py`) registers,
+heartbeats and registers again with a new epoch when the directory lost us, e.g. after a directory
+restart (invariant I6).
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
 from xavier_core.contract import KvLayout, layout_from_model_dir
-from xavier_core.directory import DirectoryClient, PeerSession, Registration
+from xavier_core.directory import DirectoryClient
 from xavier_core.directory.room_feed import RoomFeed
 from xavier_core.engine.api import Engine
 from xavier_core.pagestore import ClientSettings, PageStoreClient
 from xavier_core.runtime.errors import (
     FailedPrecondition,
     InvalidArgument,
-    Unavailable,
     XavierError,
 )
 from xavier_core.runtime.identity import ROLE_NAMES
@@ -34,8 +34,10 @@ from xavier_core.transfer.port.kv_port import KvPort
 from xavier_core.transfer.port.metrics import register_port_metrics
 from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.peer.convert import features_pb
+from xavier_services.peer.membership import Membership, PeerCache
 
 log = get_logger(__name__)
+_DECODE_CACHE = 1024
 _HANDOFF = {
     "pair": types_pb2.HANDOFF_PROTOCOL_PAIR,
     "directory": types_pb2.HANDOFF_PROTOCOL_DIRECTORY_ROOMS,
@@ -97,15 +99,31 @@ class PeerHost:
         )
         self.fingerprint = self.layout.fingerprint
         self.host_id = socket.gethostname()
-        self.peer_id = config.peer.peer_id
-        self.epoch = 0
+        self.membership = Membership(
+            role, config.peer.peer_id, config.peer.directory, config.peer.rpc_timeout_seconds
+        )
         self.address = ""
         self.kv: KvPort | None = None  # prefill and decode roles only
-        self.directory: DirectoryClient | None = None
         self.rooms: RoomFeed | None = None  # the prefill's feed of its rooms' states
         self.store: PageStoreClient | None = None  # prefill and unified roles, when configured
-        self._session: PeerSession | None = None
-        self._peer_hosts: dict[tuple[str, int], str] = {}  # (decode id, epoch) -> host id
+        self._decodes = PeerCache(
+            self.membership, types_pb2.ROLE_DECODE, self.fingerprint, limit=_DECODE_CACHE
+        )
+
+    @property
+    def peer_id(self) -> str:
+        """This peer's id in the directory (named at start unless the config gave one)."""
+        return self.membership.peer_id
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the current registration (0 before the first)."""
+        return self.membership.epoch
+
+    @property
+    def directory(self) -> DirectoryClient | None:
+        """The directory client once started, else None."""
+        return self.membership.client
 
     def layout_pb(self) -> types_pb2.KvLayout:
         """The layout this peer registers, with the features its engine honours."""
@@ -120,8 +138,7 @@ class PeerHost:
     async def start(self, port: int) -> dict[str, Any]:
         cfg = self.config
         self.address = f"{cfg.peer.advertise_host}:{port}"
-        if not self.peer_id:
-            self.peer_id = f"{ROLE_NAMES[self.role]}-{self.host_id}-{port}"
+        self.membership.name(self.host_id, port)
         if self.role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE):
             name = f"{self.peer_id}-{uuid.uuid4().hex[:8]}"
             self.kv = KvPort(
@@ -140,18 +157,15 @@ class PeerHost:
             register_port_metrics(ROLE_NAMES[self.role], self.kv.stats)
         if cfg.pagestore.address and self.role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_UNIFIED):
             self._attach_store()
-        self.directory = DirectoryClient(cfg.peer.directory, timeout=cfg.peer.rpc_timeout_seconds)
+        directory = self.membership.connect()
         req = dpb.RegisterPeerRequest(
             peer_id=self.peer_id, role=self.role, address=self.address, layout=self.layout_pb()
         )
         if self.kv is not None:
             req.endpoint.CopyFrom(self.kv.endpoint(self.host_id))
-        self._session = PeerSession(
-            self.directory, req, load=self.load, on_registered=self._on_registered, register_attempts=20
-        )
-        await self._session.start()
+        await self.membership.join(req, self.load)
         if self.role == types_pb2.ROLE_PREFILL:
-            self.rooms = RoomFeed(self.directory, lambda: (self.peer_id, self.epoch))
+            self.rooms = RoomFeed(directory, lambda: (self.peer_id, self.epoch))
             self.rooms.start()
         return {"peer_id": self.peer_id, "epoch": self.epoch, "fingerprint": self.fingerprint}
 
@@ -173,19 +187,11 @@ class PeerHost:
         self.engine.use_page_store(self.store, self.fingerprint)
         log.info("page store attached", address=ps.address)
 
-    def _on_registered(self, reg: Registration) -> None:
-        # A new epoch (first start, or re-registration after a directory restart): calls carry it from now on.
-        self.epoch = reg.epoch
-        log.info("registered", peer_id=self.peer_id, epoch=self.epoch)
-
     async def stop(self) -> None:
         if self.rooms is not None:
             await self.rooms.stop()
-        if self._session is not None:
-            with contextlib.suppress(Exception):
-                await self._session.stop(unregister=True)
-        if self.directory is not None:
-            await self.directory.close()
+        await self.membership.leave()
+        await self.membership.close()
         if self.kv is not None:
             await self.kv.close()
         if self.store is not None:
@@ -220,26 +226,19 @@ class PeerHost:
         return self.kv.transfer_stats_pb() if self.kv is not None else types_pb2.TransferStats()
 
     async def peer_host(self, peer: tuple[str, int]) -> str | None:
-        """The host id of a peer's endpoint (one directory lookup per peer epoch); None if unknown."""
-        if peer not in self._peer_hosts:
-            try:
-                peers = await self.dir.list_peers(types_pb2.ROLE_DECODE, self.fingerprint)
-            except XavierError:
-                return None
-            for p in peers:
-                self._peer_hosts[(p.peer_id, p.epoch)] = p.endpoint.host_id
-            while len(self._peer_hosts) > 1024:
-                del self._peer_hosts[next(iter(self._peer_hosts))]
-        return self._peer_hosts.get(peer)
+        """The host id of a decode peer's endpoint (one directory lookup per peer epoch); None if unknown."""
+        try:
+            found = await self._decodes.find(peer)
+        except XavierError:
+            return None
+        return found.endpoint.host_id if found is not None else None
 
     # -- directory calls ------------------------------------------------------------------------------------
 
     @property
     def dir(self) -> DirectoryClient:
         """The directory client: every call has the configured deadline and retries only UNAVAILABLE (I7)."""
-        if self.directory is None:
-            raise Unavailable("not connected to the directory", reason="DIRECTORY_UNAVAILABLE")
-        return self.directory
+        return self.membership.dir
 
     async def abort_room(self, room_id: int, cause: dpb.RoomEndCause.ValueType, detail: str) -> None:
         with contextlib.suppress(XavierError):

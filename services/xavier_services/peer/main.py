@@ -60,11 +60,10 @@ def run_peer(
     make_servicer: Callable[[PeerHost], Any],
     add_to_server: Callable[[Any, grpc.aio.Server], None],
 ) -> int:
-    """Loads the engine, then serves until SIGTERM: register → serve → drain → unregister."""
-    if config.engine.kind == "sglang":
-        from xavier_services.sglang_host.main import run_sglang_peer
+    """Loads the reference engine, then serves until SIGTERM: register → serve → drain → unregister.
 
-        return run_sglang_peer(config, role, service_name)
+    A binary whose config says `engine.kind = "sglang"` calls `sglang_host.main.run_sglang_peer` instead.
+    """
 
     async def main() -> int:
         engine = await asyncio.to_thread(load_engine, config, role)

@@ -27,13 +27,13 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
 from xavier_core.contract import layout_from_model_dir
-from xavier_core.directory import DirectoryClient, PeerSession, Registration
+from xavier_core.directory import DirectoryClient
 from xavier_core.runtime import ServerHandle
 from xavier_core.runtime.config import ConfigError
 from xavier_core.runtime.errors import InvalidArgument, NotFound, Unavailable, XavierError
-from xavier_core.runtime.identity import ROLE_NAMES
 from xavier_core.runtime.logging import get_logger
 from xavier_services.peer.config import PeerServiceConfig
+from xavier_services.peer.membership import Membership, PeerCache
 from xavier_services.sglang_host.child import SglangChild
 from xavier_services.sglang_host.client import SglangHttp
 from xavier_services.sglang_host.launch import LaunchSpec, build_launch
@@ -58,8 +58,9 @@ class SglangHost:
         self.config = config
         self.role = role
         self.address = ""
-        self.peer_id = config.peer.peer_id
-        self.epoch = 0
+        self.membership = Membership(
+            role, config.peer.peer_id, config.peer.directory, config.peer.rpc_timeout_seconds
+        )
         self.inflight = 0
         self.stopping = False
         """Set once a stop began: new requests are refused, so the wait for those in flight ends."""
@@ -69,13 +70,29 @@ class SglangHost:
         """Why SGLang died (empty while it runs); the service exits non-zero when set."""
         self.child: SglangChild | None = None
         self.http: SglangHttp | None = None
-        self.directory: DirectoryClient | None = None
-        self._session: PeerSession | None = None
         self._watch: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None
-        self._prefills: dict[tuple[str, int], str] = {}  # (peer id, epoch) -> address
+        self._prefills = PeerCache(
+            self.membership, types_pb2.ROLE_PREFILL, limit=_PREFILL_CACHE, zero_is_any=True
+        )
         self.salts = SaltSupport("", None, "SGLang has not started")
         """How a request's cache salt reaches this SGLang (read from its release once it is healthy)."""
+
+    @property
+    def peer_id(self) -> str:
+        """This service's peer id (named at start unless the config gave one)."""
+        return self.membership.peer_id
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the service's own registration (unified; 0 for P/D roles, which SGLang
+        registers)."""
+        return self.membership.epoch
+
+    @property
+    def directory(self) -> DirectoryClient | None:
+        """The directory client once started (none in native mode), else None."""
+        return self.membership.client
 
     @property
     def native(self) -> bool:
@@ -98,8 +115,7 @@ class SglangHost:
     async def start(self, handle: ServerHandle) -> dict[str, Any]:
         cfg = self.config
         self.address = f"{cfg.peer.advertise_host}:{handle.port}"
-        if not self.peer_id:
-            self.peer_id = f"{ROLE_NAMES[self.role]}-{socket.gethostname()}-{handle.port}"
+        self.membership.name(socket.gethostname(), handle.port)
         e = cfg.engine
         spec = LaunchSpec(
             role=self.role,
@@ -128,7 +144,7 @@ class SglangHost:
             await self.child.wait_healthy(self.http.session, cfg.sglang.health_timeout_seconds)
             await self._read_release()
             if not self.native:
-                self.directory = DirectoryClient(cfg.peer.directory, timeout=cfg.peer.rpc_timeout_seconds)
+                self.membership.connect()
             if self.role == types_pb2.ROLE_UNIFIED:
                 await self._register()
         except BaseException:
@@ -174,10 +190,7 @@ class SglangHost:
         req = dpb.RegisterPeerRequest(
             peer_id=self.peer_id, role=self.role, address=self.address, layout=layout.to_proto()
         )
-        self._session = PeerSession(
-            self.dir, req, load=self._load, on_registered=self._on_registered, register_attempts=20
-        )
-        await self._session.start()
+        await self.membership.join(req, self._load)
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
@@ -194,17 +207,12 @@ class SglangHost:
             if not self.inflight:
                 self._idle.set()
 
-    def _on_registered(self, reg: Registration) -> None:
-        self.epoch = reg.epoch
-
     def _load(self) -> dpb.PeerLoad:
         return dpb.PeerLoad(outstanding_requests=self.inflight)
 
     @property
     def dir(self) -> DirectoryClient:
-        if self.directory is None:
-            raise Unavailable("not connected to the directory", reason="DIRECTORY_UNAVAILABLE")
-        return self.directory
+        return self.membership.dir
 
     async def _supervise(self, handle: ServerHandle) -> None:
         child = self.child
@@ -246,7 +254,7 @@ class SglangHost:
     async def _leave_mesh(self) -> None:
         """Unregisters this service's registrations and the dead child's (found by our address), so the
         directory ends their rooms now and the router stops choosing them."""
-        await self._end_session()
+        await self.membership.leave()
         if self.directory is None:
             return
         with contextlib.suppress(XavierError):
@@ -257,16 +265,10 @@ class SglangHost:
 
     async def prefill_address(self, peer_id: str, epoch: int) -> str:
         """The address a prefill peer registered (a decode's SGLang finds its prefill by it)."""
-        key = (peer_id, epoch)
-        address = self._prefills.get(key)
-        if address is None:
-            peers = await self.dir.list_peers(types_pb2.ROLE_PREFILL)
-            found = [p for p in peers if p.peer_id == peer_id and (not epoch or p.epoch == epoch)]
-            if not found:
-                raise NotFound(f"prefill peer {peer_id}@{epoch} is not registered", reason="PEER_NOT_FOUND")
-            address = self._prefills[key] = found[0].address
-            while len(self._prefills) > _PREFILL_CACHE:
-                del self._prefills[next(iter(self._prefills))]
+        found = await self._prefills.find((peer_id, epoch))
+        if found is None:
+            raise NotFound(f"prefill peer {peer_id}@{epoch} is not registered", reason="PEER_NOT_FOUND")
+        address: str = found.address
         return address
 
     async def stop(self) -> None:
@@ -279,19 +281,8 @@ class SglangHost:
         if not self.failed:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), self.config.grace_seconds / 2)
-        await self._end_session()
+        await self.membership.leave()  # the service's own registration (unified)
         await self._close()
-
-    async def _end_session(self) -> None:
-        """Unregisters the service's own registration (unified); a directory that cannot be told lets
-        the lease expire instead, which ends the rooms later but ends them."""
-        session, self._session = self._session, None
-        if session is None:
-            return
-        try:
-            await session.stop(unregister=True)
-        except Exception as exc:
-            log.warning("unregister failed; the lease expires instead", error=f"{type(exc).__name__}: {exc}")
 
     async def _close(self) -> None:
         """Stops SGLang and closes the clients of it and of the directory (a stop, or a failed start)."""
@@ -299,8 +290,7 @@ class SglangHost:
             await self.child.stop(self.config.sglang.stop_grace_seconds)
         if self.http is not None:
             await self.http.close()
-        if self.directory is not None:
-            await self.directory.close()
+        await self.membership.close()
 
 
 def _model_dtype(model: Any) -> str:

@@ -24,7 +24,7 @@ from xavier_sglang.config import (
 
 from xavier_core.runtime.channels import client_tls
 from xavier_core.runtime.errors import InvalidArgument
-from xavier_services.sglang_host.config import SglangSection
+from xavier_services.peer.sglang_section import SglangSection
 
 __all__ = ["Launch", "LaunchSpec", "build_launch"]
 

@@ -1,7 +1,8 @@
 """The port and its reads: the data plane as a service drives it, over every transport.
 
 - `kv_port`: `KvPort`, the asyncio face: publish a room's pages as a `SourceDescriptor`, pull a peer's
-  into reserved pages, unpublish; its stats and `TransferTotals`. Read this first.
+  into reserved pages, unpublish, hear how a source's read ended (`ReadEnd`); its stats and
+  `TransferTotals`. Read this first.
 - `core`: `PortCore`, the machinery under it: the one NIXL thread, the live work that thread polls, and
   the hand-off of what ended to the asyncio loop.
 - `pulls`: how a reader pulls a room over each transport (NIXL page runs, a CUDA IPC copy, staged chunks),

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from xavier.v1 import types_pb2
@@ -70,11 +71,24 @@ class IpcCopy:
     aborted: bool = False
 
 
+class ReadEnd(StrEnum):
+    """How the read of a published source ended, as the source heard it (the reader's NIXL notification,
+    or the sender's own state). The values are the words the port has always answered, so a comparison
+    with "done" or "fail" holds, and ``NONE`` is falsy."""
+
+    DONE = "done"
+    """The reader read every page."""
+    FAILED = "fail"
+    """The read failed or was declined: no read touches the pages any more."""
+    NONE = ""
+    """No word (yet): the wait timed out, or the room is not published here."""
+
+
 @dataclass
 class Published:
     sender: KvSender
     ended: asyncio.Event = field(default_factory=asyncio.Event)
-    outcome: str = ""
+    outcome: ReadEnd = ReadEnd.NONE
 
 
 class PortCore:
@@ -123,11 +137,11 @@ class PortCore:
     def _tick(self) -> None:
         """On the NIXL thread: one NIXL poll, then what it ended, handed to the loop in one call."""
         self.manager.progress()
-        ended: list[tuple[int, str]] = []
+        ended: list[tuple[int, ReadEnd]] = []
         for room_id, sender in list(self._senders.items()):
             state, in_flight = sender.peek()
             if not in_flight:
-                ended.append((room_id, "done" if state == KvPoll.SUCCESS else "fail"))
+                ended.append((room_id, ReadEnd.DONE if state == KvPoll.SUCCESS else ReadEnd.FAILED))
                 del self._senders[room_id]
         reads: _Ended = []
         for receiver, fut in list(self._reads.items()):
@@ -171,7 +185,7 @@ class PortCore:
             self._ipc.collect()
         return out
 
-    def _deliver(self, ended: list[tuple[int, str]], reads: _Ended) -> None:
+    def _deliver(self, ended: list[tuple[int, ReadEnd]], reads: _Ended) -> None:
         for room_id, outcome in ended:
             pub = self._published.get(room_id)
             if pub is not None and not pub.ended.is_set():

@@ -37,6 +37,7 @@ from xavier_core.transfer.port.core import (
     DROP_DONE_ENV,
     PortCore,
     Published,
+    ReadEnd,
     TransferTotals,
 )
 from xavier_core.transfer.port.transport import (
@@ -53,7 +54,7 @@ from xavier_core.transfer.staged.port_slab import PortSlab
 if TYPE_CHECKING:
     from xavier_core.transfer.cuda.copy_plan import PoolView
 
-__all__ = ["DEFAULT_POLL_INTERVAL_S", "DROP_DONE_ENV", "KvPort", "TransferTotals"]
+__all__ = ["DEFAULT_POLL_INTERVAL_S", "DROP_DONE_ENV", "KvPort", "ReadEnd", "TransferTotals"]
 
 log = get_logger(__name__)
 
@@ -205,15 +206,16 @@ class KvPort(PortCore):
         if self._slab is not None:
             self._slab.release(room_id)
 
-    async def wait_read_end(self, room_id: int, timeout: float) -> str:
-        """Waits until the reader of a room reports done or failed; "" on timeout or unknown room."""
+    async def wait_read_end(self, room_id: int, timeout: float) -> ReadEnd:
+        """Waits until the reader of a room reports done or failed; `ReadEnd.NONE` (falsy) on timeout or
+        an unknown room."""
         pub = self._published.get(room_id)
         if pub is None:
-            return ""
+            return ReadEnd.NONE
         try:
             await asyncio.wait_for(pub.ended.wait(), timeout)
         except TimeoutError:
-            return ""
+            return ReadEnd.NONE
         return pub.outcome
 
     def read_ended(self, room_id: int) -> bool:
