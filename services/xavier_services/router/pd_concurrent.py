@@ -29,12 +29,16 @@ from xavier_services.router.peers import Pair
 from xavier_services.router.request import Prepared, new_room_id
 
 SGLANG_ENGINE = "sglang"
-"""`KvLayout.engine` of peers whose prefill ends only after the transfer (the xavier SGLang backend)."""
+"""`KvLayout.engine` of SGLang peers: those that declare no handoff protocol are concurrent."""
 
 
 def concurrent_pair(pair: Pair) -> bool:
-    """Whether the pair's engine needs prefill and decode called concurrently."""
-    return bool(pair.prefill.layout.engine == SGLANG_ENGINE)
+    """Whether the pair needs prefill and decode called at once: its prefill declares
+    HANDOFF_PROTOCOL_CONCURRENT (or, registered before peers declared their protocol, is SGLang's)."""
+    layout = pair.prefill.layout
+    if layout.handoff == types_pb2.HANDOFF_PROTOCOL_UNSPECIFIED:
+        return bool(layout.engine == SGLANG_ENGINE)
+    return bool(layout.handoff == types_pb2.HANDOFF_PROTOCOL_CONCURRENT)
 
 
 def _consume(fut: asyncio.Future[pfpb.PrefillResponse]) -> None:

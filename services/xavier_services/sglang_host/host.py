@@ -187,8 +187,11 @@ class SglangHost:
             dtype=e.dtype or _model_dtype(e.model),
             page_size=e.page_size,
         )
+        declared = layout.to_proto()
+        if self.role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE):
+            declared.handoff = types_pb2.HANDOFF_PROTOCOL_CONCURRENT  # see pd_concurrent in the router
         req = dpb.RegisterPeerRequest(
-            peer_id=self.peer_id, role=self.role, address=self.address, layout=layout.to_proto()
+            peer_id=self.peer_id, role=self.role, address=self.address, layout=declared
         )
         await self.membership.join(req, self._load)
 

@@ -136,6 +136,11 @@ class _HandoffProtocolEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Hando
     reaches the prefill as a NIXL notification, and a router that gives up tells the prefill
     (PrefillService.ReleaseSource). The directory sees peers, never requests.
     """
+    HANDOFF_PROTOCOL_CONCURRENT: _HandoffProtocol.ValueType  # 3
+    """The pair meets without the directory, and the prefill answers only once its decode took the KV
+    (the SGLang backend): the router calls both at once, and the decode streams its own first token
+    (so it cannot continue a stream another pair began).
+    """
 
 class HandoffProtocol(_HandoffProtocol, metaclass=_HandoffProtocolEnumTypeWrapper):
     """HandoffProtocol names how a prefill and a decode meet for one request."""
@@ -151,6 +156,11 @@ HANDOFF_PROTOCOL_PAIR: HandoffProtocol.ValueType  # 2
 (PrefillResponse.source), the router hands it to the decode (DecodeRequest.source), the read's end
 reaches the prefill as a NIXL notification, and a router that gives up tells the prefill
 (PrefillService.ReleaseSource). The directory sees peers, never requests.
+"""
+HANDOFF_PROTOCOL_CONCURRENT: HandoffProtocol.ValueType  # 3
+"""The pair meets without the directory, and the prefill answers only once its decode took the KV
+(the SGLang backend): the router calls both at once, and the decode streams its own first token
+(so it cannot continue a stream another pair began).
 """
 Global___HandoffProtocol: _TypeAlias = HandoffProtocol  # noqa: Y015
 
