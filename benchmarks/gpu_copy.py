@@ -285,7 +285,6 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_xticks(
         [i + 0.4 for i in range(len(cases))], [f"{s} {t}\nrun {r}" for s, t, r in cases], fontsize=7
     )
-    ax.axhline(394, color="gray", linestyle="--", linewidth=1, label="peer copy limit 394 GB/s")
     ax.set_yscale("log")
     ax.set_ylabel("GB/s (wall, median)")
     ax.legend(fontsize=8)
