@@ -59,7 +59,7 @@ def _answer(choice: dict[str, Any]) -> str:
 
 
 @settings(
-    max_examples=25, derandomize=True, deadline=None, database=None,
+    max_examples=100, derandomize=True, deadline=None, database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )  # fmt: skip
 @given(schema=schemas(), chat=st.booleans(), mode=st.sampled_from(["pd", "colocated"]), hot=st.booleans())
