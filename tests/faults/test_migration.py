@@ -1,0 +1,392 @@
+"""Request migration through a real router: a decode killed (kill -9) or stopped (SIGSTOP) mid-stream.
+
+1 prefill + 2 decodes + routers, all processes on loopback. A migrated stream must complete with no token
+lost or repeated: what follows its seam (the `migrations` field of the router's request line says where)
+equals a fresh run of prompt + the tokens before it (greedy, or seeded at the advanced seed), and its text
+equals the detokenized answer. The limit, a move with no pair left, a client cancel during a move and
+the opt-out each end with a clear status; after every test every counter on every service is 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from xavier.v1 import decode_service_pb2 as dec
+from xavier.v1 import decode_service_pb2_grpc as dec_grpc
+from xavier.v1 import router_service_pb2 as rpb
+from xavier.v1 import router_service_pb2_grpc as rpb_grpc
+from xavier.v1 import types_pb2
+
+from tests.faults.conftest import Router, metric_values, metrics_page, start_router
+from tests.faults.leaks import wait_all_idle
+from tests.pd.conftest import FAST_ENV, Mesh
+from xavier_core.runtime.errors import XavierError, from_rpc_error
+from xavier_core.sampling import advance_seed
+from xavier_core.text.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+pytestmark = pytest.mark.integration
+
+MIGRATION_ENV = {
+    "XAVIER_DECODE_PROGRESS_SECONDS": "2",
+    "XAVIER_PROGRESS_TIMEOUT_SECONDS": "20",
+    "XAVIER_FAILOVER_ATTEMPTS": "3",
+}
+DECODES = ("decode-0", "decode-1")
+
+
+@dataclass
+class MigrationMesh:
+    mesh: Mesh
+    router: Router
+    tokenizer: TextTokenizer
+    routers: list[Router] = field(default_factory=list)
+
+    def text(self, prompt: list[int], tokens: list[int]) -> str:
+        """The text one uninterrupted engine writes for `tokens` after `prompt` (no stop strings)."""
+        detok = IncrementalDetokenizer(self.tokenizer, prompt)
+        return "".join(detok.push(t) for t in tokens[:-1]) + detok.push(tokens[-1]) + detok.flush()
+
+    def restart(self, name: str) -> None:
+        """Starts `name` again if it is not running (a new epoch)."""
+        proc = self.mesh.procs.get(name)
+        if proc is None or proc.proc.poll() is not None:
+            self.mesh.start_peer(name, "prefill" if name.startswith("prefill") else "decode")
+
+
+@pytest.fixture(scope="module")
+def mig(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MigrationMesh]:
+    m = Mesh(
+        tiny_model, tmp_path_factory.mktemp("migration"), {**FAST_ENV, "XAVIER_ENGINE__NUM_PAGES": "2048"}
+    )
+    routers: list[Router] = []
+    try:
+        m.start_directory()
+        m.start_peer("prefill-0", "prefill")
+        for name in DECODES:
+            m.start_peer(name, "decode")
+        routers.append(start_router(m, "router", **MIGRATION_ENV))
+        yield MigrationMesh(m, routers[0], TextTokenizer.load(tiny_model), routers)
+    finally:
+        for r in routers:
+            r.proc.stop()
+        m.stop()
+
+
+@dataclass
+class Streamed:
+    """One gRPC stream as the client saw it."""
+
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish: int = 0
+    usage: types_pb2.Usage | None = None
+    error: grpc.aio.AioRpcError | None = None
+
+
+def prompt_ids(seed: int, n: int = 24) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def request(rid: str, ids: list[int], max_tokens: int, **sampling: object) -> rpb.GenerateRequest:
+    s = types_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)  # type: ignore[arg-type]
+    return rpb.GenerateRequest(request_id=rid, token_ids=rpb.TokenIds(ids=ids), sampling=s)
+
+
+async def stream(
+    address: str, req: rpb.GenerateRequest, on_tokens: Callable[[Streamed], None] | None = None
+) -> Streamed:
+    out = Streamed(req.request_id)
+    async with grpc.aio.insecure_channel(address) as ch:
+        try:
+            async for resp in rpb_grpc.RouterServiceStub(ch).Generate(req, timeout=120):
+                out.tokens += resp.token_ids
+                out.text += resp.text
+                if resp.finish_reason:
+                    out.finish, out.usage = resp.finish_reason, resp.usage
+                if on_tokens is not None:
+                    on_tokens(out)
+        except grpc.aio.AioRpcError as exc:
+            out.error = exc
+    return out
+
+
+def migrations(router: Router) -> dict[str, list[tuple[str, int, str]]]:
+    """request id -> [(cause, tokens sent at the seam, cached part of the new prompt)] from the log."""
+    out: dict[str, list[tuple[str, int, str]]] = {}
+    for line in router.proc.log().splitlines():
+        if not line.startswith("{"):
+            continue
+        event = json.loads(line)
+        if event.get("event") in ("request", "request failed") and event.get("migrations"):
+            moves = []
+            for move in event["migrations"].split(","):
+                cause, _, rest = move.partition(":")
+                at, _, cached = rest.rpartition("@")[2].partition("/cached=")
+                moves.append((cause, int(at), cached))
+            out[event["request_id"]] = moves
+    return out
+
+
+async def serving_decode(mesh: Mesh, exclude: str = "", prefer: list[str] | None = None) -> str:
+    """The decode that runs a request now (polled, in `prefer`'s order, within a generous bound),
+    leaving `exclude` (a stopped one) out."""
+    for _ in range(3000):
+        for name in prefer or DECODES:
+            proc = mesh.procs.get(name)
+            if name == exclude or proc is None or proc.proc.poll() is not None:
+                continue
+            async with grpc.aio.insecure_channel(proc.address) as ch:
+                st = await dec_grpc.DecodeServiceStub(ch).GetDecodeStats(
+                    dec.GetDecodeStatsRequest(), timeout=5
+                )
+            if st.engine.running:
+                return name
+        await asyncio.sleep(0.02)
+    raise AssertionError("no decode is running a request")
+
+
+async def fresh(mig: MigrationMesh, ids: list[int], max_tokens: int, **sampling: object) -> Streamed:
+    out = await stream(mig.router.grpc, request("", ids, max_tokens, **sampling))
+    assert out.error is None and len(out.tokens) == max_tokens, out
+    return out
+
+
+async def idle(mig: MigrationMesh) -> None:
+    for r in mig.routers:
+        stats = await wait_all_idle(mig.mesh, r.grpc, timeout=30.0)
+        assert not any(stats.values()), stats
+
+
+async def when(cond: Callable[[], bool], bound: float = 60.0) -> None:
+    """Waits for `cond` (a generous bound, so a broken router fails the test instead of hanging it)."""
+    for _ in range(int(bound / 0.02)):
+        if cond():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def test_kill_a_decode_under_16_streams_loses_no_token(mig: MigrationMesh) -> None:
+    rng = random.Random(22)
+    n, max_tokens = 16, 200
+    order, trigger_stream, trigger_at = rng.sample(DECODES, 2), rng.randrange(n), rng.randrange(4, 40)
+    prompts = [prompt_ids(100 + i) for i in range(n)]
+    trigger, killed = asyncio.Event(), asyncio.Event()
+
+    def watch(s: Streamed) -> None:
+        if s.request_id == f"kill-{trigger_stream}" and len(s.tokens) >= trigger_at:
+            trigger.set()
+
+    async def killer() -> str:
+        await trigger.wait()  # the trigger stream is mid-stream: some decode runs requests now
+        victim = await serving_decode(mig.mesh, prefer=order)
+        mig.mesh.procs[victim].kill()  # kill -9, reaped
+        killed.set()
+        return victim
+
+    kill = asyncio.ensure_future(killer())
+    outs = await asyncio.gather(
+        *(stream(mig.router.grpc, request(f"kill-{i}", p, max_tokens), watch) for i, p in enumerate(prompts))
+    )
+    victim = await kill
+    assert killed.is_set()
+    moved = migrations(mig.router)
+    whole_equal = 0
+    for i, (ids, out) in enumerate(zip(prompts, outs, strict=True)):
+        assert out.error is None, out.error
+        assert len(out.tokens) == max_tokens and out.finish == types_pb2.FINISH_REASON_LENGTH, out
+        assert out.usage is not None and out.usage.completion_tokens == max_tokens
+        assert out.text == mig.text(ids, out.tokens), i  # text continues exactly over the seam
+        seams = [at for _, at, _ in moved.get(out.request_id, [])]
+        for at in seams:
+            after = await fresh(mig, ids + out.tokens[:at], max_tokens - at)
+            assert out.tokens[at:] == after.tokens, (i, at)
+        whole = (await fresh(mig, ids, max_tokens)).tokens
+        assert seams or out.tokens == whole, i  # an unmoved stream (a failover at most) is the plain run
+        whole_equal += out.tokens == whole
+    n_moved = sum(1 for o in outs if o.request_id in moved)
+    assert n_moved >= 1, "no stream was on the killed decode"
+    assert all(c == "unavailable" for m in moved.values() for c, _, _ in m), moved
+    print(f"migrated {n_moved}/{n} streams; whole answers equal to an uninterrupted run: {whole_equal}/{n}")
+    page = await metrics_page(mig.router.proc.metrics)
+    assert metric_values(page, 'xavier_router_migrations_total{cause="unavailable"}'), page
+    await idle(mig)
+    mig.restart(victim)
+
+
+async def test_seeded_stream_continues_at_the_advanced_seed(mig: MigrationMesh) -> None:
+    ids, max_tokens, seed = prompt_ids(7), 300, 1234
+    sampling = {"temperature": 1.0, "seed": seed}
+    at = random.Random(5).randrange(3, 30)
+    got = asyncio.Event()
+    task = asyncio.ensure_future(
+        stream(
+            mig.router.grpc,
+            request("seeded", ids, max_tokens, **sampling),
+            lambda s: got.set() if len(s.tokens) >= at else None,
+        )
+    )
+    victim = await serving_decode(mig.mesh)
+    await got.wait()
+    mig.mesh.procs[victim].kill()  # kill -9, reaped
+    out = await task
+    assert out.error is None and len(out.tokens) == max_tokens, out
+    [(cause, seam, _)] = migrations(mig.router)["seeded"]
+    assert cause == "unavailable" and seam >= at
+    after = await fresh(
+        mig, ids + out.tokens[:seam], max_tokens - seam, temperature=1.0, seed=advance_seed(seed, seam)
+    )
+    assert out.tokens[seam:] == after.tokens
+    whole = await fresh(mig, ids, max_tokens, **sampling)
+    print(f"seeded: seam at {seam}; equal to the uninterrupted seeded run: {out.tokens == whole.tokens}")
+    await idle(mig)
+    mig.restart(victim)
+
+
+async def test_sigstop_a_decode_mid_stream_migrates(mig: MigrationMesh) -> None:
+    n, max_tokens = 6, 400
+    started = [asyncio.Event() for _ in range(n)]
+    tasks = [
+        asyncio.ensure_future(
+            stream(
+                mig.router.grpc,
+                request(f"stop-{i}", prompt_ids(300 + i), max_tokens),
+                lambda s, i=i: started[i].set() if len(s.tokens) >= 3 else None,
+            )
+        )
+        for i in range(n)
+    ]
+    for ev in started:
+        await ev.wait()
+    victim = await serving_decode(mig.mesh)
+    os.kill(mig.mesh.procs[victim].proc.pid, signal.SIGSTOP)
+    try:
+        outs = await asyncio.gather(*tasks)  # with no migration these would wait 20 s and fail
+    finally:
+        os.kill(mig.mesh.procs[victim].proc.pid, signal.SIGCONT)
+    moved = migrations(mig.router)
+    for i, out in enumerate(outs):
+        assert out.error is None and len(out.tokens) == max_tokens, out
+        assert out.text == mig.text(prompt_ids(300 + i), out.tokens)
+    stalled = [o for o in outs if any(c == "stalled" for c, _, _ in moved.get(o.request_id, []))]
+    assert stalled, moved
+    await idle(mig)
+
+
+async def test_opt_out_gets_the_old_error(mig: MigrationMesh) -> None:
+    req = request("opt-out", prompt_ids(9), 400)
+    req.no_migration = True
+    got = asyncio.Event()
+    task = asyncio.ensure_future(
+        stream(mig.router.grpc, req, lambda s: got.set() if len(s.tokens) >= 5 else None)
+    )
+    victim = await serving_decode(mig.mesh)
+    await got.wait()
+    mig.mesh.procs[victim].kill()  # kill -9, reaped
+    out = await task
+    assert out.error is not None and out.error.code() == grpc.StatusCode.UNAVAILABLE
+    assert from_rpc_error(out.error).reason == "PEER_FAILED"
+    assert "127.0.0.1" not in (out.error.details() or "")
+    assert "opt-out" not in migrations(mig.router)
+    await idle(mig)
+    mig.restart(victim)
+
+
+async def _stop_mid_stream(
+    mig: MigrationMesh, address: str, rid: str
+) -> tuple[asyncio.Future[Streamed], str]:
+    got = asyncio.Event()
+    task = asyncio.ensure_future(
+        stream(
+            address,
+            request(rid, prompt_ids(len(rid)), 400),
+            lambda s: got.set() if len(s.tokens) >= 3 else None,
+        )
+    )
+    await got.wait()
+    victim = await serving_decode(mig.mesh)
+    os.kill(mig.mesh.procs[victim].proc.pid, signal.SIGSTOP)
+    return task, victim
+
+
+async def test_migration_limit_is_a_clear_error(mig: MigrationMesh) -> None:
+    limited = start_router(mig.mesh, "router-limit1", **MIGRATION_ENV, XAVIER_MIGRATION_LIMIT="1")
+    mig.routers.append(limited)
+    task, first = await _stop_mid_stream(mig, limited.grpc, "limited")
+    try:
+        await when(lambda: "limited" in migrations_started(limited))  # moved once, to the other decode
+        second = await serving_decode(mig.mesh, exclude=first)
+    except BaseException:
+        os.kill(mig.mesh.procs[first].proc.pid, signal.SIGCONT)
+        raise
+    err, out = await _failed_while_stopped(mig, task, second)
+    assert err.reason == "MIGRATION_LIMIT" and err.metadata["migrations"] == "1", err
+    assert len(out.tokens) > 3
+    await idle(mig)
+
+
+async def _failed_while_stopped(
+    mig: MigrationMesh, task: asyncio.Future[Streamed], stop: str
+) -> tuple[XavierError, Streamed]:
+    """Stops `stop` too, reads the stream to its end, resumes both decodes; the stream's error (an
+    UNAVAILABLE naming no internal address) and the stream."""
+    try:
+        os.kill(mig.mesh.procs[stop].proc.pid, signal.SIGSTOP)
+        out = await task
+    finally:
+        for name in DECODES:
+            os.kill(mig.mesh.procs[name].proc.pid, signal.SIGCONT)
+    assert out.error is not None and out.error.code() == grpc.StatusCode.UNAVAILABLE, out
+    assert "127.0.0.1" not in (out.error.details() or "")
+    return from_rpc_error(out.error), out
+
+
+def migrations_started(router: Router) -> set[str]:
+    """Request ids the router has begun to move (its "migrating request" lines)."""
+    out = set()
+    for line in router.proc.log().splitlines():
+        if line.startswith("{"):
+            event = json.loads(line)
+            if event.get("event") == "migrating request":
+                out.add(event["request_id"])
+    return out
+
+
+async def test_no_pair_left_is_a_clear_error(mig: MigrationMesh) -> None:
+    task, victim = await _stop_mid_stream(mig, mig.router.grpc, "nopair")
+    other = next(n for n in DECODES if n != victim)
+    err, _ = await _failed_while_stopped(mig, task, other)
+    assert err.reason == "MIGRATION_FAILED" and err.metadata["peer_id"] == victim, err
+    await idle(mig)
+
+
+async def test_client_cancel_during_a_migration_leaks_nothing(mig: MigrationMesh) -> None:
+    # Probes far apart: the stopped prefill stays in selection, so the move's re-prefill goes to it.
+    slow = start_router(mig.mesh, "router-slowprobe", **MIGRATION_ENV, XAVIER_HEALTH_INTERVAL_SECONDS="600")
+    mig.routers.append(slow)
+    prefill = mig.mesh.procs["prefill-0"].proc.pid
+    task, victim = await _stop_mid_stream(mig, slow.grpc, "cancelled")
+    os.kill(prefill, signal.SIGSTOP)  # the move's re-prefill cannot finish: the request is mid-move
+    try:
+        await when(lambda: "cancelled" in migrations_started(slow))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        os.kill(prefill, signal.SIGCONT)
+        os.kill(mig.mesh.procs[victim].proc.pid, signal.SIGCONT)
+    await idle(mig)
+    log = [json.loads(line) for line in slow.proc.log().splitlines() if line.startswith("{")]
+    [line] = [e for e in log if e.get("request_id") == "cancelled" and e.get("event") == "request"]
+    assert line["status"] == "CANCELLED" and line["migrations"].startswith("stalled:"), line
