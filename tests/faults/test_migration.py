@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import grpc
 import pytest
 from xavier.v1 import decode_service_pb2 as dec
@@ -179,28 +180,26 @@ async def when(cond: Callable[[], bool], bound: float = 60.0) -> None:
 
 async def test_kill_a_decode_under_16_streams_loses_no_token(mig: MigrationMesh) -> None:
     rng = random.Random(22)
-    n, max_tokens = 16, 200
-    order, trigger_stream, trigger_at = rng.sample(DECODES, 2), rng.randrange(n), rng.randrange(4, 40)
+    n, max_tokens = 16, 400
+    # The client reads behind what the router sent, so the decode's own count says when: once the victim
+    # runs 4 or more of the streams, after a seeded number of further polls.
+    victim, polls = rng.choice(DECODES), rng.randrange(0, 8)
     prompts = [prompt_ids(100 + i) for i in range(n)]
-    trigger, killed = asyncio.Event(), asyncio.Event()
 
-    def watch(s: Streamed) -> None:
-        if s.request_id == f"kill-{trigger_stream}" and len(s.tokens) >= trigger_at:
-            trigger.set()
-
-    async def killer() -> str:
-        await trigger.wait()  # the trigger stream is mid-stream: some decode runs requests now
-        victim = await serving_decode(mig.mesh, prefer=order)
+    async def killer() -> None:
+        seen = 0
+        async with grpc.aio.insecure_channel(mig.mesh.procs[victim].address) as ch:
+            stub = dec_grpc.DecodeServiceStub(ch)
+            while seen <= polls:
+                st = await stub.GetDecodeStats(dec.GetDecodeStatsRequest(), timeout=5)
+                seen += st.engine.running >= 4
         mig.mesh.procs[victim].kill()  # kill -9, reaped
-        killed.set()
-        return victim
 
     kill = asyncio.ensure_future(killer())
     outs = await asyncio.gather(
-        *(stream(mig.router.grpc, request(f"kill-{i}", p, max_tokens), watch) for i, p in enumerate(prompts))
+        *(stream(mig.router.grpc, request(f"kill-{i}", p, max_tokens)) for i, p in enumerate(prompts))
     )
-    victim = await kill
-    assert killed.is_set()
+    await kill
     moved = migrations(mig.router)
     whole_equal = 0
     for i, (ids, out) in enumerate(zip(prompts, outs, strict=True)):
@@ -305,27 +304,29 @@ async def test_opt_out_gets_the_old_error(mig: MigrationMesh) -> None:
 
 async def _stop_mid_stream(
     mig: MigrationMesh, address: str, rid: str
-) -> tuple[asyncio.Future[Streamed], str]:
-    got = asyncio.Event()
-    task = asyncio.ensure_future(
-        stream(
-            address,
-            request(rid, prompt_ids(len(rid)), 400),
-            lambda s: got.set() if len(s.tokens) >= 3 else None,
-        )
-    )
-    await got.wait()
+) -> tuple[asyncio.Future[Streamed], str, list[Streamed]]:
+    """Starts a long stream, SIGSTOPs its decode once 3 tokens came; the stream's task, the stopped
+    decode and the stream as it goes (filled at its first token)."""
+    live: list[Streamed] = []
+
+    def seen(s: Streamed) -> None:
+        live[:] = [s]
+
+    task = asyncio.ensure_future(stream(address, request(rid, prompt_ids(len(rid)), 400), seen))
+    await when(lambda: bool(live) and len(live[0].tokens) >= 3)
     victim = await serving_decode(mig.mesh)
     os.kill(mig.mesh.procs[victim].proc.pid, signal.SIGSTOP)
-    return task, victim
+    return task, victim, live
 
 
 async def test_migration_limit_is_a_clear_error(mig: MigrationMesh) -> None:
     limited = start_router(mig.mesh, "router-limit1", **MIGRATION_ENV, XAVIER_MIGRATION_LIMIT="1")
     mig.routers.append(limited)
-    task, first = await _stop_mid_stream(mig, limited.grpc, "limited")
+    task, first, live = await _stop_mid_stream(mig, limited.grpc, "limited")
     try:
         await when(lambda: "limited" in migrations_started(limited))  # moved once, to the other decode
+        at = len(live[0].tokens)
+        await when(lambda: len(live[0].tokens) >= at + 3)  # the new decode streams
         second = await serving_decode(mig.mesh, exclude=first)
     except BaseException:
         os.kill(mig.mesh.procs[first].proc.pid, signal.SIGCONT)
@@ -364,7 +365,7 @@ def migrations_started(router: Router) -> set[str]:
 
 
 async def test_no_pair_left_is_a_clear_error(mig: MigrationMesh) -> None:
-    task, victim = await _stop_mid_stream(mig, mig.router.grpc, "nopair")
+    task, victim, _ = await _stop_mid_stream(mig, mig.router.grpc, "nopair")
     other = next(n for n in DECODES if n != victim)
     err, _ = await _failed_while_stopped(mig, task, other)
     assert err.reason == "MIGRATION_FAILED" and err.metadata["peer_id"] == victim, err
@@ -376,7 +377,7 @@ async def test_client_cancel_during_a_migration_leaks_nothing(mig: MigrationMesh
     slow = start_router(mig.mesh, "router-slowprobe", **MIGRATION_ENV, XAVIER_HEALTH_INTERVAL_SECONDS="600")
     mig.routers.append(slow)
     prefill = mig.mesh.procs["prefill-0"].proc.pid
-    task, victim = await _stop_mid_stream(mig, slow.grpc, "cancelled")
+    task, victim, _ = await _stop_mid_stream(mig, slow.grpc, "cancelled")
     os.kill(prefill, signal.SIGSTOP)  # the move's re-prefill cannot finish: the request is mid-move
     try:
         await when(lambda: "cancelled" in migrations_started(slow))
@@ -390,3 +391,98 @@ async def test_client_cancel_during_a_migration_leaks_nothing(mig: MigrationMesh
     log = [json.loads(line) for line in slow.proc.log().splitlines() if line.startswith("{")]
     [line] = [e for e in log if e.get("request_id") == "cancelled" and e.get("event") == "request"]
     assert line["status"] == "CANCELLED" and line["migrations"].startswith("stalled:"), line
+
+
+def log_events(router: Router, event: str, peer_id: str) -> int:
+    """How many times the router logged `event` for `peer_id`."""
+    lines = [json.loads(line) for line in router.proc.log().splitlines() if line.startswith("{")]
+    return sum(1 for e in lines if e.get("event") == event and e.get("peer_id") == peer_id)
+
+
+@dataclass
+class Sse:
+    """One SSE completion stream as the client saw it."""
+
+    text: str = ""
+    chunks: int = 0
+    finish: str | None = None
+    usage: dict[str, int] | None = None
+    error: dict[str, object] | None = None
+
+
+async def sse(http: str, body: dict[str, object], started: asyncio.Event) -> Sse:
+    out = Sse()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"http://{http}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)
+        ) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                out.error = event["error"]
+                continue
+            if event.get("usage"):
+                out.usage = event["usage"]
+            for choice in event["choices"]:
+                out.text += choice["text"]
+                out.finish = choice.get("finish_reason") or out.finish
+            out.chunks += 1
+            if out.chunks >= 3:
+                started.set()
+    return out
+
+
+async def test_sse_streams_migrate_and_the_opt_out_gets_an_error_event(mig: MigrationMesh) -> None:
+    """Every stream starts on one decode (the other stopped meanwhile); that decode is killed once the
+    other is back: the SSE streams go on with exact text and usage, the opted-out one ends with
+    PEER_FAILED."""
+    keep, victim = DECODES
+    os.kill(mig.mesh.procs[keep].proc.pid, signal.SIGSTOP)
+    back = log_events(mig.router, "peer back in selection", keep)
+    try:
+        await when(lambda: log_events(mig.router, "peer out of selection", keep) > 0)
+        n, max_tokens = 4, 300
+        prompts = [prompt_ids(500 + i) for i in range(n)]
+        starts = [asyncio.Event() for _ in range(n)]
+        bodies: list[dict[str, object]] = [
+            {
+                "prompt": p,
+                "max_tokens": max_tokens,
+                "stream": True,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream_options": {"include_usage": True},
+                "user_request_id": f"sse-{i}",
+                **({"xavier_migration": False} if i == n - 1 else {}),
+            }
+            for i, p in enumerate(prompts)
+        ]
+        tasks = [
+            asyncio.ensure_future(sse(mig.router.http, b, e)) for b, e in zip(bodies, starts, strict=True)
+        ]
+        for ev in starts:
+            await ev.wait()
+    finally:
+        os.kill(mig.mesh.procs[keep].proc.pid, signal.SIGCONT)
+    await when(lambda: log_events(mig.router, "peer back in selection", keep) > back)
+    mig.mesh.procs[victim].kill()  # kill -9, reaped
+    outs = await asyncio.gather(*tasks)
+    moved = migrations(mig.router)
+    for i, (ids, out) in enumerate(zip(prompts[:-1], outs[:-1], strict=True)):
+        assert out.error is None and out.finish == "length", out
+        assert out.usage is not None and out.usage["completion_tokens"] == max_tokens, out.usage
+        [(cause, at, _)] = moved[f"sse-{i}"]
+        before = (await fresh(mig, ids, at)).tokens  # what went out before the seam (greedy, unmoved)
+        after = (await fresh(mig, ids + before, max_tokens - at)).tokens
+        assert cause == "unavailable" and out.text == mig.text(ids, before + after), i
+    opted = outs[-1]
+    assert opted.error is not None and opted.error["code"] == "PEER_FAILED", opted
+    assert "127.0.0.1" not in json.dumps(opted.error)
+    await idle(mig)
+    mig.restart(victim)

@@ -38,6 +38,7 @@ from xavier_services.router.request import Prepared
 from xavier_services.router.seam_text import SeamText
 
 _log = get_logger("xavier.router.migration")
+_NO_PAIR = frozenset(("PEER_FAILED", "NO_PEERS"))
 
 
 @dataclass
@@ -140,7 +141,9 @@ async def migrating(
                 return
             current = resumed(prep, sent, len(moves))
         except XavierError as err:
-            if not moves or not fresh:
+            # Past a move, a failover that found no pair (before the new decode's first token) is
+            # the move failing too; other errors are the request's own.
+            if not moves or not (fresh or err.reason in _NO_PAIR):
                 raise
             detail = f"found no other pair to continue it ({err.reason})"
             raise _refused(moves[-1], detail, reason="MIGRATION_FAILED", why=err.reason) from None
