@@ -127,17 +127,20 @@ class _Stalled(Exception):
 async def paced(call: Any, seconds: float, first: bool = True) -> AsyncIterator[Any]:
     """The messages of a streaming call, each within `seconds` of the previous one (of the call's start
     for the first, unless `first` is False: a unified replica's first message waits for its prefill);
-    raises `_Stalled` past it."""
-    waited = first
-    while True:
-        try:
-            msg = await (asyncio.wait_for(call.read(), seconds) if waited else call.read())
-        except TimeoutError:
-            raise _Stalled from None
-        if msg is grpc.aio.EOF:
-            return
-        waited = True
-        yield msg
+    raises `_Stalled` past it. One timer per call, moved at each message (no task per read), and off
+    while the consumer holds a message: only the peer's time counts."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout_at(loop.time() + seconds if first else None) as watch:
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    return
+                watch.reschedule(None)
+                yield msg
+                watch.reschedule(loop.time() + seconds)
+    except TimeoutError:
+        raise _Stalled from None
 
 
 def _stalled(peer: dpb.Peer, pool: PeerPool, seconds: float) -> _PeerFailed:

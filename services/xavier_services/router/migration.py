@@ -23,9 +23,10 @@ with the draws of the uninterrupted run. Greedy continuations are exact on eithe
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xavier.v1 import types_pb2
 
@@ -51,11 +52,19 @@ class Migration:
     tokens_sent: int
     prompt_tokens: int
     cached_tokens: int | None = None
+    at: float = field(default_factory=time.monotonic)  # when the failure was seen
+    seam_seconds: float | None = None  # from the failure to the new attempt's first token
+
+    def first_step(self, step: Step) -> None:
+        self.cached_tokens = step.cached_tokens
+        self.seam_seconds = time.monotonic() - self.at
 
     def describe(self) -> str:
-        """`cause:peer@tokens sent/cached prompt tokens of the new prompt` (the request's log line)."""
+        """`cause:peer@tokens sent/cached=C of P new prompt tokens/seam=S s` (the request's log line)."""
         cached = "?" if self.cached_tokens is None else str(self.cached_tokens)
-        return f"{self.cause}:{self.peer_id}@{self.tokens_sent}/cached={cached}of{self.prompt_tokens}"
+        seam = "?" if self.seam_seconds is None else f"{self.seam_seconds:.4f}"
+        where = f"{self.cause}:{self.peer_id}@{self.tokens_sent}"
+        return f"{where}/cached={cached}/of={self.prompt_tokens}/seam={seam}"
 
 
 def resumed(prep: Prepared, sent: list[int], move: int) -> Prepared:
@@ -110,7 +119,7 @@ async def migrating(
                 async for step in steps:
                     if seam is not None:
                         if fresh:
-                            moves[-1].cached_tokens = step.cached_tokens
+                            moves[-1].first_step(step)
                         step = seam.render(step)
                     fresh = False
                     sent.extend(step.token_ids)
