@@ -41,7 +41,7 @@ MIGRATION_ENV = {
     "XAVIER_PROGRESS_TIMEOUT_SECONDS": "20",
     "XAVIER_FAILOVER_ATTEMPTS": "3",
 }
-DECODES = ("decode-0", "decode-1")
+DECODES = ["decode-0", "decode-1"]
 
 
 @dataclass
@@ -521,3 +521,50 @@ async def test_sse_streams_migrate_and_the_opt_out_gets_an_error_event(mig: Migr
     assert "127.0.0.1" not in json.dumps(opted.error)
     await idle(mig)
     mig.restart(victim)
+
+
+async def test_colocated_stream_migrates_to_another_unified_replica(mig: MigrationMesh) -> None:
+    """The same wrapper serves colocated requests: a unified replica killed mid-stream hands its
+    streams to the other replica, which re-prefills prompt + tokens sent."""
+    replicas = ("unified-0", "unified-1")
+    for name in replicas:
+        mig.mesh.start_peer(name, "unified")
+    try:
+        n, max_tokens = 4, 400
+        prompts = [prompt_ids(700 + i) for i in range(n)]
+        starts = [asyncio.Event() for _ in range(n)]
+
+        def req(i: int) -> rpb.GenerateRequest:
+            r = request(f"co-{i}", prompts[i], max_tokens)
+            r.mode = rpb.ROUTING_MODE_COLOCATED
+            return r
+
+        tasks = [
+            asyncio.ensure_future(
+                stream(
+                    mig.router.grpc, req(i), lambda s, i=i: starts[i].set() if len(s.tokens) >= 3 else None
+                )
+            )
+            for i in range(n)
+        ]
+        for ev in starts:
+            await ev.wait()
+        victim = await serving_decode(mig.mesh, prefer=list(replicas))
+        mig.mesh.procs[victim].kill()  # kill -9, reaped
+        outs = await asyncio.gather(*tasks)
+        moved = migrations(mig.router)
+        for i, out in enumerate(outs):
+            assert out.error is None and len(out.tokens) == max_tokens, out
+            for move in moved.get(out.request_id, []):
+                r = req(i)
+                r.request_id, r.sampling.max_tokens = "", max_tokens - move.at
+                r.token_ids.ids.extend(out.tokens[: move.at])
+                after = await stream(mig.router.grpc, r)
+                assert out.tokens[move.at :] == after.tokens, (i, move)
+        assert any(out.request_id in moved for out in outs), moved
+        await idle(mig)
+    finally:
+        for name in replicas:
+            proc = mig.mesh.procs.pop(name, None)
+            if proc is not None:
+                proc.stop()

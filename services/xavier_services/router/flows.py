@@ -178,6 +178,8 @@ def _exhausted(failure: _PeerFailed, attempts: int) -> Unavailable:
     role = role_name(peer.role)
     transport = failure.error.reason == "UNAVAILABLE"
     why = "could not be reached" if transport else f"failed ({failure.error.reason})"
+    if failure.cause == "stalled":
+        why = failure.error.message
     return Unavailable(
         f"{role} peer {peer.peer_id!r} {why}; no other {role} peer could take the request",
         reason="PEER_FAILED",
