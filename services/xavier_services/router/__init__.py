@@ -15,7 +15,8 @@ parses and shapes them with `openai_shapes` and `openai_logprobs`, sends SSE kee
 - `stream`: what the flow's task hands the reader (a step, ended, failed) and the responses built from
   the steps.
 - the flows, each an async iterator of `flows.Step`: `flows` (P/D through a directory room, colocated on a
-  unified peer, failover, and a decode silent past `decode_progress_seconds` failed like a dead one),
+  unified peer, failover, and a decode silent past `decode_progress_seconds` failed like a dead one,
+  watched by `pacing`),
   `pd_concurrent` (a pair whose prefill and decode are called at once) and `native` (SGLang's own
   prefill and decode servers over HTTP).
 - `migration`: wraps the P/D and colocated flows; a decode that fails or stalls after tokens reached the

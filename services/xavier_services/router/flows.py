@@ -25,7 +25,6 @@ pair (or, without one, the client's PEER_FAILED).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -44,6 +43,7 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime import Unavailable, XavierError, from_rpc_error, get_logger
 from xavier_core.runtime.durations import to_seconds
 from xavier_services.router.health import peer_key, role_name
+from xavier_services.router.pacing import Stalled, paced
 from xavier_services.router.peers import Pair, PeerPool, affinity_key
 from xavier_services.router.request import Prepared, require_features
 
@@ -118,29 +118,6 @@ class StreamBroken(Unavailable):
         super().__init__(exhausted.message, reason="PEER_FAILED", **exhausted.metadata)
         self.peer = failed.peer
         self.cause = failed.cause
-
-
-class _Stalled(Exception):
-    """A streaming peer sent nothing within the stall deadline (internal to the flows)."""
-
-
-async def paced(call: Any, seconds: float, first: bool = True) -> AsyncIterator[Any]:
-    """The messages of a streaming call, each within `seconds` of the previous one (of the call's start
-    for the first, unless `first` is False: a unified replica's first message waits for its prefill);
-    raises `_Stalled` past it. One timer per call, moved at each message (no task per read), and off
-    while the consumer holds a message: only the peer's time counts."""
-    loop = asyncio.get_running_loop()
-    try:
-        async with asyncio.timeout_at(loop.time() + seconds if first else None) as watch:
-            while True:
-                msg = await call.read()
-                if msg is grpc.aio.EOF:
-                    return
-                watch.reschedule(None)
-                yield msg
-                watch.reschedule(loop.time() + seconds)
-    except TimeoutError:
-        raise _Stalled from None
 
 
 def _stalled(peer: dpb.Peer, pool: PeerPool, seconds: float) -> _PeerFailed:
@@ -280,7 +257,7 @@ async def _colocated_attempt(
         yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
     except grpc.aio.AioRpcError as exc:
         raise _lost(_peer_error(exc, peer, pool), streamed) from None
-    except _Stalled:
+    except Stalled:
         raise _lost(_stalled(peer, pool, env.stall_seconds), streamed) from None
     finally:
         call.cancel()
@@ -426,7 +403,7 @@ async def _pd_attempt(
         yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
     except grpc.aio.AioRpcError as exc:
         raise _lost(_peer_error(exc, calling, pool), decoded) from None
-    except _Stalled:
+    except Stalled:
         raise _lost(_stalled(d, pool, env.stall_seconds), decoded) from None
     finally:
         pf_call.cancel()
