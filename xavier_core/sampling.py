@@ -27,6 +27,8 @@ MAX_REPETITION_PENALTY = 10.0  # above that every seen token is gone already; (0
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range [-100, 100]
 MAX_LOGIT_BIAS_TOKENS = 1024
 
+SEED_STEP = 0x9E3779B97F4A7C15  # SplitMix64's increment: the seed state moves by this per sampled token
+
 INVALID_SAMPLING = "INVALID_SAMPLING"
 INVALID_MAX_TOKENS = "INVALID_MAX_TOKENS"
 INVALID_CACHE_SALT = "INVALID_CACHE_SALT"
@@ -140,3 +142,20 @@ def check_cache_salt(salt: str) -> None:
         raise SamplingError(
             f"cache_salt is longer than {MAX_CACHE_SALT_CHARS} characters", "cache_salt", INVALID_CACHE_SALT
         )
+
+
+def advance_seed(seed: int, steps: int) -> int:
+    """The seed of a request that starts `steps` sampled tokens into a run seeded with `seed`: its
+    token i draws what the original run's token `steps + i` drew (a migrated request continues the
+    same random stream; see `step_seed`)."""
+    return (seed + steps * SEED_STEP) % (1 << 64)
+
+
+def step_seed(seed: int, index: int) -> int:
+    """The seed of the draw that samples output token `index` (0: the first) of a request seeded with
+    `seed`: SplitMix64's `index`-th output, so every token's randomness depends only on the seed and its
+    position, whichever engine (prefill, decode, a migration's new pair) samples it."""
+    z = advance_seed(seed, index + 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return z ^ (z >> 31)

@@ -18,7 +18,7 @@ from xavier_core.engine.api import (
     TokenEvent,
 )
 from xavier_core.engine.reference import ReferenceEngine
-from xavier_core.sampling import MAX_TOKENS, SamplingError
+from xavier_core.sampling import MAX_TOKENS, SamplingError, advance_seed, step_seed
 
 from .conftest import ARCHS, collect, greedy_tokens, prompt_of
 
@@ -194,6 +194,20 @@ async def test_sampling_is_seeded_and_logprobs_are_right(engine_factory: Factory
 
     logits = _our_logits(engine.model_dir, torch.tensor(prompt))[-1]
     assert abs(torch.log_softmax(logits, -1)[first.token_id].item() - first.logprob) < 1e-4
+
+
+async def test_seeded_run_resumed_at_the_advanced_seed_continues_it(engine_factory: Factory) -> None:
+    """Token i of a seeded request draws from `step_seed(seed, i)`: a request resumed after k tokens with
+    prompt + those tokens and `advance_seed(seed, k)` samples the rest of the same run (migration)."""
+    engine = engine_factory("qwen2")
+    prompt = prompt_of(engine, 20)
+    hot = Sampling(max_tokens=24, temperature=1.0, seed=99, ignore_eos=True)
+    whole = [e.token_id for e in await collect(engine.generate("w", prompt, hot))]
+    for k in (1, 7, 23):
+        later = Sampling(**{**hot.__dict__, "max_tokens": 24 - k, "seed": advance_seed(99, k)})
+        rest = [e.token_id for e in await collect(engine.generate(f"r{k}", prompt + whole[:k], later))]
+        assert whole[:k] + rest == whole, k
+    assert advance_seed(99, 3) != 99 + 3 and step_seed(advance_seed(99, 3), 2) == step_seed(99, 5)
 
 
 @pytest.mark.parametrize(

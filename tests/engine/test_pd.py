@@ -51,6 +51,23 @@ async def test_prefill_transfer_decode_equals_generate(arch: str, copy: str, eng
     decode_engine.release_pages("req")  # after the decode finished: a no-op
 
 
+async def test_seeded_prefill_then_decode_equals_seeded_generate(engine_factory: Factory) -> None:
+    """Each token's draw depends on the seed and its position only, so a decode (whose first token the
+    prefill sampled) continues the run one engine would sample."""
+    prefill_engine, decode_engine = engine_factory("qwen2"), engine_factory("qwen2")
+    prompt = prompt_of(prefill_engine, 30)
+    hot = Sampling(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    expected = [e.token_id for e in await collect(prefill_engine.generate("ref", prompt, hot))]
+    res = await prefill_engine.prefill("req", prompt, hot)
+    dst = decode_engine.reserve_pages("req", len(prompt))
+    decode_engine.write_pages(dst, prefill_engine.read_pages(res.page_ids))
+    prefill_engine.release_pages("req")
+    events = await collect(
+        decode_engine.decode_from_pages("req", prompt, res.first_token, res.first_logprob, hot)
+    )
+    assert [e.token_id for e in events] == expected
+
+
 async def test_prefill_pages_hold_the_prompt_kv(engine_factory: Factory) -> None:
     a = engine_factory("qwen2")
     b = engine_factory("qwen2")

@@ -34,6 +34,15 @@ def test_parse_completion_defaults_and_fields() -> None:
     assert r.mode == rpb.ROUTING_MODE_PD and oa.model == "m" and not oa.stream
 
 
+def test_xavier_migration_is_on_unless_the_body_says_false() -> None:
+    assert not parse({"prompt": "hi"}, False, "m", 16).request.no_migration
+    assert not parse({"prompt": "hi", "xavier_migration": True}, False, "m", 16).request.no_migration
+    assert parse({"prompt": "hi", "xavier_migration": False}, False, "m", 16).request.no_migration
+    with pytest.raises(InvalidArgument) as info:
+        parse({"prompt": "hi", "xavier_migration": "false"}, False, "m", 16)
+    assert info.value.metadata["param"] == "xavier_migration"
+
+
 @pytest.mark.parametrize(
     ("body", "reason"),
     [

@@ -74,8 +74,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
-        seed = self.sampling.seed if self.sampling.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.seed = self.sampling.seed if self.sampling.seed is not None else secrets.randbits(63)
+        # Reseeded before each draw with `step_seed(seed, len(output))`: a token's randomness depends
+        # on its position only, so a decode (whose first token came from the prefill) and a migrated
+        # request at an advanced seed draw what one uninterrupted run would have.
+        self.generator = torch.Generator(device=self.device)
         self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt)
         self._stop = StopMatcher(self.sampling.stop, include=self.sampling.include_stop_str_in_output)
 

@@ -12,6 +12,7 @@ from xavier_core.engine.model import ForwardBatch, PrefillSegment
 from xavier_core.engine.request import Request, Sampled
 from xavier_core.engine.scheduler import StepPlan
 from xavier_core.grammar.masks import constrain
+from xavier_core.sampling import step_seed
 
 # The prompt positions of one step whose logits are wanted: (request, first position, batch offset, count).
 PromptRows = list[tuple[Request, int, int, int]]
@@ -95,6 +96,7 @@ def _sample_one(logits: torch.Tensor, req: Request) -> torch.Tensor:
         drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= s.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    req.generator.manual_seed(step_seed(req.seed, len(req.output)))
     return torch.multinomial(probs, 1, generator=req.generator)
 
 

@@ -211,6 +211,16 @@ class IncrementalDetokenizer:
             self._read_offset -= drop
         return delta
 
+    def copy(self) -> IncrementalDetokenizer:
+        """An independent detokenizer in the same state (to try a token without committing it)."""
+        twin = IncrementalDetokenizer(self._tok)
+        twin._ids, twin._prefix_offset, twin._read_offset = (
+            list(self._ids),
+            self._prefix_offset,
+            self._read_offset,
+        )
+        return twin
+
     def flush(self) -> str:
         """The held-back text of the last tokens (U+FFFD for bytes that never formed a character)."""
         prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
@@ -250,6 +260,12 @@ class StopMatcher:
                     break
         self._pending = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False
+
+    def copy(self) -> StopMatcher:
+        """An independent matcher in the same state."""
+        twin = StopMatcher(self._stops)
+        twin._pending = self._pending
+        return twin
 
     def flush(self) -> str:
         """Returns held-back text when the request ends for another reason."""

@@ -15,8 +15,14 @@ parses and shapes them with `openai_shapes` and `openai_logprobs`, sends SSE kee
 - `stream`: what the flow's task hands the reader (a step, ended, failed) and the responses built from
   the steps.
 - the flows, each an async iterator of `flows.Step`: `flows` (P/D through a directory room, colocated on a
-  unified peer, failover), `pd_concurrent` (a pair whose prefill and decode are called at once) and
-  `native` (SGLang's own prefill and decode servers over HTTP).
+  unified peer, failover, and a decode silent past `decode_progress_seconds` failed like a dead one,
+  watched by `pacing`),
+  `pd_concurrent` (a pair whose prefill and decode are called at once) and `native` (SGLang's own
+  prefill and decode servers over HTTP).
+- `migration`: wraps the P/D and colocated flows; a decode that fails or stalls after tokens reached the
+  client (`flows.StreamBroken`) is replaced by another pair that re-prefills prompt + tokens sent, with
+  max_tokens less them and the seed advanced, at most `migration_limit` times; `seam_text` renders the
+  text after the seam as the first engine would have.
 - `peers`: live peers from the directory, channels to them, least-outstanding-work pair selection with
   prefix affinity; `health` leaves failing peers out and probes them back.
 - `config`: `RouterConfig` (TOML, `XAVIER_*` environment, flags), validated at start.

@@ -102,6 +102,15 @@ class RouterConfig(ServiceConfig):
     """Deadline of one health probe."""
     progress_timeout_seconds: float = Field(default=60.0, gt=0)
     """A request that gets no token for this long ends with DEADLINE_EXCEEDED (PROGRESS_TIMEOUT)."""
+    decode_progress_seconds: float = Field(default=5.0, gt=0, le=3600)
+    """A decode that sends nothing for this long, from its call (its first token included) or from its
+    previous message, is failed like a dead one: before it streamed a token the request fails over,
+    after it the request migrates (unified and SGLang decodes: counted from their first message). Keep
+    it below `progress_timeout_seconds`."""
+    migration_limit: int = Field(default=2, ge=0, le=10)
+    """Moves to another pair one request may make when its decode fails or stalls after tokens reached
+    the client (prompt + tokens sent re-prefilled there); one more failure ends it with
+    MIGRATION_LIMIT. 0 turns migration off."""
     keepalive_seconds: float = Field(default=5.0, gt=0)
     """Interval of SSE comment lines sent while a started stream waits for its next token."""
     status_peer_timeout_seconds: float = Field(default=1.0, gt=0, le=60)

@@ -27,6 +27,7 @@ from xavier_services.router.admission import Admission
 from xavier_services.router.config import RouterConfig
 from xavier_services.router.flows import FlowEnv, Step, Trace, colocated_flow, pd_flow
 from xavier_services.router.health import role_name
+from xavier_services.router.migration import Migration, migrating
 from xavier_services.router.native import native_flow
 from xavier_services.router.observe import RequestRecord, RouterMetrics
 from xavier_services.router.offload import ProcessEncoder
@@ -95,6 +96,7 @@ class Router:
             config.prefix_affinity_tokens,
             config.failover_attempts,
             config.peer_wait_seconds,
+            config.decode_progress_seconds,
         )
 
     @property
@@ -162,11 +164,11 @@ class Router:
 
         return await self.pool.wait_for_peers(first_mode, self.config.peer_wait_seconds)
 
-    def _flow(self, prep: Prepared, mode: int, trace: Trace) -> AsyncIterator[Step]:
-        if mode == rpb.ROUTING_MODE_PD:
-            return pd_flow(prep, self.env, trace)
-        if mode == rpb.ROUTING_MODE_COLOCATED:
-            return colocated_flow(prep, self.env, trace)
+    def _flow(self, prep: Prepared, mode: int, trace: Trace, moves: list[Migration]) -> AsyncIterator[Step]:
+        if mode in (rpb.ROUTING_MODE_PD, rpb.ROUTING_MODE_COLOCATED):
+            flow = pd_flow if mode == rpb.ROUTING_MODE_PD else colocated_flow
+            limit, tokenizer = self.config.migration_limit, self.encoder.tokenizer
+            return migrating(prep, lambda p: flow(p, self.env, trace), limit, tokenizer, moves)
         if self._session is None:
             self._session = aiohttp.ClientSession()
         return native_flow(prep, self.config.native, self._session, self.config.request_timeout_seconds)
@@ -206,8 +208,9 @@ class Router:
             prep.request_id = f"{prep.request_id}-{int(time.monotonic_ns())}"
         queue: asyncio.Queue[Item] = asyncio.Queue()
         trace = Trace()
+        moves: list[Migration] = []
         rec.peers, rec.failed_peers = trace.peers, trace.failed
-        task = asyncio.get_running_loop().create_task(pump(self._flow(prep, mode, trace), queue))
+        task = asyncio.get_running_loop().create_task(pump(self._flow(prep, mode, trace, moves), queue))
         rid = rec.request_id = prep.request_id
         self._live[rid] = task
         self._metrics.active.inc()
@@ -226,6 +229,9 @@ class Router:
         finally:
             if trace.failovers:
                 self._metrics.failovers.inc(trace.failovers)
+            for move in moves:
+                self._metrics.migrations.labels(move.cause).inc()
+            rec.migrations = [move.describe() for move in moves]
             if not task.done():
                 task.cancel()
             self._live.pop(rid, None)

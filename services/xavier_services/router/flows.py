@@ -17,7 +17,10 @@ connection, UNAVAILABLE, or gone from the directory) is left out and the request
 peer, at most `failover_attempts` times. The client's first P/D token is sent only once the decode call
 is connected, so a dead decode is found before the client sees anything; if the decode fails after that
 but before its first token, the retry re-prefills on a new pair and hands the new decode the first
-token the client already has, so the stream continues where it was.
+token the client already has, so the stream continues where it was. A decode that sends nothing for
+`env.stall_seconds` (its first token included) is failed the same way (`paced`). Once a decode token
+went out, a failed or stalled peer raises `StreamBroken`, which `migration` turns into a move to another
+pair (or, without one, the client's PEER_FAILED).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime import Unavailable, XavierError, from_rpc_error, get_logger
 from xavier_core.runtime.durations import to_seconds
 from xavier_services.router.health import peer_key, role_name
+from xavier_services.router.pacing import Stalled, paced
 from xavier_services.router.peers import Pair, PeerPool, affinity_key
 from xavier_services.router.request import Prepared, new_room_id, require_features
 
@@ -77,6 +81,7 @@ class FlowEnv:
     affinity_tokens: int = 0  # leading tokens keying prefix affinity in pair selection (0: off)
     failover_attempts: int = 1
     peer_wait: float = 0.0  # how long a first attempt waits for peers while none is registered
+    stall_seconds: float = 5.0  # a streaming peer silent this long is failed (`paced`)
 
 
 @dataclass
@@ -95,10 +100,37 @@ _PEER_GONE_REASONS = frozenset(("PEER_NOT_FOUND", "STALE_EPOCH", "PEER_UNAVAILAB
 class _PeerFailed(Exception):
     """A peer failed before the request streamed a token from it: try another (internal to the flows)."""
 
-    def __init__(self, peer: dpb.Peer, error: XavierError) -> None:
+    def __init__(self, peer: dpb.Peer, error: XavierError, cause: str = "peer_gone") -> None:
         super().__init__(str(error))
         self.peer = peer
         self.error = error
+        self.cause = cause  # unavailable (transport), peer_gone (left the directory, new epoch), stalled
+
+
+class StreamBroken(Unavailable):
+    """A peer failed or stalled after the client got tokens it streamed: the request cannot fail over
+    inside the flow. Raised to the client as is (PEER_FAILED) unless `migration` moves the request;
+    `cause` is unavailable (transport), peer_gone (left the directory, new epoch) or stalled."""
+
+    def __init__(self, failed: _PeerFailed) -> None:
+        exhausted = _exhausted(failed, 1)
+        super().__init__(exhausted.message, reason="PEER_FAILED", **exhausted.metadata)
+        self.peer = failed.peer
+        self.cause = failed.cause
+
+
+def _stalled(peer: dpb.Peer, pool: PeerPool, seconds: float) -> _PeerFailed:
+    """A stalled peer leaves selection (a probe brings it back once it answers) and fails over."""
+    pool.health.mark_down(peer, f"sent nothing for {seconds:g} s")
+    error = Unavailable(f"sent nothing for {seconds:g} s", reason="PEER_UNAVAILABLE")
+    return _PeerFailed(peer, error, "stalled")
+
+
+def _lost(err: Exception, streamed: bool) -> Exception:
+    """What an attempt raises for `err`: a peer's failure after it streamed tokens breaks the stream."""
+    if isinstance(err, _PeerFailed) and streamed:
+        return StreamBroken(err)
+    return err
 
 
 def _peer_error(exc: grpc.aio.AioRpcError, peer: dpb.Peer, pool: PeerPool) -> Exception:
@@ -110,9 +142,10 @@ def _peer_error(exc: grpc.aio.AioRpcError, peer: dpb.Peer, pool: PeerPool) -> Ex
     err = from_rpc_error(exc)
     if err.code == grpc.StatusCode.UNAVAILABLE or err.reason in _PEER_GONE_REASONS:
         pool.invalidate()
-        if err.code == grpc.StatusCode.UNAVAILABLE and err.reason == "UNAVAILABLE":
+        transport = err.code == grpc.StatusCode.UNAVAILABLE and err.reason == "UNAVAILABLE"
+        if transport:
             pool.health.mark_down(peer, "call failed: UNAVAILABLE")
-        return _PeerFailed(peer, err)
+        return _PeerFailed(peer, err, "unavailable" if transport else "peer_gone")
     return err
 
 
@@ -121,6 +154,8 @@ def _exhausted(failure: _PeerFailed, attempts: int) -> Unavailable:
     role = role_name(peer.role)
     transport = failure.error.reason == "UNAVAILABLE"
     why = "could not be reached" if transport else f"failed ({failure.error.reason})"
+    if failure.cause == "stalled":
+        why = failure.error.message
     return Unavailable(
         f"{role} peer {peer.peer_id!r} {why}; no other {role} peer could take the request",
         reason="PEER_FAILED",
@@ -203,7 +238,7 @@ async def _colocated_attempt(
     call = stub.GenerateUnified(req, timeout=env.request_timeout)
     streamed = False
     try:
-        async for msg in call:
+        async for msg in paced(call, env.stall_seconds, first=False):
             streamed = True
             yield Step(
                 list(msg.delta.token_ids),
@@ -220,10 +255,9 @@ async def _colocated_attempt(
                 return
         yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
     except grpc.aio.AioRpcError as exc:
-        err = _peer_error(exc, peer, pool)
-        if isinstance(err, _PeerFailed) and streamed:
-            raise _exhausted(err, 1) from None  # tokens went out: the request cannot move
-        raise err from None
+        raise _lost(_peer_error(exc, peer, pool), streamed) from None
+    except Stalled:
+        raise _lost(_stalled(peer, pool, env.stall_seconds), streamed) from None
     finally:
         call.cancel()
         pool.release(peer)
@@ -353,7 +387,7 @@ async def _pd_attempt(
         if not sent:
             sent.append(first)
             yield _first_step(prep, first.token, first.logprob, pf)
-        async for msg in dec_call:
+        async for msg in paced(dec_call, env.stall_seconds):
             decoded = True
             transfer = to_seconds(msg.timings.transfer) if msg.HasField("timings") else None
             yield Step(
@@ -369,10 +403,9 @@ async def _pd_attempt(
                 return
         yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
     except grpc.aio.AioRpcError as exc:
-        err = _peer_error(exc, calling, pool)
-        if isinstance(err, _PeerFailed) and decoded:
-            raise _exhausted(err, 1) from None  # decode tokens went out: the request cannot move
-        raise err from None
+        raise _lost(_peer_error(exc, calling, pool), decoded) from None
+    except Stalled:
+        raise _lost(_stalled(d, pool, env.stall_seconds), decoded) from None
     finally:
         pf_call.cancel()
         if dec_call is not None:
@@ -443,4 +476,4 @@ async def drain(gen: AsyncIterator[Step]) -> list[Step]:
     return [step async for step in gen]
 
 
-__all__ = ["FlowEnv", "Step", "Trace", "abort_room", "colocated_flow", "drain", "pd_flow"]
+__all__ = ["FlowEnv", "Step", "StreamBroken", "Trace", "abort_room", "colocated_flow", "drain", "pd_flow"]

@@ -75,6 +75,13 @@ class RouterMetrics:
             "Requests moved to another peer after one failed before the first token.",
             registry=registry,
         )
+        self.migrations = Counter(
+            "xavier_router_migrations",
+            "Requests moved to another pair after their decode failed or stalled mid-stream, by cause "
+            "(unavailable, peer_gone, stalled).",
+            ("cause",),
+            registry=registry,
+        )
         self.peer_down = Counter(
             "xavier_router_peer_down",
             "Times a peer was taken out of selection (refused, UNAVAILABLE or failed health).",
@@ -91,6 +98,7 @@ class RequestRecord:
     mode: str = ""
     peers: list[str] = field(default_factory=list)
     failed_peers: list[str] = field(default_factory=list)
+    migrations: list[str] = field(default_factory=list)  # `Migration.describe()` of each move
     prompt_tokens: int = 0
     completion_tokens: int = 0
     status: str = "OK"
@@ -116,6 +124,8 @@ class RequestRecord:
         }
         if self.failed_peers:
             fields["failed_peers"] = ",".join(self.failed_peers)
+        if self.migrations:
+            fields["migrations"] = ",".join(self.migrations)
         if self.cause:
             fields["reason"] = self.cause
         if self.status == "OK" or self.status == "CANCELLED":

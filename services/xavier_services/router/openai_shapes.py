@@ -409,6 +409,7 @@ def parse(body: Any, chat: bool, served_model: str, default_max_tokens: int) -> 
                 f"xavier_mode must be one of {sorted(_MODES)}", reason="INVALID_MODE", param="xavier_mode"
             )
         req.mode = _MODES[mode]
+    req.no_migration = not get_bool(body, "xavier_migration", True)
     opts = get_object(body, "stream_options")
     stream = get_bool(body, "stream")
     n = get_int(body, "n", 1, MAX_CHOICES, reason="UNSUPPORTED_N") or 1

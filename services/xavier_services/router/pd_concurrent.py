@@ -80,9 +80,12 @@ async def concurrent_attempt(
                     calling = p
                     prefill.result()  # raises the prefill's AioRpcError
             try:
-                msg = await nxt
+                # Past the first message (which waits for SGLang's prefill), a silent decode is stalled.
+                msg = await (asyncio.wait_for(nxt, env.stall_seconds) if streamed else nxt)
             except StopAsyncIteration:
                 break
+            except TimeoutError:
+                raise flows._lost(flows._stalled(d, pool, env.stall_seconds), streamed) from None
             streamed = True
             yield flows.Step(
                 list(msg.delta.token_ids),
@@ -97,10 +100,7 @@ async def concurrent_attempt(
                 return
         yield flows.Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
     except grpc.aio.AioRpcError as exc:
-        err = flows._peer_error(exc, calling, pool)
-        if isinstance(err, flows._PeerFailed) and streamed:
-            raise flows._exhausted(err, 1) from None  # tokens went out: the request cannot move
-        raise err from None
+        raise flows._lost(flows._peer_error(exc, calling, pool), streamed) from None
     finally:
         dec_call.cancel()
         prefill.add_done_callback(_consume)

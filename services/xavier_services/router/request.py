@@ -29,6 +29,7 @@ class Prepared:
     cache_salt: str
     arrival: float = field(default_factory=time.monotonic)
     prompt_text: str | None = None  # the prompt as the client wrote it, for a text prompt (OpenAI `echo`)
+    migration: bool = True  # may move to another pair when its decode fails mid-stream (`migration`)
 
 
 def check_sampling_pb(s: types_pb2.SamplingParams) -> None:
@@ -209,6 +210,7 @@ def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) 
         mode=int(req.mode),
         cache_salt=req.cache_salt,
         prompt_text=req.text if kind == "text" and not truncated else None,
+        migration=not req.no_migration,
     )
 
 

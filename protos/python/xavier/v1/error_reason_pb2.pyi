@@ -312,6 +312,20 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     parse, or one past its size limit; status INVALID_ARGUMENT, metadata "field" (the SamplingParams
     field) and, over HTTP, "param" naming the request parameter (response_format, tools, guided_json).
     """
+    ERROR_REASON_MIGRATION_LIMIT: _ErrorReason.ValueType  # 80
+    """Router: request migration (a decode that fails mid-stream; see docs/architecture.md).
+
+    A decode (or unified replica) failed or stalled after tokens reached the client, and the request
+    had already moved to another pair router.migration_limit times; status UNAVAILABLE, metadata
+    "peer_id" (the peer that failed last), "cause" (unavailable, peer_gone or stalled), "migrations"
+    and "tokens_sent".
+    """
+    ERROR_REASON_MIGRATION_FAILED: _ErrorReason.ValueType  # 81
+    """A decode (or unified replica) failed or stalled after tokens reached the client, and no other
+    healthy compatible pair (or unified replica) could continue the request; status UNAVAILABLE,
+    metadata "peer_id" (the peer that failed), "cause", "tokens_sent" and "why" (the reason the new
+    pair could not be had: NO_PEERS, PEER_FAILED, LAYOUT_MISMATCH, ...).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every `google.rpc.ErrorInfo.reason` that a xavier.v1 service or client emits.
@@ -612,5 +626,19 @@ A grammar could not be used: a response_format json_schema, a regex or a tool's 
 a JSON Schema the engine's grammar compiler supports (or not JSON), a regular expression that does not
 parse, or one past its size limit; status INVALID_ARGUMENT, metadata "field" (the SamplingParams
 field) and, over HTTP, "param" naming the request parameter (response_format, tools, guided_json).
+"""
+ERROR_REASON_MIGRATION_LIMIT: ErrorReason.ValueType  # 80
+"""Router: request migration (a decode that fails mid-stream; see docs/architecture.md).
+
+A decode (or unified replica) failed or stalled after tokens reached the client, and the request
+had already moved to another pair router.migration_limit times; status UNAVAILABLE, metadata
+"peer_id" (the peer that failed last), "cause" (unavailable, peer_gone or stalled), "migrations"
+and "tokens_sent".
+"""
+ERROR_REASON_MIGRATION_FAILED: ErrorReason.ValueType  # 81
+"""A decode (or unified replica) failed or stalled after tokens reached the client, and no other
+healthy compatible pair (or unified replica) could continue the request; status UNAVAILABLE,
+metadata "peer_id" (the peer that failed), "cause", "tokens_sent" and "why" (the reason the new
+pair could not be had: NO_PEERS, PEER_FAILED, LAYOUT_MISMATCH, ...).
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from xavier.v1 import types_pb2 as xavier_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1exavier/v1/router_service.proto\x12\txavier.v1\x1a\x15xavier/v1/types.proto\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.xavier.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"F\n\x08\x43hatTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"Z\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.xavier.v1.ChatMessage\x12\"\n\x05tools\x18\x02 \x03(\x0b\x32\x13.xavier.v1.ChatTool\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x86\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.xavier.v1.TokenIdsH\x00\x12%\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x15.xavier.v1.ChatPromptH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.xavier.v1.SamplingParams\x12$\n\x04mode\x18\x07 \x01(\x0e\x32\x16.xavier.v1.RoutingMode\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x08\n\x06prompt\"\xd7\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.xavier.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.xavier.v1.Usage\x12#\n\x07timings\x18\x07 \x01(\x0b\x32\x12.xavier.v1.Timings\x12$\n\x04mode\x18\x08 \x01(\x0e\x32\x16.xavier.v1.RoutingMode\x12,\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x16.xavier.v1.TopLogprobs\x12\x32\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x19.xavier.v1.PromptLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\":\n\x11ListModelsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"t\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.xavier.v1.KvLayout\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12%\n\x05modes\x18\x04 \x03(\x0e\x32\x16.xavier.v1.RoutingMode\"O\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.xavier.v1.Model\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x19\n\x17GetClusterStatusRequest\"\xfa\x01\n\x0b\x43lusterPeer\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.xavier.v1.Role\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x12\n\nmodel_name\x18\x05 \x01(\t\x12\x1c\n\x14\x63ontract_fingerprint\x18\x06 \x01(\t\x12\x1c\n\x14outstanding_requests\x18\x07 \x01(\r\x12&\n\x06\x65ngine\x18\x08 \x01(\x0b\x32\x16.xavier.v1.EngineStats\x12\x14\n\x0crooms_active\x18\t \x01(\r\x12\r\n\x05\x65rror\x18\n \x01(\t\"i\n\x0c\x43lusterRooms\x12\x0e\n\x06\x61\x63tive\x18\x01 \x01(\r\x12\x0e\n\x06opened\x18\x02 \x01(\x04\x12\x11\n\tcompleted\x18\x03 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x05 \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x06 \x01(\x04J\x04\x08\x04\x10\x05\"\xb0\x01\n\x18GetClusterStatusResponse\x12%\n\x05peers\x18\x01 \x03(\x0b\x32\x16.xavier.v1.ClusterPeer\x12&\n\x05rooms\x18\x02 \x01(\x0b\x32\x17.xavier.v1.ClusterRooms\x12\x17\n\x0frequests_active\x18\x03 \x01(\r\x12,\n\x0c\x64\x65\x66\x61ult_mode\x18\x04 \x01(\x0e\x32\x16.xavier.v1.RoutingMode*u\n\x0bRoutingMode\x12\x1c\n\x18ROUTING_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fROUTING_MODE_PD\x10\x01\x12\x1a\n\x16ROUTING_MODE_COLOCATED\x10\x02\x12\x17\n\x13ROUTING_MODE_NATIVE\x10\x03\x32\xba\x02\n\rRouterService\x12\x45\n\x08Generate\x12\x1a.xavier.v1.GenerateRequest\x1a\x1b.xavier.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.xavier.v1.AbortRequest\x1a\x18.xavier.v1.AbortResponse\x12I\n\nListModels\x12\x1c.xavier.v1.ListModelsRequest\x1a\x1d.xavier.v1.ListModelsResponse\x12[\n\x10GetClusterStatus\x12\".xavier.v1.GetClusterStatusRequest\x1a#.xavier.v1.GetClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1exavier/v1/router_service.proto\x12\txavier.v1\x1a\x15xavier/v1/types.proto\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.xavier.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"F\n\x08\x43hatTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"Z\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.xavier.v1.ChatMessage\x12\"\n\x05tools\x18\x02 \x03(\x0b\x32\x13.xavier.v1.ChatTool\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x9c\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.xavier.v1.TokenIdsH\x00\x12%\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x15.xavier.v1.ChatPromptH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.xavier.v1.SamplingParams\x12$\n\x04mode\x18\x07 \x01(\x0e\x32\x16.xavier.v1.RoutingMode\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x14\n\x0cno_migration\x18\t \x01(\x08\x42\x08\n\x06prompt\"\xd7\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.xavier.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.xavier.v1.Usage\x12#\n\x07timings\x18\x07 \x01(\x0b\x32\x12.xavier.v1.Timings\x12$\n\x04mode\x18\x08 \x01(\x0e\x32\x16.xavier.v1.RoutingMode\x12,\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x16.xavier.v1.TopLogprobs\x12\x32\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x19.xavier.v1.PromptLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\":\n\x11ListModelsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"t\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.xavier.v1.KvLayout\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12%\n\x05modes\x18\x04 \x03(\x0e\x32\x16.xavier.v1.RoutingMode\"O\n\x12ListModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.xavier.v1.Model\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x19\n\x17GetClusterStatusRequest\"\xfa\x01\n\x0b\x43lusterPeer\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.xavier.v1.Role\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x12\n\nmodel_name\x18\x05 \x01(\t\x12\x1c\n\x14\x63ontract_fingerprint\x18\x06 \x01(\t\x12\x1c\n\x14outstanding_requests\x18\x07 \x01(\r\x12&\n\x06\x65ngine\x18\x08 \x01(\x0b\x32\x16.xavier.v1.EngineStats\x12\x14\n\x0crooms_active\x18\t \x01(\r\x12\r\n\x05\x65rror\x18\n \x01(\t\"i\n\x0c\x43lusterRooms\x12\x0e\n\x06\x61\x63tive\x18\x01 \x01(\r\x12\x0e\n\x06opened\x18\x02 \x01(\x04\x12\x11\n\tcompleted\x18\x03 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x05 \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x06 \x01(\x04J\x04\x08\x04\x10\x05\"\xb0\x01\n\x18GetClusterStatusResponse\x12%\n\x05peers\x18\x01 \x03(\x0b\x32\x16.xavier.v1.ClusterPeer\x12&\n\x05rooms\x18\x02 \x01(\x0b\x32\x17.xavier.v1.ClusterRooms\x12\x17\n\x0frequests_active\x18\x03 \x01(\r\x12,\n\x0c\x64\x65\x66\x61ult_mode\x18\x04 \x01(\x0e\x32\x16.xavier.v1.RoutingMode*u\n\x0bRoutingMode\x12\x1c\n\x18ROUTING_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fROUTING_MODE_PD\x10\x01\x12\x1a\n\x16ROUTING_MODE_COLOCATED\x10\x02\x12\x17\n\x13ROUTING_MODE_NATIVE\x10\x03\x32\xba\x02\n\rRouterService\x12\x45\n\x08Generate\x12\x1a.xavier.v1.GenerateRequest\x1a\x1b.xavier.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.xavier.v1.AbortRequest\x1a\x18.xavier.v1.AbortResponse\x12I\n\nListModels\x12\x1c.xavier.v1.ListModelsRequest\x1a\x1d.xavier.v1.ListModelsResponse\x12[\n\x10GetClusterStatus\x12\".xavier.v1.GetClusterStatusRequest\x1a#.xavier.v1.GetClusterStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'xavier.v1.router_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROUTINGMODE']._serialized_start=1927
-  _globals['_ROUTINGMODE']._serialized_end=2044
+  _globals['_ROUTINGMODE']._serialized_start=1949
+  _globals['_ROUTINGMODE']._serialized_end=2066
   _globals['_CHATMESSAGE']._serialized_start=68
   _globals['_CHATMESSAGE']._serialized_end=175
   _globals['_TOOLCALL']._serialized_start=177
@@ -45,27 +45,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=398
   _globals['_TOKENIDS']._serialized_end=421
   _globals['_GENERATEREQUEST']._serialized_start=424
-  _globals['_GENERATEREQUEST']._serialized_end=686
-  _globals['_GENERATERESPONSE']._serialized_start=689
-  _globals['_GENERATERESPONSE']._serialized_end=1032
-  _globals['_ABORTREQUEST']._serialized_start=1034
-  _globals['_ABORTREQUEST']._serialized_end=1068
-  _globals['_ABORTRESPONSE']._serialized_start=1070
-  _globals['_ABORTRESPONSE']._serialized_end=1100
-  _globals['_LISTMODELSREQUEST']._serialized_start=1102
-  _globals['_LISTMODELSREQUEST']._serialized_end=1160
-  _globals['_MODEL']._serialized_start=1162
-  _globals['_MODEL']._serialized_end=1278
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1280
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1359
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1361
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1386
-  _globals['_CLUSTERPEER']._serialized_start=1389
-  _globals['_CLUSTERPEER']._serialized_end=1639
-  _globals['_CLUSTERROOMS']._serialized_start=1641
-  _globals['_CLUSTERROOMS']._serialized_end=1746
-  _globals['_GETCLUSTERSTATUSRESPONSE']._serialized_start=1749
-  _globals['_GETCLUSTERSTATUSRESPONSE']._serialized_end=1925
-  _globals['_ROUTERSERVICE']._serialized_start=2047
-  _globals['_ROUTERSERVICE']._serialized_end=2361
+  _globals['_GENERATEREQUEST']._serialized_end=708
+  _globals['_GENERATERESPONSE']._serialized_start=711
+  _globals['_GENERATERESPONSE']._serialized_end=1054
+  _globals['_ABORTREQUEST']._serialized_start=1056
+  _globals['_ABORTREQUEST']._serialized_end=1090
+  _globals['_ABORTRESPONSE']._serialized_start=1092
+  _globals['_ABORTRESPONSE']._serialized_end=1122
+  _globals['_LISTMODELSREQUEST']._serialized_start=1124
+  _globals['_LISTMODELSREQUEST']._serialized_end=1182
+  _globals['_MODEL']._serialized_start=1184
+  _globals['_MODEL']._serialized_end=1300
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1302
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1381
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1383
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1408
+  _globals['_CLUSTERPEER']._serialized_start=1411
+  _globals['_CLUSTERPEER']._serialized_end=1661
+  _globals['_CLUSTERROOMS']._serialized_start=1663
+  _globals['_CLUSTERROOMS']._serialized_end=1768
+  _globals['_GETCLUSTERSTATUSRESPONSE']._serialized_start=1771
+  _globals['_GETCLUSTERSTATUSRESPONSE']._serialized_end=1947
+  _globals['_ROUTERSERVICE']._serialized_start=2069
+  _globals['_ROUTERSERVICE']._serialized_end=2383
 # @@protoc_insertion_point(module_scope)

@@ -228,6 +228,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    NO_MIGRATION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The client's request id (at most 128 characters), used by Abort and echoed in every response; the
     router makes a unique one when it is empty.
@@ -240,6 +241,12 @@ class GenerateRequest(_message.Message):
     """The routing mode for this request; ROUTING_MODE_UNSPECIFIED uses the router's default."""
     cache_salt: _builtins.str
     """A tenant salt: cached KV pages computed under one salt are never served to a request with another."""
+    no_migration: _builtins.bool
+    """True keeps the request on the peers that started it: a decode (or unified replica) that fails or
+    stalls after tokens reached the client ends the stream with PEER_FAILED instead of the router
+    moving the request to another pair (re-prefilling the prompt plus the tokens sent). False, the
+    default, allows up to the router's migration_limit moves (OpenAI body: "xavier_migration": false).
+    """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
         """Pre-tokenized token ids."""
@@ -265,10 +272,11 @@ class GenerateRequest(_message.Message):
         sampling: _types_pb2.SamplingParams | None = ...,
         mode: Global___RoutingMode.ValueType = ...,
         cache_salt: _builtins.str = ...,
+        no_migration: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat", b"chat", "mode", b"mode", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat", b"chat", "mode", b"mode", "model", b"model", "no_migration", b"no_migration", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids", "chat"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015

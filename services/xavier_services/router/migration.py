@@ -1,0 +1,158 @@
+"""Request migration: a decode that fails or stalls mid-stream hands its request to another pair.
+
+`migrating` wraps a request's flow (P/D or colocated). The flows fail over on their own until a decode
+token reached the client; after that a failed or stalled peer raises `flows.StreamBroken`, and here the
+request is resumed on another healthy compatible pair (or unified replica, in colocated mode):
+
+- the new prompt is the prompt plus every token the client got, `max_tokens` less those tokens, the same
+  sampling, and the seed advanced by them (`xavier_core.sampling.advance_seed`: the engines draw token i
+  of a seeded request from `step_seed(seed, i)`, so the continuation draws what the uninterrupted run
+  would have); prompt logprobs are not asked again;
+- the client's stream goes on: the later attempts' steps are re-rendered by `seam_text.SeamText`, so
+  text continues exactly across the seam (split UTF-8 and text held for a stop string included), and
+  their cache and prefill figures go to the `Migration` record, not to the request's usage;
+- at most `limit` moves (`router.migration_limit`), then MIGRATION_LIMIT; a move that finds no pair to
+  take it is MIGRATION_FAILED; a request that opted out (`GenerateRequest.no_migration`) or has a
+  grammar (whose state the new engine would not have) gets the flow's own PEER_FAILED.
+
+SGLang pairs take the same path (their decode streams the new prompt's first token itself); SGLang
+seeds its sampling its own way, so a seeded SGLang request continues with the advanced seed but not
+with the draws of the uninterrupted run. Greedy continuations are exact on either engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from xavier.v1 import types_pb2
+
+from xavier_core.grammar.wire import grammar_from_pb
+from xavier_core.runtime import Unavailable, XavierError, get_logger
+from xavier_core.sampling import advance_seed
+from xavier_core.text.tokenizer import TextTokenizer
+from xavier_services.router.flows import Step, StreamBroken
+from xavier_services.router.request import Prepared
+from xavier_services.router.seam_text import SeamText
+
+_log = get_logger("xavier.router.migration")
+_NO_PAIR = frozenset(("PEER_FAILED", "NO_PEERS"))
+
+
+@dataclass
+class Migration:
+    """One move of a request: why, from which peer, after how many tokens, and what the new prefill
+    found cached of the new prompt (None until its first step came, or when it reported none)."""
+
+    cause: str
+    peer_id: str
+    tokens_sent: int
+    prompt_tokens: int
+    cached_tokens: int | None = None
+    at: float = field(default_factory=time.monotonic)  # when the failure was seen
+    seam_seconds: float | None = None  # from the failure to the new attempt's first token
+
+    def first_step(self, step: Step) -> None:
+        self.cached_tokens = step.cached_tokens
+        self.seam_seconds = time.monotonic() - self.at
+
+    def describe(self) -> str:
+        """`cause:peer@tokens sent/cached=C of P new prompt tokens/seam=S s` (the request's log line)."""
+        cached = "?" if self.cached_tokens is None else str(self.cached_tokens)
+        seam = "?" if self.seam_seconds is None else f"{self.seam_seconds:.4f}"
+        where = f"{self.cause}:{self.peer_id}@{self.tokens_sent}"
+        return f"{where}/cached={cached}/of={self.prompt_tokens}/seam={seam}"
+
+
+def resumed(prep: Prepared, sent: list[int], move: int) -> Prepared:
+    """The request that continues `prep` after the client got `sent`: see the module's docstring."""
+    s = types_pb2.SamplingParams()
+    s.CopyFrom(prep.sampling)
+    s.max_tokens = prep.sampling.max_tokens - len(sent)
+    s.prompt_logprobs = False
+    if s.HasField("seed"):
+        s.seed = advance_seed(s.seed, len(sent))
+    return dataclasses.replace(
+        prep,
+        request_id=f"{prep.request_id}.m{move}",
+        token_ids=prep.token_ids + tuple(sent),
+        sampling=s,
+    )
+
+
+def _refused(move: Migration, detail: str, *, reason: str, **metadata: object) -> Unavailable:
+    """The client's error when `move` cannot happen (MIGRATION_LIMIT, MIGRATION_FAILED)."""
+    return Unavailable(
+        f"peer {move.peer_id!r} failed ({move.cause}) after {move.tokens_sent} tokens, and the request "
+        + detail,
+        reason=reason,
+        peer_id=move.peer_id,
+        cause=move.cause,
+        tokens_sent=move.tokens_sent,
+        **metadata,
+    )
+
+
+def _movable(prep: Prepared) -> bool:
+    return prep.migration and grammar_from_pb(prep.sampling) is None
+
+
+async def migrating(
+    prep: Prepared,
+    run: Callable[[Prepared], AsyncIterator[Step]],
+    limit: int,
+    tokenizer: TextTokenizer,
+    moves: list[Migration],
+) -> AsyncIterator[Step]:
+    """The steps of `run(prep)`, resumed by `run(resumed(...))` after each broken stream (at most
+    `limit` times); each move is appended to `moves`."""
+    sent: list[int] = []
+    seam: SeamText | None = None
+    current = prep
+    while True:
+        fresh = True  # nothing of this attempt reached the client yet
+        try:
+            async with aclosing(run(current)) as steps:  # type: ignore[type-var]
+                async for step in steps:
+                    if seam is not None:
+                        if fresh:
+                            moves[-1].first_step(step)
+                        step = seam.render(step)
+                    fresh = False
+                    sent.extend(step.token_ids)
+                    yield step
+                    if step.finish:
+                        return
+            return
+        except StreamBroken as broken:
+            if not _movable(prep):
+                raise
+            move = Migration(broken.cause, broken.peer.peer_id, len(sent), len(prep.token_ids) + len(sent))
+            if len(moves) >= limit:
+                detail = f"already moved {len(moves)} times (router.migration_limit)"
+                raise _refused(move, detail, reason="MIGRATION_LIMIT", migrations=len(moves)) from None
+            moves.append(move)
+            _log.info(
+                "migrating request",
+                request_id=prep.request_id,
+                peer_id=move.peer_id,
+                cause=move.cause,
+                tokens_sent=len(sent),
+                migration=len(moves),
+            )
+            if seam is None:
+                seam = SeamText(tokenizer, prep.token_ids, sent, prep.sampling.stop)
+            if len(sent) >= prep.sampling.max_tokens:  # the last token went out, its finish did not
+                yield seam.length_end()
+                return
+            current = resumed(prep, sent, len(moves))
+        except XavierError as err:
+            # Past a move, a failover that found no pair (before the new decode's first token) is
+            # the move failing too; other errors are the request's own.
+            if not moves or not (fresh or err.reason in _NO_PAIR):
+                raise
+            detail = f"found no other pair to continue it ({err.reason})"
+            raise _refused(moves[-1], detail, reason="MIGRATION_FAILED", why=err.reason) from None
