@@ -315,6 +315,34 @@ async def test_sigstop_a_decode_mid_stream_migrates(mig: MigrationMesh) -> None:
     await idle(mig)
 
 
+async def test_a_decode_stalled_before_its_first_token_fails_over(mig: MigrationMesh) -> None:
+    """A decode stopped (SIGSTOP) before any request on it streamed a decode token: each of those
+    requests fails over to the other decode after the progress deadline (2 s here), as a dead peer's
+    would, instead of waiting the overall progress deadline (20 s here) and failing."""
+    victim = DECODES[0]
+    os.kill(mig.mesh.procs[victim].proc.pid, signal.SIGSTOP)
+    try:
+        # Sent at once, well within the victim's directory lease: selection still alternates onto it.
+        outs = await asyncio.gather(
+            *(stream(mig.router.grpc, request(f"early-{i}", prompt_ids(700 + i), 12)) for i in range(6))
+        )
+    finally:
+        os.kill(mig.mesh.procs[victim].proc.pid, signal.SIGCONT)
+    for out in outs:
+        assert out.error is None and len(out.tokens) == 12, out
+    lines = [json.loads(x) for x in mig.router.proc.log().splitlines() if x.startswith("{")]
+    failed_over = {
+        e["request_id"]
+        for e in lines
+        if e.get("event") == "request" and victim in str(e.get("failed_peers", "")) and
+        str(e.get("request_id", "")).startswith("early-")
+    }  # fmt: skip
+    assert failed_over, "no request was sent to the stopped decode"
+    for out in outs:  # the answer is the other pair's own: the client saw nothing of the stalled one
+        assert out.tokens == (await fresh(mig, prompt_ids(700 + int(out.request_id[6:])), 12)).tokens
+    await idle(mig)
+
+
 async def test_opt_out_gets_the_old_error(mig: MigrationMesh) -> None:
     req = request("opt-out", prompt_ids(9), 400)
     req.no_migration = True
