@@ -315,10 +315,34 @@ async def test_sigstop_a_decode_mid_stream_migrates(mig: MigrationMesh) -> None:
     await idle(mig)
 
 
+def _decodes_of(router: Router, request_ids: set[str]) -> list[str]:
+    """The decode of each of `request_ids` that completed, from the router's request lines."""
+    out = []
+    for line in router.proc.log().splitlines():
+        if line.startswith("{"):
+            event = json.loads(line)
+            if event.get("event") == "request" and event.get("request_id") in request_ids:
+                out += [
+                    p.split(":", 1)[1]
+                    for p in str(event.get("peers", "")).split(",")
+                    if p.startswith("decode:")
+                ]
+    return out
+
+
 async def test_a_decode_stalled_before_its_first_token_fails_over(mig: MigrationMesh) -> None:
     """A decode stopped (SIGSTOP) before any request on it streamed a decode token: each of those
     requests fails over to the other decode after the progress deadline (2 s here), as a dead peer's
     would, instead of waiting the overall progress deadline (20 s here) and failing."""
+    # Both decodes back in selection after the tests before (restarts, stops): each serves a request.
+    for attempt in range(60):
+        rids = [f"warm-{attempt}-{i}" for i in range(4)]
+        await asyncio.gather(*(stream(mig.router.grpc, request(r, prompt_ids(690), 2)) for r in rids))
+        if set(_decodes_of(mig.router, set(rids))) == set(DECODES):
+            break
+        await asyncio.sleep(0.5)
+    else:
+        raise AssertionError("the router never sent requests to both decodes")
     victim = DECODES[0]
     os.kill(mig.mesh.procs[victim].proc.pid, signal.SIGSTOP)
     try:
