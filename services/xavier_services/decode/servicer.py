@@ -44,6 +44,7 @@ from xavier_services.peer.convert import (
     usage_pb,
 )
 from xavier_services.peer.host import PeerHost
+from xavier_services.peer.membership import PeerCache
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
 
 log = get_logger(__name__)
@@ -75,6 +76,10 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         self._draining = False
         # (prefill peer id, epoch) -> its transfer endpoint, fixed for the epoch (oldest first).
         self._endpoints: dict[tuple[str, int], types_pb2.TransferEndpoint] = {}
+        # A pair handoff's prefills (no BeginTransfer brings their endpoint): the directory's peer list.
+        self._prefills = PeerCache(
+            host.membership, types_pb2.ROLE_PREFILL, host.fingerprint, limit=_ENDPOINT_CACHE
+        )
         register_peer_metrics(
             PeerCollector(
                 "decode" if host.role == types_pb2.ROLE_DECODE else "unified",
@@ -191,18 +196,12 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
 
     async def _prefill_endpoint(self, source: tuple[str, int]) -> types_pb2.TransferEndpoint:
         """A pair handoff's prefill endpoint: from the directory's peer list once per prefill epoch."""
-        cached = self._endpoints.get(source)
-        if cached is not None:
-            return cached
-        for peer in await self.host.dir.list_peers(types_pb2.ROLE_PREFILL, self.host.fingerprint):
-            self._endpoints[(peer.peer_id, peer.epoch)] = peer.endpoint
-        while len(self._endpoints) > _ENDPOINT_CACHE:
-            del self._endpoints[next(iter(self._endpoints))]
-        if source not in self._endpoints:
+        found = await self._prefills.find(source)
+        if found is None:
             raise Unavailable(
                 f"prefill {source[0]} epoch {source[1]} is not in the directory", reason="PEER_UNAVAILABLE"
             )
-        return self._endpoints[source]
+        return found.endpoint
 
     async def _begin(
         self, room_id: int, source: tuple[str, int], rid: str
