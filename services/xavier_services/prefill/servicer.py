@@ -222,7 +222,6 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
         finally:
             notif.cancel()
             stop.cancel()
-            host.feed.forget(hold.room_id)
 
     async def ReleaseSource(
         self,
@@ -295,22 +294,29 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
 
     async def _park(self, hold: _Hold) -> None:
         """Keeps a published room's pages until its reader is done with them or says it never read
-        them (NIXL notification, or its word through the directory), the park timeout, or the stop."""
+        them (NIXL notification, or, in a directory room, its word through the directory), the park
+        timeout, or the stop."""
         host = self.host
         hold.parked = True
         timeout = host.config.handoff.park_timeout_seconds
         try:
             if not host.port.read_ended(hold.room_id):
                 read_end = asyncio.ensure_future(host.port.wait_read_end(hold.room_id, timeout))
-                declined = asyncio.ensure_future(host.feed.read_declined(hold.room_id, timeout))
                 stop = asyncio.ensure_future(hold.aborted.wait())
+                waits: set[asyncio.Future[Any]] = {read_end, stop}
+                declined: asyncio.Future[bool] | None = None
+                if hold.released is None:  # a directory room's decode may decline through the directory
+                    declined = asyncio.ensure_future(host.feed.read_declined(hold.room_id, timeout))
+                    waits.add(declined)
                 try:
-                    await asyncio.wait({read_end, declined, stop}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 finally:
-                    for t in (read_end, declined, stop):
+                    for t in waits:
                         t.cancel()
                 # Each wait answers "" / False when its timeout passed first.
-                ended = (read_end.done() and read_end.result()) or (declined.done() and declined.result())
+                ended = (read_end.done() and read_end.result()) or (
+                    declined is not None and declined.done() and declined.result()
+                )
                 if not ended and not stop.done():
                     log.warning("parked pages reclaimed after timeout", room_id=hold.room_id)
         finally:
