@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from xavier.v1 import decode_service_pb2 as dec
 from xavier.v1 import decode_service_pb2_grpc as dec_grpc
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
@@ -51,6 +52,21 @@ async def _release(ch: Channels, room_id: int, decode_called: bool) -> pre.Relea
     return resp
 
 
+def _handed(prefill: dpb.Peer, room_id: int, tokens: list[int], pf: pre.PrefillResponse) -> dec.DecodeRequest:
+    """The Decode the router sends after `pf`: the first token and the prefill's source."""
+    req = decode_request(room_id, prefill, tokens, GREEDY, pf.first_token, pf.first_logprob)
+    req.source.CopyFrom(pf.source)
+    return req
+
+
+async def _decode(ch: Channels, req: dec.DecodeRequest, pf: pre.PrefillResponse) -> list[int]:
+    """The whole answer: the prefill's first token and every token the decode streams."""
+    got = [pf.first_token]
+    async for msg in dec_grpc.DecodeServiceStub(ch.decode).Decode(req, timeout=30):
+        got.extend(msg.delta.token_ids)
+    return got
+
+
 async def test_peers_declare_the_pair_handoff(mesh: Mesh) -> None:
     ch = Channels(mesh)
     try:
@@ -70,12 +86,8 @@ async def test_pair_handoff_equals_unified_and_opens_no_room(mesh: Mesh) -> None
             room_id = new_room_id()
             pf = await _prefill(ch, room_id, tokens)
             assert pf.HasField("source") and pf.source.num_pages == pf.num_pages > 0
-            req = decode_request(room_id, p, tokens, GREEDY, pf.first_token, pf.first_logprob)
-            req.source.CopyFrom(pf.source)
-            got = [pf.first_token]
-            async for msg in dec_grpc.DecodeServiceStub(ch.decode).Decode(req, timeout=30):
-                got.extend(msg.delta.token_ids)
-            assert got == await unified_generate(ch.unified, tokens, max_tokens=8)
+            req = _handed(p, room_id, tokens, pf)
+            assert await _decode(ch, req, pf) == await unified_generate(ch.unified, tokens, max_tokens=8)
         assert await _rooms_opened(ch) == opened  # the directory saw no request
         assert not any((await wait_drained(mesh)).values())
     finally:
@@ -130,12 +142,10 @@ async def test_a_decode_that_refuses_the_source_declines_it(mesh: Mesh) -> None:
         tokens = prompt(40, 7)
         room_id = new_room_id()
         pf = await _prefill(ch, room_id, tokens)
-        req = decode_request(room_id, p, tokens, GREEDY, pf.first_token, pf.first_logprob)
-        req.source.CopyFrom(pf.source)
+        req = _handed(p, room_id, tokens, pf)
         req.source.contract_fingerprint = "0" * 64
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in dec_grpc.DecodeServiceStub(ch.decode).Decode(req, timeout=30):
-                pass
+            await _decode(ch, req, pf)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert not any((await wait_drained(mesh, timeout=2)).values())
     finally:
@@ -149,12 +159,10 @@ async def test_a_decode_that_cannot_find_the_prefill_fails_clearly(mesh: Mesh) -
         tokens = prompt(40, 8)
         room_id = new_room_id()
         pf = await _prefill(ch, room_id, tokens)
-        req = decode_request(room_id, p, tokens, GREEDY, pf.first_token, pf.first_logprob)
-        req.source.CopyFrom(pf.source)
+        req = _handed(p, room_id, tokens, pf)
         req.prefill_epoch = p.epoch + 100  # an epoch the directory never saw
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in dec_grpc.DecodeServiceStub(ch.decode).Decode(req, timeout=30):
-                pass
+            await _decode(ch, req, pf)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         # As the router does: the decode was called, so the pages are parked until the park timeout.
         await _release(ch, room_id, decode_called=True)
@@ -184,12 +192,8 @@ async def test_decode_killed_mid_handoff_leaves_nothing(mesh: Mesh) -> None:
         tokens = prompt(50, 10)
         room_id = new_room_id()
         pf = await _prefill(ch, room_id, tokens)
-        req = decode_request(room_id, p, tokens, GREEDY, pf.first_token, pf.first_logprob)
-        req.source.CopyFrom(pf.source)
-        got = [pf.first_token]
-        async for msg in dec_grpc.DecodeServiceStub(ch.decode).Decode(req, timeout=30):
-            got.extend(msg.delta.token_ids)
-        assert got == await unified_generate(ch.unified, tokens, max_tokens=8)
+        req = _handed(p, room_id, tokens, pf)
+        assert await _decode(ch, req, pf) == await unified_generate(ch.unified, tokens, max_tokens=8)
         assert not any((await wait_drained(mesh)).values())
     finally:
         await ch.close()
