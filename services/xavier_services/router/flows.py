@@ -389,6 +389,9 @@ async def _pd_attempt(
             yield _first_step(prep, first.token, first.logprob, pf)
         async for msg in paced(dec_call, env.stall_seconds):
             decoded = True
+            # Set before the finishing step is handed on: a reader that has it closes this generator at
+            # the yield, and the request must not count as given up (no ReleaseSource, no AbortRoom).
+            finished_cleanly = bool(msg.finish_reason)
             transfer = to_seconds(msg.timings.transfer) if msg.HasField("timings") else None
             yield Step(
                 list(msg.delta.token_ids),
@@ -399,7 +402,6 @@ async def _pd_attempt(
                 top_logprobs=list(msg.delta.top_logprobs),
             )
             if msg.finish_reason:
-                finished_cleanly = True
                 return
         yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
     except grpc.aio.AioRpcError as exc:

@@ -87,6 +87,7 @@ async def concurrent_attempt(
             except TimeoutError:
                 raise flows._lost(flows._stalled(d, pool, env.stall_seconds), streamed) from None
             streamed = True
+            finished = bool(msg.finish_reason)  # before the yield: a reader with the finish closes us there
             yield flows.Step(
                 list(msg.delta.token_ids),
                 msg.delta.text,
@@ -96,7 +97,6 @@ async def concurrent_attempt(
                 transfer_seconds=to_seconds(msg.timings.transfer) if msg.HasField("timings") else None,
             )
             if msg.finish_reason:
-                finished = True
                 return
         yield flows.Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
     except grpc.aio.AioRpcError as exc:
