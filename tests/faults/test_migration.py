@@ -135,8 +135,13 @@ class Move:
 
 def migrations(router: Router) -> dict[str, list[Move]]:
     """request id -> its moves, from the router's log."""
+    return moves_in(router.proc.log())
+
+
+def moves_in(log: str) -> dict[str, list[Move]]:
+    """request id -> its moves, from the text of a router's log."""
     out: dict[str, list[Move]] = {}
-    for line in router.proc.log().splitlines():
+    for line in log.splitlines():
         if not line.startswith("{"):
             continue
         event = json.loads(line)
