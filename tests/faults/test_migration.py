@@ -335,19 +335,23 @@ def _decodes_of(router: Router, request_ids: set[str]) -> list[str]:
     return out
 
 
+async def both_decodes_selected(mig: MigrationMesh, tag: str) -> None:
+    """Waits until both decodes are back in selection after the tests before (restarts, stops): each
+    serves a request."""
+    for attempt in range(60):
+        rids = [f"warm-{tag}-{attempt}-{i}" for i in range(4)]
+        await asyncio.gather(*(stream(mig.router.grpc, request(r, prompt_ids(690), 2)) for r in rids))
+        if set(_decodes_of(mig.router, set(rids))) == set(DECODES):
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError("the router never sent requests to both decodes")
+
+
 async def test_a_decode_stalled_before_its_first_token_fails_over(mig: MigrationMesh) -> None:
     """A decode stopped (SIGSTOP) before any request on it streamed a decode token: each of those
     requests fails over to the other decode after the progress deadline (2 s here), as a dead peer's
     would, instead of waiting the overall progress deadline (20 s here) and failing."""
-    # Both decodes back in selection after the tests before (restarts, stops): each serves a request.
-    for attempt in range(60):
-        rids = [f"warm-{attempt}-{i}" for i in range(4)]
-        await asyncio.gather(*(stream(mig.router.grpc, request(r, prompt_ids(690), 2)) for r in rids))
-        if set(_decodes_of(mig.router, set(rids))) == set(DECODES):
-            break
-        await asyncio.sleep(0.5)
-    else:
-        raise AssertionError("the router never sent requests to both decodes")
+    await both_decodes_selected(mig, "stalled")
     victim = DECODES[0]
     os.kill(mig.mesh.procs[victim].proc.pid, signal.SIGSTOP)
     try:
@@ -532,6 +536,8 @@ async def test_sse_streams_migrate_and_the_opt_out_gets_an_error_event(mig: Migr
     other is back: the SSE streams go on with exact text and usage, the opted-out one ends with
     PEER_FAILED."""
     keep, victim = DECODES
+    # A decode still out of selection after an earlier test's restart would log no new "out" event.
+    await both_decodes_selected(mig, "sse")
     os.kill(mig.mesh.procs[keep].proc.pid, signal.SIGSTOP)
     gone, back = (
         log_events(mig.router, e, keep) for e in ("peer out of selection", "peer back in selection")
