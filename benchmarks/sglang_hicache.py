@@ -36,7 +36,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from sglang_pd import stop
+from sglang_pd import make_model, stop
 
 from tests.pagestore.engines import Answer, generate
 
@@ -192,7 +192,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True)
+    p.add_argument(
+        "--model", type=Path, default=None, help="a checkpoint (default: a 0.5B-shaped random one)"
+    )
     p.add_argument("--backends", type=lambda v: v.split(","), default=["xavier", "file"])
     p.add_argument("--lengths", type=int, nargs="+", default=[2000, 8000])
     p.add_argument("--reps", type=int, default=3)
@@ -207,6 +209,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/sglang-hicache"))
     args = p.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="xavier-hicache-"))
+    args.model = make_model(args.model or work / "qwen2.5-0.5b-shape")
     rows: list[dict[str, Any]] = []
     for backend in args.backends:
         mesh = Mesh(backend, args, work)
