@@ -88,7 +88,7 @@ def needed_features(s: types_pb2.SamplingParams) -> list[tuple[types_pb2.EngineF
         needs.append((f.ENGINE_FEATURE_STRUCTURED_OUTPUT, "grammar"))
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(s, name):
-            needs.append((f.ENGINE_FEATURE_PENALTIES, name))
+            needs.append((f.ENGINE_FEATURE_OUTPUT_PENALTIES, name))
     if s.repetition_penalty not in (0.0, 1.0):
         needs.append((f.ENGINE_FEATURE_PENALTIES, "repetition_penalty"))
     if s.logit_bias:
@@ -106,6 +106,8 @@ def require_features(prep: Prepared, layout: types_pb2.KvLayout | None, who: str
     """Refuses (INVALID_ARGUMENT, UNSUPPORTED_PARAMETER naming the sampling field) a request that needs
     a feature the chosen engine does not declare; `layout` None: an engine that declares none."""
     have = set(layout.features) if layout is not None else set()
+    if types_pb2.ENGINE_FEATURE_PENALTIES in have:  # all three penalties cover the output-only two
+        have.add(types_pb2.ENGINE_FEATURE_OUTPUT_PENALTIES)
     for feature, param in needed_features(prep.sampling):
         if feature not in have:
             raise InvalidArgument(

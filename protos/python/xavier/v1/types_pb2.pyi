@@ -190,6 +190,10 @@ class _EngineFeatureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EngineF
     """The engine drops tokens less likely than SamplingParams.min_p times the most likely one."""
     ENGINE_FEATURE_STOP_STRING_IN_OUTPUT: _EngineFeature.ValueType  # 8
     """The engine keeps a matched stop string in the output (SamplingParams.include_stop_str_in_output)."""
+    ENGINE_FEATURE_OUTPUT_PENALTIES: _EngineFeature.ValueType  # 10
+    """The engine applies SamplingParams.presence_penalty and frequency_penalty (the penalties that count
+    the output only), whether or not it applies repetition_penalty; ENGINE_FEATURE_PENALTIES implies it.
+    """
 
 class EngineFeature(_EngineFeature, metaclass=_EngineFeatureEnumTypeWrapper):
     """EngineFeature names a request feature that some engines honour and others do not."""
@@ -214,6 +218,10 @@ ENGINE_FEATURE_MIN_P: EngineFeature.ValueType  # 7
 """The engine drops tokens less likely than SamplingParams.min_p times the most likely one."""
 ENGINE_FEATURE_STOP_STRING_IN_OUTPUT: EngineFeature.ValueType  # 8
 """The engine keeps a matched stop string in the output (SamplingParams.include_stop_str_in_output)."""
+ENGINE_FEATURE_OUTPUT_PENALTIES: EngineFeature.ValueType  # 10
+"""The engine applies SamplingParams.presence_penalty and frequency_penalty (the penalties that count
+the output only), whether or not it applies repetition_penalty; ENGINE_FEATURE_PENALTIES implies it.
+"""
 Global___EngineFeature: _TypeAlias = EngineFeature  # noqa: Y015
 
 @_typing.final
