@@ -94,10 +94,12 @@ async def _killer(
         if not await until(functools.partial(_running, mig, victim)):  # the kill takes streams mid-stream
             return
         gate.clear()
-        mig.mesh.procs[victim].kill()  # kill -9, reaped
-        killed.append(victim)
-        await asyncio.to_thread(mig.restart, victim)
-        gate.set()
+        try:
+            mig.mesh.procs[victim].kill()  # kill -9, reaped
+            killed.append(victim)
+            await asyncio.to_thread(mig.restart, victim)
+        finally:
+            gate.set()  # a failed restart fails the test at `await kills`, not by a stalled run
         # The router sends the new epoch requests (so the next kill's streams have a pair to go to).
         if not await until(functools.partial(_running, mig, victim)):
             return
