@@ -43,7 +43,7 @@ from xavier.v1 import types_pb2  # noqa: E402
 from xavier_client import Client  # noqa: E402
 
 from tests.cli.mesh import Mesh, start_up  # noqa: E402
-from tests.faults.test_migration import Streamed, moves_in, prompt_ids, request, stream  # noqa: E402
+from tests.faults.migration_mesh import Streamed, moves_in, prompt_ids, request, stream  # noqa: E402
 from tests.sglang.conftest import sglang_args  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gpu, pytest.mark.slow]
