@@ -265,6 +265,8 @@ class PageStoreClient:
                 slots = local = await self.staging.acquire(len(pages))
             rows = self.geometry.span_descriptors(_head(resp.spans, len(pages)), self._bases, local)
             sums = list(resp.checksums[: len(pages)])
+            self.counters.reads += 1
+            self.counters.read_descriptors += rows.shape[0]
             corrupt = await self.conn.off_loop(
                 store, lambda: self._read_verified(store, rows, local, sums, pages)
             )
@@ -317,6 +319,8 @@ class PageStoreClient:
             if self.staging is not None:
                 slots = src = await self.staging.acquire(len(local))
             rows = self.geometry.span_descriptors(_spans(resp.spans), self._bases, src)
+            self.counters.writes += 1
+            self.counters.write_descriptors += rows.shape[0]
             sums = await self.conn.off_loop(store, lambda: self._write_summed(store, rows, local, src))
         except BaseException as exc:
             if isinstance(exc, TransferStuck) and self.staging is not None:
