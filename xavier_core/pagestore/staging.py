@@ -67,7 +67,7 @@ class HostStaging:
             KvBuffer(t.data_ptr(), t.numel(), b.bytes_per_page, "cpu")
             for t, b in zip(self._host, pool, strict=True)
         )
-        self._free = list(range(slots))
+        self._free = list(range(slots))  # sorted: leases take the lowest run that fits (`_lowest_run`)
         self.usable = slots
         """Slots not retired: the most one call may take."""
         self._freed: asyncio.Condition | None = None
@@ -85,7 +85,9 @@ class HostStaging:
             await self._freed.wait_for(lambda: len(self._free) >= n or n > self.usable)
             if n > self.usable:
                 raise InvalidPagesError(f"asked for {n} staging slots; {self.usable} are still usable")
-            taken, self._free = self._free[:n], self._free[n:]
+            taken = _lowest_run(self._free, n)
+            gone = set(taken)
+            self._free = [s for s in self._free if s not in gone]
         return taken
 
     async def retire(self, slots: Sequence[int]) -> None:
@@ -101,7 +103,7 @@ class HostStaging:
         if self._freed is None:
             self._freed = asyncio.Condition()
         async with self._freed:
-            self._free.extend(slots)
+            self._free = sorted([*self._free, *slots])
             self._freed.notify_all()
 
     # --- copies (a worker thread) ------------------------------------------------------------------------
@@ -176,6 +178,18 @@ class HostStaging:
                 )
         for b, pool in enumerate(self._pool):
             pool.index_copy_(0, p_idx, moved[b])
+
+
+def _lowest_run(free: list[int], n: int) -> list[int]:
+    """`n` slots of the sorted `free`: the lowest run of `n` consecutive ones, else the `n` lowest.
+
+    A lease of consecutive slots lets a store run travel as one descriptor per segment (the mirror is
+    buffer-major, so consecutive slots are one contiguous range per buffer, like a run of store slots),
+    and lets each copy to or from the pool be one DMA per buffer."""
+    for at in range(len(free) - n + 1):
+        if free[at + n - 1] - free[at] == n - 1:
+            return free[at : at + n]
+    return free[:n]
 
 
 def _view(buf: KvBuffer) -> torch.Tensor:
