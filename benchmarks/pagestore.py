@@ -298,6 +298,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         "staged": args.stage_host_pool or args.device != "cpu",
         # NIXL descriptors of the warm-from-store fetch, as B's client counted them (its metric).
         "warm_store_read_descriptors": statistics.median(read_descriptors),
+        "warm_store_read_descriptors_per_rep": read_descriptors,
     }
     for case, times in cases.items():
         out[f"{case}_ms"] = 1e3 * statistics.median(times)
