@@ -267,8 +267,17 @@ class PageStore:
         when no slot is free at all."""
         evicted = 0
         while True:
-            runs = [(chunk, run) for chunk in ns.chunks if chunk.free for run in _free_runs(chunk.free)]
-            fit = next(((c, r) for c, r in runs if r[1] >= want), None)
+            # Only chunks with enough free slots are searched (a full arena's chunks have few).
+            fit = next(
+                (
+                    (c, r)
+                    for c in ns.chunks
+                    if len(c.free) >= want
+                    for r in _free_runs(c.free)
+                    if r[1] >= want
+                ),
+                None,
+            )
             if fit is None and self.arena.free_chunks:
                 chunk = self.arena.free_chunks.pop()
                 chunk.slots = ns.slots_per_chunk
@@ -276,8 +285,9 @@ class PageStore:
                 chunk.used = 0
                 ns.chunks.append(chunk)
                 fit = (chunk, (0, chunk.slots))
-            if fit is None and runs:
-                fit = max(runs, key=lambda cr: cr[1][1])
+            if fit is None:
+                runs = [(c, r) for c in ns.chunks if c.free for r in _free_runs(c.free)]
+                fit = max(runs, key=lambda cr: cr[1][1], default=None)
             if fit is not None:
                 chunk, (first, length) = fit
                 count = min(want, length)
