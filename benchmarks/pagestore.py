@@ -37,6 +37,7 @@ import numpy as np
 from tests.support.procs import start_service
 from xavier_core.pagestore import PageNamespace, PageStoreClient
 from xavier_core.pagestore import client as client_module
+from xavier_core.pagestore import staging as staging_module
 from xavier_core.pagestore.layout import local_page_checksums
 from xavier_core.transfer.common.buffers import KvBuffer
 
@@ -67,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--stage-host-pool",
         action="store_true",
-        help="TTFT replicas pass their host pool through the pinned-mirror path a GPU pool takes",
+        help="the GB/s client and the TTFT replicas pass their host pool through the mirror a GPU pool takes",
     )
     p.add_argument(
         "--shape", choices=["tiny", "qwen2.5-0.5b"], default="tiny", help="TTFT model shape (random weights)"
@@ -113,7 +114,10 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
         keep = [torch.from_numpy(a).to(args.pool_device) for a in pool]
         bufs = [KvBuffer(t.data_ptr(), t.numel(), seg, str(t.device)) for t in keep]
     settings = client_module.ClientSettings(
-        rpc_timeout_s=30, transfer_timeout_s=60, staging_pages=max(counts)
+        rpc_timeout_s=30,
+        transfer_timeout_s=60,
+        staging_pages=max(counts),
+        stage_host_pool=args.stage_host_pool,
     )
     client = PageStoreClient(address, bufs, settings)
     nixl_times: list[float] = []
@@ -148,6 +152,16 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
             sum_times.append(time.perf_counter() - t)
 
     client_module.local_page_checksums = timed_sums  # type: ignore[attr-defined]
+    real_rows = staging_module.page_row_checksums
+
+    def timed_rows(rows: Any) -> list[bytes]:  # a mirror's reads are checked on page-major rows
+        t = time.perf_counter()
+        try:
+            return real_rows(rows)
+        finally:
+            sum_times.append(time.perf_counter() - t)
+
+    staging_module.page_row_checksums = timed_rows  # type: ignore[attr-defined]
     if client.staging is not None:
         staging = client.staging
         real_copy = staging._copy
@@ -158,6 +172,16 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
             stage_times.append(time.perf_counter() - t)
 
         staging._copy = timed_copy  # type: ignore[method-assign]
+        real_checked = staging.to_pool_checked
+
+        def timed_checked(*a: Any) -> list[int]:  # a get's copies, less the checksum pass inside them
+            t, hashed = time.perf_counter(), sum(sum_times)
+            try:
+                return real_checked(*a)
+            finally:
+                stage_times.append(time.perf_counter() - t - (sum(sum_times) - hashed))
+
+        staging.to_pool_checked = timed_checked  # type: ignore[method-assign]
     page_bytes = seg * len(bufs)
     points = []
     prompt = 0
@@ -246,6 +270,7 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
         stats = await client.stats()
     finally:
         client_module.local_page_checksums = real_sums  # type: ignore[attr-defined]
+        staging_module.page_row_checksums = real_rows  # type: ignore[attr-defined]
         await client.close()
     return {
         "benchmark": "pagestore",

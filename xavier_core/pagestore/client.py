@@ -293,12 +293,10 @@ class PageStoreClient:
         """READs into `local` (pool pages or staging slots), checks every page, moves the verified head
         to the pool's `pages`; returns the indices that failed. One worker-thread hop for all of it."""
         self.conn.move("READ", store, rows, len(local))
+        if self.staging is not None:  # checked on a page-major copy, and only the verified head moves
+            return self.staging.to_pool_checked(local, pages, sums)
         got = local_page_checksums(self.buffers, local)
-        corrupt = [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
-        good = corrupt[0] if corrupt else len(local)
-        if self.staging is not None and good:
-            self.staging.to_pool(local[:good], pages[:good])
-        return corrupt
+        return [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
 
     async def _put(self, namespace: PageNamespace, keys: list[bytes], pages: list[int]) -> int:
         req = pb.PutPagesRequest(

@@ -30,7 +30,7 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 _HASH_THREADS = min(8, os.cpu_count() or 1)
 _BYTES_PER_THREAD = 4 << 20
-_MIN_UNIT_BYTES = 256 << 10
+_MIN_UNIT_BYTES = 128 << 10
 
 
 @dataclass(frozen=True)
@@ -131,13 +131,23 @@ def local_page_checksums(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> l
     return map_pages(one, pages, page_bytes, min((b.bytes_per_page for b in buffers), default=0))
 
 
+def page_row_checksums(rows: npt.NDArray[np.uint8]) -> list[bytes]:
+    """`page_checksum` of each row of a C-contiguous (pages, page bytes) host array: each page is one
+    range, hashed in one call (XXH3 of a page's segments in order is XXH3 of their concatenation), so
+    long pages spread over threads."""
+    n, size = rows.shape
+    view = np.ascontiguousarray(rows).data.cast("B")
+    return map_pages(lambda i: xxhash.xxh3_128_digest(view[i * size : (i + 1) * size]), range(n), size, size)
+
+
 def map_pages(fn: Callable[[_T], _R], items: Sequence[_T], item_bytes: int, unit_bytes: int) -> list[_R]:
     """`[fn(x) for x in items]` for `fn` hashing `item_bytes` each in updates of at least `unit_bytes`,
     spread over a few threads when that pays. The hash releases the GIL only inside an update, so threads
     help only when each update is long: measured on a 16-core H200 host, 48 segments a page hashed no
-    faster on 2-8 threads than on one at 4, 16 or 64 KiB a segment, and 3x faster on 8 at 256 KiB
-    (`_MIN_UNIT_BYTES`); below that the threads' fight over the GIL costs what they save. Each thread
-    also gets at least `_BYTES_PER_THREAD`: handing work to the pool costs too."""
+    faster on 2-8 threads than on one at 4, 16 or 64 KiB a segment, and 3x faster on 8 at 256 KiB;
+    pages of 192 KiB hashed in one update each ran 2x faster on 4 threads. Below `_MIN_UNIT_BYTES` the
+    threads' fight over the GIL costs what they save. Each thread also gets at least
+    `_BYTES_PER_THREAD`: handing work to the pool costs too."""
     if unit_bytes < _MIN_UNIT_BYTES:
         return [fn(x) for x in items]
     parts = min(_HASH_THREADS, len(items) * item_bytes // _BYTES_PER_THREAD)
