@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from xavier_core.pagestore.layout import local_page_checksums, page_row_checksums
 from xavier_core.transfer.common.buffers import KvBuffer
@@ -112,7 +115,7 @@ class HostStaging:
         if self._freed is None:
             self._freed = asyncio.Condition()
         async with self._freed:
-            self._free = sorted([*self._free, *slots])
+            self._free = list(heapq.merge(self._free, sorted(slots)))
             self._freed.notify_all()
 
     # --- copies (a worker thread) ------------------------------------------------------------------------
@@ -265,10 +268,13 @@ def _lowest_run(free: list[int], n: int) -> list[int]:
     A lease of consecutive slots lets a store run travel as one descriptor per segment (the mirror is
     buffer-major, so consecutive slots are one contiguous range per buffer, like a run of store slots),
     and lets each copy to or from the pool be one DMA per buffer."""
-    for at in range(len(free) - n + 1):
-        if free[at + n - 1] - free[at] == n - 1:
-            return free[at : at + n]
-    return free[:n]
+    if len(free) < n:
+        return free[:n]
+    ids = np.asarray(free, dtype=np.int64)
+    # Sorted and distinct: n slots from `at` are consecutive exactly when the last is n - 1 past the first.
+    fits = np.flatnonzero(ids[n - 1 :] - ids[: len(ids) - n + 1] == n - 1)
+    at = int(fits[0]) if fits.size else 0
+    return free[at : at + n]
 
 
 def _view(buf: KvBuffer) -> torch.Tensor:
