@@ -163,7 +163,7 @@ class HostStaging:
 
         With the one-tensor mirror the slots are first copied to the pool's device as they are (the copy
         `to_pool` makes), and that copy is sent back page-major into a pinned host buffer: each page is
-        then one contiguous range, hashed in one call (on several threads), where in the mirror it is
+        then one contiguous range, hashed in one call (long pages on threads), where in the mirror it is
         one range per buffer, each its own hash update under the GIL. Only the verified head is
         scattered from the device copy into the pool, so unverified bytes never reach it."""
         import torch
