@@ -6,14 +6,16 @@ pool is shaped like a KV pool (per layer a K and a V buffer). Local pages are pl
 per buffer and longer runs coalesce. Each point is the median of `--reps`. Reported per point: end-to-end
 put (`write`: reserve, checksum, WRITE, commit) and get (`lookup_and_fetch`: lease, READ, verify; the
 release is not waited for) GB/s, where a get's time goes (GetPages RPC, NIXL READ, checksum pass, staging
-copies), the share of a get spent verifying (and the get's GB/s without that pass), the NIXL transfer
-alone, and in-run baselines on the same bytes: a numpy gather/scatter memcpy, the XXH3-128 checksum pass
-the store uses and the BLAKE2b-128 pass it used before.
+copies), the NIXL descriptors each get and put posted (as the client counts them), the share of a get
+spent verifying (and the get's GB/s without that pass), the NIXL transfer alone, and in-run baselines
+on the same bytes: a numpy gather/scatter memcpy, the XXH3-128 checksum pass the store uses and the
+BLAKE2b-128 pass it used before.
 
 Then TTFT of a prompt with a `--prefix`-token shared prefix (the tiny CPU model, real processes: directory,
 store, two unified replicas): cold (nothing cached anywhere), warm from the store (replica B, local cache
 empty, fetches what replica A wrote through) and warm in B's local prefix cache; medians of `--ttft-reps`,
-each rep with a fresh prefix and its own suffixes. Prints JSON, writes a PNG.
+each rep with a fresh prefix and its own suffixes, and the NIXL descriptors of B's store read (its
+client's metric). Prints JSON, writes a PNG.
 Example: `python benchmarks/pagestore.py --pages 16,64,256 --run-lengths 1,4,64 --reps 3 --ttft-reps 7`.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -34,6 +37,7 @@ import numpy as np
 from tests.support.procs import start_service
 from xavier_core.pagestore import PageNamespace, PageStoreClient
 from xavier_core.pagestore import client as client_module
+from xavier_core.pagestore import staging as staging_module
 from xavier_core.pagestore.layout import local_page_checksums
 from xavier_core.transfer.common.buffers import KvBuffer
 
@@ -54,6 +58,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="where the TTFT replicas keep KV and compute (cpu, cuda)")
     p.add_argument(
         "--pool-device", default="cpu", help="where the GB/s part's local pool lives (cpu, cuda:0)"
+    )
+    p.add_argument(
+        "--store-chunk-bytes",
+        type=int,
+        default=16 << 20,
+        help="the TTFT store's arena chunk (the store's default); a stored run never crosses a chunk",
+    )
+    p.add_argument(
+        "--stage-host-pool",
+        action="store_true",
+        help="the GB/s client and the TTFT replicas pass their host pool through the mirror a GPU pool takes",
     )
     p.add_argument(
         "--shape", choices=["tiny", "qwen2.5-0.5b"], default="tiny", help="TTFT model shape (random weights)"
@@ -99,7 +114,10 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
         keep = [torch.from_numpy(a).to(args.pool_device) for a in pool]
         bufs = [KvBuffer(t.data_ptr(), t.numel(), seg, str(t.device)) for t in keep]
     settings = client_module.ClientSettings(
-        rpc_timeout_s=30, transfer_timeout_s=60, staging_pages=max(counts)
+        rpc_timeout_s=30,
+        transfer_timeout_s=60,
+        staging_pages=max(counts),
+        stage_host_pool=args.stage_host_pool,
     )
     client = PageStoreClient(address, bufs, settings)
     nixl_times: list[float] = []
@@ -113,17 +131,16 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
 
     client.conn.move = timed_move  # type: ignore[method-assign,assignment]
     rpc_times: list[float] = []
-    real_call = client.conn.call
+    real_get_pages = client.conn.get_pages
 
-    async def timed_call(method: str, request: Any) -> Any:  # GetPages only: the get's one awaited RPC
+    async def timed_get_pages(request: Any) -> Any:  # the get's one awaited RPC
         t = time.perf_counter()
         try:
-            return await real_call(method, request)
+            return await real_get_pages(request)
         finally:
-            if method == "GetPages":
-                rpc_times.append(time.perf_counter() - t)
+            rpc_times.append(time.perf_counter() - t)
 
-    client.conn.call = timed_call  # type: ignore[method-assign]
+    client.conn.get_pages = timed_get_pages  # type: ignore[method-assign]
     sum_times: list[float] = []
     real_sums = local_page_checksums
 
@@ -135,6 +152,16 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
             sum_times.append(time.perf_counter() - t)
 
     client_module.local_page_checksums = timed_sums  # type: ignore[attr-defined]
+    real_rows = staging_module.page_row_checksums
+
+    def timed_rows(rows: Any) -> list[bytes]:  # a mirror's reads are checked on page-major rows
+        t = time.perf_counter()
+        try:
+            return real_rows(rows)
+        finally:
+            sum_times.append(time.perf_counter() - t)
+
+    staging_module.page_row_checksums = timed_rows  # type: ignore[attr-defined]
     if client.staging is not None:
         staging = client.staging
         real_copy = staging._copy
@@ -145,6 +172,16 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
             stage_times.append(time.perf_counter() - t)
 
         staging._copy = timed_copy  # type: ignore[method-assign]
+        real_checked = staging.to_pool_checked
+
+        def timed_checked(*a: Any) -> list[int]:  # a get's copies, less the checksum pass inside them
+            t, hashed = time.perf_counter(), sum(sum_times)
+            try:
+                return real_checked(*a)
+            finally:
+                stage_times.append(time.perf_counter() - t - (sum(sum_times) - hashed))
+
+        staging.to_pool_checked = timed_checked  # type: ignore[method-assign]
     page_bytes = seg * len(bufs)
     points = []
     prompt = 0
@@ -157,16 +194,20 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
                 put_t, put_x, get_t, get_x, put_s, get_s = [], [], [], [], [], []
                 get_r: list[float] = []
                 get_c: list[float] = []
+                get_d: list[int] = []
+                put_d: list[int] = []
                 for _ in range(args.reps):
                     prompt += 1
                     ns = PageNamespace("bench", str(prompt))
                     keys = keys_for(prompt, count)
                     nixl_times.clear()
                     stage_times.clear()
+                    before = dataclasses.replace(client.counters)
                     t = time.perf_counter()
                     if await client.write(ns, keys, pages) != count:
                         raise RuntimeError("put did not commit every page")
                     put_t.append(time.perf_counter() - t)
+                    put_d.append(client.counters.write_descriptors - before.write_descriptors)
                     put_x.append(nixl_times[-1])
                     put_s.append(sum(stage_times))
                     stage_times.clear()
@@ -176,6 +217,7 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
                     if await client.lookup_and_fetch(ns, keys, pages) != count:
                         raise RuntimeError("get did not hit every page")
                     get_t.append(time.perf_counter() - t)
+                    get_d.append(client.counters.read_descriptors - before.read_descriptors)
                     get_x.append(nixl_times[-1])
                     get_s.append(sum(stage_times))
                     get_r.append(sum(rpc_times))
@@ -196,7 +238,10 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
                         "pages": count,
                         "run_length": run_len,
                         "bytes": nbytes,
-                        "descriptors": (count // run_len + (count % run_len > 0)) * len(bufs),
+                        # Counted by the client (what it posted), not computed: the local runs times
+                        # the store's runs, per segment.
+                        "descriptors": statistics.median(get_d),
+                        "put_descriptors": statistics.median(put_d),
                         "put_gbps": gbps(put_t),
                         "get_gbps": gbps(get_t),
                         "put_nixl_gbps": gbps(put_x),
@@ -225,6 +270,7 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
         stats = await client.stats()
     finally:
         client_module.local_page_checksums = real_sums  # type: ignore[attr-defined]
+        staging_module.page_row_checksums = real_rows  # type: ignore[attr-defined]
         await client.close()
     return {
         "benchmark": "pagestore",
@@ -244,15 +290,20 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     a, b = mesh.procs["unified-a"].address, mesh.procs["unified-b"].address
     cases: dict[str, list[float]] = {"cold": [], "warm_store": [], "warm_local": []}
+    read_descriptors: list[float] = []
+    metrics_b = mesh.procs["unified-b"].metrics
     cached: dict[str, list[int]] = {k: [] for k in cases}
     await generate(a, prompt(10**6, 64), max_tokens=1)  # first-request costs (graphs, channels) out
     await generate(b, prompt(10**6 + 1, 64), max_tokens=1)
     for rep in range(args.ttft_reps):
         shared = prompt(1000 + rep, args.prefix)
         for case, addr, suffix in (("cold", a, 1), ("warm_store", b, 2), ("warm_local", b, 3)):
+            posted = scrape(metrics_b, READ_DESCRIPTORS)
             t = time.perf_counter()
             ans = await generate(addr, shared + prompt(7000 + 10 * rep + suffix, 16), max_tokens=1)
             cases[case].append(time.perf_counter() - t)
+            if case == "warm_store":
+                read_descriptors.append(scrape(metrics_b, READ_DESCRIPTORS) - posted)
             cached[case].append(
                 ans.usage.cached_tokens_store if case == "warm_store" else ans.usage.cached_tokens
             )
@@ -268,6 +319,11 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "prompt_tokens": args.prefix + 16,
         "reps": args.ttft_reps,
+        "store_chunk_bytes": args.store_chunk_bytes,
+        "staged": args.stage_host_pool or args.device != "cpu",
+        # NIXL descriptors of the warm-from-store fetch, as B's client counted them (its metric).
+        "warm_store_read_descriptors": statistics.median(read_descriptors),
+        "warm_store_read_descriptors_per_rep": read_descriptors,
     }
     for case, times in cases.items():
         out[f"{case}_ms"] = 1e3 * statistics.median(times)
@@ -294,7 +350,10 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     per_token = 2 * geometry["layers"] * geometry["kv_heads"] * (geometry["hidden"] // geometry["heads"]) * 4
     arena = max(32 << 20, 2 * (args.ttft_reps + 2) * (args.prefix + 64) * per_token)
     env = {"XAVIER_ENGINE__NUM_PAGES": str(max(600, 4 * (args.prefix // 16 + 8)))}
-    mesh = StoreMesh(model, work, device=args.device, arena=arena, env=env)
+    if args.stage_host_pool:
+        env["XAVIER_PAGESTORE__STAGE_HOST_POOL"] = "true"
+    arena = -(-arena // args.store_chunk_bytes) * args.store_chunk_bytes
+    mesh = StoreMesh(model, work, device=args.device, arena=arena, chunk=args.store_chunk_bytes, env=env)
     try:
         mesh.start_directory()
         mesh.start_store()
@@ -303,6 +362,20 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         return asyncio.run(ttft_cases(mesh, args))
     finally:
         mesh.stop()
+
+
+READ_DESCRIPTORS = 'xavier_pagestore_client_transfer_descriptors_total{op="read"}'
+
+
+def scrape(metrics: str, sample: str) -> float:
+    """One sample of a service's Prometheus text (0 while the counter has no sample yet)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

@@ -48,6 +48,7 @@ class StoreMesh:
     procs: dict[str, ServiceProc] = field(default_factory=dict)
     device: str = field(default_factory=lambda: os.environ.get("XAVIER_TEST_DEVICE", "cpu"))
     arena: int = 32 << 20
+    chunk: int = 1 << 20
     env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -55,7 +56,7 @@ class StoreMesh:
         return self.procs["store"]
 
     def start_store(self, listen: str = "127.0.0.1:0") -> ServiceProc:
-        self.procs["store"] = start_store(self.workdir, arena=self.arena, chunk=1 << 20, listen=listen)
+        self.procs["store"] = start_store(self.workdir, arena=self.arena, chunk=self.chunk, listen=listen)
         return self.store
 
     def start_directory(self) -> ServiceProc:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hashlib
 import multiprocessing as mp
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -19,6 +20,7 @@ from xavier.v1 import page_store_service_pb2_grpc as pb_grpc
 
 from tests.support.procs import ServiceProc, start_service
 from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
+from xavier_core.pagestore.layout import Span
 from xavier_core.prefix_keys import chain_seed, page_keys
 from xavier_core.transfer.common.buffers import KvBuffer
 
@@ -87,6 +89,37 @@ def stats(address: str) -> pb.GetPageStoreStatsResponse:
 
 def ns_stats(address: str, fingerprint: str) -> list[pb.NamespaceStats]:
     return [n for n in stats(address).namespaces if n.contract_fingerprint == fingerprint]
+
+
+def raw_get(address: str, fp: str, keys: list[bytes], lease_s: float) -> pb.GetPagesResponse:
+    """GetPages straight on the wire (a reader that holds its lease as long as the test wants)."""
+    ch, s = stub(address)
+    with ch:
+        req = pb.GetPagesRequest(
+            request_id=uuid.uuid4().hex,
+            namespace=pb.PageNamespace(contract_fingerprint=fp),
+            keys=keys,
+            segment_bytes=[BPP] * NBUF,
+            lease_seconds=lease_s,
+        )
+        resp: pb.GetPagesResponse = s.GetPages(req, timeout=5)
+        return resp
+
+
+def raw_release(address: str, lease_id: str, corrupt: list[int] | None = None) -> pb.ReleaseLeaseResponse:
+    """ReleaseLease straight on the wire, naming `corrupt` pages (which the store then drops)."""
+    ch, s = stub(address)
+    with ch:
+        req = pb.ReleaseLeaseRequest(
+            request_id=uuid.uuid4().hex, lease_id=lease_id, corrupt_indices=corrupt or []
+        )
+        resp: pb.ReleaseLeaseResponse = s.ReleaseLease(req, timeout=5)
+        return resp
+
+
+def one_page_spans(spans: Sequence[Span]) -> list[Span]:
+    """The spans cut into one span per page, in order."""
+    return [Span(s.chunk_address, s.chunk_slots, s.first_slot + i, 1) for s in spans for i in range(s.count)]
 
 
 # --- a client in its own process ------------------------------------------------------------------------

@@ -21,7 +21,10 @@ from tests.pagestore.support import (
     chain,
     make_pool,
     ns_stats,
+    one_page_spans,
     page_digest,
+    raw_get,
+    raw_release,
     start_store,
     stats,
     stub,
@@ -35,30 +38,6 @@ from xavier_core.runtime.errors import from_rpc_error
 pytestmark = pytest.mark.integration
 
 SEGMENTS = [BPP] * NBUF
-
-
-def _get(address: str, fp: str, keys: list[bytes], lease_s: float) -> pb.GetPagesResponse:
-    ch, s = stub(address)
-    with ch:
-        req = pb.GetPagesRequest(
-            request_id=uuid.uuid4().hex,
-            namespace=pb.PageNamespace(contract_fingerprint=fp),
-            keys=keys,
-            segment_bytes=SEGMENTS,
-            lease_seconds=lease_s,
-        )
-        resp: pb.GetPagesResponse = s.GetPages(req, timeout=5)
-        return resp
-
-
-def _release(address: str, lease_id: str, corrupt: list[int] | None = None) -> pb.ReleaseLeaseResponse:
-    ch, s = stub(address)
-    with ch:
-        req = pb.ReleaseLeaseRequest(
-            request_id=uuid.uuid4().hex, lease_id=lease_id, corrupt_indices=corrupt or []
-        )
-        resp: pb.ReleaseLeaseResponse = s.ReleaseLease(req, timeout=5)
-        return resp
 
 
 async def test_bad_checksum_at_commit_is_never_visible(
@@ -91,13 +70,13 @@ async def test_page_corrupted_after_commit_is_a_miss_and_dropped(store: ServiceP
         keys = chain("fp-corrupt", "", 2, 6)
         assert await writer.write(ns, keys, list(range(6))) == 6
         # A stray writer with stale descriptors scribbles over page 3 after its commit.
-        got = _get(store.address, "fp-corrupt", keys, 5.0)
+        got = raw_get(store.address, "fp-corrupt", keys, 5.0)
         spans = _spans(got.spans)
-        page3 = [s for s in _split(spans)][3]
+        page3 = [s for s in one_page_spans(spans)][3]
         target = await vandal.conn.ensure_store(got.store_instance)
         rows = vandal.geometry.span_descriptors([page3], vandal._bases, [0])
         await asyncio.to_thread(vandal.conn.move, "WRITE", target, rows, 1)
-        assert _release(store.address, got.lease_id).released
+        assert raw_release(store.address, got.lease_id).released
         hit = await reader.lookup_and_fetch(ns, keys, list(range(10, 16)))
         assert hit == 3  # pages 0..2 verified; page 3 failed its checksum: a miss, never wrong bytes
         assert page_digest(reader_pool, list(range(10, 13))) == page_digest(pool, [0, 1, 2])
@@ -114,12 +93,6 @@ async def test_page_corrupted_after_commit_is_a_miss_and_dropped(store: ServiceP
             await c.close()
 
 
-def _split(spans: list) -> list:  # type: ignore[type-arg]
-    from xavier_core.pagestore.layout import Span
-
-    return [Span(s.chunk_address, s.chunk_slots, s.first_slot + i, 1) for s in spans for i in range(s.count)]
-
-
 async def test_lease_expiry_with_stalled_reader_and_writer(store: ServiceProc) -> None:
     pool = make_pool(24)
     client = PageStoreClient(store.address, buffers(pool))
@@ -127,7 +100,7 @@ async def test_lease_expiry_with_stalled_reader_and_writer(store: ServiceProc) -
         ns = PageNamespace("fp-stall")
         keys = chain("fp-stall", "", 3, 4)
         assert await client.write(ns, keys, [0, 1, 2, 3]) == 4
-        got = _get(store.address, "fp-stall", keys, 0.5)  # a reader that never comes back
+        got = raw_get(store.address, "fp-stall", keys, 0.5)  # a reader that never comes back
         assert got.hit_count == 4
         (st,) = ns_stats(store.address, "fp-stall")
         assert st.leases == 1 and st.pinned_pages == 4
@@ -155,7 +128,7 @@ async def test_lease_expiry_with_stalled_reader_and_writer(store: ServiceProc) -
                 )
             assert from_rpc_error(info.value).reason == "LEASE_EXPIRED"
         with pytest.raises(grpc.RpcError) as info:
-            _release(store.address, got.lease_id)
+            raw_release(store.address, got.lease_id)
         assert from_rpc_error(info.value).reason == "LEASE_EXPIRED"
         assert await client.exists(ns, chain("fp-stall", "", 4, 2)) == 0
     finally:
@@ -171,7 +144,7 @@ async def test_eviction_under_the_byte_bound_spares_leased_pages(tmp_path: Path)
         ns = PageNamespace("fp-evict")
         old = chain("fp-evict", "", 1, 32)
         assert await client.write(ns, old, list(range(32))) == 32
-        lease = _get(svc.address, "fp-evict", old[:8], 30.0)  # pins the head of the old chain
+        lease = raw_get(svc.address, "fp-evict", old[:8], 30.0)  # pins the head of the old chain
         assert lease.hit_count == 8
         new = chain("fp-evict", "", 2, 64)
         written = await client.write(ns, new, list(range(64)))
@@ -187,7 +160,7 @@ async def test_eviction_under_the_byte_bound_spares_leased_pages(tmp_path: Path)
             assert page_digest(reader_pool, list(range(8))) == page_digest(pool, list(range(8)))
         finally:
             await reader.close()
-        assert _release(svc.address, lease.lease_id).released
+        assert raw_release(svc.address, lease.lease_id).released
         assert stats(svc.address).leases == 0
     finally:
         await client.close()

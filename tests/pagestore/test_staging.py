@@ -7,6 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from xavier_core.pagestore.layout import local_page_checksums
 from xavier_core.pagestore.staging import HostStaging
 from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.errors import InvalidPagesError
@@ -110,3 +111,42 @@ def test_a_vram_pool_crosses_in_runs_of_slots_bitwise() -> None:
             )
         untouched = sorted(set(range(pages_in_pool)) - set(targets))
         assert not any(hb[q * per_page : (q + 1) * per_page].any() for q in untouched)
+
+
+_DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("sizes", [(256,) * 6, (64, 128, 32)], ids=["mirror", "per-buffer"])
+@pytest.mark.parametrize(
+    "slots", [[4, 5, 6, 7, 8, 9, 10], [12, 3, 11, 13, 15, 0, 1]], ids=["run", "scattered"]
+)
+def test_a_checked_scatter_moves_only_the_verified_head(
+    device: str, sizes: tuple[int, ...], slots: list[int]
+) -> None:
+    import torch
+
+    if device != "cpu" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator().manual_seed(9)
+    src = [torch.randint(0, 256, (40, s), generator=gen, dtype=torch.uint8).to(device) for s in sizes]
+    dst = [torch.zeros((40, s), dtype=torch.uint8, device=device) for s in sizes]
+
+    def kv(ts: list[torch.Tensor]) -> list[KvBuffer]:
+        return [KvBuffer(t.data_ptr(), t.numel(), t.shape[1], str(t.device)) for t in ts]
+
+    staging, back = HostStaging(kv(src), 16), HostStaging(kv(dst), 16)
+    pages, dest = [7, 2, 19, 3, 33, 0, 38], [1, 9, 10, 11, 25, 26, 27]
+    staging.to_host(pages, slots)
+    for a, b in zip(staging.buffers, back.buffers, strict=True):
+        np.ctypeslib.ctypes.memmove(b.addr, a.addr, a.nbytes)
+    want = local_page_checksums(staging.buffers, slots)
+    assert back.to_pool_checked(slots, dest, [*want[:4], bytes(16), *want[5:]]) == [4]
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[dest[:4]].cpu(), s[pages[:4]].cpu())
+        assert not d[dest[4:]].any()  # the failed page and the rest never reach the pool
+    assert back.to_pool_checked(slots, dest, want) == []
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[dest].cpu(), s[pages].cpu())
+    with pytest.raises(InvalidPagesError):
+        back.to_pool_checked(slots, dest, want[:3])

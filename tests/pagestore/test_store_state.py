@@ -88,3 +88,25 @@ def test_expired_leases_unpin_and_free(state: PageStore) -> None:
     assert store.sweep(now=float("inf")) == 2
     assert store.live_leases() == 0 and ns.pinned == 0 and ns.reserved == 0
     assert ns.counters.leases_expired == 2 and ns.committed == 3
+
+
+def test_a_put_takes_one_run_and_holes_fill_before_anything_is_evicted(state: PageStore) -> None:
+    store = state
+    ns = store.create(("fp", b"s", 0), GEO)
+    first = _keys(1, 4)
+    _commit(store, ns, first)  # chunk 0 full
+    _, lease = store.get(ns, first, 10.0)
+    assert lease is not None
+    store.release(lease.id, [1])  # slot 1 of chunk 0 comes free
+    _, pages, _ = store.put(ns, _keys(2, 3), 10.0)
+    assert [(s.first_slot, s.count) for s in store.spans(pages)] == [(0, 3)]  # a fresh chunk, one run
+    assert ns.chunks.index(pages[0].chunk) == 1
+    store.finish_commit(store.write_lease(ns, pages, 10.0), [True] * 3)
+    assert _commit(store, ns, _keys(3, 24)) == 0  # the six free chunks, whole
+    # The arena has no free chunk: a put goes to the holes (chunk 0's slot 1, chunk 1's slot 3) before
+    # it evicts anything.
+    _, pages, evicted = store.put(ns, _keys(4, 2), 10.0)
+    assert evicted == 0
+    assert [(ns.chunks.index(p.chunk), p.slot) for p in pages] == [(0, 1), (1, 3)]
+    store.finish_commit(store.write_lease(ns, pages, 10.0), [True] * 2)
+    assert _commit(store, ns, _keys(5, 1)) == 1  # full: now a page is evicted

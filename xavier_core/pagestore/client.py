@@ -265,6 +265,8 @@ class PageStoreClient:
                 slots = local = await self.staging.acquire(len(pages))
             rows = self.geometry.span_descriptors(_head(resp.spans, len(pages)), self._bases, local)
             sums = list(resp.checksums[: len(pages)])
+            self.counters.reads += 1
+            self.counters.read_descriptors += rows.shape[0]
             corrupt = await self.conn.off_loop(
                 store, lambda: self._read_verified(store, rows, local, sums, pages)
             )
@@ -291,12 +293,10 @@ class PageStoreClient:
         """READs into `local` (pool pages or staging slots), checks every page, moves the verified head
         to the pool's `pages`; returns the indices that failed. One worker-thread hop for all of it."""
         self.conn.move("READ", store, rows, len(local))
+        if self.staging is not None:  # checked on a page-major copy, and only the verified head moves
+            return self.staging.to_pool_checked(local, pages, sums)
         got = local_page_checksums(self.buffers, local)
-        corrupt = [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
-        good = corrupt[0] if corrupt else len(local)
-        if self.staging is not None and good:
-            self.staging.to_pool(local[:good], pages[:good])
-        return corrupt
+        return [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
 
     async def _put(self, namespace: PageNamespace, keys: list[bytes], pages: list[int]) -> int:
         req = pb.PutPagesRequest(
@@ -317,6 +317,8 @@ class PageStoreClient:
             if self.staging is not None:
                 slots = src = await self.staging.acquire(len(local))
             rows = self.geometry.span_descriptors(_spans(resp.spans), self._bases, src)
+            self.counters.writes += 1
+            self.counters.write_descriptors += rows.shape[0]
             sums = await self.conn.off_loop(store, lambda: self._write_summed(store, rows, local, src))
         except BaseException as exc:
             if isinstance(exc, TransferStuck) and self.staging is not None:

@@ -160,6 +160,7 @@ class StoreConnection:
                 raise TransferStuck(f"NIXL {op} of {pages} pages ended {state}, still in flight")
             raise PeerError(f"NIXL {op} of {pages} pages ended {state}")
         self._metrics.transfer_bytes.labels(op.lower()).inc(int(rows[:, 2].sum()))
+        self._metrics.transfer_descriptors.labels(op.lower()).inc(rows.shape[0])
 
     async def off_loop(self, store: StorePeer, fn: Callable[[], _R]) -> _R:
         """Runs `fn` (NIXL and hashing) in a worker thread; a failed transfer forgets the store's agent."""

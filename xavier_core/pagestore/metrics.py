@@ -21,6 +21,14 @@ class ClientCounters:
     writes_dropped: int = 0
     writes_failed: int = 0
     errors: int = 0
+    reads: int = 0
+    """NIXL READs posted (one per store call of a fetch that hit)."""
+    read_descriptors: int = 0
+    """NIXL descriptors those READs carried: one per stretch contiguous on both sides, per segment."""
+    writes: int = 0
+    """NIXL WRITEs posted."""
+    write_descriptors: int = 0
+    """NIXL descriptors those WRITEs carried."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,7 @@ class ClientMetrics:
     writes_dropped: Counter
     errors: Counter
     transfer_bytes: Counter
+    transfer_descriptors: Counter
 
 
 _METRICS: ClientMetrics | None = None
@@ -60,5 +69,11 @@ def client_metrics() -> ClientMetrics:
                     registry=reg,
                 ),
                 Counter(p + "transfer_bytes", "Bytes moved with NIXL.", ("op",), registry=reg),
+                Counter(
+                    p + "transfer_descriptors",
+                    "NIXL descriptors posted (a stretch of pages contiguous on both sides, per segment).",
+                    ("op",),
+                    registry=reg,
+                ),
             )
         return _METRICS

@@ -2,10 +2,12 @@
 
 The store is DRAM and the client checksums every page it reads or writes on the host, so a replica whose
 pool is on a GPU moves pages through a pinned host mirror of the pool's page geometry: `slots` pages of
-every buffer, registered with NIXL instead of the device pool. A read lands in staging slots, is verified
-there, and only verified pages are copied to their device pages; a write copies device pages to slots,
-checksums them there and WRITEs from there. Slots are leased per operation, so concurrent reads and
-write-throughs share the mirror without waiting on each other until it is full.
+every buffer, registered with NIXL instead of the device pool. A read lands in staging slots, crosses to
+the device as it is, comes back page-major into a second pinned buffer to be verified there (one hash
+call per page), and only verified pages are scattered to their device pages; a write copies device pages
+to slots, checksums them there and WRITEs from there. Slots are leased per operation, as a run of
+consecutive slots where one is free, so concurrent reads and write-throughs share the mirror without
+waiting on each other until it is full.
 
 Device copies run on the device's default stream, the one the engine computes on: a write-through's
 gather is ordered after the prefill that filled its pages, and the engine's next use of fetched pages is
@@ -18,10 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from xavier_core.pagestore.layout import local_page_checksums, page_row_checksums
 from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.errors import InvalidPagesError
 from xavier_core.transfer.cuda.copy import CudaBytes
@@ -67,10 +73,16 @@ class HostStaging:
             KvBuffer(t.data_ptr(), t.numel(), b.bytes_per_page, "cpu")
             for t, b in zip(self._host, pool, strict=True)
         )
-        self._free = list(range(slots))
+        self._free = list(range(slots))  # sorted: leases take the lowest run that fits (`_lowest_run`)
         self.usable = slots
         """Slots not retired: the most one call may take."""
         self._freed: asyncio.Condition | None = None
+        # Page-major rows for checking reads (`to_pool_checked`): a second buffer the mirror's size.
+        self._rows: torch.Tensor | None = None
+        if self._mirror is not None:
+            self._rows = torch.empty(
+                (slots, len(pool) * pool[0].bytes_per_page), dtype=torch.uint8, pin_memory=pinned
+            )
 
     # --- slot leases (event loop) ------------------------------------------------------------------------
 
@@ -85,7 +97,9 @@ class HostStaging:
             await self._freed.wait_for(lambda: len(self._free) >= n or n > self.usable)
             if n > self.usable:
                 raise InvalidPagesError(f"asked for {n} staging slots; {self.usable} are still usable")
-            taken, self._free = self._free[:n], self._free[n:]
+            taken = _lowest_run(self._free, n)
+            gone = set(taken)
+            self._free = [s for s in self._free if s not in gone]
         return taken
 
     async def retire(self, slots: Sequence[int]) -> None:
@@ -101,7 +115,7 @@ class HostStaging:
         if self._freed is None:
             self._freed = asyncio.Condition()
         async with self._freed:
-            self._free.extend(slots)
+            self._free = list(heapq.merge(self._free, sorted(slots)))
             self._freed.notify_all()
 
     # --- copies (a worker thread) ------------------------------------------------------------------------
@@ -127,15 +141,13 @@ class HostStaging:
         cuda = dev.type == "cuda"
         stream = torch.cuda.default_stream(dev) if cuda else None
         with self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
-            if self._mirror is not None and cuda:
-                self._copy_runs(p_idx, slots, into_host)
+            if self._mirror is not None and cuda and into_host:
+                self._copy_runs(p_idx, slots)
             elif self._mirror is not None and into_host:
                 gathered = torch.stack([pool.index_select(0, p_idx) for pool in self._pool])
                 self._mirror.index_copy_(1, s_idx, gathered.to("cpu"))
             elif self._mirror is not None:
-                moved = self._mirror.index_select(1, s_idx).to(dev)
-                for b, pool in enumerate(self._pool):
-                    pool.index_copy_(0, p_idx, moved[b])
+                self._scatter(self._to_device(slots, dev), p_idx)
             else:
                 for host, pool in zip(self._host, self._pool, strict=True):
                     if into_host:
@@ -145,37 +157,124 @@ class HostStaging:
             if stream is not None:
                 stream.synchronize()
 
-    def _copy_runs(self, p_idx: torch.Tensor, slots: Sequence[int], into_host: bool) -> None:
-        """A VRAM pool and the pinned mirror: the pages are gathered (or scattered) on the GPU, and each
-        run of consecutive slots of each buffer crosses the bus as one asynchronous DMA from or to the
-        pinned mirror (no pageable bounce, no host-side gather)."""
+    def to_pool_checked(self, slots: Sequence[int], pages: Sequence[int], want: Sequence[bytes]) -> list[int]:
+        """Checks the pages in staging `slots` against the checksums `want` and copies the verified head
+        (the pages before the first that fails) into pool `pages`; returns the indices that failed.
+
+        With the one-tensor mirror the slots are first copied to the pool's device as they are (the copy
+        `to_pool` makes), and that copy is sent back page-major into a pinned host buffer: each page is
+        then one contiguous range, hashed in one call (long pages on threads), where in the mirror it is
+        one range per buffer, each its own hash update under the GIL. Only the verified head is
+        scattered from the device copy into the pool, so unverified bytes never reach it."""
+        import torch
+
+        if len(pages) != len(slots) or len(want) != len(slots):
+            raise InvalidPagesError(f"{len(slots)} staging slots, {len(pages)} pool pages, {len(want)} sums")
+        if self._mirror is None or self._rows is None or not slots:
+            corrupt = _failed(local_page_checksums(self.buffers, slots), want)
+            good = corrupt[0] if corrupt else len(slots)
+            self.to_pool(slots[:good], pages[:good])
+            return corrupt
+        dev = torch.device(self.device)
+        cuda = dev.type == "cuda"
+        stream = torch.cuda.default_stream(dev) if cuda else None
+        rows = self._page_rows(slots)
+        with self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
+            moved = self._to_device(slots, dev)
+            rows.copy_(moved.permute(1, 0, 2).reshape(len(slots), -1), non_blocking=cuda)
+            if stream is not None:
+                stream.synchronize()
+        # Hashed without the device lock: the engine computes meanwhile; `moved` is this call's own.
+        corrupt = _failed(page_row_checksums(rows.numpy()), want)
+        good = corrupt[0] if corrupt else len(slots)
+        if good:
+            p_idx = torch.tensor(list(pages[:good]), dtype=torch.long, device=dev)
+            with self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
+                self._scatter(moved[:, :good], p_idx)
+                if stream is not None:
+                    stream.synchronize()
+        return corrupt
+
+    def _page_rows(self, slots: Sequence[int]) -> torch.Tensor:
+        """A (len(slots), page bytes) pinned host buffer for a page-major copy of `slots`: the rows of
+        the mirror-sized page buffer at those slots when they are one run (leased to this call alone, so
+        calls at once never share rows), else a buffer of its own."""
+        import torch
+
+        assert self._rows is not None
+        first = slots[0]
+        if list(slots) == list(range(first, first + len(slots))):
+            return self._rows[first : first + len(slots)]
+        return torch.empty(
+            (len(slots), self._rows.shape[1]), dtype=torch.uint8, pin_memory=self.device != "cpu"
+        )
+
+    def _to_device(self, slots: Sequence[int], dev: torch.device) -> torch.Tensor:
+        """The mirror's `slots` as a (buffers, n, bytes) tensor on `dev`. On a GPU each run of
+        consecutive slots of each buffer crosses the bus as one asynchronous DMA from the pinned mirror
+        (no pageable bounce, no host-side gather); the caller synchronises."""
         import torch
 
         assert self._mirror is not None
-        n, per_page = len(slots), self._mirror.shape[2]
-        runs: list[tuple[int, int, int]] = []  # (first index in the call, first slot, length)
-        for i, slot in enumerate(slots):
-            if runs and runs[-1][1] + runs[-1][2] == slot:
-                first, start, length = runs[-1]
-                runs[-1] = (first, start, length + 1)
-            else:
-                runs.append((i, slot, 1))
-        if into_host:
-            gathered = torch.stack([pool.index_select(0, p_idx) for pool in self._pool])
-            for b in range(len(self._pool)):
-                for first, start, length in runs:
-                    self._mirror[b, start : start + length].copy_(
-                        gathered[b, first : first + length], non_blocking=True
-                    )
-            return
-        moved = torch.empty((len(self._pool), n, per_page), dtype=torch.uint8, device=p_idx.device)
+        if dev.type != "cuda":
+            return self._mirror.index_select(1, torch.tensor(list(slots), dtype=torch.long)).to(dev)
+        moved = torch.empty(
+            (len(self._pool), len(slots), self._mirror.shape[2]), dtype=torch.uint8, device=dev
+        )
         for b in range(len(self._pool)):
-            for first, start, length in runs:
+            for first, start, length in _slot_runs(slots):
                 moved[b, first : first + length].copy_(
                     self._mirror[b, start : start + length], non_blocking=True
                 )
+        return moved
+
+    def _scatter(self, moved: torch.Tensor, p_idx: torch.Tensor) -> None:
         for b, pool in enumerate(self._pool):
             pool.index_copy_(0, p_idx, moved[b])
+
+    def _copy_runs(self, p_idx: torch.Tensor, slots: Sequence[int]) -> None:
+        """A VRAM pool into the pinned mirror: the pages are gathered on the GPU, and each run of
+        consecutive slots of each buffer crosses the bus as one asynchronous DMA into the mirror."""
+        import torch
+
+        assert self._mirror is not None
+        gathered = torch.stack([pool.index_select(0, p_idx) for pool in self._pool])
+        for b in range(len(self._pool)):
+            for first, start, length in _slot_runs(slots):
+                self._mirror[b, start : start + length].copy_(
+                    gathered[b, first : first + length], non_blocking=True
+                )
+
+
+def _slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first index in the call, first slot, length) of each run of consecutive slots."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            first, start, length = runs[-1]
+            runs[-1] = (first, start, length + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs
+
+
+def _failed(got: Sequence[bytes], want: Sequence[bytes]) -> list[int]:
+    return [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+
+
+def _lowest_run(free: list[int], n: int) -> list[int]:
+    """`n` slots of the sorted `free`: the lowest run of `n` consecutive ones, else the `n` lowest.
+
+    A lease of consecutive slots lets a store run travel as one descriptor per segment (the mirror is
+    buffer-major, so consecutive slots are one contiguous range per buffer, like a run of store slots),
+    and lets each copy to or from the pool be one DMA per buffer."""
+    if len(free) < n:
+        return free[:n]
+    ids = np.asarray(free, dtype=np.int64)
+    # Sorted and distinct: n slots from `at` are consecutive exactly when the last is n - 1 past the first.
+    fits = np.flatnonzero(ids[n - 1 :] - ids[: len(ids) - n + 1] == n - 1)
+    at = int(fits[0]) if fits.size else 0
+    return free[at : at + n]
 
 
 def _view(buf: KvBuffer) -> torch.Tensor:

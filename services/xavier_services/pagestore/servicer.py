@@ -197,6 +197,7 @@ class PageStoreServicer(pb_grpc.PageStoreServiceServicer):  # type: ignore[misc]
             lambda page: self.arena.checksum(geometry, page.chunk, page.slot),
             lease.pages,
             geometry.page_bytes,
+            min(geometry.segment_bytes),
         )
         return [a == b for a, b in zip(got, sums, strict=True)]
 

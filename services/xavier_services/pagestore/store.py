@@ -129,22 +129,22 @@ class PageStore:
         """Reserves slots for the keys not stored yet; returns (indices, pages, evicted). Never raises for
         lack of room: keys that find no slot are simply not reserved (the write is best effort)."""
         self._check_lease_room()
+        new = [i for i, key in enumerate(keys) if key not in ns.pages]
         indices: list[int] = []
         pages: list[Page] = []
         evicted = 0
-        for i, key in enumerate(keys):
-            if key in ns.pages:
-                continue
-            got = self._take_slot(ns)
+        while len(indices) < len(new):
+            got = self._take_run(ns, len(new) - len(indices))
             if got is None:
                 break
-            chunk, slot, n = got
+            chunk, first, count, n = got
             evicted += n
-            page = Page(ns, key, chunk, slot)
-            ns.pages[key] = page
-            ns.reserved += 1
-            indices.append(i)
-            pages.append(page)
+            for slot, i in zip(range(first, first + count), new[len(indices) :], strict=False):
+                page = Page(ns, keys[i], chunk, slot)
+                ns.pages[keys[i]] = page
+                ns.reserved += 1
+                indices.append(i)
+                pages.append(page)
         return indices, pages, evicted
 
     def write_lease(self, ns: Namespace, pages: list[Page], lease_s: float) -> Lease:
@@ -257,20 +257,44 @@ class PageStore:
                 if page.doomed:
                     self._free(page)
 
-    def _take_slot(self, ns: Namespace) -> tuple[Chunk, int, int] | None:
+    def _take_run(self, ns: Namespace, want: int) -> tuple[Chunk, int, int, int] | None:
+        """Up to `want` consecutive free slots of one chunk: (chunk, first slot, count, pages evicted).
+
+        One put's pages go to as few runs as the arena allows, since a reader's READ takes one descriptor
+        per run per segment: the first free run of the namespace's chunks that holds them all, else a
+        fresh chunk, else the longest free run. So a put takes a free chunk before it scatters into holes
+        shorter than itself; the holes fill once the arena has no free chunk, and a page is evicted only
+        when no slot is free at all."""
         evicted = 0
         while True:
-            for chunk in ns.chunks:
-                if chunk.free:
-                    chunk.used += 1
-                    return chunk, heapq.heappop(chunk.free), evicted
-            if self.arena.free_chunks:
+            # Only chunks with enough free slots are searched (a full arena's chunks have few).
+            fit = next(
+                (
+                    (c, r)
+                    for c in ns.chunks
+                    if len(c.free) >= want
+                    for r in _free_runs(c.free)
+                    if r[1] >= want
+                ),
+                None,
+            )
+            if fit is None and self.arena.free_chunks:
                 chunk = self.arena.free_chunks.pop()
                 chunk.slots = ns.slots_per_chunk
                 chunk.free = list(range(chunk.slots))
                 chunk.used = 0
                 ns.chunks.append(chunk)
-                continue
+                fit = (chunk, (0, chunk.slots))
+            if fit is None:
+                runs = [(c, r) for c in ns.chunks if c.free for r in _free_runs(c.free)]
+                fit = max(runs, key=lambda cr: cr[1][1], default=None)
+            if fit is not None:
+                chunk, (first, length) = fit
+                count = min(want, length)
+                chunk.free = [s for s in chunk.free if not first <= s < first + count]
+                heapq.heapify(chunk.free)
+                chunk.used += count
+                return chunk, first, count, evicted
             victim = next((p for p in self._lru if p.pins == 0), None)
             if victim is None:
                 return None
@@ -316,3 +340,14 @@ class PageStore:
             else:
                 out.append(Span(page.chunk.address, page.chunk.slots, page.slot, 1))
         return out
+
+
+def _free_runs(free: list[int]) -> list[tuple[int, int]]:
+    """(first slot, length) of each run of consecutive slots in a chunk's free heap, lowest first."""
+    out: list[tuple[int, int]] = []
+    for slot in sorted(free):
+        if out and out[-1][0] + out[-1][1] == slot:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((slot, 1))
+    return out

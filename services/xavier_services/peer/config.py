@@ -110,7 +110,11 @@ class PageStoreSection(_Section):
     """Write-throughs queued at most; more are dropped and counted."""
     staging_pages: int = Field(default=256, ge=1, le=1 << 20)
     """Pages of the pinned host mirror a GPU pool's store reads and writes pass through (the store is
-    DRAM and pages are checksummed on the host); also the most pages one store call moves."""
+    DRAM and pages are checksummed on the host; a second pinned buffer of the same size holds reads
+    page-major for their check); also the most pages one store call moves."""
+    stage_host_pool: bool = False
+    """Pass a host pool through the mirror too: a GPU pool's exact path on a machine without one (tests,
+    benchmarks)."""
 
 
 class PeerServiceConfig(ServiceConfig):

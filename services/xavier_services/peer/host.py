@@ -179,6 +179,7 @@ class PeerHost:
             lease_seconds=ps.lease_seconds,
             write_queue=ps.write_queue,
             staging_pages=ps.staging_pages,
+            stage_host_pool=ps.stage_host_pool,
         )
         name = f"{self.peer_id}-store-{uuid.uuid4().hex[:8]}"
         self.store = PageStoreClient(
