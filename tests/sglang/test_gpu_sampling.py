@@ -29,8 +29,9 @@ from tests.cli.mesh import Mesh, start_up
 
 # The GPU tests' gate (opt-in XAVIER_TEST_SGLANG=1, a CUDA device, sglang importable) is
 # test_gpu_pd's: importing it skips this module with the same reason.
-# Its fixtures too: the model (a tiny FP16 Qwen2) and the plugin's PYTHONPATH.
-from tests.sglang.test_gpu_pd import PD_GPUS, SGLANG_ARGS, model, sglang_env  # noqa: F401
+# Its model fixture too (a tiny FP16 Qwen2); the plugin's PYTHONPATH is conftest's `sglang_env`.
+from tests.sglang.conftest import sglang_args
+from tests.sglang.test_gpu_pd import PD_GPUS, model  # noqa: F401
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gpu, pytest.mark.slow]
 
@@ -51,7 +52,7 @@ def _eos(checkpoint: Path) -> int:
 def mesh(
     request: pytest.FixtureRequest,
     model: Path,  # noqa: F811
-    sglang_env: None,  # noqa: F811
+    sglang_env: None,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, Mesh]]:
     mode = str(request.param)
@@ -59,7 +60,7 @@ def mesh(
     tmp = tmp_path_factory.mktemp(mode)
     command = json.dumps([sys.executable, "-m", "sglang.launch_server"])
     args = ["--engine", "sglang", "--model", str(model), "--mode", mode, "--no-pagestore",
-            "--sglang-command", command, *flags, *(f"--sglang-arg={a}" for a in SGLANG_ARGS)]  # fmt: skip
+            "--sglang-command", command, *flags, *(f"--sglang-arg={a}" for a in sglang_args())]  # fmt: skip
     up = start_up(tmp, tmp / "cache", *args, timeout=900)
     yield mode, up
     assert up.stop(timeout=120) == 0
