@@ -74,6 +74,7 @@ class Streamed:
 
     request_id: str
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # when the request asked for them
     text: str = ""
     finish: int = 0
     usage: types_pb2.Usage | None = None
@@ -98,6 +99,7 @@ async def stream(
         try:
             async for resp in rpb_grpc.RouterServiceStub(ch).Generate(req, timeout=120):
                 out.tokens += resp.token_ids
+                out.logprobs += resp.logprobs
                 out.text += resp.text
                 if resp.finish_reason:
                     out.finish, out.usage = resp.finish_reason, resp.usage
