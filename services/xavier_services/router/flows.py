@@ -35,6 +35,7 @@ import grpc
 from xavier.v1 import decode_service_pb2 as decpb
 from xavier.v1 import decode_service_pb2_grpc as decpb_grpc
 from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import error_reason_pb2 as er
 from xavier.v1 import prefill_service_pb2 as pfpb
 from xavier.v1 import prefill_service_pb2_grpc as pfpb_grpc
 from xavier.v1 import types_pb2
@@ -94,7 +95,7 @@ class Trace:
 
 
 # Errors of a peer call that say the peer (not the request) is the problem: the request may go elsewhere.
-_PEER_GONE_REASONS = frozenset(("PEER_NOT_FOUND", "STALE_EPOCH", "PEER_UNAVAILABLE"))
+_PEER_GONE = (er.ERROR_REASON_PEER_NOT_FOUND, er.ERROR_REASON_STALE_EPOCH, er.ERROR_REASON_PEER_UNAVAILABLE)
 
 
 class _PeerFailed(Exception):
@@ -140,9 +141,9 @@ def _peer_error(exc: grpc.aio.AioRpcError, peer: dpb.Peer, pool: PeerPool) -> Ex
     out of selection at once; the caller reports it to the client naming the peer, never its address.
     """
     err = from_rpc_error(exc)
-    if err.code == grpc.StatusCode.UNAVAILABLE or err.reason in _PEER_GONE_REASONS:
+    if err.code == grpc.StatusCode.UNAVAILABLE or err.is_reason(*_PEER_GONE):
         pool.invalidate()
-        transport = err.code == grpc.StatusCode.UNAVAILABLE and err.reason == "UNAVAILABLE"
+        transport = err.code == grpc.StatusCode.UNAVAILABLE and err.is_reason(er.ERROR_REASON_UNAVAILABLE)
         if transport:
             pool.health.mark_down(peer, "call failed: UNAVAILABLE")
         return _PeerFailed(peer, err, "unavailable" if transport else "peer_gone")
@@ -152,7 +153,7 @@ def _peer_error(exc: grpc.aio.AioRpcError, peer: dpb.Peer, pool: PeerPool) -> Ex
 def _exhausted(failure: _PeerFailed, attempts: int) -> Unavailable:
     peer = failure.peer
     role = role_name(peer.role)
-    transport = failure.error.reason == "UNAVAILABLE"
+    transport = failure.error.is_reason(er.ERROR_REASON_UNAVAILABLE)
     why = "could not be reached" if transport else f"failed ({failure.error.reason})"
     if failure.cause == "stalled":
         why = failure.error.message
@@ -199,7 +200,9 @@ async def _failover(
         except XavierError as err:
             # No other peer to go to: report the peer that failed rather than "no peers" (or "no decode
             # with a matching layout", when the failed one was the only such decode).
-            if failure is not None and err.reason in ("NO_PEERS", "LAYOUT_MISMATCH"):
+            if failure is not None and err.is_reason(
+                er.ERROR_REASON_NO_PEERS, er.ERROR_REASON_LAYOUT_MISMATCH
+            ):
                 break
             raise
     if failure is None:  # pragma: no cover - the loop runs at least once
@@ -471,9 +474,4 @@ def _first_step(prep: Prepared, token: int, logprob: float, pf: pfpb.PrefillResp
     )
 
 
-async def drain(gen: AsyncIterator[Step]) -> list[Step]:
-    """Collects every step (tests and unary callers)."""
-    return [step async for step in gen]
-
-
-__all__ = ["FlowEnv", "Step", "StreamBroken", "Trace", "abort_room", "colocated_flow", "drain", "pd_flow"]
+__all__ = ["FlowEnv", "Step", "StreamBroken", "Trace", "abort_room", "colocated_flow", "pd_flow"]

@@ -28,10 +28,11 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from xavier.v1 import error_reason_pb2 as er
 from xavier.v1 import types_pb2
 
 from xavier_core.grammar.wire import grammar_from_pb
-from xavier_core.runtime import Unavailable, XavierError, get_logger
+from xavier_core.runtime import Unavailable, XavierError, get_logger, wire_reasons
 from xavier_core.sampling import advance_seed
 from xavier_core.text.tokenizer import TextTokenizer
 from xavier_services.router.flows import Step, StreamBroken
@@ -39,7 +40,7 @@ from xavier_services.router.request import Prepared
 from xavier_services.router.seam_text import SeamText
 
 _log = get_logger("xavier.router.migration")
-_NO_PAIR = frozenset(("PEER_FAILED", "NO_PEERS"))
+_NO_PAIR = wire_reasons(er.ERROR_REASON_PEER_FAILED, er.ERROR_REASON_NO_PEERS)
 
 
 @dataclass
