@@ -4,13 +4,15 @@ A flow is an async generator of `Step`s. Cancelling the task that runs it (clien
 Abort) runs its `finally`: the downstream calls are cancelled and, in P/D, the room is aborted in the
 background, so the client never waits for cleanup.
 
-SGLang pairs (`KvLayout.engine == "sglang"`) take another path: SGLang's prefill answers only once the
-decode has taken the KV, so both are called at once and the decode streams from the first token
-(`pd_concurrent`).
+A pair whose prefill declares HANDOFF_PROTOCOL_CONCURRENT (SGLang's) takes another path: its prefill
+answers only once the decode has taken the KV, so both are called at once and the decode streams from
+the first token (`pd_concurrent`). What a pair declares is read in `pair_call`, which also holds the
+cleanup every P/D call ends in.
 
 P/D takes three hops on the router's side: the prefill (which returns the first token and publishes its
 pages under a room id chosen here), then the decode with that first token, whose stream continues after
-it. The two peers meet in the directory by room id; the router never opens the room.
+it. The two peers meet in the directory by room id (the router never opens the room), or, when both
+declare HANDOFF_PROTOCOL_PAIR, the prefill's answer carries its source and the router hands it on.
 
 Failover: until a decode (or unified replica) has streamed a token, a peer that fails (refused
 connection, UNAVAILABLE, or gone from the directory) is left out and the request runs again on another
@@ -26,7 +28,7 @@ pair (or, without one, the client's PEER_FAILED).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -44,13 +46,20 @@ from xavier_core.runtime import Unavailable, XavierError, from_rpc_error, get_lo
 from xavier_core.runtime.durations import to_seconds
 from xavier_services.router.health import peer_key, role_name
 from xavier_services.router.pacing import Stalled, paced
+from xavier_services.router.pair_call import (
+    Order,
+    PairCall,
+    Spawn,
+    call_order,
+    carries_first_token,
+    pair_handoff,
+)
 from xavier_services.router.peers import Pair, PeerPool, affinity_key
 from xavier_services.router.request import Prepared, new_room_id, require_features
 
 _log = get_logger("xavier.router.flows")
 _RELEASE_TIMEOUT_S = 5.0
 """Deadline of a ReleaseSource (best effort: the prefill's lease bounds the pin without it)."""
-Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
 
 T = TypeVar("T")
@@ -132,6 +141,27 @@ def _lost(err: Exception, streamed: bool) -> Exception:
     if isinstance(err, _PeerFailed) and streamed:
         return StreamBroken(err)
     return err
+
+
+@dataclass
+class Calling:
+    """The peer a call waits on now and whether the request streamed a decode token yet: what a failure
+    becomes depends on both (`peer_failures`)."""
+
+    peer: dpb.Peer
+    streamed: bool = False
+
+
+@contextlib.contextmanager
+def peer_failures(env: FlowEnv, calling: Calling, streaming: dpb.Peer) -> Iterator[Calling]:
+    """Turns a failed call of `calling.peer` (or a stall of `streaming`, the peer whose stream is read)
+    into the flows' typed errors: failover before a streamed token, `StreamBroken` after one."""
+    try:
+        yield calling
+    except grpc.aio.AioRpcError as exc:
+        raise _lost(_peer_error(exc, calling.peer, env.pool), calling.streamed) from None
+    except Stalled:
+        raise _lost(_stalled(streaming, env.pool, env.stall_seconds), calling.streamed) from None
 
 
 def _peer_error(exc: grpc.aio.AioRpcError, peer: dpb.Peer, pool: PeerPool) -> Exception:
@@ -239,28 +269,24 @@ async def _colocated_attempt(
     )
     pool.acquire(peer)
     call = stub.GenerateUnified(req, timeout=env.request_timeout)
-    streamed = False
     try:
-        async for msg in paced(call, env.stall_seconds, first=False):
-            streamed = True
-            yield Step(
-                list(msg.delta.token_ids),
-                msg.delta.text,
-                list(msg.delta.logprobs),
-                msg.finish_reason,
-                cached_tokens=msg.usage.cached_tokens if msg.HasField("usage") else None,
-                cached_tokens_store=msg.usage.cached_tokens_store if msg.HasField("usage") else None,
-                prefill_seconds=to_seconds(msg.timings.prefill) if msg.HasField("timings") else None,
-                top_logprobs=list(msg.delta.top_logprobs),
-                prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-            )
-            if msg.finish_reason:
-                return
-        yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
-    except grpc.aio.AioRpcError as exc:
-        raise _lost(_peer_error(exc, peer, pool), streamed) from None
-    except Stalled:
-        raise _lost(_stalled(peer, pool, env.stall_seconds), streamed) from None
+        with peer_failures(env, Calling(peer), peer) as calling:
+            async for msg in paced(call, env.stall_seconds, first=False):
+                calling.streamed = True
+                yield Step(
+                    list(msg.delta.token_ids),
+                    msg.delta.text,
+                    list(msg.delta.logprobs),
+                    msg.finish_reason,
+                    cached_tokens=msg.usage.cached_tokens if msg.HasField("usage") else None,
+                    cached_tokens_store=msg.usage.cached_tokens_store if msg.HasField("usage") else None,
+                    prefill_seconds=to_seconds(msg.timings.prefill) if msg.HasField("timings") else None,
+                    top_logprobs=list(msg.delta.top_logprobs),
+                    prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+                )
+                if msg.finish_reason:
+                    return
+            yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
     finally:
         call.cancel()
         pool.release(peer)
@@ -294,11 +320,6 @@ async def release_source(
         )
     except grpc.aio.AioRpcError as exc:
         _log.info("release source failed", room_id=room_id, code=exc.code().name)
-
-
-def pair_handoff(pair: Pair) -> bool:
-    """Whether both peers hand over between themselves (HandoffProtocol PAIR), not in a directory room."""
-    return all(p.layout.handoff == types_pb2.HANDOFF_PROTOCOL_PAIR for p in (pair.prefill, pair.decode))
 
 
 @dataclass
@@ -337,92 +358,94 @@ async def _pd_attempt(
     require_features(prep, p.layout, "prefill")
     require_features(prep, d.layout, "decode")
     _note(trace, p, d)
-    from xavier_services.router.pd_concurrent import concurrent_attempt, concurrent_pair  # (imports us)
+    from xavier_services.router.pd_concurrent import concurrent_attempt  # (imports us)
 
-    if concurrent_pair(pair):
-        # SGLang pairs: the prefill answers only after the decode took the KV (see pd_concurrent).
-        if sent:  # its decode streams its own first token: it cannot continue another engine's stream
-            raise _PeerFailed(
-                p, Unavailable("the pair cannot continue this stream", reason="PEER_UNAVAILABLE")
-            )
-        async with aclosing(concurrent_attempt(prep, env, pair, trace)) as steps:  # type: ignore[type-var]
-            async for step in steps:
-                yield step
-        return
+    if call_order(pair) is Order.SEQUENTIAL:
+        steps = _sequential(prep, env, pair, sent)
+    elif sent:  # its decode streams its own first token: it cannot continue another engine's stream
+        raise _PeerFailed(p, Unavailable("the pair cannot continue this stream", reason="PEER_UNAVAILABLE"))
+    else:  # the prefill answers only after the decode took the KV (see pd_concurrent)
+        steps = concurrent_attempt(prep, env, pair, trace)
+    async with aclosing(steps):  # type: ignore[type-var]
+        async for step in steps:
+            yield step
+
+
+async def _sequential(prep: Prepared, env: FlowEnv, pair: Pair, sent: list[_Sent]) -> AsyncIterator[Step]:
+    """The prefill, then the decode from the first token its answer carries (or, on a retry, the one
+    the client already has), through a directory room or a pair handoff."""
+    pool = env.pool
+    p, d = pair.prefill, pair.decode
     room_id = new_room_id()
-    s = prep.sampling
     direct = pair_handoff(pair)
-    pool.acquire(p, d)
-    prefill_held = True
-    pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(
-        prefill_request(prep, room_id, d, pair_handoff=direct), timeout=env.request_timeout
-    )
-    dec_call: Any = None
-    reached = False
-    calling = p
-    decoded = False
-    finished_cleanly = False
-    try:
+    reached = False  # from then on the decode may have the request (and may read the source)
+
+    def abandon() -> Coroutine[Any, Any, None]:
+        if direct:  # a decode never connected never read: the source is unpinned at once
+            return release_source(env, p, prep.request_id, room_id, decode_called=reached)
+        return abort_room(env, prep.request_id, room_id, "router: request ended early")
+
+    with (
+        PairCall(pool, [p, d], abandon=abandon, spawn=env.spawn) as call,
+        peer_failures(env, Calling(p), d) as calling,
+    ):
+        pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(
+            prefill_request(prep, room_id, d, pair_handoff=direct), timeout=env.request_timeout
+        )
+        call.prefill = pf_call
         pf = await pf_call
-        pool.release(p)
-        prefill_held = False
+        call.release(p)
         if pf.finish_reason and not sent:
-            finished_cleanly = True  # the prefill published nothing and opened no room
+            call.finished = True  # the prefill published nothing and opened no room
             yield _first_step(prep, pf.first_token, pf.first_logprob, pf)
             return
         if pf.finish_reason:
             # A retry's prefill sampled a token that ends the request, but the client already has
             # another first token: this pair cannot continue that stream.
             raise _PeerFailed(p, Unavailable("the retried prefill ended early", reason="PEER_UNAVAILABLE"))
-        first = sent[0] if sent else _Sent(pf.first_token, pf.first_logprob)
-        calling = d
+        first = sent[0] if sent else _prefill_first(p, pf)
+        calling.peer = d
         dec_channel = pool.channel(d.address)
-        dec_request = decode_request(prep, room_id, p, first.token, first.logprob)
+        dec_request = decode_request(prep, room_id, p, first)
         if direct:
             dec_request.source.CopyFrom(pf.source)
-        dec_call = decpb_grpc.DecodeServiceStub(dec_channel).Decode(dec_request, timeout=env.request_timeout)
+        call.decode = dec_call = decpb_grpc.DecodeServiceStub(dec_channel).Decode(
+            dec_request, timeout=env.request_timeout
+        )
         if dec_channel.get_state() != grpc.ChannelConnectivity.READY:
             # No live connection to the decode (first use, or it went away): a dead decode refuses the
             # connection here, found before the client sees a token. On a ready connection this wait
             # would cost the client milliseconds of TTFT; a decode that fails later fails over too.
             await dec_call.wait_for_connection()
-        reached = True  # from here the decode may have the request (and may read the source)
+        reached = True
         if not sent:
             sent.append(first)
             yield _first_step(prep, first.token, first.logprob, pf)
         async for msg in paced(dec_call, env.stall_seconds):
-            decoded = True
+            calling.streamed = True
             transfer = to_seconds(msg.timings.transfer) if msg.HasField("timings") else None
             yield Step(
                 list(msg.delta.token_ids),
                 msg.delta.text,
-                list(msg.delta.logprobs) if s.logprobs else [],
+                list(msg.delta.logprobs) if prep.sampling.logprobs else [],
                 msg.finish_reason,
                 transfer_seconds=transfer,
                 top_logprobs=list(msg.delta.top_logprobs),
             )
             if msg.finish_reason:
-                finished_cleanly = True
+                call.finished = True
                 return
         yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
-    except grpc.aio.AioRpcError as exc:
-        raise _lost(_peer_error(exc, calling, pool), decoded) from None
-    except Stalled:
-        raise _lost(_stalled(d, pool, env.stall_seconds), decoded) from None
-    finally:
-        pf_call.cancel()
-        if dec_call is not None:
-            dec_call.cancel()
-        pool.release(d)
-        if prefill_held:
-            pool.release(p)
-        if not finished_cleanly:
-            with contextlib.suppress(RuntimeError):
-                if direct:
-                    # A decode never connected never read: the source is unpinned at once.
-                    env.spawn(release_source(env, p, prep.request_id, room_id, decode_called=reached))
-                else:
-                    env.spawn(abort_room(env, prep.request_id, room_id, "router: request ended early"))
+
+
+def _prefill_first(prefill: dpb.Peer, pf: pfpb.PrefillResponse) -> _Sent:
+    """The first token the prefill's answer carries; a prefill that answered none (its pair's decode
+    would stream it) cannot serve the sequential order, and another pair is tried."""
+    if not carries_first_token(pf.first_token_source, prefill):
+        raise _PeerFailed(
+            prefill, Unavailable("the prefill answered without a first token", reason="PEER_UNAVAILABLE")
+        )
+    return _Sent(pf.first_token, pf.first_logprob)
 
 
 def prefill_request(
@@ -442,20 +465,23 @@ def prefill_request(
 
 
 def decode_request(
-    prep: Prepared, room_id: int, prefill: dpb.Peer, first_token: int = 0, first_logprob: float = 0.0
+    prep: Prepared, room_id: int, prefill: dpb.Peer, first: _Sent | None = None
 ) -> decpb.DecodeRequest:
-    """The Decode of a request in `room_id`, paired with `prefill` (an SGLang decode has no first token
-    to be given: it streams from its own)."""
-    return decpb.DecodeRequest(
+    """The Decode of a request in `room_id`, paired with `prefill`, continuing after `first`; without it
+    the decode streams from its own first token (FIRST_TOKEN_SOURCE_DECODE)."""
+    req = decpb.DecodeRequest(
         request_id=prep.request_id,
         room_id=room_id,
         prefill_peer_id=prefill.peer_id,
         prefill_epoch=prefill.epoch,
         token_ids=prep.token_ids,
-        first_token=first_token,
-        first_logprob=first_logprob,
         sampling=prep.sampling,
+        first_token_source=types_pb2.FIRST_TOKEN_SOURCE_DECODE,
     )
+    if first is not None:
+        req.first_token, req.first_logprob = first.token, first.logprob
+        req.first_token_source = types_pb2.FIRST_TOKEN_SOURCE_PREFILL
+    return req
 
 
 def _first_step(prep: Prepared, token: int, logprob: float, pf: pfpb.PrefillResponse) -> Step:
