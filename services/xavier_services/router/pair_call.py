@@ -13,7 +13,7 @@
   left to end by itself) and its result retrieved, the pair's serving slots released and, for a call that
   did not finish, the handoff ended in the background (`abandon`: abort the room, release the source).
 
-The transports plug into these: `flows` (gRPC, sequential, through a directory room or a pair handoff),
+The transports plug into these: `pd` (gRPC, sequential, through a directory room or a pair handoff),
 `pd_concurrent` (gRPC, concurrent) and `native` (SGLang's own servers over HTTP, concurrent).
 """
 

@@ -26,14 +26,9 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime.durations import to_seconds
 from xavier_services.router import flows
 from xavier_services.router.pacing import paced
-from xavier_services.router.pair_call import Order, PairCall, PrefillFailed, call_order, concurrently
+from xavier_services.router.pair_call import PairCall, PrefillFailed, concurrently
 from xavier_services.router.peers import Pair
 from xavier_services.router.request import Prepared, new_room_id
-
-
-def concurrent_pair(pair: Pair) -> bool:
-    """Whether the pair needs prefill and decode called at once (`pair_call.call_order`)."""
-    return call_order(pair) is Order.CONCURRENT
 
 
 async def _prefill(
@@ -45,6 +40,8 @@ async def _prefill(
 async def concurrent_attempt(
     prep: Prepared, env: flows.FlowEnv, pair: Pair, trace: flows.Trace | None
 ) -> AsyncIterator[flows.Step]:
+    """One attempt of a request on `pair` (chosen by `pd`), both calls at once; the decode's stream is
+    the answer."""
     pool = env.pool
     p, d = pair.prefill, pair.decode
     room_id = new_room_id()
