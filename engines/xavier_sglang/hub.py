@@ -51,6 +51,7 @@ from xavier_core.transfer.port.transport import IpcPeers, export_blob, is_vram
 
 from . import wire
 from .config import PoolShape, XavierSettings
+from .features import features_for
 from .loop import LoopThread
 from .push import IpcNotifier, IpcWrite, Write
 
@@ -420,6 +421,7 @@ class Hub:
             layout=self.layout.to_proto(),
             endpoint=endpoint,
         )
+        request.layout.features.extend(features_for(self.role))
         self.session = PeerSession(self.client, request)
         registration = await self.session.start()
         self._tasks = [

@@ -14,197 +14,65 @@ import json
 import os
 import random
 import signal
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import grpc
 import pytest
-from xavier.v1 import decode_service_pb2 as dec
-from xavier.v1 import decode_service_pb2_grpc as dec_grpc
 from xavier.v1 import router_service_pb2 as rpb
-from xavier.v1 import router_service_pb2_grpc as rpb_grpc
 from xavier.v1 import types_pb2
 
 from tests.faults.conftest import Router, metric_values, metrics_page, start_router
-from tests.faults.leaks import wait_all_idle
-from tests.pd.conftest import FAST_ENV, Mesh
+from tests.faults.migration_mesh import (
+    DECODES,
+    MIGRATION_ENV,
+    MigrationMesh,
+    Streamed,
+    fresh,
+    idle,
+    migration_mesh,
+    migrations,
+    prompt_ids,
+    request,
+    serving_decode,
+    stream,
+    when,
+)
 from xavier_core.runtime.errors import XavierError, from_rpc_error
 from xavier_core.sampling import advance_seed
-from xavier_core.text.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 pytestmark = pytest.mark.integration
-
-MIGRATION_ENV = {
-    "XAVIER_DECODE_PROGRESS_SECONDS": "2",
-    "XAVIER_PROGRESS_TIMEOUT_SECONDS": "20",
-    "XAVIER_FAILOVER_ATTEMPTS": "3",
-}
-DECODES = ["decode-0", "decode-1"]
-
-
-@dataclass
-class MigrationMesh:
-    mesh: Mesh
-    router: Router
-    tokenizer: TextTokenizer
-    routers: list[Router] = field(default_factory=list)
-
-    def text(self, prompt: list[int], tokens: list[int]) -> str:
-        """The text one uninterrupted engine writes for `tokens` after `prompt` (no stop strings)."""
-        detok = IncrementalDetokenizer(self.tokenizer, prompt)
-        return "".join(detok.push(t) for t in tokens[:-1]) + detok.push(tokens[-1]) + detok.flush()
-
-    def restart(self, name: str) -> None:
-        """Starts `name` again if it is not running (a new epoch)."""
-        proc = self.mesh.procs.get(name)
-        if proc is None or proc.proc.poll() is not None:
-            self.mesh.start_peer(name, "prefill" if name.startswith("prefill") else "decode")
 
 
 @pytest.fixture(scope="module")
 def mig(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MigrationMesh]:
-    m = Mesh(
-        tiny_model, tmp_path_factory.mktemp("migration"), {**FAST_ENV, "XAVIER_ENGINE__NUM_PAGES": "2048"}
-    )
-    routers: list[Router] = []
-    try:
-        m.start_directory()
-        m.start_peer("prefill-0", "prefill")
-        for name in DECODES:
-            m.start_peer(name, "decode")
-        routers.append(start_router(m, "router", **MIGRATION_ENV))
-        yield MigrationMesh(m, routers[0], TextTokenizer.load(tiny_model), routers)
-    finally:
-        for r in routers:
-            r.proc.stop()
-        m.stop()
-
-
-@dataclass
-class Streamed:
-    """One gRPC stream as the client saw it."""
-
-    request_id: str
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    finish: int = 0
-    usage: types_pb2.Usage | None = None
-    error: grpc.aio.AioRpcError | None = None
-
-
-def prompt_ids(seed: int, n: int = 24) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(n)]
-
-
-def request(rid: str, ids: list[int], max_tokens: int, **sampling: object) -> rpb.GenerateRequest:
-    s = types_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)  # type: ignore[arg-type]
-    return rpb.GenerateRequest(request_id=rid, token_ids=rpb.TokenIds(ids=ids), sampling=s)
-
-
-async def stream(
-    address: str, req: rpb.GenerateRequest, on_tokens: Callable[[Streamed], None] | None = None
-) -> Streamed:
-    out = Streamed(req.request_id)
-    async with grpc.aio.insecure_channel(address) as ch:
-        try:
-            async for resp in rpb_grpc.RouterServiceStub(ch).Generate(req, timeout=120):
-                out.tokens += resp.token_ids
-                out.text += resp.text
-                if resp.finish_reason:
-                    out.finish, out.usage = resp.finish_reason, resp.usage
-                if on_tokens is not None:
-                    on_tokens(out)
-        except grpc.aio.AioRpcError as exc:
-            out.error = exc
-    return out
-
-
-@dataclass(frozen=True)
-class Move:
-    """One move as the router's request line records it."""
-
-    cause: str
-    at: int  # tokens the client had
-    cached: int | None  # prompt tokens the new prefill found cached
-    prompt: int  # tokens of the new prompt
-    seam_s: float | None  # failure to the new attempt's first token
-
-
-def migrations(router: Router) -> dict[str, list[Move]]:
-    """request id -> its moves, from the router's log."""
-    out: dict[str, list[Move]] = {}
-    for line in router.proc.log().splitlines():
-        if not line.startswith("{"):
-            continue
-        event = json.loads(line)
-        if event.get("event") in ("request", "request failed") and event.get("migrations"):
-            moves = []
-            for move in event["migrations"].split(","):
-                cause, _, rest = move.partition(":")
-                at, cached, prompt, seam = rest.rpartition("@")[2].split("/")
-                moves.append(
-                    Move(
-                        cause,
-                        int(at),
-                        None if cached == "cached=?" else int(cached.split("=")[1]),
-                        int(prompt.split("=")[1]),
-                        None if seam == "seam=?" else float(seam.split("=")[1]),
-                    )
-                )
-            out[event["request_id"]] = moves
-    return out
-
-
-async def serving_decode(mesh: Mesh, exclude: str = "", prefer: list[str] | None = None) -> str:
-    """The decode that runs a request now (polled, in `prefer`'s order, within a generous bound),
-    leaving `exclude` (a stopped one) out."""
-    for _ in range(3000):
-        for name in prefer or DECODES:
-            proc = mesh.procs.get(name)
-            if name == exclude or proc is None or proc.proc.poll() is not None:
-                continue
-            async with grpc.aio.insecure_channel(proc.address) as ch:
-                st = await dec_grpc.DecodeServiceStub(ch).GetDecodeStats(
-                    dec.GetDecodeStatsRequest(), timeout=5
-                )
-            if st.engine.running:
-                return name
-        await asyncio.sleep(0.02)
-    raise AssertionError("no decode is running a request")
-
-
-async def fresh(mig: MigrationMesh, ids: list[int], max_tokens: int, **sampling: object) -> Streamed:
-    out = await stream(mig.router.grpc, request("", ids, max_tokens, **sampling))
-    assert out.error is None and len(out.tokens) == max_tokens, out
-    return out
-
-
-async def idle(mig: MigrationMesh) -> None:
-    for r in mig.routers:
-        stats = await wait_all_idle(mig.mesh, r.grpc, timeout=30.0)
-        assert not any(stats.values()), stats
-
-
-async def when(cond: Callable[[], bool], bound: float = 60.0) -> None:
-    """Waits for `cond` (a generous bound, so a broken router fails the test instead of hanging it)."""
-    for _ in range(int(bound / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
+    with migration_mesh(tiny_model, tmp_path_factory.mktemp("migration")) as m:
+        yield m
 
 
 async def test_kill_a_decode_under_16_streams_loses_no_token(mig: MigrationMesh) -> None:
     rng = random.Random(22)
+    victim, at = rng.choice(DECODES), rng.randrange(16 * 4, 16 * 40)
+    try:
+        await _kill_under_16_streams(mig, victim, at)
+    finally:  # the tests after this one need both decodes, whatever happened here
+        mig.restart(victim)
+
+
+async def _kill_under_16_streams(mig: MigrationMesh, victim: str, at: int) -> None:
     n, max_tokens = 16, 400
-    # The client reads behind what the router sent, so the router's own count says when: once it has
-    # streamed at least `at` tokens in all (a seeded point; the metric polls lag it, but with 400 tokens
-    # a stream every stream is still mid-stream then).
-    victim, at = rng.choice(DECODES), rng.randrange(n * 4, n * 40)
     prompts = [prompt_ids(100 + i) for i in range(n)]
+    # The kill waits until every stream has a decode token at the client (from there on a broken stream
+    # migrates; before, it fails over), and until the router, which the client reads behind, has
+    # streamed at least `at` tokens in all (a seeded point; with 400 tokens a stream every stream is
+    # still mid-stream then).
+    decoding: set[str] = set()
+
+    def seen(s: Streamed) -> None:
+        if len(s.tokens) >= 2:
+            decoding.add(s.request_id)
 
     async def sent() -> float:
         page = await metrics_page(mig.router.proc.metrics)
@@ -214,14 +82,15 @@ async def test_kill_a_decode_under_16_streams_loses_no_token(mig: MigrationMesh)
 
     async def killer() -> None:
         for _ in range(6000):
-            if await sent() - base >= at:
+            if len(decoding) == n and await sent() - base >= at:
                 mig.mesh.procs[victim].kill()  # kill -9, reaped
                 return
+            await asyncio.sleep(0.01)
         raise AssertionError("the streams never reached the kill point")
 
     kill = asyncio.ensure_future(killer())
     outs = await asyncio.gather(
-        *(stream(mig.router.grpc, request(f"kill-{i}", p, max_tokens)) for i, p in enumerate(prompts))
+        *(stream(mig.router.grpc, request(f"kill-{i}", p, max_tokens), seen) for i, p in enumerate(prompts))
     )
     await kill
     moved = migrations(mig.router)
@@ -232,9 +101,9 @@ async def test_kill_a_decode_under_16_streams_loses_no_token(mig: MigrationMesh)
         assert out.usage is not None and out.usage.completion_tokens == max_tokens
         assert out.text == mig.text(ids, out.tokens), i  # text continues exactly over the seam
         seams = [m.at for m in moved.get(out.request_id, [])]
-        for at in seams:
-            after = await fresh(mig, ids + out.tokens[:at], max_tokens - at)
-            assert out.tokens[at:] == after.tokens, (i, at)
+        for seam in seams:
+            after = await fresh(mig, ids + out.tokens[:seam], max_tokens - seam)
+            assert out.tokens[seam:] == after.tokens, (i, seam)
         whole = (await fresh(mig, ids, max_tokens)).tokens
         assert seams or out.tokens == whole, i  # an unmoved stream (a failover at most) is the plain run
         whole_equal += out.tokens == whole
@@ -250,7 +119,6 @@ async def test_kill_a_decode_under_16_streams_loses_no_token(mig: MigrationMesh)
     page = await metrics_page(mig.router.proc.metrics)
     assert metric_values(page, 'xavier_router_migrations_total{cause="unavailable"}'), page
     await idle(mig)
-    mig.restart(victim)
 
 
 async def test_seeded_stream_continues_at_the_advanced_seed(mig: MigrationMesh) -> None:
@@ -330,19 +198,23 @@ def _decodes_of(router: Router, request_ids: set[str]) -> list[str]:
     return out
 
 
+async def both_decodes_selected(mig: MigrationMesh, tag: str) -> None:
+    """Waits until both decodes are back in selection after the tests before (restarts, stops): each
+    serves a request."""
+    for attempt in range(60):
+        rids = [f"warm-{tag}-{attempt}-{i}" for i in range(4)]
+        await asyncio.gather(*(stream(mig.router.grpc, request(r, prompt_ids(690), 2)) for r in rids))
+        if set(_decodes_of(mig.router, set(rids))) == set(DECODES):
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError("the router never sent requests to both decodes")
+
+
 async def test_a_decode_stalled_before_its_first_token_fails_over(mig: MigrationMesh) -> None:
     """A decode stopped (SIGSTOP) before any request on it streamed a decode token: each of those
     requests fails over to the other decode after the progress deadline (2 s here), as a dead peer's
     would, instead of waiting the overall progress deadline (20 s here) and failing."""
-    # Both decodes back in selection after the tests before (restarts, stops): each serves a request.
-    for attempt in range(60):
-        rids = [f"warm-{attempt}-{i}" for i in range(4)]
-        await asyncio.gather(*(stream(mig.router.grpc, request(r, prompt_ids(690), 2)) for r in rids))
-        if set(_decodes_of(mig.router, set(rids))) == set(DECODES):
-            break
-        await asyncio.sleep(0.5)
-    else:
-        raise AssertionError("the router never sent requests to both decodes")
+    await both_decodes_selected(mig, "stalled")
     victim = DECODES[0]
     os.kill(mig.mesh.procs[victim].proc.pid, signal.SIGSTOP)
     try:
@@ -527,6 +399,8 @@ async def test_sse_streams_migrate_and_the_opt_out_gets_an_error_event(mig: Migr
     other is back: the SSE streams go on with exact text and usage, the opted-out one ends with
     PEER_FAILED."""
     keep, victim = DECODES
+    # A decode still out of selection after an earlier test's restart would log no new "out" event.
+    await both_decodes_selected(mig, "sse")
     os.kill(mig.mesh.procs[keep].proc.pid, signal.SIGSTOP)
     gone, back = (
         log_events(mig.router, e, keep) for e in ("peer out of selection", "peer back in selection")

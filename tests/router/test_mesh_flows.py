@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import httpx
@@ -46,6 +48,35 @@ def test_greedy_pd_equals_colocated(mesh: Mesh) -> None:
             assert pd.text == co.text
             assert pd.completion_tokens == 12 and pd.finish_reason == "length"
     _idle(mesh)
+
+
+def _release_sources(mesh: Mesh) -> float:
+    """ReleaseSource calls the prefills have served (`xavier_rpc_total`, every status code)."""
+    total = 0.0
+    for ready in mesh.workdir.glob("prefill-*.ready"):
+        address = json.loads(ready.read_text())["metrics"]
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("xavier_rpc_total{") and 'method="ReleaseSource"' in line:
+                    total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_finished_request_releases_nothing_a_cancelled_one_does(mesh: Mesh) -> None:
+    """The decode read the source and notified the prefill: a request that finished costs no
+    ReleaseSource. One the client gives up on mid-stream does (the source is unpinned then)."""
+    with Client(mesh.grpc) as client:
+        before = _release_sources(mesh)
+        for n in range(4):
+            res = client.generate(f"Finish number {n}", max_tokens=3 + n, mode="pd", ignore_eos=True)
+            assert res.finish_reason == "length"
+        assert _release_sources(mesh) == before
+        stream = client.generate_stream("Cancel me early", max_tokens=400, mode="pd", ignore_eos=True)
+        for n, _ in enumerate(stream):
+            if n == 2:
+                stream.cancel()
+    _idle(mesh)
+    assert _release_sources(mesh) == before + 1
 
 
 def test_first_token_only_request(mesh: Mesh) -> None:

@@ -131,12 +131,23 @@ def test_streamed_tool_calls_are_the_whole_answers(mesh: Mesh, tool_choice: obje
     whole = _ok(mesh, "chat/completions", body)
     chunks = _stream(mesh, {**body, "stream_options": {"include_usage": True}})
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    calls = [
+    entries = [
         c for chunk in chunks if chunk["choices"] for c in chunk["choices"][0]["delta"].get("tool_calls", [])
     ]
-    assert [c.pop("index") for c in calls] == list(range(len(calls)))
-    strip = [{**c, "id": ""} for c in whole["message"]["tool_calls"]]
-    assert [{**c, "id": ""} for c in calls] == strip  # the same calls (ids are made per answer)
+    # OpenAI's shape: a call's first entry has its id, type and name with empty arguments; the
+    # arguments follow in fragments, in order, and (accumulated per index) are the unstreamed answer's.
+    firsts = [e for e in entries if "id" in e]
+    assert [e["index"] for e in firsts] == list(range(len(whole["message"]["tool_calls"])))
+    assert all(e["type"] == "function" and e["function"]["arguments"] == "" for e in firsts)
+    assert all(
+        set(e) == {"index", "function"} and set(e["function"]) == {"arguments"}
+        for e in entries
+        if "id" not in e
+    )
+    calls = [{"name": e["function"]["name"], "arguments": ""} for e in firsts]
+    for e in entries:
+        calls[e["index"]]["arguments"] += e["function"]["arguments"]
+    assert calls == [c["function"] for c in whole["message"]["tool_calls"]]
     finishes = [chunk["choices"][0]["finish_reason"] for chunk in chunks if chunk["choices"]]
     assert finishes[-1] == "tool_calls" and finishes.count("tool_calls") == 1
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0

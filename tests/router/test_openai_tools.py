@@ -43,11 +43,21 @@ def test_auto_parses_calls_in_the_hermes_form_and_keeps_the_text_beside_them() -
     [
         "no call here",
         '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',  # not one of the tools
-        '<tool_call>{"name": "search", "arguments": </tool_call>',  # not JSON
+        '<tool_call>{"search": 1}</tool_call>',  # no name
+        "<tool_call>plain words</tool_call>",  # not a JSON object
     ],
 )
 def test_auto_leaves_text_without_a_valid_call_alone(text: str) -> None:
     assert tool_message(_plan(), text, "stop") == ({"role": "assistant", "content": text}, "stop")
+
+
+def test_a_block_naming_a_tool_is_a_call_as_far_as_it_came() -> None:
+    # A stream sends the call once its name is known, so the whole answer says the same.
+    message, finish = tool_message(_plan(), '<tool_call>{"name": "search", "arguments": </tool_call>', "stop")
+    assert finish == "tool_calls" and message["tool_calls"][0]["function"] == {
+        "name": "search",
+        "arguments": "{}",
+    }
 
 
 def test_a_cut_off_answer_stays_text() -> None:

@@ -122,6 +122,10 @@ def _req(**kw: object) -> rpb.GenerateRequest:
         ({"text": "hi", "model": "gpt-9"}, "UNKNOWN_MODEL"),
         ({"text": "hi", "sampling": {"max_tokens": 2, "top_p": 1.5}}, "INVALID_SAMPLING"),
         ({"chat": {"messages": []}}, "EMPTY_PROMPT"),
+        (
+            {"token_ids": {"ids": [5, 6]}, "sampling": {"max_tokens": 2, "resumed_output_tokens": 2}},
+            "INVALID_SAMPLING",
+        ),
     ],
 )
 def test_validation_reasons(

@@ -58,24 +58,35 @@ def _cases(tok: TextTokenizer) -> list[tuple[list[int], tuple[str, ...], int | N
         (body, ("あ\U0001f642",), None),  # a stop string made of split characters
         (body, ("ve d",), None),
         ([*body, end], (), end),  # the last token stops by itself (an EOS): no text
+        (body, ("あ",), None),  # a stop string twice: before min_tokens 8 it does not stop
     ]
 
 
-@pytest.mark.parametrize("case", range(4))
-def test_text_after_every_seam_equals_the_uninterrupted_text(tok: TextTokenizer, case: int) -> None:
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "kept"])
+@pytest.mark.parametrize("min_tokens", [0, 8])
+@pytest.mark.parametrize("case", range(5))
+def test_text_after_every_seam_equals_the_uninterrupted_text(
+    tok: TextTokenizer, case: int, min_tokens: int, include: bool
+) -> None:
     tokens, stops, stop_id = _cases(tok)[case]
     prompt = tok.encode("The prompt:", add_special_tokens=False)
-    sampling = Sampling(max_tokens=len(tokens), stop=stops, ignore_eos=False)
+    rules = {"stop": stops, "ignore_eos": False, "include_stop_str_in_output": include}
+    sampling = Sampling(max_tokens=len(tokens), min_tokens=min_tokens, **rules)  # type: ignore[arg-type]
     whole = _run(tok, prompt, tokens, sampling, stop_id)
     want_text, want_finish = "".join(t for _, t, _ in whole), whole[-1][2]
-    assert want_finish != types_pb2.FINISH_REASON_UNSPECIFIED and len(whole) > 8
+    assert want_finish != types_pb2.FINISH_REASON_UNSPECIFIED and len(whole) > 4
     for k in range(1, len(whole)):
         sent = [t for t, _, _ in whole[:k]]
         before = "".join(t for _, t, _ in whole[:k])
-        # The resumed engine: prompt + tokens sent, max_tokens less them; it misses a seam-spanning stop.
-        later = Sampling(max_tokens=len(tokens) - k, stop=stops, ignore_eos=False)
+        # The resumed engine: prompt + tokens sent, max_tokens and min_tokens less them; it misses a
+        # seam-spanning stop.
+        later = Sampling(
+            max_tokens=len(tokens) - k,
+            min_tokens=max(0, min_tokens - k),
+            **rules,  # type: ignore[arg-type]
+        )
         resumed = _run(tok, prompt + sent, tokens[k:], later, stop_id)
-        seam = SeamText(tok, prompt, sent, stops)
+        seam = SeamText(tok, prompt, sent, stops, min_tokens=min_tokens, include=include)
         text, finish, kept = before, 0, k
         for t, engine_text, engine_finish in resumed:
             step = seam.render(Step([t], engine_text, finish=engine_finish))

@@ -6,6 +6,7 @@ recipe); each module skips with the reason when it cannot be imported. The defau
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from importlib.metadata import entry_points
@@ -55,3 +56,28 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny(
         tmp_path_factory.mktemp("model") / "tiny", "qwen2", layers=2, hidden=64, heads=4, kv_heads=2
     )
+
+
+def sglang_args(mem_fraction: float = 0.3) -> list[str]:
+    """The GPU modules' SGLang flags: Triton attention, the PyTorch sampler, `mem_fraction` of the GPU
+    for each server's weights and KV pool (servers that share a GPU take less each)."""
+    return [
+        "--attention-backend", "triton", "--sampling-backend", "pytorch",
+        "--mem-fraction-static", str(mem_fraction), "--cuda-graph-max-bs", "16", "--log-level", "warning",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sglang_env(plugin_entry_point: str) -> Iterator[None]:
+    """SGLang's processes find the plugin's entry point through PYTHONPATH (an install of Xavier into
+    SGLang's environment does the same)."""
+    saved = os.environ.get("PYTHONPATH")
+    root = Path(__file__).resolve().parents[2]
+    parts = [plugin_entry_point, str(root), str(root / "services"), str(root / "clients"),
+             str(root / "protos" / "python"), str(root / "engines"), saved or ""]  # fmt: skip
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in parts if p)
+    yield
+    if saved is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = saved

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,13 +46,10 @@ pytest.importorskip(
 from xavier_client import Client  # noqa: E402
 
 from tests.cli.mesh import Mesh, start_up  # noqa: E402
+from tests.sglang.conftest import sglang_args  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gpu, pytest.mark.slow]
 
-SGLANG_ARGS = [
-    "--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.3",
-    "--cuda-graph-max-bs", "16", "--log-level", "warning",
-]  # fmt: skip
 PROMPTS = [[(7 * i + j) % 500 + 10 for j in range(n)] for i, n in enumerate((5, 17, 64, 300, 1000))]
 MAX_TOKENS = 32
 
@@ -73,26 +69,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-@pytest.fixture(scope="module")
-def sglang_env(plugin_entry_point: str) -> Iterator[None]:
-    """SGLang's processes find the plugin's entry point through PYTHONPATH (an install of Xavier into
-    SGLang's environment does the same)."""
-    saved = os.environ.get("PYTHONPATH")
-    root = Path(__file__).resolve().parents[2]
-    parts = [plugin_entry_point, str(root), str(root / "services"), str(root / "clients"),
-             str(root / "protos" / "python"), str(root / "engines"), saved or ""]  # fmt: skip
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in parts if p)
-    yield
-    if saved is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = saved
-
-
 def _run(model: Path, tmp: Path, mode: str, *flags: str) -> list[list[int]]:
     command = json.dumps([sys.executable, "-m", "sglang.launch_server"])
     args = ["--engine", "sglang", "--model", str(model), "--mode", mode, "--no-pagestore",
-            "--sglang-command", command, *flags, *(f"--sglang-arg={a}" for a in SGLANG_ARGS)]  # fmt: skip
+            "--sglang-command", command, *flags, *(f"--sglang-arg={a}" for a in sglang_args())]  # fmt: skip
     mesh: Mesh = start_up(tmp, tmp / "cache", *args, timeout=900)
     try:
         with Client(mesh.grpc, timeout=300) as client:

@@ -75,6 +75,11 @@ def test_xavier_pd_argv_parses(tmp_path: Path, plugin_entry_point: str, tiny_mod
         "args"
     ]
     assert d["disaggregation_mode"] == "decode" and d["disable_radix_cache"] is True
+    # Structured output as the SGLang peers declare it: xgrammar, compact JSON (no free whitespace).
+    for args in (a, d):
+        assert (
+            args["grammar_backend"] == "xgrammar" and args["constrained_json_disable_any_whitespace"] is True
+        )
 
 
 def test_native_and_unified_argv_parse(tmp_path: Path, plugin_entry_point: str, tiny_model: Path) -> None:

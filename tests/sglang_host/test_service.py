@@ -28,6 +28,7 @@ from xavier.v1 import directory_service_pb2_grpc as dir_grpc
 from xavier.v1 import prefill_service_pb2 as ppb
 from xavier_client import Client, InvalidArgumentError
 from xavier_services.router.pair_call import first_token_source
+from xavier_sglang.features import UNIFIED_FEATURES
 
 from tests.sglang_host.conftest import Start, ready_info, standin_state
 from tests.support.procs import ServiceProc, health_status, start_service
@@ -111,7 +112,9 @@ def test_unified_serves_generate_through_sglang(
         assert info_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert standin_state(info["sglang_url"])["bad_key"] == 0
     # The service registered itself (a unified SGLang has no plugin registration).
-    assert any(p.address == unified.address and p.layout.engine == "sglang" for p in _peers(directory))
+    (mine,) = [p for p in _peers(directory) if p.address == unified.address]
+    assert mine.layout.engine == "sglang"
+    assert tuple(mine.layout.features) == UNIFIED_FEATURES  # what its `/generate` mapping honours
 
 
 def test_cancel_closes_the_http_stream_and_sglang_aborts(start_sglang_peer: Start, tmp_path: Path) -> None:

@@ -51,26 +51,40 @@ def _flag(argv: list[str], flag: str) -> str:
 
 
 def _refuses_what_sglang_does_not_declare(mesh: Mesh, mode: str) -> None:
-    """SGLang replicas list no engine features: the router refuses alternatives, echoed prompt logprobs,
-    grammars and logit controls per request, with a 400 naming the parameter as the client sent it."""
-    refused = (
-        ({"logprobs": 2}, "logprobs"),
-        ({"echo": True, "logprobs": 0}, "echo"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"guided_regex": "[a-z]+"}, "guided_regex"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": -0.5}, "frequency_penalty"),
+    """SGLang replicas declare what their `/generate` honours (`xavier_sglang.features`): the router
+    refuses the rest per request, and the hosting service what SGLang would do otherwise, each with a
+    400 naming the parameter as the client sent it; what they declare reaches SGLang's body."""
+    refused: list[tuple[dict[str, object], str]] = [
         ({"repetition_penalty": 1.2}, "repetition_penalty"),
-        ({"logit_bias": {"5": 1}}, "logit_bias"),
-        ({"min_tokens": 1}, "min_tokens"),
-        ({"min_p": 0.1}, "min_p"),
-        ({"stop": ["x"], "include_stop_str_in_output": True}, "include_stop_str_in_output"),
-    )
+        ({"min_tokens": 1, "stop": ["x"]}, "min_tokens"),
+        ({"stop_token_ids": [4], "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ]
+    if mode == "pd":  # the pair's router flow reads the decode's logprobs only
+        refused += [({"logprobs": 2}, "logprobs"), ({"echo": True, "logprobs": 0}, "echo")]
     for extra, param in refused:
         body = {"prompt": [3, 4, 5], "max_tokens": 2, "xavier_mode": mode, **extra}
         r = httpx.post(f"http://{mesh.http}/v1/completions", json=body, timeout=60)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "UNSUPPORTED_PARAMETER" and r.json()["error"]["param"] == param
+    passed: list[tuple[dict[str, object], dict[str, object]]] = [
+        (
+            {"presence_penalty": 0.5, "frequency_penalty": -0.5},
+            {"presence_penalty": 0.5, "frequency_penalty": -0.5},
+        ),
+        ({"logit_bias": {"5": 1}, "min_p": 0.25}, {"logit_bias": {"5": 1.0}, "min_p": 0.25}),
+        ({"min_tokens": 1}, {"min_new_tokens": 1}),
+        ({"stop": ["x"], "include_stop_str_in_output": True}, {"no_stop_trim": True, "stop": ["x"]}),
+        ({"response_format": {"type": "json_object"}}, {"json_schema": '{"type": "object"}'}),
+        ({"guided_regex": "[a-z]+"}, {"regex": "[a-z]+"}),
+    ]
+    if mode == "colocated":
+        passed.append(({"logprobs": 2, "echo": True}, {"top_logprobs_num": 2, "logprob_start_len": 0}))
+    names = ["decode-0"] if mode == "pd" else ["unified-0", "unified-1"]
+    for extra, want in passed:
+        body = {"prompt": [3, 4, 5], "max_tokens": 2, "xavier_mode": mode, **extra}
+        r = httpx.post(f"http://{mesh.http}/v1/completions", json=body, timeout=60)
+        got = [_standin(mesh, name)["last_sampling"] for name in names]
+        assert any(want.items() <= g.items() for g in got if isinstance(g, dict)), (extra, got, r.text)
 
 
 def test_up_pd(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:

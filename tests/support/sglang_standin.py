@@ -13,9 +13,9 @@ run. Run as `python -m tests.support.sglang_standin ARGS...` (the service's `sgl
   once the decode took the "KV" (a rendezvous file per `bootstrap_room` under XAVIER_STANDIN_DIR carries
   the first token); the decode streams from the first token. With the xavier backend the process
   registers with the directory like the plugin's KV manager (role, the advertised address and peer id
-  read by the plugin's own `XavierSettings`, an "sglang" layout, an endpoint) and the decode checks
-  that a prefill is registered at `bootstrap_host:bootstrap_port`, as the plugin's lookup does;
-  otherwise the request ends in an abort.
+  read by the plugin's own `XavierSettings`, an "sglang" layout with the plugin's features, an
+  endpoint) and the decode checks that a prefill is registered at `bootstrap_host:bootstrap_port`, as
+  the plugin's lookup does; otherwise the request ends in an abort.
 - Like SGLang it forks a helper process (its schedulers) that dies with it (PR_SET_PDEATHSIG).
 - XAVIER_STANDIN_GENERATE_STATUS=N makes every `/generate` answer HTTP N with an error body (after
   XAVIER_STANDIN_FAIL_AFTER seconds).
@@ -25,8 +25,9 @@ run. Run as `python -m tests.support.sglang_standin ARGS...` (the service's `sgl
 - `POST /standin/health?ok=0|1` makes `/health` answer 503 or 200.
 - `GET /server_info`: `{"version": XAVIER_STANDIN_VERSION or "0.5.23"}` (SGLang's answer has many more
   fields); 404 with XAVIER_STANDIN_VERSION=none.
-- `GET /standin/state`: its argv, environment, helper pid and counters, and the salt fields
-  (`cache_salt`, `extra_key`) of the last `/generate`, for the tests.
+- `GET /standin/state`: its argv, environment, helper pid and counters, the salt fields
+  (`cache_salt`, `extra_key`) of the last `/generate`, and its `sampling_params` (with
+  `top_logprobs_num` and `logprob_start_len` when given), for the tests. The controls are not applied.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--disaggregation-transfer-backend", default="mooncake", choices=backends)
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
     p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument(
+        "--grammar-backend", default="xgrammar", choices=["xgrammar", "outlines", "llguidance", "none"]
+    )
+    p.add_argument("--constrained-json-disable-any-whitespace", action="store_true")
     p.add_argument("--enable-hierarchical-cache", action="store_true")
     p.add_argument("--hicache-storage-backend", default=None, choices=["file", "mooncake", "dynamic", "nixl"])
     p.add_argument("--hicache-storage-backend-extra-config", default=None)
@@ -101,6 +106,7 @@ class Standin:
         self.max_tokens = int(os.environ.get("XAVIER_STANDIN_MAX_TOKENS") or 4096)
         self.healthy = True
         self.last_salt: dict[str, Any] = {}
+        self.last_sampling: dict[str, Any] = {}
         self.helper = subprocess.Popen([sys.executable, "-c", _HELPER])
         self.session: Any = None
         self.directory: Any = None
@@ -111,6 +117,7 @@ class Standin:
         from xavier.v1 import directory_service_pb2 as dpb
         from xavier.v1 import types_pb2
         from xavier_sglang.config import XavierSettings
+        from xavier_sglang.features import features_for
 
         from xavier_core.contract import layout_from_model_dir
         from xavier_core.directory import DirectoryClient, PeerSession
@@ -147,6 +154,7 @@ class Standin:
             layout=layout.to_proto(),
             endpoint=endpoint,
         )
+        request.layout.features.extend(features_for(role))  # as the plugin's hub declares them
         self.session = PeerSession(self.directory, request)
         await self.session.start()
 
@@ -184,6 +192,7 @@ class Standin:
                 "started_at": _STARTED_AT,
                 "helper_pid": self.helper.pid,
                 "last_salt": self.last_salt,
+                "last_sampling": self.last_sampling,
                 **self.counters,
             }
         )
@@ -195,6 +204,11 @@ class Standin:
         body = await request.json()
         self.counters["requests"] += 1
         self.last_salt = {k: body[k] for k in ("cache_salt", "extra_key") if k in body}
+        logprob_keys = ("top_logprobs_num", "logprob_start_len")
+        self.last_sampling = {
+            **(body.get("sampling_params") or {}),
+            **{k: body[k] for k in logprob_keys if k in body},
+        }
         status = int(os.environ.get("XAVIER_STANDIN_GENERATE_STATUS") or 200)
         if status != 200:  # a server that refuses every request (the tests' failure injection)
             await asyncio.sleep(float(os.environ.get("XAVIER_STANDIN_FAIL_AFTER") or 0))

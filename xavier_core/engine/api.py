@@ -33,6 +33,11 @@ class InvalidRequestError(EngineError):
     """The request cannot be served as asked (empty prompt, too long, bad sampling values)."""
 
 
+class ResumedOutputError(InvalidRequestError):
+    """A resumed request's output so far (`Sampling.resumed_output_tokens`) does not follow its grammar,
+    or already completes it."""
+
+
 class OutOfPagesError(EngineError):
     """The KV pool cannot hold the request even after eviction and preemption."""
 
@@ -58,6 +63,9 @@ class EngineFeature(enum.Enum):
     MIN_TOKENS = "min_tokens"  # no stopping token before `Sampling.min_tokens`
     MIN_P = "min_p"  # `Sampling.min_p` cut when sampling
     STOP_STRING_IN_OUTPUT = "stop_string_in_output"  # `Sampling.include_stop_str_in_output`
+    # `Sampling.resumed_output_tokens`: the prompt's tail counts as output for the presence and
+    # frequency penalties and advances the grammar
+    RESUMED_OUTPUT = "resumed_output"
 
 
 class FinishReason(enum.Enum):
@@ -90,6 +98,11 @@ class Sampling:
     min_tokens: int = 0  # no EOS, stop token or stop string before this many tokens
     min_p: float = 0.0  # sampling drops tokens below min_p x the most likely one's probability
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+    # The prompt's last tokens that an earlier attempt of the request already produced (a migrated
+    # request): presence and frequency penalties count them and the grammar's matcher accepts them
+    # before the first new token; max_tokens and min_tokens count new tokens only. Below the prompt's
+    # length (`ReferenceEngine` checks it against the prompt).
+    resumed_output_tokens: int = 0
 
     @property
     def adjusts_logits(self) -> bool:

@@ -6,7 +6,8 @@ output is shorter than `min_tokens`, then `logit_bias` is added, then repetition
 penalties apply; temperature, `min_p`, top-k and top-p come after, in the sampler.
 
 What the penalties count, as vLLM and OpenAI define them: presence and frequency count the tokens of the
-output (the first one included), repetition every token of the prompt and of the output. A request's
+output (the first one included; a resumed request's `Sampling.resumed_output_tokens`, the prompt's tail
+an earlier attempt produced, too), repetition every token of the prompt and of the output. A request's
 counts (`TokenHistory`) are built from its tokens the first time a step needs them and then follow each
 token it accepts, so a P/D decode (whose output starts with the prefill's first token) continues the very
 state the prefill sampled that first token under.
@@ -68,7 +69,7 @@ def _adjust_row(row: torch.Tensor, req: Request) -> torch.Tensor:
     if not (s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0):
         return row
     if req.history is None:
-        req.history = TokenHistory(req.prompt, req.output, row.numel(), row.device)
+        req.history = TokenHistory(req.prompt, req.resumed + req.output, row.numel(), row.device)
     h = req.history
     if s.repetition_penalty != 1.0:
         penalized = torch.where(row > 0, row / s.repetition_penalty, row * s.repetition_penalty)

@@ -229,7 +229,8 @@ class ReferenceEngine:
 
     @property
     def features(self) -> frozenset[EngineFeature]:
-        """Every optional feature: alternatives per token, prompt logprobs, grammars and logit controls."""
+        """Every optional feature: alternatives per token, prompt logprobs, grammars, logit controls and
+        resumed output."""
         return frozenset(EngineFeature)
 
     @property
@@ -395,6 +396,11 @@ class ReferenceEngine:
                 "min_tokens cannot be combined with a grammar"
             )  # nothing could be sampled
         prompt = check_prompt(token_ids, self.config.vocab_size, self.max_context)
+        if sampling.resumed_output_tokens >= len(prompt):
+            raise InvalidRequestError(
+                f"resumed_output_tokens ({sampling.resumed_output_tokens}) must be below the prompt's "
+                f"{len(prompt)} tokens"
+            )
         if salt is not None:
             check_cache_salt(salt)
         seed = None if salt is None else chain_seed(self.layout_fingerprint, salt)
@@ -414,9 +420,12 @@ class ReferenceEngine:
 
     async def _compile_grammar(self, req: Request) -> None:
         """Gives a request with `sampling.grammar` its matcher (compiled off the event loop); a decode's
-        matcher then replays its first token. Requests without a grammar skip this."""
+        matcher then replays its first token. A resumed request's matcher first accepts its resumed
+        output. Requests without a grammar skip this."""
         if req.sampling.grammar is not None:
             req.grammar = await asyncio.to_thread(self._grammars.matcher, req.sampling.grammar)
+            if req.resumed:
+                await asyncio.to_thread(req.replay_resumed)
 
     async def _take_prefix(self, req: Request) -> None:
         """With a page store, the request takes its local and stored prefix before it is queued (not one

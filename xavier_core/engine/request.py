@@ -16,6 +16,7 @@ from xavier_core.engine.api import (
     InvalidRequestError,
     PrefillResult,
     PromptLogprobs,
+    ResumedOutputError,
     Sampling,
     TokenEvent,
     TopLogprobs,
@@ -81,6 +82,12 @@ class Request:
         self.generator = torch.Generator(device=self.device)
         self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt)
         self._stop = StopMatcher(self.sampling.stop, include=self.sampling.include_stop_str_in_output)
+
+    @property
+    def resumed(self) -> list[int]:
+        """The prompt's last `sampling.resumed_output_tokens` tokens: output an earlier attempt of this
+        request produced, which the penalties count and the grammar has accepted."""
+        return self.prompt[len(self.prompt) - self.sampling.resumed_output_tokens :]
 
     @property
     def remaining(self) -> int:
@@ -153,6 +160,20 @@ class Request:
             raise InvalidRequestError(f"request {self.id}: first token {token} does not follow its grammar")
         log.error("request %s: sampled token %d outside its grammar; stopping it", self.id, token)
         return True
+
+    def replay_resumed(self) -> None:
+        """Advances the request's fresh grammar over its resumed output (`resumed`), so the first new
+        token is constrained where the earlier attempt stopped; output the grammar rejects, or that
+        already completes it, is refused (`ResumedOutputError`)."""
+        if self.grammar is None:
+            return
+        for i, token in enumerate(self.resumed):
+            if not self.grammar.accept(token):
+                raise ResumedOutputError(
+                    f"request {self.id}: resumed output token {i} ({token}) does not follow its grammar"
+                )
+        if self.resumed and self.grammar.terminated:
+            raise ResumedOutputError(f"request {self.id}: the resumed output already completes its grammar")
 
     def prefill_result(self, event: TokenEvent) -> PrefillResult:
         """The PrefillResult of a prefill-role request after its first token."""

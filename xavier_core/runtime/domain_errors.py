@@ -15,6 +15,7 @@ from xavier_core.engine.api import (
     InvalidRequestError,
     OutOfPagesError,
     RequestNotFoundError,
+    ResumedOutputError,
 )
 from xavier_core.engine.errors import CheckpointError, EngineClosedError, RequestAbortedError
 from xavier_core.sampling import SamplingError
@@ -33,6 +34,7 @@ __all__ = ["as_xavier_error", "engine_status", "sampling_status"]
 
 # The first class the error is an instance of decides; any other engine error is INTERNAL / ENGINE_ERROR.
 _ENGINE: tuple[tuple[type[EngineError], Callable[[str], XavierError]], ...] = (
+    (ResumedOutputError, lambda m: InvalidArgument(m, reason="RESUMED_OUTPUT_OUTSIDE_GRAMMAR")),
     (InvalidRequestError, lambda m: InvalidArgument(m, reason="INVALID_REQUEST")),
     (OutOfPagesError, lambda m: CapacityExhausted(m, reason="OUT_OF_PAGES")),
     (EngineBusyError, lambda m: CapacityExhausted(m, reason="ENGINE_QUEUE_FULL")),

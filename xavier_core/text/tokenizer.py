@@ -263,7 +263,7 @@ class StopMatcher:
 
     def copy(self) -> StopMatcher:
         """An independent matcher in the same state."""
-        twin = StopMatcher(self._stops)
+        twin = StopMatcher(self._stops, include=self._include)
         twin._pending = self._pending
         return twin
 

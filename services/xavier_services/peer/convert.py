@@ -35,6 +35,7 @@ _FEATURE_TO_PB = {
     EngineFeature.MIN_TOKENS: types_pb2.ENGINE_FEATURE_MIN_TOKENS,
     EngineFeature.MIN_P: types_pb2.ENGINE_FEATURE_MIN_P,
     EngineFeature.STOP_STRING_IN_OUTPUT: types_pb2.ENGINE_FEATURE_STOP_STRING_IN_OUTPUT,
+    EngineFeature.RESUMED_OUTPUT: types_pb2.ENGINE_FEATURE_RESUMED_OUTPUT,
 }
 
 
@@ -99,6 +100,7 @@ def sampling_from_pb(p: types_pb2.SamplingParams, default_max_tokens: int = 16) 
         min_tokens=p.min_tokens,
         min_p=p.min_p,
         include_stop_str_in_output=p.include_stop_str_in_output,
+        resumed_output_tokens=p.resumed_output_tokens,
     )
     sampling.check()
     return sampling

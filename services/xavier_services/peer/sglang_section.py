@@ -41,6 +41,8 @@ OWNED_FLAGS: dict[str, str] = {
     "--data-parallel-size": "the xavier backend (one rank per server)",
     "--dp": "the xavier backend (one rank per server)",
     "--page-size": "engine.page_size",
+    "--grammar-backend": "the service (xgrammar: structured output as Xavier declares it)",
+    "--constrained-json-disable-any-whitespace": "the service (compact JSON, as Xavier's grammars are)",
     "--incremental-streaming-output": "the service (it reads SGLang's cumulative stream events)",
     "--stream-output": "the service (it reads SGLang's cumulative stream events)",
     "--config": "the service (an SGLang config file could set any flag above)",

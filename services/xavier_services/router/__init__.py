@@ -28,7 +28,8 @@ parses and shapes them with `openai_shapes` and `openai_logprobs`, sends SSE kee
   request that did not finish).
 - `migration`: wraps the P/D and colocated flows; a decode that fails or stalls after tokens reached the
   client (`flows.StreamBroken`) is replaced by another pair that re-prefills prompt + tokens sent, with
-  max_tokens less them and the seed advanced, at most `migration_limit` times; `seam_text` renders the
+  max_tokens and min_tokens less them, the seed advanced and the tokens sent marked as resumed output
+  (penalties and grammars continue over them), at most `migration_limit` times; `seam_text` renders the
   text after the seam as the first engine would have.
 - `peers`: live peers from the directory, channels to them, least-outstanding-work pair selection with
   prefix affinity; `health` leaves failing peers out and probes them back.

@@ -4,20 +4,31 @@
 token reached the client; after that a failed or stalled peer raises `flows.StreamBroken`, and here the
 request is resumed on another healthy compatible pair (or unified replica, in colocated mode):
 
-- the new prompt is the prompt plus every token the client got, `max_tokens` less those tokens, the same
-  sampling, and the seed advanced by them (`xavier_core.sampling.advance_seed`: the engines draw token i
-  of a seeded request from `step_seed(seed, i)`, so the continuation draws what the uninterrupted run
-  would have); prompt logprobs are not asked again;
+- the new prompt is the prompt plus every token the client got, `max_tokens` and `min_tokens` (floor
+  0) less those tokens, the same sampling otherwise, and the seed advanced by them
+  (`xavier_core.sampling.advance_seed`: the engines draw token i of a seeded request from
+  `step_seed(seed, i)`, so the continuation draws what the uninterrupted run would have); prompt
+  logprobs are not asked again;
+- `SamplingParams.resumed_output_tokens` tells the new engines that the prompt's tail is output:
+  presence and frequency penalties keep counting it and a grammar's matcher is advanced over it before
+  the first new token (the prefill's first token in P/D, the unified replica's in colocated mode), so
+  a penalized or structured request continues as the uninterrupted one would. Those requests need
+  `ENGINE_FEATURE_RESUMED_OUTPUT` on both engines of the new pair (`request.needed_features`); a pair
+  without it is refused by the flow before any call, and the move ends MIGRATION_FAILED with `why`
+  UNSUPPORTED_PARAMETER (a move was due and could not be made exact, which PEER_FAILED would not say).
+  Other requests (repetition penalty, logit bias, `min_tokens` alone) need nothing of the engine;
 - the client's stream goes on: the later attempts' steps are re-rendered by `seam_text.SeamText`, so
-  text continues exactly across the seam (split UTF-8 and text held for a stop string included), and
-  their cache and prefill figures go to the `Migration` record, not to the request's usage;
+  text continues exactly across the seam (split UTF-8, text held for a stop string, stop strings not
+  yet armed before `min_tokens`), and their cache and prefill figures go to the `Migration` record,
+  not to the request's usage;
 - at most `limit` moves (`router.migration_limit`), then MIGRATION_LIMIT; a move that finds no pair to
-  take it is MIGRATION_FAILED; a request that opted out (`GenerateRequest.no_migration`) or has a
-  grammar (whose state the new engine would not have) gets the flow's own PEER_FAILED.
+  take it is MIGRATION_FAILED; a request that opted out (`GenerateRequest.no_migration`) gets the
+  flow's own PEER_FAILED.
 
 SGLang pairs take the same path (their decode streams the new prompt's first token itself); SGLang
 seeds its sampling its own way, so a seeded SGLang request continues with the advanced seed but not
-with the draws of the uninterrupted run. Greedy continuations are exact on either engine.
+with the draws of the uninterrupted run, and SGLang engines declare no RESUMED_OUTPUT. Greedy
+continuations are exact on either engine.
 """
 
 from __future__ import annotations
@@ -31,7 +42,6 @@ from dataclasses import dataclass, field
 from xavier.v1 import error_reason_pb2 as er
 from xavier.v1 import types_pb2
 
-from xavier_core.grammar.wire import grammar_from_pb
 from xavier_core.runtime import Unavailable, XavierError, get_logger, wire_reasons
 from xavier_core.sampling import advance_seed
 from xavier_core.text.tokenizer import TextTokenizer
@@ -73,6 +83,8 @@ def resumed(prep: Prepared, sent: list[int], move: int) -> Prepared:
     s = types_pb2.SamplingParams()
     s.CopyFrom(prep.sampling)
     s.max_tokens = prep.sampling.max_tokens - len(sent)
+    s.min_tokens = max(0, prep.sampling.min_tokens - len(sent))
+    s.resumed_output_tokens = prep.sampling.resumed_output_tokens + len(sent)
     s.prompt_logprobs = False
     if s.HasField("seed"):
         s.seed = advance_seed(s.seed, len(sent))
@@ -95,10 +107,6 @@ def _refused(move: Migration, detail: str, *, reason: str, **metadata: object) -
         tokens_sent=move.tokens_sent,
         **metadata,
     )
-
-
-def _movable(prep: Prepared) -> bool:
-    return prep.migration and grammar_from_pb(prep.sampling) is None
 
 
 async def migrating(
@@ -129,7 +137,7 @@ async def migrating(
                         return
             return
         except StreamBroken as broken:
-            if not _movable(prep):
+            if not prep.migration:
                 raise
             move = Migration(broken.cause, broken.peer.peer_id, len(sent), len(prep.token_ids) + len(sent))
             if len(moves) >= limit:
@@ -145,7 +153,15 @@ async def migrating(
                 migration=len(moves),
             )
             if seam is None:
-                seam = SeamText(tokenizer, prep.token_ids, sent, prep.sampling.stop)
+                s = prep.sampling
+                seam = SeamText(
+                    tokenizer,
+                    prep.token_ids,
+                    sent,
+                    s.stop,
+                    min_tokens=s.min_tokens,
+                    include=s.include_stop_str_in_output,
+                )
             if len(sent) >= prep.sampling.max_tokens:  # the last token went out, its finish did not
                 yield seam.length_end()
                 return
@@ -156,4 +172,6 @@ async def migrating(
             if not moves or not (fresh or err.reason in _NO_PAIR):
                 raise
             detail = f"found no other pair to continue it ({err.reason})"
+            if err.is_reason(er.ERROR_REASON_UNSUPPORTED_PARAMETER):  # the pair picked lacks RESUMED_OUTPUT
+                detail = f"cannot continue exactly on the pair picked for it: {err.message}"
             raise _refused(moves[-1], detail, reason="MIGRATION_FAILED", why=err.reason) from None

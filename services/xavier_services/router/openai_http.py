@@ -30,8 +30,9 @@ from xavier_services.router.openai_shapes import (
     usage_json,
 )
 from xavier_services.router.openai_stream import Choices, indexed, merge
-from xavier_services.router.openai_tools import HeldAnswer, tool_message
+from xavier_services.router.openai_tools import tool_message, tool_parser
 from xavier_services.router.request import Prepared
+from xavier_services.router.tool_stream import ToolEvent, delta_of
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -349,8 +350,9 @@ class OpenAiFront:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         started = False
         shapers = [ChoiceLogprobs(self.router.encoder, chat=oa.chat, top=oa.top_logprobs) for _ in preps]
-        tools = oa.tools is not None and oa.tools.choice != "none"
-        held = [HeldAnswer() for _ in preps] if tools else []
+        plan = oa.tools if oa.tools is not None and oa.tools.choice != "none" else None
+        parsers = [tool_parser(plan) for _ in preps] if plan is not None else []
+        unsent: list[dict[str, Any] | None] = [None] * len(preps)  # logprobs of held text, per choice
         gens = [self.router.generate(p) for p in preps]  # async generators: closed below
         source = indexed(gens[0]) if len(gens) == 1 else merge(gens)
         ticks = with_ticks(source, self.router.config.keepalive_seconds)
@@ -377,10 +379,13 @@ class OpenAiFront:
                 if oa.logprobs and msg.token_ids:
                     lp = shapers[i].render(list(msg.token_ids), list(msg.logprobs), list(msg.top_logprobs))
                 finish = FINISH_NAMES.get(msg.finish_reason)
-                if held:  # an answer that may call tools: sent whole once it ended
-                    held[i].add(msg.text, lp)
-                    if finish:
-                        await resp.write(self._tool_chunks(oa, held[i], finish, i))
+                if parsers:  # an answer that may call tools: its calls stream as they are written
+                    events = parsers[i].feed(msg.text) + (parsers[i].end() if finish else [])
+                    unsent[i] = _joined(unsent[i], lp)
+                    if events or finish:
+                        calls = parsers[i].calls
+                        await resp.write(self._tool_chunks(oa, events, unsent[i], finish, calls, i))
+                        unsent[i] = None
                 elif msg.text or msg.token_ids or finish:
                     await resp.write(self._chunk(oa, msg.text, finish, lp, i))
                 if finish:
@@ -424,24 +429,34 @@ class OpenAiFront:
         return b""
 
     @classmethod
-    def _tool_chunks(cls, oa: OpenAiRequest, held: HeldAnswer, finish: str, index: int) -> bytes:
-        """A held answer's chunks: its tool calls (each whole, with its index) or its text, then the
-        finish reason in a chunk of its own."""
-        if oa.tools is None:
-            return b""
-        message, finish_reason = tool_message(oa.tools, held.text, finish)
-        first = envelope(oa, [choice(oa, "", None, held.logprobs(), delta=True)], chunk=True)
-        if "tool_calls" in message:
-            calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-            first["choices"][0]["delta"] = {"content": message["content"], "tool_calls": calls}
-        else:
-            first["choices"][0]["delta"] = {"content": held.text}
-        last = envelope(oa, [choice(oa, "", finish_reason, None, delta=True)], chunk=True)
-        for chunk in (first, last):
-            chunk["choices"][0]["index"] = index
+    def _tool_chunks(
+        cls,
+        oa: OpenAiRequest,
+        events: list[ToolEvent],
+        lp: dict[str, Any] | None,
+        finish: str | None,
+        calls: int,
+        index: int,
+    ) -> bytes:
+        """A chunk per event of a tool-call answer (the logprobs of its tokens on the first), then at
+        its end the finish reason ("tool_calls" when it made calls) in a chunk of its own."""
+        chunks = []
+        for event in events:
+            one = choice(oa, "", None, lp, delta=True)
+            one["delta"], lp = delta_of(event), None
+            chunks.append(one)
+        if finish:
+            chunks.append(
+                choice(oa, "", "tool_calls" if calls and finish == "stop" else finish, lp, delta=True)
+            )
+        out = b""
+        for one in chunks:
+            one["index"] = index
+            chunk = envelope(oa, [one], chunk=True)
             if oa.include_usage:
                 chunk["usage"] = None
-        return sse(first) + sse(last)
+            out += sse(chunk)
+        return out
 
     @staticmethod
     def _chunk(
@@ -453,3 +468,10 @@ class OpenAiFront:
         if oa.include_usage:
             chunk["usage"] = None  # as OpenAI: null on every chunk but the last
         return sse(chunk)
+
+
+def _joined(held: dict[str, Any] | None, more: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Chat logprobs of held tokens and the next ones, as one `{"content": [...]}`."""
+    if held is None or more is None:
+        return held or more
+    return {"content": held["content"] + more["content"]}

@@ -12,14 +12,15 @@ The chat template renders the tools (`ChatPrompt.tools`). What the model may ans
 - a named function: a grammar makes the answer that function's arguments (its parameters' schema).
 
 The forced forms are vLLM's; either way the client gets OpenAI's `message.tool_calls` and
-`finish_reason: "tool_calls"` once the answer ended on its own (a cut-off answer stays text).
+`finish_reason: "tool_calls"` once the answer ended on its own (a cut-off answer stays text). A stream
+sends the calls as they are written (`tool_stream`): a first `delta.tool_calls` entry with the call's id
+and name, then fragments of its arguments, whose concatenation is the unstreamed answer's; a stream cut
+off keeps what it sent and ends with `finish_reason: "length"`.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,8 +31,8 @@ from xavier_core.grammar import GrammarKind, GrammarSpec
 from xavier_core.runtime import InvalidArgument
 from xavier_services.router.chat_tools import MAX_TOOLS, TOOL_NAME
 from xavier_services.router.openai_grammar import checked, schema_text
+from xavier_services.router.tool_stream import ToolCalls, assemble
 
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _ANY_OBJECT = {"type": "object"}
 
 
@@ -126,63 +127,21 @@ def tool_plan(body: Mapping[str, Any]) -> ToolPlan | None:
     return ToolPlan(tuple(tools), "named", named=name, grammar=spec, schemas=schemas)
 
 
-def _call(name: str, arguments: Any) -> dict[str, Any]:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    fn = {"name": name, "arguments": text}
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": fn}
-
-
-def _calls(plan: ToolPlan, text: str) -> tuple[list[dict[str, Any]], str]:
-    """The calls in an answer that ended on its own, and the text left beside them."""
-    if plan.choice == "named":
-        try:
-            json.loads(text)
-        except ValueError:
-            return [], text
-        return [_call(plan.named, text)], ""
-    if plan.choice == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return [], text
-        calls = [_call(c["name"], c["parameters"]) for c in items if isinstance(c, dict) and "name" in c]
-        return calls, "" if calls else text
-    calls = []
-    for match in _CALL.finditer(text):
-        try:
-            value = json.loads(match.group(1))
-        except ValueError:
-            continue
-        if isinstance(value, dict) and value.get("name") in plan.schemas:
-            calls.append(_call(value["name"], value.get("arguments", value.get("parameters", {}))))
-    return calls, (_CALL.sub("", text).strip() if calls else text)
+def tool_parser(plan: ToolPlan) -> ToolCalls:
+    """The parser of one answer under `plan` (`tool_stream`; a choice of "none" parses nothing)."""
+    return ToolCalls(plan.choice, plan.schemas, plan.named)
 
 
 def tool_message(plan: ToolPlan, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
-    """The assistant message of an answer and its finish reason ("tool_calls" when it made calls)."""
+    """The assistant message of an answer and its finish reason ("tool_calls" when it made calls). The
+    calls and their arguments are what a stream of the same answer sends (`tool_stream`)."""
     if plan.choice == "none" or finish != "stop":
         return {"role": "assistant", "content": text}, finish
-    calls, rest = _calls(plan, text)
+    parser = tool_parser(plan)
+    content, calls = assemble([*parser.feed(text), *parser.end()])
     if not calls:
         return {"role": "assistant", "content": text}, finish
-    return {"role": "assistant", "content": rest or None, "tool_calls": calls}, "tool_calls"
-
-
-class HeldAnswer:
-    """A streamed answer that may call tools, held until it ends (its calls are parsed from the whole)."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self._content: list[dict[str, Any]] = []
-
-    def add(self, text: str, logprobs: dict[str, Any] | None) -> None:
-        self.text += text
-        if logprobs is not None:
-            self._content += logprobs["content"]
-
-    def logprobs(self) -> dict[str, Any] | None:
-        """The chat logprobs of every token held, or None when none were asked for."""
-        return {"content": self._content} if self._content else None
+    return {"role": "assistant", "content": content or None, "tool_calls": calls}, "tool_calls"
 
 
 def tool_calls(i: int, value: Any) -> list[rpb.ToolCall]:

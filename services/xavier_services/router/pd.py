@@ -153,6 +153,9 @@ async def _sequential(
             yield _first_step(prep, first.token, first.logprob, pf)
         async for msg in paced(dec_call, env.stall_seconds):
             calling.streamed = True
+            # Set before the finishing step is handed on: a reader that has it closes this generator at
+            # the yield, and the request must not count as given up (no ReleaseSource, no AbortRoom).
+            call.finished = bool(msg.finish_reason)
             transfer = to_seconds(msg.timings.transfer) if msg.HasField("timings") else None
             yield Step(
                 list(msg.delta.token_ids),
@@ -163,7 +166,6 @@ async def _sequential(
                 top_logprobs=list(msg.delta.top_logprobs),
             )
             if msg.finish_reason:
-                call.finished = True
                 return
         yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
 

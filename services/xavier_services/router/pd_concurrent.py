@@ -64,6 +64,8 @@ async def concurrent_attempt(
             async with aclosing(messages):  # type: ignore[type-var]
                 async for msg in messages:
                     calling.streamed = True
+                    # Before the yield: a reader that has the finishing step closes this generator there.
+                    call.finished = bool(msg.finish_reason)
                     yield flows.Step(
                         list(msg.delta.token_ids),
                         msg.delta.text,
@@ -75,7 +77,6 @@ async def concurrent_attempt(
                         else None,
                     )
                     if msg.finish_reason:
-                        call.finished = True
                         return
         except PrefillFailed as failed:
             calling.peer = p  # the prefill's error is the attempt's

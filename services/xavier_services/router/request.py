@@ -88,7 +88,7 @@ def needed_features(s: types_pb2.SamplingParams) -> list[tuple[types_pb2.EngineF
         needs.append((f.ENGINE_FEATURE_STRUCTURED_OUTPUT, "grammar"))
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(s, name):
-            needs.append((f.ENGINE_FEATURE_PENALTIES, name))
+            needs.append((f.ENGINE_FEATURE_OUTPUT_PENALTIES, name))
     if s.repetition_penalty not in (0.0, 1.0):
         needs.append((f.ENGINE_FEATURE_PENALTIES, "repetition_penalty"))
     if s.logit_bias:
@@ -99,6 +99,9 @@ def needed_features(s: types_pb2.SamplingParams) -> list[tuple[types_pb2.EngineF
         needs.append((f.ENGINE_FEATURE_MIN_P, "min_p"))
     if s.include_stop_str_in_output:
         needs.append((f.ENGINE_FEATURE_STOP_STRING_IN_OUTPUT, "include_stop_str_in_output"))
+    if s.resumed_output_tokens and (s.presence_penalty or s.frequency_penalty or grammar_from_pb(s)):
+        # Only these read which tokens are output; max_tokens and min_tokens are lowered by the router.
+        needs.append((f.ENGINE_FEATURE_RESUMED_OUTPUT, "resumed_output_tokens"))
     return needs
 
 
@@ -106,6 +109,8 @@ def require_features(prep: Prepared, layout: types_pb2.KvLayout | None, who: str
     """Refuses (INVALID_ARGUMENT, UNSUPPORTED_PARAMETER naming the sampling field) a request that needs
     a feature the chosen engine does not declare; `layout` None: an engine that declares none."""
     have = set(layout.features) if layout is not None else set()
+    if types_pb2.ENGINE_FEATURE_PENALTIES in have:  # all three penalties cover the output-only two
+        have.add(types_pb2.ENGINE_FEATURE_OUTPUT_PENALTIES)
     for feature, param in needed_features(prep.sampling):
         if feature not in have:
             raise InvalidArgument(
@@ -199,6 +204,14 @@ def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) 
             max_context=model.max_context,
         )
     _check_sampling(req.sampling, len(ids), model)
+    if req.sampling.resumed_output_tokens >= len(ids):
+        raise InvalidArgument(
+            f"resumed_output_tokens ({req.sampling.resumed_output_tokens}) must be below the prompt's "
+            f"{len(ids)} tokens",
+            reason="INVALID_SAMPLING",
+            field="resumed_output_tokens",
+            param="resumed_output_tokens",
+        )
     try:
         check_cache_salt(req.cache_salt)
     except SamplingError as err:

@@ -7,7 +7,9 @@ split across the seam, or text held back because it could begin a stop string, w
 (same tokenizer, same stop strings, the original prompt as context) and renders every token after the
 seam itself, ending the request where a stop string completes across the seam. It follows
 `xavier_core.engine.request.Request.accept`: a token that stops the request itself (EOS, a stop token
-id) adds no text and flushes what was held back; a length finish flushes too.
+id) adds no text and flushes what was held back; a length finish flushes too; before `min_tokens`
+tokens (counted from the first attempt's first token) no stop string stops, and
+`include_stop_str_in_output` keeps the matched stop string.
 """
 
 from __future__ import annotations
@@ -27,23 +29,38 @@ class SeamText:
     """Renders the steps of a request's later attempts; built once, at its first migration."""
 
     def __init__(
-        self, tokenizer: TextTokenizer, prompt: Sequence[int], sent: Sequence[int], stops: Sequence[str]
+        self,
+        tokenizer: TextTokenizer,
+        prompt: Sequence[int],
+        sent: Sequence[int],
+        stops: Sequence[str],
+        *,
+        min_tokens: int = 0,
+        include: bool = False,
     ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt)
-        self._stop = StopMatcher(stops)
+        self._stop = StopMatcher(stops, include=include)
+        self._min_tokens = min_tokens
+        self._count = 0  # output tokens rendered, the ones sent before the seam included
         for token in sent:  # none of them ended the request, or it would not be moving
-            self._stop.feed(self._detok.push(token))
+            self._stop.feed(self._detok.push(token), armed=self._arm())
 
-    def _hits(self, token: int) -> bool:
+    def _arm(self) -> bool:
+        """Counts one more output token; whether stop strings stop the request at it (`min_tokens`)."""
+        self._count += 1
+        return self._count >= self._min_tokens
+
+    def _hits(self, token: int, armed: bool) -> bool:
         """Whether `token` completes a stop string (tried on copies: nothing changes)."""
-        return self._stop.copy().feed(self._detok.copy().push(token))[1]
+        return self._stop.copy().feed(self._detok.copy().push(token), armed=armed)[1]
 
     def _one(self, token: int, finish: int) -> tuple[str, int]:
         """The text of one token and the finish it makes (`finish`: what the engine said of it)."""
-        if finish == _STOP and not self._hits(token):  # the token is the stop itself: no text of its own
+        armed = self._arm()
+        if finish == _STOP and not self._hits(token, armed):  # the token is the stop itself: no text
             text, _ = self._stop.feed(self._detok.flush())
             return text + self._stop.flush(), _STOP
-        text, hit = self._stop.feed(self._detok.push(token))
+        text, hit = self._stop.feed(self._detok.push(token), armed=armed)
         if hit:
             return text, _STOP
         if finish == _LENGTH:

@@ -98,6 +98,10 @@ def build_launch(cfg: SglangSection, spec: LaunchSpec) -> Launch:
         api_key,
         "--page-size",
         str(spec.page_size),
+        # Structured output as Xavier declares it (SamplingParams.grammar): xgrammar, compact JSON.
+        "--grammar-backend",
+        "xgrammar",
+        "--constrained-json-disable-any-whitespace",
     ]
     if spec.dtype is not None:
         argv += ["--dtype", spec.dtype]

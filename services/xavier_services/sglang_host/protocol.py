@@ -17,9 +17,11 @@ from typing import Any
 import aiohttp
 from xavier.v1 import types_pb2
 
-from xavier_core.runtime.errors import Internal
+from xavier_core.grammar.spec import JSON_OBJECT_SCHEMA, GrammarKind
+from xavier_core.grammar.wire import grammar_from_pb
+from xavier_core.runtime.errors import Internal, InvalidArgument
 
-__all__ = ["Delta", "Deltas", "generate_body", "sampling_params", "sse_events"]
+__all__ = ["Delta", "Deltas", "generate_body", "prompt_logprobs_of", "sampling_params", "sse_events"]
 
 MAX_EVENT_BYTES = 256 << 20
 """The longest server-sent event read (a cumulative event of ~6M tokens with logprobs)."""
@@ -32,7 +34,10 @@ _FINISH = {
 
 
 def sampling_params(s: types_pb2.SamplingParams) -> dict[str, Any]:
-    """SGLang's `sampling_params` for Xavier's (0 top_p: off; 0 top_k: off)."""
+    """SGLang's `sampling_params` for Xavier's (0 top_p: off; 0 top_k: off). A control left at its off
+    value adds no key, so a request that uses none maps to SGLang's defaults. What SGLang would do
+    otherwise than Xavier defines it is refused (INVALID_ARGUMENT, UNSUPPORTED_PARAMETER)."""
+    _refuse_unmatched(s)
     params: dict[str, Any] = {
         "max_new_tokens": s.max_tokens,
         "temperature": s.temperature,
@@ -47,7 +52,49 @@ def sampling_params(s: types_pb2.SamplingParams) -> dict[str, Any]:
         params["stop_token_ids"] = list(s.stop_token_ids)
     if s.HasField("seed"):
         params["sampling_seed"] = s.seed
+    if s.min_p:
+        params["min_p"] = s.min_p
+    if s.min_tokens:
+        params["min_new_tokens"] = s.min_tokens
+    if s.presence_penalty:
+        params["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        params["frequency_penalty"] = s.frequency_penalty
+    if s.logit_bias:
+        params["logit_bias"] = {str(token): bias for token, bias in sorted(s.logit_bias.items())}
+    if s.include_stop_str_in_output:
+        params["no_stop_trim"] = True
+    grammar = grammar_from_pb(s)
+    if grammar is not None:
+        # SGLang's xgrammar backend reads an object schema as Xavier's (strict, compact with
+        # `--constrained-json-disable-any-whitespace`, which the service launches SGLang with).
+        if grammar.kind is GrammarKind.REGEX:
+            params["regex"] = grammar.text
+        else:
+            params["json_schema"] = (
+                JSON_OBJECT_SCHEMA if grammar.kind is GrammarKind.JSON_OBJECT else grammar.text
+            )
     return params
+
+
+def _refuse_unmatched(s: types_pb2.SamplingParams) -> None:
+    """SGLang's repetition penalty counts the output only (Xavier's the prompt too); its stop strings
+    stop before min_new_tokens (Xavier's do not); its no_stop_trim keeps a stop token's text too."""
+    refused = []
+    if s.repetition_penalty not in (0.0, 1.0):
+        refused.append(("repetition_penalty", "repetition_penalty"))
+    if s.min_tokens and s.stop:
+        refused.append(("min_tokens", "min_tokens with stop strings"))
+    if s.include_stop_str_in_output and s.stop_token_ids:
+        refused.append(("include_stop_str_in_output", "include_stop_str_in_output with stop_token_ids"))
+    if refused:
+        param, what = refused[0]
+        raise InvalidArgument(
+            f"{what} is not supported by SGLang engines",
+            reason="UNSUPPORTED_PARAMETER",
+            field=f"sampling.{param}",
+            param=param,
+        )
 
 
 def generate_body(
@@ -58,13 +105,19 @@ def generate_body(
     stream: bool = True,
     bootstrap: tuple[str, int, int] | None = None,
 ) -> dict[str, Any]:
-    """A `/generate` body; `bootstrap` = (host, port, room) pairs a P/D prefill with its decode."""
+    """A `/generate` body; `bootstrap` = (host, port, room) pairs a P/D prefill with its decode. Both
+    servers of a pair get the whole request (see `xavier_sglang.features`)."""
     body: dict[str, Any] = {
         "input_ids": list(token_ids),
         "sampling_params": sampling_params(s),
         "stream": stream,
         "return_logprob": s.logprobs,
     }
+    if s.top_logprobs:
+        body["top_logprobs_num"] = s.top_logprobs
+    if s.prompt_logprobs:
+        # From the prompt's first token: SGLang then computes the whole prompt (no prefix-cache hit).
+        body["logprob_start_len"] = 0
     if rid:
         body["rid"] = rid
     if bootstrap is not None:
@@ -93,15 +146,48 @@ def _logprobs_of(meta: dict[str, Any]) -> list[float]:
     return [float(x[0]) for x in items if isinstance(x, list | tuple) and x]
 
 
+def _top(entries: Any) -> types_pb2.TopLogprobs:
+    """One position's alternatives, `[[logprob, token_id, text], ...]` most likely first (None: none)."""
+    top = types_pb2.TopLogprobs()
+    for entry in entries or []:
+        top.logprobs.append(float(entry[0]))
+        top.token_ids.append(int(entry[1]))
+    return top
+
+
+def _tops_of(meta: dict[str, Any]) -> list[types_pb2.TopLogprobs]:
+    # output_top_logprobs = one list of alternatives per output token (cumulative; present when
+    # top_logprobs_num > 0).
+    return [_top(entries) for entries in meta.get("output_top_logprobs") or []]
+
+
+def prompt_logprobs_of(meta: dict[str, Any]) -> types_pb2.PromptLogprobs | None:
+    """The prompt's logprobs from `input_token_logprobs` (and `input_top_logprobs`), None while the
+    event has none. With logprob_start_len 0 SGLang's first entry (the first prompt token, under no
+    prompt) has logprob None; Xavier's list starts at the second token."""
+    items = meta.get("input_token_logprobs")
+    if not items:
+        return None
+    out = types_pb2.PromptLogprobs(logprobs=[float(x[0]) for x in items[1:]])
+    tops = meta.get("input_top_logprobs")
+    if tops:
+        out.top_logprobs.extend(_top(entries) for entries in tops[1:])
+    return out
+
+
 @dataclass
 class Delta:
-    """What one event adds: new token ids, text and logprobs; `finish` on the last."""
+    """What one event adds: new token ids, text and logprobs; `finish` on the last. `top_logprobs`
+    holds one entry per new token when the request asked for alternatives; `prompt_logprobs` comes
+    once, with the first event that carries them."""
 
     token_ids: list[int]
     text: str
     logprobs: list[float]
     finish: types_pb2.FinishReason.ValueType
     meta: dict[str, Any] = field(default_factory=dict)
+    top_logprobs: list[types_pb2.TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: types_pb2.PromptLogprobs | None = None
 
 
 @dataclass
@@ -111,16 +197,28 @@ class Deltas:
     ids_sent: int = 0
     text_sent: int = 0
     lps_sent: int = 0
+    tops_sent: int = 0
+    prompt_sent: bool = False
 
     def next(self, event: dict[str, Any]) -> Delta:
         meta = event.get("meta_info") or {}
         ids = [int(t) for t in event.get("output_ids") or []]
         text = str(event.get("text") or "")
         lps = _logprobs_of(meta)
+        tops = _tops_of(meta)
         delta = Delta(
-            ids[self.ids_sent :], text[self.text_sent :], lps[self.lps_sent :], finish_of(meta), meta
+            ids[self.ids_sent :],
+            text[self.text_sent :],
+            lps[self.lps_sent :],
+            finish_of(meta),
+            meta,
+            tops[self.tops_sent :],
         )
+        if not self.prompt_sent:
+            delta.prompt_logprobs = prompt_logprobs_of(meta)
+            self.prompt_sent = delta.prompt_logprobs is not None
         self.ids_sent, self.text_sent, self.lps_sent = len(ids), len(text), len(lps)
+        self.tops_sent = len(tops)
         return delta
 
 

@@ -183,6 +183,8 @@ class SglangDecodeServicer(_Base, decode_service_pb2_grpc.DecodeServiceServicer)
                 msg = dpb.GenerateUnifiedResponse(
                     delta=self._delta(delta, request.sampling), finish_reason=delta.finish
                 )
+                if delta.prompt_logprobs is not None and request.sampling.prompt_logprobs:
+                    msg.prompt_logprobs.CopyFrom(delta.prompt_logprobs)
                 if delta.finish:
                     msg.usage.CopyFrom(_usage(delta.meta, len(token_ids), n))
                     msg.timings.CopyFrom(
@@ -199,6 +201,7 @@ class SglangDecodeServicer(_Base, decode_service_pb2_grpc.DecodeServiceServicer)
             token_ids=delta.token_ids,
             logprobs=delta.logprobs if sampling.logprobs else [],
             text=delta.text,
+            top_logprobs=delta.top_logprobs if sampling.top_logprobs else [],
         )
 
     async def GetDecodeStats(

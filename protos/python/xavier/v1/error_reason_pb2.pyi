@@ -326,6 +326,11 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     metadata "peer_id" (the peer that failed), "cause", "tokens_sent" and "why" (the reason the new
     pair could not be had: NO_PEERS, PEER_FAILED, LAYOUT_MISMATCH, ...).
     """
+    ERROR_REASON_RESUMED_OUTPUT_OUTSIDE_GRAMMAR: _ErrorReason.ValueType  # 95
+    """A request's resumed output (the last SamplingParams.resumed_output_tokens prompt tokens) does not
+    follow its grammar, or already completes it, so no token could be constrained after it; status
+    INVALID_ARGUMENT.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every `google.rpc.ErrorInfo.reason` that a xavier.v1 service or client emits.
@@ -640,5 +645,10 @@ ERROR_REASON_MIGRATION_FAILED: ErrorReason.ValueType  # 81
 healthy compatible pair (or unified replica) could continue the request; status UNAVAILABLE,
 metadata "peer_id" (the peer that failed), "cause", "tokens_sent" and "why" (the reason the new
 pair could not be had: NO_PEERS, PEER_FAILED, LAYOUT_MISMATCH, ...).
+"""
+ERROR_REASON_RESUMED_OUTPUT_OUTSIDE_GRAMMAR: ErrorReason.ValueType  # 95
+"""A request's resumed output (the last SamplingParams.resumed_output_tokens prompt tokens) does not
+follow its grammar, or already completes it, so no token could be constrained after it; status
+INVALID_ARGUMENT.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

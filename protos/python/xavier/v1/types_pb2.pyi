@@ -226,6 +226,16 @@ class _EngineFeatureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EngineF
     """The engine drops tokens less likely than SamplingParams.min_p times the most likely one."""
     ENGINE_FEATURE_STOP_STRING_IN_OUTPUT: _EngineFeature.ValueType  # 8
     """The engine keeps a matched stop string in the output (SamplingParams.include_stop_str_in_output)."""
+    ENGINE_FEATURE_RESUMED_OUTPUT: _EngineFeature.ValueType  # 9
+    """The engine honours SamplingParams.resumed_output_tokens: those last prompt tokens count as output
+    for presence_penalty and frequency_penalty, and the grammar's matcher accepts them before the first
+    new token is constrained. The router moves a request that has a grammar or one of those penalties
+    to a new pair mid-stream only when both of its engines declare this feature.
+    """
+    ENGINE_FEATURE_OUTPUT_PENALTIES: _EngineFeature.ValueType  # 10
+    """The engine applies SamplingParams.presence_penalty and frequency_penalty (the penalties that count
+    the output only), whether or not it applies repetition_penalty; ENGINE_FEATURE_PENALTIES implies it.
+    """
 
 class EngineFeature(_EngineFeature, metaclass=_EngineFeatureEnumTypeWrapper):
     """EngineFeature names a request feature that some engines honour and others do not."""
@@ -250,6 +260,16 @@ ENGINE_FEATURE_MIN_P: EngineFeature.ValueType  # 7
 """The engine drops tokens less likely than SamplingParams.min_p times the most likely one."""
 ENGINE_FEATURE_STOP_STRING_IN_OUTPUT: EngineFeature.ValueType  # 8
 """The engine keeps a matched stop string in the output (SamplingParams.include_stop_str_in_output)."""
+ENGINE_FEATURE_RESUMED_OUTPUT: EngineFeature.ValueType  # 9
+"""The engine honours SamplingParams.resumed_output_tokens: those last prompt tokens count as output
+for presence_penalty and frequency_penalty, and the grammar's matcher accepts them before the first
+new token is constrained. The router moves a request that has a grammar or one of those penalties
+to a new pair mid-stream only when both of its engines declare this feature.
+"""
+ENGINE_FEATURE_OUTPUT_PENALTIES: EngineFeature.ValueType  # 10
+"""The engine applies SamplingParams.presence_penalty and frequency_penalty (the penalties that count
+the output only), whether or not it applies repetition_penalty; ENGINE_FEATURE_PENALTIES implies it.
+"""
 Global___EngineFeature: _TypeAlias = EngineFeature  # noqa: Y015
 
 @_typing.final
@@ -523,6 +543,7 @@ class SamplingParams(_message.Message):
     MIN_P_FIELD_NUMBER: _builtins.int
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """The maximum number of tokens to generate, including the first one."""
     temperature: _builtins.float
@@ -590,6 +611,18 @@ class SamplingParams(_message.Message):
     (vLLM's truncate_prompt_tokens, left truncation); 0 is off. The router applies it once it has
     tokenized the prompt, so engines see the truncated prompt and usage counts it.
     """
+    resumed_output_tokens: _builtins.int
+    """How many of the prompt's last tokens are output that an earlier attempt of this request already
+    produced (the router sets it when it resumes a request on another pair after its decode failed
+    mid-stream; 0 is a plain request). The engine treats those tokens as output wherever output
+    matters: presence_penalty and frequency_penalty count them, and the grammar's matcher accepts them
+    before the first new token (one the grammar rejects gets RESUMED_OUTPUT_OUTSIDE_GRAMMAR, and one
+    that already ends the grammar too). max_tokens and min_tokens count only the new tokens (the
+    router lowers both by the tokens sent), and repetition_penalty, which counts the prompt anyway, is
+    unaffected. It must be below the prompt's length (after truncate_prompt_tokens); engines without
+    ENGINE_FEATURE_RESUMED_OUTPUT are not sent a request that has a grammar, a presence_penalty or a
+    frequency_penalty with it set.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Strings that stop generation; the returned text never includes them."""
@@ -630,10 +663,11 @@ class SamplingParams(_message.Message):
         min_p: _builtins.float = ...,
         include_stop_str_in_output: _builtins.bool = ...,
         truncate_prompt_tokens: _builtins.int = ...,
+        resumed_output_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "json_object", b"json_object", "json_schema", b"json_schema", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "json_object", b"json_object", "json_schema", b"json_schema", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "resumed_output_tokens", b"resumed_output_tokens", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015

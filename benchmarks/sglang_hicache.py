@@ -1,0 +1,234 @@
+"""SGLang HiCache on Xavier's page store against SGLang's own `file` L3 backend: a prefix one replica
+computed, asked of another.
+
+For each backend (`xavier`: `xavier up --engine sglang --mode colocated --unified 2 --sglang-hicache`, the
+page store as SGLang's L3; `file`: the same mesh without a page store, SGLang's HiCache on its `file`
+backend in a directory both replicas share) and each prefix length, per rep:
+
+* `cold`: replica B, a prompt it never saw (prefix + 16 tokens): TTFT, and its greedy tokens;
+* replica A computes another fresh prompt of the same length; once A's write-through reached the L3
+  (the store's page count, or the files in the shared directory, stop growing), `warm`: the same prompt
+  asked of B, which must find the prefix in the L3 (SGLang's cached-token count says how much) and answer
+  the tokens A answered.
+
+TTFT is the client's, one GenerateUnified straight to the replica (max 1 token). Medians of the reps; the
+JSON has every rep. Replicas share the GPUs given round-robin (`--gpus 0,0`: both on GPU 0, started one
+after another).
+
+    python benchmarks/sglang_hicache.py --model /root/m05 --out docs/results/sglang-hicache-h200
+
+Prints JSON; writes <out>.json and <out>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from sglang_pd import make_model, stop
+
+from tests.pagestore.engines import Answer, generate
+
+SGLANG_ARGS = [
+    "--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.3",
+    "--cuda-graph-max-bs", "16", "--log-level", "warning",
+]  # fmt: skip
+NEW_TOKENS = 16
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [10 + (seed * 7919 + i * 104729) % 30000 for i in range(n)]
+
+
+class Mesh:
+    """One `xavier up` of two unified SGLang replicas with HiCache on `backend`."""
+
+    def __init__(self, backend: str, args: argparse.Namespace, work: Path) -> None:
+        self.backend, self.work = backend, work / backend
+        shutil.rmtree(self.work, ignore_errors=True)
+        self.work.mkdir(parents=True)
+        self.files = self.work / "hicache-files"
+        ready = self.work / "up.json"
+        flags = ["--sglang-hicache"] if backend == "xavier" else [
+            "--no-pagestore", "--sglang-arg=--enable-hierarchical-cache",
+            "--sglang-arg=--hicache-storage-backend", "--sglang-arg=file"]  # fmt: skip
+        if args.prefetch_policy:
+            flags += [
+                "--sglang-arg=--hicache-storage-prefetch-policy",
+                f"--sglang-arg={args.prefetch_policy}",
+            ]
+        cmd = [sys.executable, "-m", "xavier_cli", "up", "--insecure", "--engine", "sglang", "--mode",
+               "colocated", "--unified", "2", "--model", str(args.model), "--gpus", args.gpus,
+               "--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0", "--workdir", str(self.work / "svc"),
+               "--ready-file", str(ready), "--timeout", "900",
+               "--sglang-command", json.dumps([sys.executable, "-m", "sglang.launch_server"]), *flags,
+               *(f"--sglang-arg={a}" for a in SGLANG_ARGS + args.sglang_arg)]  # fmt: skip
+        env = {**os.environ, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(self.files)}
+        self.log = self.work / "up.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
+        deadline = time.monotonic() + 1200
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                stop(self.proc)
+                raise RuntimeError(
+                    f"xavier up ({backend}) failed:\n{self.log.read_text(errors='replace')[-6000:]}"
+                )
+            time.sleep(0.5)
+        svc = self.work / "svc"
+        self.a, self.b = (json.loads((svc / f"unified-{i}.ready").read_text())["address"] for i in (0, 1))
+        store = svc / "pagestore.ready"
+        self.store_metrics = json.loads(store.read_text())["metrics"] if store.exists() else ""
+
+    def l3_size(self) -> float:
+        """What the L3 holds now: the store's pages, or the bytes in the shared directory."""
+        if self.backend == "file":
+            return float(sum(f.stat().st_size for f in self.files.rglob("*") if f.is_file()))
+        return self._store_metric("xavier_pagestore_pages")
+
+    def store_hits(self) -> float:
+        """Pages the store served (0 for the file backend, which keeps no count)."""
+        return 0.0 if self.backend == "file" else self._store_metric("xavier_pagestore_hits_total")
+
+    def _store_metric(self, name: str) -> float:
+        with urllib.request.urlopen(f"http://{self.store_metrics}/metrics", timeout=10) as resp:
+            lines = resp.read().decode().splitlines()
+        return sum(float(ln.split(" ")[1]) for ln in lines if ln.split(" ")[0] == name)
+
+    def close(self) -> None:
+        stop(self.proc, grace=120)
+
+
+async def settled(mesh: Mesh, before: float, bound: float = 60.0) -> float:
+    """Waits until the L3 grew past `before` and then stayed put for a second; returns the size."""
+    deadline = time.monotonic() + bound
+    last, since = mesh.l3_size(), time.monotonic()
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        now = mesh.l3_size()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif last > before and time.monotonic() - since >= 1.0:
+            return now
+    raise RuntimeError(f"{mesh.backend}: A's write-through never settled in the L3 ({before} -> {last})")
+
+
+async def timed(address: str, ids: list[int]) -> tuple[float, Answer]:
+    t = time.perf_counter()
+    ans = await generate(address, ids, max_tokens=1)
+    return time.perf_counter() - t, ans
+
+
+async def measure(mesh: Mesh, args: argparse.Namespace) -> list[dict[str, Any]]:
+    await generate(mesh.a, prompt(10**5, 64), max_tokens=1)  # first-request costs out
+    await generate(mesh.b, prompt(10**5 + 1, 64), max_tokens=1)
+    rows = []
+    for length in args.lengths:
+        reps = []
+        for rep in range(args.reps):
+            seed = 1000 * length + 10 * rep
+            cold_s, cold = await timed(mesh.b, prompt(seed, length) + prompt(seed + 1, NEW_TOKENS))
+            warm_ids = prompt(seed + 2, length) + prompt(seed + 3, NEW_TOKENS)
+            before = mesh.l3_size()
+            _, on_a = await timed(mesh.a, warm_ids)
+            await settled(mesh, before)
+            hits = mesh.store_hits()
+            warm_s, warm = await timed(mesh.b, warm_ids)
+            reps.append({
+                "cold_ms": 1e3 * cold_s, "warm_ms": 1e3 * warm_s,
+                "cold_cached_tokens": cold.usage.cached_tokens,
+                "warm_cached_tokens": warm.usage.cached_tokens,
+                "store_pages_read": mesh.store_hits() - hits, "warm_equals_a": warm.tokens == on_a.tokens,
+            })  # fmt: skip
+            print(
+                json.dumps({"backend": mesh.backend, "length": length, **reps[-1]}),
+                file=sys.stderr,
+                flush=True,
+            )
+        cold_ms = statistics.median(r["cold_ms"] for r in reps)
+        warm_ms = statistics.median(r["warm_ms"] for r in reps)
+        rows.append({
+            "backend": mesh.backend, "prefix_tokens": length, "cold_ms": cold_ms, "warm_ms": warm_ms,
+            "speedup": cold_ms / warm_ms,
+            "warm_cached_tokens": statistics.median(r["warm_cached_tokens"] for r in reps),
+            "outputs_equal": all(r["warm_equals_a"] for r in reps), "reps": reps,
+        })  # fmt: skip
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({r["prefix_tokens"] for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.2
+    for i, (backend, case) in enumerate((b, c) for b in ("xavier", "file") for c in ("cold", "warm")):
+        ys = [next((r[f"{case}_ms"] for r in rows if r["backend"] == backend and r["prefix_tokens"] == n), 0)
+              for n in lengths]  # fmt: skip
+        ax.bar([x + (i - 1.5) * width for x in range(len(lengths))], ys, width, label=f"{backend} {case}")
+    ax.set_xticks(range(len(lengths)), [f"{n} tokens" for n in lengths])
+    ax.set_ylabel("TTFT ms (median)")
+    ax.set_title("SGLang HiCache: a prefix computed on replica A, asked of replica B")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--model", type=Path, default=None, help="a checkpoint (default: a 0.5B-shaped random one)"
+    )
+    p.add_argument("--backends", type=lambda v: v.split(","), default=["xavier", "file"])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2000, 8000])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--gpus", default="0,0")
+    p.add_argument(
+        "--prefetch-policy", default="", help="SGLang's --hicache-storage-prefetch-policy (default: its own)"
+    )
+    p.add_argument(
+        "--sglang-arg", action="append", default=[], help="one more SGLang flag or value, repeatable"
+    )
+    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/sglang-hicache"))
+    args = p.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="xavier-hicache-"))
+    args.model = make_model(args.model or work / "qwen2.5-0.5b-shape")
+    rows: list[dict[str, Any]] = []
+    for backend in args.backends:
+        mesh = Mesh(backend, args, work)
+        try:
+            rows += asyncio.run(measure(mesh, args))
+        finally:
+            mesh.close()
+    report = {"model": str(args.model), "gpus": args.gpus, "new_tokens": NEW_TOKENS, "rows": rows}
+    for n in args.lengths:
+        x = next((r for r in rows if r["backend"] == "xavier" and r["prefix_tokens"] == n), None)
+        f = next((r for r in rows if r["backend"] == "file" and r["prefix_tokens"] == n), None)
+        if x and f:
+            report[f"xavier_warm_over_file_warm_{n}"] = f["warm_ms"] / x["warm_ms"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    plot(rows, args.out.with_suffix(".png"))
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""The request features (`KvLayout.features`) an SGLang peer declares: what SGLang's `/generate` honours
+as Xavier defines it, in every supported release (0.5.17 … 0.5.23), through the body the hosting service
+builds (`xavier_services.sglang_host.protocol`).
+
+Both roles of a P/D pair declare the same set, since the router checks each (a feature one role ignores
+is still passed to it: the prefill samples the first token under the grammar, the penalties, the bias,
+min_p and min_new_tokens; the decode replays that token into its grammar matcher and counts it in its
+penalizers, `disaggregation/decode_schedule_batch_mixin.py` `process_prebuilt` and
+`ScheduleBatch.prepare_for_decode`). A unified server also declares the logprob features: a P/D pair's
+router path reads the decode's tokens and logprobs only, so the prefill's prompt logprobs and the first
+token's alternatives would not reach the client there.
+
+Not declared, so refused by the router: `repetition_penalty` (SGLang's counts the output only and stops
+at 2, Xavier's counts the prompt too).
+"""
+
+from __future__ import annotations
+
+from xavier.v1 import types_pb2
+
+__all__ = ["PAIR_FEATURES", "UNIFIED_FEATURES", "features_for"]
+
+PAIR_FEATURES: tuple[types_pb2.EngineFeature.ValueType, ...] = (
+    types_pb2.ENGINE_FEATURE_STRUCTURED_OUTPUT,
+    types_pb2.ENGINE_FEATURE_LOGIT_BIAS,
+    types_pb2.ENGINE_FEATURE_MIN_TOKENS,
+    types_pb2.ENGINE_FEATURE_MIN_P,
+    types_pb2.ENGINE_FEATURE_STOP_STRING_IN_OUTPUT,
+    types_pb2.ENGINE_FEATURE_OUTPUT_PENALTIES,
+)
+"""What an SGLang prefill and decode declare."""
+
+UNIFIED_FEATURES: tuple[types_pb2.EngineFeature.ValueType, ...] = (
+    types_pb2.ENGINE_FEATURE_TOP_LOGPROBS,
+    types_pb2.ENGINE_FEATURE_PROMPT_LOGPROBS,
+    *PAIR_FEATURES,
+)
+"""What a unified SGLang server declares."""
+
+
+def features_for(role: types_pb2.Role.ValueType) -> tuple[types_pb2.EngineFeature.ValueType, ...]:
+    """The features an SGLang peer of `role` declares."""
+    return UNIFIED_FEATURES if role == types_pb2.ROLE_UNIFIED else PAIR_FEATURES
