@@ -32,8 +32,11 @@ from xavier_core.runtime.errors import (
     GenericError,
     InvalidArgument,
     NotFound,
+    Unavailable,
     XavierError,
     error_for_code,
+    wire_reason,
+    wire_reasons,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,3 +202,31 @@ def test_raise_time_check_rejects_undeclared_reasons() -> None:
     generic = error_for_code(grpc.StatusCode.DEADLINE_EXCEEDED, "late")
     assert isinstance(generic, GenericError) and generic.reason == "DEADLINE_EXCEEDED"
     assert DECLARED_REASONS == declared()
+
+
+def test_the_router_compares_reasons_through_the_enum(uses: tuple[list[Use], list[Use]]) -> None:
+    """The router branches on reasons it names by the generated enum (`is_reason`, `wire_reasons`): a
+    literal there would compile with a typo in it and silently never match."""
+    _, compared = uses
+    literal = sorted(u.where for u in compared if u.where.startswith("services/xavier_services/router/"))
+    assert not literal, f"reason compared with a string literal: {literal}"
+
+
+def test_reasons_named_by_the_enum_match_their_wire_names() -> None:
+    err = Unavailable("x", reason="PEER_UNAVAILABLE")
+    assert err.is_reason(error_reason_pb2.ERROR_REASON_PEER_UNAVAILABLE)
+    assert err.is_reason(
+        error_reason_pb2.ERROR_REASON_NO_PEERS, error_reason_pb2.ERROR_REASON_PEER_UNAVAILABLE
+    )
+    assert not err.is_reason(error_reason_pb2.ERROR_REASON_UNAVAILABLE)
+    assert not err.is_reason()
+    # A status without an ErrorInfo carries its code's name, which is a declared reason too.
+    bare = error_for_code(grpc.StatusCode.UNAVAILABLE, "refused")
+    assert bare.is_reason(error_reason_pb2.ERROR_REASON_UNAVAILABLE)
+    # A reason from a newer peer is kept and matches nothing this build names.
+    newer = error_for_code(grpc.StatusCode.NOT_FOUND, "x", reason="FROM_A_NEWER_PEER")
+    assert not any(newer.is_reason(v) for v in error_reason_pb2.ErrorReason.values() if v)
+    assert wire_reasons(error_reason_pb2.ERROR_REASON_PEER_FAILED) == {"PEER_FAILED"}
+    assert {wire_reason(v) for v in error_reason_pb2.ErrorReason.values() if v} == DECLARED_REASONS
+    with pytest.raises(ValueError, match="travels"):
+        wire_reason(error_reason_pb2.ERROR_REASON_UNSPECIFIED)

@@ -24,6 +24,7 @@ from tests.pd.conftest import FAST_ENV, Mesh, mesh_stats, wait_drained
 from tests.pd.test_pd import Channels, prompt
 from tests.support.pd_driver import decode_request, new_room_id, prefill_request, unified_generate
 from tests.support.procs import start_service
+from xavier_core.runtime.errors import from_rpc_error
 
 pytestmark = pytest.mark.integration
 
@@ -243,3 +244,36 @@ async def test_a_decode_that_never_connected_frees_the_source_at_once(
             assert not any(stats.values()), stats
     finally:
         m.stop()
+
+
+async def test_reference_peers_take_the_first_token_from_the_prefill(mesh: Mesh) -> None:
+    ch = Channels(mesh)
+    try:
+        p, d = await ch.peers()
+        assert (
+            p.layout.first_token_source == d.layout.first_token_source == types_pb2.FIRST_TOKEN_SOURCE_PREFILL
+        )
+        room_id = new_room_id()
+        pf = await _prefill(ch, room_id, prompt(20, 5))
+        assert pf.first_token_source == types_pb2.FIRST_TOKEN_SOURCE_PREFILL
+        assert (await _release(ch, room_id, decode_called=False)).held
+        assert not any((await wait_drained(mesh, timeout=2)).values())
+    finally:
+        await ch.close()
+
+
+async def test_a_decode_handed_no_first_token_is_refused_naming_the_field(mesh: Mesh) -> None:
+    ch = Channels(mesh)
+    try:
+        p, _ = await ch.peers()
+        req = decode_request(new_room_id(), p, prompt(20, 6), GREEDY)
+        req.first_token_source = types_pb2.FIRST_TOKEN_SOURCE_DECODE
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in dec_grpc.DecodeServiceStub(ch.decode).Decode(req, timeout=10):
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        err = from_rpc_error(info.value)
+        assert err.reason == "INVALID_ARGUMENT" and err.metadata["field"] == "first_token_source"
+        assert not any((await wait_drained(mesh, timeout=2)).values())
+    finally:
+        await ch.close()

@@ -11,7 +11,7 @@ import pytest
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
-from xavier_services.router.flows import Step, StreamBroken, _PeerFailed
+from xavier_services.router.flows import PeerFailed, Step, StreamBroken
 from xavier_services.router.migration import migrating, resumed
 from xavier_services.router.request import Prepared, needed_features, require_features
 
@@ -69,7 +69,7 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> TextTokenizer:
 
 def _broken(peer_id: str) -> StreamBroken:
     peer = dpb.Peer(peer_id=peer_id, role=types_pb2.ROLE_DECODE)
-    return StreamBroken(_PeerFailed(peer, Unavailable("gone", reason="UNAVAILABLE"), "unavailable"))
+    return StreamBroken(PeerFailed(peer, Unavailable("gone", reason="UNAVAILABLE"), "unavailable"))
 
 
 async def _move_once(tok: TextTokenizer, declared: list[int]) -> tuple[list[Step], list[Prepared]]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
-from xavier_services.router.flows import pair_handoff
-from xavier_services.router.pd_concurrent import concurrent_pair
+from xavier_services.router.pair_call import Order, call_order, pair_handoff
 from xavier_services.router.peers import Pair
 
 P = types_pb2.HANDOFF_PROTOCOL_PAIR
@@ -33,5 +32,6 @@ def _peer(role: int, handoff: int, engine: str) -> dpb.Peer:
 )
 def test_the_declared_protocol_picks_the_handoff(prefill: int, decode: int, engine: str, want: str) -> None:
     pair = Pair(_peer(types_pb2.ROLE_PREFILL, prefill, engine), _peer(types_pb2.ROLE_DECODE, decode, engine))
-    got = "concurrent" if concurrent_pair(pair) else "pair" if pair_handoff(pair) else "rooms"
+    concurrent = call_order(pair) is Order.CONCURRENT
+    got = "concurrent" if concurrent else "pair" if pair_handoff(pair) else "rooms"
     assert got == want

@@ -22,10 +22,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from xavier.v1 import decode_service_pb2 as dpb
-from xavier.v1 import decode_service_pb2_grpc, types_pb2
+from xavier.v1 import decode_service_pb2_grpc, prefill_service_pb2_grpc, types_pb2
 from xavier.v1 import directory_service_pb2 as dirpb
 from xavier.v1 import directory_service_pb2_grpc as dir_grpc
+from xavier.v1 import prefill_service_pb2 as ppb
 from xavier_client import Client, InvalidArgumentError
+from xavier_services.router.pair_call import first_token_source
 from xavier_sglang.features import UNIFIED_FEATURES
 
 from tests.sglang_host.conftest import Start, ready_info, standin_state
@@ -394,3 +396,40 @@ def test_an_unhealthy_sglang_makes_the_service_not_serving_until_it_recovers(
     set_health(True)
     _wait(lambda: health_status(unified.address) == serving, 10, "SERVING after a passing probe")
     assert unified.proc.poll() is None  # a hung SGLang is reported, not killed
+
+
+def test_an_sglang_pair_says_its_decode_streams_the_first_token(
+    start_sglang_peer: Start, directory: ServiceProc, tmp_path: Path
+) -> None:
+    prefill = start_sglang_peer("prefill")
+    decode = start_sglang_peer("decode")
+    peers = {p.address: p for p in _peers(directory)}
+    source = types_pb2.FIRST_TOKEN_SOURCE_DECODE
+    # The plugin registers them declaring no source: the router reads it from the engine they are.
+    assert {first_token_source(peers[s.address]) for s in (prefill, decode)} == {source}
+    p = peers[prefill.address]
+    sampling = types_pb2.SamplingParams(max_tokens=3, ignore_eos=True)
+    with grpc.insecure_channel(prefill.address) as pch, grpc.insecure_channel(decode.address) as dch:
+        decode_stub = decode_service_pb2_grpc.DecodeServiceStub(dch)
+        base = dpb.DecodeRequest(
+            room_id=43, prefill_peer_id=p.peer_id, prefill_epoch=p.epoch, token_ids=[7, 8], sampling=sampling
+        )
+        # Handed a first token, it would stream it twice: refused, naming the field.
+        handed = dpb.DecodeRequest(first_token_source=types_pb2.FIRST_TOKEN_SOURCE_PREFILL, first_token=5)
+        handed.MergeFrom(base)
+        with pytest.raises(grpc.RpcError) as info:
+            list(decode_stub.Decode(handed, timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "first_token_source" in (info.value.details() or "")
+        # The pair's two calls at once, as the router makes them: the prefill's answer carries no first
+        # token (SGLang returned one; the decode's stream begins with it).
+        base.first_token_source = source
+        prefill_stub = prefill_service_pb2_grpc.PrefillServiceStub(pch)
+        answer = prefill_stub.Prefill.future(
+            ppb.PrefillRequest(room_id=43, decode_peer_id="d", token_ids=[7, 8], sampling=sampling),
+            timeout=30,
+        )
+        streamed = [t for msg in decode_stub.Decode(base, timeout=30) for t in msg.delta.token_ids]
+        pf = answer.result(timeout=30)
+    assert streamed == _expected([7, 8], 3)
+    assert pf.first_token_source == source and pf.first_token == 0

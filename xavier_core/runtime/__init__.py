@@ -33,6 +33,8 @@ from .errors import (
     error_for_code,
     from_rpc_error,
     to_rpc_status,
+    wire_reason,
+    wire_reasons,
 )
 from .interceptors import REQUEST_ID_KEY, RuntimeInterceptor, current_request_id
 from .logging import configure_logging, get_logger
@@ -82,4 +84,6 @@ __all__ = [
     "to_rpc_status",
     "watchdog_interval",
     "watchdog_loop",
+    "wire_reason",
+    "wire_reasons",
 ]

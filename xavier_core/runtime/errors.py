@@ -11,7 +11,10 @@ Every reason is declared in ``protos/xavier/v1/error_reason.proto`` (the
 ``ErrorReason`` enum, value names without the ``ERROR_REASON_`` prefix). A raise
 with an undeclared reason, or an error class whose default is undeclared, fails
 with ``ValueError`` at once (one set lookup), so a typo never reaches the wire;
-a reason *received* from a peer is data and is kept as it came.
+a reason *received* from a peer is data and is kept as it came. Code that branches
+on a reason names it by the generated enum (``err.is_reason(ERROR_REASON_NO_PEERS)``,
+``wire_reasons(...)``), never by a string literal, so a misspelt name fails mypy
+and the import instead of never matching.
 tests/contract/test_error_reasons.py checks the other direction (every declared
 reason is emitted somewhere).
 
@@ -23,7 +26,7 @@ succeed), while DEADLINE_EXCEEDED is reserved for the caller's own deadline.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import grpc
 from google.protobuf import any_pb2
@@ -34,11 +37,14 @@ from xavier.v1 import error_reason_pb2
 ERROR_DOMAIN = "xavier.v1"
 _DETAILS_KEY = "grpc-status-details-bin"
 _REASON_PREFIX = "ERROR_REASON_"
-DECLARED_REASONS: frozenset[str] = frozenset(
-    name.removeprefix(_REASON_PREFIX)
-    for name in error_reason_pb2.ErrorReason.keys()
-    if name != "ERROR_REASON_UNSPECIFIED"
-)
+Reason: TypeAlias = error_reason_pb2.ErrorReason.ValueType
+"""A declared reason as the generated enum names it (`error_reason_pb2.ERROR_REASON_PEER_FAILED`)."""
+_WIRE_NAMES: dict[int, str] = {
+    value: name.removeprefix(_REASON_PREFIX)
+    for name, value in error_reason_pb2.ErrorReason.items()
+    if value != error_reason_pb2.ERROR_REASON_UNSPECIFIED
+}
+DECLARED_REASONS: frozenset[str] = frozenset(_WIRE_NAMES.values())
 
 __all__ = [
     "DECLARED_REASONS",
@@ -53,6 +59,7 @@ __all__ = [
     "LeaseExpired",
     "NotFound",
     "PermissionDenied",
+    "Reason",
     "Unavailable",
     "Unimplemented",
     "XavierError",
@@ -60,6 +67,8 @@ __all__ = [
     "error_for_code",
     "from_rpc_error",
     "to_rpc_status",
+    "wire_reason",
+    "wire_reasons",
 ]
 
 
@@ -85,11 +94,29 @@ class XavierError(Exception):
             self.reason = _require_declared(reason)
         self.metadata: dict[str, str] = {k: str(v) for k, v in metadata.items()}
 
+    def is_reason(self, *reasons: Reason) -> bool:
+        """Whether this error carries one of `reasons` (a received reason this build does not declare
+        matches none)."""
+        return any(self.reason == wire_reason(r) for r in reasons)
+
     def __str__(self) -> str:
         return f"{self.reason}: {self.message}" if self.message else self.reason
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message!r}, reason={self.reason!r}, metadata={self.metadata!r})"
+
+
+def wire_reason(reason: Reason) -> str:
+    """The name `reason` travels under in an ErrorInfo: its enum value's name without the prefix."""
+    try:
+        return _WIRE_NAMES[reason]
+    except KeyError:
+        raise ValueError(f"ErrorReason {reason} is not a reason that travels") from None
+
+
+def wire_reasons(*reasons: Reason) -> frozenset[str]:
+    """The wire names of `reasons`, for a set a received `err.reason` is looked up in."""
+    return frozenset(wire_reason(r) for r in reasons)
 
 
 def _require_declared(reason: str) -> str:

@@ -101,6 +101,12 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         check_room_id(request.room_id)
         if not request.prefill_peer_id:
             raise InvalidArgument("prefill_peer_id is required", field="prefill_peer_id")
+        if request.first_token_source == types_pb2.FIRST_TOKEN_SOURCE_DECODE:
+            # This engine continues after the prefill's first token; it cannot sample the first itself.
+            raise InvalidArgument(
+                "this decode needs the prefill's first token (first_token_source PREFILL)",
+                field="first_token_source",
+            )
         token_ids = list(request.token_ids)
         check_prompt(token_ids, host.engine.max_context, host.vocab_size)
         sampling = sampling_from_pb(request.sampling)

@@ -131,6 +131,7 @@ class PeerHost:
         layout.features.extend(features_pb(self.engine.features))
         if self.role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE):
             layout.handoff = _HANDOFF[self.config.handoff.protocol]
+            layout.first_token_source = types_pb2.FIRST_TOKEN_SOURCE_PREFILL
         return layout
 
     # -- lifecycle ------------------------------------------------------------------------------------------

@@ -14,11 +14,18 @@ parses and shapes them with `openai_shapes` and `openai_logprobs`, sends SSE kee
   steps read back with a progress deadline, the metrics and log line of `observe`.
 - `stream`: what the flow's task hands the reader (a step, ended, failed) and the responses built from
   the steps.
-- the flows, each an async iterator of `flows.Step`: `flows` (P/D through a directory room, colocated on a
-  unified peer, failover, and a decode silent past `decode_progress_seconds` failed like a dead one,
-  watched by `pacing`),
-  `pd_concurrent` (a pair whose prefill and decode are called at once) and `native` (SGLang's own
-  prefill and decode servers over HTTP).
+- the flows, each an async iterator of `flows.Step`: `flows` (what they share: failover, the typed
+  errors of a failed or stalled peer, a peer silent past `decode_progress_seconds` failed like a dead one
+  as `pacing` watches; and colocated on a unified peer), `pd` (P/D: a pair picked and called in the
+  order it declares; the sequential order, the prefill then the decode from its first token, through a
+  directory room or a pair handoff), `pd_concurrent` (a pair that declares HANDOFF_PROTOCOL_CONCURRENT:
+  prefill and decode called at once, the decode streaming its own first token) and `native` (SGLang's
+  own prefill and decode servers over HTTP, concurrently).
+- `pair_call`: what every P/D flow shares: how a pair is called, read from what its peers declare
+  (`call_order`, `pair_handoff`, `first_token_source`; never an engine's name), the concurrent order's
+  read loop (`concurrently`, a failed prefill ending the request at once) and the one cleanup
+  (`PairCall`: cancel the calls, release the pair's slots, abort the room or release the source of a
+  request that did not finish).
 - `migration`: wraps the P/D and colocated flows; a decode that fails or stalls after tokens reached the
   client (`flows.StreamBroken`) is replaced by another pair that re-prefills prompt + tokens sent, with
   max_tokens and min_tokens less them, the seed advanced and the tokens sent marked as resumed output

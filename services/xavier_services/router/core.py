@@ -25,12 +25,13 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime import GenericError, Unavailable, XavierError, get_registry
 from xavier_services.router.admission import Admission
 from xavier_services.router.config import RouterConfig
-from xavier_services.router.flows import FlowEnv, Step, Trace, colocated_flow, pd_flow
+from xavier_services.router.flows import FlowEnv, Step, Trace, colocated_flow
 from xavier_services.router.health import role_name
 from xavier_services.router.migration import Migration, migrating
 from xavier_services.router.native import native_flow
 from xavier_services.router.observe import RequestRecord, RouterMetrics
 from xavier_services.router.offload import ProcessEncoder
+from xavier_services.router.pd import pd_flow
 from xavier_services.router.peers import PeerPool
 from xavier_services.router.prompts import ModelInfo, PromptEncoder
 from xavier_services.router.request import Prepared, prepare

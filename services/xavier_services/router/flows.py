@@ -1,55 +1,44 @@
-"""Routing flows over Xavier peers: P/D (prefill + decode through a room) and colocated (unified).
+"""What the routing flows share, and the colocated flow (a whole request on one unified replica).
 
 A flow is an async generator of `Step`s. Cancelling the task that runs it (client cancel, disconnect or
-Abort) runs its `finally`: the downstream calls are cancelled and, in P/D, the room is aborted in the
-background, so the client never waits for cleanup.
+Abort) runs its `finally`: the downstream calls are cancelled and, in P/D, the handoff is ended in the
+background, so the client never waits for cleanup. The P/D flow is `pd` (over `pair_call`).
 
-SGLang pairs (`KvLayout.engine == "sglang"`) take another path: SGLang's prefill answers only once the
-decode has taken the KV, so both are called at once and the decode streams from the first token
-(`pd_concurrent`).
-
-P/D takes three hops on the router's side: the prefill (which returns the first token and publishes its
-pages under a room id chosen here), then the decode with that first token, whose stream continues after
-it. The two peers meet in the directory by room id; the router never opens the room.
-
-Failover: until a decode (or unified replica) has streamed a token, a peer that fails (refused
-connection, UNAVAILABLE, or gone from the directory) is left out and the request runs again on another
-peer, at most `failover_attempts` times. The client's first P/D token is sent only once the decode call
-is connected, so a dead decode is found before the client sees anything; if the decode fails after that
-but before its first token, the retry re-prefills on a new pair and hands the new decode the first
-token the client already has, so the stream continues where it was. A decode that sends nothing for
-`env.stall_seconds` (its first token included) is failed the same way (`paced`). Once a decode token
-went out, a failed or stalled peer raises `StreamBroken`, which `migration` turns into a move to another
-pair (or, without one, the client's PEER_FAILED).
+Failover (`failover`): until a decode (or unified replica) has streamed a token, a peer that fails
+(refused connection, UNAVAILABLE, or gone from the directory) is left out and the request runs again on
+another peer, at most `failover_attempts` times. A streaming peer that sends nothing for
+`env.stall_seconds` is failed the same way (`paced`). `peer_failures` turns a failed or stalled call
+into these typed errors: `PeerFailed` (fail over) before a streamed token, and after one
+`StreamBroken`, which `migration` turns into a move to another pair (or, without one, the client's
+PEER_FAILED). The gRPC requests of a P/D pair (`prefill_request`, `decode_request`) are built here for
+both of its orders.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 from xavier.v1 import decode_service_pb2 as decpb
 from xavier.v1 import decode_service_pb2_grpc as decpb_grpc
 from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import error_reason_pb2 as er
 from xavier.v1 import prefill_service_pb2 as pfpb
-from xavier.v1 import prefill_service_pb2_grpc as pfpb_grpc
 from xavier.v1 import types_pb2
 
 from xavier_core.runtime import Unavailable, XavierError, from_rpc_error, get_logger
 from xavier_core.runtime.durations import to_seconds
 from xavier_services.router.health import peer_key, role_name
 from xavier_services.router.pacing import Stalled, paced
-from xavier_services.router.peers import Pair, PeerPool, affinity_key
-from xavier_services.router.request import Prepared, new_room_id, require_features
+from xavier_services.router.pair_call import Spawn
+from xavier_services.router.peers import PeerPool
+from xavier_services.router.request import Prepared, require_features
 
 _log = get_logger("xavier.router.flows")
-_RELEASE_TIMEOUT_S = 5.0
-"""Deadline of a ReleaseSource (best effort: the prefill's lease bounds the pin without it)."""
-Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
 
 T = TypeVar("T")
@@ -94,11 +83,11 @@ class Trace:
 
 
 # Errors of a peer call that say the peer (not the request) is the problem: the request may go elsewhere.
-_PEER_GONE_REASONS = frozenset(("PEER_NOT_FOUND", "STALE_EPOCH", "PEER_UNAVAILABLE"))
+_PEER_GONE = (er.ERROR_REASON_PEER_NOT_FOUND, er.ERROR_REASON_STALE_EPOCH, er.ERROR_REASON_PEER_UNAVAILABLE)
 
 
-class _PeerFailed(Exception):
-    """A peer failed before the request streamed a token from it: try another (internal to the flows)."""
+class PeerFailed(Exception):
+    """A peer failed before the request streamed a token from it: `failover` tries another."""
 
     def __init__(self, peer: dpb.Peer, error: XavierError, cause: str = "peer_gone") -> None:
         super().__init__(str(error))
@@ -112,47 +101,68 @@ class StreamBroken(Unavailable):
     inside the flow. Raised to the client as is (PEER_FAILED) unless `migration` moves the request;
     `cause` is unavailable (transport), peer_gone (left the directory, new epoch) or stalled."""
 
-    def __init__(self, failed: _PeerFailed) -> None:
+    def __init__(self, failed: PeerFailed) -> None:
         exhausted = _exhausted(failed, 1)
         super().__init__(exhausted.message, reason="PEER_FAILED", **exhausted.metadata)
         self.peer = failed.peer
         self.cause = failed.cause
 
 
-def _stalled(peer: dpb.Peer, pool: PeerPool, seconds: float) -> _PeerFailed:
+def _stalled(peer: dpb.Peer, pool: PeerPool, seconds: float) -> PeerFailed:
     """A stalled peer leaves selection (a probe brings it back once it answers) and fails over."""
     pool.health.mark_down(peer, f"sent nothing for {seconds:g} s")
     error = Unavailable(f"sent nothing for {seconds:g} s", reason="PEER_UNAVAILABLE")
-    return _PeerFailed(peer, error, "stalled")
+    return PeerFailed(peer, error, "stalled")
 
 
 def _lost(err: Exception, streamed: bool) -> Exception:
     """What an attempt raises for `err`: a peer's failure after it streamed tokens breaks the stream."""
-    if isinstance(err, _PeerFailed) and streamed:
+    if isinstance(err, PeerFailed) and streamed:
         return StreamBroken(err)
     return err
 
 
+@dataclass
+class Calling:
+    """The peer a call waits on now and whether the request streamed a decode token yet: what a failure
+    becomes depends on both (`peer_failures`)."""
+
+    peer: dpb.Peer
+    streamed: bool = False
+
+
+@contextlib.contextmanager
+def peer_failures(env: FlowEnv, calling: Calling, streaming: dpb.Peer) -> Iterator[Calling]:
+    """Turns a failed call of `calling.peer` (or a stall of `streaming`, the peer whose stream is read)
+    into the flows' typed errors: failover before a streamed token, `StreamBroken` after one."""
+    try:
+        yield calling
+    except grpc.aio.AioRpcError as exc:
+        raise _lost(_peer_error(exc, calling.peer, env.pool), calling.streamed) from None
+    except Stalled:
+        raise _lost(_stalled(streaming, env.pool, env.stall_seconds), calling.streamed) from None
+
+
 def _peer_error(exc: grpc.aio.AioRpcError, peer: dpb.Peer, pool: PeerPool) -> Exception:
-    """The typed error of a failed peer call, or `_PeerFailed` when another peer may serve the request.
+    """The typed error of a failed peer call, or `PeerFailed` when another peer may serve the request.
 
     A transport failure (UNAVAILABLE without an ErrorInfo: refused, reset, unreachable) takes the peer
     out of selection at once; the caller reports it to the client naming the peer, never its address.
     """
     err = from_rpc_error(exc)
-    if err.code == grpc.StatusCode.UNAVAILABLE or err.reason in _PEER_GONE_REASONS:
+    if err.code == grpc.StatusCode.UNAVAILABLE or err.is_reason(*_PEER_GONE):
         pool.invalidate()
-        transport = err.code == grpc.StatusCode.UNAVAILABLE and err.reason == "UNAVAILABLE"
+        transport = err.code == grpc.StatusCode.UNAVAILABLE and err.is_reason(er.ERROR_REASON_UNAVAILABLE)
         if transport:
             pool.health.mark_down(peer, "call failed: UNAVAILABLE")
-        return _PeerFailed(peer, err, "unavailable" if transport else "peer_gone")
+        return PeerFailed(peer, err, "unavailable" if transport else "peer_gone")
     return err
 
 
-def _exhausted(failure: _PeerFailed, attempts: int) -> Unavailable:
+def _exhausted(failure: PeerFailed, attempts: int) -> Unavailable:
     peer = failure.peer
     role = role_name(peer.role)
-    transport = failure.error.reason == "UNAVAILABLE"
+    transport = failure.error.is_reason(er.ERROR_REASON_UNAVAILABLE)
     why = "could not be reached" if transport else f"failed ({failure.error.reason})"
     if failure.cause == "stalled":
         why = failure.error.message
@@ -165,26 +175,26 @@ def _exhausted(failure: _PeerFailed, attempts: int) -> Unavailable:
     )
 
 
-def _note(trace: Trace | None, *peers: dpb.Peer) -> None:
+def note(trace: Trace | None, *peers: dpb.Peer) -> None:
     if trace is not None:
         trace.peers.extend(f"{role_name(p.role)}:{p.peer_id}" for p in peers)
 
 
-async def _failover(
+async def failover(
     attempt: Callable[[frozenset[str]], AsyncIterator[Step]],
     env: FlowEnv,
     trace: Trace | None,
 ) -> AsyncIterator[Step]:
-    """Runs `attempt(exclude)` until it ends without `_PeerFailed`, leaving failed peers out each time."""
+    """Runs `attempt(exclude)` until it ends without `PeerFailed`, leaving failed peers out each time."""
     tried: set[str] = set()
-    failure: _PeerFailed | None = None
+    failure: PeerFailed | None = None
     for n in range(env.failover_attempts):
         try:
             async with aclosing(attempt(frozenset(tried))) as steps:  # type: ignore[type-var]
                 async for step in steps:
                     yield step
             return
-        except _PeerFailed as failed:
+        except PeerFailed as failed:
             failure = failed
             tried.add(peer_key(failed.peer))
             if trace is not None:
@@ -199,7 +209,9 @@ async def _failover(
         except XavierError as err:
             # No other peer to go to: report the peer that failed rather than "no peers" (or "no decode
             # with a matching layout", when the failed one was the only such decode).
-            if failure is not None and err.reason in ("NO_PEERS", "LAYOUT_MISMATCH"):
+            if failure is not None and err.is_reason(
+                er.ERROR_REASON_NO_PEERS, er.ERROR_REASON_LAYOUT_MISMATCH
+            ):
                 break
             raise
     if failure is None:  # pragma: no cover - the loop runs at least once
@@ -209,10 +221,10 @@ async def _failover(
 
 def colocated_flow(prep: Prepared, env: FlowEnv, trace: Trace | None = None) -> AsyncIterator[Step]:
     """Serves the whole request on the least-loaded healthy unified replica (with failover)."""
-    return _failover(lambda exclude: _colocated_attempt(prep, env, exclude, trace), env, trace)
+    return failover(lambda exclude: _colocated_attempt(prep, env, exclude, trace), env, trace)
 
 
-async def _pick(env: FlowEnv, exclude: frozenset[str], pick: Callable[[], Awaitable[T]]) -> T:
+async def pick(env: FlowEnv, exclude: frozenset[str], pick: Callable[[], Awaitable[T]]) -> T:
     """A request's first pick waits up to `env.peer_wait` for peers while none is registered (a
     restarted directory has them back within about a second); a failover's pick does not wait."""
     if exclude or env.peer_wait <= 0:
@@ -224,9 +236,9 @@ async def _colocated_attempt(
     prep: Prepared, env: FlowEnv, exclude: frozenset[str], trace: Trace | None
 ) -> AsyncIterator[Step]:
     pool = env.pool
-    peer = await _pick(env, exclude, lambda: pool.retry_unavailable(lambda: pool.pick_unified(exclude)))
+    peer = await pick(env, exclude, lambda: pool.retry_unavailable(lambda: pool.pick_unified(exclude)))
     require_features(prep, peer.layout, "unified")
-    _note(trace, peer)
+    note(trace, peer)
     stub = decpb_grpc.DecodeServiceStub(pool.channel(peer.address))
     req = decpb.GenerateUnifiedRequest(
         request_id=prep.request_id,
@@ -236,192 +248,35 @@ async def _colocated_attempt(
     )
     pool.acquire(peer)
     call = stub.GenerateUnified(req, timeout=env.request_timeout)
-    streamed = False
     try:
-        async for msg in paced(call, env.stall_seconds, first=False):
-            streamed = True
-            yield Step(
-                list(msg.delta.token_ids),
-                msg.delta.text,
-                list(msg.delta.logprobs),
-                msg.finish_reason,
-                cached_tokens=msg.usage.cached_tokens if msg.HasField("usage") else None,
-                cached_tokens_store=msg.usage.cached_tokens_store if msg.HasField("usage") else None,
-                prefill_seconds=to_seconds(msg.timings.prefill) if msg.HasField("timings") else None,
-                top_logprobs=list(msg.delta.top_logprobs),
-                prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-            )
-            if msg.finish_reason:
-                return
-        yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
-    except grpc.aio.AioRpcError as exc:
-        raise _lost(_peer_error(exc, peer, pool), streamed) from None
-    except Stalled:
-        raise _lost(_stalled(peer, pool, env.stall_seconds), streamed) from None
+        with peer_failures(env, Calling(peer), peer) as calling:
+            async for msg in paced(call, env.stall_seconds, first=False):
+                calling.streamed = True
+                yield Step(
+                    list(msg.delta.token_ids),
+                    msg.delta.text,
+                    list(msg.delta.logprobs),
+                    msg.finish_reason,
+                    cached_tokens=msg.usage.cached_tokens if msg.HasField("usage") else None,
+                    cached_tokens_store=msg.usage.cached_tokens_store if msg.HasField("usage") else None,
+                    prefill_seconds=to_seconds(msg.timings.prefill) if msg.HasField("timings") else None,
+                    top_logprobs=list(msg.delta.top_logprobs),
+                    prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+                )
+                if msg.finish_reason:
+                    return
+            yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
     finally:
         call.cancel()
         pool.release(peer)
 
 
-async def abort_room(env: FlowEnv, request_id: str, room_id: int, detail: str) -> None:
-    """Best-effort AbortRoom with a deadline (the room's lease bounds it if this fails).
-
-    The room may not exist yet (the prefill had not published): the directory then keeps a tombstone so
-    the late publication sees the room ended and the prefill unpins at once.
-    """
-    if env.pool.directory is None:
-        return
-    try:
-        await env.pool.directory.abort_room(
-            room_id, dpb.ROOM_END_CAUSE_ROUTER_ABORT, detail, request_id=f"{request_id}/abort"
-        )
-    except XavierError as exc:
-        _log.info("abort room failed", room_id=room_id, code=exc.code.name)
-
-
-async def release_source(
-    env: FlowEnv, prefill: dpb.Peer, request_id: str, room_id: int, decode_called: bool
-) -> None:
-    """Best-effort ReleaseSource of a pair handoff the router gave up on (the prefill's room lease, then
-    its park timeout, bound it if this fails)."""
-    try:
-        await pfpb_grpc.PrefillServiceStub(env.pool.channel(prefill.address)).ReleaseSource(
-            pfpb.ReleaseSourceRequest(request_id=request_id, room_id=room_id, decode_called=decode_called),
-            timeout=_RELEASE_TIMEOUT_S,
-        )
-    except grpc.aio.AioRpcError as exc:
-        _log.info("release source failed", room_id=room_id, code=exc.code().name)
-
-
-def pair_handoff(pair: Pair) -> bool:
-    """Whether both peers hand over between themselves (HandoffProtocol PAIR), not in a directory room."""
-    return all(p.layout.handoff == types_pb2.HANDOFF_PROTOCOL_PAIR for p in (pair.prefill, pair.decode))
-
-
 @dataclass
-class _Sent:
+class FirstToken:
     """The first token the client already has (a retry's decode continues from it)."""
 
     token: int
     logprob: float
-
-
-def pd_flow(prep: Prepared, env: FlowEnv, trace: Trace | None = None) -> AsyncIterator[Step]:
-    """Prefill, then decode from the prefill's first token, failing over to another pair until the
-    decode has streamed a token."""
-    key = affinity_key(prep.token_ids, prep.cache_salt, env.affinity_tokens)
-    sent: list[_Sent] = []
-
-    def attempt(exclude: frozenset[str]) -> AsyncIterator[Step]:
-        return _pd_attempt(prep, env, key, exclude, sent, trace)
-
-    return _failover(attempt, env, trace)
-
-
-async def _pd_attempt(
-    prep: Prepared,
-    env: FlowEnv,
-    key: bytes | None,
-    exclude: frozenset[str],
-    sent: list[_Sent],
-    trace: Trace | None,
-) -> AsyncIterator[Step]:
-    pool = env.pool
-    pair: Pair = await _pick(
-        env, exclude, lambda: pool.retry_unavailable(lambda: pool.pick_pair(key, exclude))
-    )
-    p, d = pair.prefill, pair.decode
-    require_features(prep, p.layout, "prefill")
-    require_features(prep, d.layout, "decode")
-    _note(trace, p, d)
-    from xavier_services.router.pd_concurrent import concurrent_attempt, concurrent_pair  # (imports us)
-
-    if concurrent_pair(pair):
-        # SGLang pairs: the prefill answers only after the decode took the KV (see pd_concurrent).
-        if sent:  # its decode streams its own first token: it cannot continue another engine's stream
-            raise _PeerFailed(
-                p, Unavailable("the pair cannot continue this stream", reason="PEER_UNAVAILABLE")
-            )
-        async with aclosing(concurrent_attempt(prep, env, pair, trace)) as steps:  # type: ignore[type-var]
-            async for step in steps:
-                yield step
-        return
-    room_id = new_room_id()
-    s = prep.sampling
-    direct = pair_handoff(pair)
-    pool.acquire(p, d)
-    prefill_held = True
-    pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(
-        prefill_request(prep, room_id, d, pair_handoff=direct), timeout=env.request_timeout
-    )
-    dec_call: Any = None
-    reached = False
-    calling = p
-    decoded = False
-    finished_cleanly = False
-    try:
-        pf = await pf_call
-        pool.release(p)
-        prefill_held = False
-        if pf.finish_reason and not sent:
-            finished_cleanly = True  # the prefill published nothing and opened no room
-            yield _first_step(prep, pf.first_token, pf.first_logprob, pf)
-            return
-        if pf.finish_reason:
-            # A retry's prefill sampled a token that ends the request, but the client already has
-            # another first token: this pair cannot continue that stream.
-            raise _PeerFailed(p, Unavailable("the retried prefill ended early", reason="PEER_UNAVAILABLE"))
-        first = sent[0] if sent else _Sent(pf.first_token, pf.first_logprob)
-        calling = d
-        dec_channel = pool.channel(d.address)
-        dec_request = decode_request(prep, room_id, p, first.token, first.logprob)
-        if direct:
-            dec_request.source.CopyFrom(pf.source)
-        dec_call = decpb_grpc.DecodeServiceStub(dec_channel).Decode(dec_request, timeout=env.request_timeout)
-        if dec_channel.get_state() != grpc.ChannelConnectivity.READY:
-            # No live connection to the decode (first use, or it went away): a dead decode refuses the
-            # connection here, found before the client sees a token. On a ready connection this wait
-            # would cost the client milliseconds of TTFT; a decode that fails later fails over too.
-            await dec_call.wait_for_connection()
-        reached = True  # from here the decode may have the request (and may read the source)
-        if not sent:
-            sent.append(first)
-            yield _first_step(prep, first.token, first.logprob, pf)
-        async for msg in paced(dec_call, env.stall_seconds):
-            decoded = True
-            # Set before the finishing step is handed on: a reader that has it closes this generator at
-            # the yield, and the request must not count as given up (no ReleaseSource, no AbortRoom).
-            finished_cleanly = bool(msg.finish_reason)
-            transfer = to_seconds(msg.timings.transfer) if msg.HasField("timings") else None
-            yield Step(
-                list(msg.delta.token_ids),
-                msg.delta.text,
-                list(msg.delta.logprobs) if s.logprobs else [],
-                msg.finish_reason,
-                transfer_seconds=transfer,
-                top_logprobs=list(msg.delta.top_logprobs),
-            )
-            if msg.finish_reason:
-                return
-        yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
-    except grpc.aio.AioRpcError as exc:
-        raise _lost(_peer_error(exc, calling, pool), decoded) from None
-    except Stalled:
-        raise _lost(_stalled(d, pool, env.stall_seconds), decoded) from None
-    finally:
-        pf_call.cancel()
-        if dec_call is not None:
-            dec_call.cancel()
-        pool.release(d)
-        if prefill_held:
-            pool.release(p)
-        if not finished_cleanly:
-            with contextlib.suppress(RuntimeError):
-                if direct:
-                    # A decode never connected never read: the source is unpinned at once.
-                    env.spawn(release_source(env, p, prep.request_id, room_id, decode_called=reached))
-                else:
-                    env.spawn(abort_room(env, prep.request_id, room_id, "router: request ended early"))
 
 
 def prefill_request(
@@ -441,41 +296,38 @@ def prefill_request(
 
 
 def decode_request(
-    prep: Prepared, room_id: int, prefill: dpb.Peer, first_token: int = 0, first_logprob: float = 0.0
+    prep: Prepared, room_id: int, prefill: dpb.Peer, first: FirstToken | None = None
 ) -> decpb.DecodeRequest:
-    """The Decode of a request in `room_id`, paired with `prefill` (an SGLang decode has no first token
-    to be given: it streams from its own)."""
-    return decpb.DecodeRequest(
+    """The Decode of a request in `room_id`, paired with `prefill`, continuing after `first`; without it
+    the decode streams from its own first token (FIRST_TOKEN_SOURCE_DECODE)."""
+    req = decpb.DecodeRequest(
         request_id=prep.request_id,
         room_id=room_id,
         prefill_peer_id=prefill.peer_id,
         prefill_epoch=prefill.epoch,
         token_ids=prep.token_ids,
-        first_token=first_token,
-        first_logprob=first_logprob,
         sampling=prep.sampling,
+        first_token_source=types_pb2.FIRST_TOKEN_SOURCE_DECODE,
     )
+    if first is not None:
+        req.first_token, req.first_logprob = first.token, first.logprob
+        req.first_token_source = types_pb2.FIRST_TOKEN_SOURCE_PREFILL
+    return req
 
 
-def _first_step(prep: Prepared, token: int, logprob: float, pf: pfpb.PrefillResponse) -> Step:
-    # The prefill's engine rendered the first token's text (after the prompt, stop strings applied, the
-    # tail flushed if the request ends here); the decode's text deltas continue exactly where it stops.
-    return Step(
-        [token],
-        pf.first_text,
-        [logprob] if prep.sampling.logprobs else [],
-        pf.finish_reason,
-        cached_tokens=pf.usage.cached_tokens,
-        cached_tokens_store=pf.usage.cached_tokens_store,
-        prefill_seconds=to_seconds(pf.timings.prefill),
-        top_logprobs=[pf.first_top_logprobs] if pf.HasField("first_top_logprobs") else [],
-        prompt_logprobs=pf.prompt_logprobs if pf.HasField("prompt_logprobs") else None,
-    )
-
-
-async def drain(gen: AsyncIterator[Step]) -> list[Step]:
-    """Collects every step (tests and unary callers)."""
-    return [step async for step in gen]
-
-
-__all__ = ["FlowEnv", "Step", "StreamBroken", "Trace", "abort_room", "colocated_flow", "drain", "pd_flow"]
+__all__ = [
+    "Calling",
+    "FirstToken",
+    "FlowEnv",
+    "PeerFailed",
+    "Step",
+    "StreamBroken",
+    "Trace",
+    "colocated_flow",
+    "decode_request",
+    "failover",
+    "note",
+    "peer_failures",
+    "pick",
+    "prefill_request",
+]

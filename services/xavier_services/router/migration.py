@@ -39,9 +39,10 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from xavier.v1 import error_reason_pb2 as er
 from xavier.v1 import types_pb2
 
-from xavier_core.runtime import Unavailable, XavierError, get_logger
+from xavier_core.runtime import Unavailable, XavierError, get_logger, wire_reasons
 from xavier_core.sampling import advance_seed
 from xavier_core.text.tokenizer import TextTokenizer
 from xavier_services.router.flows import Step, StreamBroken
@@ -49,7 +50,7 @@ from xavier_services.router.request import Prepared
 from xavier_services.router.seam_text import SeamText
 
 _log = get_logger("xavier.router.migration")
-_NO_PAIR = frozenset(("PEER_FAILED", "NO_PEERS"))
+_NO_PAIR = wire_reasons(er.ERROR_REASON_PEER_FAILED, er.ERROR_REASON_NO_PEERS)
 
 
 @dataclass
@@ -171,6 +172,6 @@ async def migrating(
             if not moves or not (fresh or err.reason in _NO_PAIR):
                 raise
             detail = f"found no other pair to continue it ({err.reason})"
-            if err.reason == "UNSUPPORTED_PARAMETER":  # the pair picked lacks RESUMED_OUTPUT
+            if err.is_reason(er.ERROR_REASON_UNSUPPORTED_PARAMETER):  # the pair picked lacks RESUMED_OUTPUT
                 detail = f"cannot continue exactly on the pair picked for it: {err.message}"
             raise _refused(moves[-1], detail, reason="MIGRATION_FAILED", why=err.reason) from None

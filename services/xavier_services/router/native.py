@@ -10,8 +10,8 @@ is set on the last event, then `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import aiohttp
@@ -20,10 +20,9 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime import Internal, InvalidArgument, Unavailable
 from xavier_services.router.config import NativeConfig
 from xavier_services.router.flows import Step
+from xavier_services.router.pair_call import PairCall, PrefillFailed, concurrently
 from xavier_services.router.request import Prepared, new_room_id, require_features
 from xavier_services.sglang_host.protocol import Deltas, generate_body, sse_events
-
-_PREFILL_FAILED = "native prefill failed"
 
 
 def native_body(prep: Prepared, cfg: NativeConfig, room: int) -> dict[str, Any]:
@@ -48,64 +47,53 @@ async def _drain_prefill(resp_cm: Any) -> None:
             pass
 
 
+async def _decode_events(resp_cm: Any) -> AsyncIterator[dict[str, Any]]:
+    async with resp_cm as resp:
+        await _raise_for(resp, "decode")
+        async for event in sse_events(resp, "native decode"):
+            yield event
+
+
 async def native_flow(
     prep: Prepared, cfg: NativeConfig, session: aiohttp.ClientSession, timeout: float
 ) -> AsyncIterator[Step]:
-    """Sends the request to both servers and streams the decode's answer as deltas."""
+    """Sends the request to both servers and streams the decode's answer as deltas (the concurrent
+    order of `pair_call`: a failed prefill never fills the room, and the decode would wait out SGLang's
+    bootstrap timeout, so the prefill's error ends the request at once)."""
     if not cfg.enabled:
         raise Unavailable("native mode is not configured", reason="NO_PEERS", mode="native")
     require_features(prep, None, "native SGLang")  # native servers declare no features
     body = native_body(prep, cfg, new_room_id())  # SGLang keys its transfer state by it
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     client_timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 10.0))
-    prefill = asyncio.ensure_future(
-        _drain_prefill(
-            session.post(f"{cfg.prefill_url}/generate", json=body, headers=headers, timeout=client_timeout)
-        )
-    )
-    # A failed prefill never fills the room, and the decode would wait out SGLang's bootstrap timeout:
-    # stop reading the decode at once and answer with the prefill's error instead.
-    me = asyncio.current_task()
 
-    def _prefill_ended(fut: asyncio.Future[None]) -> None:
-        if me is not None and not me.done() and not fut.cancelled() and fut.exception() is not None:
-            me.cancel(msg=_PREFILL_FAILED)
+    def post(url: str) -> Any:
+        return session.post(f"{url}/generate", json=body, headers=headers, timeout=client_timeout)
 
-    prefill.add_done_callback(_prefill_ended)
-    deltas = Deltas()
-    try:
-        decode_url = f"{cfg.decode_url}/generate"
-        async with session.post(decode_url, json=body, headers=headers, timeout=client_timeout) as resp:
-            await _raise_for(resp, "decode")
-            async for event in sse_events(resp, "native decode"):
-                delta = deltas.next(event)
-                step = Step(delta.token_ids, delta.text, delta.logprobs, delta.finish)
-                if delta.finish:
-                    step.cached_tokens = int(delta.meta.get("cached_tokens") or 0)
-                yield step
-                if delta.finish:
-                    return
-        yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
-    except asyncio.CancelledError:
-        failed = prefill.done() and not prefill.cancelled() and prefill.exception() is not None
-        if not failed or me is None:
-            raise
-        me.uncancel()
-        err = prefill.exception()
-        if isinstance(err, aiohttp.ClientError | TimeoutError):
-            raise _unreachable("native prefill", err, timeout) from None
-        raise err from None  # type: ignore[misc]
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise _unreachable("native server", exc, timeout) from None
-    except (ValueError, KeyError) as exc:
-        raise Internal(f"native decode sent a malformed event: {exc}", reason="NATIVE_ERROR") from None
-    finally:
-        prefill.remove_done_callback(_prefill_ended)
-        if prefill.done():
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                prefill.result()
-        else:
-            prefill.cancel()
+    with PairCall() as call:
+        call.beside = asyncio.ensure_future(_drain_prefill(post(cfg.prefill_url)))
+        deltas = Deltas()
+        try:
+            events = concurrently(call.beside, _decode_events(post(cfg.decode_url)))
+            async with aclosing(events):  # type: ignore[type-var]
+                async for event in events:
+                    delta = deltas.next(event)
+                    step = Step(delta.token_ids, delta.text, delta.logprobs, delta.finish)
+                    if delta.finish:
+                        step.cached_tokens = int(delta.meta.get("cached_tokens") or 0)
+                        call.finished = True
+                    yield step
+                    if delta.finish:
+                        return
+            yield Step([], "", finish=types_pb2.FINISH_REASON_ABORT)
+        except PrefillFailed as failed:
+            if isinstance(failed.error, aiohttp.ClientError | TimeoutError):
+                raise _unreachable("native prefill", failed.error, timeout) from None
+            raise failed.error from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _unreachable("native server", exc, timeout) from None
+        except (ValueError, KeyError) as exc:
+            raise Internal(f"native decode sent a malformed event: {exc}", reason="NATIVE_ERROR") from None
 
 
 def _unreachable(who: str, exc: BaseException, timeout: float) -> Unavailable:

@@ -2,7 +2,7 @@
 
 `paced` reads a streaming gRPC call under one timer that each message moves (no task per read) and
 that is off while the caller holds a message, so only the peer's time counts; past the deadline it
-raises `Stalled`, which the flows treat as the peer failing (`flows._stalled`).
+raises `Stalled`, which the flows treat as the peer failing (`flows.peer_failures`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import grpc
 from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import error_reason_pb2 as er
 from xavier.v1 import types_pb2
 
 from xavier_core.directory import DirectoryClient
@@ -122,7 +123,7 @@ class PeerPool:
             try:
                 return await fn()
             except Unavailable as err:
-                if err.reason != "NO_PEERS" or time.monotonic() >= deadline:
+                if not err.is_reason(er.ERROR_REASON_NO_PEERS) or time.monotonic() >= deadline:
                     raise
             self.invalidate()
             await asyncio.sleep(_PEER_WAIT_POLL)
@@ -147,7 +148,8 @@ class PeerPool:
         try:
             return await self.directory.list_peers()
         except XavierError as err:
-            if err.code != grpc.StatusCode.UNAVAILABLE or err.reason not in ("UNAVAILABLE", "SHUTTING_DOWN"):
+            transport = err.is_reason(er.ERROR_REASON_UNAVAILABLE, er.ERROR_REASON_SHUTTING_DOWN)
+            if err.code != grpc.StatusCode.UNAVAILABLE or not transport:
                 raise
             # A transport failure names internal addresses: say which service failed, not where.
             raise Unavailable(

@@ -3,9 +3,11 @@
 - Prefill (prefill role): one non-streamed `/generate` with `bootstrap_host`/`bootstrap_port` = this
   service's address (the xavier backend registered the SGLang process under it) and `bootstrap_room` =
   the room id. SGLang answers only once the decode has taken the KV, so the router calls Prefill and
-  Decode of an SGLang pair concurrently (`router.flows`).
+  Decode of an SGLang pair concurrently (`router.pd_concurrent`, HANDOFF_PROTOCOL_CONCURRENT). The answer
+  carries no first token (`first_token_source` FIRST_TOKEN_SOURCE_DECODE).
 - Decode (decode role): a streamed `/generate` naming the prefill's address; unlike the reference
-  engine's Decode, the stream starts with the *first* token (it reaches the decode in the aux buffer).
+  engine's Decode, the stream starts with the *first* token (it reaches the decode in the aux buffer),
+  so a request that hands it one (FIRST_TOKEN_SOURCE_PREFILL) is refused.
 - GenerateUnified (unified role): a streamed `/generate`.
 
 Prefill and GenerateUnified pass the request's `cache_salt` in the field the running release honours, or
@@ -102,8 +104,10 @@ class SglangPrefillServicer(_Base, prefill_service_pb2_grpc.PrefillServiceServic
         if failed is not None:
             raise failed
         took = to_duration(time.perf_counter() - started)
+        # The pair's decode streams the first token (it reaches it in SGLang's aux buffer): this answer
+        # carries none, whether or not SGLang returned its ids.
         return ppb.PrefillResponse(
-            first_token=ids[0] if ids else 0,
+            first_token_source=types_pb2.FIRST_TOKEN_SOURCE_DECODE,
             usage=_usage(meta, len(token_ids), len(ids)),
             timings=types_pb2.Timings(prefill=took),
         )
@@ -127,6 +131,11 @@ class SglangDecodeServicer(_Base, decode_service_pb2_grpc.DecodeServiceServicer)
         check_room_id(request.room_id)
         if not request.prefill_peer_id:
             raise InvalidArgument("prefill_peer_id is required", field="prefill_peer_id")
+        if request.first_token_source == types_pb2.FIRST_TOKEN_SOURCE_PREFILL:
+            raise InvalidArgument(
+                "this decode streams its own first token (first_token_source DECODE)",
+                field="first_token_source",
+            )
         token_ids = list(request.token_ids)
         _check(token_ids, request.sampling)
         prefill = await host.prefill_address(request.prefill_peer_id, request.prefill_epoch)

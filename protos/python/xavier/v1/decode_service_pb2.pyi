@@ -80,6 +80,7 @@ class DecodeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     RETURN_KV_DIGEST_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_SOURCE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The client's request id (at most 128 characters), for logs."""
     room_id: _builtins.int
@@ -89,11 +90,21 @@ class DecodeRequest(_message.Message):
     prefill_epoch: _builtins.int
     """The prefill peer's epoch, as the router saw it."""
     first_token: _builtins.int
-    """The first token, as the prefill returned it; the stream continues after it."""
+    """The first token, as the prefill returned it; the stream continues after it. Read only when
+    first_token_source is FIRST_TOKEN_SOURCE_PREFILL or unset.
+    """
     first_logprob: _builtins.float
-    """The first token's natural-log probability."""
+    """The first token's natural-log probability (read with first_token)."""
     return_kv_digest: _builtins.bool
     """Whether to return a SHA-256 of the received KV pages' bytes on the first message."""
+    first_token_source: _types_pb2.FirstTokenSource.ValueType
+    """Whether first_token holds the first token: FIRST_TOKEN_SOURCE_PREFILL when it does,
+    FIRST_TOKEN_SOURCE_DECODE when the router hands none (first_token and first_logprob are unset, and the
+    decode's stream begins with the first token). Unset from a router of xavier.v1.0, which always sent
+    the first token to a decode that needs one. A decode that needs the prefill's token refuses
+    FIRST_TOKEN_SOURCE_DECODE with INVALID_ARGUMENT (metadata "field": first_token_source), and one
+    that streams its own refuses FIRST_TOKEN_SOURCE_PREFILL the same way.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt's token ids (the decode needs them for its context and page count)."""
@@ -122,10 +133,11 @@ class DecodeRequest(_message.Message):
         sampling: _types_pb2.SamplingParams | None = ...,
         return_kv_digest: _builtins.bool = ...,
         source: _directory_service_pb2.SourceDescriptor | None = ...,
+        first_token_source: _types_pb2.FirstTokenSource.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "source", b"source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_logprob", b"first_logprob", "first_token", b"first_token", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "request_id", b"request_id", "return_kv_digest", b"return_kv_digest", "room_id", b"room_id", "sampling", b"sampling", "source", b"source", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_logprob", b"first_logprob", "first_token", b"first_token", "first_token_source", b"first_token_source", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "request_id", b"request_id", "return_kv_digest", b"return_kv_digest", "room_id", b"room_id", "sampling", b"sampling", "source", b"source", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

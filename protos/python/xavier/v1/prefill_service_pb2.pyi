@@ -97,8 +97,9 @@ class PrefillResponse(_message.Message):
     FIRST_TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_SOURCE_FIELD_NUMBER: _builtins.int
     first_token: _builtins.int
-    """The first generated token."""
+    """The first generated token, unless first_token_source says the answer carries none."""
     first_logprob: _builtins.float
     """The first token's natural-log probability."""
     finish_reason: _types_pb2.FinishReason.ValueType
@@ -114,6 +115,12 @@ class PrefillResponse(_message.Message):
     stop strings applied (held back while they may still match); when finish_reason is set it also holds
     the flushed tail (bytes that never formed a character become U+FFFD). The decode's text deltas
     continue exactly where it stops.
+    """
+    first_token_source: _types_pb2.FirstTokenSource.ValueType
+    """Whether this answer carries the first token: FIRST_TOKEN_SOURCE_PREFILL when first_token,
+    first_logprob and first_text hold it, FIRST_TOKEN_SOURCE_DECODE when they are unset because the pair's
+    decode streams it. Unset from a prefill of xavier.v1.0: then its KvLayout tells (see
+    KvLayout.first_token_source).
     """
     @_builtins.property
     def usage(self) -> _types_pb2.Usage:
@@ -152,10 +159,11 @@ class PrefillResponse(_message.Message):
         first_top_logprobs: _types_pb2.TopLogprobs | None = ...,
         prompt_logprobs: _types_pb2.PromptLogprobs | None = ...,
         source: _directory_service_pb2.SourceDescriptor | None = ...,
+        first_token_source: _types_pb2.FirstTokenSource.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_top_logprobs", b"first_top_logprobs", "prompt_logprobs", b"prompt_logprobs", "source", b"source", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_logprob", b"first_logprob", "first_text", b"first_text", "first_token", b"first_token", "first_top_logprobs", b"first_top_logprobs", "kv_digest", b"kv_digest", "num_pages", b"num_pages", "prompt_logprobs", b"prompt_logprobs", "source", b"source", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_logprob", b"first_logprob", "first_text", b"first_text", "first_token", b"first_token", "first_token_source", b"first_token_source", "first_top_logprobs", b"first_top_logprobs", "kv_digest", b"kv_digest", "num_pages", b"num_pages", "prompt_logprobs", b"prompt_logprobs", "source", b"source", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -164,6 +164,42 @@ HANDOFF_PROTOCOL_CONCURRENT: HandoffProtocol.ValueType  # 3
 """
 Global___HandoffProtocol: _TypeAlias = HandoffProtocol  # noqa: Y015
 
+class _FirstTokenSource:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FirstTokenSourceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FirstTokenSource.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FIRST_TOKEN_SOURCE_UNSPECIFIED: _FirstTokenSource.ValueType  # 0
+    """Not said: a peer or router of xavier.v1.0. The peer's KvLayout.handoff tells (see
+    KvLayout.first_token_source).
+    """
+    FIRST_TOKEN_SOURCE_PREFILL: _FirstTokenSource.ValueType  # 1
+    """The prefill samples it and answers with it (PrefillResponse.first_token); the router hands it to the
+    decode (DecodeRequest.first_token), whose stream continues after it.
+    """
+    FIRST_TOKEN_SOURCE_DECODE: _FirstTokenSource.ValueType  # 2
+    """It reaches the decode inside the pair (SGLang's aux buffer) and the decode's stream begins with it:
+    the prefill's answer carries none and the router hands the decode none.
+    """
+
+class FirstTokenSource(_FirstTokenSource, metaclass=_FirstTokenSourceEnumTypeWrapper):
+    """FirstTokenSource names where a P/D request's first token comes from."""
+
+FIRST_TOKEN_SOURCE_UNSPECIFIED: FirstTokenSource.ValueType  # 0
+"""Not said: a peer or router of xavier.v1.0. The peer's KvLayout.handoff tells (see
+KvLayout.first_token_source).
+"""
+FIRST_TOKEN_SOURCE_PREFILL: FirstTokenSource.ValueType  # 1
+"""The prefill samples it and answers with it (PrefillResponse.first_token); the router hands it to the
+decode (DecodeRequest.first_token), whose stream continues after it.
+"""
+FIRST_TOKEN_SOURCE_DECODE: FirstTokenSource.ValueType  # 2
+"""It reaches the decode inside the pair (SGLang's aux buffer) and the decode's stream begins with it:
+the prefill's answer carries none and the router hands the decode none.
+"""
+Global___FirstTokenSource: _TypeAlias = FirstTokenSource  # noqa: Y015
+
 class _EngineFeature:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -259,6 +295,7 @@ class KvLayout(_message.Message):
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
     HANDOFF_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_SOURCE_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     """The engine's name, for example "reference" or "sglang"; required."""
     engine_version: _builtins.str
@@ -288,6 +325,12 @@ class KvLayout(_message.Message):
     fingerprint. The router uses a pair's own handoff only when both peers list HANDOFF_PROTOCOL_PAIR,
     and directory rooms otherwise.
     """
+    first_token_source: Global___FirstTokenSource.ValueType
+    """Where a P/D request's first token comes from on this peer (a prefill: whether its answer carries it;
+    a decode: whether it needs it handed over); informational and not part of the fingerprint. Unset on a
+    peer of xavier.v1.0, whose handoff tells: from the decode for HANDOFF_PROTOCOL_CONCURRENT, from the
+    prefill otherwise.
+    """
     @_builtins.property
     def features(self) -> _containers.RepeatedScalarFieldContainer[Global___EngineFeature.ValueType]:
         """What the peer's engine honours beyond the base sampling parameters; informational and not part of
@@ -311,10 +354,11 @@ class KvLayout(_message.Message):
         model_name: _builtins.str = ...,
         features: _abc.Iterable[Global___EngineFeature.ValueType] | None = ...,
         handoff: Global___HandoffProtocol.ValueType = ...,
+        first_token_source: Global___FirstTokenSource.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_fingerprint", b"config_fingerprint", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "features", b"features", "handoff", b"handoff", "head_dim", b"head_dim", "memory_layout", b"memory_layout", "model_name", b"model_name", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "page_size", b"page_size", "tokenizer_fingerprint", b"tokenizer_fingerprint", "weights_fingerprint", b"weights_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_fingerprint", b"config_fingerprint", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "features", b"features", "first_token_source", b"first_token_source", "handoff", b"handoff", "head_dim", b"head_dim", "memory_layout", b"memory_layout", "model_name", b"model_name", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "page_size", b"page_size", "tokenizer_fingerprint", b"tokenizer_fingerprint", "weights_fingerprint", b"weights_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
