@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from xavier.v1 import types_pb2
 
-__all__ = ["PAIR_FEATURES", "UNIFIED_FEATURES", "features_for"]
+__all__ = ["PAIR_FEATURES", "UNIFIED_FEATURES", "declare", "features_for"]
 
 PAIR_FEATURES: tuple[types_pb2.EngineFeature.ValueType, ...] = (
     types_pb2.ENGINE_FEATURE_STRUCTURED_OUTPUT,
@@ -41,3 +41,14 @@ UNIFIED_FEATURES: tuple[types_pb2.EngineFeature.ValueType, ...] = (
 def features_for(role: types_pb2.Role.ValueType) -> tuple[types_pb2.EngineFeature.ValueType, ...]:
     """The features an SGLang peer of `role` declares."""
     return UNIFIED_FEATURES if role == types_pb2.ROLE_UNIFIED else PAIR_FEATURES
+
+
+def declare(layout: types_pb2.KvLayout, role: types_pb2.Role.ValueType) -> types_pb2.KvLayout:
+    """`layout` with what an SGLang peer of `role` declares: its features and, for a P/D role, how it
+    hands off (the prefill and decode are called at once: SGLang's own bootstrap pairs them) and where
+    the first token comes from (the decode streams it). Returns `layout`, changed in place."""
+    layout.features.extend(features_for(role))
+    if role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE):
+        layout.handoff = types_pb2.HANDOFF_PROTOCOL_CONCURRENT
+        layout.first_token_source = types_pb2.FIRST_TOKEN_SOURCE_DECODE
+    return layout

@@ -51,7 +51,7 @@ from xavier_core.transfer.port.transport import IpcPeers, export_blob, is_vram
 
 from . import wire
 from .config import PoolShape, XavierSettings
-from .features import features_for
+from .features import declare
 from .loop import LoopThread
 from .push import IpcNotifier, IpcWrite, Write
 
@@ -418,10 +418,9 @@ class Hub:
             peer_id=self.settings.peer_id,
             role=self.role,
             address=self.settings.advertise,
-            layout=self.layout.to_proto(),
+            layout=declare(self.layout.to_proto(), self.role),
             endpoint=endpoint,
         )
-        request.layout.features.extend(features_for(self.role))
         self.session = PeerSession(self.client, request)
         registration = await self.session.start()
         self._tasks = [

@@ -11,7 +11,7 @@ import pytest
 from xavier.v1 import types_pb2
 from xavier_services.router.request import Prepared, needed_features, require_features
 from xavier_services.sglang_host.protocol import Deltas, generate_body, sampling_params
-from xavier_sglang.features import PAIR_FEATURES, UNIFIED_FEATURES, features_for
+from xavier_sglang.features import PAIR_FEATURES, UNIFIED_FEATURES, declare, features_for
 
 from xavier_core.runtime.errors import InvalidArgument
 
@@ -84,6 +84,20 @@ def test_deltas_cut_cumulative_alternatives_and_give_the_prompt_once() -> None:
     two = deltas.next(_event([7, 5], {**prompt, "output_top_logprobs": tops}))
     assert two.token_ids == [5] and [list(t.token_ids) for t in two.top_logprobs] == [[]]
     assert two.prompt_logprobs is None
+
+
+def test_sglang_pair_peers_declare_their_handoff_and_first_token() -> None:
+    """The router reads how an SGLang pair hands off from the declaration, not the engine's name."""
+    for role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE):
+        layout = declare(types_pb2.KvLayout(engine="sglang"), role)
+        assert layout.handoff == types_pb2.HANDOFF_PROTOCOL_CONCURRENT
+        assert layout.first_token_source == types_pb2.FIRST_TOKEN_SOURCE_DECODE
+        assert tuple(layout.features) == PAIR_FEATURES
+    unified = declare(types_pb2.KvLayout(engine="sglang"), types_pb2.ROLE_UNIFIED)
+    assert (
+        unified.handoff == types_pb2.HANDOFF_PROTOCOL_UNSPECIFIED
+        and tuple(unified.features) == UNIFIED_FEATURES
+    )
 
 
 def test_sglang_peers_declare_what_the_body_maps_and_the_router_checks_it() -> None:

@@ -117,7 +117,7 @@ class Standin:
         from xavier.v1 import directory_service_pb2 as dpb
         from xavier.v1 import types_pb2
         from xavier_sglang.config import XavierSettings
-        from xavier_sglang.features import features_for
+        from xavier_sglang.features import declare
 
         from xavier_core.contract import layout_from_model_dir
         from xavier_core.directory import DirectoryClient, PeerSession
@@ -151,10 +151,9 @@ class Standin:
             peer_id=settings.peer_id,
             role=role,
             address=settings.advertise,
-            layout=layout.to_proto(),
+            layout=declare(layout.to_proto(), role),  # as the plugin's hub declares it
             endpoint=endpoint,
         )
-        request.layout.features.extend(features_for(role))  # as the plugin's hub declares them
         self.session = PeerSession(self.directory, request)
         await self.session.start()
 

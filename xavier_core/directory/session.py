@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 
 from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import error_reason_pb2 as er
 
 from xavier_core.runtime.errors import NotFound, XavierError
 from xavier_core.runtime.logging import get_logger
@@ -142,7 +143,7 @@ class PeerSession:
                 )
                 await self._try_register()
             except XavierError as err:
-                if err.reason == "STALE_EPOCH":
+                if err.is_reason(er.ERROR_REASON_STALE_EPOCH):
                     _log.error("peer id registered elsewhere", peer_id=reg.peer_id, epoch=reg.epoch)
                 else:
                     _log.debug("heartbeat failed", peer_id=reg.peer_id, reason=err.reason)

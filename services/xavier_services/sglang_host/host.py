@@ -25,7 +25,7 @@ from typing import Any
 
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
-from xavier_sglang.features import features_for
+from xavier_sglang.features import declare
 
 from xavier_core.contract import layout_from_model_dir
 from xavier_core.directory import DirectoryClient
@@ -188,12 +188,11 @@ class SglangHost:
             dtype=e.dtype or _model_dtype(e.model),
             page_size=e.page_size,
         )
-        declared = layout.to_proto()
-        declared.features.extend(features_for(self.role))
-        if self.role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE):
-            declared.handoff = types_pb2.HANDOFF_PROTOCOL_CONCURRENT  # see pd_concurrent in the router
         req = dpb.RegisterPeerRequest(
-            peer_id=self.peer_id, role=self.role, address=self.address, layout=declared
+            peer_id=self.peer_id,
+            role=self.role,
+            address=self.address,
+            layout=declare(layout.to_proto(), self.role),
         )
         await self.membership.join(req, self._load)
 
