@@ -78,9 +78,11 @@ async def _move_once(tok: TextTokenizer, declared: list[int]) -> tuple[list[Step
     prep = _prep(regex="[a-z]+", max_tokens=6)
     layout = types_pb2.KvLayout(features=declared)
     runs: list[Prepared] = []
+    avoided: list[frozenset[str]] = []
 
-    async def run(p: Prepared) -> AsyncIterator[Step]:
+    async def run(p: Prepared, avoid: frozenset[str]) -> AsyncIterator[Step]:
         runs.append(p)
+        avoided.append(avoid)
         require_features(p, layout, "decode")
         if len(runs) == 1:
             yield Step([70, 71], "")
@@ -88,6 +90,8 @@ async def _move_once(tok: TextTokenizer, declared: list[int]) -> tuple[list[Step
         yield Step([72, 73, 74, 75], "", finish=types_pb2.FINISH_REASON_LENGTH)
 
     steps = [s async for s in migrating(prep, run, 2, tok, [])]
+    # The move leaves out the peer the stream broke on (its epoch: a restart is another peer).
+    assert avoided == [frozenset(), frozenset({"decode-0@0"})][: len(avoided)]
     return steps, runs
 
 

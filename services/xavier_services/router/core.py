@@ -169,7 +169,7 @@ class Router:
         if mode in (rpb.ROUTING_MODE_PD, rpb.ROUTING_MODE_COLOCATED):
             flow = pd_flow if mode == rpb.ROUTING_MODE_PD else colocated_flow
             limit, tokenizer = self.config.migration_limit, self.encoder.tokenizer
-            return migrating(prep, lambda p: flow(p, self.env, trace), limit, tokenizer, moves)
+            return migrating(prep, lambda p, avoid: flow(p, self.env, trace, avoid), limit, tokenizer, moves)
         if self._session is None:
             self._session = aiohttp.ClientSession()
         return native_flow(prep, self.config.native, self._session, self.config.request_timeout_seconds)

@@ -184,9 +184,11 @@ async def failover(
     attempt: Callable[[frozenset[str]], AsyncIterator[Step]],
     env: FlowEnv,
     trace: Trace | None,
+    avoid: frozenset[str] = frozenset(),
 ) -> AsyncIterator[Step]:
-    """Runs `attempt(exclude)` until it ends without `PeerFailed`, leaving failed peers out each time."""
-    tried: set[str] = set()
+    """Runs `attempt(exclude)` until it ends without `PeerFailed`, leaving failed peers out each time
+    (and from the first, the peers of `avoid`: `health.peer_key`s a migrated request's streams broke on)."""
+    tried: set[str] = set(avoid)
     failure: PeerFailed | None = None
     for n in range(env.failover_attempts):
         try:
@@ -219,9 +221,12 @@ async def failover(
     raise _exhausted(failure, len(tried))
 
 
-def colocated_flow(prep: Prepared, env: FlowEnv, trace: Trace | None = None) -> AsyncIterator[Step]:
-    """Serves the whole request on the least-loaded healthy unified replica (with failover)."""
-    return failover(lambda exclude: _colocated_attempt(prep, env, exclude, trace), env, trace)
+def colocated_flow(
+    prep: Prepared, env: FlowEnv, trace: Trace | None = None, avoid: frozenset[str] = frozenset()
+) -> AsyncIterator[Step]:
+    """Serves the whole request on the least-loaded healthy unified replica (with failover), leaving
+    the replicas of `avoid` out."""
+    return failover(lambda exclude: _colocated_attempt(prep, env, exclude, trace), env, trace, avoid)
 
 
 async def pick(env: FlowEnv, exclude: frozenset[str], pick: Callable[[], Awaitable[T]]) -> T:

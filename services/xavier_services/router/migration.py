@@ -46,6 +46,7 @@ from xavier_core.runtime import Unavailable, XavierError, get_logger, wire_reaso
 from xavier_core.sampling import advance_seed
 from xavier_core.text.tokenizer import TextTokenizer
 from xavier_services.router.flows import Step, StreamBroken
+from xavier_services.router.health import peer_key
 from xavier_services.router.request import Prepared
 from xavier_services.router.seam_text import SeamText
 
@@ -111,20 +112,22 @@ def _refused(move: Migration, detail: str, *, reason: str, **metadata: object) -
 
 async def migrating(
     prep: Prepared,
-    run: Callable[[Prepared], AsyncIterator[Step]],
+    run: Callable[[Prepared, frozenset[str]], AsyncIterator[Step]],
     limit: int,
     tokenizer: TextTokenizer,
     moves: list[Migration],
 ) -> AsyncIterator[Step]:
-    """The steps of `run(prep)`, resumed by `run(resumed(...))` after each broken stream (at most
-    `limit` times); each move is appended to `moves`."""
+    """The steps of `run(prep, avoid)`, resumed by `run(resumed(...), avoid)` after each broken stream
+    (at most `limit` times), `avoid` holding every peer a stream broke on (a new epoch of it is another
+    peer); each move is appended to `moves`."""
     sent: list[int] = []
     seam: SeamText | None = None
     current = prep
+    broke_on: set[str] = set()
     while True:
         fresh = True  # nothing of this attempt reached the client yet
         try:
-            async with aclosing(run(current)) as steps:  # type: ignore[type-var]
+            async with aclosing(run(current, frozenset(broke_on))) as steps:  # type: ignore[type-var]
                 async for step in steps:
                     if seam is not None:
                         if fresh:
@@ -144,6 +147,7 @@ async def migrating(
                 detail = f"already moved {len(moves)} times (router.migration_limit)"
                 raise _refused(move, detail, reason="MIGRATION_LIMIT", migrations=len(moves)) from None
             moves.append(move)
+            broke_on.add(peer_key(broken.peer))
             _log.info(
                 "migrating request",
                 request_id=prep.request_id,

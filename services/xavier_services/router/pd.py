@@ -60,16 +60,18 @@ _RELEASE_TIMEOUT_S = 5.0
 """Deadline of a ReleaseSource (best effort: the prefill's lease bounds the pin without it)."""
 
 
-def pd_flow(prep: Prepared, env: FlowEnv, trace: Trace | None = None) -> AsyncIterator[Step]:
+def pd_flow(
+    prep: Prepared, env: FlowEnv, trace: Trace | None = None, avoid: frozenset[str] = frozenset()
+) -> AsyncIterator[Step]:
     """Prefill, then decode from the prefill's first token, failing over to another pair until the
-    decode has streamed a token."""
+    decode has streamed a token; the peers of `avoid` are left out from the first pick."""
     key = affinity_key(prep.token_ids, prep.cache_salt, env.affinity_tokens)
     sent: list[FirstToken] = []
 
     def attempt(exclude: frozenset[str]) -> AsyncIterator[Step]:
         return _pd_attempt(prep, env, key, exclude, sent, trace)
 
-    return failover(attempt, env, trace)
+    return failover(attempt, env, trace, avoid)
 
 
 async def _pd_attempt(
