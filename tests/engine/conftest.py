@@ -44,6 +44,17 @@ async def collect(stream: AsyncIterator[TokenEvent]) -> list[TokenEvent]:
     return [event async for event in stream]
 
 
+async def pd_events(
+    prefill: ReferenceEngine, decode: ReferenceEngine, rid: str, prompt: list[int], s: Sampling
+) -> list[TokenEvent]:
+    """A prefill on `prefill` continued by a decode on `decode`: the prompt's pages copied across, the
+    prefill's released, the decode's events."""
+    res = await prefill.prefill(rid, prompt, s)
+    decode.write_pages(decode.reserve_pages(rid, len(prompt)), prefill.read_pages(res.page_ids))
+    prefill.release_pages(rid)
+    return await collect(decode.decode_from_pages(rid, prompt, res.first_token, res.first_logprob, s))
+
+
 async def greedy_tokens(
     engine: ReferenceEngine, prompt: list[int], n: int = 32, rid: str = "r", salt: str = ""
 ) -> list[int]:

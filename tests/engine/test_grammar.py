@@ -15,7 +15,7 @@ from xavier_core.engine.api import FinishReason, InvalidRequestError, Sampling, 
 from xavier_core.engine.reference import ReferenceEngine
 from xavier_core.grammar import GrammarError, GrammarKind, GrammarSpec
 
-from .conftest import collect, greedy_tokens, prompt_of
+from .conftest import collect, greedy_tokens, pd_events, prompt_of
 
 Factory = Callable[..., ReferenceEngine]
 _SCHEMA = {
@@ -79,13 +79,7 @@ async def test_decode_continues_the_prefills_grammar(engine_factory: Factory) ->
     spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(_SCHEMA))
     sampling = Sampling(max_tokens=200, grammar=spec)
     whole = await collect(prefill.generate("whole", prompt, sampling))
-    res = await prefill.prefill("req", prompt, sampling)
-    dst = decode.reserve_pages("req", len(prompt))
-    decode.write_pages(dst, prefill.read_pages(res.page_ids))
-    prefill.release_pages("req")
-    events = await collect(
-        decode.decode_from_pages("req", prompt, res.first_token, res.first_logprob, sampling)
-    )
+    events = await pd_events(prefill, decode, "req", prompt, sampling)
     assert [e.token_id for e in events] == [e.token_id for e in whole]  # greedy P/D equals colocated
     _checks_schema(json.loads(_text(events)))
     assert decode.stats().pages_pinned == 0

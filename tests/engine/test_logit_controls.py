@@ -18,7 +18,7 @@ from xavier_core.engine.reference import ReferenceEngine
 from xavier_core.grammar import GrammarKind, GrammarSpec
 from xavier_core.sampling import SamplingError
 
-from .conftest import collect, prompt_of
+from .conftest import collect, pd_events, prompt_of
 
 transformers = pytest.importorskip("transformers")
 Factory = Callable[..., ReferenceEngine]
@@ -30,12 +30,7 @@ async def _run(engine: ReferenceEngine, prompt: list[int], s: Sampling, rid: str
 
 async def _pd(prefill: ReferenceEngine, decode: ReferenceEngine, prompt: list[int], s: Sampling) -> list[int]:
     """The tokens of a prefill on one engine continued by a decode on the other."""
-    res = await prefill.prefill("pd", prompt, s)
-    dst = decode.reserve_pages("pd", len(prompt))
-    decode.write_pages(dst, prefill.read_pages(res.page_ids))
-    prefill.release_pages("pd")
-    events = await collect(decode.decode_from_pages("pd", prompt, res.first_token, res.first_logprob, s))
-    return [e.token_id for e in events]
+    return [e.token_id for e in await pd_events(prefill, decode, "pd", prompt, s)]
 
 
 def _by_hand(path: Path, prompt: list[int], steps: int, s: Sampling) -> list[int]:

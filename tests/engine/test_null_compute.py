@@ -18,7 +18,7 @@ from xavier_core.engine.null_model import null_next_token
 from xavier_core.engine.reference import ReferenceEngine
 from xavier_core.runtime.config import ConfigError, load_config
 
-from .conftest import collect, greedy_tokens, prompt_of
+from .conftest import collect, greedy_tokens, pd_events, prompt_of
 
 Factory = Callable[..., ReferenceEngine]
 
@@ -90,11 +90,7 @@ async def test_null_prefill_then_decode_from_pages(engine_factory: Factory) -> N
     d = engine_factory("qwen2", compute="null")
     prompt = prompt_of(p, 40)
     sampling = Sampling(max_tokens=12, ignore_eos=True)
-    res = await p.prefill("req", prompt, sampling)
-    dst = d.reserve_pages("req", len(prompt))
-    d.write_pages(dst, p.read_pages(res.page_ids))
-    p.release_pages("req")
-    events = await collect(d.decode_from_pages("req", prompt, res.first_token, res.first_logprob, sampling))
+    events = await pd_events(p, d, "req", prompt, sampling)
     assert [e.token_id for e in events] == _rule_chain(prompt[-1], 12, d.config.vocab_size)
     assert events[-1].finish is FinishReason.LENGTH
 

@@ -10,7 +10,7 @@ import pytest
 from xavier_core.engine.api import FinishReason, InvalidRequestError, RequestNotFoundError, Sampling
 from xavier_core.engine.reference import ReferenceEngine
 
-from .conftest import ARCHS, collect, greedy_tokens, prompt_of
+from .conftest import ARCHS, collect, greedy_tokens, pd_events, prompt_of
 
 Factory = Callable[..., ReferenceEngine]
 
@@ -58,13 +58,7 @@ async def test_seeded_prefill_then_decode_equals_seeded_generate(engine_factory:
     prompt = prompt_of(prefill_engine, 30)
     hot = Sampling(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
     expected = [e.token_id for e in await collect(prefill_engine.generate("ref", prompt, hot))]
-    res = await prefill_engine.prefill("req", prompt, hot)
-    dst = decode_engine.reserve_pages("req", len(prompt))
-    decode_engine.write_pages(dst, prefill_engine.read_pages(res.page_ids))
-    prefill_engine.release_pages("req")
-    events = await collect(
-        decode_engine.decode_from_pages("req", prompt, res.first_token, res.first_logprob, hot)
-    )
+    events = await pd_events(prefill_engine, decode_engine, "req", prompt, hot)
     assert [e.token_id for e in events] == expected
 
 

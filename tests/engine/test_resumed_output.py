@@ -22,7 +22,7 @@ from xavier_core.engine.reference import ReferenceEngine
 from xavier_core.grammar import GrammarKind, GrammarSpec
 from xavier_core.runtime.domain_errors import engine_status
 
-from .conftest import collect, prompt_of
+from .conftest import collect, pd_events, prompt_of
 from .test_grammar import _SCHEMA, _checks_schema
 
 Factory = Callable[..., ReferenceEngine]
@@ -31,14 +31,6 @@ SEAMS = (1, 4, 11)
 
 async def _tokens(engine: ReferenceEngine, rid: str, prompt: list[int], s: Sampling) -> list[int]:
     return [e.token_id for e in await collect(engine.generate(rid, prompt, s))]
-
-
-async def _pd(prefill: ReferenceEngine, decode: ReferenceEngine, rid: str, prompt: list[int], s: Sampling):
-    """The events of a prefill on one engine continued by a decode on the other."""
-    res = await prefill.prefill(rid, prompt, s)
-    decode.write_pages(decode.reserve_pages(rid, len(prompt)), prefill.read_pages(res.page_ids))
-    prefill.release_pages(rid)
-    return await collect(decode.decode_from_pages(rid, prompt, res.first_token, res.first_logprob, s))
 
 
 def _resumed(s: Sampling, k: int) -> Sampling:
@@ -62,7 +54,7 @@ async def test_penalties_count_the_resumed_output(sampling: Sampling, engine_fac
     for k in SEAMS:
         later = _resumed(sampling, k)
         assert await _tokens(engine, f"g{k}", prompt + whole[:k], later) == whole[k:], k
-        over_pd = await _pd(engine, decode, f"pd{k}", prompt + whole[:k], later)
+        over_pd = await pd_events(engine, decode, f"pd{k}", prompt + whole[:k], later)
         assert [e.token_id for e in over_pd] == whole[k:], k
         # Without the field the tokens sent are plain prompt: the penalties forget them.
         blind = dataclasses.replace(later, resumed_output_tokens=0)
@@ -84,7 +76,7 @@ async def test_a_grammar_continues_over_the_resumed_output(engine_factory: Facto
         later = _resumed(sampling, k)
         for events in (
             await collect(engine.generate(f"g{k}", prompt + ids[:k], later)),
-            await _pd(engine, decode, f"pd{k}", prompt + ids[:k], later),
+            await pd_events(engine, decode, f"pd{k}", prompt + ids[:k], later),
         ):
             assert [e.token_id for e in events] == ids[k:], k
             assert events[-1].finish is FinishReason.STOP
