@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,31 @@ class Mesh:
         for ready in self.workdir.glob("*.ready"):
             pids[ready.stem] = int(json.loads(ready.read_text())["pid"])
         return pids
+
+    def metrics_page(self, name: str) -> str:
+        """The Prometheus page of the child `name` (its ready file's metrics address)."""
+        address = json.loads((self.workdir / f"{name}.ready").read_text())["metrics"]
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+            return str(resp.read().decode())
+
+    def wait_idle(self, timeout: float = 20.0) -> None:
+        """Waits until every service reports zero live rooms, pinned pages and running requests."""
+        from xavier_client import Client
+
+        deadline = time.monotonic() + timeout
+        with Client(self.grpc) as client:
+            while True:
+                st = client.cluster_status()
+                busy = [
+                    (p.peer_id, p.rooms_active, p.engine.pages_pinned, p.engine.running)
+                    for p in st.peers
+                    if not p.error and (p.rooms_active or p.engine.pages_pinned or p.engine.running)
+                ]
+                if not busy and st.HasField("rooms") and st.rooms.active == 0 and st.requests_active == 0:
+                    return
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"still busy: {busy}, rooms {st.rooms}")
+                time.sleep(0.1)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:

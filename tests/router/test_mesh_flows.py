@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import httpx
@@ -16,26 +13,9 @@ import pytest
 from xavier_client import AsyncClient, Client, InvalidArgumentError
 
 from tests.cli.mesh import Mesh
+from tests.faults.conftest import metric_values
 
 pytestmark = pytest.mark.integration
-
-
-def _idle(mesh: Mesh, timeout: float = 20.0) -> None:
-    """Waits until every service reports zero live rooms, pinned pages and running requests."""
-    deadline = time.monotonic() + timeout
-    with Client(mesh.grpc) as client:
-        while True:
-            st = client.cluster_status()
-            busy = [
-                (p.peer_id, p.rooms_active, p.engine.pages_pinned, p.engine.running)
-                for p in st.peers
-                if not p.error and (p.rooms_active or p.engine.pages_pinned or p.engine.running)
-            ]
-            if not busy and st.HasField("rooms") and st.rooms.active == 0 and st.requests_active == 0:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"still busy: {busy}, rooms {st.rooms}")
-            time.sleep(0.1)
 
 
 def test_greedy_pd_equals_colocated(mesh: Mesh) -> None:
@@ -47,19 +27,17 @@ def test_greedy_pd_equals_colocated(mesh: Mesh) -> None:
             assert pd.token_ids == co.token_ids
             assert pd.text == co.text
             assert pd.completion_tokens == 12 and pd.finish_reason == "length"
-    _idle(mesh)
+    mesh.wait_idle()
 
 
 def _release_sources(mesh: Mesh) -> float:
     """ReleaseSource calls the prefills have served (`xavier_rpc_total`, every status code)."""
-    total = 0.0
-    for ready in mesh.workdir.glob("prefill-*.ready"):
-        address = json.loads(ready.read_text())["metrics"]
-        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith("xavier_rpc_total{") and 'method="ReleaseSource"' in line:
-                    total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(
+        value
+        for ready in mesh.workdir.glob("prefill-*.ready")
+        for labels, value in metric_values(mesh.metrics_page(ready.stem), "xavier_rpc_total{").items()
+        if 'method="ReleaseSource"' in labels
+    )
 
 
 def test_a_finished_request_releases_nothing_a_cancelled_one_does(mesh: Mesh) -> None:
@@ -75,7 +53,7 @@ def test_a_finished_request_releases_nothing_a_cancelled_one_does(mesh: Mesh) ->
         for n, _ in enumerate(stream):
             if n == 2:
                 stream.cancel()
-    _idle(mesh)
+    mesh.wait_idle()
     assert _release_sources(mesh) == before + 1
 
 
@@ -93,7 +71,7 @@ def test_first_token_only_request(mesh: Mesh) -> None:
             pd = client.generate("Hello", mode="pd", **kw)
             co = client.generate("Hello", mode="colocated", **kw)
             assert pd.token_ids == co.token_ids and pd.text == co.text
-    _idle(mesh)
+    mesh.wait_idle()
 
 
 async def test_32_concurrent_clients(mesh: Mesh) -> None:
@@ -107,7 +85,7 @@ async def test_32_concurrent_clients(mesh: Mesh) -> None:
         )
     assert all(r.completion_tokens == 6 for r in results)
     assert {r.mode for r in results} == {"pd", "colocated"}
-    _idle(mesh)
+    mesh.wait_idle()
 
 
 @pytest.mark.parametrize("mode", ["pd", "colocated"])
@@ -122,7 +100,7 @@ def test_abort_mid_stream(mesh: Mesh, mode: str) -> None:
         assert chunks[-1].finish_reason == "abort"
         assert sum(len(c.token_ids) for c in chunks) < 400
         assert not client.abort(stream.request_id)
-    _idle(mesh)
+    mesh.wait_idle()
 
 
 @pytest.mark.parametrize("mode", ["pd", "colocated"])
@@ -132,7 +110,7 @@ def test_client_cancel_mid_stream(mesh: Mesh, mode: str) -> None:
         for n, _ in enumerate(stream):
             if n == 2:
                 stream.cancel()
-    _idle(mesh)
+    mesh.wait_idle()
 
 
 def test_http_disconnect_mid_stream(mesh: Mesh) -> None:
@@ -150,7 +128,7 @@ def test_http_disconnect_mid_stream(mesh: Mesh) -> None:
         for n, _ in enumerate(r.iter_lines()):
             if n == 4:
                 break
-    _idle(mesh)
+    mesh.wait_idle()
 
 
 def test_bad_requests_over_grpc(mesh: Mesh) -> None:
@@ -169,7 +147,7 @@ def test_bad_requests_over_grpc(mesh: Mesh) -> None:
             with pytest.raises(InvalidArgumentError) as info:
                 client.generate(prompt, **kw)  # type: ignore[arg-type]
             assert info.value.reason == reason, (kw, info.value)
-    _idle(mesh)
+    mesh.wait_idle()
 
 
 _BUF = shutil.which("buf") or str(Path(sys.executable).parent / "buf")

@@ -6,6 +6,7 @@ recipe); each module skips with the reason when it cannot be imported. The defau
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.mesh import Mesh, start_up
 from tests.support.procs import ServiceProc, start_service
 
 DIRECTORY_ENV = {
@@ -58,6 +60,22 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The GPU modules' checkpoint: a tiny random FP16 Qwen2 with a tokenizer (4 layers, hidden 256)."""
+    from xavier_core.engine.tiny import make_tiny
+
+    return make_tiny(
+        tmp_path_factory.mktemp("m") / "tiny",
+        "qwen2",
+        layers=4,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        dtype="float16",
+    )
+
+
 def sglang_args(mem_fraction: float = 0.3) -> list[str]:
     """The GPU modules' SGLang flags: Triton attention, the PyTorch sampler, `mem_fraction` of the GPU
     for each server's weights and KV pool (servers that share a GPU take less each)."""
@@ -65,6 +83,18 @@ def sglang_args(mem_fraction: float = 0.3) -> list[str]:
         "--attention-backend", "triton", "--sampling-backend", "pytorch",
         "--mem-fraction-static", str(mem_fraction), "--cuda-graph-max-bs", "16", "--log-level", "warning",
     ]  # fmt: skip
+
+
+def start_sglang(
+    tmp: Path, model: Path, mode: str, *flags: str, mem_fraction: float = 0.3, timeout: float = 900
+) -> Mesh:
+    """`xavier up --engine sglang --mode <mode>` on `model` (no page store) with the GPU modules' SGLang
+    flags; `flags` are more of `xavier up`'s (replicas, --gpus)."""
+    command = json.dumps([sys.executable, "-m", "sglang.launch_server"])
+    args = ["--engine", "sglang", "--model", str(model), "--mode", mode, "--no-pagestore",
+            "--sglang-command", command, *flags,
+            *(f"--sglang-arg={a}" for a in sglang_args(mem_fraction))]  # fmt: skip
+    return start_up(tmp, tmp / "cache", *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,6 @@ import json
 import os
 import random
 import signal
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,11 +40,11 @@ pytest.importorskip(
 )
 
 from xavier.v1 import types_pb2  # noqa: E402
-from xavier_client import Client  # noqa: E402
 
-from tests.cli.mesh import Mesh, start_up  # noqa: E402
+from tests.cli.mesh import Mesh  # noqa: E402
+from tests.faults.conftest import metric_values  # noqa: E402
 from tests.faults.migration_mesh import Streamed, moves_in, prompt_ids, request, stream  # noqa: E402
-from tests.sglang.conftest import sglang_args  # noqa: E402
+from tests.sglang.conftest import start_sglang  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gpu, pytest.mark.slow]
 
@@ -57,28 +54,22 @@ NEAR_TIE = 0.05  # nats: two runs' top choices this close are a tie that roundin
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from xavier_core.engine.tiny import make_tiny
-
-    return make_tiny(
-        tmp_path_factory.mktemp("m") / "tiny",
-        "qwen2",
-        layers=4,
-        hidden=256,
-        heads=4,
-        kv_heads=2,
-        dtype="float16",
-    )
-
-
-@pytest.fixture(scope="module")
-def mesh(model: Path, sglang_env: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh(gpu_model: Path, sglang_env: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     tmp = tmp_path_factory.mktemp("migration")
-    command = json.dumps([sys.executable, "-m", "sglang.launch_server"])
-    args = ["--engine", "sglang", "--model", str(model), "--mode", "pd", "--prefill", "1", "--decode", "2",
-            "--no-pagestore", "--gpus", GPUS, "--sglang-command", command,
-            *(f"--sglang-arg={a}" for a in sglang_args(0.2))]  # fmt: skip
-    m = start_up(tmp, tmp / "cache", *args, timeout=1200)
+    # Three SGLang servers share the GPU: each takes a smaller share of its memory.
+    m = start_sglang(
+        tmp,
+        gpu_model,
+        "pd",
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--gpus",
+        GPUS,
+        mem_fraction=0.2,
+        timeout=1200,
+    )
     try:
         yield m
     finally:
@@ -105,29 +96,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _output_tokens(mesh: Mesh) -> float:
-    address = json.loads((mesh.workdir / "router.ready").read_text())["metrics"]
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
-        lines = resp.read().decode().splitlines()
-    return sum(
-        float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("xavier_router_output_tokens_total")
-    )
-
-
-def _idle(mesh: Mesh, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    with Client(mesh.grpc) as client:
-        while True:
-            st = client.cluster_status()
-            busy = [
-                (p.peer_id, p.rooms_active, p.engine.pages_pinned, p.engine.running)
-                for p in st.peers
-                if not p.error and (p.rooms_active or p.engine.pages_pinned or p.engine.running)
-            ]
-            if not busy and st.requests_active == 0:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"still busy: {busy}")
-            time.sleep(0.2)
+    return sum(metric_values(mesh.metrics_page("router"), "xavier_router_output_tokens_total").values())
 
 
 async def _fresh(mesh: Mesh, ids: list[int], max_tokens: int) -> Streamed:
@@ -205,4 +174,4 @@ async def test_kill_an_sglang_decode_under_16_streams_loses_no_token(mesh: Mesh)
         f"seam ms {seams_ms}; "
         f"cached/new prompt tokens {[(m.cached, m.prompt) for m in every]}"
     )
-    _idle(mesh)
+    mesh.wait_idle(60.0)

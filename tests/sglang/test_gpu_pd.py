@@ -26,9 +26,7 @@ then names the prompt).
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -45,8 +43,8 @@ pytest.importorskip(
 
 from xavier_client import Client  # noqa: E402
 
-from tests.cli.mesh import Mesh, start_up  # noqa: E402
-from tests.sglang.conftest import sglang_args  # noqa: E402
+from tests.cli.mesh import Mesh  # noqa: E402
+from tests.sglang.conftest import start_sglang  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gpu, pytest.mark.slow]
 
@@ -54,26 +52,8 @@ PROMPTS = [[(7 * i + j) % 500 + 10 for j in range(n)] for i, n in enumerate((5, 
 MAX_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from xavier_core.engine.tiny import make_tiny
-
-    return make_tiny(
-        tmp_path_factory.mktemp("m") / "tiny",
-        "qwen2",
-        layers=4,
-        hidden=256,
-        heads=4,
-        kv_heads=2,
-        dtype="float16",
-    )
-
-
 def _run(model: Path, tmp: Path, mode: str, *flags: str) -> list[list[int]]:
-    command = json.dumps([sys.executable, "-m", "sglang.launch_server"])
-    args = ["--engine", "sglang", "--model", str(model), "--mode", mode, "--no-pagestore",
-            "--sglang-command", command, *flags, *(f"--sglang-arg={a}" for a in sglang_args())]  # fmt: skip
-    mesh: Mesh = start_up(tmp, tmp / "cache", *args, timeout=900)
+    mesh: Mesh = start_sglang(tmp, model, mode, *flags)
     try:
         with Client(mesh.grpc, timeout=300) as client:
             outs = []
@@ -86,21 +66,21 @@ def _run(model: Path, tmp: Path, mode: str, *flags: str) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def native(model: Path, sglang_env: None, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
-    return _run(model, tmp_path_factory.mktemp("native"), "native", "--gpus", PD_GPUS)
+def native(gpu_model: Path, sglang_env: None, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    return _run(gpu_model, tmp_path_factory.mktemp("native"), "native", "--gpus", PD_GPUS)
 
 
 def test_xavier_pd_matches_native_nixl(
-    model: Path, native: list[list[int]], sglang_env: None, tmp_path_factory: pytest.TempPathFactory
+    gpu_model: Path, native: list[list[int]], sglang_env: None, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    got = _run(model, tmp_path_factory.mktemp("pd"), "pd", "--gpus", PD_GPUS)
+    got = _run(gpu_model, tmp_path_factory.mktemp("pd"), "pd", "--gpus", PD_GPUS)
     assert all(len(o) == MAX_TOKENS for o in got)
     assert got == native
 
 
 def test_colocated_matches_native_nixl(
-    model: Path, native: list[list[int]], sglang_env: None, tmp_path_factory: pytest.TempPathFactory
+    gpu_model: Path, native: list[list[int]], sglang_env: None, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    got = _run(model, tmp_path_factory.mktemp("colocated"), "colocated", "--unified", "1", "--gpus", "0")
+    got = _run(gpu_model, tmp_path_factory.mktemp("colocated"), "colocated", "--unified", "1", "--gpus", "0")
     for ids, a, b in zip(PROMPTS, got, native, strict=True):
         assert a == b, f"prompt of {len(ids)} tokens: colocated {a} vs native {b}"

@@ -18,20 +18,19 @@ Skipped unless `XAVIER_TEST_SGLANG=1`, a CUDA device and sglang importable; run 
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from xavier_client import Client, InvalidArgumentError
 
-from tests.cli.mesh import Mesh, start_up
+from tests.cli.mesh import Mesh
 
 # The GPU tests' gate (opt-in XAVIER_TEST_SGLANG=1, a CUDA device, sglang importable) is
 # test_gpu_pd's: importing it skips this module with the same reason.
-# Its model fixture too (a tiny FP16 Qwen2); the plugin's PYTHONPATH is conftest's `sglang_env`.
-from tests.sglang.conftest import sglang_args
-from tests.sglang.test_gpu_pd import PD_GPUS, model  # noqa: F401
+# The model (`gpu_model`) and the plugin's PYTHONPATH (`sglang_env`) are conftest's.
+from tests.sglang.conftest import start_sglang
+from tests.sglang.test_gpu_pd import PD_GPUS
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gpu, pytest.mark.slow]
 
@@ -51,24 +50,21 @@ def _eos(checkpoint: Path) -> int:
 @pytest.fixture(scope="module", params=["pd", "colocated"])
 def mesh(
     request: pytest.FixtureRequest,
-    model: Path,  # noqa: F811
+    gpu_model: Path,
     sglang_env: None,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, Mesh]]:
     mode = str(request.param)
     flags = ["--gpus", PD_GPUS] if mode == "pd" else ["--unified", "1", "--gpus", "0"]
     tmp = tmp_path_factory.mktemp(mode)
-    command = json.dumps([sys.executable, "-m", "sglang.launch_server"])
-    args = ["--engine", "sglang", "--model", str(model), "--mode", mode, "--no-pagestore",
-            "--sglang-command", command, *flags, *(f"--sglang-arg={a}" for a in sglang_args())]  # fmt: skip
-    up = start_up(tmp, tmp / "cache", *args, timeout=900)
+    up = start_sglang(tmp, gpu_model, mode, *flags)
     yield mode, up
     assert up.stop(timeout=120) == 0
 
 
-def test_logit_bias_and_min_tokens(mesh: tuple[str, Mesh], model: Path) -> None:  # noqa: F811
+def test_logit_bias_and_min_tokens(mesh: tuple[str, Mesh], gpu_model: Path) -> None:
     mode, up = mesh
-    eos = _eos(model)
+    eos = _eos(gpu_model)
     with Client(up.grpc, timeout=300) as client:
         ended = client.generate(PROMPT, max_tokens=16, mode=mode, logit_bias={eos: 100.0})
         assert ended.token_ids == [eos] and ended.finish_reason == "stop"
