@@ -25,7 +25,6 @@ import asyncio
 import itertools
 import json
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from sglang_pd import _events, make_model, pct, stop
+from sglang_pd import SGLANG_LAUNCHER, _events, launch_up, make_model, pct, stop
 
 SETUPS = {
     "pd": ["--mode", "pd", "--prefill", "1", "--decode", "1"],
@@ -49,36 +48,21 @@ SGLANG_ARGS = [
 
 def start(setup: str, args: argparse.Namespace, work: Path) -> tuple[subprocess.Popen[bytes], str]:
     """`xavier up` for `setup`; returns its process and HTTP base URL."""
-    updir = work / setup
-    shutil.rmtree(updir, ignore_errors=True)
-    updir.mkdir(parents=True)
-    ready = updir / "up.json"
     engine = ["--engine", args.engine]
     if args.engine == "sglang":
-        launcher = json.dumps([sys.executable, "-m", "sglang.launch_server"])
-        engine += ["--gpus", args.gpus, "--sglang-command", launcher,
+        engine += ["--gpus", args.gpus, "--sglang-command", SGLANG_LAUNCHER,
                    *(f"--sglang-arg={a}" for a in SGLANG_ARGS + args.sglang_arg)]  # fmt: skip
     elif args.device:
         engine += ["--device", args.device]
-    cmd = [sys.executable, "-m", "xavier_cli", "up", "--insecure", "--model", str(args.model),
-           "--no-pagestore", "--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0",
-           "--workdir", str(updir / "svc"), "--ready-file", str(ready), "--timeout", "900",
-           *SETUPS[setup], *engine]  # fmt: skip
-    log = updir / "up.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 1200
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop(proc)
-            raise RuntimeError(f"xavier up ({setup}) failed:\n{log.read_text(errors='replace')[-6000:]}")
-        time.sleep(0.5)
-    return proc, "http://" + json.loads(ready.read_text())["http"]
+    flags = ["--insecure", "--model", str(args.model), "--no-pagestore", *SETUPS[setup], *engine]
+    proc, ready = launch_up(work / setup, flags, timeout=1200)
+    return proc, "http://" + ready["http"]
 
 
 def arrivals(rate: float, duration: float, seed: int) -> list[float]:
     """Poisson arrival times in [0, duration) at `rate` per second."""
-    rng, t, out = random.Random(seed), 0.0, []
+    rng, t = random.Random(seed), 0.0
+    out: list[float] = []
     while True:
         t += rng.expovariate(rate)
         if t >= duration:

@@ -26,9 +26,7 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from sglang_pd import make_model, stop
+from sglang_pd import SGLANG_LAUNCHER, launch_up, make_model, stop
 
 from tests.pagestore.engines import Answer, generate
 
@@ -56,10 +54,7 @@ class Mesh:
 
     def __init__(self, backend: str, args: argparse.Namespace, work: Path) -> None:
         self.backend, self.work = backend, work / backend
-        shutil.rmtree(self.work, ignore_errors=True)
-        self.work.mkdir(parents=True)
         self.files = self.work / "hicache-files"
-        ready = self.work / "up.json"
         flags = ["--sglang-hicache"] if backend == "xavier" else [
             "--no-pagestore", "--sglang-arg=--enable-hierarchical-cache",
             "--sglang-arg=--hicache-storage-backend", "--sglang-arg=file"]  # fmt: skip
@@ -68,26 +63,11 @@ class Mesh:
                 "--sglang-arg=--hicache-storage-prefetch-policy",
                 f"--sglang-arg={args.prefetch_policy}",
             ]
-        cmd = [sys.executable, "-m", "xavier_cli", "up", "--insecure", "--engine", "sglang", "--mode",
-               "colocated", "--unified", "2", "--model", str(args.model), "--gpus", args.gpus,
-               "--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0", "--workdir", str(self.work / "svc"),
-               "--ready-file", str(ready), "--timeout", "900",
-               "--sglang-command", json.dumps([sys.executable, "-m", "sglang.launch_server"]), *flags,
-               *(f"--sglang-arg={a}" for a in SGLANG_ARGS + args.sglang_arg)]  # fmt: skip
+        flags = ["--insecure", "--engine", "sglang", "--mode", "colocated", "--unified", "2",
+                 "--model", str(args.model), "--gpus", args.gpus, "--sglang-command", SGLANG_LAUNCHER, *flags,
+                 *(f"--sglang-arg={a}" for a in SGLANG_ARGS + args.sglang_arg)]  # fmt: skip
         env = {**os.environ, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(self.files)}
-        self.log = self.work / "up.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
-            )
-        deadline = time.monotonic() + 1200
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                stop(self.proc)
-                raise RuntimeError(
-                    f"xavier up ({backend}) failed:\n{self.log.read_text(errors='replace')[-6000:]}"
-                )
-            time.sleep(0.5)
+        self.proc, _ = launch_up(self.work, flags, env, timeout=1200)
         svc = self.work / "svc"
         self.a, self.b = (json.loads((svc / f"unified-{i}.ready").read_text())["address"] for i in (0, 1))
         store = svc / "pagestore.ready"

@@ -51,6 +51,8 @@ LENS = (24, 31, 40, 52, 700, 900, 1100, 1300)
 ROOT = Path(__file__).resolve().parents[1]
 UP_MODES = ("native", "pd", "colocated")
 DIRECT_MODES = ("direct-native", "direct-xavier")
+SGLANG_LAUNCHER = json.dumps([sys.executable, "-m", "sglang.launch_server"])
+"""`xavier up --sglang-command`: SGLang's server from this interpreter."""
 SGLANG_ARGS = [
     "--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.3",
     "--max-total-tokens", "400000", "--cuda-graph-max-bs", "64", "--log-level", "warning",
@@ -166,35 +168,43 @@ class Mode:
             stop(proc)
 
 
-def start_up(name: str, args: argparse.Namespace, work: Path, env: dict[str, str]) -> Mode:
-    mode = Mode(name)
-    updir = work / name
+def launch_up(
+    updir: Path, flags: list[str], env: dict[str, str] | None = None, timeout: float = 900.0
+) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """`xavier up <flags>` from a fresh `updir` (ephemeral ports, the services' files in `updir/svc`, its
+    output in `updir/up.log`); returns its process and its ready file once written. Stops it and raises
+    with the log's tail when it exits first or `timeout` passes."""
     shutil.rmtree(updir, ignore_errors=True)
     updir.mkdir(parents=True)
-    ready = updir / "up.json"
-    mode.trace = updir / "trace"
-    flags = ["--unified", "1"] if name == "colocated" else []
-    gpus = args.gpus.split(",")[:1] if name == "colocated" else args.gpus.split(",")
-    cmd = [sys.executable, "-m", "xavier_cli", "up", "--engine", "sglang", "--mode", name, "--model",
-           str(args.model), "--no-pagestore", "--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0",
-           "--workdir", str(updir / "svc"), "--ready-file", str(ready), "--gpus", ",".join(gpus),
-           "--timeout", "900", "--sglang-command", json.dumps([sys.executable, "-m", "sglang.launch_server"]),
-           *flags, *(["--insecure"] if args.insecure else []),
-           *(f"--sglang-arg={a}" for a in args.sglang_args)]  # fmt: skip
-    log = updir / "up.log"
+    ready, log = updir / "up.json", updir / "up.log"
+    cmd = [sys.executable, "-m", "xavier_cli", "up", "--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0",
+           "--workdir", str(updir / "svc"), "--ready-file", str(ready), "--timeout", "900",
+           *flags]  # fmt: skip
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**env, "XAVIER_SGLANG_TRACE": str(mode.trace)},
-        )  # fmt: skip
-    mode.procs.append(proc)
-    deadline = time.monotonic() + 900
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    deadline = time.monotonic() + timeout
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
-            mode.close()
-            raise RuntimeError(f"xavier up {name} failed:\n{log.read_text(errors='replace')[-6000:]}")
+            stop(proc)
+            raise RuntimeError(
+                f"xavier up {' '.join(flags)} failed:\n{log.read_text(errors='replace')[-6000:]}"
+            )
         time.sleep(0.5)
-    mode.base = "http://" + json.loads(ready.read_text())["http"]
+    return proc, json.loads(ready.read_text())
+
+
+def start_up(name: str, args: argparse.Namespace, work: Path, env: dict[str, str]) -> Mode:
+    mode = Mode(name)
+    mode.trace = work / name / "trace"
+    replicas = ["--unified", "1"] if name == "colocated" else []
+    gpus = args.gpus.split(",")[:1] if name == "colocated" else args.gpus.split(",")
+    flags = ["--engine", "sglang", "--mode", name, "--model", str(args.model), "--no-pagestore",
+             "--gpus", ",".join(gpus), "--sglang-command", SGLANG_LAUNCHER, *replicas,
+             *(["--insecure"] if args.insecure else []),
+             *(f"--sglang-arg={a}" for a in args.sglang_args)]  # fmt: skip
+    proc, ready = launch_up(work / name, flags, {**env, "XAVIER_SGLANG_TRACE": str(mode.trace)})
+    mode.procs.append(proc)
+    mode.base = "http://" + ready["http"]
     return mode
 
 
