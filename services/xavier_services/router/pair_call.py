@@ -47,15 +47,17 @@ class Order(enum.Enum):
     CONCURRENT = "concurrent"  # both at once: the prefill answers only once its decode took the KV
 
 
-def call_order(pair: Pair) -> Order:
-    """The order its prefill declares: HANDOFF_PROTOCOL_CONCURRENT is concurrent (and so is an SGLang
-    prefill registered before peers declared their protocol); every other handoff is sequential."""
-    layout = pair.prefill.layout
+def _concurrent(layout: types_pb2.KvLayout) -> bool:
+    """HANDOFF_PROTOCOL_CONCURRENT is concurrent, and so is an SGLang peer registered before peers
+    declared their protocol; every other handoff is sequential."""
     if layout.handoff == types_pb2.HANDOFF_PROTOCOL_UNSPECIFIED:
-        concurrent = layout.engine == SGLANG_ENGINE
-    else:
-        concurrent = layout.handoff == types_pb2.HANDOFF_PROTOCOL_CONCURRENT
-    return Order.CONCURRENT if concurrent else Order.SEQUENTIAL
+        return bool(layout.engine == SGLANG_ENGINE)
+    return bool(layout.handoff == types_pb2.HANDOFF_PROTOCOL_CONCURRENT)
+
+
+def call_order(pair: Pair) -> Order:
+    """The order its prefill declares (`_concurrent`)."""
+    return Order.CONCURRENT if _concurrent(pair.prefill.layout) else Order.SEQUENTIAL
 
 
 def pair_handoff(pair: Pair) -> bool:
@@ -69,9 +71,7 @@ def first_token_source(peer: dpb.Peer) -> FirstTokenSource:
     declared = peer.layout.first_token_source
     if declared != types_pb2.FIRST_TOKEN_SOURCE_UNSPECIFIED:
         return declared
-    concurrent = peer.layout.handoff == types_pb2.HANDOFF_PROTOCOL_CONCURRENT or (
-        peer.layout.handoff == types_pb2.HANDOFF_PROTOCOL_UNSPECIFIED and peer.layout.engine == SGLANG_ENGINE
-    )
+    concurrent = _concurrent(peer.layout)
     return types_pb2.FIRST_TOKEN_SOURCE_DECODE if concurrent else types_pb2.FIRST_TOKEN_SOURCE_PREFILL
 
 
