@@ -3,7 +3,8 @@
 `sampling_params` build a real `SamplingParams` that `normalize()` (with the model's tokenizer) and
 `verify()` accept with the values meant, a request using none of the controls maps to exactly the body
 of before, and answers in the shape SGLang's `TokenizerManager.add_logprob_to_meta_info` builds parse
-back into Xavier's top and prompt logprobs. Run under 0.5.23 and the 0.5.17 overlay.
+back into Xavier's top and prompt logprobs (a pair's decode is asked for no prompt logprobs). Run under
+0.5.23 and the 0.5.17 overlay.
 """
 
 from __future__ import annotations
@@ -135,6 +136,30 @@ def test_all_controls_together_are_accepted(tokenizer: Any) -> None:
     s2 = _sampling(min_tokens=2, stop_token_ids=[3], json_schema=SCHEMA)
     _, params = _as_sglang(generate_body("r", PROMPT, s2), tokenizer)
     assert (params.min_new_tokens, params.json_schema, params.stop_token_ids) == (2, SCHEMA, {3})
+
+
+def test_a_pairs_prefill_is_asked_for_the_prompts_logprobs_and_its_decode_is_not(tokenizer: Any) -> None:
+    # SGLang's decode never sends the prompt's logprobs (its output streamer skips them in decode mode):
+    # the pair's prefill answers them, and both compute the first token's alternatives.
+    s = _sampling(logprobs=True, top_logprobs=4, prompt_logprobs=True)
+    bootstrap = ("127.0.0.1", 7000, 42)
+    prefill, _ = _as_sglang(generate_body("p", PROMPT, s, stream=False, bootstrap=bootstrap), tokenizer)
+    decode, _ = _as_sglang(
+        generate_body("d", PROMPT, s, bootstrap=bootstrap, with_prompt_logprobs=False), tokenizer
+    )
+    assert (prefill.return_logprob, prefill.top_logprobs_num, prefill.logprob_start_len) == (True, 4, 0)
+    assert (decode.return_logprob, decode.top_logprobs_num, decode.logprob_start_len) == (True, 4, -1)
+    assert decode.bootstrap_room == prefill.bootstrap_room == 42
+    assert {f for f, _ in needed_features(s)} <= set(PAIR_FEATURES)
+    # The prompt's logprobs alone still ask SGLang for logprobs: without return_logprob its scheduler
+    # drops logprob_start_len (0.5.23 scheduler.py L3256, 0.5.17 L2542).
+    alone = _sampling(prompt_logprobs=True)
+    prefill, _ = _as_sglang(generate_body("p", PROMPT, alone, stream=False, bootstrap=bootstrap), tokenizer)
+    decode, _ = _as_sglang(
+        generate_body("d", PROMPT, alone, bootstrap=bootstrap, with_prompt_logprobs=False), tokenizer
+    )
+    assert (prefill.return_logprob, prefill.logprob_start_len) == (True, 0)
+    assert (decode.return_logprob, decode.logprob_start_len) == (False, -1)
 
 
 def _entries(vals: list[Any], ids: list[Any]) -> list[Any]:

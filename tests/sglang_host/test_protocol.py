@@ -107,16 +107,13 @@ def test_sglang_peers_declare_what_the_body_maps_and_the_router_checks_it() -> N
     layout = types_pb2.KvLayout(engine="sglang", features=PAIR_FEATURES)
     ok = types_pb2.SamplingParams(max_tokens=4, presence_penalty=0.5, min_p=0.1, regex="a+")
     require_features(Prepared("r", (1,), ok, 0, ""), layout, "decode")
-    for s in (
-        types_pb2.SamplingParams(max_tokens=4, repetition_penalty=1.2),
-        types_pb2.SamplingParams(max_tokens=4, logprobs=True, top_logprobs=2),
-        types_pb2.SamplingParams(max_tokens=4, prompt_logprobs=True),
-    ):
-        with pytest.raises(InvalidArgument):
-            require_features(Prepared("r", (1,), s, 0, ""), layout, "decode")
-    unified = types_pb2.KvLayout(engine="sglang", features=UNIFIED_FEATURES)
+    with pytest.raises(InvalidArgument):
+        s = types_pb2.SamplingParams(max_tokens=4, repetition_penalty=1.2)
+        require_features(Prepared("r", (1,), s, 0, ""), layout, "decode")
+    # A pair's decode streams every token's alternatives and its prefill answers the prompt's logprobs.
     asks = types_pb2.SamplingParams(max_tokens=4, logprobs=True, top_logprobs=2, prompt_logprobs=True)
-    require_features(Prepared("r", (1,), asks, 0, ""), unified, "unified")
+    for features in (PAIR_FEATURES, UNIFIED_FEATURES):
+        require_features(Prepared("r", (1,), asks, 0, ""), types_pb2.KvLayout(features=features), "x")
     # The reference engine's PENALTIES covers the output-only two.
     reference = types_pb2.KvLayout(features=[types_pb2.ENGINE_FEATURE_PENALTIES])
     assert {f for f, _ in needed_features(ok)} >= {types_pb2.ENGINE_FEATURE_OUTPUT_PENALTIES}

@@ -26,13 +26,13 @@ from xavier.v1 import decode_service_pb2_grpc, prefill_service_pb2_grpc, types_p
 from xavier.v1 import directory_service_pb2 as dirpb
 from xavier.v1 import directory_service_pb2_grpc as dir_grpc
 from xavier.v1 import prefill_service_pb2 as ppb
-from xavier_client import Client, InvalidArgumentError
+from xavier_client import Client, InvalidArgumentError, Mode
 from xavier_services.router.pair_call import first_token_source
 from xavier_sglang.features import UNIFIED_FEATURES
 
 from tests.sglang_host.conftest import Start, ready_info, standin_state
 from tests.support.procs import ServiceProc, health_status, start_service
-from tests.support.sglang_standin import next_token
+from tests.support.sglang_standin import alternatives, next_token, token_logprob
 
 pytestmark = pytest.mark.integration
 
@@ -167,6 +167,58 @@ def test_pd_through_the_router_calls_prefill_and_decode_concurrently(
         router.stop()
     assert standin_state(pinfo["sglang_url"])["requests"] == 3
     assert standin_state(dinfo["sglang_url"])["requests"] == 3
+
+
+def _logprob_answer(client: Client, prompt: list[int], mode: Mode) -> dict[str, object]:
+    """A streamed answer's token ids, logprobs, alternatives and prompt logprobs (with the index of the
+    response that carried them)."""
+    stream = client.generate_stream(
+        prompt, mode=mode, max_tokens=4, ignore_eos=True, logprobs=True, top_logprobs=3, prompt_logprobs=True
+    )
+    raw = [c.raw for c in stream]
+    msgs = [m for m in raw if m is not None]
+    carried = [i for i, m in enumerate(msgs) if m.HasField("prompt_logprobs")]
+    prompt_lps = msgs[carried[0]].prompt_logprobs if carried else None
+    return {
+        "token_ids": [t for m in msgs for t in m.token_ids],
+        "logprobs": [v for m in msgs for v in m.logprobs],
+        "top": [(list(a.token_ids), list(a.logprobs)) for m in msgs for a in m.top_logprobs],
+        "prompt": None if prompt_lps is None else list(prompt_lps.logprobs),
+        "prompt_top": None if prompt_lps is None else [list(a.token_ids) for a in prompt_lps.top_logprobs],
+        "carried": carried,
+    }
+
+
+def test_a_pair_answers_the_logprobs_a_unified_server_does(
+    start_sglang_peer: Start, directory: ServiceProc, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Through the router, an SGLang pair's top logprobs (every token's, from the decode) and prompt
+    logprobs (from the prefill's answer, on the first response) equal a unified server's; the prefill is
+    asked for the prompt's logprobs, the decode only for the alternatives."""
+    prefill = start_sglang_peer("prefill")
+    decode = start_sglang_peer("decode")
+    start_sglang_peer("unified")
+    pinfo, dinfo = ready_info(prefill, tmp_path), ready_info(decode, tmp_path)
+    router = _router(directory, tiny_model, tmp_path)
+    prompt = [11, 12, 13, 14]
+    try:
+        with Client(router.address) as client:
+            pd = _logprob_answer(client, prompt, "pd")
+            co = _logprob_answer(client, prompt, "colocated")
+    finally:
+        router.stop()
+    tokens = _expected(prompt, 4)
+    assert pd == co
+    assert pd["token_ids"] == tokens and pd["carried"] == [0]
+    assert pd["top"] == [
+        ([a[1] for a in alternatives(t, 3)], [a[0] for a in alternatives(t, 3)]) for t in tokens
+    ]
+    assert pd["prompt"] == [token_logprob(t) - 1 for t in prompt[1:]]
+    assert pd["prompt_top"] == [[a[1] for a in alternatives(t, 3)] for t in prompt[1:]]
+    asked_prefill = standin_state(pinfo["sglang_url"])["last_sampling"]
+    asked_decode = standin_state(dinfo["sglang_url"])["last_sampling"]
+    assert asked_prefill["logprob_start_len"] == 0 and asked_prefill["top_logprobs_num"] == 3
+    assert "logprob_start_len" not in asked_decode and asked_decode["top_logprobs_num"] == 3
 
 
 def test_decode_errors_name_the_reason(

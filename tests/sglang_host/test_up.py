@@ -59,8 +59,6 @@ def _refuses_what_sglang_does_not_declare(mesh: Mesh, mode: str) -> None:
         ({"min_tokens": 1, "stop": ["x"]}, "min_tokens"),
         ({"stop_token_ids": [4], "include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ]
-    if mode == "pd":  # the pair's router flow reads the decode's logprobs only
-        refused += [({"logprobs": 2}, "logprobs"), ({"echo": True, "logprobs": 0}, "echo")]
     for extra, param in refused:
         body = {"prompt": [3, 4, 5], "max_tokens": 2, "xavier_mode": mode, **extra}
         r = httpx.post(f"http://{mesh.http}/v1/completions", json=body, timeout=60)
@@ -77,14 +75,25 @@ def _refuses_what_sglang_does_not_declare(mesh: Mesh, mode: str) -> None:
         ({"response_format": {"type": "json_object"}}, {"json_schema": '{"type": "object"}'}),
         ({"guided_regex": "[a-z]+"}, {"regex": "[a-z]+"}),
     ]
-    if mode == "colocated":
-        passed.append(({"logprobs": 2, "echo": True}, {"top_logprobs_num": 2, "logprob_start_len": 0}))
-    names = ["decode-0"] if mode == "pd" else ["unified-0", "unified-1"]
+    # lm-eval's loglikelihood shape; a pair's prefill answers the prompt's logprobs (its decode is not
+    # asked for them), its decode the alternatives.
+    passed.append(({"logprobs": 2, "echo": True}, {"top_logprobs_num": 2, "logprob_start_len": 0}))
+    names = ["prefill-0", "decode-0"] if mode == "pd" else ["unified-0", "unified-1"]
     for extra, want in passed:
         body = {"prompt": [3, 4, 5], "max_tokens": 2, "xavier_mode": mode, **extra}
         r = httpx.post(f"http://{mesh.http}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
         got = [_standin(mesh, name)["last_sampling"] for name in names]
         assert any(want.items() <= g.items() for g in got if isinstance(g, dict)), (extra, got, r.text)
+    lp = r.json()["choices"][0]["logprobs"]  # the echo: the prompt's tokens, then the output's
+    assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3 + 2
+    assert lp["token_logprobs"][0] is None and None not in lp["token_logprobs"][1:]
+    assert all(len(top) >= 2 for top in lp["top_logprobs"][1:]), lp
+    if mode == "pd":
+        decode = _standin(mesh, "decode-0")["last_sampling"]
+        assert (
+            isinstance(decode, dict) and "logprob_start_len" not in decode and decode["top_logprobs_num"] == 2
+        )
 
 
 def test_up_pd(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:

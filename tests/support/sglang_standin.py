@@ -28,6 +28,11 @@ run. Run as `python -m tests.support.sglang_standin ARGS...` (the service's `sgl
 - `GET /standin/state`: its argv, environment, helper pid and counters, the salt fields
   (`cache_salt`, `extra_key`) of the last `/generate`, and its `sampling_params` (with
   `top_logprobs_num` and `logprob_start_len` when given), for the tests. The controls are not applied.
+- Logprobs in SGLang's `meta_info` shape, deterministic per token so that a pair's and a unified
+  server's agree: with `return_logprob`, `output_token_logprobs` (`[logprob, id, None]`) and, with
+  `top_logprobs_num` k, `output_top_logprobs` (k alternatives per token, the chosen one first); with
+  `logprob_start_len` 0 also `input_token_logprobs` (the first None) and `input_top_logprobs`. As
+  SGLang's, a decode sends no prompt logprobs and a prefill sends them in its answer.
 """
 
 from __future__ import annotations
@@ -88,6 +93,34 @@ def parser() -> argparse.ArgumentParser:
 
 def next_token(prev: int) -> int:
     return (prev * 7 + 3) % 97
+
+
+def alternatives(token: int, k: int) -> list[list[Any]]:
+    """The stand-in's k most likely tokens where `token` was chosen (or stands in the prompt)."""
+    return [[token_logprob(token) - j, (token + j) % 97, None] for j in range(k)]
+
+
+def token_logprob(token: int) -> float:
+    return -0.5 - (token % 5) / 8
+
+
+def logprob_meta(body: dict[str, Any], mode: str, prompt: list[int], out: list[int]) -> dict[str, Any]:
+    """The logprob keys of `meta_info` (SGLang's `add_logprob_to_meta_info`) for a request of `body`."""
+    if not body.get("return_logprob"):
+        return {}
+    k = int(body.get("top_logprobs_num") or 0)
+    meta: dict[str, Any] = {"output_token_logprobs": [[token_logprob(t), t, None] for t in out]}
+    if k:
+        meta["output_top_logprobs"] = [alternatives(t, k) for t in out]
+    with_prompt = body.get("logprob_start_len") == 0 and mode != "decode"
+    meta["input_token_logprobs"] = (
+        [[None, prompt[0], None]] + [[token_logprob(t) - 1, t, None] for t in prompt[1:]]
+        if with_prompt
+        else []
+    )
+    if k:
+        meta["input_top_logprobs"] = [None] + [alternatives(t, k) for t in prompt[1:]] if with_prompt else []
+    return meta
 
 
 class Standin:
@@ -288,6 +321,7 @@ class Standin:
             self.counters["aborted"] += 1
             raise
         meta["finish_reason"] = {"type": "length", "length": 1}
+        meta.update(logprob_meta(body, self.mode, ids, [first]))
         return web.json_response({"text": f"t{first} ", "output_ids": [first], "meta_info": meta})
 
     async def _take(self, body: dict[str, Any]) -> int | str:
@@ -321,8 +355,7 @@ class Standin:
             if done and "finish_reason" not in m:
                 stop = len(tokens) < max_new
                 m["finish_reason"] = {"type": "stop"} if stop else {"type": "length", "length": max_new}
-            if body.get("return_logprob"):
-                m["output_token_logprobs"] = [[-0.5, t, None] for t in tokens[:n]]
+            m.update(logprob_meta(body, self.mode, body["input_ids"], tokens[:n]))
             return {"text": "".join(f"t{t} " for t in tokens[:n]), "output_ids": tokens[:n], "meta_info": m}
 
         if not body.get("stream"):

@@ -9,6 +9,11 @@ the room is never in the directory, so nothing here calls it. A prefill that fai
 waits ends the attempt at once with the prefill's error (`pair_call.concurrently`). A prefill still
 running when the decode finished is left to end by itself (its call has the request deadline); one
 cancelled earlier aborts the request in both SGLang servers, which end the room between themselves.
+
+Logprobs: the decode's messages carry each token's logprob and alternatives, the first token's too
+(SGLang's prefill sampled it and hands them over with it in the aux buffer). The prompt's logprobs come
+only in the prefill's answer, so a request that asks for them has its first step wait for that answer
+(which comes about when the decode has the KV) and carry them; any other request waits for nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +42,18 @@ async def _prefill(
     return await call
 
 
+async def _prompt_logprobs(prefill: asyncio.Future[pfpb.PrefillResponse]) -> types_pb2.PromptLogprobs | None:
+    """The prompt's logprobs in the prefill's answer, once it comes; its failure is the attempt's
+    (`PrefillFailed`). Shielded: a request cancelled meanwhile leaves the prefill to `PairCall`."""
+    try:
+        answer = await asyncio.shield(prefill)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        raise PrefillFailed(exc) from None
+    return answer.prompt_logprobs if answer.HasField("prompt_logprobs") else None
+
+
 async def concurrent_attempt(
     prep: Prepared, env: flows.FlowEnv, pair: Pair, trace: flows.Trace | None
 ) -> AsyncIterator[flows.Step]:
@@ -60,22 +77,29 @@ async def concurrent_attempt(
         call.beside = asyncio.ensure_future(_prefill(pf_call))
         # Past the first message (which waits for SGLang's prefill), a silent decode is stalled.
         messages = concurrently(call.beside, paced(dec_call, env.stall_seconds, first=False))
+        prompt_pending = s.prompt_logprobs  # only the prefill's answer has them: the first step waits
         try:
             async with aclosing(messages):  # type: ignore[type-var]
                 async for msg in messages:
-                    calling.streamed = True
-                    # Before the yield: a reader that has the finishing step closes this generator there.
-                    call.finished = bool(msg.finish_reason)
-                    yield flows.Step(
+                    step = flows.Step(
                         list(msg.delta.token_ids),
                         msg.delta.text,
                         list(msg.delta.logprobs) if s.logprobs else [],
                         msg.finish_reason,
+                        top_logprobs=list(msg.delta.top_logprobs),
                         cached_tokens=msg.usage.cached_tokens if msg.HasField("usage") else None,
                         transfer_seconds=to_seconds(msg.timings.transfer)
                         if msg.HasField("timings")
                         else None,
                     )
+                    if prompt_pending:
+                        # Before the stream counts as started: a prefill failing here fails over.
+                        step.prompt_logprobs = await _prompt_logprobs(call.beside)
+                        prompt_pending = False
+                    calling.streamed = True
+                    # Before the yield: a reader that has the finishing step closes this generator there.
+                    call.finished = bool(msg.finish_reason)
+                    yield step
                     if msg.finish_reason:
                         return
         except PrefillFailed as failed:

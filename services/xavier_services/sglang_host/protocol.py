@@ -104,18 +104,23 @@ def generate_body(
     *,
     stream: bool = True,
     bootstrap: tuple[str, int, int] | None = None,
+    with_prompt_logprobs: bool = True,
 ) -> dict[str, Any]:
     """A `/generate` body; `bootstrap` = (host, port, room) pairs a P/D prefill with its decode. Both
-    servers of a pair get the whole request (see `xavier_sglang.features`)."""
+    servers of a pair get the whole request (see `xavier_sglang.features`), except that a pair's decode
+    is asked for no prompt logprobs (`with_prompt_logprobs` False): SGLang's decode computes no prompt
+    and its output streamer never sends them (the pair's prefill answers them)."""
+    prompt = s.prompt_logprobs and with_prompt_logprobs
     body: dict[str, Any] = {
         "input_ids": list(token_ids),
         "sampling_params": sampling_params(s),
         "stream": stream,
-        "return_logprob": s.logprobs,
+        # SGLang ignores logprob_start_len without return_logprob (the output's are then dropped here).
+        "return_logprob": s.logprobs or prompt,
     }
     if s.top_logprobs:
         body["top_logprobs_num"] = s.top_logprobs
-    if s.prompt_logprobs:
+    if prompt:
         # From the prompt's first token: SGLang then computes the whole prompt (no prefix-cache hit).
         body["logprob_start_len"] = 0
     if rid:

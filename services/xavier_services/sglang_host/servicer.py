@@ -4,10 +4,12 @@
   service's address (the xavier backend registered the SGLang process under it) and `bootstrap_room` =
   the room id. SGLang answers only once the decode has taken the KV, so the router calls Prefill and
   Decode of an SGLang pair concurrently (`router.pd_concurrent`, HANDOFF_PROTOCOL_CONCURRENT). The answer
-  carries no first token (`first_token_source` FIRST_TOKEN_SOURCE_DECODE).
+  carries no first token (`first_token_source` FIRST_TOKEN_SOURCE_DECODE), and the prompt's logprobs
+  when the request asks for them (SGLang's prefill computes the prompt and returns them).
 - Decode (decode role): a streamed `/generate` naming the prefill's address; unlike the reference
-  engine's Decode, the stream starts with the *first* token (it reaches the decode in the aux buffer),
-  so a request that hands it one (FIRST_TOKEN_SOURCE_PREFILL) is refused.
+  engine's Decode, the stream starts with the *first* token (it reaches the decode in the aux buffer,
+  with its logprob and alternatives), so a request that hands it one (FIRST_TOKEN_SOURCE_PREFILL) is
+  refused. SGLang is not asked for the prompt's logprobs here: its decode never sends them.
 - GenerateUnified (unified role): a streamed `/generate`.
 
 Prefill and GenerateUnified pass the request's `cache_salt` in the field the running release honours, or
@@ -29,11 +31,11 @@ from xavier.v1 import prefill_service_pb2 as ppb
 
 from xavier_core.runtime.config import parse_host_port
 from xavier_core.runtime.durations import to_duration
-from xavier_core.runtime.errors import Aborted, FailedPrecondition, InvalidArgument
+from xavier_core.runtime.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
 from xavier_core.runtime.identity import ROLE_NAMES, require
 from xavier_services.peer.convert import check_room_id, sampling_from_pb
 from xavier_services.sglang_host.host import SglangHost
-from xavier_services.sglang_host.protocol import Delta, abort_message, generate_body
+from xavier_services.sglang_host.protocol import Delta, abort_message, generate_body, prompt_logprobs_of
 from xavier_services.sglang_host.stats import engine_stats
 
 Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
@@ -61,6 +63,18 @@ def _transfer_failed(delta: Delta, role: str) -> Aborted | None:
     if message and not delta.token_ids:
         return Aborted(f"SGLang aborted the {role}: {message}", reason="TRANSFER_FAILED")
     return None
+
+
+def _prompt_logprobs(meta: dict[str, object], s: types_pb2.SamplingParams) -> types_pb2.PromptLogprobs | None:
+    """The prompt's logprobs in a prefill's answer, when the request asked for them. SGLang's prefill
+    returns them like a unified server (its output streamer sends input logprobs in every mode but the
+    decode's); an answer without them is an engine error, never a request answered without them."""
+    if not s.prompt_logprobs:
+        return None
+    prompt = prompt_logprobs_of(meta)
+    if prompt is None:
+        raise Internal("SGLang's prefill answered without the prompt's logprobs", reason="ENGINE_ERROR")
+    return prompt
 
 
 class _Base:
@@ -110,6 +124,7 @@ class SglangPrefillServicer(_Base, prefill_service_pb2_grpc.PrefillServiceServic
             first_token_source=types_pb2.FIRST_TOKEN_SOURCE_DECODE,
             usage=_usage(meta, len(token_ids), len(ids)),
             timings=types_pb2.Timings(prefill=took),
+            prompt_logprobs=_prompt_logprobs(meta, request.sampling),
         )
 
     async def GetPrefillStats(
@@ -145,6 +160,7 @@ class SglangDecodeServicer(_Base, decode_service_pb2_grpc.DecodeServiceServicer)
             token_ids,
             request.sampling,
             bootstrap=(bootstrap_host, bootstrap_port, request.room_id),
+            with_prompt_logprobs=False,  # the pair's prefill answers them
         )
         started = time.perf_counter()
         n = 0
