@@ -14,8 +14,9 @@ BLAKE2b-128 pass it used before.
 Then TTFT of a prompt with a `--prefix`-token shared prefix (the tiny CPU model, real processes: directory,
 store, two unified replicas): cold (nothing cached anywhere), warm from the store (replica B, local cache
 empty, fetches what replica A wrote through) and warm in B's local prefix cache; medians of `--ttft-reps`,
-each rep with a fresh prefix and its own suffixes, and the NIXL descriptors of B's store read (its
-client's metric). Prints JSON, writes a PNG.
+each rep with a fresh prefix and its own suffixes, the NIXL descriptors of B's store read (its
+client's metric) and the prefill chunks each case's replica ran as decode rows (`*_static_chunks`, its
+`xavier_engine_counts` metric: 1 when a warm suffix took the static-shape path). Prints JSON, writes a PNG.
 Example: `python benchmarks/pagestore.py --pages 16,64,256 --run-lengths 1,4,64 --reps 3 --ttft-reps 7`.
 """
 
@@ -292,16 +293,20 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
     cases: dict[str, list[float]] = {"cold": [], "warm_store": [], "warm_local": []}
     read_descriptors: list[float] = []
     metrics_b = mesh.procs["unified-b"].metrics
+    metrics = {a: mesh.procs["unified-a"].metrics, b: metrics_b}
     cached: dict[str, list[int]] = {k: [] for k in cases}
+    static: dict[str, list[float]] = {k: [] for k in cases}
     await generate(a, prompt(10**6, 64), max_tokens=1)  # first-request costs (graphs, channels) out
     await generate(b, prompt(10**6 + 1, 64), max_tokens=1)
     for rep in range(args.ttft_reps):
         shared = prompt(1000 + rep, args.prefix)
         for case, addr, suffix in (("cold", a, 1), ("warm_store", b, 2), ("warm_local", b, 3)):
             posted = scrape(metrics_b, READ_DESCRIPTORS)
+            chunks = scrape(metrics[addr], STATIC_CHUNKS)
             t = time.perf_counter()
             ans = await generate(addr, shared + prompt(7000 + 10 * rep + suffix, 16), max_tokens=1)
             cases[case].append(time.perf_counter() - t)
+            static[case].append(scrape(metrics[addr], STATIC_CHUNKS) - chunks)
             if case == "warm_store":
                 read_descriptors.append(scrape(metrics_b, READ_DESCRIPTORS) - posted)
             cached[case].append(
@@ -329,6 +334,8 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         out[f"{case}_ms"] = 1e3 * statistics.median(times)
         out[f"{case}_min_ms"] = 1e3 * min(times)
         out[f"{case}_cached_tokens"] = statistics.median(cached[case])
+        # Prefill chunks the replica ran as decode rows (static shapes, CUDA graphs) for this prompt.
+        out[f"{case}_static_chunks"] = statistics.median(static[case])
     # What a store hit adds over a local hit, paired per rep (the same prefix): less noisy than the
     # difference of the two medians on a shared machine.
     extra = [s - loc for s, loc in zip(cases["warm_store"], cases["warm_local"], strict=True)]
@@ -365,6 +372,7 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 READ_DESCRIPTORS = 'xavier_pagestore_client_transfer_descriptors_total{op="read"}'
+STATIC_CHUNKS = 'xavier_engine_counts{name="static_prefill_chunks",role="unified"}'
 
 
 def scrape(metrics: str, sample: str) -> float:

@@ -77,6 +77,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "warm_local_ms": statistics.median(warm),
             "cold_ms_all": cold,
             "warm_local_ms_all": warm,
+            # Prefill chunks run as decode rows (static shapes, CUDA graphs): one per warm prompt on CUDA.
+            "static_prefill_chunks": engine.stats().extra["static_prefill_chunks"],
         }
         if args.profile:
             shared = prompt(77, args.prefix)

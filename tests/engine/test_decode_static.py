@@ -27,7 +27,7 @@ def test_bucket_is_the_next_power_of_two() -> None:
 def test_graphs_refused_on_cpu(engine_factory: Factory) -> None:
     engine = engine_factory("llama")
     with pytest.raises(InvalidRequestError, match="CUDA"):
-        DecodeRunner(engine.model, engine.kv_pool, use_graphs=True)
+        DecodeRunner(engine.model, engine.kv_pool, use_graphs=True, max_rows=8)
 
 
 async def _run_all(
@@ -42,7 +42,7 @@ async def _run_all(
 async def test_static_decode_matches_general_forward(arch: str, engine_factory: Factory) -> None:
     general = engine_factory(arch, chunk_tokens=64)
     static = engine_factory(arch, chunk_tokens=64)
-    decoder = DecodeRunner(static.model, static.kv_pool, use_graphs=False)
+    decoder = DecodeRunner(static.model, static.kv_pool, use_graphs=False, max_rows=8)
     static._loop.decoder = decoder
     # Five rows pad to a bucket of eight; lengths cross page-bucket boundaries (4, 8 pages of 16).
     prompts = [prompt_of(general, n, seed=i) for i, n in enumerate((3, 17, 60, 90, 33))]

@@ -103,3 +103,39 @@ async def test_chunked_and_prefix_hit_prefill_on_cuda_follow_fp32_cpu(
     finally:
         await cpu.close()
         await gpu.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_prefix_hit_suffix_replays_the_decode_graphs(arch: str, tiny_dirs: dict[str, Path]) -> None:
+    """A prefix hit's suffix runs as rows of a captured decode graph, alone and beside another request's
+    decode row: the engine counts both chunks, and the tokens still follow the float32 CPU reference."""
+    cpu = ReferenceEngine.load(tiny_dirs[arch], num_pages=64)
+    gpu = ReferenceEngine.load(tiny_dirs[arch], device="cuda", num_pages=64, max_running=32)
+    plain = ReferenceEngine.load(tiny_dirs[arch], device="cuda", num_pages=64, static_chunks=False)
+    try:
+        assert gpu.capture_decode_graphs() > 0 and plain.capture_decode_graphs() > 0
+        shared = prompt_of(cpu, 48, seed=7)
+        prompts = [shared + prompt_of(cpu, n, seed=n) for n in (5, 21, 11)]
+        for i, prompt in enumerate(prompts[:2]):
+            want = await greedy_tokens(cpu, prompt, 24, rid=f"c{i}")
+            for engine in (gpu, plain):
+                events = await collect(
+                    engine.generate(f"g{i}", prompt, Sampling(max_tokens=24, ignore_eos=True))
+                )
+                assert (events[0].cached_tokens > 0) == (i == 1)
+                _check_near_tie(tiny_dirs[arch], prompt, want, [e.token_id for e in events])
+        assert gpu.stats().extra["static_prefill_chunks"] == 1
+        # The third prompt arrives while another request decodes: one step of a decode row and 11 rows.
+        stream = gpu.generate("long", prompt_of(cpu, 30, seed=1), Sampling(max_tokens=24, ignore_eos=True))
+        await anext(stream)
+        late = asyncio.create_task(greedy_tokens(gpu, prompts[2], 24, rid="late"))
+        await collect(stream)
+        _check_near_tie(
+            tiny_dirs[arch], prompts[2], await greedy_tokens(cpu, prompts[2], 24, rid="c2"), await late
+        )
+        assert gpu.stats().extra["static_prefill_chunks"] == 2
+        assert plain.stats().extra["static_prefill_chunks"] == 0
+    finally:
+        await cpu.close()
+        await gpu.close()
+        await plain.close()

@@ -140,7 +140,7 @@ def test_null_and_model_peers_have_different_contracts(
         config = PeerServiceConfig(
             engine=EngineSection(model=tiny_dirs["llama"], num_pages=32, compute=compute)
         )
-        engine = load_engine(config, types_pb2.ROLE_DECODE)
+        engine = load_engine(config)
         try:
             assert engine.compute == compute
             hosts[compute] = PeerHost(config, types_pb2.ROLE_DECODE, engine)

@@ -256,6 +256,11 @@ async def test_metrics_report_pages_rooms_and_transfers(mesh: Mesh) -> None:
     assert 'xavier_rooms_active{role="decode"} 0.0' in decode
     transfers = [ln for ln in decode.splitlines() if ln.startswith('xavier_transfers_total{role="decode"}')]
     assert transfers and float(transfers[0].split()[-1]) >= 1
+    steps = [
+        ln for ln in decode.splitlines() if ln.startswith('xavier_engine_counts{name="steps",role="decode"}')
+    ]
+    assert steps and float(steps[0].split()[-1]) >= 3  # the engine's own counts (`EngineStats.extra`)
     prefill = scrape("prefill-0")
     assert 'xavier_pages{role="prefill",state="parked"} 0.0' in prefill
+    assert 'xavier_engine_counts{name="static_prefill_chunks",role="prefill"} 0.0' in prefill  # CPU: none
     assert "xavier_rpc_total" in prefill

@@ -262,7 +262,7 @@ class Engine(Protocol):
 
     def capture_decode_graphs(self) -> int:
         """Captures decode CUDA graphs now, before any transfer agent uses the device; returns how many
-        (0 for an engine without graphs)."""
+        (0 for an engine without graphs). Short prefill chunks after cached keys replay them too."""
         ...
 
     def generate(

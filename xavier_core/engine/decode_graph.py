@@ -1,10 +1,16 @@
-"""Decode-only steps with static shapes, replayed from CUDA graphs.
+"""Decode steps and short prefill chunks with static shapes, replayed from CUDA graphs.
 
 A decode step is one query per request against that request's pages. Its tensors are made static by
 padding the batch to a power-of-two row bucket and each request's page list to a power-of-two page bucket;
 one `CausalLM.decode_static` run per (rows, pages) bucket is captured in a CUDA graph the first time the
 bucket is seen, and later steps copy their inputs into the graph's buffers and replay it. A replay costs
-one launch instead of hundreds of kernel launches from Python, which is what bounds small-batch decode.
+one launch instead of hundreds of kernel launches from Python, which is what bounds small-batch decode,
+and a short prefill chunk after cached keys just as much (a prefix hit's suffix).
+
+Such a chunk of n tokens runs as n rows of the same batch: row i is position start + i with the request's
+page table, writes slot start + i and sees start + i + 1 keys. `CausalLM._layers` writes every row's K/V
+of a layer before any row of that layer attends, so row i sees the chunk's earlier keys as the causal
+prefill would: the same attention over the same pages (`DecodeRunner.accepts` says which steps qualify).
 
 Padding rows repeat the first row (same token, position, slot and pages), so the K/V they write are the
 first row's own, written to the same slot: padding never touches another request's pages.
@@ -38,37 +44,50 @@ def bucket(n: int, floor: int = 1) -> int:
 class _Slot:
     """The static buffers of one (rows, pages) bucket and, once captured, its graph."""
 
-    host: torch.Tensor  # [rows * (4 + pages)] int64 on the CPU, filled each step
+    host: torch.Tensor  # [rows * (5 + pages)] int64 on the CPU, filled each step
     device: torch.Tensor  # the same layout on the model's device; the graph reads it
     inputs: DecodeInputs  # views into `device`
+    sample: torch.Tensor  # [rows] view into `device` after the inputs: the rows that sample, then zeros
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # the graph's output buffer
 
 
 def _slot(rows: int, pages: int, device: torch.device) -> _Slot:
-    host = torch.zeros(rows * (4 + pages), dtype=torch.long)
+    host = torch.zeros(rows * (5 + pages), dtype=torch.long)
     dev = host.to(device)
+    table = 4 * rows + rows * pages
     inputs = DecodeInputs(
         input_ids=dev[:rows],
         positions=dev[rows : 2 * rows],
         out_slots=dev[2 * rows : 3 * rows],
         seq_lens=dev[3 * rows : 4 * rows],
-        page_table=dev[4 * rows :].view(rows, pages),
+        page_table=dev[4 * rows : table].view(rows, pages),
     )
-    return _Slot(host, dev, inputs)
+    return _Slot(host, dev, inputs, dev[table:])
 
 
 class DecodeRunner:
-    """Runs decode-only steps through `decode_static`, with CUDA graphs when `use_graphs` (CUDA only)."""
+    """Runs steps through `decode_static`, with CUDA graphs when `use_graphs` (CUDA only).
 
-    def __init__(self, model: CausalLM, pool: KvPool, use_graphs: bool) -> None:
+    `max_rows` (the engine's running limit) sets the largest row bucket, the one `capture_all` captures up
+    to; with `chunks` off only decode-only steps are taken.
+    """
+
+    def __init__(
+        self, model: CausalLM, pool: KvPool, use_graphs: bool, max_rows: int, chunks: bool = True
+    ) -> None:
         if use_graphs and pool.device.type != "cuda":
             raise InvalidRequestError(f"CUDA graphs need a CUDA device, not {pool.device}")
+        if max_rows < 1:
+            raise InvalidRequestError(f"max_rows must be >= 1, got {max_rows}")
         self.model = model
         self.pool = pool
         self.use_graphs = use_graphs
+        self.chunks = chunks
         self.graphs_captured = 0
         self.steps = 0
+        self.prefill_chunks = 0  # prefill chunks run as rows of a step (see `accepts`)
+        self.max_rows = bucket(max_rows)
         self.max_pages = pool.num_pages
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._mempool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -76,31 +95,77 @@ class DecodeRunner:
         # page reads) take it too: work on the legacy default stream during a capture invalidates it.
         self.capture_lock = threading.Lock()
 
-    @staticmethod
-    def accepts(items: Sequence[tuple[Request, int]]) -> bool:
-        """Whether a step is decode-only: every request computes its one last token and samples."""
-        return bool(items) and all(n == 1 and req.remaining == 1 for req, n in items)
+    def accepts(self, items: Sequence[tuple[Request, int]]) -> bool:
+        """Whether a step runs here, one row per token it computes, instead of the general forward.
 
-    def run(self, reqs: Sequence[Request]) -> torch.Tensor:
-        """Float32 logits `[len(reqs), vocab]` of one decode step (writes each request's new K/V)."""
+        Each item is a decode row (one token, the request's last before it samples) or, with `chunks`
+        on, a prefill chunk whose keys start before its queries (`num_computed > 0`: a prefix hit's
+        suffix, a chunk after the first); a first chunk is a cold prompt, which the general forward
+        runs. No item may want more logits than its last row's: a request that asks for its prompt's
+        logprobs in this chunk keeps the general forward. The step's rows (its tokens) fit the largest
+        row bucket, `max_rows`; every row's pages fit the largest page bucket (the pool). With graphs, a
+        step that holds a chunk takes only a bucket already captured (`capture_all`, or an earlier
+        decode step): a chunk never starts a capture, which must not overlap transfers.
+        """
+        if not items or sum(n for _, n in items) > self.max_rows:
+            return False
         ps = self.pool.page_size
-        rows = bucket(len(reqs))
-        pages = min(bucket(max(pages_for(r.num_computed + 1, ps) for r in reqs), _MIN_PAGES), self.max_pages)
-        slot = self._slots.get((rows, pages))
+        has_chunk = False
+        for req, n in items:
+            if (
+                req.prompt_positions(req.num_computed, n)
+                or pages_for(req.num_computed + n, ps) > self.max_pages
+            ):
+                return False
+            if n == 1 and req.remaining == 1:
+                continue
+            if not self.chunks or req.num_computed == 0:
+                return False
+            has_chunk = True
+        if not has_chunk or not self.use_graphs:
+            return True
+        slot = self._slots.get(self._bucket(_rows(items)))
+        return slot is not None and slot.graph is not None
+
+    def run(self, items: Sequence[tuple[Request, int]]) -> torch.Tensor:
+        """Float32 logits of one step that `accepts` took (writes every row's K/V): one row per item that
+        samples (its chunk's last row; every decode row), in the items' order."""
+        rows = _rows(items)
+        key = self._bucket(rows)
+        slot = self._slots.get(key)
         if slot is None:
-            slot = self._slots[(rows, pages)] = _slot(rows, pages, self.pool.device)
-        self._fill(slot.host, reqs, rows, pages)
+            slot = self._slots[key] = _slot(*key, self.pool.device)
+        sampling: list[int] = []
+        offset = 0
+        for req, n in items:
+            offset += n
+            if req.num_computed + n == len(req.tokens):
+                sampling.append(offset - 1)
+        # The sampling rows travel with the inputs: an index copied after the replay would wait for it.
+        self._fill(slot.host, rows, sampling, *key)
         slot.device.copy_(slot.host)
         self.steps += 1
+        self.prefill_chunks += sum(not (n == 1 and req.remaining == 1) for req, n in items)
         if not self.use_graphs:
-            return self.model.decode_static(slot.inputs, self.pool)[: len(reqs)]
-        if slot.graph is None or slot.logits is None:
-            slot.graph, slot.logits = self._capture(slot.inputs)
-        slot.graph.replay()
-        return slot.logits[: len(reqs)]
+            logits = self.model.decode_static(slot.inputs, self.pool)
+        else:
+            if slot.graph is None or slot.logits is None:
+                slot.graph, slot.logits = self._capture(slot.inputs)
+            slot.graph.replay()
+            logits = slot.logits
+        if sampling == list(range(len(sampling))):  # decode-only: every row samples, no gather
+            return logits[: len(sampling)]
+        return logits.index_select(0, slot.sample[: len(sampling)])
 
-    def capture_all(self, max_rows: int, max_pages: int) -> int:
-        """Captures every (rows, pages) bucket up to the limits now; returns how many were captured.
+    def _bucket(self, rows: Sequence[tuple[Request, int]]) -> tuple[int, int]:
+        """The (rows, pages) bucket of a step's rows."""
+        ps = self.pool.page_size
+        pages = bucket(max(pages_for(pos + 1, ps) for _, pos in rows), _MIN_PAGES)
+        return bucket(len(rows)), min(pages, self.max_pages)
+
+    def capture_all(self, max_pages: int) -> int:
+        """Captures every (rows, pages) bucket up to `max_rows` and `max_pages` now; returns how many were
+        captured.
 
         Services call it at start, before a KV transfer agent exists: a capture must not overlap device
         work of other threads or libraries (UCX's CUDA IPC copies invalidate it), and capturing up front
@@ -109,11 +174,11 @@ class DecodeRunner:
         if not self.use_graphs:
             return 0
         with torch.cuda.device(self.pool.device):
-            return self._capture_all(max_rows, max_pages)
+            return self._capture_all(max_pages)
 
-    def _capture_all(self, max_rows: int, max_pages: int) -> int:
+    def _capture_all(self, max_pages: int) -> int:
         before = self.graphs_captured
-        row_buckets = [1 << i for i in range(bucket(max_rows).bit_length())]
+        row_buckets = [1 << i for i in range(self.max_rows.bit_length())]
         top_pages = min(bucket(max_pages, _MIN_PAGES), self.max_pages)
         page_buckets = [p for p in (_MIN_PAGES << i for i in range(32)) if p < top_pages] + [top_pages]
         for rows in row_buckets:
@@ -130,11 +195,17 @@ class DecodeRunner:
         torch.cuda.synchronize(self.pool.device)
         return self.graphs_captured - before
 
-    def _fill(self, host: torch.Tensor, reqs: Sequence[Request], rows: int, pages: int) -> None:
+    def _fill(
+        self,
+        host: torch.Tensor,
+        rows: Sequence[tuple[Request, int]],
+        sampling: list[int],
+        size: int,
+        pages: int,
+    ) -> None:
         ps = self.pool.page_size
         ids, positions, slots, lens, table = [], [], [], [], []
-        for req in reqs:
-            pos = req.num_computed
+        for req, pos in rows:
             ids.append(req.tokens[pos])
             positions.append(pos)
             slots.append(req.pages[pos // ps] * ps + pos % ps)
@@ -142,13 +213,14 @@ class DecodeRunner:
             used = req.pages[: pages_for(pos + 1, ps)]
             table += used
             table += [used[-1]] * (pages - len(used))  # masked: any valid page will do
-        pad = rows - len(reqs)
+        pad = size - len(rows)
         ids += ids[:1] * pad
         positions += positions[:1] * pad
         slots += slots[:1] * pad
         lens += lens[:1] * pad
         table += table[:pages] * pad
-        host.copy_(torch.tensor(ids + positions + slots + lens + table, dtype=torch.long))
+        sample = sampling + [0] * (size - len(sampling))
+        host.copy_(torch.tensor(ids + positions + slots + lens + table + sample, dtype=torch.long))
 
     def _capture(self, inputs: DecodeInputs) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The graph is captured on the current device's stream: make it the pool's (cuda:1 is not the
@@ -173,3 +245,9 @@ class DecodeRunner:
             logits = self.model.decode_static(inputs, self.pool)
         self.graphs_captured += 1
         return graph, logits
+
+
+def _rows(items: Sequence[tuple[Request, int]]) -> list[tuple[Request, int]]:
+    """One (request, position) per token a step computes, in batch order: a chunk of n tokens from
+    `num_computed` is n rows whose positions, and so whose visible keys, grow by one."""
+    return [(req, pos) for req, n in items for pos in range(req.num_computed, req.num_computed + n)]

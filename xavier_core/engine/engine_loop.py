@@ -45,7 +45,7 @@ class EngineLoop:
         decoder: DecodeRunner | None = None,
     ) -> None:
         self.model = model
-        self.decoder = decoder  # runs decode-only steps when set (static shapes, CUDA graphs)
+        self.decoder = decoder  # runs the steps it accepts when set (static shapes, CUDA graphs)
         self.pool = pool
         self.sched = sched
         self.cache = cache
@@ -127,7 +127,7 @@ class EngineLoop:
     def _step(self, plan: StepPlan) -> None:
         try:
             if self.decoder is not None and self.decoder.accepts(plan.items):
-                logits = self.decoder.run([req for req, _ in plan.items])  # no prompt rows: decode-only
+                logits = self.decoder.run(plan.items)  # the sampling rows only: it takes no prompt rows
             else:
                 rows = prompt_rows(plan)
                 batch = build_batch(plan, self.pool.page_size, self.pool.device, rows)

@@ -2,7 +2,9 @@
 
 One forward step handles a flattened batch of tokens from many requests: the linear layers run once over
 all of them; attention runs batched for the decode tokens (one query each, keys gathered from the pool
-with a padding mask) and per request for prefill chunks.
+with a padding mask) and per request for prefill chunks. `decode_static` is the same step with shapes
+fixed by buckets, one query per row, for CUDA graphs (`decode_graph`): decode rows, and short prefill
+chunks after cached keys as one row per token.
 """
 
 from __future__ import annotations
@@ -173,10 +175,12 @@ class CausalLM:
 
     @torch.inference_mode()
     def decode_static(self, inputs: DecodeInputs, pool: KvPool) -> torch.Tensor:
-        """Float32 logits `[B, vocab]` of a decode-only batch whose shapes depend only on its buckets.
+        """Float32 logits `[B, vocab]` of a batch of rows whose shapes depend only on its buckets.
 
         Every tensor the step creates has a shape fixed by `inputs`, and nothing reads back to the host,
         so the step can be captured in a CUDA graph and replayed with new values in the same buffers.
+        Each layer writes every row's K/V before any row attends (`_layers`), so rows of one request at
+        consecutive positions (a prefill chunk) see each other's keys as a causal prefill does.
         """
         ps = pool.page_size
         rows, width = inputs.page_table.shape[0], inputs.page_table.shape[1] * ps
@@ -217,6 +221,8 @@ class CausalLM:
                 qk = _rotate(qkv[:, : nq + nkv].view(-1, cfg.num_heads + cfg.num_kv_heads, d), cos, sin)
                 q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             k_buf, v_buf = pool.k[i], pool.v[i]
+            # Every row's K/V of this layer land before any row attends: a prefill chunk run as decode
+            # rows (`decode_static`) reads its earlier rows' keys from the pool.
             k_buf[out_slots] = k
             v_buf[out_slots] = v
             h = h + F.linear(attend(q, k_buf, v_buf), layer.o_w)

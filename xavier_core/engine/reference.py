@@ -85,6 +85,7 @@ class ReferenceEngine:
         chunk_tokens: int,
         layout_fingerprint: str,
         cuda_graphs: bool = True,
+        static_chunks: bool = True,
         max_queued: int = 1024,
     ) -> None:
         if max_running < 1 or chunk_tokens < 1 or max_queued < 1:
@@ -105,11 +106,12 @@ class ReferenceEngine:
         self._allocator = PageAllocator(pool.num_pages)
         self._cache = PrefixCache(self._allocator, pool.page_size)
         self._sched = Scheduler(self._cache, max_running, chunk_tokens)
-        # On CUDA, decode-only steps take the static-shape path (graphed unless `cuda_graphs` is off); the
-        # CPU keeps the general forward for every step. A NullLM has no static-shape path: forward only.
+        # On CUDA, decode steps, and short prefill chunks after cached keys with them unless `static_chunks`
+        # is off, take the static-shape path (graphed unless `cuda_graphs` is off); the CPU keeps the
+        # general forward for every step. A NullLM has no static-shape path: forward only.
         decoder = None
         if pool.device.type == "cuda" and isinstance(model, CausalLM):
-            decoder = DecodeRunner(model, pool, cuda_graphs)
+            decoder = DecodeRunner(model, pool, cuda_graphs, max_running, chunks=static_chunks)
         # The loop only calls `forward`, which both models offer.
         self._loop = EngineLoop(model, pool, self._sched, self._cache, decoder)
         self._lock = self._loop.lock
@@ -130,15 +132,18 @@ class ReferenceEngine:
         cuda_graphs: bool = True,
         compute: str = "model",
         max_queued: int = 1024,
+        static_chunks: bool = True,
     ) -> ReferenceEngine:
         """Loads a checkpoint directory and starts the engine loop.
 
         `dtype` defaults to float16 on CUDA and float32 on CPU. `num_pages` defaults to what fits in 60% of
         free GPU memory (1 GiB on CPU), capped at `max_running` full contexts. `layout_fingerprint` seeds the
         prefix key chain; by default a SHA-256 of config.json, the dtype and the page size. On CUDA,
-        decode-only steps run from CUDA graphs unless `cuda_graphs` is False (then the same static-shape
-        decode runs eagerly); on the CPU the flag has no effect. Past `max_queued` requests waiting for
-        their first step, `generate` and `prefill` raise `EngineBusyError`.
+        decode steps run from CUDA graphs unless `cuda_graphs` is False (then the same static-shape
+        decode runs eagerly), and so do short prefill chunks after cached keys (a prefix hit's suffix: one
+        decode row per token, `DecodeRunner.accepts`) unless `static_chunks` is False; on the CPU both
+        flags have no effect. Past `max_queued` requests waiting for their first step, `generate` and
+        `prefill` raise `EngineBusyError`.
 
         `compute="null"` serves a `NullLM` built from config.json alone (no weights are read; the tokenizer
         still is): deterministic K/V and logits at near-zero cost, for measuring everything around the
@@ -181,6 +186,7 @@ class ReferenceEngine:
             chunk_tokens=chunk_tokens,
             layout_fingerprint=layout_fingerprint,
             cuda_graphs=cuda_graphs,
+            static_chunks=static_chunks,
             max_queued=max_queued,
         )
         engine.model_dir = path
@@ -246,13 +252,13 @@ class ReferenceEngine:
         """Captures the decode CUDA graphs of every batch and context size now (no-op without graphs).
 
         Call before anything else issues work on the device (a KV transfer agent): captures must not
-        overlap it. Returns the number of graphs captured (0 with null compute, which has no graphs)."""
+        overlap it. A short prefill chunk after cached keys runs as decode rows only through a graph
+        captured already (`DecodeRunner.accepts`). Returns the number of graphs captured (0 with null
+        compute, which has no graphs)."""
         decoder = self._loop.decoder
         if decoder is None:
             return 0
-        with self._lock:
-            max_rows = self._sched.max_running
-        return decoder.capture_all(max_rows, pages_for(self.max_context, self.page_size))
+        return decoder.capture_all(pages_for(self.max_context, self.page_size))
 
     @property
     def device_lock(self) -> threading.Lock | None:
@@ -356,6 +362,7 @@ class ReferenceEngine:
 
     def stats(self) -> EngineStats:
         """Pool and queue occupancy and prefix-cache counters."""
+        decoder = self._loop.decoder
         with self._lock:
             s = self._sched
             return EngineStats(
@@ -374,7 +381,9 @@ class ReferenceEngine:
                     "evictions": self._cache.evictions,
                     "preemptions": s.preemptions,
                     "steps": self._loop.steps,
-                    "decode_graphs": self._loop.decoder.graphs_captured if self._loop.decoder else 0,
+                    "decode_graphs": decoder.graphs_captured if decoder else 0,
+                    # Prefill chunks run as decode rows (`DecodeRunner.accepts`), not by the general forward.
+                    "static_prefill_chunks": decoder.prefill_chunks if decoder else 0,
                 },
             )
 

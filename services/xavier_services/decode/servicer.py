@@ -86,6 +86,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
                 lambda: host.engine_stats_pb(pages_parked=0),
                 lambda: self._rooms_active,
                 host.transfer_stats_pb,
+                lambda: host.engine.stats().extra,
             )
         )
 

@@ -51,7 +51,7 @@ def _version() -> str:
         return "0+unknown"
 
 
-def load_engine(config: PeerServiceConfig, role: int = types_pb2.ROLE_UNIFIED) -> Engine:
+def load_engine(config: PeerServiceConfig) -> Engine:
     """Loads the reference engine named by the config (blocking; call off the event loop)."""
     from xavier_core.engine.reference import ReferenceEngine
 
@@ -71,9 +71,11 @@ def load_engine(config: PeerServiceConfig, role: int = types_pb2.ROLE_UNIFIED) -
         compute=e.compute,
         max_queued=e.max_queued,
     )
-    if role != types_pb2.ROLE_PREFILL and e.device.startswith("cuda"):
+    if e.device.startswith("cuda"):
         # Decode graphs are captured now, before the NIXL agent exists: a capture must not overlap
-        # transfers on the same device. (Null compute has none: this captures 0.)
+        # transfers on the same device. A prefill replica takes them too: a short chunk after cached keys
+        # (a prefix hit's suffix) replays them, and only graphs captured already. (Null compute has none:
+        # this captures 0.)
         n = engine.capture_decode_graphs()
         log.info("decode graphs captured", graphs=n)
     return engine

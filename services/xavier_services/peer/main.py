@@ -66,7 +66,7 @@ def run_peer(
     """
 
     async def main() -> int:
-        engine = await asyncio.to_thread(load_engine, config, role)
+        engine = await asyncio.to_thread(load_engine, config)
         host = PeerHost(config, role, engine)
         servicer = make_servicer(host)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -12,7 +12,8 @@ from xavier_core.runtime import get_registry
 
 
 class PeerCollector(Collector):
-    """`xavier_pages{state}`, `xavier_rooms_active`, `xavier_requests{state}` and transfer counters."""
+    """`xavier_pages{state}`, `xavier_rooms_active`, `xavier_requests{state}`, transfer counters and the
+    engine's own counts (`xavier_engine_counts{name}`, `EngineStats.extra`)."""
 
     def __init__(
         self,
@@ -20,9 +21,11 @@ class PeerCollector(Collector):
         engine_stats: Callable[[], types_pb2.EngineStats],
         rooms_active: Callable[[], int],
         transfer: Callable[[], types_pb2.TransferStats],
+        engine_counts: Callable[[], Mapping[str, int]],
     ) -> None:
         self._role = role
         self._engine_stats = engine_stats
+        self._engine_counts = engine_counts
         self._rooms_active = rooms_active
         self._transfer = transfer
 
@@ -46,6 +49,15 @@ class PeerCollector(Collector):
         rooms = GaugeMetricFamily("xavier_rooms_active", "Rooms this peer holds pages for.", labels=["role"])
         rooms.add_metric([self._role], self._rooms_active())
         yield rooms
+        counts = GaugeMetricFamily(
+            "xavier_engine_counts",
+            "The engine's own counts: the reference engine's steps, decode graphs captured, prefill chunks "
+            "run as decode rows, prefix-cache evictions, ...",
+            labels=["role", "name"],
+        )
+        for name, value in sorted(self._engine_counts().items()):
+            counts.add_metric([self._role, name], value)
+        yield counts
         t = self._transfer()
         for name, doc, value in (
             ("xavier_transfer_bytes", "KV bytes moved by this peer.", t.bytes),

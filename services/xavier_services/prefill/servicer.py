@@ -98,6 +98,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
                 lambda: host.engine_stats_pb(pages_parked=self.pages_parked),
                 lambda: len(self._holds),
                 host.transfer_stats_pb,
+                lambda: host.engine.stats().extra,
             )
         )
 
