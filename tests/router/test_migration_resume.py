@@ -12,7 +12,7 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 from xavier_services.router.flows import PeerFailed, Step, StreamBroken
-from xavier_services.router.migration import migrating, resumed
+from xavier_services.router.migration import Migration, migrating, resumed
 from xavier_services.router.request import Prepared, needed_features, require_features
 
 from xavier_core.engine.tiny import make_tiny
@@ -107,3 +107,26 @@ async def test_a_grammar_request_moves_only_to_a_pair_that_declares_resumed_outp
         await _move_once(tok, without)
     assert info.value.reason == "MIGRATION_FAILED" and info.value.metadata["why"] == "UNSUPPORTED_PARAMETER"
     assert "resumed_output_tokens" in info.value.message and info.value.metadata["peer_id"] == "decode-0"
+
+
+async def test_a_move_reports_the_cached_count_of_the_first_step_that_has_one(tok: TextTokenizer) -> None:
+    """A concurrent pair's prefill answers beside the decode's stream, so its cached count may come on a
+    later step of the new attempt than the first: the move's record takes the first one given."""
+    prep = _prep(max_tokens=5)
+    attempts = 0
+
+    async def run(p: Prepared, avoid: frozenset[str]) -> AsyncIterator[Step]:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            yield Step([70, 71], "", cached_tokens=0)
+            raise _broken("decode-0")
+        yield Step([72], "")
+        yield Step([73], "", cached_tokens=4)
+        yield Step([74], "", cached_tokens=1, finish=types_pb2.FINISH_REASON_LENGTH)
+
+    moves: list[Migration] = []
+    steps = [s async for s in migrating(prep, run, 2, tok, moves)]
+    assert [t for s in steps for t in s.token_ids] == [70, 71, 72, 73, 74]
+    assert len(moves) == 1 and moves[0].cached_tokens == 4
+    assert "/cached=4/of=5/" in moves[0].describe()

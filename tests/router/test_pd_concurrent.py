@@ -15,6 +15,7 @@ from xavier.v1 import decode_service_pb2 as dpb
 from xavier.v1 import decode_service_pb2_grpc, prefill_service_pb2_grpc, types_pb2
 from xavier.v1 import directory_service_pb2 as dirpb
 from xavier.v1 import prefill_service_pb2 as ppb
+from xavier_services.router import pd_concurrent
 from xavier_services.router.flows import FlowEnv, PeerFailed, Step
 from xavier_services.router.pd_concurrent import concurrent_attempt
 from xavier_services.router.peers import Pair, PeerPool
@@ -41,24 +42,36 @@ class _Prefill(prefill_service_pb2_grpc.PrefillServiceServicer):  # type: ignore
     def __init__(self) -> None:
         self.release = asyncio.Event()
         self.fail: grpc.StatusCode | None = None
+        self.cached = 0
 
     async def Prefill(self, request: ppb.PrefillRequest, context: Any) -> ppb.PrefillResponse:
         await self.release.wait()
         if self.fail is not None:
             await context.abort(self.fail, "the prefill failed")
-        answer = ppb.PrefillResponse(first_token_source=types_pb2.FIRST_TOKEN_SOURCE_DECODE)
+        answer = ppb.PrefillResponse(
+            first_token_source=types_pb2.FIRST_TOKEN_SOURCE_DECODE,
+            usage=types_pb2.Usage(prompt_tokens=len(request.token_ids), cached_tokens=self.cached),
+        )
         if request.sampling.prompt_logprobs:
             answer.prompt_logprobs.CopyFrom(PROMPT_LOGPROBS)
         return answer
 
 
 class _Decode(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ignore[misc]
-    """Streams TOKENS from its own first one, one a message, with logprobs and alternatives as asked."""
+    """Streams TOKENS from its own first one, one a message, with logprobs and alternatives as asked;
+    the last one once `last` is set. Its usage says nothing was cached (an SGLang decode computes none of
+    the prompt)."""
+
+    def __init__(self) -> None:
+        self.last = asyncio.Event()
+        self.last.set()
 
     async def Decode(self, request: dpb.DecodeRequest, context: Any) -> AsyncIterator[dpb.DecodeResponse]:
         s = request.sampling
         for i, token in enumerate(TOKENS):
             last = i == len(TOKENS) - 1
+            if last:
+                await self.last.wait()
             yield dpb.DecodeResponse(
                 delta=dpb.TokenDelta(
                     token_ids=[token],
@@ -67,7 +80,11 @@ class _Decode(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ignore[mi
                     top_logprobs=[_top(token)] if s.top_logprobs else [],
                 ),
                 finish_reason=types_pb2.FINISH_REASON_LENGTH if last else 0,
+                usage=types_pb2.Usage(prompt_tokens=len(request.token_ids)) if last else None,
             )
+
+
+_DECODE = _Decode()
 
 
 @pytest.fixture
@@ -75,7 +92,9 @@ async def pair() -> AsyncIterator[tuple[_Prefill, Pair, FlowEnv]]:
     server = grpc.aio.server()
     prefill = _Prefill()
     prefill_service_pb2_grpc.add_PrefillServiceServicer_to_server(prefill, server)
-    decode_service_pb2_grpc.add_DecodeServiceServicer_to_server(_Decode(), server)
+    _DECODE.last = asyncio.Event()
+    _DECODE.last.set()
+    decode_service_pb2_grpc.add_DecodeServiceServicer_to_server(_DECODE, server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
     layout = types_pb2.KvLayout(
@@ -167,3 +186,30 @@ async def test_a_prefill_that_fails_while_the_first_step_waits_is_the_attempts_e
         assert isinstance(info.value, PeerFailed) and info.value.peer.peer_id == "p"
     else:
         assert isinstance(info.value, XavierError) and info.value.code == code
+
+
+async def test_the_prefills_cached_count_is_the_requests(
+    pair: tuple[_Prefill, Pair, FlowEnv], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the prefill found cached rides on the first step read after its answer came; the decode's
+    usage (nothing cached: it computes none of the prompt) does not overwrite it."""
+    prefill, p, env = pair
+    prefill.cached = 3
+    answered = asyncio.Event()
+    real = pd_concurrent._prefill
+
+    async def observed(call: Any) -> ppb.PrefillResponse:
+        answer = await real(call)
+        answered.set()  # the router's task holds the answer once this returns
+        return answer
+
+    monkeypatch.setattr(pd_concurrent, "_prefill", observed)
+    _DECODE.last.clear()
+    async with aclosing(_steps(_prep(), p, env)) as steps:
+        got = [await asyncio.wait_for(anext(steps), 5) for _ in TOKENS[:-1]]
+        assert all(step.cached_tokens is None for step in got)  # the prefill has not answered
+        prefill.release.set()
+        await asyncio.wait_for(answered.wait(), 5)
+        _DECODE.last.set()
+        got += [step async for step in steps]
+    assert [step.cached_tokens for step in got] == [None, None, 3]

@@ -57,7 +57,7 @@ _NO_PAIR = wire_reasons(er.ERROR_REASON_PEER_FAILED, er.ERROR_REASON_NO_PEERS)
 @dataclass
 class Migration:
     """One move of a request: why, from which peer, after how many tokens, and what the new prefill
-    found cached of the new prompt (None until its first step came, or when it reported none)."""
+    found cached of the new prompt (None until a step of the new attempt said, or when none did)."""
 
     cause: str
     peer_id: str
@@ -70,6 +70,12 @@ class Migration:
     def first_step(self, step: Step) -> None:
         self.cached_tokens = step.cached_tokens
         self.seam_seconds = time.monotonic() - self.at
+
+    def later_step(self, step: Step) -> None:
+        """A later step of the new attempt: it may be the first to say what was cached (a concurrent
+        pair's prefill answers beside the decode's stream)."""
+        if self.cached_tokens is None:
+            self.cached_tokens = step.cached_tokens
 
     def describe(self) -> str:
         """`cause:peer@tokens sent/cached=C of P new prompt tokens/seam=S s` (the request's log line)."""
@@ -132,6 +138,8 @@ async def migrating(
                     if seam is not None:
                         if fresh:
                             moves[-1].first_step(step)
+                        else:
+                            moves[-1].later_step(step)
                         step = seam.render(step)
                     fresh = False
                     sent.extend(step.token_ids)

@@ -14,6 +14,10 @@ Logprobs: the decode's messages carry each token's logprob and alternatives, the
 (SGLang's prefill sampled it and hands them over with it in the aux buffer). The prompt's logprobs come
 only in the prefill's answer, so a request that asks for them has its first step wait for that answer
 (which comes about when the decode has the KV) and carry them; any other request waits for nothing.
+
+Cached tokens: the decode computes none of the prompt, so what the prefill found cached (its answer's
+usage) is the request's; the first step read after that answer came carries it (none, when the request
+finished first).
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ async def _prefill(
     call: grpc.aio.UnaryUnaryCall[pfpb.PrefillRequest, pfpb.PrefillResponse],
 ) -> pfpb.PrefillResponse:
     return await call
+
+
+def _prefill_answer(prefill: asyncio.Future[pfpb.PrefillResponse]) -> pfpb.PrefillResponse | None:
+    """The prefill's answer if it came and succeeded (its failure is `concurrently`'s to raise)."""
+    if not prefill.done() or prefill.cancelled() or prefill.exception() is not None:
+        return None
+    return prefill.result()
 
 
 async def _prompt_logprobs(prefill: asyncio.Future[pfpb.PrefillResponse]) -> types_pb2.PromptLogprobs | None:
@@ -78,6 +89,7 @@ async def concurrent_attempt(
         # Past the first message (which waits for SGLang's prefill), a silent decode is stalled.
         messages = concurrently(call.beside, paced(dec_call, env.stall_seconds, first=False))
         prompt_pending = s.prompt_logprobs  # only the prefill's answer has them: the first step waits
+        cached_pending = True  # what the prefill found cached: on the first step once its answer is in
         try:
             async with aclosing(messages):  # type: ignore[type-var]
                 async for msg in messages:
@@ -87,7 +99,6 @@ async def concurrent_attempt(
                         list(msg.delta.logprobs) if s.logprobs else [],
                         msg.finish_reason,
                         top_logprobs=list(msg.delta.top_logprobs),
-                        cached_tokens=msg.usage.cached_tokens if msg.HasField("usage") else None,
                         transfer_seconds=to_seconds(msg.timings.transfer)
                         if msg.HasField("timings")
                         else None,
@@ -96,6 +107,11 @@ async def concurrent_attempt(
                         # Before the stream counts as started: a prefill failing here fails over.
                         step.prompt_logprobs = await _prompt_logprobs(call.beside)
                         prompt_pending = False
+                    answer = _prefill_answer(call.beside) if cached_pending else None
+                    if answer is not None:
+                        step.cached_tokens = answer.usage.cached_tokens
+                        step.cached_tokens_store = answer.usage.cached_tokens_store
+                        cached_pending = False
                     calling.streamed = True
                     # Before the yield: a reader that has the finishing step closes this generator there.
                     call.finished = bool(msg.finish_reason)
