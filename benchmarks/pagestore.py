@@ -72,7 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the GB/s client and the TTFT replicas pass their host pool through the mirror a GPU pool takes",
     )
     p.add_argument(
-        "--shape", choices=["tiny", "qwen2.5-0.5b"], default="tiny", help="TTFT model shape (random weights)"
+        "--shape",
+        choices=["tiny", "qwen2.5-0.5b", "7b-width"],
+        default="tiny",
+        help="TTFT model shape (random weights; 7b-width: Qwen2.5-7B's width at 4 layers, use --prefix 8000)",
     )
     return p.parse_args(argv)
 
@@ -347,9 +350,9 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from tests.pagestore.engines import StoreMesh
-    from xavier_core.engine.tiny import QWEN25_05B, make_tiny
+    from xavier_core.engine.tiny import QWEN25_05B, WIDTH_7B, make_tiny
 
-    sizes = dict(QWEN25_05B) if args.shape == "qwen2.5-0.5b" else {}
+    sizes = {"qwen2.5-0.5b": dict(QWEN25_05B), "7b-width": dict(WIDTH_7B)}.get(args.shape, {})
     dtype = "float16" if args.device != "cpu" else "float32"
     model = make_tiny(work / f"{args.shape}-qwen2", "qwen2", seed=args.seed, dtype=dtype, **sizes)
     # Room in the store for every rep's prefix (no eviction between A's write and B's read).

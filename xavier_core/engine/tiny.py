@@ -42,6 +42,17 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 QWEN25_05B = {"layers": 24, "hidden": 896, "heads": 14, "kv_heads": 2, "intermediate": 4864, "vocab": 151936}
+WIDTH_7B = {
+    "layers": 4,
+    "hidden": 3584,
+    "heads": 28,
+    "kv_heads": 4,
+    "intermediate": 18944,
+    "vocab": 152064,
+    "max_position": 32768,
+}
+"""Qwen2.5-7B's width (hidden, heads, KV heads, MLP, vocabulary) at 4 of its 28 layers: per layer the
+same ratio of prefill compute to KV bytes as the whole model."""
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.

@@ -36,7 +36,7 @@ from xavier_services.router.health import peer_key, role_name
 from xavier_services.router.pacing import Stalled, paced
 from xavier_services.router.pair_call import Spawn
 from xavier_services.router.peers import PeerPool
-from xavier_services.router.request import Prepared, require_features
+from xavier_services.router.request import Prepared, require_features, serves
 
 _log = get_logger("xavier.router.flows")
 
@@ -241,7 +241,8 @@ async def _colocated_attempt(
     prep: Prepared, env: FlowEnv, exclude: frozenset[str], trace: Trace | None
 ) -> AsyncIterator[Step]:
     pool = env.pool
-    peer = await pick(env, exclude, lambda: pool.retry_unavailable(lambda: pool.pick_unified(exclude)))
+    able = serves(prep)
+    peer = await pick(env, exclude, lambda: pool.retry_unavailable(lambda: pool.pick_unified(exclude, able)))
     require_features(prep, peer.layout, "unified")
     note(trace, peer)
     stub = decpb_grpc.DecodeServiceStub(pool.channel(peer.address))

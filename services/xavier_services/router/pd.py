@@ -53,7 +53,7 @@ from xavier_services.router.pacing import paced
 from xavier_services.router.pair_call import Order, PairCall, call_order, carries_first_token, pair_handoff
 from xavier_services.router.pd_concurrent import concurrent_attempt
 from xavier_services.router.peers import Pair, affinity_key
-from xavier_services.router.request import Prepared, new_room_id, require_features
+from xavier_services.router.request import Prepared, new_room_id, require_features, serves
 
 _log = get_logger("xavier.router.pd")
 _RELEASE_TIMEOUT_S = 5.0
@@ -83,8 +83,9 @@ async def _pd_attempt(
     trace: Trace | None,
 ) -> AsyncIterator[Step]:
     pool = env.pool
+    able = serves(prep)  # a pair whose engines declare what the request needs, while there is one
     pair: Pair = await pick(
-        env, exclude, lambda: pool.retry_unavailable(lambda: pool.pick_pair(key, exclude))
+        env, exclude, lambda: pool.retry_unavailable(lambda: pool.pick_pair(key, exclude, able))
     )
     p, d = pair.prefill, pair.decode
     require_features(prep, p.layout, "prefill")

@@ -165,20 +165,33 @@ class PeerPool:
     def score(self, peer: dpb.Peer) -> float:
         return float(peer.load.outstanding_requests + self.inflight[peer.peer_id]) + random.random() * 0.1
 
-    async def pick_unified(self, exclude: frozenset[str] = frozenset()) -> dpb.Peer:
-        """The least-loaded healthy unified replica."""
+    async def pick_unified(
+        self, exclude: frozenset[str] = frozenset(), serves: Callable[[dpb.Peer], bool] | None = None
+    ) -> dpb.Peer:
+        """The least-loaded healthy unified replica, of those `serves` the request if any does."""
         peers = [p for p in await self.usable(exclude) if p.role == types_pb2.ROLE_UNIFIED]
         if not peers:
             raise Unavailable("no healthy unified replica is registered", reason="NO_PEERS", role="unified")
-        return min(peers, key=self.score)
+        return min(_preferred(peers, serves), key=self.score)
 
-    async def pick_pair(self, affinity: bytes | None = None, exclude: frozenset[str] = frozenset()) -> Pair:
+    async def pick_pair(
+        self,
+        affinity: bytes | None = None,
+        exclude: frozenset[str] = frozenset(),
+        serves: Callable[[dpb.Peer], bool] | None = None,
+    ) -> Pair:
         """The least-loaded prefill peer that has a decode peer with its contract fingerprint (or the
         prefill the `affinity` key went to, if it is still close to the least loaded), and that
-        fingerprint's least-loaded decode peer."""
+        fingerprint's least-loaded decode peer; only peers that `serves` the request (their engines
+        declare what it needs) while there is such a pair, else any (whose engine then refuses it by
+        name)."""
         peers = await self.usable(exclude)
         prefills = [p for p in peers if p.role == types_pb2.ROLE_PREFILL]
         decodes = [p for p in peers if p.role == types_pb2.ROLE_DECODE]
+        if serves is not None:
+            able_p, able_d = [p for p in prefills if serves(p)], [d for d in decodes if serves(d)]
+            if {p.contract_fingerprint for p in able_p} & {d.contract_fingerprint for d in able_d}:
+                prefills, decodes = able_p, able_d
         if not prefills or not decodes:
             raise Unavailable(
                 "P/D needs a healthy prefill and decode peer",
@@ -224,3 +237,11 @@ class PeerPool:
     def release(self, *peers: dpb.Peer) -> None:
         for p in peers:
             self.inflight[p.peer_id] = max(0, self.inflight[p.peer_id] - 1)
+
+
+def _preferred(peers: list[dpb.Peer], serves: Callable[[dpb.Peer], bool] | None) -> list[dpb.Peer]:
+    """The peers that `serves` the request, or all of them when none does (or no test is given)."""
+    if serves is None:
+        return peers
+    able = [p for p in peers if serves(p)]
+    return able or peers

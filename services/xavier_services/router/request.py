@@ -5,8 +5,10 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 
@@ -105,12 +107,28 @@ def needed_features(s: types_pb2.SamplingParams) -> list[tuple[types_pb2.EngineF
     return needs
 
 
+def _declared(layout: types_pb2.KvLayout | None) -> set[types_pb2.EngineFeature.ValueType]:
+    """What an engine declares (`layout` None: nothing), ENGINE_FEATURE_PENALTIES covering the
+    output-only two."""
+    have = set(layout.features) if layout is not None else set()
+    if types_pb2.ENGINE_FEATURE_PENALTIES in have:
+        have.add(types_pb2.ENGINE_FEATURE_OUTPUT_PENALTIES)
+    return have
+
+
+def serves(prep: Prepared) -> Callable[[dpb.Peer], bool] | None:
+    """A predicate that tells the peers whose engines declare every feature `prep` needs (for the
+    router's pick to prefer them); None when it needs none."""
+    needs = {feature for feature, _ in needed_features(prep.sampling)}
+    if not needs:
+        return None
+    return lambda peer: needs <= _declared(peer.layout)
+
+
 def require_features(prep: Prepared, layout: types_pb2.KvLayout | None, who: str) -> None:
     """Refuses (INVALID_ARGUMENT, UNSUPPORTED_PARAMETER naming the sampling field) a request that needs
     a feature the chosen engine does not declare; `layout` None: an engine that declares none."""
-    have = set(layout.features) if layout is not None else set()
-    if types_pb2.ENGINE_FEATURE_PENALTIES in have:  # all three penalties cover the output-only two
-        have.add(types_pb2.ENGINE_FEATURE_OUTPUT_PENALTIES)
+    have = _declared(layout)
     for feature, param in needed_features(prep.sampling):
         if feature not in have:
             raise InvalidArgument(
