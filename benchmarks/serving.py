@@ -113,6 +113,7 @@ def start_mesh(
     compute: str = "model",
     pagestore: bool = False,
     protocol: str = "pair",
+    etcd: str = "",
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / "up.json"
@@ -142,6 +143,12 @@ def start_mesh(
         cmd += ["--model", str(model)]
     log = open(workdir / "up.log", "wb")
     env = {**os.environ, "XAVIER_HANDOFF__PROTOCOL": protocol}
+    if etcd:  # the directory keeps peers and rooms in this etcd (host:port)
+        env |= {
+            "XAVIER_DIRECTORY__BACKEND": "etcd",
+            "XAVIER_DIRECTORY__ETCD_ENDPOINTS": f'["{etcd}"]',
+            "XAVIER_DIRECTORY__ETCD_PREFIX": f"/xavier/bench-{workdir.name}/",  # one mesh's, not the last's
+        }
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.monotonic() + 300
     while not ready.exists():
@@ -431,20 +438,33 @@ def main() -> int:
         default=["pair"],
         help="P/D handoff protocols of the overhead part, one mesh each in this order (pair,directory)",
     )
+    p.add_argument(
+        "--directory-backend",
+        choices=["memory", "etcd"],
+        default="memory",
+        help="where the directory keeps peers and rooms (etcd: a private one on disk, as in directory.py)",
+    )
     args = p.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="xavier-bench-"))
+    etcd = ""
+    if args.directory_backend == "etcd":
+        sys.path.insert(0, str(Path(__file__).parent))
+        from directory import start_etcd
+
+        etcd_proc, etcd = start_etcd(workdir)
     meshes = {"model": ("levels", run_levels), "null": ("overhead", run_overhead)}
     result: dict[str, Any] = {
         "device": args.device,
         "cores": os.cpu_count(),
         "max_tokens": args.max_tokens,
         "pagestore": args.pagestore,
+        "directory_backend": args.directory_backend,
     }
     runs = [("model", args.protocols[0])] if not args.overhead_only else []
     runs += [("null", protocol) for protocol in args.protocols]
     for compute, protocol in runs:
         where = workdir / f"{compute}-{protocol}"
-        proc, info = start_mesh(where, args.model, args.device, compute, args.pagestore, protocol)
+        proc, info = start_mesh(where, args.model, args.device, compute, args.pagestore, protocol, etcd)
         try:
             key, fn = meshes[compute]
             result["model"] = Path(info["model"]).name
@@ -460,6 +480,9 @@ def main() -> int:
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
+    if etcd:
+        etcd_proc.terminate()
+        etcd_proc.wait(30)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out.with_suffix(".png"))
