@@ -5,6 +5,7 @@ pages a READ might still write into are never handed out again."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from tests.support.procs import ServiceProc
 from xavier_core.engine.api import AbortEvent, Sampling, TokenEvent
 from xavier_core.engine.errors import RequestAbortedError
 from xavier_core.engine.reference import ReferenceEngine
+from xavier_core.engine.store_link import OUTPUT_BATCH_PAGES
 from xavier_core.engine.tiny import make_tiny
 from xavier_core.pagestore import ClientSettings, PageStoreClient
 from xavier_core.pagestore.connection import TransferStuck
@@ -138,3 +140,25 @@ async def test_pages_of_a_stuck_read_are_never_reused(
     assert s.running == s.waiting == s.pages_pinned == 0
     # Every page is back but the READ's: out of the pool for good, never handed to another request.
     assert s.pages_total - s.pages_free == len(tokens) // 16
+
+
+async def test_a_generating_request_writes_its_output_through_in_batches(
+    engine: ReferenceEngine, store: ServiceProc
+) -> None:
+    """Prompt pages at the prompt's end, then every OUTPUT_BATCH_PAGES full output pages while the request
+    runs (so a replica that dies mid-answer has written most of it), and the rest when it finishes."""
+    client = engine._store.client if engine._store is not None else None
+    assert client is not None
+    ids = prompt(77, 40)  # 2 full pages and 8 tokens
+    before = dataclasses.replace(client.counters)
+    batch, out = OUTPUT_BATCH_PAGES, 2 * OUTPUT_BATCH_PAGES * 16 + 60
+    stream = engine.generate("out-pages", ids, Sampling(max_tokens=out, ignore_eos=True), cache_salt="out")
+    tokens = [ev async for ev in stream]
+    assert len(tokens) == out and all(isinstance(ev, TokenEvent) for ev in tokens)
+    await client.flush()
+    full = (len(ids) + out - 1) // 16  # the last token's KV is never computed
+    output_pages = full - len(ids) // 16
+    # One write for the prompt, one per full batch (each leaves as its last page fills), one for the rest.
+    assert client.counters.writes - before.writes == 1 + output_pages // batch + (output_pages % batch > 0)
+    assert client.counters.pages_written - before.pages_written == full
+    await _settle(engine)

@@ -108,6 +108,23 @@ async def test_replica_b_serves_the_prefix_replica_a_computed(mesh: StoreMesh) -
     await _assert_quiet(mesh)
 
 
+async def test_a_chats_next_turn_on_another_replica_finds_the_answer_in_the_store(mesh: StoreMesh) -> None:
+    """A generating request writes its output pages through too: the next turn (prompt, answer, a new
+    message) asked of B reads the answer's pages from the store, not only the first turn's prompt."""
+    a, b = mesh.procs["unified-a"].address, mesh.procs["unified-b"].address
+    first = prompt(30, 200)  # 12 full pages and 8 tokens
+    turn1 = await generate(a, first, salt="chat", max_tokens=100)
+    full = (len(first) + len(turn1.tokens) - 1) // 16  # the last token's KV is never computed: 18 pages
+    await wait_for(lambda: _store_pages(mesh, "chat") >= full, 30, "A's prompt and output write-through")
+    second = first + turn1.tokens + prompt(31, 20)
+    cold = await generate(a, second, salt="chat-cold-reference")
+    warm = await generate(b, second, salt="chat")
+    assert warm.usage.cached_tokens_store == full * 16 > (len(first) // 16) * 16
+    assert warm.usage.cached_tokens_local == 0
+    assert warm.tokens == cold.tokens
+    await _assert_quiet(mesh)
+
+
 async def test_prefill_replicas_share_through_the_store(mesh: StoreMesh) -> None:
     """The prefill role takes the same path: prefill B reuses what prefill A computed."""
     for name in ("prefill-a", "prefill-b"):

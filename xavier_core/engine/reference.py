@@ -359,6 +359,7 @@ class ReferenceEngine:
         with self._lock:
             self._store = link
             self._sched.on_prompt_done = link.prompt_done
+            self._sched.on_output_pages = link.output_pages
 
     def stats(self) -> EngineStats:
         """Pool and queue occupancy and prefix-cache counters."""

@@ -59,6 +59,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose K/V are in `pages`
     num_registered: int = 0  # leading full pages already offered to the prefix cache
+    output_pages_written: int = 0  # leading full pages handed to the page store past the prompt's own
     cached_tokens: int = 0  # prompt tokens not computed on first admission (local cache + page store)
     cached_tokens_store: int = 0  # the page store's share of `cached_tokens`
     cache_salt: str = ""  # the tenant salt (names the request's page store namespace)

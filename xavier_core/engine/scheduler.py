@@ -49,6 +49,8 @@ class Scheduler:
         # Called (engine thread, lock held) when a prefill or generate request's prompt is fully computed,
         # before its first token is accepted: its pages are all there and not yet released.
         self.on_prompt_done: Callable[[Request], None] | None = None
+        # With a page store: a generating request's output pages, after each step (final: it finished).
+        self.on_output_pages: Callable[[Request, bool], None] | None = None
 
     def add(self, req: Request) -> None:
         """Queues a new request."""
@@ -128,6 +130,8 @@ class Scheduler:
                 req.finish = event.finish or FinishReason.LENGTH
                 continue
             out.append((req, event))
+            if req.role is Role.GENERATE and self.on_output_pages is not None:
+                self.on_output_pages(req, event.finish is not None)
             if event.finish is not None:
                 self.running.remove(req)
                 self._drop_pages(req)

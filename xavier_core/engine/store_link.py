@@ -9,7 +9,10 @@ own request and nothing else.
 
 When a prompt is computed (engine thread), the full pages the request computed itself are retained and
 handed to the client's bounded write-through queue; the reference is dropped when the client says it no
-longer reads them. Store trouble never fails a request: the client turns it into a miss (reads) or a
+longer reads them. A generating request's output goes the same way, from the page its prompt ends in:
+every `OUTPUT_BATCH_PAGES` full pages while it runs and the rest when it finishes, so a later prompt that
+holds the answer (a chat's next turn on another replica, or a request resumed after its replica died)
+finds it in the store. Store trouble never fails a request: the client turns it into a miss (reads) or a
 dropped or failed write, each counted and logged by the client.
 """
 
@@ -41,6 +44,10 @@ class Prefix:
 
     pages: list[int]
     store_pages: int
+
+
+OUTPUT_BATCH_PAGES = 8
+"""Full output pages a running request collects before they go to the store in one write."""
 
 
 class StoreLink:
@@ -177,6 +184,22 @@ class StoreLink:
         first, last = req.cached_tokens // p, len(req.prompt) // p
         if req.chain_seed is None or first >= last or len(req.prompt_keys) < last:
             return
+        self._write_pages(req, first, last)
+
+    def output_pages(self, req: Request, final: bool) -> None:
+        """Writes through a generating request's full pages past its prompt's (see the module's
+        docstring); `final`: it finished, write what is left."""
+        if req.chain_seed is None:
+            return
+        first = max(req.output_pages_written, len(req.prompt) // self.page_size)
+        last = min(req.num_registered, len(req.prompt_keys))
+        if last - first < (1 if final else OUTPUT_BATCH_PAGES):
+            return
+        req.output_pages_written = last
+        self._write_pages(req, first, last)
+
+    def _write_pages(self, req: Request, first: int, last: int) -> None:
+        """Hands the request's pages `first:last` (full, registered) to the write-through queue."""
         keys, pages = req.prompt_keys[first:last], req.pages[first:last]
         # The pages stay referenced until the client is done reading them, even if the request ends first.
         self.cache.allocator.retain(pages)
