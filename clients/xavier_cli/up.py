@@ -217,7 +217,7 @@ def run_up(args: argparse.Namespace) -> int:
                 if sglang:
                     path = replica_config(args, workdir, name, role, len(peers), store, native)
                     extra += ["--config", str(path)]
-                elif store and role != "decode":  # a decode computes no prompt: nothing to share
+                elif store:  # a decode writes its answers' pages through, the others prompts' too
                     extra += ["--pagestore", store]
                 device = devices[len(peers) % len(devices)]
                 args_ = [*common, "--device", device, "--peer-id", name, *extra]

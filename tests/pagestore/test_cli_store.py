@@ -3,6 +3,7 @@ reused prompt tokens (stream and not); `xavier status` shows the store, `--json`
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -111,3 +112,38 @@ def test_status_reports_an_unreachable_store(up: tuple[Mesh, str, Path]) -> None
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["pagestore"]["error"].startswith("UNAVAILABLE")
+
+
+@pytest.fixture(scope="module")
+def up_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mesh, str]]:
+    base = tmp_path_factory.mktemp("up-store-pd")
+    mesh = start_up(base, shared_cache(tmp_path_factory), "--unified", "1")  # 1 prefill, 1 decode, 1 unified
+    try:
+        yield mesh, json.loads((base / "up.json").read_text())["pagestore"]
+    finally:
+        mesh.stop()
+
+
+def _salt_pages(store: str, salt: str) -> int:
+    digest = hashlib.sha256(salt.encode()).digest()[:8].hex()
+    return sum(n.pages for n in stats(store).namespaces if n.salt_digest == digest)
+
+
+def test_a_pd_answer_is_in_the_store_for_the_next_turn(up_pd: tuple[Mesh, str]) -> None:
+    """The prefill writes the prompt's pages through and the decode the answer's, so the next turn of a
+    chat (prompt, answer, a new message), asked of a replica that saw none of it, reads both."""
+    mesh, store = up_pd
+    first = prompt(51, 200)  # 12 full pages and 8 tokens
+    with Client(mesh.grpc, timeout=120) as client:
+        turn1 = client.generate(first, max_tokens=100, mode="pd", cache_salt="chat-pd", ignore_eos=True)
+        full = (len(first) + len(turn1.token_ids) - 1) // 16  # the last token's KV is never computed
+        deadline = time.monotonic() + 30
+        while _salt_pages(store, "chat-pd") < full and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = first + turn1.token_ids + prompt(52, 20)
+        cold = client.generate(second, max_tokens=4, mode="colocated", cache_salt="chat-pd-cold")
+        warm = client.generate(second, max_tokens=4, mode="colocated", cache_salt="chat-pd")
+    assert len(turn1.token_ids) == 100
+    assert cold.cached_tokens == 0
+    assert warm.cached_tokens_store == full * 16 > (len(first) // 16) * 16, warm
+    assert warm.token_ids == cold.token_ids

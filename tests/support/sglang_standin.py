@@ -54,7 +54,12 @@ from aiohttp import web
 
 _BACKENDS = ["mooncake", "nixl", "ascend", "fake", "mori"]
 _STARTED_AT = time.time()
-_HELPER = "import ctypes,signal,time; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); time.sleep(3600)"
+# A child that dies with its parent, as SGLang's do (PR_SET_PDEATHSIG). A parent already gone before the
+# prctl took effect never signals it: the child checks that its parent is still the one that started it.
+_HELPER = (
+    "import ctypes,os,signal,sys,time; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); "
+    "os.getppid() == int(sys.argv[1]) or os._exit(0); time.sleep(3600)"
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -140,7 +145,7 @@ class Standin:
         self.healthy = True
         self.last_salt: dict[str, Any] = {}
         self.last_sampling: dict[str, Any] = {}
-        self.helper = subprocess.Popen([sys.executable, "-c", _HELPER])
+        self.helper = subprocess.Popen([sys.executable, "-c", _HELPER, str(os.getpid())])
         self.session: Any = None
         self.directory: Any = None
 

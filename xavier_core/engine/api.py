@@ -292,10 +292,12 @@ class Engine(Protocol):
         first_token: int,
         first_logprob: float,
         sampling: Sampling,
+        cache_salt: str = "",
     ) -> AsyncIterator[StreamEvent]:
         """Continues a request whose prompt KV was written into its reserved pages.
 
-        The first event is `first_token` itself; generation continues from it.
+        The first event is `first_token` itself; generation continues from it. `cache_salt` names the
+        tenant the answer's pages belong to (an engine with a page store writes them through under it).
         """
         ...
 

@@ -339,9 +339,13 @@ class ReferenceEngine:
         first_token: int,
         first_logprob: float,
         sampling: Sampling,
+        cache_salt: str = "",
     ) -> TokenStream:
-        """Continues a request whose prompt KV is in its reserved pages; the first event is `first_token`."""
-        req = self._new_request(request_id, token_ids, sampling, Role.DECODE, None)
+        """Continues a request whose prompt KV is in its reserved pages; the first event is `first_token`.
+        With a page store the answer's full pages are written through under `cache_salt` (the prompt's
+        are the prefill's to write); without one the request neither reads nor fills the prefix cache."""
+        salt = cache_salt if self._store is not None else None
+        req = self._new_request(request_id, token_ids, sampling, Role.DECODE, salt)
         if not 0 <= first_token < self.config.vocab_size:
             raise InvalidRequestError(f"first_token {first_token} out of vocabulary")
         return TokenStream(self._stream(req, first=(first_token, first_logprob)))

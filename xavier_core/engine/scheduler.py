@@ -130,7 +130,7 @@ class Scheduler:
                 req.finish = event.finish or FinishReason.LENGTH
                 continue
             out.append((req, event))
-            if req.role is Role.GENERATE and self.on_output_pages is not None:
+            if self.on_output_pages is not None:  # generating or decoding (a prefill ended above)
                 self.on_output_pages(req, event.finish is not None)
             if event.finish is not None:
                 self.running.remove(req)

@@ -9,7 +9,8 @@ own request and nothing else.
 
 When a prompt is computed (engine thread), the full pages the request computed itself are retained and
 handed to the client's bounded write-through queue; the reference is dropped when the client says it no
-longer reads them. A generating request's output goes the same way, from the page its prompt ends in:
+longer reads them. A generating (unified) or decoding request's output goes the same way, from the page
+its prompt ends in:
 every `OUTPUT_BATCH_PAGES` full pages while it runs and the rest when it finishes, so a later prompt that
 holds the answer (a chat's next turn on another replica, or a request resumed after its replica died)
 finds it in the store. Store trouble never fails a request: the client turns it into a miss (reads) or a

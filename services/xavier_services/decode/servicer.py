@@ -181,7 +181,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
                 data = await asyncio.to_thread(host.engine.read_pages, pages)
                 digest = hashlib.sha256(data).digest()
             events = host.engine.decode_from_pages(
-                rid, token_ids, request.first_token, request.first_logprob, sampling
+                rid, token_ids, request.first_token, request.first_logprob, sampling, request.cache_salt
             )
             async for msg in self._stream(events, len(token_ids), started, transfer_s, complete):
                 completed = True

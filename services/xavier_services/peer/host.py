@@ -158,7 +158,7 @@ class PeerHost:
                 chunk_bytes=cfg.handoff.staging_chunk_bytes,
             )
             register_port_metrics(ROLE_NAMES[self.role], self.kv.stats)
-        if cfg.pagestore.address and self.role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_UNIFIED):
+        if cfg.pagestore.address:  # a decode writes its answers through (a chat's next turn reads them)
             self._attach_store()
         directory = self.membership.connect()
         req = dpb.RegisterPeerRequest(

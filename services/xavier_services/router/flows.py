@@ -314,6 +314,7 @@ def decode_request(
         token_ids=prep.token_ids,
         sampling=prep.sampling,
         first_token_source=types_pb2.FIRST_TOKEN_SOURCE_DECODE,
+        cache_salt=prep.cache_salt,
     )
     if first is not None:
         req.first_token, req.first_logprob = first.token, first.logprob

@@ -81,6 +81,7 @@ class DecodeRequest(_message.Message):
     RETURN_KV_DIGEST_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_SOURCE_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The client's request id (at most 128 characters), for logs."""
     room_id: _builtins.int
@@ -104,6 +105,11 @@ class DecodeRequest(_message.Message):
     the first token to a decode that needs one. A decode that needs the prefill's token refuses
     FIRST_TOKEN_SOURCE_DECODE with INVALID_ARGUMENT (metadata "field": first_token_source), and one
     that streams its own refuses FIRST_TOKEN_SOURCE_PREFILL the same way.
+    """
+    cache_salt: _builtins.str
+    """The tenant salt isolating prefix-cache pages (at most 256 characters): a decode with a page store
+    writes its answer's full pages through under it, so a later prompt holding the answer (a chat's next
+    turn, or this request resumed on another pair) finds them. Empty: the request's salt is "".
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -134,10 +140,11 @@ class DecodeRequest(_message.Message):
         return_kv_digest: _builtins.bool = ...,
         source: _directory_service_pb2.SourceDescriptor | None = ...,
         first_token_source: _types_pb2.FirstTokenSource.ValueType = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "source", b"source"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_logprob", b"first_logprob", "first_token", b"first_token", "first_token_source", b"first_token_source", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "request_id", b"request_id", "return_kv_digest", b"return_kv_digest", "room_id", b"room_id", "sampling", b"sampling", "source", b"source", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "first_logprob", b"first_logprob", "first_token", b"first_token", "first_token_source", b"first_token_source", "prefill_epoch", b"prefill_epoch", "prefill_peer_id", b"prefill_peer_id", "request_id", b"request_id", "return_kv_digest", b"return_kv_digest", "room_id", b"room_id", "sampling", b"sampling", "source", b"source", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
