@@ -25,7 +25,7 @@ import torch
 
 from xavier_core.engine.api import Sampling
 from xavier_core.engine.reference import ReferenceEngine
-from xavier_core.engine.tiny import QWEN25_05B, make_tiny
+from xavier_core.engine.tiny import SHAPES, make_tiny
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -131,7 +131,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
-            shape = QWEN25_05B if args.make_tiny_shape == "qwen2.5-0.5b" else {}
+            shape = SHAPES.get(args.make_tiny_shape, {})
             dtype = "float16" if shape else "float32"
             model_dir = make_tiny(Path(tmp) / "model", args.arch, dtype=dtype, **shape)  # type: ignore[arg-type]
         print(json.dumps(asyncio.run(run(args, model_dir)), indent=2))

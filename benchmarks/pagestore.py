@@ -350,9 +350,9 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from tests.pagestore.engines import StoreMesh
-    from xavier_core.engine.tiny import QWEN25_05B, WIDTH_7B, make_tiny
+    from xavier_core.engine.tiny import SHAPES, make_tiny
 
-    sizes = {"qwen2.5-0.5b": dict(QWEN25_05B), "7b-width": dict(WIDTH_7B)}.get(args.shape, {})
+    sizes = dict(SHAPES.get(args.shape, {}))
     dtype = "float16" if args.device != "cpu" else "float32"
     model = make_tiny(work / f"{args.shape}-qwen2", "qwen2", seed=args.seed, dtype=dtype, **sizes)
     # Room in the store for every rep's prefix (no eviction between A's write and B's read).

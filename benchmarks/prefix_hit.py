@@ -25,7 +25,7 @@ from typing import Any
 from xavier_core.engine import engine_loop
 from xavier_core.engine.api import Sampling
 from xavier_core.engine.reference import ReferenceEngine
-from xavier_core.engine.tiny import QWEN25_05B, make_tiny
+from xavier_core.engine.tiny import SHAPES, make_tiny
 
 _PROFILE = cProfile.Profile()
 _PROFILING = [False]
@@ -56,7 +56,7 @@ async def ttft_ms(engine: ReferenceEngine, rid: str, tokens: list[int]) -> float
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    sizes = dict(QWEN25_05B) if args.shape == "qwen2.5-0.5b" else {}
+    sizes = dict(SHAPES.get(args.shape, {}))
     dtype = "float16" if args.device != "cpu" else "float32"
     model = make_tiny(Path(tempfile.mkdtemp()) / "m", "qwen2", dtype=dtype, **sizes)
     engine = ReferenceEngine.load(model, device=args.device, num_pages=max(600, 4 * args.prefix // 16))

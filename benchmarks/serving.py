@@ -448,8 +448,7 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="xavier-bench-"))
     etcd = ""
     if args.directory_backend == "etcd":
-        sys.path.insert(0, str(Path(__file__).parent))
-        from directory import start_etcd
+        from directory import start_etcd  # benchmarks/directory.py, beside this script
 
         etcd_proc, etcd = start_etcd(workdir)
     meshes = {"model": ("levels", run_levels), "null": ("overhead", run_overhead)}

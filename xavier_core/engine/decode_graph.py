@@ -117,7 +117,7 @@ class DecodeRunner:
                 or pages_for(req.num_computed + n, ps) > self.max_pages
             ):
                 return False
-            if n == 1 and req.remaining == 1:
+            if _decode_row(req, n):
                 continue
             if not self.chunks or req.num_computed == 0:
                 return False
@@ -145,7 +145,7 @@ class DecodeRunner:
         self._fill(slot.host, rows, sampling, *key)
         slot.device.copy_(slot.host)
         self.steps += 1
-        self.prefill_chunks += sum(not (n == 1 and req.remaining == 1) for req, n in items)
+        self.prefill_chunks += sum(not _decode_row(req, n) for req, n in items)
         if not self.use_graphs:
             logits = self.model.decode_static(slot.inputs, self.pool)
         else:
@@ -245,6 +245,11 @@ class DecodeRunner:
             logits = self.model.decode_static(inputs, self.pool)
         self.graphs_captured += 1
         return graph, logits
+
+
+def _decode_row(req: Request, n: int) -> bool:
+    """Whether a step's item is a decode row: one token, the request's last before it samples."""
+    return n == 1 and req.remaining == 1
 
 
 def _rows(items: Sequence[tuple[Request, int]]) -> list[tuple[Request, int]]:

@@ -193,7 +193,7 @@ class StoreLink:
         if req.chain_seed is None:
             return
         first = max(req.output_pages_written, len(req.prompt) // self.page_size)
-        last = min(req.num_registered, len(req.prompt_keys))
+        last = req.num_registered  # each registered page has its key in prompt_keys
         if last - first < (1 if final else OUTPUT_BATCH_PAGES):
             return
         req.output_pages_written = last

@@ -53,6 +53,8 @@ WIDTH_7B = {
 }
 """Qwen2.5-7B's width (hidden, heads, KV heads, MLP, vocabulary) at 4 of its 28 layers: per layer the
 same ratio of prefill compute to KV bytes as the whole model."""
+SHAPES: dict[str, dict[str, int]] = {"qwen2.5-0.5b": QWEN25_05B, "7b-width": WIDTH_7B}
+"""The benchmarks' named model shapes (`make_tiny` sizes); any other name is the tiny default."""
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
