@@ -9,7 +9,9 @@ backend in a directory both replicas share) and each prefix length, per rep:
 * replica A computes another fresh prompt of the same length; once A's write-through reached the L3
   (the store's page count, or the files in the shared directory, stop growing), `warm`: the same prompt
   asked of B, which must find the prefix in the L3 (SGLang's cached-token count says how much) and answer
-  the tokens A answered.
+  the tokens A answered. On the Xavier store each warm rep also says where its time went (the
+  backend's storage trace, `XAVIER_SGLANG_TRACE`): the lookups' and gets' milliseconds, the time before
+  the first storage call and after the last one.
 
 TTFT is the client's, one GenerateUnified straight to the replica (max 1 token). Medians of the reps; the
 JSON has every rep. Replicas share the GPUs given round-robin (`--gpus 0,0`: both on GPU 0, started one
@@ -41,6 +43,9 @@ from tests.pagestore.engines import Answer, generate
 SGLANG_ARGS = [
     "--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.3",
     "--cuda-graph-max-bs", "16", "--log-level", "warning",
+    # SGLang sizes the host tier at twice the device pool by default (59 GB a replica here), and pinning it
+    # takes minutes; the prefixes measured need well under 1 GB.
+    "--hicache-size", "4",
 ]  # fmt: skip
 NEW_TOKENS = 16
 
@@ -55,9 +60,7 @@ class Mesh:
     def __init__(self, backend: str, args: argparse.Namespace, work: Path) -> None:
         self.backend, self.work = backend, work / backend
         self.files = self.work / "hicache-files"
-        flags = ["--sglang-hicache"] if backend == "xavier" else [
-            "--no-pagestore", "--sglang-arg=--enable-hierarchical-cache",
-            "--sglang-arg=--hicache-storage-backend", "--sglang-arg=file"]  # fmt: skip
+        flags = ["--sglang-hicache"] if backend == "xavier" else ["--no-pagestore", "--sglang-hicache-file"]
         if args.prefetch_policy:
             flags += [
                 "--sglang-arg=--hicache-storage-prefetch-policy",
@@ -66,7 +69,12 @@ class Mesh:
         flags = ["--insecure", "--engine", "sglang", "--mode", "colocated", "--unified", "2",
                  "--model", str(args.model), "--gpus", args.gpus, "--sglang-command", SGLANG_LAUNCHER, *flags,
                  *(f"--sglang-arg={a}" for a in SGLANG_ARGS + args.sglang_arg)]  # fmt: skip
-        env = {**os.environ, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(self.files)}
+        self.trace = self.work / "trace"
+        env = {
+            **os.environ,
+            "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(self.files),
+            "XAVIER_SGLANG_TRACE": str(self.trace),
+        }
         self.proc, _ = launch_up(self.work, flags, env, timeout=1200)
         svc = self.work / "svc"
         self.a, self.b = (json.loads((svc / f"unified-{i}.ready").read_text())["address"] for i in (0, 1))
@@ -87,6 +95,23 @@ class Mesh:
         with urllib.request.urlopen(f"http://{self.store_metrics}/metrics", timeout=10) as resp:
             lines = resp.read().decode().splitlines()
         return sum(float(ln.split(" ")[1]) for ln in lines if ln.split(" ")[0] == name)
+
+    def storage_calls(self, t0: float, t1: float) -> dict[str, float]:
+        """Where a warm read's time went, from the Xavier backend's storage trace (`storage_call`): the
+        lookups and gets that ran inside [t0, t1] (wall clock; only B is asked anything then)."""
+        calls = []
+        for f in self.trace.glob("hicache-*.jsonl"):
+            calls += [json.loads(ln) for ln in f.read_text().splitlines() if ln]
+        calls = [c for c in calls if t0 <= c["t0"] and c["t1"] <= t1]
+        if not calls:
+            return {}
+        out = {"storage_calls": float(len(calls))}
+        for op in ("exists", "get"):
+            mine = [c for c in calls if c["op"] == op]
+            out[f"{op}_ms"] = 1e3 * sum(c["t1"] - c["t0"] for c in mine)
+        out["to_first_call_ms"] = 1e3 * (min(c["t0"] for c in calls) - t0)
+        out["after_last_call_ms"] = 1e3 * (t1 - max(c["t1"] for c in calls))
+        return out
 
     def close(self) -> None:
         stop(self.proc, grace=120)
@@ -126,8 +151,11 @@ async def measure(mesh: Mesh, args: argparse.Namespace) -> list[dict[str, Any]]:
             _, on_a = await timed(mesh.a, warm_ids)
             await settled(mesh, before)
             hits = mesh.store_hits()
+            t0 = time.time()
             warm_s, warm = await timed(mesh.b, warm_ids)
+            breakdown = mesh.storage_calls(t0, time.time())
             reps.append({
+                **breakdown,
                 "cold_ms": 1e3 * cold_s, "warm_ms": 1e3 * warm_s,
                 "cold_cached_tokens": cold.usage.cached_tokens,
                 "warm_cached_tokens": warm.usage.cached_tokens,

@@ -54,6 +54,11 @@ def add_sglang_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="HiCache on the page store for SGLang prefill/unified replicas (needs --pagestore)",
     )
+    p.add_argument(
+        "--sglang-hicache-file",
+        action="store_true",
+        help="HiCache on SGLang's own file backend (SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR), no page store",
+    )
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,8 @@ def replica_config(
         )
     if args.sglang_hicache and pagestore and role != "decode":
         sglang["hicache"] = True
+    if args.sglang_hicache_file and role != "decode":
+        sglang.update(hicache=True, hicache_backend="file")
     lines = ["[engine]", 'kind = "sglang"', "", "[sglang]"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in sglang.items()]
     if pagestore and role != "decode":

@@ -336,6 +336,8 @@ def _sglang_problem(args: argparse.Namespace, prefill: int, decode: int, unified
         return "--compute null is the reference engine's; SGLang always runs the model"
     if args.sglang_hicache and not args.pagestore:
         return "--sglang-hicache needs the page store (drop --no-pagestore)"
+    if args.sglang_hicache and args.sglang_hicache_file:
+        return "--sglang-hicache and --sglang-hicache-file choose HiCache's L3 twice: pick one"
     return ""
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from xavier_core.transfer.common.buffers import KvBuffer
 from .config import UnsupportedSetupError
 from .loop import LoopThread
 from .quarantine import Hold, HostQuarantine
+from .trace import storage_call
 
 __all__ = ["XavierHiCacheStorage", "host_pool_buffers"]
 
@@ -155,11 +157,14 @@ class XavierHiCacheStorage(HiCacheStorage):
         client, ns = self.client, self.namespace
         if client is None or ns is None or not keys:
             return 0
+        start = time.time()
         try:
-            return int(self._loop.run(client.exists(ns, self._store_keys(keys)), self._wait_s))
+            found = int(self._loop.run(client.exists(ns, self._store_keys(keys)), self._wait_s))
         except Exception as exc:
             self._error("exists", exc)
-            return 0
+            found = 0
+        storage_call("exists", len(keys), start, found)
+        return found
 
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         client, ns, guard = self.client, self.namespace, self.quarantine
@@ -170,7 +175,7 @@ class XavierHiCacheStorage(HiCacheStorage):
         except ValueError as exc:
             self._error("get", exc)
             return [False] * len(keys)
-        page = self._page_size
+        page, start = self._page_size, time.time()
         allocate = InOrder([tokens[i * page] // page for i in range(len(keys))])
         # SGLang frees the pages it is told are missing and lends them again: they stay held until the
         # fetch has ended (not when the wait below gives up), and for good if its READ is stuck.
@@ -182,6 +187,7 @@ class XavierHiCacheStorage(HiCacheStorage):
         except Exception as exc:
             self._error("get", exc)
             hit = 0
+        storage_call("get", len(keys), start, hit)
         return [True] * hit + [False] * (len(keys) - hit)
 
     def _settle(self, future: Future[Fetched], hold: Hold, tokens: list[int], allocate: InOrder) -> None:

@@ -5,7 +5,9 @@ JSON line to `<dir>/<side>-<pid>.jsonl`: the room id, the side (`prefill` / `dec
 SGLang polled it, its outcome and the wall-clock time of each step it passed (`time.time()`, so the
 prefill's and the decode's lines of one room, written by two processes of one host, line up).
 `benchmarks/sglang_pd.py` joins them into a breakdown. Nothing is written on the request path but
-this one line, and nothing at all when the variable is unset.
+this one line, and nothing at all when the variable is unset. The HiCache storage backend appends one
+line per storage call the same way (`storage_call`), so a warm read's time splits into its lookup, its
+get and what SGLang does around them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 import time
 from typing import IO
 
-__all__ = ["ENV_TRACE", "RoomTrace"]
+__all__ = ["ENV_TRACE", "RoomTrace", "storage_call"]
 
 ENV_TRACE = "XAVIER_SGLANG_TRACE"
 
@@ -71,3 +73,14 @@ class RoomTrace:
         }
         with _lock:
             out.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+
+def storage_call(op: str, pages: int, start: float, hit: int) -> None:
+    """Appends one HiCache storage call's line (`<dir>/hicache-<pid>.jsonl`): the operation (exists, get,
+    set), the pages asked and found, and its wall-clock start and end; nothing when tracing is off."""
+    out = _sink("hicache") if os.environ.get(ENV_TRACE) else None
+    if out is None:
+        return
+    line = {"op": op, "pages": pages, "hit": hit, "t0": start, "t1": time.time()}
+    with _lock:
+        out.write(json.dumps(line, separators=(",", ":")) + "\n")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 from xavier_sglang.config import UnsupportedSetupError
 from xavier_sglang.hicache import XavierHiCacheStorage, host_pool_buffers
+from xavier_sglang.trace import ENV_TRACE
 
 from tests.pagestore.support import start_store
 from tests.support.procs import ServiceProc
@@ -126,7 +128,10 @@ def test_pool_buffers_follow_sglangs_page_meta() -> None:
     assert bufs[1].addr - bufs[0].addr == pool.kv_buffer[0].nbytes  # V one K half further
 
 
-def test_pages_round_trip_through_the_store(store: ServiceProc, tiny_model: Path) -> None:
+def test_pages_round_trip_through_the_store(
+    store: ServiceProc, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_TRACE, str(tmp_path / "trace"))
     writer_pool, reader_pool = host_pool(seed=1), host_pool(seed=None)
     writer = backend(store.address, tiny_model, writer_pool)
     reader = backend(store.address, tiny_model, reader_pool)
@@ -145,6 +150,13 @@ def test_pages_round_trip_through_the_store(store: ServiceProc, tiny_model: Path
         for s, d in zip(src[:4], dst[:4], strict=True):
             assert torch.equal(page(reader_pool, d), page(writer_pool, s)), f"page {s} -> {d} differs"
         assert reader.get_stats()["hit_pages"] == 4 and reader.errors == 0
+        # Each lookup and get left its trace line: what it asked, what it found, when.
+        (trace,) = (tmp_path / "trace").glob("hicache-*.jsonl")
+        calls = [json.loads(line) for line in trace.read_text().splitlines()]
+        assert [(c["op"], c["pages"], c["hit"]) for c in calls] == [
+            ("exists", 6, 0), ("exists", 6, 6), ("exists", 7, 3), ("exists", 7, 0), ("get", 5, 4)
+        ]  # fmt: skip
+        assert all(c["t0"] <= c["t1"] for c in calls)
     finally:
         writer.close()
         reader.close()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from pydantic import ValidationError
 from xavier.v1 import types_pb2
 from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.sglang_host.child import SglangChild
@@ -94,6 +95,15 @@ def test_gpu_and_hicache(model: Path) -> None:
     extra = json.loads(flags["--hicache-storage-backend-extra-config"])
     assert extra["interface_v1"] == 1 and extra["pagestore"] == "10.0.0.6:7300"
     assert extra["module_path"] == "xavier_sglang.hicache" and extra["class_name"] == "XavierHiCacheStorage"
+
+
+def test_hicache_on_sglangs_file_backend_needs_no_store(model: Path) -> None:
+    cfg = SglangSection(hicache=True, hicache_backend="file")
+    flags = _flags(build_launch(cfg, _spec(model, types_pb2.ROLE_UNIFIED)))
+    assert flags["--hicache-storage-backend"] == "file" and "--enable-hierarchical-cache" in flags
+    assert "--hicache-storage-backend-extra-config" not in flags
+    with pytest.raises(ValidationError, match="hicache_backend"):
+        SglangSection(hicache=True, hicache_backend="mooncake")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -4,12 +4,17 @@ and each replica got the GPU and the flags its mode needs."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import tomllib
 from pathlib import Path
 
 import httpx
 import pytest
+from xavier_cli.sglang_up import replica_config
+from xavier_cli.up import add_up_args
 from xavier_client import Client, TlsOptions
+from xavier_services.sglang_host.config import SglangSection
 
 from tests.cli.mesh import Mesh, start_up
 from tests.sglang_host.conftest import STANDIN, standin_state
@@ -214,3 +219,18 @@ def test_up_refuses_native_without_sglang(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError) as info:
         start_up(tmp_path, tmp_path / "cache", "--mode", "native", timeout=60)
     assert "--engine sglang" in str(info.value)
+
+
+def test_up_chooses_hicaches_l3_once(tmp_path: Path, tiny_model: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_up_args(parser)
+    args = parser.parse_args(["--engine", "sglang", "--mode", "colocated", "--sglang-hicache-file"])
+    path = replica_config(args, tmp_path, "unified-0", "unified", 0, "", None)
+    section = SglangSection(**tomllib.loads(path.read_text())["sglang"])
+    assert section.hicache and section.hicache_backend == "file"  # SGLang's own L3, no page store
+    with pytest.raises(RuntimeError) as info:
+        flags = ["--engine", "sglang", "--mode", "colocated", "--model", str(tiny_model)]
+        start_up(
+            tmp_path, tmp_path / "cache", *flags, "--sglang-hicache", "--sglang-hicache-file", timeout=60
+        )
+    assert "pick one" in str(info.value)

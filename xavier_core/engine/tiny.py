@@ -41,7 +41,15 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-QWEN25_05B = {"layers": 24, "hidden": 896, "heads": 14, "kv_heads": 2, "intermediate": 4864, "vocab": 151936}
+QWEN25_05B = {
+    "layers": 24,
+    "hidden": 896,
+    "heads": 14,
+    "kv_heads": 2,
+    "intermediate": 4864,
+    "vocab": 151936,
+    "max_position": 32768,
+}
 WIDTH_7B = {
     "layers": 4,
     "hidden": 3584,

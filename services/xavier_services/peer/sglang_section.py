@@ -110,7 +110,10 @@ class SglangSection(BaseModel):
     cuda_visible_devices: str = ""
     """CUDA_VISIBLE_DEVICES of the SGLang process; empty: inherited."""
     hicache: bool = False
-    """Prefill and unified roles with `[pagestore] address`: HiCache with the Xavier page store."""
+    """Prefill and unified roles: SGLang's HiCache, its L3 on `hicache_backend`."""
+    hicache_backend: Literal["xavier", "file"] = "xavier"
+    """HiCache's L3: "xavier" (the page store of `[pagestore] address`) or "file" (SGLang's own file
+    backend in SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, no page store: the choice without Xavier)."""
     health_timeout_seconds: float = Field(default=900.0, gt=0, le=86400)
     """Longest wait for SGLang's /health at start (model load, CUDA graph capture)."""
     health_interval_seconds: float = Field(default=10.0, gt=0, le=3600)

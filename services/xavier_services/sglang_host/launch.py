@@ -125,7 +125,7 @@ def build_launch(cfg: SglangSection, spec: LaunchSpec) -> Launch:
     elif spec.role != types_pb2.ROLE_UNIFIED:
         raise InvalidArgument(f"role {spec.role} cannot host SGLang", key="role")
     if cfg.hicache:
-        argv += _hicache_args(spec)
+        argv += _hicache_args(cfg, spec)
     argv += cfg.extra_args
     return Launch(argv, env, f"http://127.0.0.1:{spec.port}", api_key)
 
@@ -157,9 +157,11 @@ def _xavier_env(spec: LaunchSpec) -> dict[str, str]:
     return env
 
 
-def _hicache_args(spec: LaunchSpec) -> list[str]:
+def _hicache_args(cfg: SglangSection, spec: LaunchSpec) -> list[str]:
     if spec.role == types_pb2.ROLE_DECODE:
         raise InvalidArgument("HiCache serves prompts: not on a decode", key="sglang.hicache")
+    if cfg.hicache_backend == "file":
+        return ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
     if not spec.pagestore:
         raise InvalidArgument("sglang.hicache needs [pagestore] address", key="pagestore.address")
     extra = {**HICACHE_BACKEND, "pagestore": spec.pagestore, "model_path": str(spec.model), "cache_salt": ""}
