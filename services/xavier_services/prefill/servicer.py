@@ -19,6 +19,7 @@ import asyncio
 import hashlib
 import time
 from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -48,6 +49,7 @@ from xavier_services.peer.convert import (
     usage_pb,
 )
 from xavier_services.peer.host import PeerHost
+from xavier_services.peer.sessions import prefill_session
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
 
 log = get_logger(__name__)
@@ -241,6 +243,11 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
         if hold.released is not None and not hold.released.done():
             hold.released.set_result(request.decode_called)
         return pb.ReleaseSourceResponse(held=True)
+
+    async def PrefillSession(
+        self, requests: AsyncIterator[pb.PrefillSessionRequest], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        await prefill_session(requests, context, self.Prefill, self.ReleaseSource)
 
     async def _publish_and_hold(
         self, hold: _Hold, res: PrefillResult, num_tokens: int, decode: tuple[str, int]

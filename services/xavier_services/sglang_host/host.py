@@ -194,6 +194,8 @@ class SglangHost:
             address=self.address,
             layout=declare(layout.to_proto(), self.role),
         )
+        if self.config.peer.call_sessions and self.role != types_pb2.ROLE_UNIFIED:
+            req.layout.service_features.append(types_pb2.SERVICE_FEATURE_CALL_SESSIONS)
         await self.membership.join(req, self._load)
 
     @contextlib.contextmanager
