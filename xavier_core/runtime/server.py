@@ -27,9 +27,9 @@ from . import sdnotify
 from .channels import client_tls, reload_client_tls, use_client_tls
 from .config import ConfigError, ServiceConfig, exit_on_config_error, parse_host_port
 from .interceptors import RuntimeInterceptor
-from .session import end_sessions
 from .logging import configure_logging, get_logger
 from .metrics import MetricsServer, start_metrics_server
+from .session import end_sessions
 from .tls import ServerTls
 
 __all__ = ["ServerHandle", "run_service", "serve", "start_service"]

@@ -45,9 +45,9 @@ from xavier_services.peer.convert import (
     usage_pb,
 )
 from xavier_services.peer.host import PeerHost
-from xavier_services.peer.sessions import decode_session
 from xavier_services.peer.membership import PeerCache
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
+from xavier_services.peer.sessions import decode_session
 
 log = get_logger(__name__)
 # Room endings that mean a peer went away (retry elsewhere), not that the request was given up.

@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -49,8 +49,8 @@ from xavier_services.peer.convert import (
     usage_pb,
 )
 from xavier_services.peer.host import PeerHost
-from xavier_services.peer.sessions import prefill_session
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
+from xavier_services.peer.sessions import prefill_session
 
 log = get_logger(__name__)
 # Statuses after which a PublishSource may still have taken effect (the answer was lost, not a refusal).
