@@ -54,12 +54,14 @@ def _status_error(blob: bytes) -> grpc.aio.AioRpcError | None:
 class _Call:
     """What the session knows of one open call."""
 
-    __slots__ = ("_timer", "call_id", "done", "session")
+    __slots__ = ("_stream", "_timer", "call_id", "done", "error", "session")
 
     def __init__(self, session: CallSession, call_id: int, timeout: float | None) -> None:
         self.session = session
+        self._stream = session._stream
         self.call_id = call_id
         self.done = False
+        self.error: BaseException | None = None  # how the call failed, once it did
         self._timer = (
             asyncio.get_running_loop().call_later(timeout, self._expire) if timeout is not None else None
         )
@@ -84,8 +86,15 @@ class _Call:
         return True
 
     async def wait_for_connection(self) -> None:
-        """Returns once the session's stream is connected; a peer that refuses it fails the call."""
-        await self.session._connected()
+        """Returns once the session's stream is connected; raises how the call failed if it did (a
+        peer that refuses the stream fails it UNAVAILABLE)."""
+        await self.session._connected(self._stream)
+        if self.error is not None:
+            raise self.error
+
+    def _failed(self, error: object) -> None:
+        if isinstance(error, BaseException):
+            self.error = error
 
     def deliver(self, field: str, result: Any) -> None:
         raise NotImplementedError
@@ -121,6 +130,7 @@ class SessionUnaryCall(_Call):
         if self.done:
             return
         self._close()
+        self._failed(error)
         if error is _CANCELLED:
             self._future.cancel()
         else:
@@ -162,6 +172,7 @@ class SessionStreamCall(_Call):
     def fail(self, error: object) -> None:
         if not self.done:
             self._messages.clear()  # a cancelled or failed call hands out nothing more
+            self._failed(error)
             self._finish(error)
 
     async def read(self) -> Any:
@@ -250,8 +261,7 @@ class CallSession:
         loop = asyncio.get_running_loop()
         self._tasks = (loop.create_task(self._write(stream, ready)), loop.create_task(self._read(stream)))
 
-    async def _connected(self) -> None:
-        stream = self._stream
+    async def _connected(self, stream: Any) -> None:
         if stream is None:
             return
         try:
