@@ -24,6 +24,7 @@ for its whole grace period.
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import aclosing
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import Message
+from google.rpc import status_pb2
 
 from .domain_errors import as_xavier_error
 from .durations import to_seconds
@@ -42,8 +44,7 @@ from .logging import get_logger
 __all__ = ["CallContext", "SessionMethod", "end_sessions", "serve_session"]
 
 _log = get_logger("xavier.rpc.session")
-_DEADLINE_EXCEEDED = 4  # google.rpc.Code.DEADLINE_EXCEEDED
-_OK = 0
+_OK, _DEADLINE_EXCEEDED, _UNIMPLEMENTED = 0, 4, 12  # google.rpc.Code
 _LIVE: weakref.WeakSet[_Session] = weakref.WeakSet()
 
 
@@ -149,12 +150,15 @@ class _Session:
         self.idle.clear()
         task = asyncio.get_running_loop().create_task(self._run(call, kind))
         self.calls[call.call_id] = task
+        # On the task, not in it: a call cancelled in the message that started it never runs.
+        task.add_done_callback(functools.partial(self._done, call.call_id))
 
     async def _run(self, call: Any, kind: str | None) -> None:
         found = self.methods.get(kind or "")
         if found is None:  # a method this build does not know: UNIMPLEMENTED, as for an unknown RPC
-            self.send(call.call_id, "status", _status_bytes(12, f"the session carries no {kind!r} call"))
-            self._done(call.call_id)
+            self.send(
+                call.call_id, "status", _status_bytes(_UNIMPLEMENTED, f"the session carries no {kind!r} call")
+            )
             return
         method, state = found
         scope = CallScope(state, call.request_id or None)
@@ -162,7 +166,6 @@ class _Session:
             await self._serve(call, method, state, scope)
         finally:
             scope.close()
-            self._done(call.call_id)
 
     async def _serve(self, call: Any, method: SessionMethod, state: _MethodState, scope: CallScope) -> None:
         loop = asyncio.get_running_loop()
@@ -199,7 +202,7 @@ class _Session:
             scope.code = err.code.name
             self.send(call.call_id, "status", _error_bytes(err))
 
-    def _done(self, call_id: int) -> None:
+    def _done(self, call_id: int, _task: object = None) -> None:
         self.calls.pop(call_id, None)
         if not self.calls:
             self.idle.set()
@@ -212,8 +215,6 @@ class _Session:
 
 
 def _status_bytes(code: int, message: str) -> bytes:
-    from google.rpc import status_pb2
-
     return bytes(status_pb2.Status(code=code, message=message).SerializeToString())
 
 
