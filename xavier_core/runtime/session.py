@@ -40,6 +40,7 @@ from .errors import Internal, Unavailable, XavierError, status_proto
 from .identity import require
 from .interceptors import REQUEST_ID_KEY, CallScope, _MethodState, method_state
 from .logging import get_logger
+from .session_client import batches
 
 __all__ = ["CallContext", "SessionMethod", "end_sessions", "serve_session"]
 
@@ -131,9 +132,9 @@ class _Session:
         while True:
             await self.ready.wait()
             self.ready.clear()
-            batch, self.pending = self.pending, []
+            queued, self.pending = self.pending, []
             self.tails.clear()
-            if batch:
+            for batch in batches(queued):
                 await self.context.write(response(results=batch))
             if self.finished and not self.pending:
                 return

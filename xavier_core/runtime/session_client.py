@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import Any
 
 import grpc
@@ -28,9 +28,30 @@ from google.rpc import status_pb2
 
 from .durations import to_duration
 
-__all__ = ["CallSession", "SessionStreamCall", "SessionUnaryCall"]
+__all__ = ["BATCH_BYTES", "CallSession", "SessionStreamCall", "SessionUnaryCall", "batches"]
 
 _DETAILS_KEY = "grpc-status-details-bin"
+BATCH_BYTES = 4 << 20
+"""A session message carries calls (or results) up to about this many bytes, well below the 16 MiB
+message limit both sides set: a burst of long prompts goes out as several messages, never one the
+peer must refuse (which would break the stream for every call on it)."""
+
+
+def batches(items: list[Any], limit: int = BATCH_BYTES) -> Iterator[list[Any]]:
+    """`items` in order, cut into runs of at most `limit` bytes (an item larger than that alone)."""
+    batch: list[Any] = []
+    size = 0
+    for item in items:
+        n = item.ByteSize()
+        if batch and size + n > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += n
+    if batch:
+        yield batch
+
+
 _CANCELLED = object()
 
 
@@ -274,8 +295,8 @@ class CallSession:
             while True:
                 await ready.wait()
                 ready.clear()
-                batch, self._queue = self._queue, []
-                if batch:
+                queued, self._queue = self._queue, []
+                for batch in batches(queued):
                     await stream.write(self._request(calls=batch))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             self._broke(stream, exc)
