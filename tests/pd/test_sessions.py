@@ -6,6 +6,7 @@ request fails over; a peer that does not declare sessions is called per RPC."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,9 +68,10 @@ def _rpc_count(proc: ServiceProc, method: str) -> float:
     return total
 
 
-@pytest.fixture(scope="module")
-def long_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = Mesh(tiny_model, tmp_path_factory.mktemp("sessions"), dict(_LONG))
+@contextlib.contextmanager
+def _pair(model: Path, workdir: Path, env: dict[str, str]) -> Iterator[Mesh]:
+    """Directory, prefill-0 and decode-0 under `env`, stopped on exit (with what the test added)."""
+    m = Mesh(model, workdir, env)
     try:
         m.start_directory()
         m.start_peer("prefill-0", "prefill")
@@ -77,6 +79,12 @@ def long_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield m
     finally:
         m.stop()
+
+
+@pytest.fixture(scope="module")
+def long_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    with _pair(tiny_model, tmp_path_factory.mktemp("sessions"), dict(_LONG)) as m:
+        yield m
 
 
 async def _peers(m: Mesh) -> tuple[dpb.Peer, dpb.Peer]:
@@ -202,18 +210,26 @@ async def test_bad_input_on_a_session_gets_the_rpcs_status(long_mesh: Mesh) -> N
         await ps.close()
 
 
+@contextlib.contextmanager
+def _routed(m: Mesh, tmp: Path, env: dict[str, str] | None = None) -> Iterator[ServiceProc]:
+    router = _router(m, tmp, env=env)
+    try:
+        yield router
+    finally:
+        router.stop()
+
+
+async def _generate(client: AsyncClient, prompt: str) -> int:
+    return len((await client.generate(prompt, max_tokens=4, mode="pd", ignore_eos=True)).token_ids)
+
+
 async def test_a_killed_decode_fails_its_open_calls_unavailable_and_the_request_fails_over(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    m = Mesh(tiny_model, tmp_path, {**_LONG, "XAVIER_HEALTH_INTERVAL_SECONDS": "600"})
-    router: ServiceProc | None = None
-    try:
-        m.start_directory()
-        m.start_peer("prefill-0", "prefill")
-        m.start_peer("decode-0", "decode")
-        router = _router(m, tmp_path)
+    env = {**_LONG, "XAVIER_HEALTH_INTERVAL_SECONDS": "600"}
+    with _pair(tiny_model, tmp_path, env) as m, _routed(m, tmp_path) as router:
         async with AsyncClient(router.address, timeout=60) as client:
-            await client.generate("warm the router's sessions", max_tokens=4, mode="pd", ignore_eos=True)
+            assert await _generate(client, "warm the router's sessions") == 4
             p, d = await _peers(m)
             async with grpc.aio.insecure_channel(d.address) as dch:
                 ds = _decode_session(dch)
@@ -226,46 +242,23 @@ async def test_a_killed_decode_fails_its_open_calls_unavailable_and_the_request_
                     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
                     assert from_rpc_error(err.value).reason == "UNAVAILABLE"  # a transport failure
             m.start_peer("decode-1", "decode")
-            # The router's session to the dead decode broke too: its next request goes to decode-1.
+            # The router's session to the dead decode broke too: its next requests go to decode-1.
             for _ in range(3):
-                answer = await client.generate(
-                    "after the decode died", max_tokens=4, mode="pd", ignore_eos=True
-                )
-                assert len(answer.token_ids) == 4
+                assert await _generate(client, "after the decode died") == 4
         router.stop()  # the sessions it held end now and are counted
         assert _rpc_count(m.procs["prefill-0"], "PrefillSession") >= 1
-    finally:
-        if router is not None:
-            router.stop()
-        m.stop()
 
 
 async def test_a_peer_without_sessions_is_called_per_rpc(tiny_model: Path, tmp_path: Path) -> None:
-    m = Mesh(tiny_model, tmp_path, {**FAST_ENV, "XAVIER_PEER__CALL_SESSIONS": "false"})
-    router: ServiceProc | None = None
-    try:
-        m.start_directory()
-        m.start_peer("prefill-0", "prefill")
-        m.start_peer("decode-0", "decode")
+    env = {**FAST_ENV, "XAVIER_PEER__CALL_SESSIONS": "false"}
+    with _pair(tiny_model, tmp_path, env) as m, _routed(m, tmp_path, dict(FAST_ENV)) as router:
         p, d = await _peers(m)
         assert not p.layout.service_features and not d.layout.service_features
-        router = _router(m, tmp_path, env=dict(FAST_ENV))
         async with AsyncClient(router.address, timeout=60) as client:
             for _ in range(3):
-                assert (
-                    len(
-                        (
-                            await client.generate("per call", max_tokens=4, mode="pd", ignore_eos=True)
-                        ).token_ids
-                    )
-                    == 4
-                )
+                assert await _generate(client, "per call") == 4
         router.stop()  # a session it held would end now and be counted
         for name, session in (("prefill-0", "PrefillSession"), ("decode-0", "DecodeSession")):
             assert _rpc_count(m.procs[name], session) == 0, name
         assert _rpc_count(m.procs["prefill-0"], "Prefill") == 3
         assert _rpc_count(m.procs["decode-0"], "Decode") == 3
-    finally:
-        if router is not None:
-            router.stop()
-        m.stop()
