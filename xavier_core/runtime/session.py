@@ -63,10 +63,13 @@ class SessionMethod:
 class CallContext:
     """What a servicer method reads from its `ServicerContext`, for one call of a session."""
 
-    __slots__ = ("_deadline", "_loop", "_metadata", "_stream", "_task")
+    __slots__ = ("_auth", "_deadline", "_loop", "_metadata", "_stream", "_task")
 
-    def __init__(self, stream: Any, request_id: str, deadline: float | None) -> None:
+    def __init__(
+        self, stream: Any, auth: Mapping[str, Sequence[bytes]], request_id: str, deadline: float | None
+    ) -> None:
         self._stream = stream
+        self._auth = auth
         self._metadata = ((REQUEST_ID_KEY, request_id),)
         self._deadline = deadline
         self._loop = asyncio.get_running_loop()
@@ -74,8 +77,7 @@ class CallContext:
 
     def auth_context(self) -> Mapping[str, Sequence[bytes]]:
         """The session's connection's auth context: every call of a stream has its caller."""
-        result: Mapping[str, Sequence[bytes]] = self._stream.auth_context()
-        return result
+        return self._auth
 
     def peer(self) -> str:
         return str(self._stream.peer())
@@ -98,6 +100,7 @@ class _Session:
 
     def __init__(self, context: Any, methods: Sequence[SessionMethod], result: type[Message]) -> None:
         self.context = context
+        self.auth: Mapping[str, Sequence[bytes]] = context.auth_context()  # one connection, one caller
         self.methods = {m.name: (m, method_state(m.full)) for m in methods}
         self.result = result
         self.calls: dict[int, asyncio.Task[None]] = {}
@@ -171,7 +174,7 @@ class _Session:
     async def _serve(self, call: Any, method: SessionMethod, state: _MethodState, scope: CallScope) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + to_seconds(call.timeout) if call.HasField("timeout") else None
-        ctx = CallContext(self.context, scope.request_id, deadline)
+        ctx = CallContext(self.context, self.auth, scope.request_id, deadline)
         request = getattr(call, method.name)
         try:
             if self.closing:
