@@ -178,6 +178,21 @@ async def test_a_cancel_reaches_the_decode_and_its_cleanup_runs(long_mesh: Mesh)
     assert _rpc_count(long_mesh.procs["decode-0"], "Decode") >= cancelled_before + 2
 
 
+async def test_a_session_that_ends_cancels_its_open_calls_on_the_peer(long_mesh: Mesh) -> None:
+    p, d = await _peers(long_mesh)
+    async with grpc.aio.insecure_channel(d.address) as dch:
+        ds = _decode_session(dch)
+        calls = [(await _waiting_decode(ds, p, None))[0] for _ in range(2)]
+        await _until_holding(long_mesh)
+        await ds.close()  # the stream ends under its calls, as a router that goes away ends it
+        for call in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        stats = await wait_drained(long_mesh)
+        assert not any(stats.values()), stats  # each call's task was cancelled and cleaned up
+
+
 async def test_a_deadline_ends_the_call_on_both_sides(long_mesh: Mesh) -> None:
     p, d = await _peers(long_mesh)
     async with grpc.aio.insecure_channel(d.address) as dch:
