@@ -114,6 +114,7 @@ def start_mesh(
     pagestore: bool = False,
     protocol: str = "pair",
     etcd: str = "",
+    sessions: bool = True,
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / "up.json"
@@ -138,6 +139,8 @@ def start_mesh(
         # The page store adds a lookup to every prefill and a write-through after it: off unless asked for,
         # so the figures are P/D's and colocated serving's own.
         "--pagestore" if pagestore else "--no-pagestore",
+        # The router's calls to peers: one call session per peer, or one RPC per call.
+        "--peer-sessions" if sessions else "--no-peer-sessions",
     ]
     if model is not None:
         cmd += ["--model", str(model)]
@@ -444,7 +447,19 @@ def main() -> int:
         default="memory",
         help="where the directory keeps peers and rooms (etcd: a private one on disk, as in directory.py)",
     )
+    p.add_argument(
+        "--sessions",
+        type=lambda v: v.split(","),
+        default=["on"],
+        help="the router's peer calls in the overhead part: on (call sessions), off (one RPC each), or "
+        "both in this order (off,on), one mesh each",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=1, help="times the overhead meshes run, alternating in their order"
+    )
     args = p.parse_args()
+    if set(args.sessions) - {"on", "off"}:
+        p.error(f"--sessions takes on and off, got {','.join(args.sessions)}")
     workdir = Path(tempfile.mkdtemp(prefix="xavier-bench-"))
     etcd = ""
     if args.directory_backend == "etcd":
@@ -459,11 +474,18 @@ def main() -> int:
         "pagestore": args.pagestore,
         "directory_backend": args.directory_backend,
     }
-    runs = [("model", args.protocols[0])] if not args.overhead_only else []
-    runs += [("null", protocol) for protocol in args.protocols]
-    for compute, protocol in runs:
-        where = workdir / f"{compute}-{protocol}"
-        proc, info = start_mesh(where, args.model, args.device, compute, args.pagestore, protocol, etcd)
+    runs = [("model", args.protocols[0], args.sessions[-1], 0)] if not args.overhead_only else []
+    runs += [
+        ("null", protocol, sessions, n)
+        for n in range(args.rounds)
+        for protocol in args.protocols
+        for sessions in args.sessions
+    ]
+    for compute, protocol, sessions, n in runs:
+        where = workdir / f"{compute}-{protocol}-sessions-{sessions}-{n}"
+        proc, info = start_mesh(
+            where, args.model, args.device, compute, args.pagestore, protocol, etcd, sessions == "on"
+        )
         try:
             key, fn = meshes[compute]
             result["model"] = Path(info["model"]).name
@@ -471,7 +493,9 @@ def main() -> int:
             out = _run_loop(coro)
             if compute == "null":  # the first protocol's is "overhead"; each one's by protocol
                 result.setdefault(key, out)
-                result.setdefault("overhead_by_protocol", {})[protocol] = out
+                result.setdefault("overhead_by_protocol", {}).setdefault(protocol, out)
+                by_sessions = result.setdefault("overhead_by_sessions", {}).setdefault(protocol, {})
+                by_sessions.setdefault(sessions, []).append(out)
             else:
                 result[key] = out
             if compute == "model" and args.run_lengths:

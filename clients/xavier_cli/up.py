@@ -116,6 +116,13 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         help="start one page store and point every prefill/unified engine at it (default: on)",
     )
     p.add_argument(
+        "--peer-sessions",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the router carries its calls to each peer that declares call sessions on one stream "
+        "(router peer_sessions; default: on)",
+    )
+    p.add_argument(
         "--pagestore-listen", default="127.0.0.1:0", metavar="HOST:PORT", help="page store address"
     )
     add_sglang_args(p)
@@ -182,6 +189,8 @@ def run_up(args: argparse.Namespace) -> int:
     # The engine binaries take engine.compute from the environment; the directory and router have no
     # `engine` section, so they ignore the variable.
     env = {"XAVIER_ENGINE__COMPUTE": args.compute}
+    if not args.peer_sessions:  # the router's `peer_sessions`; the other services have no such key
+        env["XAVIER_PEER_SESSIONS"] = "false"
     if args.insecure and args.tls:
         print("xavier up: --tls and --insecure contradict each other", file=sys.stderr)
         return 2

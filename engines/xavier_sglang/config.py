@@ -46,6 +46,7 @@ ENV_WAITING_TIMEOUT = "XAVIER_SGLANG_WAITING_TIMEOUT"
 ENV_TRANSFER_TIMEOUT = "XAVIER_SGLANG_TRANSFER_TIMEOUT"
 ENV_PROGRESS_THREAD = "XAVIER_SGLANG_NIXL_PROGRESS_THREAD"
 ENV_CUDA_IPC = "XAVIER_SGLANG_CUDA_IPC"
+ENV_CALL_SESSIONS = "XAVIER_SGLANG_CALL_SESSIONS"
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -105,6 +106,9 @@ class XavierSettings:
     tls: TlsSettings | None = None
     """mTLS to the directory (`XAVIER_TLS__CERT_FILE`, `__KEY_FILE`, `__CA_FILE`: the hosting service's
     own `[tls]`, whose certificate names the peer this process registers as); None: plaintext."""
+    call_sessions: bool = True
+    """Whether the peer declares call sessions (`XAVIER_SGLANG_CALL_SESSIONS`, default on: the hosting
+    service's `peer.call_sessions`): the service at the registered address serves them."""
     cuda_ipc: bool = True
     """Same-host GPU pairs copy KV through CUDA IPC (`XAVIER_SGLANG_CUDA_IPC`, default on): the decode
     exports its pool, the prefill maps it once per decode epoch and writes each chunk with one fused
@@ -129,6 +133,7 @@ class XavierSettings:
             transfer_timeout_s=_seconds(env, ENV_TRANSFER_TIMEOUT, 30.0),
             progress_thread=_flag(env, ENV_PROGRESS_THREAD, True),
             cuda_ipc=_flag(env, ENV_CUDA_IPC, True),
+            call_sessions=_flag(env, ENV_CALL_SESSIONS, True),
             tls=_tls(env),
         )
 

@@ -52,12 +52,17 @@ def features_for(role: types_pb2.Role.ValueType) -> tuple[types_pb2.EngineFeatur
     return UNIFIED_FEATURES if role == types_pb2.ROLE_UNIFIED else PAIR_FEATURES
 
 
-def declare(layout: types_pb2.KvLayout, role: types_pb2.Role.ValueType) -> types_pb2.KvLayout:
+def declare(
+    layout: types_pb2.KvLayout, role: types_pb2.Role.ValueType, call_sessions: bool = True
+) -> types_pb2.KvLayout:
     """`layout` with what an SGLang peer of `role` declares: its features and, for a P/D role, how it
-    hands off (the prefill and decode are called at once: SGLang's own bootstrap pairs them) and where
-    the first token comes from (the decode streams it). Returns `layout`, changed in place."""
+    hands off (the prefill and decode are called at once: SGLang's own bootstrap pairs them), where
+    the first token comes from (the decode streams it) and, with `call_sessions`, that its hosting
+    service serves call sessions. Returns `layout`, changed in place."""
     layout.features.extend(features_for(role))
     if role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE):
         layout.handoff = types_pb2.HANDOFF_PROTOCOL_CONCURRENT
         layout.first_token_source = types_pb2.FIRST_TOKEN_SOURCE_DECODE
+        if call_sessions:
+            layout.service_features.append(types_pb2.SERVICE_FEATURE_CALL_SESSIONS)
     return layout

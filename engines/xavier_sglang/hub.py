@@ -418,7 +418,7 @@ class Hub:
             peer_id=self.settings.peer_id,
             role=self.role,
             address=self.settings.advertise,
-            layout=declare(self.layout.to_proto(), self.role),
+            layout=declare(self.layout.to_proto(), self.role, self.settings.call_sessions),
             endpoint=endpoint,
         )
         self.session = PeerSession(self.client, request)

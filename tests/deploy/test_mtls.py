@@ -68,6 +68,21 @@ def _health(channel: grpc.Channel) -> int:
     return int(stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status)
 
 
+def _strangers(
+    up: Mesh,
+) -> Iterator[tuple[str, tuple[ppb_grpc.PrefillServiceStub, decpb_grpc.DecodeServiceStub]]]:
+    """Stubs of prefill-0 and decode-0 for callers holding genuine certificates of other roles (the
+    CLI's and a decode's), each with the identity the refusal names."""
+    addr = _addresses(up)
+    for who, caller in (("client", "client/cli"), ("decode-0", "decode/decode-0")):
+        creds = _credentials(up, who)
+        with (
+            grpc.secure_channel(addr["prefill-0"], creds) as pch,
+            grpc.secure_channel(addr["decode-0"], creds) as dch,
+        ):
+            yield caller, (ppb_grpc.PrefillServiceStub(pch), decpb_grpc.DecodeServiceStub(dch))
+
+
 def _denied(call: Callable[[], Any], caller: str) -> None:
     with pytest.raises(grpc.RpcError) as info:
         call()
@@ -149,16 +164,33 @@ def test_a_genuine_certificate_cannot_act_as_another_identity(tls_mesh: Mesh) ->
         assert "decode-1" not in after
     prefill_req = ppb.PrefillRequest(room_id=7, decode_peer_id="decode-0")
     decode_req = decpb.DecodeRequest(room_id=7)
-    for who, caller in (("client", "client/cli"), ("decode-0", "decode/decode-0")):
-        creds = _credentials(tls_mesh, who)
-        with (
-            grpc.secure_channel(addr["prefill-0"], creds) as pch,
-            grpc.secure_channel(addr["decode-0"], creds) as dch,
-        ):
-            prefill_stub, decode_stub = ppb_grpc.PrefillServiceStub(pch), decpb_grpc.DecodeServiceStub(dch)
-            _denied(lambda: prefill_stub.Prefill(prefill_req, timeout=5), caller)  # noqa: B023 (called at once)
-            _denied(lambda: next(iter(decode_stub.Decode(decode_req, timeout=5))), caller)  # noqa: B023
+    for caller, (prefill_stub, decode_stub) in _strangers(tls_mesh):
+        _denied(lambda: prefill_stub.Prefill(prefill_req, timeout=5), caller)  # noqa: B023 (called at once)
+        _denied(lambda: next(iter(decode_stub.Decode(decode_req, timeout=5))), caller)  # noqa: B023
     tls = _client_tls(tls_mesh)
     opts = TlsOptions(Path(tls["ca_file"]), Path(tls["key_file"]), Path(tls["cert_file"]))
     with Client(tls_mesh.grpc, tls=opts) as client:  # the mesh kept serving
         assert client.generate("still here", max_tokens=4, temperature=0.0).completion_tokens == 4
+
+
+def test_a_caller_without_the_router_role_gets_nothing_on_a_session(tls_mesh: Mesh) -> None:
+    """The session RPCs check the caller once, as Prefill and Decode do: a genuine certificate of
+    another role is refused PERMISSION_DENIED naming it, and none of its calls runs."""
+    addr = _addresses(tls_mesh)
+    with grpc.secure_channel(addr["prefill-0"], _credentials(tls_mesh, "client")) as reader:
+        stats = ppb_grpc.PrefillServiceStub(reader).GetPrefillStats
+        computed = stats(ppb.GetPrefillStatsRequest(), timeout=5).engine.prompt_tokens_computed
+    prefill = ppb.PrefillRequest(
+        room_id=7, decode_peer_id="decode-0", token_ids=[3, 4, 5], pair_handoff=True, request_id="x"
+    )
+    prefill_calls = ppb.PrefillSessionRequest(calls=[ppb.PrefillSessionCall(call_id=1, prefill=prefill)])
+    decode_calls = decpb.DecodeSessionRequest(
+        calls=[decpb.DecodeSessionCall(call_id=1, decode=decpb.DecodeRequest(room_id=7))]
+    )
+    for caller, (prefill_stub, decode_stub) in _strangers(tls_mesh):
+        _denied(lambda: next(iter(prefill_stub.PrefillSession(iter([prefill_calls]), timeout=5))), caller)  # noqa: B023
+        _denied(lambda: next(iter(decode_stub.DecodeSession(iter([decode_calls]), timeout=5))), caller)  # noqa: B023
+    with grpc.secure_channel(addr["prefill-0"], _credentials(tls_mesh, "client")) as reader:
+        stats = ppb_grpc.PrefillServiceStub(reader).GetPrefillStats
+        after = stats(ppb.GetPrefillStatsRequest(), timeout=5)
+    assert after.engine.prompt_tokens_computed == computed and after.rooms_active == 0

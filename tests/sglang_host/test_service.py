@@ -77,6 +77,14 @@ def _expected(prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def _rpc_count(metrics: str, method: str) -> float:
+    """`xavier_rpc_total` of `method` at the service whose /metrics is `metrics`, every code together."""
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    mine = [x for x in lines if x.startswith("xavier_rpc_total{") and f'method="{method}"' in x]
+    return sum(float(x.rsplit(" ", 1)[1]) for x in mine)
+
+
 def _router(directory: ServiceProc, model: Path, workdir: Path) -> ServiceProc:
     args = ["--model", str(model), "--directory", directory.address, "--listen", "127.0.0.1:0", "--http", ""]
     return start_service("xavier-router", args, workdir, env={"XAVIER_PEER_REFRESH_SECONDS": "0.1"})
@@ -167,6 +175,10 @@ def test_pd_through_the_router_calls_prefill_and_decode_concurrently(
         router.stop()
     assert standin_state(pinfo["sglang_url"])["requests"] == 3
     assert standin_state(dinfo["sglang_url"])["requests"] == 3
+    # Both declare call sessions, so the router's calls went on one session each (counted once it ended).
+    for peer, session in ((prefill, "PrefillSession"), (decode, "DecodeSession")):
+        assert types_pb2.SERVICE_FEATURE_CALL_SESSIONS in peers[peer.address].layout.service_features
+        assert _rpc_count(peer.metrics, session) == 1, session
 
 
 def _logprob_answer(client: Client, prompt: list[int], mode: Mode) -> dict[str, object]:

@@ -189,7 +189,7 @@ class Standin:
             peer_id=settings.peer_id,
             role=role,
             address=settings.advertise,
-            layout=declare(layout.to_proto(), role),  # as the plugin's hub declares it
+            layout=declare(layout.to_proto(), role, settings.call_sessions),  # as the plugin's hub does
             endpoint=endpoint,
         )
         self.session = PeerSession(self.directory, request)

@@ -272,16 +272,20 @@ class _RichStatus(_Status, grpc.Status):  # type: ignore[misc,unused-ignore]
     """A ``grpc.Status`` with extra trailing metadata beside the details blob."""
 
 
+def status_proto(err: XavierError) -> status_pb2.Status:
+    """``err`` as the ``google.rpc.Status`` a failed RPC carries: its code, message and one ``ErrorInfo``."""
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=err.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    return status_pb2.Status(code=err.code.value[0], message=err.message, details=[detail])
+
+
 def to_rpc_status(err: XavierError, trailing_metadata: Sequence[tuple[str, str | bytes]] = ()) -> grpc.Status:
     """Encode ``err`` as a ``grpc.Status`` carrying one ``ErrorInfo`` in its details.
 
     ``trailing_metadata`` is sent alongside (the interceptor adds ``x-request-id``).
     """
-    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=err.metadata)
-    detail = any_pb2.Any()
-    detail.Pack(info)
-    status = status_pb2.Status(code=err.code.value[0], message=err.message, details=[detail])
-    base = rpc_status.to_status(status)
+    base = rpc_status.to_status(status_proto(err))
     if not trailing_metadata:
         return base
     return _RichStatus(base.code, base.details, (*base.trailing_metadata, *trailing_metadata))

@@ -44,7 +44,14 @@ from .errors import Internal, InvalidArgument, to_rpc_status
 from .logging import get_logger
 from .metrics import RpcMetrics, rpc_metrics
 
-__all__ = ["REQUEST_ID_KEY", "RuntimeInterceptor", "current_request_id"]
+__all__ = [
+    "REQUEST_ID_KEY",
+    "CallScope",
+    "RuntimeInterceptor",
+    "current_request_id",
+    "method_state",
+    "new_request_id",
+]
 
 REQUEST_ID_KEY = "x-request-id"
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -84,24 +91,56 @@ class _MethodState:
         child.inc()
 
 
-class _Call:
-    """Begin/finish bookkeeping shared by the unary and streaming wrappers."""
+class CallScope:
+    """One call's request id (bound into the log context of the task handling it) and its metrics: the
+    per-call RPCs' wrapper and the calls of a session share it."""
 
     __slots__ = ("code", "request_id", "rid_token", "start", "state", "tokens")
 
-    def __init__(self, state: _MethodState, context: Context) -> None:
+    def __init__(self, state: _MethodState, request_id: str | None) -> None:
         self.state = state
         self.code = "OK"
-        rid: str | None = None
-        for key, value in context.invocation_metadata() or ():
-            if key == REQUEST_ID_KEY and isinstance(value, str) and _REQUEST_ID_RE.fullmatch(value):
-                rid = value
-                break
-        self.request_id = rid or f"{_ID_PREFIX}{next(_ID_SEQ) & 0xFFFFFFFFFFFFFFFF:016x}"
+        sane = request_id is not None and _REQUEST_ID_RE.fullmatch(request_id) is not None
+        self.request_id = request_id if sane and request_id else new_request_id()
         self.tokens = structlog.contextvars.bind_contextvars(request_id=self.request_id, rpc=state.full)
         self.rid_token = _REQUEST_ID.set(self.request_id)
-        context.set_trailing_metadata(((REQUEST_ID_KEY, self.request_id),))
         self.start = time.perf_counter()
+
+    def close(self) -> None:
+        """Counts the call under `code` and unbinds its request id."""
+        self.state.seconds.observe(time.perf_counter() - self.start)
+        self.state.count(self.code)
+        try:
+            structlog.contextvars.reset_contextvars(**self.tokens)
+            _REQUEST_ID.reset(self.rid_token)
+        except ValueError:
+            # A stream closed by the garbage collector finalizes in another context.
+            pass
+
+
+def new_request_id() -> str:
+    """A fresh request id for a call that brought none."""
+    return f"{_ID_PREFIX}{next(_ID_SEQ) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def method_state(full: str, metrics: RpcMetrics | None = None) -> _MethodState:
+    """The labels and metric children of the method `full` (``/pkg.Service/Method``)."""
+    return _MethodState(full, metrics if metrics is not None else rpc_metrics())
+
+
+class _Call(CallScope):
+    """Begin/finish bookkeeping shared by the unary and streaming wrappers."""
+
+    __slots__ = ()
+
+    def __init__(self, state: _MethodState, context: Context) -> None:
+        rid: str | None = None
+        for key, value in context.invocation_metadata() or ():
+            if key == REQUEST_ID_KEY and isinstance(value, str):
+                rid = value
+                break
+        super().__init__(state, rid)
+        context.set_trailing_metadata(((REQUEST_ID_KEY, self.request_id),))
 
     async def fail(self, context: Context, exc: BaseException) -> None:
         """Record the outcome of ``exc`` and abort the call accordingly (re-raises)."""
@@ -127,14 +166,7 @@ class _Call:
             code = context.code()
             if isinstance(code, grpc.StatusCode):
                 self.code = code.name
-        self.state.seconds.observe(time.perf_counter() - self.start)
-        self.state.count(self.code)
-        try:
-            structlog.contextvars.reset_contextvars(**self.tokens)
-            _REQUEST_ID.reset(self.rid_token)
-        except ValueError:
-            # A stream closed by the garbage collector finalizes in another context.
-            pass
+        self.close()
 
 
 Behaviour = Callable[..., Any]

@@ -29,6 +29,7 @@ from .config import ConfigError, ServiceConfig, exit_on_config_error, parse_host
 from .interceptors import RuntimeInterceptor
 from .logging import configure_logging, get_logger
 from .metrics import MetricsServer, start_metrics_server
+from .session import end_sessions
 from .tls import ServerTls
 
 __all__ = ["ServerHandle", "run_service", "serve", "start_service"]
@@ -125,6 +126,11 @@ class ServerHandle:
                 _log.warning("on_stop drain exceeded grace", grace_seconds=grace_s)
             except Exception:
                 _log.exception("on_stop failed")
+        remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+        # Call sessions are long-lived streams: ended once their calls finish, so an idle one does
+        # not hold the stop for its whole grace.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(end_sessions(), timeout=remaining)
         remaining = max(0.0, deadline - asyncio.get_running_loop().time())
         await self.server.stop(remaining)
         if self.metrics is not None:

@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from xavier.v1 import decode_service_pb2 as pb
@@ -46,6 +47,7 @@ from xavier_services.peer.convert import (
 from xavier_services.peer.host import PeerHost
 from xavier_services.peer.membership import PeerCache
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
+from xavier_services.peer.sessions import decode_session
 
 log = get_logger(__name__)
 # Room endings that mean a peer went away (retry elsewhere), not that the request was given up.
@@ -285,6 +287,11 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
                 )
             await before_first  # raises if the room could not be completed (done at once after the first)
             yield msg
+
+    async def DecodeSession(
+        self, requests: AsyncIterator[pb.DecodeSessionRequest], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        await decode_session(requests, context, self.Decode)
 
     async def GenerateUnified(
         self,

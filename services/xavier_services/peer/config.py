@@ -57,6 +57,10 @@ class PeerSection(_Section):
     """Host other peers and the router use to reach this service."""
     rpc_timeout_seconds: float = Field(default=5.0, gt=0, le=600)
     """Deadline of each control RPC to the directory."""
+    call_sessions: bool = True
+    """Whether this peer declares that it serves its role's session RPC (`KvLayout.service_features`):
+    a router then carries its calls to this peer as messages on one stream instead of one RPC each.
+    Off, routers call it per RPC, as a peer of xavier.v1.0."""
 
 
 class HandoffSection(_Section):

@@ -134,6 +134,8 @@ class PeerHost:
         if self.role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE):
             layout.handoff = _HANDOFF[self.config.handoff.protocol]
             layout.first_token_source = types_pb2.FIRST_TOKEN_SOURCE_PREFILL
+            if self.config.peer.call_sessions:
+                layout.service_features.append(types_pb2.SERVICE_FEATURE_CALL_SESSIONS)
         return layout
 
     # -- lifecycle ------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,7 @@ from xavier_services.peer.convert import (
 )
 from xavier_services.peer.host import PeerHost
 from xavier_services.peer.metrics import PeerCollector, register_peer_metrics
+from xavier_services.peer.sessions import prefill_session
 
 log = get_logger(__name__)
 # Statuses after which a PublishSource may still have taken effect (the answer was lost, not a refusal).
@@ -241,6 +243,11 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
         if hold.released is not None and not hold.released.done():
             hold.released.set_result(request.decode_called)
         return pb.ReleaseSourceResponse(held=True)
+
+    async def PrefillSession(
+        self, requests: AsyncIterator[pb.PrefillSessionRequest], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        await prefill_session(requests, context, self.Prefill, self.ReleaseSource)
 
     async def _publish_and_hold(
         self, hold: _Hold, res: PrefillResult, num_tokens: int, decode: tuple[str, int]

@@ -31,7 +31,9 @@ parses and shapes them with `openai_shapes` and `openai_logprobs`, sends SSE kee
   max_tokens and min_tokens less them, the seed advanced and the tokens sent marked as resumed output
   (penalties and grammars continue over them), at most `migration_limit` times; `seam_text` renders the
   text after the seam as the first engine would have.
-- `peers`: live peers from the directory, channels to them, least-outstanding-work pair selection with
-  prefix affinity; `health` leaves failing peers out and probes them back.
+- `peers`: live peers from the directory, channels (and call sessions) to them, least-outstanding-work
+  pair selection with prefix affinity; `health` leaves failing peers out and probes them back.
+- `peer_calls`: the flows' Prefill, ReleaseSource and Decode calls, on the peer's call session when it
+  declares one and `peer_sessions` is on, else one RPC each; both fail with the same gRPC errors.
 - `config`: `RouterConfig` (TOML, `XAVIER_*` environment, flags), validated at start.
 """

@@ -107,6 +107,10 @@ class RouterConfig(ServiceConfig):
     previous message, is failed like a dead one: before it streamed a token the request fails over,
     after it the request migrates (unified and SGLang decodes: counted from their first message). Keep
     it below `progress_timeout_seconds`."""
+    peer_sessions: bool = True
+    """Carry the Prefill, ReleaseSource and Decode calls to each peer that declares call sessions as
+    messages on one long-lived stream per peer (about a tenth of an RPC's CPU per call); off, every call
+    is its own RPC, as to a peer that does not declare them."""
     migration_limit: int = Field(default=2, ge=0, le=10)
     """Moves to another pair one request may make when its decode fails or stalls after tokens reached
     the client (prompt + tokens sent re-prefilled there); one more failure ends it with

@@ -73,6 +73,7 @@ class Router:
             affinity_slack=config.prefix_affinity_slack,
             health_interval=config.health_interval_seconds,
             health_timeout=config.health_timeout_seconds,
+            peer_sessions=config.peer_sessions,
         )
         self._metrics = RouterMetrics(registry or get_registry())
         self.pool.health.on_change = self._peer_changed

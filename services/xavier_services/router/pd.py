@@ -27,14 +27,13 @@ from contextlib import aclosing
 from typing import Any
 
 import grpc
-from xavier.v1 import decode_service_pb2_grpc as decpb_grpc
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import prefill_service_pb2 as pfpb
-from xavier.v1 import prefill_service_pb2_grpc as pfpb_grpc
 from xavier.v1 import types_pb2
 
 from xavier_core.runtime import Unavailable, XavierError, get_logger
 from xavier_core.runtime.durations import to_seconds
+from xavier_services.router import peer_calls
 from xavier_services.router.flows import (
     Calling,
     FirstToken,
@@ -122,8 +121,8 @@ async def _sequential(
         PairCall(pool, [p, d], abandon=abandon, spawn=env.spawn) as call,
         peer_failures(env, Calling(p), d) as calling,
     ):
-        pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(
-            prefill_request(prep, room_id, d, pair_handoff=direct), timeout=env.request_timeout
+        pf_call = peer_calls.prefill(
+            pool, p, prefill_request(prep, room_id, d, pair_handoff=direct), env.request_timeout
         )
         call.prefill = pf_call
         pf = await pf_call
@@ -142,9 +141,7 @@ async def _sequential(
         dec_request = decode_request(prep, room_id, p, first)
         if direct:
             dec_request.source.CopyFrom(pf.source)
-        call.decode = dec_call = decpb_grpc.DecodeServiceStub(dec_channel).Decode(
-            dec_request, timeout=env.request_timeout
-        )
+        call.decode = dec_call = peer_calls.decode(pool, d, dec_request, env.request_timeout)
         if dec_channel.get_state() != grpc.ChannelConnectivity.READY:
             # No live connection to the decode (first use, or it went away): a dead decode refuses the
             # connection here, found before the client sees a token. On a ready connection this wait
@@ -221,9 +218,11 @@ async def release_source(
     """Best-effort ReleaseSource of a pair handoff the router gave up on (the prefill's room lease, then
     its park timeout, bound it if this fails)."""
     try:
-        await pfpb_grpc.PrefillServiceStub(env.pool.channel(prefill.address)).ReleaseSource(
+        await peer_calls.release_source(
+            env.pool,
+            prefill,
             pfpb.ReleaseSourceRequest(request_id=request_id, room_id=room_id, decode_called=decode_called),
-            timeout=_RELEASE_TIMEOUT_S,
+            _RELEASE_TIMEOUT_S,
         )
     except grpc.aio.AioRpcError as exc:
         _log.info("release source failed", room_id=room_id, code=exc.code().name)

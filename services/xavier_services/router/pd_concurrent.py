@@ -23,26 +23,21 @@ finished first).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 
-import grpc
-from xavier.v1 import decode_service_pb2_grpc as decpb_grpc
 from xavier.v1 import prefill_service_pb2 as pfpb
-from xavier.v1 import prefill_service_pb2_grpc as pfpb_grpc
 from xavier.v1 import types_pb2
 
 from xavier_core.runtime.durations import to_seconds
-from xavier_services.router import flows
+from xavier_services.router import flows, peer_calls
 from xavier_services.router.pacing import paced
 from xavier_services.router.pair_call import PairCall, PrefillFailed, concurrently
 from xavier_services.router.peers import Pair
 from xavier_services.router.request import Prepared, new_room_id
 
 
-async def _prefill(
-    call: grpc.aio.UnaryUnaryCall[pfpb.PrefillRequest, pfpb.PrefillResponse],
-) -> pfpb.PrefillResponse:
+async def _prefill(call: Awaitable[pfpb.PrefillResponse]) -> pfpb.PrefillResponse:
     return await call
 
 
@@ -78,12 +73,10 @@ async def concurrent_attempt(
         PairCall(pool, [p, d], leave_prefill=True) as call,
         flows.peer_failures(env, flows.Calling(d), d) as calling,
     ):
-        pf_call = pfpb_grpc.PrefillServiceStub(pool.channel(p.address)).Prefill(
-            flows.prefill_request(prep, room_id, d), timeout=env.request_timeout
-        )
+        pf_call = peer_calls.prefill(pool, p, flows.prefill_request(prep, room_id, d), env.request_timeout)
         call.prefill = pf_call
-        call.decode = dec_call = decpb_grpc.DecodeServiceStub(pool.channel(d.address)).Decode(
-            flows.decode_request(prep, room_id, p), timeout=env.request_timeout
+        call.decode = dec_call = peer_calls.decode(
+            pool, d, flows.decode_request(prep, room_id, p), env.request_timeout
         )
         call.beside = asyncio.ensure_future(_prefill(pf_call))
         # Past the first message (which waits for SGLang's prefill), a silent decode is stalled.

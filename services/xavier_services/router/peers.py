@@ -20,6 +20,7 @@ from xavier_core.directory import DirectoryClient
 from xavier_core.runtime import FailedPrecondition, Unavailable, XavierError
 from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.retry import retry_unavailable
+from xavier_core.runtime.session_client import CallSession
 from xavier_services.router.health import PeerHealth, peer_key
 
 T = TypeVar("T")
@@ -70,7 +71,10 @@ class PeerPool:
         affinity_entries: int = 65536,
         health_interval: float = 1.0,
         health_timeout: float = 1.0,
+        peer_sessions: bool = True,
     ) -> None:
+        self.peer_sessions = peer_sessions
+        self._sessions: dict[tuple[str, str], CallSession] = {}
         self.affinity_slack = affinity_slack
         self._affinity: OrderedDict[bytes, str] = OrderedDict()
         self._affinity_entries = affinity_entries
@@ -99,8 +103,19 @@ class PeerPool:
             self._channels[address] = ch
         return ch
 
+    def session(self, address: str, service: str, make: Callable[[], CallSession]) -> CallSession:
+        """The call session to `service` ("prefill" or "decode") at `address` (made on first use; it
+        reopens its own stream after a break)."""
+        found = self._sessions.get((address, service))
+        if found is None:
+            found = self._sessions[(address, service)] = make()
+        return found
+
     async def close(self) -> None:
         await self.health.stop()
+        for session in self._sessions.values():
+            await session.close()
+        self._sessions.clear()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()

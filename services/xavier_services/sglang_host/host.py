@@ -129,6 +129,7 @@ class SglangHost:
             dtype=e.dtype,
             pagestore=cfg.pagestore.address,
             transfer_timeout_seconds=cfg.handoff.transfer_timeout_seconds,
+            call_sessions=cfg.peer.call_sessions,
         )
         try:
             launch = build_launch(cfg.sglang, spec)
@@ -192,7 +193,7 @@ class SglangHost:
             peer_id=self.peer_id,
             role=self.role,
             address=self.address,
-            layout=declare(layout.to_proto(), self.role),
+            layout=declare(layout.to_proto(), self.role, self.config.peer.call_sessions),
         )
         await self.membership.join(req, self._load)
 

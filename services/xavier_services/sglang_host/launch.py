@@ -15,6 +15,7 @@ from pathlib import Path
 from xavier.v1 import types_pb2
 from xavier_sglang.config import (
     ENV_ADVERTISE,
+    ENV_CALL_SESSIONS,
     ENV_DIRECTORY,
     ENV_PEER_ID,
     ENV_TRANSFER_TIMEOUT,
@@ -63,6 +64,8 @@ class LaunchSpec:
     dtype: str | None = None
     pagestore: str = ""
     transfer_timeout_seconds: float = 30.0
+    call_sessions: bool = True
+    """The service's `peer.call_sessions`: the plugin declares them in the registration it makes."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,7 @@ def _xavier_env(spec: LaunchSpec) -> dict[str, str]:
         # and under the service's peer id, so a restart keeps the id and only the epoch changes.
         ENV_ADVERTISE: spec.advertise,
         ENV_TRANSFER_TIMEOUT: str(spec.transfer_timeout_seconds),
+        ENV_CALL_SESSIONS: "1" if spec.call_sessions else "0",
     }
     if spec.peer_id:
         env[ENV_PEER_ID] = spec.peer_id

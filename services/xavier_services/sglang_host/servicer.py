@@ -34,6 +34,7 @@ from xavier_core.runtime.durations import to_duration
 from xavier_core.runtime.errors import Aborted, FailedPrecondition, Internal, InvalidArgument
 from xavier_core.runtime.identity import ROLE_NAMES, require
 from xavier_services.peer.convert import check_room_id, sampling_from_pb
+from xavier_services.peer.sessions import decode_session, prefill_session
 from xavier_services.sglang_host.host import SglangHost
 from xavier_services.sglang_host.protocol import Delta, abort_message, generate_body, prompt_logprobs_of
 from xavier_services.sglang_host.stats import engine_stats
@@ -127,6 +128,9 @@ class SglangPrefillServicer(_Base, prefill_service_pb2_grpc.PrefillServiceServic
             prompt_logprobs=_prompt_logprobs(meta, request.sampling),
         )
 
+    async def PrefillSession(self, requests: AsyncIterator[ppb.PrefillSessionRequest], context: Ctx) -> None:
+        await prefill_session(requests, context, self.Prefill)
+
     async def GetPrefillStats(
         self, request: ppb.GetPrefillStatsRequest, context: Ctx
     ) -> ppb.GetPrefillStatsResponse:
@@ -177,6 +181,9 @@ class SglangDecodeServicer(_Base, decode_service_pb2_grpc.DecodeServiceServicer)
                     msg.usage.CopyFrom(_usage(delta.meta, len(token_ids), n))
                     msg.timings.CopyFrom(types_pb2.Timings(total=to_duration(time.perf_counter() - started)))
                 yield msg
+
+    async def DecodeSession(self, requests: AsyncIterator[dpb.DecodeSessionRequest], context: Ctx) -> None:
+        await decode_session(requests, context, self.Decode)
 
     async def GenerateUnified(
         self, request: dpb.GenerateUnifiedRequest, context: Ctx

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from xavier.v1 import directory_service_pb2 as _directory_service_pb2
@@ -336,3 +337,143 @@ class GetDecodeStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetDecodeStatsResponse: _TypeAlias = GetDecodeStatsResponse  # noqa: Y015
+
+@_typing.final
+class DecodeSessionRequest(_message.Message):
+    """DecodeSessionRequest carries the calls a router queued at once on a DecodeSession."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecodeSessionCall]:
+        """The calls, in the order they were made."""
+
+    def __init__(
+        self,
+        *,
+        calls: _abc.Iterable[Global___DecodeSessionCall] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeSessionRequest: _TypeAlias = DecodeSessionRequest  # noqa: Y015
+
+@_typing.final
+class DecodeSessionCall(_message.Message):
+    """DecodeSessionCall starts one Decode call on a session, or cancels one started earlier."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    DECODE_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """The call's id, unique within its session (the caller numbers its calls); a cancel names the call
+    it cancels.
+    """
+    request_id: _builtins.str
+    """The request id a per-call RPC would send as x-request-id metadata (1 to 128 of [A-Za-z0-9._:-]);
+    empty or malformed, the service makes one up, as for a per-call RPC.
+    """
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """How long the call may run, as a per-call RPC's deadline; unset, it runs until the session ends."""
+
+    @_builtins.property
+    def decode(self) -> Global___DecodeRequest:
+        """A Decode call."""
+
+    @_builtins.property
+    def cancel(self) -> _types_pb2.CallCancel:
+        """Cancels the session's running call `call_id`, as cancelling its RPC would; nothing answers it."""
+
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+        decode: Global___DecodeRequest | None = ...,
+        cancel: _types_pb2.CallCancel | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "decode", b"decode", "method", b"method", "timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "cancel", b"cancel", "decode", b"decode", "method", b"method", "request_id", b"request_id", "timeout", b"timeout"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_method: _TypeAlias = _typing.Literal["decode", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_method: _TypeAlias = _typing.Literal["method", b"method"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_method) -> _WhichOneofReturnType_method | None: ...
+
+Global___DecodeSessionCall: _TypeAlias = DecodeSessionCall  # noqa: Y015
+
+@_typing.final
+class DecodeSessionResponse(_message.Message):
+    """DecodeSessionResponse carries the results a decode had ready at once on a DecodeSession."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecodeSessionResult]:
+        """The results, in the order they were ready."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___DecodeSessionResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeSessionResponse: _TypeAlias = DecodeSessionResponse  # noqa: Y015
+
+@_typing.final
+class DecodeSessionResult(_message.Message):
+    """DecodeSessionResult is one message of a Decode call on a DecodeSession, or its end."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    DECODE_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """The call's id, as the caller numbered it."""
+    status: _builtins.bytes
+    """The call ended: a google.rpc.Status, serialized (code OK for a stream that ended well), with the
+    ErrorInfo the per-call RPC would have sent (the bytes of its grpc-status-details-bin trailer).
+    """
+    last: _builtins.bool
+    """Whether the call ended with this message: no status follows it (a stream that ended well as its
+    last message was sent).
+    """
+    @_builtins.property
+    def decode(self) -> Global___DecodeResponse:
+        """The next message of the call's stream."""
+
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        decode: Global___DecodeResponse | None = ...,
+        status: _builtins.bytes = ...,
+        last: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "outcome", b"outcome", "status", b"status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "decode", b"decode", "last", b"last", "outcome", b"outcome", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["decode", "status"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___DecodeSessionResult: _TypeAlias = DecodeSessionResult  # noqa: Y015

@@ -51,6 +51,11 @@ class DecodeServiceStub:
                 request_serializer=xavier_dot_v1_dot_decode__service__pb2.GetDecodeStatsRequest.SerializeToString,
                 response_deserializer=xavier_dot_v1_dot_decode__service__pb2.GetDecodeStatsResponse.FromString,
                 _registered_method=True)
+        self.DecodeSession = channel.stream_stream(
+                '/xavier.v1.DecodeService/DecodeSession',
+                request_serializer=xavier_dot_v1_dot_decode__service__pb2.DecodeSessionRequest.SerializeToString,
+                response_deserializer=xavier_dot_v1_dot_decode__service__pb2.DecodeSessionResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -80,6 +85,16 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeSession(self, request_iterator, context):
+        """DecodeSession carries many Decode calls of one router as messages on one long-lived stream (a peer
+        lists SERVICE_FEATURE_CALL_SESSIONS in KvLayout.service_features when it serves it). The caller's
+        identity is checked once, when the stream opens, as Decode checks it; each call then streams the
+        messages and ends with the status the per-call RPC would.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +112,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.GetDecodeStats,
                     request_deserializer=xavier_dot_v1_dot_decode__service__pb2.GetDecodeStatsRequest.FromString,
                     response_serializer=xavier_dot_v1_dot_decode__service__pb2.GetDecodeStatsResponse.SerializeToString,
+            ),
+            'DecodeSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeSession,
+                    request_deserializer=xavier_dot_v1_dot_decode__service__pb2.DecodeSessionRequest.FromString,
+                    response_serializer=xavier_dot_v1_dot_decode__service__pb2.DecodeSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +202,33 @@ class DecodeService:
             '/xavier.v1.DecodeService/GetDecodeStats',
             xavier_dot_v1_dot_decode__service__pb2.GetDecodeStatsRequest.SerializeToString,
             xavier_dot_v1_dot_decode__service__pb2.GetDecodeStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/xavier.v1.DecodeService/DecodeSession',
+            xavier_dot_v1_dot_decode__service__pb2.DecodeSessionRequest.SerializeToString,
+            xavier_dot_v1_dot_decode__service__pb2.DecodeSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

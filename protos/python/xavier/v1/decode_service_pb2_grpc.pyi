@@ -43,6 +43,12 @@ class DecodeServiceStub:
     """GenerateUnified serves a whole request on this replica (unified role)."""
     GetDecodeStats: _grpc.UnaryUnaryMultiCallable[_decode_service_pb2.GetDecodeStatsRequest, _decode_service_pb2.GetDecodeStatsResponse]
     """GetDecodeStats reports pages, rooms and transfers."""
+    DecodeSession: _grpc.StreamStreamMultiCallable[_decode_service_pb2.DecodeSessionRequest, _decode_service_pb2.DecodeSessionResponse]
+    """DecodeSession carries many Decode calls of one router as messages on one long-lived stream (a peer
+    lists SERVICE_FEATURE_CALL_SESSIONS in KvLayout.service_features when it serves it). The caller's
+    identity is checked once, when the stream opens, as Decode checks it; each call then streams the
+    messages and ends with the status the per-call RPC would.
+    """
 
 @_typing.type_check_only
 class DecodeServiceAsyncStub(DecodeServiceStub):
@@ -59,6 +65,12 @@ class DecodeServiceAsyncStub(DecodeServiceStub):
     """GenerateUnified serves a whole request on this replica (unified role)."""
     GetDecodeStats: _aio.UnaryUnaryMultiCallable[_decode_service_pb2.GetDecodeStatsRequest, _decode_service_pb2.GetDecodeStatsResponse]  # type: ignore[assignment]
     """GetDecodeStats reports pages, rooms and transfers."""
+    DecodeSession: _aio.StreamStreamMultiCallable[_decode_service_pb2.DecodeSessionRequest, _decode_service_pb2.DecodeSessionResponse]  # type: ignore[assignment]
+    """DecodeSession carries many Decode calls of one router as messages on one long-lived stream (a peer
+    lists SERVICE_FEATURE_CALL_SESSIONS in KvLayout.service_features when it serves it). The caller's
+    identity is checked once, when the stream opens, as Decode checks it; each call then streams the
+    messages and ends with the status the per-call RPC would.
+    """
 
 class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
     """DecodeService hosts an engine in the decode role (pulls prompt KV, continues, streams tokens) or in the
@@ -90,5 +102,17 @@ class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_decode_service_pb2.GetDecodeStatsResponse, _abc.Awaitable[_decode_service_pb2.GetDecodeStatsResponse]]:
         """GetDecodeStats reports pages, rooms and transfers."""
+
+    @_abc_1.abstractmethod
+    def DecodeSession(
+        self,
+        request_iterator: _MaybeAsyncIterator[_decode_service_pb2.DecodeSessionRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_decode_service_pb2.DecodeSessionResponse], _abc.AsyncIterator[_decode_service_pb2.DecodeSessionResponse]]:
+        """DecodeSession carries many Decode calls of one router as messages on one long-lived stream (a peer
+        lists SERVICE_FEATURE_CALL_SESSIONS in KvLayout.service_features when it serves it). The caller's
+        identity is checked once, when the stream opens, as Decode checks it; each call then streams the
+        messages and ends with the status the per-call RPC would.
+        """
 
 def add_DecodeServiceServicer_to_server(servicer: DecodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -22,29 +22,38 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from xavier.v1 import directory_service_pb2 as xavier_dot_v1_dot_directory__service__pb2
 from xavier.v1 import types_pb2 as xavier_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fxavier/v1/prefill_service.proto\x12\txavier.v1\x1a!xavier/v1/directory_service.proto\x1a\x15xavier/v1/types.proto\"\xe7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\x04\x12\x16\n\x0e\x64\x65\x63ode_peer_id\x18\x03 \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_epoch\x18\x04 \x01(\x04\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.xavier.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x18\n\x10return_kv_digest\x18\x08 \x01(\x08\x12\x14\n\x0cpair_handoff\x18\t \x01(\x08\"\xbb\x03\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.xavier.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.xavier.v1.Usage\x12#\n\x07timings\x18\x05 \x01(\x0b\x32\x12.xavier.v1.Timings\x12\x11\n\tnum_pages\x18\x06 \x01(\r\x12\x11\n\tkv_digest\x18\x07 \x01(\x0c\x12\x12\n\nfirst_text\x18\x08 \x01(\t\x12\x32\n\x12\x66irst_top_logprobs\x18\t \x01(\x0b\x32\x16.xavier.v1.TopLogprobs\x12\x32\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x19.xavier.v1.PromptLogprobs\x12+\n\x06source\x18\x0b \x01(\x0b\x32\x1b.xavier.v1.SourceDescriptor\x12\x37\n\x12\x66irst_token_source\x18\x0c \x01(\x0e\x32\x1b.xavier.v1.FirstTokenSource\"R\n\x14ReleaseSourceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\x04\x12\x15\n\rdecode_called\x18\x03 \x01(\x08\"%\n\x15ReleaseSourceResponse\x12\x0c\n\x04held\x18\x01 \x01(\x08\"\x18\n\x16GetPrefillStatsRequest\"\x91\x01\n\x17GetPrefillStatsResponse\x12&\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x16.xavier.v1.EngineStats\x12\x14\n\x0crooms_active\x18\x02 \x01(\r\x12*\n\x08transfer\x18\x03 \x01(\x0b\x32\x18.xavier.v1.TransferStats\x12\x0c\n\x04peer\x18\x04 \x01(\t2\x80\x02\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.xavier.v1.PrefillRequest\x1a\x1a.xavier.v1.PrefillResponse\x12R\n\rReleaseSource\x12\x1f.xavier.v1.ReleaseSourceRequest\x1a .xavier.v1.ReleaseSourceResponse\x12X\n\x0fGetPrefillStats\x12!.xavier.v1.GetPrefillStatsRequest\x1a\".xavier.v1.GetPrefillStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fxavier/v1/prefill_service.proto\x12\txavier.v1\x1a\x1egoogle/protobuf/duration.proto\x1a!xavier/v1/directory_service.proto\x1a\x15xavier/v1/types.proto\"\xe7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\x04\x12\x16\n\x0e\x64\x65\x63ode_peer_id\x18\x03 \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_epoch\x18\x04 \x01(\x04\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.xavier.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x18\n\x10return_kv_digest\x18\x08 \x01(\x08\x12\x14\n\x0cpair_handoff\x18\t \x01(\x08\"\xbb\x03\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.xavier.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.xavier.v1.Usage\x12#\n\x07timings\x18\x05 \x01(\x0b\x32\x12.xavier.v1.Timings\x12\x11\n\tnum_pages\x18\x06 \x01(\r\x12\x11\n\tkv_digest\x18\x07 \x01(\x0c\x12\x12\n\nfirst_text\x18\x08 \x01(\t\x12\x32\n\x12\x66irst_top_logprobs\x18\t \x01(\x0b\x32\x16.xavier.v1.TopLogprobs\x12\x32\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x19.xavier.v1.PromptLogprobs\x12+\n\x06source\x18\x0b \x01(\x0b\x32\x1b.xavier.v1.SourceDescriptor\x12\x37\n\x12\x66irst_token_source\x18\x0c \x01(\x0e\x32\x1b.xavier.v1.FirstTokenSource\"R\n\x14ReleaseSourceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\x04\x12\x15\n\rdecode_called\x18\x03 \x01(\x08\"%\n\x15ReleaseSourceResponse\x12\x0c\n\x04held\x18\x01 \x01(\x08\"\x18\n\x16GetPrefillStatsRequest\"\x91\x01\n\x17GetPrefillStatsResponse\x12&\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x16.xavier.v1.EngineStats\x12\x14\n\x0crooms_active\x18\x02 \x01(\r\x12*\n\x08transfer\x18\x03 \x01(\x0b\x32\x18.xavier.v1.TransferStats\x12\x0c\n\x04peer\x18\x04 \x01(\t\"E\n\x15PrefillSessionRequest\x12,\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1d.xavier.v1.PrefillSessionCall\"\x81\x02\n\x12PrefillSessionCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\x07prefill\x18\x04 \x01(\x0b\x32\x19.xavier.v1.PrefillRequestH\x00\x12\x39\n\x0erelease_source\x18\x05 \x01(\x0b\x32\x1f.xavier.v1.ReleaseSourceRequestH\x00\x12\'\n\x06\x63\x61ncel\x18\x06 \x01(\x0b\x32\x15.xavier.v1.CallCancelH\x00\x42\x08\n\x06method\"J\n\x16PrefillSessionResponse\x12\x30\n\x07results\x18\x01 \x03(\x0b\x32\x1f.xavier.v1.PrefillSessionResult\"\xaf\x01\n\x14PrefillSessionResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12-\n\x07prefill\x18\x02 \x01(\x0b\x32\x1a.xavier.v1.PrefillResponseH\x00\x12:\n\x0erelease_source\x18\x03 \x01(\x0b\x32 .xavier.v1.ReleaseSourceResponseH\x00\x12\x10\n\x06status\x18\x04 \x01(\x0cH\x00\x42\t\n\x07outcome2\xdb\x02\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.xavier.v1.PrefillRequest\x1a\x1a.xavier.v1.PrefillResponse\x12R\n\rReleaseSource\x12\x1f.xavier.v1.ReleaseSourceRequest\x1a .xavier.v1.ReleaseSourceResponse\x12X\n\x0fGetPrefillStats\x12!.xavier.v1.GetPrefillStatsRequest\x1a\".xavier.v1.GetPrefillStatsResponse\x12Y\n\x0ePrefillSession\x12 .xavier.v1.PrefillSessionRequest\x1a!.xavier.v1.PrefillSessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'xavier.v1.prefill_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLREQUEST']._serialized_start=105
-  _globals['_PREFILLREQUEST']._serialized_end=336
-  _globals['_PREFILLRESPONSE']._serialized_start=339
-  _globals['_PREFILLRESPONSE']._serialized_end=782
-  _globals['_RELEASESOURCEREQUEST']._serialized_start=784
-  _globals['_RELEASESOURCEREQUEST']._serialized_end=866
-  _globals['_RELEASESOURCERESPONSE']._serialized_start=868
-  _globals['_RELEASESOURCERESPONSE']._serialized_end=905
-  _globals['_GETPREFILLSTATSREQUEST']._serialized_start=907
-  _globals['_GETPREFILLSTATSREQUEST']._serialized_end=931
-  _globals['_GETPREFILLSTATSRESPONSE']._serialized_start=934
-  _globals['_GETPREFILLSTATSRESPONSE']._serialized_end=1079
-  _globals['_PREFILLSERVICE']._serialized_start=1082
-  _globals['_PREFILLSERVICE']._serialized_end=1338
+  _globals['_PREFILLREQUEST']._serialized_start=137
+  _globals['_PREFILLREQUEST']._serialized_end=368
+  _globals['_PREFILLRESPONSE']._serialized_start=371
+  _globals['_PREFILLRESPONSE']._serialized_end=814
+  _globals['_RELEASESOURCEREQUEST']._serialized_start=816
+  _globals['_RELEASESOURCEREQUEST']._serialized_end=898
+  _globals['_RELEASESOURCERESPONSE']._serialized_start=900
+  _globals['_RELEASESOURCERESPONSE']._serialized_end=937
+  _globals['_GETPREFILLSTATSREQUEST']._serialized_start=939
+  _globals['_GETPREFILLSTATSREQUEST']._serialized_end=963
+  _globals['_GETPREFILLSTATSRESPONSE']._serialized_start=966
+  _globals['_GETPREFILLSTATSRESPONSE']._serialized_end=1111
+  _globals['_PREFILLSESSIONREQUEST']._serialized_start=1113
+  _globals['_PREFILLSESSIONREQUEST']._serialized_end=1182
+  _globals['_PREFILLSESSIONCALL']._serialized_start=1185
+  _globals['_PREFILLSESSIONCALL']._serialized_end=1442
+  _globals['_PREFILLSESSIONRESPONSE']._serialized_start=1444
+  _globals['_PREFILLSESSIONRESPONSE']._serialized_end=1518
+  _globals['_PREFILLSESSIONRESULT']._serialized_start=1521
+  _globals['_PREFILLSESSIONRESULT']._serialized_end=1696
+  _globals['_PREFILLSERVICE']._serialized_start=1699
+  _globals['_PREFILLSERVICE']._serialized_end=2046
 # @@protoc_insertion_point(module_scope)

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from xavier.v1 import directory_service_pb2 as _directory_service_pb2
@@ -277,3 +278,149 @@ class GetPrefillStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetPrefillStatsResponse: _TypeAlias = GetPrefillStatsResponse  # noqa: Y015
+
+@_typing.final
+class PrefillSessionRequest(_message.Message):
+    """PrefillSessionRequest carries the calls a router queued at once on a PrefillSession."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefillSessionCall]:
+        """The calls, in the order they were made."""
+
+    def __init__(
+        self,
+        *,
+        calls: _abc.Iterable[Global___PrefillSessionCall] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillSessionRequest: _TypeAlias = PrefillSessionRequest  # noqa: Y015
+
+@_typing.final
+class PrefillSessionCall(_message.Message):
+    """PrefillSessionCall starts one call on a session, or cancels one started earlier."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    PREFILL_FIELD_NUMBER: _builtins.int
+    RELEASE_SOURCE_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """The call's id, unique within its session (the caller numbers its calls); a cancel names the call
+    it cancels.
+    """
+    request_id: _builtins.str
+    """The request id a per-call RPC would send as x-request-id metadata (1 to 128 of [A-Za-z0-9._:-]);
+    empty or malformed, the service makes one up, as for a per-call RPC.
+    """
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """How long the call may run, as a per-call RPC's deadline; unset, it runs until the session ends."""
+
+    @_builtins.property
+    def prefill(self) -> Global___PrefillRequest:
+        """A Prefill call."""
+
+    @_builtins.property
+    def release_source(self) -> Global___ReleaseSourceRequest:
+        """A ReleaseSource call."""
+
+    @_builtins.property
+    def cancel(self) -> _types_pb2.CallCancel:
+        """Cancels the session's running call `call_id`, as cancelling its RPC would; nothing answers it."""
+
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+        prefill: Global___PrefillRequest | None = ...,
+        release_source: Global___ReleaseSourceRequest | None = ...,
+        cancel: _types_pb2.CallCancel | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "method", b"method", "prefill", b"prefill", "release_source", b"release_source", "timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "cancel", b"cancel", "method", b"method", "prefill", b"prefill", "release_source", b"release_source", "request_id", b"request_id", "timeout", b"timeout"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_method: _TypeAlias = _typing.Literal["prefill", "release_source", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_method: _TypeAlias = _typing.Literal["method", b"method"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_method) -> _WhichOneofReturnType_method | None: ...
+
+Global___PrefillSessionCall: _TypeAlias = PrefillSessionCall  # noqa: Y015
+
+@_typing.final
+class PrefillSessionResponse(_message.Message):
+    """PrefillSessionResponse carries the results a prefill had ready at once on a PrefillSession."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefillSessionResult]:
+        """The results, in the order they were ready."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___PrefillSessionResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillSessionResponse: _TypeAlias = PrefillSessionResponse  # noqa: Y015
+
+@_typing.final
+class PrefillSessionResult(_message.Message):
+    """PrefillSessionResult is the one result of a call on a PrefillSession: its response or its status."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    PREFILL_FIELD_NUMBER: _builtins.int
+    RELEASE_SOURCE_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """The call's id, as the caller numbered it."""
+    status: _builtins.bytes
+    """The call failed: a google.rpc.Status, serialized, with the ErrorInfo the per-call RPC would
+    have sent (the bytes of its grpc-status-details-bin trailer).
+    """
+    @_builtins.property
+    def prefill(self) -> Global___PrefillResponse:
+        """The Prefill call's response."""
+
+    @_builtins.property
+    def release_source(self) -> Global___ReleaseSourceResponse:
+        """The ReleaseSource call's response."""
+
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        prefill: Global___PrefillResponse | None = ...,
+        release_source: Global___ReleaseSourceResponse | None = ...,
+        status: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome", "prefill", b"prefill", "release_source", b"release_source", "status", b"status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "outcome", b"outcome", "prefill", b"prefill", "release_source", b"release_source", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["prefill", "release_source", "status"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___PrefillSessionResult: _TypeAlias = PrefillSessionResult  # noqa: Y015

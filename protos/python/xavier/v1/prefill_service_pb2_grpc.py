@@ -52,6 +52,11 @@ class PrefillServiceStub:
                 request_serializer=xavier_dot_v1_dot_prefill__service__pb2.GetPrefillStatsRequest.SerializeToString,
                 response_deserializer=xavier_dot_v1_dot_prefill__service__pb2.GetPrefillStatsResponse.FromString,
                 _registered_method=True)
+        self.PrefillSession = channel.stream_stream(
+                '/xavier.v1.PrefillService/PrefillSession',
+                request_serializer=xavier_dot_v1_dot_prefill__service__pb2.PrefillSessionRequest.SerializeToString,
+                response_deserializer=xavier_dot_v1_dot_prefill__service__pb2.PrefillSessionResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -85,6 +90,16 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillSession(self, request_iterator, context):
+        """PrefillSession carries many Prefill and ReleaseSource calls of one router as messages on one
+        long-lived stream (a peer lists SERVICE_FEATURE_CALL_SESSIONS in KvLayout.service_features when it
+        serves it). The caller's identity is checked once, when the stream opens, as Prefill checks it;
+        each call then runs as the per-call RPC would and ends with the same response or status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -102,6 +117,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.GetPrefillStats,
                     request_deserializer=xavier_dot_v1_dot_prefill__service__pb2.GetPrefillStatsRequest.FromString,
                     response_serializer=xavier_dot_v1_dot_prefill__service__pb2.GetPrefillStatsResponse.SerializeToString,
+            ),
+            'PrefillSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.PrefillSession,
+                    request_deserializer=xavier_dot_v1_dot_prefill__service__pb2.PrefillSessionRequest.FromString,
+                    response_serializer=xavier_dot_v1_dot_prefill__service__pb2.PrefillSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -188,6 +208,33 @@ class PrefillService:
             '/xavier.v1.PrefillService/GetPrefillStats',
             xavier_dot_v1_dot_prefill__service__pb2.GetPrefillStatsRequest.SerializeToString,
             xavier_dot_v1_dot_prefill__service__pb2.GetPrefillStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/xavier.v1.PrefillService/PrefillSession',
+            xavier_dot_v1_dot_prefill__service__pb2.PrefillSessionRequest.SerializeToString,
+            xavier_dot_v1_dot_prefill__service__pb2.PrefillSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

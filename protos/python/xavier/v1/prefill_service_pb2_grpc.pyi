@@ -48,6 +48,12 @@ class PrefillServiceStub:
     """
     GetPrefillStats: _grpc.UnaryUnaryMultiCallable[_prefill_service_pb2.GetPrefillStatsRequest, _prefill_service_pb2.GetPrefillStatsResponse]
     """GetPrefillStats reports pages, rooms and transfers."""
+    PrefillSession: _grpc.StreamStreamMultiCallable[_prefill_service_pb2.PrefillSessionRequest, _prefill_service_pb2.PrefillSessionResponse]
+    """PrefillSession carries many Prefill and ReleaseSource calls of one router as messages on one
+    long-lived stream (a peer lists SERVICE_FEATURE_CALL_SESSIONS in KvLayout.service_features when it
+    serves it). The caller's identity is checked once, when the stream opens, as Prefill checks it;
+    each call then runs as the per-call RPC would and ends with the same response or status.
+    """
 
 @_typing.type_check_only
 class PrefillServiceAsyncStub(PrefillServiceStub):
@@ -69,6 +75,12 @@ class PrefillServiceAsyncStub(PrefillServiceStub):
     """
     GetPrefillStats: _aio.UnaryUnaryMultiCallable[_prefill_service_pb2.GetPrefillStatsRequest, _prefill_service_pb2.GetPrefillStatsResponse]  # type: ignore[assignment]
     """GetPrefillStats reports pages, rooms and transfers."""
+    PrefillSession: _aio.StreamStreamMultiCallable[_prefill_service_pb2.PrefillSessionRequest, _prefill_service_pb2.PrefillSessionResponse]  # type: ignore[assignment]
+    """PrefillSession carries many Prefill and ReleaseSource calls of one router as messages on one
+    long-lived stream (a peer lists SERVICE_FEATURE_CALL_SESSIONS in KvLayout.service_features when it
+    serves it). The caller's identity is checked once, when the stream opens, as Prefill checks it;
+    each call then runs as the per-call RPC would and ends with the same response or status.
+    """
 
 class PrefillServiceServicer(metaclass=_abc_1.ABCMeta):
     """PrefillService hosts an engine in the prefill role: it computes a prompt's KV and first token, pins the
@@ -105,5 +117,17 @@ class PrefillServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_prefill_service_pb2.GetPrefillStatsResponse, _abc.Awaitable[_prefill_service_pb2.GetPrefillStatsResponse]]:
         """GetPrefillStats reports pages, rooms and transfers."""
+
+    @_abc_1.abstractmethod
+    def PrefillSession(
+        self,
+        request_iterator: _MaybeAsyncIterator[_prefill_service_pb2.PrefillSessionRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_prefill_service_pb2.PrefillSessionResponse], _abc.AsyncIterator[_prefill_service_pb2.PrefillSessionResponse]]:
+        """PrefillSession carries many Prefill and ReleaseSource calls of one router as messages on one
+        long-lived stream (a peer lists SERVICE_FEATURE_CALL_SESSIONS in KvLayout.service_features when it
+        serves it). The caller's identity is checked once, when the stream opens, as Prefill checks it;
+        each call then runs as the per-call RPC would and ends with the same response or status.
+        """
 
 def add_PrefillServiceServicer_to_server(servicer: PrefillServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -118,6 +118,30 @@ FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 """The request was aborted (client cancel, disconnect or a fault)."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _ServiceFeature:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ServiceFeatureEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ServiceFeature.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SERVICE_FEATURE_UNSPECIFIED: _ServiceFeature.ValueType  # 0
+    """Never listed; a zero feature means the field was not set."""
+    SERVICE_FEATURE_CALL_SESSIONS: _ServiceFeature.ValueType  # 1
+    """The service serves its role's session RPC (PrefillService.PrefillSession, DecodeService.DecodeSession):
+    one stream per caller that carries many calls as messages instead of one RPC each.
+    """
+
+class ServiceFeature(_ServiceFeature, metaclass=_ServiceFeatureEnumTypeWrapper):
+    """ServiceFeature names a way of calling a peer's service that some peers serve and others do not."""
+
+SERVICE_FEATURE_UNSPECIFIED: ServiceFeature.ValueType  # 0
+"""Never listed; a zero feature means the field was not set."""
+SERVICE_FEATURE_CALL_SESSIONS: ServiceFeature.ValueType  # 1
+"""The service serves its role's session RPC (PrefillService.PrefillSession, DecodeService.DecodeSession):
+one stream per caller that carries many calls as messages instead of one RPC each.
+"""
+Global___ServiceFeature: _TypeAlias = ServiceFeature  # noqa: Y015
+
 class _HandoffProtocol:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -296,6 +320,7 @@ class KvLayout(_message.Message):
     FEATURES_FIELD_NUMBER: _builtins.int
     HANDOFF_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_SOURCE_FIELD_NUMBER: _builtins.int
+    SERVICE_FEATURES_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     """The engine's name, for example "reference" or "sglang"; required."""
     engine_version: _builtins.str
@@ -337,6 +362,13 @@ class KvLayout(_message.Message):
         the fingerprint. The router refuses a request that needs a feature its chosen peer does not list.
         """
 
+    @_builtins.property
+    def service_features(self) -> _containers.RepeatedScalarFieldContainer[Global___ServiceFeature.ValueType]:
+        """What the peer's service serves beyond the per-call RPCs of xavier.v1.0; informational and not part
+        of the fingerprint. The router opens a session to a peer only when it lists
+        SERVICE_FEATURE_CALL_SESSIONS, and calls every other peer per RPC.
+        """
+
     def __init__(
         self,
         *,
@@ -355,14 +387,32 @@ class KvLayout(_message.Message):
         features: _abc.Iterable[Global___EngineFeature.ValueType] | None = ...,
         handoff: Global___HandoffProtocol.ValueType = ...,
         first_token_source: Global___FirstTokenSource.ValueType = ...,
+        service_features: _abc.Iterable[Global___ServiceFeature.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_fingerprint", b"config_fingerprint", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "features", b"features", "first_token_source", b"first_token_source", "handoff", b"handoff", "head_dim", b"head_dim", "memory_layout", b"memory_layout", "model_name", b"model_name", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "page_size", b"page_size", "tokenizer_fingerprint", b"tokenizer_fingerprint", "weights_fingerprint", b"weights_fingerprint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_fingerprint", b"config_fingerprint", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "features", b"features", "first_token_source", b"first_token_source", "handoff", b"handoff", "head_dim", b"head_dim", "memory_layout", b"memory_layout", "model_name", b"model_name", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "page_size", b"page_size", "service_features", b"service_features", "tokenizer_fingerprint", b"tokenizer_fingerprint", "weights_fingerprint", b"weights_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___KvLayout: _TypeAlias = KvLayout  # noqa: Y015
+
+@_typing.final
+class CallCancel(_message.Message):
+    """CallCancel cancels an earlier call of a session (the call id of the message that carries it)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallCancel: _TypeAlias = CallCancel  # noqa: Y015
 
 @_typing.final
 class MemoryRegion(_message.Message):

@@ -1,0 +1,279 @@
+"""Call sessions against real prefill and decode processes: many calls multiplexed on one stream give
+what one RPC each gives; a cancel and a deadline reach the servicer, whose cleanup runs (nothing stays
+pinned, no room stays open); a peer killed mid-call fails the open calls UNAVAILABLE and the router's
+request fails over; a peer that does not declare sessions is called per RPC."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from xavier.v1 import decode_service_pb2 as dec
+from xavier.v1 import decode_service_pb2_grpc as dec_grpc
+from xavier.v1 import directory_service_pb2 as dpb
+from xavier.v1 import prefill_service_pb2 as pre
+from xavier.v1 import prefill_service_pb2_grpc as pre_grpc
+from xavier.v1 import types_pb2
+from xavier_client import AsyncClient
+
+from tests.pd.conftest import FAST_ENV, Mesh, mesh_stats, wait_drained
+from tests.support.pd_driver import decode_request, new_room_id, peer, prefill_request
+from tests.support.procs import ServiceProc, start_service
+from xavier_core.runtime import from_rpc_error
+from xavier_core.runtime.session_client import CallSession
+
+pytestmark = pytest.mark.integration
+
+# Nothing ends a waiting decode but its call: a cancel or deadline that did not reach it would leave its
+# pages and room held for ten minutes, past every wait below.
+_LONG = {
+    **FAST_ENV,
+    "XAVIER_HANDOFF__ROOM_LEASE_SECONDS": "600",
+    "XAVIER_HANDOFF__TRANSFER_TIMEOUT_SECONDS": "600",
+    "XAVIER_DIRECTORY__ROOM_LEASE_SECONDS": "600",
+}
+_SAMPLING = types_pb2.SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def _prefill_session(channel: grpc.aio.Channel) -> CallSession:
+    stub = pre_grpc.PrefillServiceStub(channel)
+    return CallSession(stub.PrefillSession, pre.PrefillSessionRequest, pre.PrefillSessionCall, "prefill")
+
+
+def _decode_session(channel: grpc.aio.Channel) -> CallSession:
+    stub = dec_grpc.DecodeServiceStub(channel)
+    return CallSession(stub.DecodeSession, dec.DecodeSessionRequest, dec.DecodeSessionCall, "decode")
+
+
+def _router(m: Mesh, tmp: Path, name: str = "router", env: dict[str, str] | None = None) -> ServiceProc:
+    """A router on `m`'s directory (not in `m.procs`: `mesh_stats` reads peers only)."""
+    args = ["--model", str(m.model), "--directory", m.directory, "--listen", "127.0.0.1:0", "--http", ""]
+    return start_service("xavier-router", args, tmp, name=name, env=env or m.env)
+
+
+def _rpc_count(proc: ServiceProc, method: str) -> float:
+    """`xavier_rpc_total` of `method` on `proc`, every code together."""
+    with urllib.request.urlopen(f"http://{proc.metrics}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("xavier_rpc_total{") and f'method="{method}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@contextlib.contextmanager
+def _pair(model: Path, workdir: Path, env: dict[str, str]) -> Iterator[Mesh]:
+    """Directory, prefill-0 and decode-0 under `env`, stopped on exit (with what the test added)."""
+    m = Mesh(model, workdir, env)
+    try:
+        m.start_directory()
+        m.start_peer("prefill-0", "prefill")
+        m.start_peer("decode-0", "decode")
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture(scope="module")
+def long_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    with _pair(tiny_model, tmp_path_factory.mktemp("sessions"), dict(_LONG)) as m:
+        yield m
+
+
+async def _peers(m: Mesh) -> tuple[dpb.Peer, dpb.Peer]:
+    async with grpc.aio.insecure_channel(m.directory) as ch:
+        return await peer(ch, types_pb2.ROLE_PREFILL), await peer(ch, types_pb2.ROLE_DECODE)
+
+
+async def _read_all(call: Any) -> list[int]:
+    tokens: list[int] = []
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        tokens.extend(msg.delta.token_ids)
+    return tokens
+
+
+async def _pair_request(
+    ps: CallSession, ds: CallSession, p: dpb.Peer, d: dpb.Peer, prompt: list[int]
+) -> list[int]:
+    """One P/D request of the pair handoff, both calls on sessions."""
+    room = new_room_id()
+    req = prefill_request(room, d, prompt, _SAMPLING, pair_handoff=True)
+    pf = await ps.unary("prefill", req, request_id=req.request_id, timeout=30)
+    dreq = decode_request(room, p, prompt, _SAMPLING, pf.first_token, pf.first_logprob)
+    dreq.source.CopyFrom(pf.source)
+    return [pf.first_token, *await _read_all(ds.stream("decode", dreq, request_id="", timeout=30))]
+
+
+async def _pair_per_rpc(
+    pch: grpc.aio.Channel, dch: grpc.aio.Channel, p: dpb.Peer, d: dpb.Peer, prompt: list[int]
+) -> list[int]:
+    room = new_room_id()
+    pf = await pre_grpc.PrefillServiceStub(pch).Prefill(
+        prefill_request(room, d, prompt, _SAMPLING, pair_handoff=True), timeout=30
+    )
+    dreq = decode_request(room, p, prompt, _SAMPLING, pf.first_token, pf.first_logprob)
+    dreq.source.CopyFrom(pf.source)
+    call = dec_grpc.DecodeServiceStub(dch).Decode(dreq, timeout=30)
+    return [pf.first_token, *await _read_all(call)]
+
+
+async def test_many_calls_share_one_session_and_answer_as_rpcs_do(long_mesh: Mesh) -> None:
+    p, d = await _peers(long_mesh)
+    assert types_pb2.SERVICE_FEATURE_CALL_SESSIONS in p.layout.service_features
+    assert types_pb2.SERVICE_FEATURE_CALL_SESSIONS in d.layout.service_features
+    prompts = [[3 + i, 7, 11 + 2 * i, 5, 9] for i in range(16)]
+    async with grpc.aio.insecure_channel(p.address) as pch, grpc.aio.insecure_channel(d.address) as dch:
+        ps, ds = _prefill_session(pch), _decode_session(dch)
+        on_sessions = await asyncio.gather(*(_pair_request(ps, ds, p, d, x) for x in prompts))
+        per_rpc = [await _pair_per_rpc(pch, dch, p, d, x) for x in prompts]
+        assert (ps.opened, ds.opened) == (1, 1)  # 16 prefills and 16 decodes, one stream each
+        await ps.close()
+        await ds.close()
+    assert on_sessions == per_rpc
+    assert all(len(t) == _SAMPLING.max_tokens for t in on_sessions)
+    assert not any((await wait_drained(long_mesh)).values())
+
+
+async def _waiting_decode(ds: CallSession, p: dpb.Peer, timeout: float | None) -> tuple[Any, int]:
+    """A Decode of a directory room nobody publishes: it holds its pages and room until its call ends."""
+    room = new_room_id()
+    req = decode_request(room, p, [4, 8, 15, 16, 23, 42], _SAMPLING)
+    return ds.stream("decode", req, request_id=f"wait-{room}", timeout=timeout), room
+
+
+async def _until_holding(m: Mesh) -> None:
+    for _ in range(300):
+        stats = await mesh_stats(m)
+        if stats["decode-0.pages_pinned"] and stats["directory.rooms_active"]:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the decode never took the request: {stats}")
+
+
+async def test_a_cancel_reaches_the_decode_and_its_cleanup_runs(long_mesh: Mesh) -> None:
+    p, d = await _peers(long_mesh)
+    cancelled_before = _rpc_count(long_mesh.procs["decode-0"], "Decode")
+    async with grpc.aio.insecure_channel(d.address) as dch:
+        ds = _decode_session(dch)
+        call, _room = await _waiting_decode(ds, p, None)
+        await _until_holding(long_mesh)
+        assert call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call.read()
+        stats = await wait_drained(long_mesh)
+        assert not any(stats.values()), stats  # the decode's pages and the room went with its task
+        # The session outlives the cancelled call: the next one runs on the same stream.
+        p_, d_ = await _peers(long_mesh)
+        async with grpc.aio.insecure_channel(p.address) as pch:
+            tokens = await _pair_request(_prefill_session(pch), ds, p_, d_, [5, 6, 7])
+        assert len(tokens) == _SAMPLING.max_tokens and ds.opened == 1
+        await ds.close()
+    assert _rpc_count(long_mesh.procs["decode-0"], "Decode") >= cancelled_before + 2
+
+
+async def test_a_session_that_ends_cancels_its_open_calls_on_the_peer(long_mesh: Mesh) -> None:
+    p, d = await _peers(long_mesh)
+    async with grpc.aio.insecure_channel(d.address) as dch:
+        ds = _decode_session(dch)
+        calls = [(await _waiting_decode(ds, p, None))[0] for _ in range(2)]
+        await _until_holding(long_mesh)
+        await ds.close()  # the stream ends under its calls, as a router that goes away ends it
+        for call in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        stats = await wait_drained(long_mesh)
+        assert not any(stats.values()), stats  # each call's task was cancelled and cleaned up
+
+
+async def test_a_deadline_ends_the_call_on_both_sides(long_mesh: Mesh) -> None:
+    p, d = await _peers(long_mesh)
+    async with grpc.aio.insecure_channel(d.address) as dch:
+        ds = _decode_session(dch)
+        call, _room = await _waiting_decode(ds, p, 2.0)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call.read()
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        stats = await wait_drained(long_mesh)
+        assert not any(stats.values()), stats
+        await ds.close()
+
+
+async def test_bad_input_on_a_session_gets_the_rpcs_status(long_mesh: Mesh) -> None:
+    p, d = await _peers(long_mesh)
+    async with grpc.aio.insecure_channel(p.address) as pch:
+        ps = _prefill_session(pch)
+        req = prefill_request(new_room_id(), d, [], _SAMPLING, pair_handoff=True)
+        with pytest.raises(grpc.aio.AioRpcError) as on_session:
+            await ps.unary("prefill", req, request_id="bad-1", timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as per_rpc:
+            await pre_grpc.PrefillServiceStub(pch).Prefill(req, timeout=10)
+        got, want = from_rpc_error(on_session.value), from_rpc_error(per_rpc.value)
+        assert (got.code, got.reason, got.metadata) == (want.code, want.reason, want.metadata)
+        assert got.code == grpc.StatusCode.INVALID_ARGUMENT
+        # A failed call leaves the session up for the next.
+        release = pre.ReleaseSourceRequest(request_id="r", room_id=new_room_id())
+        answer = await ps.unary("release_source", release, request_id="r", timeout=10)
+        assert answer.held is False and ps.opened == 1
+        await ps.close()
+
+
+@contextlib.contextmanager
+def _routed(m: Mesh, tmp: Path, env: dict[str, str] | None = None) -> Iterator[ServiceProc]:
+    router = _router(m, tmp, env=env)
+    try:
+        yield router
+    finally:
+        router.stop()
+
+
+async def _generate(client: AsyncClient, prompt: str) -> int:
+    return len((await client.generate(prompt, max_tokens=4, mode="pd", ignore_eos=True)).token_ids)
+
+
+async def test_a_killed_decode_fails_its_open_calls_unavailable_and_the_request_fails_over(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    env = {**_LONG, "XAVIER_HEALTH_INTERVAL_SECONDS": "600"}
+    with _pair(tiny_model, tmp_path, env) as m, _routed(m, tmp_path) as router:
+        async with AsyncClient(router.address, timeout=60) as client:
+            assert await _generate(client, "warm the router's sessions") == 4
+            p, d = await _peers(m)
+            async with grpc.aio.insecure_channel(d.address) as dch:
+                ds = _decode_session(dch)
+                calls = [(await _waiting_decode(ds, p, None))[0] for _ in range(3)]
+                await _until_holding(m)
+                m.procs.pop("decode-0").kill()
+                for call in calls:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await call.read()
+                    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                    assert from_rpc_error(err.value).reason == "UNAVAILABLE"  # a transport failure
+            m.start_peer("decode-1", "decode")
+            # The router's session to the dead decode broke too: its next requests go to decode-1.
+            for _ in range(3):
+                assert await _generate(client, "after the decode died") == 4
+        router.stop()  # the sessions it held end now and are counted
+        assert _rpc_count(m.procs["prefill-0"], "PrefillSession") >= 1
+
+
+async def test_a_peer_without_sessions_is_called_per_rpc(tiny_model: Path, tmp_path: Path) -> None:
+    env = {**FAST_ENV, "XAVIER_PEER__CALL_SESSIONS": "false"}
+    with _pair(tiny_model, tmp_path, env) as m, _routed(m, tmp_path, dict(FAST_ENV)) as router:
+        p, d = await _peers(m)
+        assert not p.layout.service_features and not d.layout.service_features
+        async with AsyncClient(router.address, timeout=60) as client:
+            for _ in range(3):
+                assert await _generate(client, "per call") == 4
+        router.stop()  # a session it held would end now and be counted
+        for name, session in (("prefill-0", "PrefillSession"), ("decode-0", "DecodeSession")):
+            assert _rpc_count(m.procs[name], session) == 0, name
+        assert _rpc_count(m.procs["prefill-0"], "Prefill") == 3
+        assert _rpc_count(m.procs["decode-0"], "Decode") == 3
