@@ -15,8 +15,11 @@ Then TTFT of a prompt with a `--prefix`-token shared prefix (the tiny CPU model,
 store, two unified replicas): cold (nothing cached anywhere), warm from the store (replica B, local cache
 empty, fetches what replica A wrote through) and warm in B's local prefix cache; medians of `--ttft-reps`,
 each rep with a fresh prefix and its own suffixes, the NIXL descriptors of B's store read (its
-client's metric) and the prefill chunks each case's replica ran as decode rows (`*_static_chunks`, its
-`xavier_engine_counts` metric: 1 when a warm suffix took the static-shape path). Prints JSON, writes a PNG.
+client's metric), where that read spent its time step by step (`warm_store_steps_ms`: B's
+`xavier_pagestore_client_fetch_seconds{step}`; `--read-piece-bytes 0` reads each call in one READ, checked
+after it, for a before/after in one session) and the prefill chunks each case's replica ran as decode
+rows (`*_static_chunks`, its `xavier_engine_counts` metric: 1 when a warm suffix took the static-shape
+path). Prints JSON, writes a PNG.
 Example: `python benchmarks/pagestore.py --pages 16,64,256 --run-lengths 1,4,64 --reps 3 --ttft-reps 7`.
 """
 

@@ -13,6 +13,7 @@ to the others.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,7 +37,9 @@ Verify = Callable[[int, int, StepClock], list[int]]
 PIECE_BYTES = 4 << 20
 """Bytes of one piece: small enough that the check left after the last byte lands is short, large enough
 that a piece's descriptors (one per segment per run) stay few against its bytes."""
-_VERIFY_THREADS = 2
+_VERIFY_THREADS = min(4, os.cpu_count() or 1)
+"""Shared by every fetch of the process: concurrent fetches' checks queue here (the hash holds the GIL
+between updates and a mirror's copies take the device lock, so more threads would mostly wait)."""
 _AHEAD = 2
 """READs posted at a time. All at once was no faster on CPU (UCX moved them all before the first one
 reported done, so nothing was checked meanwhile); one at a time left the wire idle during each post."""
