@@ -76,9 +76,10 @@ def read_in_pieces(
     verify: Verify,
     clock: StepClock,
 ) -> list[int]:
-    """READs every `(lo, hi, rows)` piece (posted at once) and verifies each as it lands; returns the
-    indices of the call's pages that failed. Blocking: run it off the event loop. Raises `PeerError`
-    (`TransferStuck` when a READ could not be cancelled) once every piece has ended."""
+    """READs every `(lo, hi, rows)` piece (each posted before the one ahead of it is waited for) and
+    verifies each on the verify threads as it lands; returns the indices of the call's pages that
+    failed. Blocking: run it off the event loop. Raises `PeerError` (`TransferStuck` when a READ could
+    not be cancelled) once every piece has ended."""
     started = time.perf_counter()
     xfers: list[Transfer] = []
     checks: list[tuple[int, Future[tuple[list[int], StepClock]]]] = []
