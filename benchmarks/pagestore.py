@@ -15,8 +15,11 @@ Then TTFT of a prompt with a `--prefix`-token shared prefix (the tiny CPU model,
 store, two unified replicas): cold (nothing cached anywhere), warm from the store (replica B, local cache
 empty, fetches what replica A wrote through) and warm in B's local prefix cache; medians of `--ttft-reps`,
 each rep with a fresh prefix and its own suffixes, the NIXL descriptors of B's store read (its
-client's metric) and the prefill chunks each case's replica ran as decode rows (`*_static_chunks`, its
-`xavier_engine_counts` metric: 1 when a warm suffix took the static-shape path). Prints JSON, writes a PNG.
+client's metric), where that read spent its time step by step (`warm_store_steps_ms`: B's
+`xavier_pagestore_client_fetch_seconds{step}`; `--read-piece-bytes 0` reads each call in one READ, checked
+after it, for a before/after in one session) and the prefill chunks each case's replica ran as decode
+rows (`*_static_chunks`, its `xavier_engine_counts` metric: 1 when a warm suffix took the static-shape
+path). Prints JSON, writes a PNG.
 Example: `python benchmarks/pagestore.py --pages 16,64,256 --run-lengths 1,4,64 --reps 3 --ttft-reps 7`.
 """
 
@@ -38,8 +41,9 @@ import numpy as np
 from tests.support.procs import start_service
 from xavier_core.pagestore import PageNamespace, PageStoreClient
 from xavier_core.pagestore import client as client_module
-from xavier_core.pagestore import staging as staging_module
 from xavier_core.pagestore.layout import local_page_checksums
+from xavier_core.pagestore.metrics import FETCH_STEPS, client_metrics
+from xavier_core.pagestore.reading import PIECE_BYTES
 from xavier_core.transfer.common.buffers import KvBuffer
 
 
@@ -67,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the TTFT store's arena chunk (the store's default); a stored run never crosses a chunk",
     )
     p.add_argument(
+        "--read-piece-bytes",
+        type=int,
+        default=PIECE_BYTES,
+        help="a fetch READs in pieces of about this many bytes, each checked while the next moves (0: one)",
+    )
+    p.add_argument(
         "--stage-host-pool",
         action="store_true",
         help="the GB/s client and the TTFT replicas pass their host pool through the mirror a GPU pool takes",
@@ -78,6 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="TTFT model shape (random weights; 7b-width: Qwen2.5-7B's width at 4 layers, use --prefix 8000)",
     )
     return p.parse_args(argv)
+
+
+def fetch_steps() -> dict[str, float]:
+    """Seconds this process's page store clients spent per fetch step so far (their metric)."""
+    counter = client_metrics().fetch_seconds
+    return {step: counter.labels(step)._value.get() for step in FETCH_STEPS}
 
 
 def placement(count: int, run: int) -> list[int]:
@@ -122,6 +138,7 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
         transfer_timeout_s=60,
         staging_pages=max(counts),
         stage_host_pool=args.stage_host_pool,
+        read_piece_bytes=args.read_piece_bytes,
     )
     client = PageStoreClient(address, bufs, settings)
     nixl_times: list[float] = []
@@ -134,38 +151,6 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
         nixl_times.append(time.perf_counter() - t)
 
     client.conn.move = timed_move  # type: ignore[method-assign,assignment]
-    rpc_times: list[float] = []
-    real_get_pages = client.conn.get_pages
-
-    async def timed_get_pages(request: Any) -> Any:  # the get's one awaited RPC
-        t = time.perf_counter()
-        try:
-            return await real_get_pages(request)
-        finally:
-            rpc_times.append(time.perf_counter() - t)
-
-    client.conn.get_pages = timed_get_pages  # type: ignore[method-assign]
-    sum_times: list[float] = []
-    real_sums = local_page_checksums
-
-    def timed_sums(buffers: Any, pages: Any) -> list[bytes]:  # the checksum pass inside the get and put paths
-        t = time.perf_counter()
-        try:
-            return real_sums(buffers, pages)
-        finally:
-            sum_times.append(time.perf_counter() - t)
-
-    client_module.local_page_checksums = timed_sums  # type: ignore[attr-defined]
-    real_rows = staging_module.page_row_checksums
-
-    def timed_rows(rows: Any) -> list[bytes]:  # a mirror's reads are checked on page-major rows
-        t = time.perf_counter()
-        try:
-            return real_rows(rows)
-        finally:
-            sum_times.append(time.perf_counter() - t)
-
-    staging_module.page_row_checksums = timed_rows  # type: ignore[attr-defined]
     if client.staging is not None:
         staging = client.staging
         real_copy = staging._copy
@@ -176,16 +161,6 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
             stage_times.append(time.perf_counter() - t)
 
         staging._copy = timed_copy  # type: ignore[method-assign]
-        real_checked = staging.to_pool_checked
-
-        def timed_checked(*a: Any) -> list[int]:  # a get's copies, less the checksum pass inside them
-            t, hashed = time.perf_counter(), sum(sum_times)
-            try:
-                return real_checked(*a)
-            finally:
-                stage_times.append(time.perf_counter() - t - (sum(sum_times) - hashed))
-
-        staging.to_pool_checked = timed_checked  # type: ignore[method-assign]
     page_bytes = seg * len(bufs)
     points = []
     prompt = 0
@@ -214,18 +189,19 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
                     put_d.append(client.counters.write_descriptors - before.write_descriptors)
                     put_x.append(nixl_times[-1])
                     put_s.append(sum(stage_times))
-                    stage_times.clear()
-                    rpc_times.clear()
-                    sum_times.clear()
+                    steps = fetch_steps()
                     t = time.perf_counter()
                     if await client.lookup_and_fetch(ns, keys, pages) != count:
                         raise RuntimeError("get did not hit every page")
                     get_t.append(time.perf_counter() - t)
                     get_d.append(client.counters.read_descriptors - before.read_descriptors)
-                    get_x.append(nixl_times[-1])
-                    get_s.append(sum(stage_times))
-                    get_r.append(sum(rpc_times))
-                    get_c.append(sum(sum_times))
+                    spent = {k: v - steps[k] for k, v in fetch_steps().items()}
+                    # The client's own clock (`xavier_pagestore_client_fetch_seconds{step}`): with the READ
+                    # in pieces, the checks of landed pieces overlap the READ of the next.
+                    get_x.append(spent["read"])
+                    get_s.append(spent["stage_copy"])
+                    get_r.append(spent["get_pages"])
+                    get_c.append(spent["verify"])
                     await client.flush()  # the lease release the get did not wait for
                 nbytes = count * page_bytes
                 t = time.perf_counter()
@@ -273,8 +249,6 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
         await client.flush()
         stats = await client.stats()
     finally:
-        client_module.local_page_checksums = real_sums  # type: ignore[attr-defined]
-        staging_module.page_row_checksums = real_rows  # type: ignore[attr-defined]
         await client.close()
     return {
         "benchmark": "pagestore",
@@ -295,6 +269,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
     a, b = mesh.procs["unified-a"].address, mesh.procs["unified-b"].address
     cases: dict[str, list[float]] = {"cold": [], "warm_store": [], "warm_local": []}
     read_descriptors: list[float] = []
+    steps: list[dict[str, float]] = []  # B's fetch steps in each warm-from-store request (its metric)
     metrics_b = mesh.procs["unified-b"].metrics
     metrics = {a: mesh.procs["unified-a"].metrics, b: metrics_b}
     cached: dict[str, list[int]] = {k: [] for k in cases}
@@ -306,12 +281,14 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         for case, addr, suffix in (("cold", a, 1), ("warm_store", b, 2), ("warm_local", b, 3)):
             posted = scrape(metrics_b, READ_DESCRIPTORS)
             chunks = scrape(metrics[addr], STATIC_CHUNKS)
+            spent = scrape_steps(metrics_b)
             t = time.perf_counter()
             ans = await generate(addr, shared + prompt(7000 + 10 * rep + suffix, 16), max_tokens=1)
             cases[case].append(time.perf_counter() - t)
             static[case].append(scrape(metrics[addr], STATIC_CHUNKS) - chunks)
             if case == "warm_store":
                 read_descriptors.append(scrape(metrics_b, READ_DESCRIPTORS) - posted)
+                steps.append({k: v - spent[k] for k, v in scrape_steps(metrics_b).items()})
             cached[case].append(
                 ans.usage.cached_tokens_store if case == "warm_store" else ans.usage.cached_tokens
             )
@@ -332,6 +309,17 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         # NIXL descriptors of the warm-from-store fetch, as B's client counted them (its metric).
         "warm_store_read_descriptors": statistics.median(read_descriptors),
         "warm_store_read_descriptors_per_rep": read_descriptors,
+        "read_piece_bytes": args.read_piece_bytes,
+        # Where B's fetch of the stored prefix spent its time, per step (medians over the reps, ms):
+        # get_pages (lookup + lease, one RPC), read (NIXL, first post to last done), verify (checksums),
+        # stage_copy (mirror <-> pool), worker (the thread hop), fetch (all of it, end to end). With the
+        # READ in pieces, verify and stage_copy overlap read, so the steps sum to more than fetch.
+        "warm_store_steps_ms": {k: 1e3 * statistics.median(r[k] for r in steps) for k in FETCH_STEPS},
+        "warm_store_steps_ms_per_rep": [{k: 1e3 * v for k, v in r.items()} for r in steps],
+        # The rest of a warm-from-store TTFT: the RPC, admission, scheduling and the suffix's compute,
+        # the same work as a local hit's whole TTFT.
+        "warm_store_outside_fetch_ms": 1e3
+        * statistics.median(t - r["fetch"] for t, r in zip(cases["warm_store"], steps, strict=True)),
     }
     for case, times in cases.items():
         out[f"{case}_ms"] = 1e3 * statistics.median(times)
@@ -362,6 +350,7 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     env = {"XAVIER_ENGINE__NUM_PAGES": str(max(600, 4 * (args.prefix // 16 + 8)))}
     if args.stage_host_pool:
         env["XAVIER_PAGESTORE__STAGE_HOST_POOL"] = "true"
+    env["XAVIER_PAGESTORE__READ_PIECE_BYTES"] = str(args.read_piece_bytes)
     arena = -(-arena // args.store_chunk_bytes) * args.store_chunk_bytes
     mesh = StoreMesh(model, work, device=args.device, arena=arena, chunk=args.store_chunk_bytes, env=env)
     try:
@@ -387,6 +376,14 @@ def scrape(metrics: str, sample: str) -> float:
         if line.startswith(sample + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+FETCH_SECONDS = "xavier_pagestore_client_fetch_seconds_total"
+
+
+def scrape_steps(metrics: str) -> dict[str, float]:
+    """A replica's page store fetch seconds so far, per step (`FETCH_STEPS`)."""
+    return {step: scrape(metrics, f'{FETCH_SECONDS}{{step="{step}"}}') for step in FETCH_STEPS}
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

@@ -117,6 +117,20 @@ def raw_release(address: str, lease_id: str, corrupt: list[int] | None = None) -
         return resp
 
 
+async def scribble(address: str, vandal: PageStoreClient, fp: str, keys: list[bytes], index: int) -> None:
+    """A stray writer with stale descriptors overwrites committed page `index` of `keys` (in namespace
+    `fp`, no salt) with page 0 of its own pool, as a bug or bad memory would: its checksum no longer holds."""
+    from xavier_core.pagestore.client import _spans
+
+    got = raw_get(address, fp, keys, 5.0)
+    page = one_page_spans(_spans(got.spans))[index]
+    target = await vandal.conn.ensure_store(got.store_instance)
+    rows = vandal.geometry.span_descriptors([page], vandal._bases, [0])
+    await asyncio.to_thread(vandal.conn.move, "WRITE", target, rows, 1)
+    if not raw_release(address, got.lease_id).released:
+        raise RuntimeError("the scribbler's lease was not released")
+
+
 def one_page_spans(spans: Sequence[Span]) -> list[Span]:
     """The spans cut into one span per page, in order."""
     return [Span(s.chunk_address, s.chunk_slots, s.first_slot + i, 1) for s in spans for i in range(s.count)]

@@ -5,7 +5,6 @@ no lease, staging slot or pool page is left behind."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,17 +17,16 @@ from tests.pagestore.support import (
     buffers,
     chain,
     make_pool,
-    one_page_spans,
     page_digest,
     raw_get,
     raw_release,
+    scribble,
 )
 from tests.support.procs import ServiceProc
 from xavier_core.engine.api import Sampling
 from xavier_core.engine.reference import ReferenceEngine
 from xavier_core.engine.tiny import make_tiny
 from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
-from xavier_core.pagestore.client import _spans
 from xavier_core.pagestore.staging import HostStaging
 from xavier_core.transfer.common.buffers import KvBuffer
 
@@ -144,12 +142,7 @@ async def test_scattered_pages_come_back_exact_and_a_corrupt_page_is_a_miss(
         assert page_digest(reader_pool, dest) == page_digest(pool, src)
         # A stray writer scribbles over the seventh page: the six before it are served, it and the rest
         # are a miss, and the store drops it.
-        got = raw_get(store.address, fp, keys, 5.0)
-        seventh = one_page_spans(_spans(got.spans))[6]
-        target = await vandal.conn.ensure_store(got.store_instance)
-        rows = vandal.geometry.span_descriptors([seventh], vandal._bases, [0])
-        await asyncio.to_thread(vandal.conn.move, "WRITE", target, rows, 1)
-        assert raw_release(store.address, got.lease_id).released
+        await scribble(store.address, vandal, fp, keys, 6)
         for a in reader_pool:
             a[:] = 0
         assert await reader.lookup_and_fetch(PageNamespace(fp), keys, dest) == 6

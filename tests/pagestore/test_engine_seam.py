@@ -9,6 +9,7 @@ import dataclasses
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,10 +128,13 @@ async def test_pages_of_a_stuck_read_are_never_reused(
     await client.flush()
     engine._cache.clear()
 
-    def stuck(*_a: object) -> None:  # NIXL refused to cancel a timed-out READ into the pool pages
+    real = client.conn.settle
+
+    def stuck(*a: Any) -> None:  # NIXL refused to cancel a timed-out READ into the pool pages
+        real(*a)
         raise TransferStuck("READ still in flight")
 
-    monkeypatch.setattr(client.conn, "move", stuck)
+    monkeypatch.setattr(client.conn, "settle", stuck)
     res = await engine.prefill("seam-stuck", [*tokens, 5], GREEDY)  # served as a miss
     assert res.cached_tokens == 0
     engine.release_pages("seam-stuck")

@@ -5,6 +5,7 @@ lease release the fetch does not wait for is still counted when it fails (the le
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 import pytest
@@ -111,18 +112,22 @@ async def test_a_read_nixl_could_not_cancel_marks_the_pages_unsafe(
 ) -> None:
     pool = make_pool(34)
     writer = PageStoreClient(store.address, buffers(pool))
-    reader = PageStoreClient(store.address, buffers(make_pool(None)))
-    staged = PageStoreClient(store.address, buffers(make_pool(None)), ClientSettings(stage_host_pool=True))
+    pools = [make_pool(None), make_pool(None)]  # held: the READs land in their memory
+    reader = PageStoreClient(store.address, buffers(pools[0]))
+    staged = PageStoreClient(store.address, buffers(pools[1]), ClientSettings(stage_host_pool=True))
     try:
         ns = PageNamespace("fp-stuck")
         keys = chain("fp-stuck", "", 4, 3)
         assert await writer.write(ns, keys, [0, 1, 2]) == 3
 
-        def stuck(*_a: object) -> None:  # what `move` raises when NIXL refuses to cancel a late READ
-            raise TransferStuck("READ still in flight")
-
         for client in (reader, staged):
-            monkeypatch.setattr(client.conn, "move", stuck)
+            real = client.conn.settle
+
+            def stuck(*a: Any, real: Any = real) -> None:  # what NIXL refusing to cancel a late READ raises
+                real(*a)
+                raise TransferStuck("READ still in flight")
+
+            monkeypatch.setattr(client.conn, "settle", stuck)
         got = await reader.fetch(ns, keys, lambda n: list(range(10, 10 + n)))
         assert got.hit == 0 and got.stuck  # the pool pages may still change: the caller must drop them
         got = await staged.fetch(ns, keys, lambda n: list(range(10, 10 + n)))

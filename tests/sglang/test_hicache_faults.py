@@ -64,10 +64,13 @@ def test_a_stuck_read_keeps_its_host_pages_out_of_sglangs_pool(
     src = writer_pool.alloc(3 * PAGE)
     assert writer.batch_set_v1(keys, src) == [True] * 3
 
-    def stuck(*_a: object) -> None:  # what `move` raises when NIXL refuses to cancel a late READ
+    real_settle = reader.client.conn.settle
+
+    def stuck(*a: Any) -> None:  # what a READ NIXL refused to cancel ends in
+        real_settle(*a)
         raise TransferStuck("READ still in flight")
 
-    monkeypatch.setattr(reader.client.conn, "move", stuck)
+    monkeypatch.setattr(reader.client.conn, "settle", stuck)
     dst = reader_pool.alloc(3 * PAGE)  # SGLang's prefetch takes host pages, then asks the backend
     assert reader.batch_get_v1(keys, dst) == [False] * 3
     reader_pool.free(dst)  # ... and frees the pages it was told are missing
@@ -83,13 +86,13 @@ def test_a_get_that_outlives_its_wait_keeps_its_pages_until_the_read_ended(
     try:
         keys = sglang_keys(2, first_token=4000)
         assert writer.batch_set_v1(keys, writer_pool.alloc(2 * PAGE)) == [True, True]
-        real_move = reader.client.conn.move
+        real_settle = reader.client.conn.settle
 
         def late(*args: Any) -> None:  # a READ still under way when the backend stops waiting
             gate.wait(60)
-            real_move(*args)
+            real_settle(*args)
 
-        monkeypatch.setattr(reader.client.conn, "move", late)
+        monkeypatch.setattr(reader.client.conn, "settle", late)
         reader._wait_s = 0.2
         dst = reader_pool.alloc(2 * PAGE)
         assert reader.batch_get_v1(keys, dst) == [False, False]

@@ -30,6 +30,7 @@ from xavier_core.engine.api import InvalidRequestError, StoreStats
 from xavier_core.engine.errors import RequestAbortedError
 from xavier_core.engine.request import Request
 from xavier_core.engine.scheduler import Scheduler
+from xavier_core.pagestore.metrics import StepClock
 from xavier_core.pagestore.namespace import PageNamespace
 from xavier_core.prefix_keys import page_keys
 
@@ -123,12 +124,15 @@ class StoreLink:
         if req.chain_seed is None:
             return Prefix([], 0)
         p = self.page_size
-        if not req.prompt_keys:
-            req.prompt_keys = page_keys(req.chain_seed, req.prompt, p)
-        # At least one prompt token is computed: its logits give the first output token.
-        limit = (len(req.prompt) - 1) // p
-        with self._lock:
-            local = self.cache.match(req.prompt_keys, req.prompt, limit)
+        clock = StepClock()
+        with clock.step("local_match"):
+            if not req.prompt_keys:
+                req.prompt_keys = page_keys(req.chain_seed, req.prompt, p)
+            # At least one prompt token is computed: its logits give the first output token.
+            limit = (len(req.prompt) - 1) // p
+            with self._lock:
+                local = self.cache.match(req.prompt_keys, req.prompt, limit)
+        clock.flush()
         want = req.prompt_keys[len(local) : limit]
         if not want:
             return Prefix(local, 0)
@@ -157,7 +161,8 @@ class StoreLink:
             hit, stuck = got.hit, got.stuck
         finally:
             p = self.page_size
-            with self._lock:
+            clock = StepClock()
+            with clock.step("register"), self._lock:
                 for i in range(hit):
                     at = (first + i) * p
                     self.cache.insert(keys[i], dest[i], req.prompt[at : at + p])
@@ -165,6 +170,7 @@ class StoreLink:
                     log.error("page store: %d pool pages lost to a stuck READ", len(dest) - hit)
                 else:
                     self.cache.release(dest[hit:])
+            clock.flush()
         return dest[:hit]
 
     def release(self, pages: Sequence[int]) -> None:

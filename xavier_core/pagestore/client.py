@@ -21,9 +21,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -31,8 +33,9 @@ from xavier.v1 import page_store_service_pb2 as pb
 
 from xavier_core.pagestore.connection import StoreConnection, StorePeer, TransferStuck
 from xavier_core.pagestore.layout import PageGeometry, Span, local_page_checksums
-from xavier_core.pagestore.metrics import ClientCounters, client_metrics
+from xavier_core.pagestore.metrics import ClientCounters, StepClock, client_metrics
 from xavier_core.pagestore.namespace import PageNamespace
+from xavier_core.pagestore.reading import PIECE_BYTES, Verify, cut_spans, piece_bounds, read_in_pieces
 from xavier_core.pagestore.staging import HostStaging
 from xavier_core.pagestore.trouble import TroubleLog
 from xavier_core.pagestore.writer import Background, WriteQueue
@@ -44,6 +47,7 @@ __all__ = ["ClientSettings", "Fetched", "InOrder", "PageNamespace", "PageStoreCl
 
 log = logging.getLogger(__name__)
 Rows = npt.NDArray[np.uint64]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ class ClientSettings:
     """Pages of the pinned host mirror of a device pool (unused for a host pool); bounds one call's chunk."""
     stage_host_pool: bool = False
     """Pass a host pool through the mirror too: the exact path a device pool takes, on any machine."""
+    read_piece_bytes: int = PIECE_BYTES
+    """A fetch's READ moves in pieces of about this many bytes, each checked while the next moves (see
+    `reading`); 0: one READ per store call, checked once it has all landed."""
     log_interval_s: float = 30.0
     """While the store keeps failing, at most one log line per this many seconds (see `trouble`)."""
 
@@ -157,11 +164,15 @@ class PageStoreClient:
         hit = 0
         stuck = False
         given: set[int] = set()
+        clock = StepClock()
+        started = time.perf_counter()
         try:
             limit = self._chunk_limit()
             for at in range(0, len(keys), limit):
                 chunk = list(keys[at : at + limit])
-                got = await self._fetch(namespace, chunk, lambda n: self._allocated(allocate, n, given))
+                got = await self._fetch(
+                    namespace, chunk, lambda n: self._allocated(allocate, n, given), clock
+                )
                 hit += got
                 if got < len(chunk):
                     break
@@ -172,6 +183,9 @@ class PageStoreClient:
             # A device pool's stuck READ writes into staging slots (never lent again), not into pages.
             stuck = isinstance(exc, TransferStuck) and self.staging is None
             self.failed("get", exc)
+        finally:
+            clock.add("fetch", time.perf_counter() - started)
+            clock.flush()
         self.counters.hit_pages += hit
         self.counters.miss_pages += len(keys) - hit
         self._metrics.hit_pages.inc(hit)
@@ -239,7 +253,11 @@ class PageStoreClient:
     # --- one call's chunk -----------------------------------------------------------------------------
 
     async def _fetch(
-        self, namespace: PageNamespace, keys: list[bytes], allocate: Callable[[int], list[int]]
+        self,
+        namespace: PageNamespace,
+        keys: list[bytes],
+        allocate: Callable[[int], list[int]],
+        clock: StepClock,
     ) -> int:
         req = pb.GetPagesRequest(
             request_id=uuid.uuid4().hex,
@@ -250,25 +268,30 @@ class PageStoreClient:
         )
         # GetPages answers what Exists would and leases the hits in the same round trip; local pages are
         # taken only once it says there is something to read.
-        resp = await self.conn.get_pages(req)
+        with clock.step("get_pages"):
+            resp = await self.conn.get_pages(req)
         if resp.hit_count == 0:
             return 0
         corrupt: list[int] = []
         slots: list[int] = []
         try:
-            store = await self.conn.ensure_store(resp.store_instance)
-            pages = allocate(int(resp.hit_count))
+            with clock.step("endpoint"):
+                store = await self.conn.ensure_store(resp.store_instance)
+            with clock.step("allocate"):
+                pages = allocate(int(resp.hit_count))
             if not pages:
                 return 0
             local = pages
             if self.staging is not None:
-                slots = local = await self.staging.acquire(len(pages))
-            rows = self.geometry.span_descriptors(_head(resp.spans, len(pages)), self._bases, local)
+                with clock.step("stage_slots"):
+                    slots = local = await self.staging.acquire(len(pages))
+            pieces = self._pieces(_head(resp.spans, len(pages)), local)
             sums = list(resp.checksums[: len(pages)])
-            self.counters.reads += 1
-            self.counters.read_descriptors += rows.shape[0]
-            corrupt = await self.conn.off_loop(
-                store, lambda: self._read_verified(store, rows, local, sums, pages)
+            self.counters.reads += len(pieces)
+            self.counters.read_descriptors += sum(rows.shape[0] for *_, rows in pieces)
+            verify = self._verifier(local, pages, sums)
+            corrupt = await self._off_loop(
+                store, clock, lambda: read_in_pieces(self.conn, store, pieces, verify, clock)
             )
         except TransferStuck:
             if self.staging is not None:
@@ -287,16 +310,42 @@ class PageStoreClient:
             return corrupt[0]
         return len(pages)
 
-    def _read_verified(
-        self, store: StorePeer, rows: Rows, local: list[int], sums: list[bytes], pages: list[int]
-    ) -> list[int]:
-        """READs into `local` (pool pages or staging slots), checks every page, moves the verified head
-        to the pool's `pages`; returns the indices that failed. One worker-thread hop for all of it."""
-        self.conn.move("READ", store, rows, len(local))
-        if self.staging is not None:  # checked on a page-major copy, and only the verified head moves
-            return self.staging.to_pool_checked(local, pages, sums)
-        got = local_page_checksums(self.buffers, local)
-        return [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
+    def _pieces(self, spans: list[Span], local: list[int]) -> list[tuple[int, int, Rows]]:
+        """The call's READ cut into pieces (`reading`): each piece's page range and descriptor rows."""
+        return [
+            (lo, hi, self.geometry.span_descriptors(cut_spans(spans, lo, hi), self._bases, local[lo:hi]))
+            for lo, hi in piece_bounds(len(local), self.geometry.page_bytes, self.settings.read_piece_bytes)
+        ]
+
+    def _verifier(self, local: list[int], pages: list[int], sums: list[bytes]) -> Verify:
+        """Checks pages `lo:hi` of a call that landed in `local` (pool pages or staging slots) and, through
+        a mirror, moves the verified head of them to the pool's `pages`."""
+
+        def verify(lo: int, hi: int, clock: StepClock) -> list[int]:
+            if self.staging is not None:  # checked on a page-major copy, and only the verified head moves
+                return self.staging.to_pool_checked(local[lo:hi], pages[lo:hi], sums[lo:hi], clock)
+            with clock.step("verify"):
+                got = local_page_checksums(self.buffers, local[lo:hi])
+            return [i for i, (a, b) in enumerate(zip(got, sums[lo:hi], strict=True)) if a != b]
+
+        return verify
+
+    async def _off_loop(self, store: StorePeer, clock: StepClock, fn: Callable[[], _T]) -> _T:
+        """`conn.off_loop(store, fn)`, its hop to the worker thread and back counted as `worker`."""
+        inside = [0.0]
+        t = time.perf_counter()
+
+        def timed() -> _T:
+            t0 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                inside[0] = time.perf_counter() - t0
+
+        try:
+            return await self.conn.off_loop(store, timed)
+        finally:
+            clock.add("worker", time.perf_counter() - t - inside[0])
 
     async def _put(self, namespace: PageNamespace, keys: list[bytes], pages: list[int]) -> int:
         req = pb.PutPagesRequest(

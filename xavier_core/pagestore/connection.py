@@ -27,6 +27,7 @@ from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.errors import from_rpc_error
 from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.errors import PeerError
+from xavier_core.transfer.nixl.xfer import Transfer
 
 __all__ = ["StoreConnection", "StorePeer", "TransferStuck"]
 
@@ -152,7 +153,15 @@ class StoreConnection:
 
     def move(self, op: Op, store: StorePeer, rows: npt.NDArray[np.uint64], pages: int) -> None:
         """Posts one NIXL transfer and waits for it (a worker thread); raises `PeerError` unless DONE."""
-        xfer = self.agent.post(op, rows, store.agent_name, self._transfer_timeout_s)
+        self.settle(op, self.post(op, store, rows), rows, pages)
+
+    def post(self, op: Op, store: StorePeer, rows: npt.NDArray[np.uint64]) -> Transfer:
+        """Posts one NIXL transfer of `rows` with the transfer deadline; `settle` waits for its end."""
+        return self.agent.post(op, rows, store.agent_name, self._transfer_timeout_s)
+
+    def settle(self, op: Op, xfer: Transfer, rows: npt.NDArray[np.uint64], pages: int) -> None:
+        """Waits for a posted transfer to end (its own deadline bounds the wait); raises `PeerError`
+        unless it ended DONE, `TransferStuck` when NIXL refused to cancel it."""
         state = wait(xfer)
         if state != "DONE":
             if xfer.in_flight:  # NIXL refused to cancel: the pages may still change under the caller

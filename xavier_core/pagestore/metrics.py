@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
@@ -22,7 +25,7 @@ class ClientCounters:
     writes_failed: int = 0
     errors: int = 0
     reads: int = 0
-    """NIXL READs posted (one per store call of a fetch that hit)."""
+    """NIXL READs posted (one per piece of a store call of a fetch that hit: `reading`)."""
     read_descriptors: int = 0
     """NIXL descriptors those READs carried: one per stretch contiguous on both sides, per segment."""
     writes: int = 0
@@ -42,6 +45,7 @@ class ClientMetrics:
     errors: Counter
     transfer_bytes: Counter
     transfer_descriptors: Counter
+    fetch_seconds: Counter
 
 
 _METRICS: ClientMetrics | None = None
@@ -75,5 +79,53 @@ def client_metrics() -> ClientMetrics:
                     ("op",),
                     registry=reg,
                 ),
+                Counter(
+                    p + "fetch_seconds",
+                    "Seconds prefix fetches spent per step (FETCH_STEPS); overlapped steps each count.",
+                    ("step",),
+                    registry=reg,
+                ),
             )
         return _METRICS
+
+
+FETCH_STEPS = (
+    "get_pages",  # the GetPages round trip: lookup and lease in one
+    "endpoint",  # the store's NIXL endpoint, once per store instance
+    "allocate",  # local pool pages for the hits (the caller's allocator)
+    "stage_slots",  # leasing slots of the host mirror (a device pool)
+    "read",  # NIXL READs, posted to the last one done
+    "verify",  # checksums of the fetched pages
+    "stage_copy",  # copies between the mirror and the pool (a device pool)
+    "worker",  # the worker-thread hop around READ, verification and copies, less those steps
+    "fetch",  # the whole fetch, every step above included
+    "local_match",  # the engine's own: its page keys and local prefix-cache match, before the fetch
+    "register",  # the engine's own: fetched pages registered in its prefix cache, the rest given back
+)
+"""Steps of `xavier_pagestore_client_fetch_seconds{step}`: the client's, then those an engine adds."""
+
+
+@dataclass
+class StepClock:
+    """Seconds per step of one fetch, added to the process's metric once the fetch ends (`flush`).
+
+    One clock is written by one thread at a time: the event loop, or the one worker it waits for."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def flush(self) -> None:
+        counter = client_metrics().fetch_seconds
+        for name, seconds in self.seconds.items():
+            counter.labels(name).inc(seconds)
+        self.seconds.clear()

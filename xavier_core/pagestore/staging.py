@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from xavier_core.pagestore.layout import local_page_checksums, page_row_checksums
+from xavier_core.pagestore.metrics import StepClock
 from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.errors import InvalidPagesError
 from xavier_core.transfer.cuda.copy import CudaBytes
@@ -157,7 +158,13 @@ class HostStaging:
             if stream is not None:
                 stream.synchronize()
 
-    def to_pool_checked(self, slots: Sequence[int], pages: Sequence[int], want: Sequence[bytes]) -> list[int]:
+    def to_pool_checked(
+        self,
+        slots: Sequence[int],
+        pages: Sequence[int],
+        want: Sequence[bytes],
+        clock: StepClock | None = None,
+    ) -> list[int]:
         """Checks the pages in staging `slots` against the checksums `want` and copies the verified head
         (the pages before the first that fails) into pool `pages`; returns the indices that failed.
 
@@ -165,31 +172,36 @@ class HostStaging:
         `to_pool` makes), and that copy is sent back page-major into a pinned host buffer: each page is
         then one contiguous range, hashed in one call (long pages on threads), where in the mirror it is
         one range per buffer, each its own hash update under the GIL. Only the verified head is
-        scattered from the device copy into the pool, so unverified bytes never reach it."""
+        scattered from the device copy into the pool, so unverified bytes never reach it. `clock`, when
+        given, gets the checksum pass as `verify` and the copies as `stage_copy`."""
         import torch
 
         if len(pages) != len(slots) or len(want) != len(slots):
             raise InvalidPagesError(f"{len(slots)} staging slots, {len(pages)} pool pages, {len(want)} sums")
+        clock = clock or StepClock()
         if self._mirror is None or self._rows is None or not slots:
-            corrupt = _failed(local_page_checksums(self.buffers, slots), want)
+            with clock.step("verify"):
+                corrupt = _failed(local_page_checksums(self.buffers, slots), want)
             good = corrupt[0] if corrupt else len(slots)
-            self.to_pool(slots[:good], pages[:good])
+            with clock.step("stage_copy"):
+                self.to_pool(slots[:good], pages[:good])
             return corrupt
         dev = torch.device(self.device)
         cuda = dev.type == "cuda"
         stream = torch.cuda.default_stream(dev) if cuda else None
         rows = self._page_rows(slots)
-        with self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
+        with clock.step("stage_copy"), self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
             moved = self._to_device(slots, dev)
             rows.copy_(moved.permute(1, 0, 2).reshape(len(slots), -1), non_blocking=cuda)
             if stream is not None:
                 stream.synchronize()
         # Hashed without the device lock: the engine computes meanwhile; `moved` is this call's own.
-        corrupt = _failed(page_row_checksums(rows.numpy()), want)
+        with clock.step("verify"):
+            corrupt = _failed(page_row_checksums(rows.numpy()), want)
         good = corrupt[0] if corrupt else len(slots)
         if good:
             p_idx = torch.tensor(list(pages[:good]), dtype=torch.long, device=dev)
-            with self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
+            with clock.step("stage_copy"), self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
                 self._scatter(moved[:, :good], p_idx)
                 if stream is not None:
                     stream.synchronize()

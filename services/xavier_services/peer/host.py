@@ -185,6 +185,7 @@ class PeerHost:
             write_queue=ps.write_queue,
             staging_pages=ps.staging_pages,
             stage_host_pool=ps.stage_host_pool,
+            read_piece_bytes=ps.read_piece_bytes,
         )
         name = f"{self.peer_id}-store-{uuid.uuid4().hex[:8]}"
         self.store = PageStoreClient(

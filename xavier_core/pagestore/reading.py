@@ -1,0 +1,140 @@
+"""The READ of one fetch call in pieces: each piece verified as soon as it lands, while the next moves.
+
+A fetch call's pages are cut into pieces of about `PIECE_BYTES` (`ClientSettings.read_piece_bytes`);
+each piece is one NIXL READ of its own descriptors, and the next piece is posted before the current one
+is waited for, so the wire has no gap between pieces. A landed piece is checked (and, for a device pool,
+copied to the pool) on the verify threads while later pieces are still on the wire: the checksum pass,
+which once followed the whole READ, overlaps it wherever the host has cores to spare, and only the last
+piece's check is left after the last byte lands. A READ may be writing into its pages until it ends, so
+every piece is waited for (each has its own deadline) before this returns or raises, whatever happened
+to the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import numpy.typing as npt
+
+from xavier_core.pagestore.connection import StoreConnection, StorePeer, TransferStuck
+from xavier_core.pagestore.layout import Span
+from xavier_core.pagestore.metrics import StepClock
+from xavier_core.transfer.common.errors import PeerError
+from xavier_core.transfer.nixl.xfer import Transfer
+
+__all__ = ["PIECE_BYTES", "Verify", "cut_spans", "piece_bounds", "read_in_pieces"]
+
+Rows = npt.NDArray[np.uint64]
+Verify = Callable[[int, int, StepClock], list[int]]
+"""Checks pages `lo:hi` of the call (and moves them to the pool if it must); returns the indices, from
+`lo`, of the pages that failed; records its steps on the clock it is given (its own)."""
+
+PIECE_BYTES = 4 << 20
+"""Bytes of one piece: small enough that the check left after the last byte lands is short, large enough
+that a piece's descriptors (one per segment per run) stay few against its bytes."""
+_VERIFY_THREADS = min(4, os.cpu_count() or 1)
+"""Shared by every fetch of the process: concurrent fetches' checks queue here (the hash holds the GIL
+between updates and a mirror's copies take the device lock, so more threads would mostly wait)."""
+_AHEAD = 2
+"""READs posted at a time. All at once was no faster on CPU (UCX moved them all before the first one
+reported done, so nothing was checked meanwhile); one at a time left the wire idle during each post."""
+
+
+def piece_bounds(pages: int, page_bytes: int, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
+    """`(lo, hi)` of each piece of `pages` pages, in order; at least one page a piece, and one piece of
+    them all when `piece_bytes` is 0."""
+    step = max(1, piece_bytes // max(1, page_bytes)) if piece_bytes > 0 else max(1, pages)
+    return [(lo, min(lo + step, pages)) for lo in range(0, pages, step)]
+
+
+def cut_spans(spans: Sequence[Span], lo: int, hi: int) -> list[Span]:
+    """The parts of `spans` (in order) that hold pages `lo:hi` of the run they cover together."""
+    out: list[Span] = []
+    at = 0
+    for s in spans:
+        first, last = max(lo, at), min(hi, at + s.count)
+        if first < last:
+            out.append(Span(s.chunk_address, s.chunk_slots, s.first_slot + first - at, last - first))
+        at += s.count
+    return out
+
+
+@functools.cache
+def _verify_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(_VERIFY_THREADS, thread_name_prefix="page-verify")
+
+
+def read_in_pieces(
+    conn: StoreConnection,
+    store: StorePeer,
+    pieces: Sequence[tuple[int, int, Rows]],
+    verify: Verify,
+    clock: StepClock,
+) -> list[int]:
+    """READs every `(lo, hi, rows)` piece (each posted before the one ahead of it is waited for) and
+    verifies each on the verify threads as it lands; returns the indices of the call's pages that
+    failed. Blocking: run it off the event loop. Raises `PeerError` (`TransferStuck` when a READ could
+    not be cancelled) once every piece has ended."""
+    started = time.perf_counter()
+    xfers: list[Transfer] = []
+    checks: list[tuple[int, Future[tuple[list[int], StepClock]]]] = []
+    failure: BaseException | None = None
+    try:
+        for k, (lo, hi, rows) in enumerate(pieces):
+            # One piece queued behind the one waited for: the wire never idles between two pieces,
+            # and a landed piece is checked while the next moves.
+            while len(xfers) < min(len(pieces), k + _AHEAD):
+                xfers.append(conn.post("READ", store, pieces[len(xfers)][2]))
+            conn.settle("READ", xfers[k], rows, hi - lo)
+            checks.append((lo, _verify_pool().submit(_timed, verify, lo, hi)))
+    except BaseException as exc:
+        failure = exc
+    finally:
+        failure = _settle_rest(conn, pieces, xfers, failure)
+        clock.add("read", time.perf_counter() - started)
+    corrupt: list[int] = []
+    for lo, check in checks:  # every check ends before this returns: they write pool pages
+        try:
+            bad, spent = check.result()
+        except BaseException as exc:
+            failure = failure or exc
+            continue
+        corrupt += [lo + i for i in bad]
+        for name, seconds in spent.seconds.items():
+            clock.add(name, seconds)
+    if failure is not None:
+        raise failure
+    return corrupt
+
+
+def _settle_rest(
+    conn: StoreConnection,
+    pieces: Sequence[tuple[int, int, Rows]],
+    xfers: Sequence[Transfer],
+    failure: BaseException | None,
+) -> BaseException | None:
+    """Waits for every posted READ still running (after a failure); a stuck one outranks any error."""
+    if failure is None:
+        return None
+    for (lo, hi, rows), xfer in zip(pieces, xfers, strict=False):
+        if xfer.state != "PROC":
+            continue
+        try:
+            conn.settle("READ", xfer, rows, hi - lo)
+        except TransferStuck as exc:
+            failure = exc
+        except PeerError:
+            pass
+    if any(x.in_flight for x in xfers) and not isinstance(failure, TransferStuck):
+        return TransferStuck(f"a NIXL READ is still in flight after: {failure}")
+    return failure
+
+
+def _timed(verify: Verify, lo: int, hi: int) -> tuple[list[int], StepClock]:
+    clock = StepClock()
+    return verify(lo, hi, clock), clock
