@@ -40,7 +40,7 @@ def build_batch(plan: StepPlan, page_size: int, device: torch.device, rows: Prom
     logits of `rows` (`prompt_rows(plan)`) come after the sampled rows'."""
     ids: list[int] = []
     positions: list[int] = []
-    out_slots: list[int] = []
+    out_slots = _SlotList()
     sample_idx: list[int] = []
     decode_rows: list[tuple[Sequence[int], int]] = []  # (pages, keys visible) of each decode item
     segments: list[PrefillSegment] = []
@@ -52,16 +52,16 @@ def build_batch(plan: StepPlan, page_size: int, device: torch.device, rows: Prom
         if stop == len(req.tokens):
             sample_idx.append(offset + n - 1)
         if n == 1:  # one new slot, in plain integers: a tensor per decode row per step costs more
-            out_slots.append(req.pages[start // page_size] * page_size + start % page_size)
+            out_slots.add(req.pages[start // page_size] * page_size + start % page_size)
             decode_rows.append((req.pages, stop))
         else:
             kv = _all_slots(req.pages, stop, page_size)
-            out_slots += kv[start:stop].tolist()
+            out_slots.extend(kv[start:stop])
             segments.append(PrefillSegment(offset, n, start, kv.to(device, non_blocking=True)))
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True),
         positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
-        out_slots=torch.tensor(out_slots, dtype=torch.long).to(device, non_blocking=True),
+        out_slots=out_slots.tensor().to(device, non_blocking=True),
         sample_idx=torch.tensor(sample_idx, dtype=torch.long).to(device, non_blocking=True),
         num_decode=len(decode_rows),
         segments=segments,
@@ -72,6 +72,32 @@ def build_batch(plan: StepPlan, page_size: int, device: torch.device, rows: Prom
     if decode_rows:
         batch.decode_slots, batch.decode_mask = _decode_table(decode_rows, page_size, device)
     return batch
+
+
+class _SlotList:
+    """Slots in batch order: decode rows' as integers, prefill chunks' as tensors, joined once."""
+
+    def __init__(self) -> None:
+        self._parts: list[torch.Tensor] = []
+        self._ints: list[int] = []
+
+    def add(self, slot: int) -> None:
+        self._ints.append(slot)
+
+    def extend(self, slots: torch.Tensor) -> None:
+        self._flush()
+        self._parts.append(slots)
+
+    def tensor(self) -> torch.Tensor:
+        self._flush()
+        if not self._parts:
+            return torch.zeros(0, dtype=torch.long)
+        return self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
+
+    def _flush(self) -> None:
+        if self._ints:
+            self._parts.append(torch.tensor(self._ints, dtype=torch.long))
+            self._ints = []
 
 
 def _decode_table(
