@@ -37,9 +37,10 @@ class AsyncGenerateStream:
         attempt = 1
         received = False
         while not self._cancelled:
-            self._call = self._start()
+            self._call = call = self._start()
             try:
-                async for msg in self._call:
+                # read() directly: `async for` over the call adds an async generator of grpc's own.
+                while (msg := await call.read()) is not grpc.aio.EOF:
                     received = True
                     yield Chunk.from_proto(msg)
                 return

@@ -203,3 +203,44 @@ def test_a_sampling_value_the_wire_cannot_carry_is_a_typed_error(
     with pytest.raises(xavier_client.InvalidArgumentError) as info:
         xavier_client.build_request("hi", xavier_client.Sampling(**sampling))  # type: ignore[arg-type]
     assert info.value.metadata == {"field": field}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"seed": 0, "top_p": 0.9, "repetition_penalty": 1.0, "stop": ("a", "b"), "logit_bias": {7: -1.5}},
+        {"max_tokens": 3, "temperature": 0.7, "top_k": 5, "stop_token_ids": (2,), "ignore_eos": True,
+         "logprobs": True, "top_logprobs": 2, "prompt_logprobs": True, "presence_penalty": -0.5,
+         "frequency_penalty": 0.25, "min_tokens": 1, "min_p": 0.1, "include_stop_str_in_output": True,
+         "truncate_prompt_tokens": 9, "regex": "[a-z]+"},
+    ],
+)  # fmt: skip
+def test_sampling_wire_form_carries_every_field(kw: dict[str, object]) -> None:
+    """Each Sampling field lands in the SamplingParams field of its name; defaults stay off the wire
+    except the seed, which has presence."""
+    from xavier.v1 import types_pb2
+
+    sampling = xavier_client.Sampling(**kw)  # type: ignore[arg-type]
+    msg = sampling.to_proto()
+    want = types_pb2.SamplingParams()
+    for name in types_pb2.SamplingParams.DESCRIPTOR.fields_by_name:
+        value = getattr(sampling, name, None)
+        if name == "logit_bias":
+            want.logit_bias.update(sampling.logit_bias)
+        elif name == "seed":
+            if sampling.seed is not None:
+                want.seed = sampling.seed
+        elif isinstance(value, tuple):
+            getattr(want, name).extend(value)
+        elif (
+            value is not None
+            and name not in ("json_object",)
+            and value != want.DESCRIPTOR.fields_by_name[name].default_value
+        ):
+            setattr(want, name, value)
+    assert msg == want
+    assert msg.HasField("seed") is (sampling.seed is not None)
+    assert msg.top_p == pytest.approx(sampling.top_p) and msg.repetition_penalty == pytest.approx(
+        sampling.repetition_penalty
+    )

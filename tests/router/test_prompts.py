@@ -178,3 +178,57 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(
     with pytest.raises(InvalidArgument) as err:
         prepare(rpb.GenerateRequest(text="x " * (info.max_context + 1)), encoder, info)
     assert err.value.reason == "PROMPT_TOO_LONG" and "prompt_tokens" in err.value.metadata and calls
+
+
+def test_prompt_size_counts_what_preparing_costs() -> None:
+    from xavier_services.router.prompts import prompt_size
+
+    assert prompt_size(rpb.GenerateRequest(text="hello")) == 5
+    assert prompt_size(rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[1, 2, 3]))) == 3
+    chat = rpb.GenerateRequest()
+    chat.chat.messages.add(role="user", content="abc")
+    chat.chat.messages.add(role="assistant", content="de")
+    assert prompt_size(chat) == 5
+    assert prompt_size(rpb.GenerateRequest()) == 0
+
+
+def test_inline_prepare_chars_is_validated() -> None:
+    from pydantic import ValidationError
+    from xavier_services.router.config import RouterConfig
+
+    assert RouterConfig().inline_prepare_chars == 1024
+    with pytest.raises(ValidationError, match="inline_prepare_chars"):
+        RouterConfig(inline_prepare_chars=-1)
+    with pytest.raises(ValidationError, match="inline_prepare_chars") as err:
+        RouterConfig(inline_prepare_chars=100, offload_tokenize_chars=50)
+    assert "offload_tokenize_chars" in str(err.value)
+
+
+@pytest.mark.parametrize(("text", "inline"), [("short", True), ("a much longer prompt " * 4, False)])
+async def test_prepare_runs_small_prompts_on_the_loop(
+    encoder: PromptEncoder, model_dir: Path, monkeypatch: pytest.MonkeyPatch, text: str, inline: bool
+) -> None:
+    import threading
+
+    from xavier_services.router import core
+    from xavier_services.router.config import RouterConfig
+
+    threads: list[str] = []
+
+    def recording(*args: object) -> object:
+        threads.append(threading.current_thread().name)
+        return prepare(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(core, "prepare", recording)
+    router = core.Router(
+        RouterConfig(inline_prepare_chars=32), encoder, load_model_info(model_dir), CollectorRegistry()
+    )
+    try:
+        req = rpb.GenerateRequest(text=text)
+        req.sampling.max_tokens = 2
+        prep = await router.prepare_async(req)
+        assert list(prep.token_ids) == list(encoder.encode(text))
+        assert (threads == [threading.current_thread().name]) is inline
+        assert threads[0].startswith("tokenize") is not inline
+    finally:
+        await router.close()

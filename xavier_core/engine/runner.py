@@ -40,27 +40,28 @@ def build_batch(plan: StepPlan, page_size: int, device: torch.device, rows: Prom
     logits of `rows` (`prompt_rows(plan)`) come after the sampled rows'."""
     ids: list[int] = []
     positions: list[int] = []
-    out_slots: list[torch.Tensor] = []
+    out_slots = _SlotList()
     sample_idx: list[int] = []
-    decode_rows: list[torch.Tensor] = []
+    decode_rows: list[tuple[Sequence[int], int]] = []  # (pages, keys visible) of each decode item
     segments: list[PrefillSegment] = []
     for req, n in plan.items:
         start, stop = req.num_computed, req.num_computed + n
         offset = len(ids)
         ids += req.tokens[start:stop]
         positions += range(start, stop)
-        kv = _all_slots(req.pages, stop, page_size)
-        out_slots.append(kv[start:stop])
         if stop == len(req.tokens):
             sample_idx.append(offset + n - 1)
-        if n == 1:
-            decode_rows.append(kv)
+        if n == 1:  # one new slot, in plain integers: a tensor per decode row per step costs more
+            out_slots.add(req.pages[start // page_size] * page_size + start % page_size)
+            decode_rows.append((req.pages, stop))
         else:
+            kv = _all_slots(req.pages, stop, page_size)
+            out_slots.extend(kv[start:stop])
             segments.append(PrefillSegment(offset, n, start, kv.to(device, non_blocking=True)))
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True),
         positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
-        out_slots=torch.cat(out_slots).to(device, non_blocking=True),
+        out_slots=out_slots.tensor().to(device, non_blocking=True),
         sample_idx=torch.tensor(sample_idx, dtype=torch.long).to(device, non_blocking=True),
         num_decode=len(decode_rows),
         segments=segments,
@@ -69,16 +70,54 @@ def build_batch(plan: StepPlan, page_size: int, device: torch.device, rows: Prom
         extra = [torch.arange(at, at + count) for _, _, at, count in rows]
         batch.prompt_idx = torch.cat(extra).to(device, non_blocking=True)
     if decode_rows:
-        lens = torch.tensor([len(r) for r in decode_rows])
-        # Padding the width to a multiple of 64 keeps the set of attention shapes small.
-        width = -(-int(lens.max()) // 64) * 64
-        table = torch.zeros(len(decode_rows), width, dtype=torch.long)
-        for row, slots in enumerate(decode_rows):
-            table[row, : len(slots)] = slots
-        mask = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)
-        batch.decode_slots = table.to(device, non_blocking=True)
-        batch.decode_mask = mask.view(len(decode_rows), 1, 1, width).to(device, non_blocking=True)
+        batch.decode_slots, batch.decode_mask = _decode_table(decode_rows, page_size, device)
     return batch
+
+
+class _SlotList:
+    """Slots in batch order: decode rows' as integers, prefill chunks' as tensors, joined once."""
+
+    def __init__(self) -> None:
+        self._parts: list[torch.Tensor] = []
+        self._ints: list[int] = []
+
+    def add(self, slot: int) -> None:
+        self._ints.append(slot)
+
+    def extend(self, slots: torch.Tensor) -> None:
+        self._flush()
+        self._parts.append(slots)
+
+    def tensor(self) -> torch.Tensor:
+        self._flush()
+        if not self._parts:
+            return torch.zeros(0, dtype=torch.long)
+        return self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
+
+    def _flush(self) -> None:
+        if self._ints:
+            self._parts.append(torch.tensor(self._ints, dtype=torch.long))
+            self._ints = []
+
+
+def _decode_table(
+    rows: Sequence[tuple[Sequence[int], int]], page_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decode row's key slots `[B, width]` (zeros past its length) and its visibility mask, built
+    from one padded page table for all rows."""
+    lens = [length for _, length in rows]
+    # Padding the width to a multiple of 64 keeps the set of attention shapes small.
+    width = -(-max(lens) // 64) * 64
+    num_pages = -(-width // page_size)
+    pages = [list(p[: -(-length // page_size)]) for p, length in rows]
+    table = torch.tensor([p + [0] * (num_pages - len(p)) for p in pages], dtype=torch.long)
+    slots = (table.unsqueeze(2) * page_size + torch.arange(page_size)).view(len(rows), -1)[:, :width]
+    mask = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    slots = slots.masked_fill(~mask, 0)
+    return (
+        slots.to(device, non_blocking=True),
+        mask.view(len(rows), 1, 1, width).to(device, non_blocking=True),
+    )
 
 
 def _sample_one(logits: torch.Tensor, req: Request) -> torch.Tensor:

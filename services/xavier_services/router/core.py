@@ -33,7 +33,7 @@ from xavier_services.router.observe import RequestRecord, RouterMetrics
 from xavier_services.router.offload import ProcessEncoder
 from xavier_services.router.pd import pd_flow
 from xavier_services.router.peers import PeerPool
-from xavier_services.router.prompts import ModelInfo, PromptEncoder
+from xavier_services.router.prompts import ModelInfo, PromptEncoder, prompt_size
 from xavier_services.router.request import Prepared, prepare
 from xavier_services.router.stream import Ended, Failed, Item, Tally, last_response, pump, step_response
 
@@ -135,7 +135,10 @@ class Router:
             self.encoder.offload.close()
 
     async def prepare_async(self, req: rpb.GenerateRequest) -> Prepared:
-        """`prepare` on a tokenizer thread: a huge prompt or chat never stalls the event loop's streams."""
+        """`prepare` on a tokenizer thread, so a huge prompt or chat never stalls the event loop's
+        streams; a prompt below `inline_prepare_chars` is prepared here, where it costs less."""
+        if prompt_size(req) < self.config.inline_prepare_chars:
+            return prepare(req, self.encoder, self.model)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizers, prepare, req, self.encoder, self.model)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import jinja2
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from xavier.v1 import router_service_pb2 as rpb
 
 from xavier_core.runtime import InvalidArgument, get_registry
 from xavier_core.text.errors import ModelFilesError
@@ -22,6 +23,20 @@ from xavier_core.text.tokenizer import TextTokenizer
 from xavier_services.router.offload import ProcessEncoder
 
 _NORMALIZER_SLACK = 4  # how much a tokenizer normalizer may shrink text (NFC: at most 3x)
+
+
+def prompt_size(req: rpb.GenerateRequest) -> int:
+    """What preparing a request's prompt costs, roughly: the characters of its text or of its chat
+    (contents, tool-call arguments, tool schemas), or its count of token ids."""
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        return len(req.text)
+    if kind == "token_ids":
+        return len(req.token_ids.ids)
+    if kind == "chat":
+        size = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in req.chat.messages)
+        return size + sum(len(t.description) + len(t.parameters_json) for t in req.chat.tools)
+    return 0
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ def runs_to_pages(runs: Iterable[PageRun]) -> I64:
     run_list = list(runs)
     if not run_list:
         return np.zeros(0, dtype=np.int64)
+    if len(run_list) == 1:  # the common case of a fresh pool: no repeat and cumsum needed
+        return np.arange(run_list[0].first, run_list[0].first + run_list[0].count, dtype=np.int64)
     firsts = np.fromiter((r.first for r in run_list), dtype=np.int64, count=len(run_list))
     counts = np.fromiter((r.count for r in run_list), dtype=np.int64, count=len(run_list))
     offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -4,6 +4,8 @@
   the only module that loads a NIXL build.
 - `agent`: `NixlAgent`, one per process: registers KV buffers, caches peers by `peer_key` (older epochs
   dropped), turns page runs into descriptor lists and posts READs.
+- `prepped`: prepared descriptor lists (every page of every buffer of the local pool once, of a peer's
+  once per epoch), so a coalesced READ or WRITE names its pages by index instead of building lists.
 - `xfer`: `Transfer`, one posted READ: polled to completion, released exactly once, cancelled past its
   timeout.
 - `rooms`: `KvManager` / `KvSender` / `KvReceiver`, the per-room state machines (SGLang's `KVPoll`

@@ -75,7 +75,30 @@ class RawAgent:
         `transfer` reported. A handle whose transfer could not be posted is released."""
         ldescs = self._agent.get_xfer_descs(local, local_mem)
         rdescs = self._agent.get_xfer_descs(remote, remote_mem)
-        handle = self._agent.initialize_xfer(op, ldescs, rdescs, remote_name, notif)
+        return self._post(self._agent.initialize_xfer(op, ldescs, rdescs, remote_name, notif))
+
+    def prep(self, agent_name: str, table: npt.NDArray[np.uint64], mem: MemType) -> object:
+        """A prepared descriptor list of `table` (rows: address, length, device id): local when
+        `agent_name` is "", else of that remote agent's registered memory."""
+        return cast(object, self._agent.prep_xfer_dlist(agent_name or "NIXL_INIT_AGENT", table, mem))
+
+    def release_prepped(self, handle: object) -> None:
+        self._agent.release_dlist_handle(handle)
+
+    def read_prepped(
+        self,
+        op: Op,
+        local: object,
+        local_idx: npt.NDArray[np.int32],
+        remote: object,
+        remote_idx: npt.NDArray[np.int32],
+        notif: bytes,
+    ) -> tuple[object, XferState]:
+        """Creates and posts a READ (or WRITE) of descriptors of two prepared lists, by index (NIXL
+        merges consecutive ones contiguous on both sides); like `read` otherwise."""
+        return self._post(self._agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notif))
+
+    def _post(self, handle: Any) -> tuple[object, XferState]:
         try:
             state = self._agent.transfer(handle)
         except BaseException:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -26,7 +26,8 @@ from xavier_core.transfer.common import runs
 from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.errors import InvalidPagesError, LayoutError, PeerError, StaleEpochError
 from xavier_core.transfer.common.peers import split_peer_key
-from xavier_core.transfer.nixl._raw import MemType, Op, RawAgent
+from xavier_core.transfer.nixl import prepped
+from xavier_core.transfer.nixl._raw import MemType, Op, RawAgent, XferState
 from xavier_core.transfer.nixl.xfer import Transfer
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,11 @@ def check_buffers(buffers: Sequence[KvBuffer], what: str) -> MemType:
     return mems.pop()
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Peer:
     name: str
+    # Prepared lists of the peer's buffer sets (one per set of remote buffers a transfer named).
+    prepped: dict[tuple[KvBuffer, ...], prepped.PreppedSide] = field(default_factory=dict)
 
 
 def register_buffers(raw: RawAgent, buffers: Sequence[KvBuffer], mem: MemType) -> object:
@@ -88,6 +91,7 @@ class NixlAgent:
     ) -> None:
         self.mem = check_buffers(buffers, "local")
         self.buffers = tuple(buffers)
+        self._local_pages = _num_pages(self.buffers)
         self.name = name
         self.transfer_timeout_s = transfer_timeout_s
         self.lock = threading.RLock()
@@ -97,6 +101,7 @@ class NixlAgent:
         self._extra: list[object] = []  # registrations beside the KV buffers (a staging slab)
         self._peers: dict[str, _Peer] = {}
         self._live: set[Transfer] = set()
+        self._local_prepped: prepped.PreppedSide | None = None  # made at the first prepared transfer
 
     def metadata(self) -> bytes:
         """This agent's NIXL metadata (exchanged once per epoch through the directory)."""
@@ -148,7 +153,10 @@ class NixlAgent:
         """Forgets a peer; its remote agent is unloaded once no other key names it. Idempotent."""
         with self.lock:
             peer = self._peers.pop(peer_key, None)
-            if peer is None or any(p.name == peer.name for p in self._peers.values()):
+            if peer is None:
+                return
+            self._release_prepped(peer.prepped.values())
+            if any(p.name == peer.name for p in self._peers.values()):
                 return
             try:
                 self.raw.remove_remote(peer.name)
@@ -216,16 +224,31 @@ class NixlAgent:
         """One READ (remote pages into local ones) or WRITE (local pages into remote ones) of the KV
         buffers, page `remote_page_ids[i]` paired with `local_page_ids[i]`; the written side's ids must
         not repeat."""
-        remote_mem = check_buffers(remote_buffers, f"peer {peer_key}")
-        _check_layout(remote_buffers, self.buffers, "KV")
-        remote = runs.as_page_array(remote_page_ids)
-        local = runs.as_page_array(local_page_ids)
-        remote_side, local_side = ("destination", "source") if op == "WRITE" else ("source", "destination")
-        _check_range(remote, _num_pages(remote_buffers), f"KV {remote_side}")
-        _check_range(local, _num_pages(self.buffers), f"KV {local_side}")
-        written = remote if op == "WRITE" else local
-        if np.unique(written).size != written.size:
-            raise InvalidPagesError("KV destination page ids repeat")
+        with self.lock:  # held from the prepared list's lookup to its use: `drop_peer` releases it
+            key = tuple(remote_buffers)
+            peer = self._peers.get(peer_key)
+            side = peer.prepped.get(key) if peer is not None and mode == "coalesced" else None
+            if side is None:  # a prepared side's buffers were checked when it was prepared
+                remote_mem = check_buffers(remote_buffers, f"peer {peer_key}")
+                _check_layout(remote_buffers, self.buffers, "KV")
+            remote = runs.as_page_array(remote_page_ids)
+            local = runs.as_page_array(local_page_ids)
+            remote_side, local_side = (
+                ("destination", "source") if op == "WRITE" else ("source", "destination")
+            )
+            remote_pages = _num_pages(remote_buffers) if side is None else side.num_pages
+            _check_range(remote, remote_pages, f"KV {remote_side}")
+            _check_range(local, self._local_pages, f"KV {local_side}")
+            if not prepped.all_distinct(remote if op == "WRITE" else local):
+                raise InvalidPagesError("KV destination page ids repeat")
+            if remote.size != local.size:
+                raise InvalidPagesError(
+                    f"page count mismatch: source has {remote.size} pages, destination {local.size}"
+                )
+            if side is None and mode == "coalesced" and prepped.preparable(key, remote_pages):
+                side = self._prep_remote(peer_key, key, remote_pages, remote_mem)
+            if side is not None:
+                return self._post_prepped(peer_key, side, remote, local, notif, timeout_s, op)
         table = runs.descriptors(
             [b.addr for b in remote_buffers],
             [b.addr for b in self.buffers],
@@ -240,6 +263,65 @@ class NixlAgent:
         return self._post_read(
             peer_key, local_list, self.mem, remote_list, remote_mem, table, notif, timeout_s, f"KV {op}", op
         )
+
+    def _prep_remote(
+        self, peer_key: str, key: tuple[KvBuffer, ...], num_pages: int, mem: MemType
+    ) -> prepped.PreppedSide | None:
+        """The peer's prepared list of `key` (made now if needed, with the local one); None when the
+        local pool is too large to prepare. `PeerError` when the peer is unknown or NIXL refuses."""
+        with self.lock:
+            peer = self._peers.get(peer_key)
+            if peer is None:
+                raise PeerError(f"unknown peer {peer_key!r} (add_peer first)")
+            side = peer.prepped.get(key)
+            if side is not None:
+                return side
+            local_pages = self._local_pages
+            if not prepped.preparable(self.buffers, local_pages):
+                return None
+            try:
+                if self._local_prepped is None:
+                    self._local_prepped = prepped.prep_side(
+                        self.raw, "", self.buffers, local_pages, self.mem, _devices(self.buffers)
+                    )
+                side = prepped.prep_side(self.raw, peer.name, key, num_pages, mem, _devices(key))
+            except Exception as exc:
+                raise PeerError(f"cannot prepare descriptors of peer {peer_key!r}: {exc}") from exc
+            peer.prepped[key] = side
+            return side
+
+    def _post_prepped(
+        self,
+        peer_key: str,
+        side: prepped.PreppedSide,
+        remote: npt.NDArray[np.int64],
+        local: npt.NDArray[np.int64],
+        notif: bytes,
+        timeout_s: float | None,
+        op: Op,
+    ) -> Transfer:
+        """Posts one READ (or WRITE) of pages by index into the prepared lists (under `lock`)."""
+        mine = self._local_prepped
+        if mine is None:
+            raise PeerError("no prepared local descriptor list")  # prepared with every remote side
+        ridx, lidx = side.indices(remote), mine.indices(local)
+        descs = prepped.stretch_count(remote, local) * len(self.buffers)
+        nbytes = local.size * sum(b.bytes_per_page for b in self.buffers)
+        with self.lock:
+            try:
+                handle, state = self.raw.read_prepped(op, mine.handle, lidx, side.handle, ridx, notif)
+            except Exception as exc:
+                raise PeerError(
+                    f"KV {op} with peer {peer_key!r} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            return self._track(handle, state, nbytes, descs, timeout_s)
+
+    def _release_prepped(self, sides: Iterable[prepped.PreppedSide]) -> None:
+        for side in sides:
+            try:
+                self.raw.release_prepped(side.handle)
+            except Exception as exc:
+                log.warning("releasing a prepared descriptor list failed: %s", exc)
 
     def read_ranges(
         self,
@@ -283,18 +365,17 @@ class NixlAgent:
                 handle, state = self.raw.read(local, local_mem, remote, remote_mem, peer.name, notif, op)
             except Exception as exc:
                 raise PeerError(f"{what} with peer {peer_key!r} failed: {type(exc).__name__}: {exc}") from exc
-            xfer = Transfer(
-                self.raw,
-                self.lock,
-                handle,
-                int(table[:, 2].sum()),
-                table.shape[0],
-                self.transfer_timeout_s if timeout_s is None else timeout_s,
-                self._live.discard,
-            )
-            self._live.add(xfer)
-            xfer._settle(state)
-            return xfer
+            return self._track(handle, state, int(table[:, 2].sum()), table.shape[0], timeout_s)
+
+    def _track(
+        self, handle: object, state: XferState, nbytes: int, descs: int, timeout_s: float | None
+    ) -> Transfer:
+        """A posted handle as a live `Transfer` (under `lock`), settled at once if it already ended."""
+        timeout = self.transfer_timeout_s if timeout_s is None else timeout_s
+        xfer = Transfer(self.raw, self.lock, handle, nbytes, descs, timeout, self._live.discard)
+        self._live.add(xfer)
+        xfer._settle(state)
+        return xfer
 
     def live_transfers(self) -> int:
         """Transfers posted by this agent whose NIXL handles are not released yet."""
@@ -325,6 +406,9 @@ class NixlAgent:
                 xfer.release()
             for key in list(self._peers):
                 self.drop_peer(key)
+            if self._local_prepped is not None:
+                self._release_prepped([self._local_prepped])
+                self._local_prepped = None
             while self._extra:
                 self.raw.deregister(self._extra.pop())
             if self._reg is not None:
@@ -354,6 +438,10 @@ def _check_layout(remote: Sequence[KvBuffer], local: Sequence[KvBuffer], label: 
 def _check_range(pages: npt.NDArray[np.int64], limit: int, side: str) -> None:
     if pages.size and int(pages.max()) >= limit:
         raise InvalidPagesError(f"{side} page {int(pages.max())} is outside the pool ({limit} pages)")
+
+
+def _devices(buffers: Sequence[KvBuffer]) -> list[int]:
+    return [device_mem(b.device)[1] for b in buffers]
 
 
 def _dlist(

@@ -149,7 +149,9 @@ class PortCore:
             if state in (KvPoll.SUCCESS, KvPoll.FAILED):
                 reads.append((fut, state))
                 del self._reads[receiver]
-                if state == KvPoll.FAILED:
+                if state == KvPoll.SUCCESS:
+                    receiver.clear()  # nothing is in flight: forgotten here, not in one more hop
+                else:
                     self.flush_notifs()  # the receiver may have told the source it failed
         reads.extend(self._finished_copies())
         reads.extend(self._stepped_staged())

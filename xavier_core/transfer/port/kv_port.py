@@ -283,7 +283,10 @@ class KvPort(PortCore):
             raise FailedPrecondition(f"bad source descriptor: {err}", reason="INVALID_SOURCE") from None
         src_pages, dst_pages = info.page_ids(), as_page_array(dest_pages)
         try:
-            transport, view = await self.run(self._choose, endpoint, peer, info)
+            if self._ipc is None:  # no pool to map: choosing touches nothing of the NIXL thread's
+                transport, view = self._choose(endpoint, peer, info)
+            else:
+                transport, view = await self.run(self._choose, endpoint, peer, info)
         except Unavailable:
             await asyncio.shield(pulls.decline(self, room_id, info.token, endpoint, peer))
             raise
@@ -316,8 +319,9 @@ class KvPort(PortCore):
     def _choose(
         self, endpoint: types_pb2.TransferEndpoint, peer: str, info: SourceInfo
     ) -> tuple[Transport, PoolView | None]:
-        """On the NIXL thread: CUDA IPC when configured, offered and mappable; else staged when the
-        source staged the room and this port may; else NIXL."""
+        """CUDA IPC when configured, offered and mappable; else staged when the source staged the room
+        and this port may; else NIXL. On the NIXL thread when this port has CUDA IPC (mapping a pool
+        is the thread's), on the loop otherwise (the rest reads only the source and the slab's layout)."""
         if self.transport in ("auto", "cuda_ipc") and self._ipc is not None:
             peer_id, epoch = split_peer_key(peer) or (peer, 0)
             view = self._ipc.view(peer_id, epoch, endpoint.cuda_ipc_pool)

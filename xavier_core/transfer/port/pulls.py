@@ -150,7 +150,7 @@ async def pull_nixl(
             await asyncio.shield(decline(core, room_id, info.token, endpoint, peer))
         await asyncio.shield(_quiesce(core, receiver, park_timeout))
         raise
-    await core.run(receiver.clear)
+    # A read that succeeded was cleared on the NIXL thread when its end was seen (`PortCore._tick`).
 
 
 async def _quiesce(core: PortCore, receiver: KvReceiver, timeout: float) -> None:
