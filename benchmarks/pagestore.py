@@ -73,8 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--read-piece-bytes",
         type=int,
-        default=PIECE_BYTES,
-        help="a fetch READs in pieces of about this many bytes, each checked while the next moves (0: one)",
+        default=0,
+        help=f"a fetch READs in pieces of about this many bytes (say {PIECE_BYTES}), each checked while the "
+        "next moves (0, the store client's default: one READ per store call)",
     )
     p.add_argument(
         "--stage-host-pool",
