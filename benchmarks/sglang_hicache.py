@@ -11,7 +11,7 @@ backend in a directory both replicas share) and each prefix length, per rep:
   asked of B, which must find the prefix in the L3 (SGLang's cached-token count says how much) and answer
   the tokens A answered. On the Xavier store each warm rep also says where its time went (the
   backend's storage trace, `XAVIER_SGLANG_TRACE`): the lookups' and gets' milliseconds, the time before
-  the first storage call and after the last one.
+  the first storage call and after the last one, and the gets' fetch steps (`get_read_ms`, ...).
 
 TTFT is the client's, one GenerateUnified straight to the replica (max 1 token). Medians of the reps; the
 JSON has every rep. Replicas share the GPUs given round-robin (`--gpus 0,0`: both on GPU 0, started one
@@ -113,6 +113,9 @@ class Mesh:
         for op in ("exists", "get"):
             mine = [c for c in calls if c["op"] == op]
             out[f"{op}_ms"] = 1e3 * sum(c["t1"] - c["t0"] for c in mine)
+        for c in calls:  # the gets' fetch steps (GetPages, READ, checksums...), summed
+            for step, ms in c.get("steps_ms", {}).items():
+                out[f"get_{step}_ms"] = out.get(f"get_{step}_ms", 0.0) + ms
         out["to_first_call_ms"] = 1e3 * (min(c["t0"] for c in calls) - t0)
         out["after_last_call_ms"] = 1e3 * (t1 - max(c["t1"] for c in calls))
         return out

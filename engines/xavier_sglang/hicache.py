@@ -46,13 +46,14 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from xavier_core.contract import layout_from_model_dir
 from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
 from xavier_core.pagestore.client import Fetched, InOrder
+from xavier_core.pagestore.metrics import fetch_step_seconds
 from xavier_core.prefix_keys import chain_seed
 from xavier_core.transfer.common.buffers import KvBuffer
 
 from .config import UnsupportedSetupError
 from .loop import LoopThread
 from .quarantine import Hold, HostQuarantine
-from .trace import storage_call
+from .trace import storage_call, tracing
 
 __all__ = ["XavierHiCacheStorage", "host_pool_buffers"]
 
@@ -176,6 +177,7 @@ class XavierHiCacheStorage(HiCacheStorage):
             self._error("get", exc)
             return [False] * len(keys)
         page, start = self._page_size, time.time()
+        before = fetch_step_seconds() if tracing() else None
         allocate = InOrder([tokens[i * page] // page for i in range(len(keys))])
         # SGLang frees the pages it is told are missing and lends them again: they stay held until the
         # fetch has ended (not when the wait below gives up), and for good if its READ is stuck.
@@ -187,7 +189,14 @@ class XavierHiCacheStorage(HiCacheStorage):
         except Exception as exc:
             self._error("get", exc)
             hit = 0
-        storage_call("get", len(keys), start, hit)
+        steps = None
+        if (
+            before is not None
+        ):  # SGLang's prefetch thread gets one call at a time: the difference is this one's
+            steps = {
+                k: v - before.get(k, 0.0) for k, v in fetch_step_seconds().items() if v > before.get(k, 0.0)
+            }
+        storage_call("get", len(keys), start, hit, steps)
         return [True] * hit + [False] * (len(keys) - hit)
 
     def _settle(self, future: Future[Fetched], hold: Hold, tokens: list[int], allocate: InOrder) -> None:

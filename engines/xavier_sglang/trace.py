@@ -18,7 +18,7 @@ import threading
 import time
 from typing import IO
 
-__all__ = ["ENV_TRACE", "RoomTrace", "storage_call"]
+__all__ = ["ENV_TRACE", "RoomTrace", "storage_call", "tracing"]
 
 ENV_TRACE = "XAVIER_SGLANG_TRACE"
 
@@ -75,12 +75,19 @@ class RoomTrace:
             out.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 
-def storage_call(op: str, pages: int, start: float, hit: int) -> None:
-    """Appends one HiCache storage call's line (`<dir>/hicache-<pid>.jsonl`): the operation (exists, get,
-    set), the pages asked and found, and its wall-clock start and end; nothing when tracing is off."""
-    out = _sink("hicache") if os.environ.get(ENV_TRACE) else None
+def tracing() -> bool:
+    return bool(os.environ.get(ENV_TRACE))
+
+
+def storage_call(op: str, pages: int, start: float, hit: int, steps: dict[str, float] | None = None) -> None:
+    """Appends one HiCache storage call's line (`<dir>/hicache-<pid>.jsonl`): the operation (exists, get),
+    the pages asked and found, its wall-clock start and end and, for a get, the seconds of each step of
+    its fetch (`xavier_pagestore_client_fetch_seconds`); nothing when tracing is off."""
+    out = _sink("hicache") if tracing() else None
     if out is None:
         return
-    line = {"op": op, "pages": pages, "hit": hit, "t0": start, "t1": time.time()}
+    line: dict[str, object] = {"op": op, "pages": pages, "hit": hit, "t0": start, "t1": time.time()}
+    if steps:
+        line["steps_ms"] = {k: round(1e3 * v, 3) for k, v in steps.items()}
     with _lock:
         out.write(json.dumps(line, separators=(",", ":")) + "\n")

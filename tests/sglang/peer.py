@@ -189,9 +189,11 @@ def serve(mgr: Any, classes: dict[str, Any], pools: Pools, cmd: dict[str, Any]) 
         for n in cmd["chunks"]:
             sender.send(np.asarray(pages[at : at + n], dtype=np.int32))
             at += n
+            if at == len(pages) and cmd.get("extra_send"):
+                # SGLang allows a zero-page last chunk; one past the last is a bug. Sent before the room is
+                # polled again: a room already seen to succeed is never sent to by SGLang.
+                sender.send(np.asarray(pages[:1], dtype=np.int32))
             _record(states, int(sender.poll()))
-        if cmd.get("extra_send"):  # SGLang allows a zero-page last chunk; one past the last is a bug
-            sender.send(np.asarray(pages[:1], dtype=np.int32))
         if cmd.get("abort_after_send"):
             sender.abort()
         state = _poll_until(sender, states, {KVPoll.Success, KVPoll.Failed}, deadline)

@@ -157,6 +157,7 @@ def test_pages_round_trip_through_the_store(
             ("exists", 6, 0), ("exists", 6, 6), ("exists", 7, 3), ("exists", 7, 0), ("get", 5, 4)
         ]  # fmt: skip
         assert all(c["t0"] <= c["t1"] for c in calls)
+        assert {"get_pages", "read", "verify", "fetch"} <= set(calls[-1]["steps_ms"])  # the get's own steps
     finally:
         writer.close()
         reader.close()

@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
-from xavier_core.runtime.metrics import get_registry
-
 
 @dataclass
 class ClientCounters:
@@ -57,6 +55,10 @@ def client_metrics() -> ClientMetrics:
     global _METRICS
     with _LOCK:
         if _METRICS is None:
+            # Imported here: the engine times its fetch steps through this module (StepClock), and
+            # the engine imports nothing of the gRPC runtime (tests/runtime/test_domain_errors.py).
+            from xavier_core.runtime.metrics import get_registry
+
             reg = get_registry()
             p = "xavier_pagestore_client_"
             _METRICS = ClientMetrics(
@@ -103,6 +105,17 @@ FETCH_STEPS = (
     "register",  # the engine's own: fetched pages registered in its prefix cache, the rest given back
 )
 """Steps of `xavier_pagestore_client_fetch_seconds{step}`: the client's, then those an engine adds."""
+
+
+def fetch_step_seconds() -> dict[str, float]:
+    """This process's `xavier_pagestore_client_fetch_seconds` so far, per step (a caller that fetches
+    one call at a time reads one fetch's steps as the difference of two readings)."""
+    out: dict[str, float] = {}
+    for metric in client_metrics().fetch_seconds.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                out[sample.labels["step"]] = sample.value
+    return out
 
 
 @dataclass
