@@ -5,9 +5,10 @@ each piece is one NIXL READ of its own descriptors, and the next piece is posted
 is waited for, so the wire has no gap between pieces. A landed piece is checked (and, for a device pool,
 copied to the pool) on the verify threads while later pieces are still on the wire: the checksum pass,
 which once followed the whole READ, overlaps it wherever the host has cores to spare, and only the last
-piece's check is left after the last byte lands. A READ may be writing into its pages until it ends, so
-every piece is waited for (each has its own deadline) before this returns or raises, whatever happened
-to the others.
+piece's check is left after the last byte lands (made on the calling thread: nothing moves meanwhile, and
+a call of one piece, the default, takes no second thread hop). A READ may be writing into its pages
+until it ends, so every piece is waited for (each has its own deadline) before this returns or raises,
+whatever happened to the others.
 """
 
 from __future__ import annotations
@@ -91,7 +92,10 @@ def read_in_pieces(
             while len(xfers) < min(len(pieces), k + _AHEAD):
                 xfers.append(conn.post("READ", store, pieces[len(xfers)][2]))
             conn.settle("READ", xfers[k], rows, hi - lo)
-            checks.append((lo, _verify_pool().submit(_timed, verify, lo, hi)))
+            if k == len(pieces) - 1:  # nothing moves while the last piece is checked: here, no thread hop
+                checks.append((lo, _checked_here(verify, lo, hi)))
+            else:
+                checks.append((lo, _verify_pool().submit(_timed, verify, lo, hi)))
     except BaseException as exc:
         failure = exc
     finally:
@@ -133,6 +137,16 @@ def _settle_rest(
     if any(x.in_flight for x in xfers) and not isinstance(failure, TransferStuck):
         return TransferStuck(f"a NIXL READ is still in flight after: {failure}")
     return failure
+
+
+def _checked_here(verify: Verify, lo: int, hi: int) -> Future[tuple[list[int], StepClock]]:
+    """`_timed` run on this thread, its outcome as a finished future (as the verify threads give it)."""
+    done: Future[tuple[list[int], StepClock]] = Future()
+    try:
+        done.set_result(_timed(verify, lo, hi))
+    except BaseException as exc:
+        done.set_exception(exc)
+    return done
 
 
 def _timed(verify: Verify, lo: int, hi: int) -> tuple[list[int], StepClock]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import Any
@@ -72,7 +73,7 @@ def _status_error(blob: bytes) -> grpc.aio.AioRpcError | None:
     return _rpc_error(code, status.message, blob if status.details else None)
 
 
-class _Call:
+class _Call(ABC):
     """What the session knows of one open call."""
 
     __slots__ = ("_stream", "_timer", "call_id", "done", "error", "session")
@@ -117,11 +118,13 @@ class _Call:
         if isinstance(error, BaseException):
             self.error = error
 
+    @abstractmethod
     def deliver(self, field: str, result: Any) -> None:
-        raise NotImplementedError
+        """Hands the call one result (`field`: the result's outcome, a response or the final status)."""
 
+    @abstractmethod
     def fail(self, error: object) -> None:
-        raise NotImplementedError
+        """Ends the call with `error` (`_CANCELLED`: cancelled here), unless it already ended."""
 
 
 class SessionUnaryCall(_Call):

@@ -246,7 +246,7 @@ class NixlAgent:
                     f"page count mismatch: source has {remote.size} pages, destination {local.size}"
                 )
             if side is None and mode == "coalesced" and prepped.preparable(key, remote_pages):
-                side = self._prep_remote(peer_key, key, remote_pages, remote_mem)
+                side = self._prep_remote(peer_key, peer, key, remote_pages, remote_mem)
             if side is not None:
                 return self._post_prepped(peer_key, side, remote, local, notif, timeout_s, op)
         table = runs.descriptors(
@@ -265,30 +265,26 @@ class NixlAgent:
         )
 
     def _prep_remote(
-        self, peer_key: str, key: tuple[KvBuffer, ...], num_pages: int, mem: MemType
+        self, peer_key: str, peer: _Peer | None, key: tuple[KvBuffer, ...], num_pages: int, mem: MemType
     ) -> prepped.PreppedSide | None:
-        """The peer's prepared list of `key` (made now if needed, with the local one); None when the
-        local pool is too large to prepare. `PeerError` when the peer is unknown or NIXL refuses."""
-        with self.lock:
-            peer = self._peers.get(peer_key)
-            if peer is None:
-                raise PeerError(f"unknown peer {peer_key!r} (add_peer first)")
-            side = peer.prepped.get(key)
-            if side is not None:
-                return side
-            local_pages = self._local_pages
-            if not prepped.preparable(self.buffers, local_pages):
-                return None
-            try:
-                if self._local_prepped is None:
-                    self._local_prepped = prepped.prep_side(
-                        self.raw, "", self.buffers, local_pages, self.mem, _devices(self.buffers)
-                    )
-                side = prepped.prep_side(self.raw, peer.name, key, num_pages, mem, _devices(key))
-            except Exception as exc:
-                raise PeerError(f"cannot prepare descriptors of peer {peer_key!r}: {exc}") from exc
-            peer.prepped[key] = side
-            return side
+        """Makes `peer`'s prepared list of `key` (and the local one, the first time), under `lock`, for a
+        transfer that found none; None when the local pool is too large to prepare. `PeerError` when
+        the peer is unknown or NIXL refuses."""
+        if peer is None:
+            raise PeerError(f"unknown peer {peer_key!r} (add_peer first)")
+        local_pages = self._local_pages
+        if not prepped.preparable(self.buffers, local_pages):
+            return None
+        try:
+            if self._local_prepped is None:
+                self._local_prepped = prepped.prep_side(
+                    self.raw, "", self.buffers, local_pages, self.mem, _devices(self.buffers)
+                )
+            side = prepped.prep_side(self.raw, peer.name, key, num_pages, mem, _devices(key))
+        except Exception as exc:
+            raise PeerError(f"cannot prepare descriptors of peer {peer_key!r}: {exc}") from exc
+        peer.prepped[key] = side
+        return side
 
     def _post_prepped(
         self,
@@ -307,14 +303,11 @@ class NixlAgent:
         ridx, lidx = side.indices(remote), mine.indices(local)
         descs = prepped.stretch_count(remote, local) * len(self.buffers)
         nbytes = local.size * sum(b.bytes_per_page for b in self.buffers)
-        with self.lock:
-            try:
-                handle, state = self.raw.read_prepped(op, mine.handle, lidx, side.handle, ridx, notif)
-            except Exception as exc:
-                raise PeerError(
-                    f"KV {op} with peer {peer_key!r} failed: {type(exc).__name__}: {exc}"
-                ) from exc
-            return self._track(handle, state, nbytes, descs, timeout_s)
+        try:
+            handle, state = self.raw.read_prepped(op, mine.handle, lidx, side.handle, ridx, notif)
+        except Exception as exc:
+            raise PeerError(f"KV {op} with peer {peer_key!r} failed: {type(exc).__name__}: {exc}") from exc
+        return self._track(handle, state, nbytes, descs, timeout_s)
 
     def _release_prepped(self, sides: Iterable[prepped.PreppedSide]) -> None:
         for side in sides:
