@@ -1,6 +1,7 @@
 """SGLang P/D through Xavier against SGLang's own NIXL P/D and one SGLang server, on the GPUs given.
 
-Modes (each started, measured and stopped in turn; rounds alternate the order):
+Modes (each started, measured and stopped in turn; rounds alternate the order; with `--interleave` all
+are up at once and every level runs on each mode back to back, the order alternating level to level):
 
 * `native`, `pd`, `colocated`: `xavier up --engine sglang --mode M`, the workload through the router's
   OpenAI API (`/v1/completions`, token-id prompts, streamed);
@@ -507,36 +508,79 @@ def make_model(path: Path) -> Path:
     return make_tiny(path, "qwen2", dtype="float16", **QWEN25_05B)
 
 
-def run_mode(
-    name: str, args: argparse.Namespace, work: Path, env: dict[str, str]
-) -> Iterator[dict[str, Any]]:
+def start_mode(name: str, args: argparse.Namespace, work: Path, env: dict[str, str]) -> tuple[Mode, float]:
     t0 = time.monotonic()
     mode = (start_up if name in UP_MODES else start_direct)(name, args, work, env)
     started = round(time.monotonic() - t0, 1)
     print(json.dumps({"mode": name, "started_s": started}), file=sys.stderr, flush=True)
+    return mode, started
+
+
+def levels(args: argparse.Namespace) -> list[tuple[str, int]]:
+    return [(kind, int(c)) for kind in args.kinds.split(",") for c in args.concurrency.split(",")]
+
+
+def run_level(
+    mode: Mode, started: float, kind: str, conc: int, args: argparse.Namespace, work: Path
+) -> dict[str, Any]:
+    """One workload level on a running mode, with its handoff breakdown (and py-spy at c32 repeat)."""
+    since = time.time()
+    spy: list[subprocess.Popen[bytes]] = []
+    spy_out = work / f"pyspy-{mode.name}-{kind}-{conc}.txt"
+    if args.py_spy and conc == 32 and kind == "repeat":
+        spy = py_spy_start(mode, args.py_spy, spy_out)
+    row = asyncio.run(workload(mode, kind, conc, args.requests, args.max_tokens))
+    row["started_s"] = started
+    for sampler in spy:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            sampler.wait(args.py_spy + 30)
+    if spy:
+        row["py_spy"] = py_spy_summary(spy_out)
+    time.sleep(1.0)  # rooms cleared by SGLang write their trace lines
+    row["handoff"] = breakdown(read_trace(mode.trace), since)
+    line = json.dumps({k: v for k, v in row.items() if k not in ("outputs", "py_spy")})
+    print(line, flush=True)
+    if args.rows_log is not None:  # a run cut short still leaves the levels it measured
+        with open(args.rows_log, "a") as f:
+            f.write(line + "\n")
+    return row
+
+
+def run_mode(
+    name: str, args: argparse.Namespace, work: Path, env: dict[str, str]
+) -> Iterator[dict[str, Any]]:
+    mode, started = start_mode(name, args, work, env)
     try:
-        for kind in args.kinds.split(","):
-            for conc in [int(c) for c in args.concurrency.split(",")]:
-                since = time.time()
-                spy: list[subprocess.Popen[bytes]] = []
-                spy_out = work / f"pyspy-{name}-{kind}-{conc}.txt"
-                if args.py_spy and conc == 32 and kind == "repeat":
-                    spy = py_spy_start(mode, args.py_spy, spy_out)
-                row = asyncio.run(workload(mode, kind, conc, args.requests, args.max_tokens))
-                row["started_s"] = started
-                for sampler in spy:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        sampler.wait(args.py_spy + 30)
-                if spy:
-                    row["py_spy"] = py_spy_summary(spy_out)
-                time.sleep(1.0)  # rooms cleared by SGLang write their trace lines
-                row["handoff"] = breakdown(read_trace(mode.trace), since)
-                print(
-                    json.dumps({k: v for k, v in row.items() if k not in ("outputs", "py_spy")}), flush=True
-                )
-                yield row
+        for kind, conc in levels(args):
+            yield run_level(mode, started, kind, conc, args, work)
     finally:
         mode.close()
+
+
+def run_interleaved(
+    modes: list[str], args: argparse.Namespace, work: Path, env: dict[str, str]
+) -> list[dict[str, Any]]:
+    """Every mode up at once (started one after another: a GPU's free memory is read at each start),
+    then each level run on every mode back to back, the order of the modes reversed from one level
+    to the next and from one round to the next, so no mode always goes first."""
+    running: list[tuple[Mode, float]] = []
+    rows: list[dict[str, Any]] = []
+    try:
+        for name in modes:
+            running.append(start_mode(name, args, work, env))
+        step = 0
+        for rnd in range(args.rounds):
+            for kind, conc in levels(args):
+                for mode, started in running if step % 2 == 0 else running[::-1]:
+                    row = run_level(mode, started, kind, conc, args, work)
+                    row["round"] = rnd
+                    rows.append(row)
+                step += 1
+            step += len(levels(args)) % 2 == 0  # the next round starts with the other order
+    finally:
+        for mode, _ in reversed(running):
+            mode.close()
+    return rows
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
@@ -567,6 +611,21 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     fig.savefig(out)
 
 
+def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per mode and level (`kind/concurrency`), the median over rounds of tok/s, TTFT and TPOT p50."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if "out_tok_s" in r:
+            groups[(r["mode"], f"{r['kind']}/{r['concurrency']}")].append(r)
+    out: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
+    for (mode, level), rs in sorted(groups.items()):
+        out[mode][level] = {
+            k: statistics.median(r[k] for r in rs if r[k] is not None)
+            for k in ("out_tok_s", "ttft_p50", "tpot_p50")
+        } | {"rounds": len(rs)}
+    return dict(out)
+
+
 def outputs_equal(rows: list[dict[str, Any]]) -> dict[str, bool]:
     """Per family (through the router: text; direct: token ids) and kind, whether every mode and level
     gave the same greedy outputs for the first prompts."""
@@ -591,12 +650,18 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1, help="rounds; each reverses the previous order")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="every mode up at once, each level run on every mode in turn (orders alternating)",
+    )
     p.add_argument("--py-spy", type=float, default=0.0, metavar="S", help="sample c32 repeat for S seconds")
     p.add_argument("--sglang-arg", dest="sglang_args", action="append", default=None)
     p.add_argument(
         "--insecure", action="store_true", help="xavier up without mTLS (the runs of 2026-12-01 and before)"
     )
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--rows-log", type=Path, default=None, help="append each level's row here as it ends")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sglang-pd")
     args = p.parse_args()
     args.sglang_args = args.sglang_args or list(SGLANG_ARGS)
@@ -605,7 +670,13 @@ def main() -> int:
     env = dict(os.environ)
     modes = args.modes.split(",")
     rows: list[dict[str, Any]] = []
-    for rnd in range(args.rounds):
+    if args.interleave:
+        try:
+            rows = run_interleaved(modes, args, work, env)
+        except (RuntimeError, TimeoutError) as exc:
+            print(json.dumps({"modes": modes, "failed": str(exc)[-3000:]}), flush=True)
+            rows.append({"mode": ",".join(modes), "failed": str(exc)[-3000:]})
+    for rnd in range(0 if args.interleave else args.rounds):
         for name in modes if rnd % 2 == 0 else modes[::-1]:
             try:
                 for row in run_mode(name, args, work, env):
@@ -614,8 +685,9 @@ def main() -> int:
             except (RuntimeError, TimeoutError) as exc:
                 print(json.dumps({"mode": name, "failed": str(exc)[-3000:]}), flush=True)
                 rows.append({"mode": name, "round": rnd, "failed": str(exc)[-3000:]})
-    summary = {"gpus": args.gpus, "modes": modes, "sglang_args": args.sglang_args, "rows": rows,
-               "outputs_equal": outputs_equal(rows)}  # fmt: skip
+    summary = {"gpus": args.gpus, "modes": modes, "interleaved": args.interleave,
+               "sglang_args": args.sglang_args, "rows": rows,
+               "outputs_equal": outputs_equal(rows), "medians": medians(rows)}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     plot([r for r in rows if "out_tok_s" in r], args.out.with_suffix(".png"))

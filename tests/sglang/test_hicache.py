@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 from xavier_sglang.config import UnsupportedSetupError
-from xavier_sglang.hicache import XavierHiCacheStorage, host_pool_buffers
+from xavier_sglang.hicache import XavierHiCacheStorage, host_pool_buffers, lower_switch_interval
 from xavier_sglang.trace import ENV_TRACE
 
 from tests.pagestore.support import start_store
@@ -209,3 +210,22 @@ def test_bad_extra_config_is_refused(tiny_model: Path, change: dict[str, Any], o
     with pytest.raises(UnsupportedSetupError, match=option) as err:
         XavierHiCacheStorage(storage_config(extra), {})
     assert err.value.option == "--hicache-storage-backend-extra-config"
+
+
+def test_the_backend_lowers_the_switch_interval_and_never_raises_it(tiny_model: Path) -> None:
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        lower_switch_interval(0.0002)
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
+        lower_switch_interval(0.001)  # above the current one: left as it is
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
+        lower_switch_interval(0.0)  # 0: left as it is
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
+        sys.setswitchinterval(0.005)
+        extra = {**extra_config("127.0.0.1:1", tiny_model), "switch_interval_s": -1}
+        with pytest.raises(UnsupportedSetupError, match="switch_interval_s"):
+            XavierHiCacheStorage(storage_config(extra), {})
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)
