@@ -37,9 +37,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from sglang_pd import SGLANG_LAUNCHER, launch_up, make_model, stop
+from sglang_pd import SGLANG_LAUNCHER, launch_up, stop
 
 from tests.pagestore.engines import Answer, generate
+from xavier_core.engine.tiny import QWEN25_05B, WIDTH_7B, make_tiny
 
 SGLANG_ARGS = [
     "--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.3",
@@ -49,6 +50,9 @@ SGLANG_ARGS = [
     "--hicache-size", "4",
 ]  # fmt: skip
 NEW_TOKENS = 16
+MODEL_SHAPES = {"qwen2.5-0.5b": QWEN25_05B, "qwen2.5-7b": {**WIDTH_7B, "layers": 28}}
+PAGE_TOKENS = 16
+"""Tokens per KV page (`xavier up`'s SGLang page size)."""
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -56,6 +60,13 @@ def prompt(seed: int, n: int) -> list[int]:
     # one sequence, and a "cold" 8,000-token prompt found 2,000 of its tokens cached.
     rng = random.Random(seed)
     return [rng.randrange(10, 30010) for _ in range(n)]
+
+
+def make_tiny_shape(path: Path, shape: str) -> Path:
+    """A random fp16 Qwen2 checkpoint of `shape` at `path` (kept if there already)."""
+    if (path / "config.json").is_file():
+        return path
+    return make_tiny(path, "qwen2", dtype="float16", **MODEL_SHAPES[shape])
 
 
 class Mesh:
@@ -124,8 +135,9 @@ class Mesh:
         stop(self.proc, grace=120)
 
 
-async def settled(mesh: Mesh, before: float, bound: float = 60.0) -> float:
-    """Waits until the L3 grew past `before` and then stayed put for a second; returns the size."""
+async def settled(mesh: Mesh, before: float, grow: float = 1.0, bound: float = 60.0) -> float:
+    """Waits until the L3 grew by at least `grow` past `before` and then stayed put for a second;
+    returns the size."""
     deadline = time.monotonic() + bound
     last, since = mesh.l3_size(), time.monotonic()
     while time.monotonic() < deadline:
@@ -133,9 +145,9 @@ async def settled(mesh: Mesh, before: float, bound: float = 60.0) -> float:
         now = mesh.l3_size()
         if now != last:
             last, since = now, time.monotonic()
-        elif last > before and time.monotonic() - since >= 1.0:
+        elif last >= before + grow and time.monotonic() - since >= 1.0:
             return now
-    raise RuntimeError(f"{mesh.backend}: A's write-through never settled in the L3 ({before} -> {last})")
+    raise RuntimeError(f"{mesh.backend}: a write-through never settled in the L3 ({before} -> {last})")
 
 
 async def timed(address: str, ids: list[int]) -> tuple[float, Answer]:
@@ -152,11 +164,15 @@ async def measure(mesh: Mesh, args: argparse.Namespace) -> list[dict[str, Any]]:
         reps = []
         for rep in range(args.reps):
             seed = 1000 * length + 10 * rep
-            cold_s, cold = await timed(mesh.b, prompt(seed, length) + prompt(seed + 1, NEW_TOKENS))
-            warm_ids = prompt(seed + 2, length) + prompt(seed + 3, NEW_TOKENS)
             before = mesh.l3_size()
+            cold_s, cold = await timed(mesh.b, prompt(seed, length) + prompt(seed + 1, NEW_TOKENS))
+            # B's own write-through of the cold prompt lands first: growth after this is A's alone.
+            before = await settled(mesh, before)
+            warm_ids = prompt(seed + 2, length) + prompt(seed + 3, NEW_TOKENS)
             _, on_a = await timed(mesh.a, warm_ids)
-            await settled(mesh, before)
+            # The store counts pages: every whole page of A's prefix must be there (the file backend's
+            # byte count only has to grow).
+            await settled(mesh, before, grow=length // PAGE_TOKENS if mesh.backend == "xavier" else 1.0)
             hits = mesh.store_hits()
             t0 = time.time()
             warm_s, warm = await timed(mesh.b, warm_ids)
@@ -210,6 +226,12 @@ def main() -> int:
     p.add_argument(
         "--model", type=Path, default=None, help="a checkpoint (default: a 0.5B-shaped random one)"
     )
+    p.add_argument(
+        "--shape",
+        choices=sorted(MODEL_SHAPES),
+        default="qwen2.5-0.5b",
+        help="the random checkpoint's shape without --model (qwen2.5-7b: Qwen2.5-7B's, all 28 layers)",
+    )
     p.add_argument("--backends", type=lambda v: v.split(","), default=["xavier", "file"])
     p.add_argument("--lengths", type=int, nargs="+", default=[2000, 8000])
     p.add_argument("--reps", type=int, default=3)
@@ -224,7 +246,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/sglang-hicache"))
     args = p.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="xavier-hicache-"))
-    args.model = make_model(args.model or work / "qwen2.5-0.5b-shape")
+    args.model = args.model or make_tiny_shape(work / f"{args.shape}-shape", args.shape)
     rows: list[dict[str, Any]] = []
     for backend in args.backends:
         mesh = Mesh(backend, args, work)

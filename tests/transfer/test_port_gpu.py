@@ -177,15 +177,22 @@ async def test_abort_mid_copy_waits_for_the_copy_and_never_blocks_the_loop(sourc
             # the pull is cancelled.
             with torch.cuda.device(pool[0].device), torch.cuda.stream(copy_stream(pool[0].device.index)):
                 torch.cuda._sleep(2_000_000_000)
+            t0 = time.perf_counter()
             pull = asyncio.create_task(
                 port.pull(room, desc, endpoint, SRC_KEY, dst_pages, timeout=30, park_timeout=30)
             )
             while not port._copies and not pull.done():  # noqa: ASYNC110 (set on the port thread)
                 await asyncio.sleep(0)
             handles = list(port._copies)
+            posted_s, done_at_cancel = time.perf_counter() - t0, [h.is_done() for h in handles]
             pull.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await pull
+            seen = (
+                f"attempt {attempt}: copy posted after {posted_s:.3f} s, "
+                f"done at the cancel {done_at_cancel}, "
+                f"the pull ended {time.perf_counter() - t0:.3f} s after it started"
+            )
             # The pull returned only after the copy ended: the pages may be wanted again at once.
             assert all(h.is_done() for h in handles) and not port._copies
             for t in pool:
@@ -193,7 +200,7 @@ async def test_abort_mid_copy_waits_for_the_copy_and_never_blocks_the_loop(sourc
             torch.cuda.synchronize(pool[0].device)
             assert all(bool((t == attempt + 1).all()) for t in pool)  # nothing wrote them afterwards
             # The source hears "fail" (it may reuse its pages), and only now.
-            assert await source.call("wait", room) == "fail"
+            assert await source.call("wait", room) == "fail", seen
             await source.call("unpublish", room, False)
         # And a full pull right after still works, bitwise.
         desc, endpoint = await source.publish(2100, src_pages[:300])
