@@ -40,6 +40,9 @@ peer must refuse (which would break the stream for every call on it)."""
 
 def batches(items: list[Any], limit: int = BATCH_BYTES) -> Iterator[list[Any]]:
     """`items` in order, cut into runs of at most `limit` bytes (an item larger than that alone)."""
+    if len(items) == 1:  # alone whatever its size: measuring it would serialize it once more
+        yield items
+        return
     batch: list[Any] = []
     size = 0
     for item in items:

@@ -250,12 +250,16 @@ class Router:
         `progress_timeout_seconds` raises `ProgressTimeout`."""
         progress = self.config.progress_timeout_seconds
         while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), progress)
-            except TimeoutError:
-                raise ProgressTimeout(
-                    f"no token for {progress:g} s; the request was ended", seconds=progress
-                ) from None
+            if queue.empty():  # a step already queued needs no timer, and a wait no task of its own
+                try:
+                    async with asyncio.timeout(progress):
+                        item = await queue.get()
+                except TimeoutError:
+                    raise ProgressTimeout(
+                        f"no token for {progress:g} s; the request was ended", seconds=progress
+                    ) from None
+            else:
+                item = queue.get_nowait()
             if isinstance(item, Ended):
                 tally.finish = types_pb2.FINISH_REASON_ABORT
                 if item.cancelled:

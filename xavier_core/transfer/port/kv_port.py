@@ -212,10 +212,12 @@ class KvPort(PortCore):
         pub = self._published.get(room_id)
         if pub is None:
             return ReadEnd.NONE
-        try:
-            await asyncio.wait_for(pub.ended.wait(), timeout)
-        except TimeoutError:
-            return ReadEnd.NONE
+        if not pub.ended.is_set():  # a timer on this task, not a task per wait
+            try:
+                async with asyncio.timeout(timeout):
+                    await pub.ended.wait()
+            except TimeoutError:
+                return ReadEnd.NONE
         return pub.outcome
 
     def read_ended(self, room_id: int) -> bool:

@@ -54,7 +54,8 @@ async def decline(
 async def _settle(room_id: int, done: asyncio.Future[KvPoll], timeout: float, what: str) -> None:
     """Waits for a posted read's outcome; `Unavailable` unless it succeeded within `timeout`."""
     try:
-        state = await asyncio.wait_for(asyncio.shield(done), timeout)
+        async with asyncio.timeout(timeout):  # a timer on this task, not a waiter future of wait_for's
+            state = await asyncio.shield(done)
     except TimeoutError:
         state = KvPoll.FAILED
     if state != KvPoll.SUCCESS:
