@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -12,7 +13,6 @@ from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 
 from xavier_core.grammar.wire import grammar_from_pb
-from xavier_core.random_bits import randbits
 from xavier_core.runtime import InvalidArgument
 from xavier_core.runtime.domain_errors import sampling_status
 from xavier_core.sampling import SamplingError, check_cache_salt, check_sampling
@@ -248,4 +248,4 @@ def prepare(req: rpb.GenerateRequest, encoder: PromptEncoder, model: ModelInfo) 
 def new_room_id() -> int:
     """The id of one P/D handoff (a directory room, a pair handoff, an SGLang bootstrap room): 63 random
     bits, never 0 (0 means "not set" on the wire)."""
-    return randbits(63) or 1
+    return secrets.randbits(63) or 1
