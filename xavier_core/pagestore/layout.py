@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +33,9 @@ _R = TypeVar("_R")
 _HASH_THREADS = min(8, os.cpu_count() or 1)
 _BYTES_PER_THREAD = 4 << 20
 _MIN_UNIT_BYTES = 128 << 10
+_NO_COPY_SEGMENT_BYTES = 64 << 10
+"""Pages whose segments are all at least this long are hashed in place by XXH3's own streaming calls made
+with the GIL held (`_held_xxh3`); shorter segments cost more in calls than a joined copy does."""
 _JOIN_BYTES = 1 << 20
 """Pages up to this size are checked as one joined copy and one one-shot digest, both under the GIL
 (CPython's bytes.join keeps it below 1 MiB, the one-shot digest always): see `local_page_checksums`."""
@@ -118,13 +123,21 @@ def buffer_view(addr: int, nbytes: int) -> memoryview:
 def local_page_checksums(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> list[bytes]:
     """Checksums of pages of local DRAM buffers (buffer b's page p at addr + p * bytes_per_page).
 
-    `page_checksum` of each page's segments, hashed in place. A page of up to `_JOIN_BYTES` is joined into
-    one copy and hashed in one call: the streaming hash lets go of the GIL in every update, and where
-    another thread runs Python without pause (SGLang's scheduler beside its HiCache thread) each update
-    then waits up to a switch interval to get it back: 250 updates of a 24 MiB get took 30 ms on an H200
-    host that way. Larger pages are hashed segment by segment, over a few threads when that pays."""
+    `page_checksum` of each page's segments. The streaming hash of the `xxhash` module lets go of the GIL
+    in every update, and where another thread runs Python without pause (SGLang's scheduler beside its
+    HiCache thread) each update then waits up to a switch interval to get it back: 250 updates of a 24 MiB
+    get took 30 ms on an H200 host that way. So the GIL is kept: pages of long segments are hashed in
+    place by XXH3's streaming calls with the GIL held (`_held_xxh3`); other pages up to `_JOIN_BYTES` are
+    joined into one copy and hashed in one call; larger ones segment by segment, over a few threads when
+    that pays."""
     views = [(buffer_view(b.addr, b.nbytes), b.bytes_per_page) for b in buffers]
     page_bytes = sum(b.bytes_per_page for b in buffers)
+    shortest = min((b.bytes_per_page for b in buffers), default=0)
+    held = _held_xxh3() if shortest >= _NO_COPY_SEGMENT_BYTES else None
+
+    if held is not None:
+        segments = [(b.addr, b.bytes_per_page) for b in buffers]
+        return [held([(a + p * n, n) for a, n in segments]) for p in pages]
 
     if page_bytes <= _JOIN_BYTES:
 
@@ -140,7 +153,44 @@ def local_page_checksums(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> l
             h.update(view[at : at + size])
         return h.digest()
 
-    return map_pages(one, pages, page_bytes, min((b.bytes_per_page for b in buffers), default=0))
+    return map_pages(one, pages, page_bytes, shortest)
+
+
+class _Hash128(ctypes.Structure):
+    _fields_ = (("low64", ctypes.c_uint64), ("high64", ctypes.c_uint64))
+
+
+@functools.cache
+def _held_xxh3() -> Callable[[Sequence[tuple[int, int]]], bytes] | None:
+    """XXH3-128 over `(address, length)` ranges in order, its canonical 16 bytes, computed by the C
+    library the `xxhash` module is built on, called through `ctypes.PyDLL` (which keeps the GIL); None
+    where that library does not export XXH3's streaming calls (the caller then uses the module)."""
+    try:
+        lib = ctypes.PyDLL(str(importlib.import_module("xxhash._xxhash").__file__))
+        create, reset = lib.XXH3_createState, lib.XXH3_128bits_reset
+        update, digest = lib.XXH3_128bits_update, lib.XXH3_128bits_digest
+    except (ImportError, OSError, AttributeError):
+        return None
+    create.restype = ctypes.c_void_p
+    reset.argtypes = [ctypes.c_void_p]
+    update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    digest.argtypes = [ctypes.c_void_p]
+    digest.restype = _Hash128
+    local = threading.local()  # a state per thread: a thread may lose the GIL between two calls
+
+    def hash_ranges(ranges: Sequence[tuple[int, int]]) -> bytes:
+        state = getattr(local, "state", None)
+        if state is None:
+            state = local.state = create()
+            if not state:
+                raise MemoryError("XXH3_createState failed")
+        reset(state)
+        for addr, n in ranges:
+            update(state, addr, n)
+        h = digest(state)
+        return int(h.high64).to_bytes(8, "big") + int(h.low64).to_bytes(8, "big")
+
+    return hash_ranges
 
 
 def page_row_checksums(rows: npt.NDArray[np.uint8]) -> list[bytes]:
