@@ -37,10 +37,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from sglang_pd import SGLANG_LAUNCHER, launch_up, stop
+from sglang_pd import SGLANG_LAUNCHER, launch_up, make_model, stop
 
 from tests.pagestore.engines import Answer, generate
-from xavier_core.engine.tiny import QWEN25_05B, WIDTH_7B, make_tiny
+from xavier_core.engine.tiny import QWEN25_05B, WIDTH_7B
 
 SGLANG_ARGS = [
     "--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.3",
@@ -60,13 +60,6 @@ def prompt(seed: int, n: int) -> list[int]:
     # one sequence, and a "cold" 8,000-token prompt found 2,000 of its tokens cached.
     rng = random.Random(seed)
     return [rng.randrange(10, 30010) for _ in range(n)]
-
-
-def make_tiny_shape(path: Path, shape: str) -> Path:
-    """A random fp16 Qwen2 checkpoint of `shape` at `path` (kept if there already)."""
-    if (path / "config.json").is_file():
-        return path
-    return make_tiny(path, "qwen2", dtype="float16", **MODEL_SHAPES[shape])
 
 
 class Mesh:
@@ -246,7 +239,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/sglang-hicache"))
     args = p.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="xavier-hicache-"))
-    args.model = args.model or make_tiny_shape(work / f"{args.shape}-shape", args.shape)
+    args.model = make_model(args.model or work / f"{args.shape}-shape", MODEL_SHAPES[args.shape])
     rows: list[dict[str, Any]] = []
     for backend in args.backends:
         mesh = Mesh(backend, args, work)

@@ -500,12 +500,13 @@ def py_spy_summary(out: Path, top: int = 12) -> dict[str, Any]:
 # --- main ----------------------------------------------------------------------------------------
 
 
-def make_model(path: Path) -> Path:
+def make_model(path: Path, shape: dict[str, int] | None = None) -> Path:
+    """A random fp16 Qwen2 checkpoint of `shape` (default: Qwen2.5-0.5B's) at `path`, kept if there."""
     if (path / "config.json").is_file():
         return path
     from xavier_core.engine.tiny import QWEN25_05B, make_tiny
 
-    return make_tiny(path, "qwen2", dtype="float16", **QWEN25_05B)
+    return make_tiny(path, "qwen2", dtype="float16", **(shape or QWEN25_05B))
 
 
 def start_mode(name: str, args: argparse.Namespace, work: Path, env: dict[str, str]) -> tuple[Mode, float]:

@@ -26,11 +26,11 @@ rate-limited log line (`log_interval_s`, default 30); nothing raises into SGLang
 
 Thread hand-offs: a get crosses threads several times (SGLang's prefetch thread, this backend's event
 loop, the READ's worker), and each crossing waits for the GIL. SGLang's scheduler thread runs Python
-without pause, so at CPython's default switch interval (5 ms) every crossing can cost up to 5 ms, which
-made a 24 MB get take ~40 ms on an H200 host. The backend lowers the process's switch interval to
-`switch_interval_s` (extra config, default 0.2 ms; 0 leaves it as it is) when that is below the current
-one: a thread that waits for the GIL then gets it within that bound, and a thread that holds it alone
-pays nothing.
+without pause, so at CPython's default switch interval (5 ms) every crossing can cost up to 5 ms (on a
+CPU box, a fetch beside a spinning thread took 2-3x as long at 5 ms as at 0.2 ms). The backend lowers
+the process's switch interval to `switch_interval_s` (extra config, default 0.2 ms; 0 leaves it as it
+is) when that is below the current one: a thread that waits for the GIL then gets it within that
+bound, and a thread that holds it alone pays nothing.
 
 Host pages of a get stay under a hold (`quarantine`) until the READ into them has ended, even when the
 wait for it gave up first; a READ NIXL refused to cancel (`Fetched.stuck`) keeps its pages out of the pool
