@@ -26,7 +26,7 @@ fi
 if [ ! -d "$OVERLAY/sglang" ]; then
   step "sglang 0.5.17 overlay"
   "$VENV/bin/pip" install -q --no-deps --target "$OVERLAY" sglang==0.5.17 transformers==5.12.1 \
-    tokenizers==0.22.2 'huggingface-hub>=1.5,<2' || return 1
+    tokenizers==0.22.2 'huggingface-hub>=1.5,<2' 'kernels>=0.12,<0.13' || return 1
   "$VENV/bin/pip" install -q httpx openai partial-json-parser xgrammar einops || return 1
 fi
 }
