@@ -49,6 +49,8 @@ from typing import Any
 import aiohttp
 
 LENS = (24, 31, 40, 52, 700, 900, 1100, 1300)
+T0 = time.monotonic()
+"""When this script started: `--stop-after` counts from here."""
 ROOT = Path(__file__).resolve().parents[1]
 UP_MODES = ("native", "pd", "colocated")
 DIRECT_MODES = ("direct-native", "direct-xavier")
@@ -539,11 +541,10 @@ def run_level(
         row["py_spy"] = py_spy_summary(spy_out)
     time.sleep(1.0)  # rooms cleared by SGLang write their trace lines
     row["handoff"] = breakdown(read_trace(mode.trace), since)
-    line = json.dumps({k: v for k, v in row.items() if k not in ("outputs", "py_spy")})
-    print(line, flush=True)
-    if args.rows_log is not None:  # a run cut short still leaves the levels it measured
+    print(json.dumps({k: v for k, v in row.items() if k not in ("outputs", "py_spy")}), flush=True)
+    if args.rows_log is not None:  # a run cut short still leaves the levels it measured, outputs included
         with open(args.rows_log, "a") as f:
-            f.write(line + "\n")
+            f.write(json.dumps({k: v for k, v in row.items() if k != "py_spy"}) + "\n")
     return row
 
 
@@ -572,6 +573,11 @@ def run_interleaved(
         step = 0
         for rnd in range(args.rounds):
             for kind, conc in levels(args):
+                if args.stop_after and time.monotonic() - T0 > args.stop_after:
+                    print(
+                        json.dumps({"stopped": f"--stop-after {args.stop_after} s", "round": rnd}), flush=True
+                    )
+                    return rows
                 for mode, started in running if step % 2 == 0 else running[::-1]:
                     row = run_level(mode, started, kind, conc, args, work)
                     row["round"] = rnd
@@ -663,13 +669,30 @@ def main() -> int:
     )
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--rows-log", type=Path, default=None, help="append each level's row here as it ends")
+    p.add_argument(
+        "--stop-after",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --interleave, start no level once S seconds have passed (the summary is still written)",
+    )
+    p.add_argument(
+        "--summarize",
+        type=Path,
+        default=None,
+        metavar="LOG",
+        help="run nothing: write the summary (JSON, PNG) of the rows a --rows-log LOG holds",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sglang-pd")
     args = p.parse_args()
     args.sglang_args = args.sglang_args or list(SGLANG_ARGS)
+    modes = args.modes.split(",")
+    if args.summarize is not None:
+        rows = [json.loads(ln) for ln in args.summarize.read_text().splitlines() if ln.strip()]
+        return summarize(args, sorted({r["mode"] for r in rows if "mode" in r}), rows)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="sglang-pd-"))
     args.model = make_model(args.model or work / "qwen2.5-0.5b-shape")
     env = dict(os.environ)
-    modes = args.modes.split(",")
     rows: list[dict[str, Any]] = []
     if args.interleave:
         try:
@@ -686,6 +709,11 @@ def main() -> int:
             except (RuntimeError, TimeoutError) as exc:
                 print(json.dumps({"mode": name, "failed": str(exc)[-3000:]}), flush=True)
                 rows.append({"mode": name, "round": rnd, "failed": str(exc)[-3000:]})
+    return summarize(args, modes, rows)
+
+
+def summarize(args: argparse.Namespace, modes: list[str], rows: list[dict[str, Any]]) -> int:
+    """Writes the run's summary (every row, greedy-output equality, per-level medians) and its plot."""
     summary = {"gpus": args.gpus, "modes": modes, "interleaved": args.interleave,
                "sglang_args": args.sglang_args, "rows": rows,
                "outputs_equal": outputs_equal(rows), "medians": medians(rows)}  # fmt: skip
