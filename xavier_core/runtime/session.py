@@ -98,7 +98,9 @@ class CallContext:
 class _Session:
     """One open session: its running calls and its single writer."""
 
-    def __init__(self, context: Any, methods: Sequence[SessionMethod], result: type[Message]) -> None:
+    def __init__(
+        self, context: Any, methods: Sequence[SessionMethod], result: Callable[..., Message]
+    ) -> None:
         self.context = context
         self.auth: Mapping[str, Sequence[bytes]] = context.auth_context()  # one connection, one caller
         self.methods = {m.name: (m, method_state(m.full)) for m in methods}
@@ -131,7 +133,7 @@ class _Session:
             return
         self.send(call_id, "status", _status_bytes(_OK, ""))
 
-    async def write_loop(self, response: type[Message]) -> None:
+    async def write_loop(self, response: Callable[..., Message]) -> None:
         while True:
             await self.ready.wait()
             self.ready.clear()
@@ -233,8 +235,8 @@ async def serve_session(
     rpc: str,
     roles: Collection[str],
     methods: Sequence[SessionMethod],
-    result: type[Message],
-    response: type[Message],
+    result: Callable[..., Message],
+    response: Callable[..., Message],
 ) -> None:
     """Serves one session stream until the caller closes it (then its running calls finish first) or it
     breaks (then they are cancelled). `rpc` names the session method in a refusal."""

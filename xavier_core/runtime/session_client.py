@@ -230,7 +230,11 @@ class CallSession:
     `request` is the session's request message type (its `calls` repeat the call type `call`)."""
 
     def __init__(
-        self, open_stream: Callable[[], Any], request: type[Message], call: type[Message], name: str
+        self,
+        open_stream: Callable[[], Any],
+        request: Callable[..., Message],
+        call: Callable[..., Message],
+        name: str,
     ) -> None:
         self._open = open_stream
         self._request = request
