@@ -141,6 +141,40 @@ async def test_many_calls_share_one_session_and_answer_as_rpcs_do(long_mesh: Mes
     assert not any((await wait_drained(long_mesh)).values())
 
 
+async def test_a_decode_ends_with_its_finishing_message_marked_last(long_mesh: Mesh) -> None:
+    """The finishing message of a Decode ends its call by itself: no OK status after it, so the caller
+    has no call left to cancel (one message each way fewer per request than a stream ended apart)."""
+    p, d = await _peers(long_mesh)
+    prompt = [2, 4, 6, 8, 10]
+    async with grpc.aio.insecure_channel(p.address) as pch, grpc.aio.insecure_channel(d.address) as dch:
+        ps = _prefill_session(pch)
+        room = new_room_id()
+        req = prefill_request(room, d, prompt, _SAMPLING, pair_handoff=True)
+        pf = await ps.unary("prefill", req, request_id=req.request_id, timeout=30)
+        await ps.close()
+        dreq = decode_request(room, p, prompt, _SAMPLING, pf.first_token, pf.first_logprob)
+        dreq.source.CopyFrom(pf.source)
+        got_last = asyncio.Event()
+
+        async def requests() -> Any:
+            yield dec.DecodeSessionRequest(
+                calls=[dec.DecodeSessionCall(call_id=1, request_id="ends-last", decode=dreq)]
+            )
+            await got_last.wait()  # then the caller closes its side, and the stream ends once all is sent
+
+        results: list[dec.DecodeSessionResult] = []
+        async for resp in dec_grpc.DecodeServiceStub(dch).DecodeSession(requests(), timeout=30):
+            results += resp.results
+            if any(r.last for r in resp.results):
+                got_last.set()
+    assert [r.WhichOneof("outcome") for r in results] == ["decode"] * len(results)  # no status follows
+    assert {r.call_id for r in results} == {1}
+    assert [r.last for r in results] == [False] * (len(results) - 1) + [True]
+    assert results[-1].decode.finish_reason == types_pb2.FINISH_REASON_LENGTH
+    assert sum(len(r.decode.delta.token_ids) for r in results) == _SAMPLING.max_tokens - 1
+    assert not any((await wait_drained(long_mesh)).values())
+
+
 async def _waiting_decode(ds: CallSession, p: dpb.Peer, timeout: float | None) -> tuple[Any, int]:
     """A Decode of a directory room nobody publishes: it holds its pages and room until its call ends."""
     room = new_room_id()

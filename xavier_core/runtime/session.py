@@ -52,12 +52,18 @@ _LIVE: weakref.WeakSet[_Session] = weakref.WeakSet()
 @dataclass(frozen=True)
 class SessionMethod:
     """One method a session carries: the call's oneof field `name`, the per-call method's full name
-    (`/pkg.Service/Method`, for logs and metrics), its servicer method, and whether it streams."""
+    (`/pkg.Service/Method`, for logs and metrics), its servicer method, and whether it streams.
+
+    `ends`, for a streaming method, says whether a message is the stream's last word (Decode's finishing
+    message): it goes out marked `last`, so the caller's call ends with it, in that message. Otherwise a
+    stream's end waits for the servicer's cleanup, the writer has often sent the message alone by then,
+    and the end costs one more message each way (the caller's cancel, the server's OK)."""
 
     name: str
     full: str
     handler: Callable[[Any, Any], Any]
     streaming: bool = False
+    ends: Callable[[Any], bool] | None = None
 
 
 class CallContext:
@@ -108,6 +114,7 @@ class _Session:
         self.calls: dict[int, asyncio.Task[None]] = {}
         self.pending: list[Any] = []
         self.tails: dict[int, Any] = {}  # each call's latest unsent result (to mark `last` on)
+        self.ended: set[int] = set()  # running calls whose last result is queued or sent
         self.ready = asyncio.Event()
         self.closing = False
         self.finished = False  # no call will queue anything more: the writer ends once it sent all
@@ -115,18 +122,25 @@ class _Session:
         self.idle = asyncio.Event()
         self.idle.set()
 
-    def send(self, call_id: int, field: str, value: Any) -> None:
+    def send(self, call_id: int, field: str, value: Any, last: bool = False) -> None:
+        if call_id in self.ended:
+            return  # the caller has the call's last word: what its cleanup raised since stays here
         result = self.result(call_id=call_id)
         if isinstance(value, bytes):
             setattr(result, field, value)
         else:
             getattr(result, field).CopyFrom(value)
+        if last:
+            result.last = True  # type: ignore[attr-defined]
+            self.ended.add(call_id)
         self.pending.append(result)
         self.tails[call_id] = result
         self.ready.set()
 
     def end_stream(self, call_id: int) -> None:
         """A streaming call ended well: its last unsent message says so, else an OK status does."""
+        if call_id in self.ended:
+            return
         tail = self.tails.get(call_id)
         if tail is not None and tail.WhichOneof("outcome") != "status":
             tail.last = True
@@ -186,7 +200,8 @@ class _Session:
                     if method.streaming:
                         async with aclosing(method.handler(request, ctx)) as stream:
                             async for msg in stream:
-                                self.send(call.call_id, method.name, msg)
+                                last = method.ends is not None and method.ends(msg)
+                                self.send(call.call_id, method.name, msg, last)
                         self.end_stream(call.call_id)
                     else:
                         self.send(call.call_id, method.name, await method.handler(request, ctx))
@@ -210,6 +225,7 @@ class _Session:
 
     def _done(self, call_id: int, _task: object = None) -> None:
         self.calls.pop(call_id, None)
+        self.ended.discard(call_id)
         if not self.calls:
             self.idle.set()
 

@@ -50,7 +50,12 @@ async def decode_session(
         context,
         rpc="DecodeSession",
         roles=_ROUTER,
-        methods=[SessionMethod("decode", _DECODE + "Decode", decode, streaming=True)],
+        methods=[SessionMethod("decode", _DECODE + "Decode", decode, streaming=True, ends=_finishes)],
         result=dpb.DecodeSessionResult,
         response=dpb.DecodeSessionResponse,
     )
+
+
+def _finishes(msg: dpb.DecodeResponse) -> bool:
+    """A Decode stream's finishing message (its finish reason set) is its last: the router stops there."""
+    return bool(msg.finish_reason)
