@@ -74,6 +74,7 @@ class Router:
             health_interval=config.health_interval_seconds,
             health_timeout=config.health_timeout_seconds,
             peer_sessions=config.peer_sessions,
+            retire_after=config.request_timeout_seconds + 60.0,
         )
         self._metrics = RouterMetrics(registry or get_registry())
         self.pool.health.on_change = self._peer_changed

@@ -72,8 +72,16 @@ class PeerPool:
         health_interval: float = 1.0,
         health_timeout: float = 1.0,
         peer_sessions: bool = True,
+        retire_after: float = 660.0,
     ) -> None:
         self.peer_sessions = peer_sessions
+        # Channels and sessions of addresses the directory stopped listing are closed once absent this
+        # long (past any request that may still stream from them), so a router under peer churn keeps
+        # only its live peers' connections.
+        self.retire_after = retire_after
+        self._absent: dict[str, float] = {}  # address -> when the peer list first lacked it
+        self._retiring: set[asyncio.Task[None]] = set()
+        self.retired = 0
         self._sessions: dict[tuple[str, str], CallSession] = {}
         self.affinity_slack = affinity_slack
         self._affinity: OrderedDict[bytes, str] = OrderedDict()
@@ -112,6 +120,8 @@ class PeerPool:
         return found
 
     async def close(self) -> None:
+        for task in list(self._retiring):
+            await task
         await self.health.stop()
         for session in self._sessions.values():
             await session.close()
@@ -155,7 +165,28 @@ class PeerPool:
             if time.monotonic() - self._fetched_at > self.refresh_seconds:
                 self._peers = await self._list_all()
                 self._fetched_at = time.monotonic()
+                self._retire_departed()
         return self._peers
+
+    def _retire_departed(self) -> None:
+        """Closes, in the background, the channel and sessions of each address the peer list has lacked
+        for `retire_after` (the directory's own never)."""
+        now = time.monotonic()
+        listed = {p.address for p in self._peers}
+        listed.add(self.directory_address)
+        for address in list(self._channels):
+            if address in listed:
+                self._absent.pop(address, None)
+                continue
+            if now - self._absent.setdefault(address, now) < self.retire_after:
+                continue
+            del self._absent[address]
+            channel = self._channels.pop(address)
+            sessions = [self._sessions.pop(key) for key in list(self._sessions) if key[0] == address]
+            task = asyncio.get_running_loop().create_task(_close(channel, sessions))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+            self.retired += 1
 
     async def _list_all(self) -> list[dpb.Peer]:
         if self.directory is None:
@@ -252,6 +283,12 @@ class PeerPool:
     def release(self, *peers: dpb.Peer) -> None:
         for p in peers:
             self.inflight[p.peer_id] = max(0, self.inflight[p.peer_id] - 1)
+
+
+async def _close(channel: grpc.aio.Channel, sessions: Sequence[CallSession]) -> None:
+    for session in sessions:
+        await session.close()
+    await channel.close()
 
 
 def _preferred(peers: list[dpb.Peer], serves: Callable[[dpb.Peer], bool] | None) -> list[dpb.Peer]:
