@@ -5,29 +5,20 @@ anew."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from xavier.v1 import decode_service_pb2 as dec
 from xavier.v1 import decode_service_pb2_grpc as dec_grpc
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 from xavier_services.router.peers import PeerPool
 
+from tests.runtime.test_channels import plaintext_server
 from xavier_core.runtime.session_client import CallSession
 
-
-@pytest.fixture
-async def server() -> AsyncIterator[str]:
-    """A real gRPC server (health only) on loopback."""
-    srv = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), srv)
-    port = srv.add_insecure_port("127.0.0.1:0")
-    await srv.start()
-    yield f"127.0.0.1:{port}"
-    await srv.stop(None)
+__all__ = ["plaintext_server"]  # a real gRPC server (health only) on loopback
 
 
 def _peer(address: str) -> dpb.Peer:
@@ -39,7 +30,8 @@ async def _check(channel: grpc.aio.Channel) -> int:
     return int(resp.status)
 
 
-async def test_a_departed_peers_channel_and_sessions_are_closed(server: str) -> None:
+async def test_a_departed_peers_channel_and_sessions_are_closed(plaintext_server: str) -> None:
+    server = plaintext_server
     pool = PeerPool("", rpc_timeout=1.0, refresh_seconds=0.0, attempts=1, retire_after=0.2)
     listed = [_peer(server)]
 

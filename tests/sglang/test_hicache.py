@@ -39,25 +39,33 @@ LAYERS, HEADS, DIM, PAGE = 2, 2, 16, 4
 DEVICE_TOKENS, HOST_RATIO = 128, 2.0  # a host pool of at least 64 pages
 
 
-def host_pool(seed: int | None) -> Any:
-    """SGLang's host KV pool (page-first) over a CPU device pool of DEVICE_TOKENS tokens; random contents
-    from `seed`, zeros without one."""
+def host_pool(
+    seed: int | None,
+    layers: int = LAYERS,
+    heads: int = HEADS,
+    dim: int = DIM,
+    page: int = PAGE,
+    device_tokens: int = DEVICE_TOKENS,
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """SGLang's host KV pool (page-first) over a CPU device pool of `device_tokens` tokens; random
+    contents from `seed`, zeros without one."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     device = MHATokenToKVPool(
-        size=DEVICE_TOKENS, page_size=PAGE, dtype=torch.float32, head_num=HEADS, head_dim=DIM,
-        layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+        size=device_tokens, page_size=page, dtype=dtype, head_num=heads, head_dim=dim,
+        layer_num=layers, device="cpu", enable_memory_saver=False,
     )  # fmt: skip
     if "buffer_info" in inspect.signature(MHATokenToKVPoolHost.__init__).parameters:  # 0.5.23
         info = device.get_device_pool_infos()[0].buffer_info
         pool = MHATokenToKVPoolHost(
-            info, HOST_RATIO, 0, PAGE, "page_first", pin_memory=False, device="cpu",
-            device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
+            info, HOST_RATIO, 0, page, "page_first", pin_memory=False, device="cpu",
+            device_capacity_tokens=device_tokens, start_layer=0, end_layer=layers,
         )  # fmt: skip
     else:  # 0.5.17
-        pool = MHATokenToKVPoolHost(device, HOST_RATIO, 0, PAGE, "page_first", pin_memory=False, device="cpu")
-    assert pool.layout == "page_first" and tuple(pool.kv_buffer.shape[2:]) == (LAYERS, HEADS, DIM)
+        pool = MHATokenToKVPoolHost(device, HOST_RATIO, 0, page, "page_first", pin_memory=False, device="cpu")
+    assert pool.layout == "page_first" and tuple(pool.kv_buffer.shape[2:]) == (layers, heads, dim)
     if seed is not None:
         gen = torch.Generator().manual_seed(seed)
         pool.kv_buffer.copy_(torch.rand(pool.kv_buffer.shape, generator=gen))

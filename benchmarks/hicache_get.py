@@ -1,0 +1,156 @@
+"""SGLang HiCache's get on the Xavier page store, on CPU: SGLang's own host pool, a real store process.
+
+Replica A's backend writes `--pages` pages of SGLang's `MHATokenToKVPoolHost` (page-first layout, the
+geometry of `--shape`, fp16) into a real `xavier-pagestore` process; replica B's backend gets them into
+its own host pool, as SGLang's prefetch thread does (`batch_get_v1`). Per rep: the get's wall time, its
+fetch steps (the store client's `xavier_pagestore_client_fetch_seconds{step}`: GetPages, READ, checksum
+pass, ...) and the same get with its checks taken off (the pages as they land), the two in alternating
+order, so what verification adds to a HiCache get is measured in the same run. The first get of each
+backend loads the store's endpoint and is left out. No GPU: what a get costs in the backend and the
+store client, without SGLang's scheduler beside it.
+
+Needs the SGLang conformance environment (`tests/sglang/run_conformance.sh` builds it):
+
+    ROOT=$(pwd); PYTHONPATH=$ROOT:$ROOT/services:$ROOT/clients:$ROOT/protos/python:$ROOT/engines \\
+        build/sglang-venv/bin/python benchmarks/hicache_get.py --out docs/results/hicache-get-cpu
+
+(prefix PYTHONPATH with build/sglang-venv/overlay-0.5.17: for SGLang 0.5.17). Prints JSON; writes <out>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {  # layers, KV heads, head dim (Qwen2.5's)
+    "qwen2.5-0.5b": (24, 2, 64),
+    "7b-width-4": (4, 4, 128),
+}
+PAGE_TOKENS = 16
+
+
+def fetch_steps() -> dict[str, float]:
+    from xavier_core.pagestore.metrics import FETCH_STEPS, client_metrics
+
+    counter = client_metrics().fetch_seconds
+    return {step: counter.labels(step)._value.get() for step in FETCH_STEPS}
+
+
+def unchecked(client: Any) -> Any:
+    """A verifier for `client` that takes pages as they land (a host pool is read in place)."""
+
+    def make(local: list[int], pages: list[int], sums: list[bytes]) -> Any:
+        return lambda lo, hi, clock: []
+
+    return make
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    p.add_argument("--pages", type=int, default=125, help="pages per get (125: 2,000 tokens)")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument(
+        "--read-piece-bytes",
+        type=int,
+        default=None,
+        help="B's store client reads in pieces of this many bytes, each checked while the next moves "
+        "(default: the client's own setting)",
+    )
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hicache-get-cpu")
+    args = p.parse_args()
+    import sglang
+
+    import tests.sglang.test_hicache as hc
+    from tests.pagestore.support import start_store
+    from xavier_core.engine.tiny import make_tiny
+
+    layers, heads, dim = SHAPES[args.shape]
+    hc.PAGE = PAGE_TOKENS  # the keys' page size (SGLang's hash chain)
+    work = Path(tempfile.mkdtemp(prefix="hicache-get-"))
+    model = make_tiny(
+        work / "model", "qwen2", dtype="float16", layers=layers, hidden=heads * 7 * dim, heads=heads * 7,
+        kv_heads=heads,
+    )  # fmt: skip
+    page_bytes = 2 * PAGE_TOKENS * layers * heads * dim * 2
+    tokens = 2 * args.pages * PAGE_TOKENS
+    store = start_store(work / "store", arena=max(256 << 20, 4 * args.pages * page_bytes), chunk=16 << 20)
+    rows: list[dict[str, Any]] = []
+    try:
+        a_pool, b_pool = (
+            hc.host_pool(seed, layers, heads, dim, PAGE_TOKENS, tokens, torch.float16) for seed in (1, None)
+        )
+        a, b = hc.backend(store.address, model, a_pool), hc.backend(store.address, model, b_pool)
+        if args.read_piece_bytes is not None:
+            b.client.settings = dataclasses.replace(b.client.settings, read_piece_bytes=args.read_piece_bytes)
+        real = b.client._verifier
+        for rep in range(args.reps + 1):
+            keys = hc.sglang_keys(args.pages, first_token=1_000_000 * (rep + 1))
+            src = a_pool.alloc(args.pages * PAGE_TOKENS)
+            if a.batch_set_v1(keys, src) != [True] * args.pages:
+                raise RuntimeError("the write-through did not store every page")
+            row: dict[str, Any] = {"rep": rep}
+            for checked in (True, False) if rep % 2 == 0 else (False, True):
+                b.client._verifier = real if checked else unchecked(b.client)
+                dst = b_pool.alloc(args.pages * PAGE_TOKENS)
+                before, t = fetch_steps(), time.perf_counter()
+                got = b.batch_get_v1(keys, dst)
+                spent = time.perf_counter() - t
+                after = fetch_steps()
+                b_pool.free(dst)
+                if got != [True] * args.pages:
+                    raise RuntimeError(f"the get found {got.count(True)} of {args.pages} pages")
+                if checked:
+                    row["get_ms"] = 1e3 * spent
+                    row["steps_ms"] = {k: 1e3 * (v - before[k]) for k, v in after.items() if v > before[k]}
+                else:
+                    row["get_unchecked_ms"] = 1e3 * spent
+            b.client._verifier = real
+            a_pool.free(src)
+            if rep:  # the first get of a backend loads the store's endpoint
+                rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        b_settings = b.client.settings.read_piece_bytes
+        a.close()
+        b.close()
+    finally:
+        store.stop()
+    get = statistics.median(r["get_ms"] for r in rows)
+    plain = statistics.median(r["get_unchecked_ms"] for r in rows)
+    steps = {k: statistics.median(r["steps_ms"].get(k, 0.0) for r in rows) for k in rows[0]["steps_ms"]}
+    nbytes = args.pages * page_bytes
+    result = {
+        "benchmark": "hicache_get",
+        "sglang": sglang.__version__,
+        "shape": args.shape,
+        "pages": args.pages,
+        "read_piece_bytes": b_settings,
+        "bytes": nbytes,
+        "reps": len(rows),
+        "get_ms": get,
+        "get_gbps": nbytes / get / 1e6,
+        "get_unchecked_ms": plain,
+        "verify_added_share": 1 - plain / get,
+        "steps_ms": steps,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
