@@ -1,0 +1,109 @@
+"""How long a decode's KV pull takes on DRAM, against how often the source polls NIXL.
+
+Two processes, each a `KvPort` over a pool shaped like an engine's (tests/transfer/kvpool.py): the source
+publishes 3 pages, the reader pulls them (one NIXL READ carrying the reader's "done" notification, then the
+reader's own poll sees it end), the source waits for that notification and unpublishes. Per source poll
+interval (`handoff.source_poll_interval_seconds` in the services) and rep: the pull's wall time and the
+time until the source saw "done". A READ that carries a notification (and any READ behind a notification
+on the same endpoint) ends only once the source's NIXL worker has progressed (UCX answers it over TCP),
+so the pull waits for the source's next poll.
+
+    python benchmarks/pull_latency.py --source-poll 0.001,0.002,0.005 --out docs/results/pull-latency-cpu
+
+Prints JSON; writes <out>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from xavier.v1 import directory_service_pb2 as dpb  # noqa: E402
+from xavier.v1 import types_pb2  # noqa: E402
+
+from tests.transfer.kvpool import PAGE_SIZE, kv_buffers, make_pool, serve_port, spawned  # noqa: E402
+from xavier_core.transfer import KvPort, peer_key  # noqa: E402
+
+
+async def _serve(conn: Connection, name: str, poll: float) -> None:
+    pool = make_pool(7)  # held for the life of the port: NIXL reads these addresses
+    await serve_port(conn, KvPort(name, kv_buffers(pool), PAGE_SIZE, poll_interval=poll), "host-a")
+
+
+def _source_main(conn: Connection, name: str, poll: float) -> None:
+    asyncio.run(_serve(conn, name, poll))
+
+
+async def _call(conn: Connection, *cmd: Any) -> Any:
+    conn.send(cmd)
+    if not await asyncio.to_thread(conn.poll, 30):
+        raise TimeoutError(f"the source did not answer {cmd[0]!r}")
+    return conn.recv()
+
+
+async def measure(conn: Connection, reps: int) -> dict[str, Any]:
+    pool = make_pool(None)
+    port = KvPort(f"pull-dst-{os.getpid()}-{time.monotonic_ns()}", kv_buffers(pool), PAGE_SIZE)
+    key = peer_key("pull-src", 1)
+    pulls: list[float] = []
+    seen: list[float] = []
+    try:
+        for i in range(reps + 2):  # the first two connect the agents
+            room = 1000 + i
+            desc, ep = await _call(conn, "publish", room, [i % 60, i % 60 + 1, 63])
+            source = dpb.SourceDescriptor.FromString(desc)
+            endpoint = types_pb2.TransferEndpoint.FromString(ep)
+            await asyncio.sleep(0.02)  # the source's poll is anywhere in its period when the read comes
+            t = time.perf_counter()
+            await port.pull(room, source, endpoint, key, [5, 6, 7], timeout=10, park_timeout=5)
+            pulled = time.perf_counter()
+            if await _call(conn, "wait", room) != "done":
+                raise RuntimeError(f"room {room}: the source never heard the read end")
+            ended = time.perf_counter()
+            await _call(conn, "unpublish", room, True)
+            if i >= 2:
+                pulls.append(1e3 * (pulled - t))
+                seen.append(1e3 * (ended - pulled))
+    finally:
+        await port.close()
+    return {
+        "pull_ms_p50": statistics.median(pulls),
+        "pull_ms_min": min(pulls),
+        "pull_ms_max": max(pulls),
+        "done_seen_after_ms_p50": statistics.median(seen),
+        "pulls_ms": pulls,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--source-poll", default="0.001,0.002,0.005", help="source poll intervals (s), in order")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "pull-latency-cpu")
+    args = p.parse_args()
+    points = []
+    for poll in (float(x) for x in args.source_poll.split(",")):
+        with spawned(_source_main, f"pull-src-{poll}", poll) as conn:
+            point = {"source_poll_s": poll, **asyncio.run(measure(conn, args.reps))}
+        points.append(point)
+        print(json.dumps({k: v for k, v in point.items() if k != "pulls_ms"}), file=sys.stderr, flush=True)
+    result = {"benchmark": "pull_latency", "pages": 3, "reps": args.reps, "points": points}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps([{k: v for k, v in pt.items() if k != "pulls_ms"} for pt in points], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
