@@ -1,8 +1,8 @@
 """A migration soak: greedy P/D streams at concurrency 12 over 1 prefill + 2 decodes while decodes are
 killed (kill -9) mid-stream, each started again (a new epoch) before the next kill.
 
-Kills land at seeded points of the run (once the router has streamed a seeded number of tokens), on
-the two decodes in turn, each while it is streaming requests; together they take about
+Kills land at seeded points of the run (once the router has streamed a seeded number of tokens), each on
+a decode that is streaming requests then (the two in turn where both are); together they take about
 10% of the run's streams mid-stream. No new request starts while a killed decode restarts, so the
 kill points fall within the run however long a restart takes. Zero requests may fail; every stream's
 answer must be correct (greedy: one that never moved equals its prompt's fresh run, and what follows
@@ -71,9 +71,11 @@ async def _running(mig: MigrationMesh, name: str) -> bool:
 async def _killer(
     mig: MigrationMesh, points: list[int], killed: list[str], gate: asyncio.Event, over: asyncio.Event
 ) -> None:
-    """At each point (router output tokens), once its victim (the decodes in turn) is streaming, kills
-    it and starts it again; no new request starts while it restarts (`gate`), so every point comes
-    within the run whatever a restart costs. Returns early when the run is `over`."""
+    """At each point (router output tokens), kills a decode that is streaming then (the one not killed
+    last when both are: the decodes in turn) and starts it again; no new request starts while it
+    restarts (`gate`), so every point comes within the run whatever a restart costs. Returns early when
+    the run is `over`. (Waiting for one named victim could outlast the run: after a restart the router
+    may route the rest of the run's streams to the other decode.)"""
 
     async def sent() -> float:
         page = await metrics_page(mig.router.proc.metrics)
@@ -86,23 +88,34 @@ async def _killer(
             await asyncio.sleep(0.02)
         return True
 
+    async def streaming() -> str | None:
+        """A decode streaming now, the one not killed last first; None while neither is."""
+        order = sorted(DECODES, key=lambda name: bool(killed) and name == killed[-1])
+        for name in order:
+            if await _running(mig, name):
+                return name
+        return None
+
+    victim: list[str] = []
+
+    async def found() -> bool:
+        name = await streaming()
+        victim[:] = [name] if name else []
+        return bool(victim)
+
     base = await sent()
-    for i, point in enumerate(points):
-        victim = DECODES[i % 2]
+    for point in points:
         if not await until(functools.partial(_past, sent, base + point)):
             return
-        if not await until(functools.partial(_running, mig, victim)):  # the kill takes streams mid-stream
+        if not await until(found):  # the kill takes streams mid-stream
             return
         gate.clear()
         try:
-            mig.mesh.procs[victim].kill()  # kill -9, reaped
-            killed.append(victim)
-            await asyncio.to_thread(mig.restart, victim)
+            mig.mesh.procs[victim[0]].kill()  # kill -9, reaped
+            killed.append(victim[0])
+            await asyncio.to_thread(mig.restart, victim[0])
         finally:
             gate.set()  # a failed restart fails the test at `await kills`, not by a stalled run
-        # The router sends the new epoch requests (so the next kill's streams have a pair to go to).
-        if not await until(functools.partial(_running, mig, victim)):
-            return
 
 
 async def _past(value: Callable[[], Awaitable[float]], point: float) -> bool:
