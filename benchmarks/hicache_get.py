@@ -34,27 +34,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pagestore import fetch_steps, unchecked_verifier  # noqa: E402  (benchmarks/pagestore.py, beside this)
+
 SHAPES = {  # layers, KV heads, head dim (Qwen2.5's)
     "qwen2.5-0.5b": (24, 2, 64),
     "7b-width-4": (4, 4, 128),
 }
 PAGE_TOKENS = 16
-
-
-def fetch_steps() -> dict[str, float]:
-    from xavier_core.pagestore.metrics import FETCH_STEPS, client_metrics
-
-    counter = client_metrics().fetch_seconds
-    return {step: counter.labels(step)._value.get() for step in FETCH_STEPS}
-
-
-def unchecked(client: Any) -> Any:
-    """A verifier for `client` that takes pages as they land (a host pool is read in place)."""
-
-    def make(local: list[int], pages: list[int], sums: list[bytes]) -> Any:
-        return lambda lo, hi, clock: []
-
-    return make
 
 
 def main() -> int:
@@ -103,7 +89,7 @@ def main() -> int:
                 raise RuntimeError("the write-through did not store every page")
             row: dict[str, Any] = {"rep": rep}
             for checked in (True, False) if rep % 2 == 0 else (False, True):
-                b.client._verifier = real if checked else unchecked(b.client)
+                b.client._verifier = real if checked else unchecked_verifier(b.client)
                 dst = b_pool.alloc(args.pages * PAGE_TOKENS)
                 before, t = fetch_steps(), time.perf_counter()
                 got = b.batch_get_v1(keys, dst)

@@ -120,12 +120,9 @@ def memcpy_baseline(pool: list[np.ndarray], pages: list[int], seg: int, reps: in
     return statistics.median(times)
 
 
-async def unchecked_get(
-    client: PageStoreClient, ns: PageNamespace, keys: list[bytes], pages: list[int], count: int
-) -> None:
-    """A get of `keys` into `pages` whose pages are taken as they land, unchecked (through a mirror, still
-    copied to the pool): the baseline that says what verification adds to a get."""
-    real = client._verifier
+def unchecked_verifier(client: PageStoreClient) -> Any:
+    """A stand-in for `client._verifier` that takes a get's pages as they land, unchecked (through a
+    mirror, still copied to the pool): the baseline that says what verification adds to a get."""
 
     def unchecked(local: list[int], dest: list[int], sums: list[bytes]) -> Any:
         def verify(lo: int, hi: int, clock: Any) -> list[int]:
@@ -136,7 +133,15 @@ async def unchecked_get(
 
         return verify
 
-    client._verifier = unchecked  # type: ignore[method-assign]
+    return unchecked
+
+
+async def unchecked_get(
+    client: PageStoreClient, ns: PageNamespace, keys: list[bytes], pages: list[int], count: int
+) -> None:
+    """A get of `keys` into `pages` through `unchecked_verifier`."""
+    real = client._verifier
+    client._verifier = unchecked_verifier(client)  # type: ignore[method-assign]
     try:
         if await client.lookup_and_fetch(ns, keys, pages) != count:
             raise RuntimeError("get did not hit every page")

@@ -96,24 +96,19 @@ async def _killer(
                 return name
         return None
 
-    victim: list[str] = []
-
-    async def found() -> bool:
-        name = await streaming()
-        victim[:] = [name] if name else []
-        return bool(victim)
-
     base = await sent()
     for point in points:
         if not await until(functools.partial(_past, sent, base + point)):
             return
-        if not await until(found):  # the kill takes streams mid-stream
-            return
+        while (victim := await streaming()) is None:  # the kill takes streams mid-stream
+            if over.is_set():
+                return
+            await asyncio.sleep(0.02)
         gate.clear()
         try:
-            mig.mesh.procs[victim[0]].kill()  # kill -9, reaped
-            killed.append(victim[0])
-            await asyncio.to_thread(mig.restart, victim[0])
+            mig.mesh.procs[victim].kill()  # kill -9, reaped
+            killed.append(victim)
+            await asyncio.to_thread(mig.restart, victim)
         finally:
             gate.set()  # a failed restart fails the test at `await kills`, not by a stalled run
 
