@@ -259,6 +259,78 @@ async def test_bad_input_on_a_session_gets_the_rpcs_status(long_mesh: Mesh) -> N
         await ps.close()
 
 
+_SMALL_MESSAGES = 64 << 10
+
+
+async def test_an_answer_past_the_message_limit_fails_its_call_alone(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A Prefill whose answer (a long prompt's logprobs, 20 alternatives each) is larger than the
+    prefill's message limit ends RESOURCE_EXHAUSTED (MESSAGE_TOO_LARGE) by itself, where sending it
+    would break the session under the calls beside it; those finish, the stream stays, and the
+    router's ReleaseSource unpins what the refused call published."""
+    env = {**_LONG, "XAVIER_MAX_MESSAGE_BYTES": str(_SMALL_MESSAGES)}
+    with _pair(tiny_model, tmp_path, env) as m:
+        p, d = await _peers(m)
+        big = types_pb2.SamplingParams(max_tokens=2, prompt_logprobs=True, top_logprobs=20)
+        prompt = [3 + (i * 7) % 500 for i in range(1500)]
+        async with grpc.aio.insecure_channel(p.address) as pch, grpc.aio.insecure_channel(d.address) as dch:
+            ps, ds = _prefill_session(pch), _decode_session(dch)
+            room = new_room_id()
+            req = prefill_request(room, d, prompt, big, pair_handoff=True)
+            calls = [_pair_request(ps, ds, p, d, [5 + i, 6, 7, 8]) for i in range(4)]
+            got = await asyncio.gather(
+                ps.unary("prefill", req, request_id=req.request_id, timeout=30),
+                *calls,
+                return_exceptions=True,
+            )
+            refused, beside = got[0], got[1:]
+            assert isinstance(refused, grpc.aio.AioRpcError), refused
+            err = from_rpc_error(refused)
+            assert (err.code, err.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "MESSAGE_TOO_LARGE")
+            assert err.metadata["limit"] == str(_SMALL_MESSAGES)
+            assert int(err.metadata["bytes"]) > _SMALL_MESSAGES and err.metadata["method"] == "prefill"
+            assert all(isinstance(t, list) and len(t) == _SAMPLING.max_tokens for t in beside), beside
+            # The same call per RPC fails RESOURCE_EXHAUSTED too (gRPC's own, without a reason).
+            room_rpc = new_room_id()
+            with pytest.raises(grpc.aio.AioRpcError) as per_rpc:
+                await pre_grpc.PrefillServiceStub(pch).Prefill(
+                    prefill_request(room_rpc, d, prompt, big, pair_handoff=True), timeout=30
+                )
+            assert per_rpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for r in (room, room_rpc):  # as the router does for a Prefill that failed
+                release = pre.ReleaseSourceRequest(request_id=f"r{r}", room_id=r)
+                assert (await ps.unary("release_source", release, request_id=f"r{r}", timeout=10)).held
+            assert ps.opened == 1 and ds.opened == 1  # no stream broke
+            await ps.close()
+            await ds.close()
+        assert not any((await wait_drained(m)).values())
+
+
+async def test_a_request_past_the_message_limit_is_refused_before_it_is_sent(long_mesh: Mesh) -> None:
+    """A call whose request is larger than the caller's message limit fails RESOURCE_EXHAUSTED
+    (MESSAGE_TOO_LARGE) without being sent, and the session goes on."""
+    p, d = await _peers(long_mesh)
+    async with grpc.aio.insecure_channel(p.address) as pch, grpc.aio.insecure_channel(d.address) as dch:
+        stub = pre_grpc.PrefillServiceStub(pch)
+        ps = CallSession(
+            stub.PrefillSession, pre.PrefillSessionRequest, pre.PrefillSessionCall, "prefill", 4096
+        )
+        req = prefill_request(new_room_id(), d, [5] * 3000, _SAMPLING, pair_handoff=True)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await ps.unary("prefill", req, request_id=req.request_id, timeout=10)
+        err = from_rpc_error(refused.value)
+        assert (err.code, err.reason, err.metadata["limit"]) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "MESSAGE_TOO_LARGE",
+            "4096",
+        )
+        tokens = await _pair_request(ps, _decode_session(dch), p, d, [9, 8, 7])
+        assert len(tokens) == _SAMPLING.max_tokens and ps.opened == 1
+        await ps.close()
+    assert not any((await wait_drained(long_mesh)).values())
+
+
 @contextlib.contextmanager
 def _routed(m: Mesh, tmp: Path, env: dict[str, str] | None = None) -> Iterator[ServiceProc]:
     router = _router(m, tmp, env=env)

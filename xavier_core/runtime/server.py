@@ -29,7 +29,7 @@ from .config import ConfigError, ServiceConfig, exit_on_config_error, parse_host
 from .interceptors import RuntimeInterceptor
 from .logging import configure_logging, get_logger
 from .metrics import MetricsServer, start_metrics_server
-from .session import end_sessions
+from .session import end_sessions, limit_messages
 from .tls import ServerTls
 
 __all__ = ["ServerHandle", "run_service", "serve", "start_service"]
@@ -166,6 +166,7 @@ async def start_service(
     if tls is not None:
         credentials = tls.credentials()
     limit = config.max_message_bytes
+    limit_messages(limit)  # a call session's answer past it fails that call alone
     server = grpc.aio.server(
         interceptors=(RuntimeInterceptor(), *interceptors),
         options=(

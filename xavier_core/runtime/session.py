@@ -16,6 +16,10 @@ One writer per stream sends every result queued while it was waiting as one mess
 loop iteration leave together, and nothing waits on a timer. A stream's message whose call ended with
 it is marked `last`, so a call that ends well costs no separate status.
 
+A call's answer larger than the server's message limit (`limit_messages`, the service's
+`max_message_bytes`) is never sent: that call alone ends RESOURCE_EXHAUSTED (MESSAGE_TOO_LARGE), where
+the message would have broken the stream for every call on it.
+
 A stopping server ends its sessions (`end_sessions`): new calls are refused UNAVAILABLE
 (SHUTTING_DOWN), running ones finish, then the stream ends, so an idle session never holds a shutdown
 for its whole grace period.
@@ -34,19 +38,27 @@ from typing import Any
 from google.protobuf.message import Message
 from google.rpc import status_pb2
 
+from .channels import DEFAULT_MAX_MESSAGE_BYTES
 from .domain_errors import as_xavier_error
 from .durations import to_seconds
-from .errors import Internal, Unavailable, XavierError, status_proto
+from .errors import CapacityExhausted, Internal, Unavailable, XavierError, status_proto
 from .identity import require
 from .interceptors import REQUEST_ID_KEY, CallScope, _MethodState, method_state
 from .logging import get_logger
-from .session_client import batches
+from .session_client import ENVELOPE_BYTES, batches
 
-__all__ = ["CallContext", "SessionMethod", "end_sessions", "serve_session"]
+__all__ = ["CallContext", "SessionMethod", "end_sessions", "limit_messages", "serve_session"]
 
 _log = get_logger("xavier.rpc.session")
 _OK, _DEADLINE_EXCEEDED, _UNIMPLEMENTED = 0, 4, 12  # google.rpc.Code
 _LIVE: weakref.WeakSet[_Session] = weakref.WeakSet()
+_limit = [DEFAULT_MAX_MESSAGE_BYTES]  # the process's gRPC message limit (`limit_messages`)
+
+
+def limit_messages(max_message_bytes: int) -> None:
+    """Sets the message limit of this process's server (its `max_message_bytes`, which the server
+    starting here passes): a call's answer past it is refused alone (see the module's text)."""
+    _limit[0] = max_message_bytes
 
 
 @dataclass(frozen=True)
@@ -123,8 +135,20 @@ class _Session:
         self.idle.set()
 
     def send(self, call_id: int, field: str, value: Any, last: bool = False) -> None:
+        """Queues one result of a call; raises `CapacityExhausted` (MESSAGE_TOO_LARGE), sending
+        nothing, for an answer past the message limit (the call's task then ends with that status)."""
         if call_id in self.ended:
             return  # the caller has the call's last word: what its cleanup raised since stays here
+        if not isinstance(value, bytes):
+            size, limit = value.ByteSize(), _limit[0]
+            if size > limit - ENVELOPE_BYTES:
+                raise CapacityExhausted(
+                    f"the {field} answer is {size} bytes, more than a message may carry ({limit})",
+                    reason="MESSAGE_TOO_LARGE",
+                    method=field,
+                    bytes=size,
+                    limit=limit,
+                )
         result = self.result(call_id=call_id)
         if isinstance(value, bytes):
             setattr(result, field, value)

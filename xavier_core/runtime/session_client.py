@@ -11,7 +11,9 @@ Its calls look like grpc.aio's to the code that makes them: `SessionUnaryCall` i
 (status code, message and the `ErrorInfo` in the trailers, so `from_rpc_error` reads them alike). A
 cancelled call raises `asyncio.CancelledError`, as a cancelled grpc.aio call does. A stream that breaks
 fails every open call UNAVAILABLE, with no ErrorInfo (a transport failure), unless the service ended
-it with a status of its own (a refused caller's PERMISSION_DENIED), which they all get.
+it with a status of its own (a refused caller's PERMISSION_DENIED), which they all get. A call whose
+request is larger than the channel's message limit is never sent: it alone fails RESOURCE_EXHAUSTED
+(MESSAGE_TOO_LARGE), where the message would have broken the stream for every call on it.
 """
 
 from __future__ import annotations
@@ -27,15 +29,22 @@ import grpc
 from google.protobuf.message import Message
 from google.rpc import status_pb2
 
+from .channels import DEFAULT_MAX_MESSAGE_BYTES
 from .durations import to_duration
+from .errors import CapacityExhausted, status_proto
 
-__all__ = ["BATCH_BYTES", "CallSession", "SessionStreamCall", "SessionUnaryCall", "batches"]
+__all__ = ["BATCH_BYTES", "ENVELOPE_BYTES", "CallSession", "SessionStreamCall", "SessionUnaryCall", "batches"]
 
 _DETAILS_KEY = "grpc-status-details-bin"
 BATCH_BYTES = 4 << 20
 """A session message carries calls (or results) up to about this many bytes, well below the 16 MiB
 message limit both sides set: a burst of long prompts goes out as several messages, never one the
 peer must refuse (which would break the stream for every call on it)."""
+
+
+ENVELOPE_BYTES = 1 << 10
+"""Room left in a message for what wraps one call's request or answer (call id, request id, deadline,
+flags, framing): a request or answer larger than the message limit less this is not sent."""
 
 
 def batches(items: list[Any], limit: int = BATCH_BYTES) -> Iterator[list[Any]]:
@@ -235,8 +244,10 @@ class CallSession:
         request: Callable[..., Message],
         call: Callable[..., Message],
         name: str,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self._open = open_stream
+        self.max_message_bytes = max_message_bytes  # the channel's: a larger call is refused alone
         self._request = request
         self._call_type = call
         self.name = name
@@ -272,6 +283,20 @@ class CallSession:
             entry.timeout.CopyFrom(to_duration(timeout))  # type: ignore[attr-defined]
         call = kind(self, call_id, timeout)
         self._calls[call_id] = call
+        size = entry.ByteSize()
+        if size > self.max_message_bytes - ENVELOPE_BYTES:
+            # Sent, it would break the stream for every call on it: this call alone fails, as an RPC's
+            # oversized message fails that RPC alone.
+            refused = CapacityExhausted(
+                f"the {method} request is {size} bytes, more than a message may carry "
+                f"({self.max_message_bytes})",
+                reason="MESSAGE_TOO_LARGE",
+                method=method,
+                bytes=size,
+                limit=self.max_message_bytes,
+            )
+            call.fail(_status_error(status_proto(refused).SerializeToString()))
+            return call
         self._enqueue(entry)
         return call
 

@@ -331,6 +331,14 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     follow its grammar, or already completes it, so no token could be constrained after it; status
     INVALID_ARGUMENT.
     """
+    ERROR_REASON_MESSAGE_TOO_LARGE: _ErrorReason.ValueType  # 96
+    """Call sessions (PrefillSession, DecodeSession).
+
+    One call's request or answer on a call session is larger than the sender's gRPC message limit
+    (max_message_bytes), so it was not sent: that call ends with status RESOURCE_EXHAUSTED, metadata
+    "method", "bytes" and "limit", and the session's other calls go on (sent, it would have broken the
+    stream for every call on it).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every `google.rpc.ErrorInfo.reason` that a xavier.v1 service or client emits.
@@ -650,5 +658,13 @@ ERROR_REASON_RESUMED_OUTPUT_OUTSIDE_GRAMMAR: ErrorReason.ValueType  # 95
 """A request's resumed output (the last SamplingParams.resumed_output_tokens prompt tokens) does not
 follow its grammar, or already completes it, so no token could be constrained after it; status
 INVALID_ARGUMENT.
+"""
+ERROR_REASON_MESSAGE_TOO_LARGE: ErrorReason.ValueType  # 96
+"""Call sessions (PrefillSession, DecodeSession).
+
+One call's request or answer on a call session is larger than the sender's gRPC message limit
+(max_message_bytes), so it was not sent: that call ends with status RESOURCE_EXHAUSTED, metadata
+"method", "bytes" and "limit", and the session's other calls go on (sent, it would have broken the
+stream for every call on it).
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
