@@ -127,12 +127,14 @@ class ServerHandle:
             except Exception:
                 _log.exception("on_stop failed")
         remaining = max(0.0, deadline - asyncio.get_running_loop().time())
-        # Call sessions are long-lived streams: ended once their calls finish, so an idle one does
-        # not hold the stop for its whole grace.
+        # The server takes no new RPC from here, while the calls in flight have the rest of the grace.
+        # Call sessions are long-lived streams: ended once their calls finish, so an idle one does not
+        # hold the stop for its whole grace, and none opens after they were told to end (one that did
+        # would run calls and hold the stop for the rest of the grace).
+        stopped = asyncio.ensure_future(self.server.stop(remaining))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(end_sessions(), timeout=remaining)
-        remaining = max(0.0, deadline - asyncio.get_running_loop().time())
-        await self.server.stop(remaining)
+        await stopped
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.close)
         if self.config.ready_file is not None:
