@@ -14,7 +14,7 @@ from xavier_services.router.openai_logprobs import ChoiceLogprobs
 from xavier_services.router.openai_shapes import choice, envelope, parse, sse
 from xavier_services.router.request import Prepared, check_sampling_pb, require_features
 
-from xavier_core.runtime import InvalidArgument
+from xavier_core.runtime import CapacityExhausted, InvalidArgument
 from xavier_core.runtime.domain_errors import sampling_status
 from xavier_core.sampling import MAX_TOKENS, SamplingError
 
@@ -211,3 +211,17 @@ def test_the_grpc_and_peer_paths_check_the_controls_alike() -> None:
     good = sampling_from_pb(types_pb2.SamplingParams(max_tokens=4, logit_bias={9: -3.0, 2: 1.5}))
     assert good.logit_bias == ((2, 1.5), (9, -3.0)) and good.repetition_penalty == 1.0
     assert good.adjusts_logits and not sampling_from_pb(types_pb2.SamplingParams(max_tokens=4)).adjusts_logits
+
+
+def test_an_answer_too_large_for_a_message_is_a_bad_request_not_a_rate_limit() -> None:
+    """A peer's MESSAGE_TOO_LARGE (RESOURCE_EXHAUSTED) is 400 over HTTP: retrying cannot help, so it is
+    not the 429 of a full router."""
+    err = CapacityExhausted(
+        "the prefill answer is 20000000 bytes", reason="MESSAGE_TOO_LARGE", limit=16777216
+    )
+    response = error_response(err)
+    body = json.loads(response.body)  # type: ignore[arg-type]
+    assert response.status == 400 and "Retry-After" not in response.headers
+    assert body["error"]["code"] == "MESSAGE_TOO_LARGE" and body["error"]["type"] == "invalid_request_error"
+    full = error_response(CapacityExhausted("no slot", reason="ROUTER_OVERLOADED", retry_after_seconds=1))
+    assert full.status == 429 and full.headers["Retry-After"] == "1"

@@ -43,6 +43,11 @@ _HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
+_REASON_STATUS = {
+    # An answer larger than a gRPC message may carry (a long prompt's logprobs): asking again cannot help.
+    "MESSAGE_TOO_LARGE": 400,
+}
+"""Reasons whose HTTP status is not their gRPC code's."""
 _ERROR_TYPE = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -79,7 +84,7 @@ def json_error(status: int, message: str, *, reason: str, param: str | None = No
 
 def error_response(err: XavierError) -> web.Response:
     """`{"error": {message, type, param, code}}` with the HTTP status of the gRPC code; code is the reason."""
-    status = _HTTP_STATUS.get(err.code, 500)
+    status = _REASON_STATUS.get(err.reason) or _HTTP_STATUS.get(err.code, 500)
     body = {
         "error": {
             "message": err.message or err.reason,

@@ -336,8 +336,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
 
     One call's request or answer on a call session is larger than the sender's gRPC message limit
     (max_message_bytes), so it was not sent: that call ends with status RESOURCE_EXHAUSTED, metadata
-    "method", "bytes" and "limit", and the session's other calls go on (sent, it would have broken the
-    stream for every call on it).
+    "method", "bytes" and "limit" (HTTP 400 at the router's OpenAI front: asking again cannot help), and
+    the session's other calls go on (sent, it would have broken the stream for every call on it).
     """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
@@ -664,7 +664,7 @@ ERROR_REASON_MESSAGE_TOO_LARGE: ErrorReason.ValueType  # 96
 
 One call's request or answer on a call session is larger than the sender's gRPC message limit
 (max_message_bytes), so it was not sent: that call ends with status RESOURCE_EXHAUSTED, metadata
-"method", "bytes" and "limit", and the session's other calls go on (sent, it would have broken the
-stream for every call on it).
+"method", "bytes" and "limit" (HTTP 400 at the router's OpenAI front: asking again cannot help), and
+the session's other calls go on (sent, it would have broken the stream for every call on it).
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
