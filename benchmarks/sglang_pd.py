@@ -16,7 +16,8 @@ Per level: output tok/s, TTFT and TPOT p50/p99, errors, the CPU seconds each pro
 (from /proc), and, for the xavier backend, a breakdown of the handoff from the plugin's per-room trace
 (`XAVIER_SGLANG_TRACE`). With `--py-spy S`, the c32 `repeat` level of each mode is sampled by py-spy
 (if installed) and the busiest Python frames of each process are reported. Greedy outputs of the first
-prompts are kept per mode, and `outputs_equal` says whether every mode produced the same tokens.
+prompts are kept per mode, and `outputs_equal` says whether every mode produced the same tokens
+(`outputs_compared`: which modes, and at how many levels, went into each comparison).
 
     python benchmarks/sglang_pd.py --gpus 0,0 --out docs/results/sglang-pd-h200
     python benchmarks/sglang_pd.py --modes direct-native,direct-xavier --concurrency 32 --kinds repeat
@@ -633,18 +634,33 @@ def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]
     return dict(out)
 
 
+def _output_family(row: dict[str, Any]) -> str:
+    """Rows whose outputs compare: through the router (text) or direct (token ids), per prompt kind."""
+    return ("direct" if row["mode"] in DIRECT_MODES else "router") + "/" + row["kind"]
+
+
 def outputs_equal(rows: list[dict[str, Any]]) -> dict[str, bool]:
     """Per family (through the router: text; direct: token ids) and kind, whether every mode and level
-    gave the same greedy outputs for the first prompts."""
+    gave the same greedy outputs for the first prompts (see `outputs_compared` for which modes did)."""
     seen: dict[str, Any] = {}
     equal: dict[str, bool] = {}
     for r in rows:
         if "outputs" not in r:
             continue
-        key = ("direct" if r["mode"] in DIRECT_MODES else "router") + "/" + r["kind"]
+        key = _output_family(r)
         ref = seen.setdefault(key, r["outputs"])
         equal[key] = equal.get(key, True) and r["outputs"] == ref
     return equal
+
+
+def outputs_compared(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per family of `outputs_equal`, the modes whose outputs went into it and how many levels each: a
+    family with one mode compared nothing across modes, whatever `outputs_equal` says."""
+    out: dict[str, Counter[str]] = defaultdict(Counter)
+    for r in rows:
+        if "outputs" in r:
+            out[_output_family(r)][r["mode"]] += 1
+    return {key: dict(sorted(modes.items())) for key, modes in sorted(out.items())}
 
 
 def main() -> int:
@@ -716,11 +732,13 @@ def summarize(args: argparse.Namespace, modes: list[str], rows: list[dict[str, A
     """Writes the run's summary (every row, greedy-output equality, per-level medians) and its plot."""
     summary = {"gpus": args.gpus, "modes": modes, "interleaved": args.interleave,
                "sglang_args": args.sglang_args, "rows": rows,
-               "outputs_equal": outputs_equal(rows), "medians": medians(rows)}  # fmt: skip
+               "outputs_equal": outputs_equal(rows), "outputs_compared": outputs_compared(rows),
+               "medians": medians(rows)}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     plot([r for r in rows if "out_tok_s" in r], args.out.with_suffix(".png"))
-    print(json.dumps({"outputs_equal": summary["outputs_equal"], "out": str(args.out)}), flush=True)
+    compared = {"outputs_equal": summary["outputs_equal"], "outputs_compared": summary["outputs_compared"]}
+    print(json.dumps({**compared, "out": str(args.out)}), flush=True)
     return 0
 
 
