@@ -75,6 +75,9 @@ class Sampling:
     """A JSON Schema (JSON text) the output must validate; at most one of json_schema, json_object, regex."""
     json_object: bool = False
     regex: str | None = None
+    resumed_output_tokens: int = 0
+    """How many of the prompt's last tokens are output an earlier attempt of this request produced (a
+    request resumed by its caller): penalties and the grammar count them as output; 0 is a plain request."""
 
     def to_proto(self) -> types_pb2.SamplingParams:
         """The wire form; `InvalidArgumentError` naming the field for a value it cannot carry (the
@@ -86,6 +89,7 @@ class Sampling:
             "top_logprobs": 2**32,
             "min_tokens": 2**32,
             "truncate_prompt_tokens": 2**32,
+            "resumed_output_tokens": 2**32,
         }
         for name, limit in limits.items():
             value = getattr(self, name)
@@ -124,6 +128,7 @@ class Sampling:
             min_p=self.min_p,
             include_stop_str_in_output=self.include_stop_str_in_output,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            resumed_output_tokens=self.resumed_output_tokens,
         )
         if self.json_schema is not None:
             msg.json_schema = self.json_schema

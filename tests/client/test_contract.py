@@ -205,6 +205,16 @@ def test_a_sampling_value_the_wire_cannot_carry_is_a_typed_error(
     assert info.value.metadata == {"field": field}
 
 
+def test_sampling_has_every_field_of_the_wire_form() -> None:
+    """The SDK's Sampling names every SamplingParams field: no engine setting is out of a client's reach."""
+    import dataclasses
+
+    from xavier.v1 import types_pb2
+
+    ours = {f.name for f in dataclasses.fields(xavier_client.Sampling)}
+    assert set(types_pb2.SamplingParams.DESCRIPTOR.fields_by_name) <= ours
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -213,7 +223,7 @@ def test_a_sampling_value_the_wire_cannot_carry_is_a_typed_error(
         {"max_tokens": 3, "temperature": 0.7, "top_k": 5, "stop_token_ids": (2,), "ignore_eos": True,
          "logprobs": True, "top_logprobs": 2, "prompt_logprobs": True, "presence_penalty": -0.5,
          "frequency_penalty": 0.25, "min_tokens": 1, "min_p": 0.1, "include_stop_str_in_output": True,
-         "truncate_prompt_tokens": 9, "regex": "[a-z]+"},
+         "truncate_prompt_tokens": 9, "regex": "[a-z]+", "resumed_output_tokens": 3},
     ],
 )  # fmt: skip
 def test_sampling_wire_form_carries_every_field(kw: dict[str, object]) -> None:
