@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +100,17 @@ def standard_mesh(tiny_model: Path, workdir: Path, env: dict[str, str]) -> Itera
 def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     with standard_mesh(tiny_model, tmp_path_factory.mktemp("mesh"), dict(FAST_ENV)) as m:
         yield m
+
+
+def rpc_count(proc: ServiceProc, method: str) -> float:
+    """`xavier_rpc_total` of `method` on `proc`, every code together."""
+    with urllib.request.urlopen(f"http://{proc.metrics}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("xavier_rpc_total{") and f'method="{method}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 async def mesh_stats(mesh: Mesh) -> dict[str, int]:

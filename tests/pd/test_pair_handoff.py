@@ -20,7 +20,7 @@ from xavier.v1 import types_pb2
 from xavier_client import AsyncClient, XavierError
 
 from tests.faults.test_shutdown import ghost
-from tests.pd.conftest import FAST_ENV, Mesh, mesh_stats, wait_drained
+from tests.pd.conftest import FAST_ENV, Mesh, mesh_stats, rpc_count, wait_drained
 from tests.pd.test_pd import Channels, prompt
 from tests.support.pd_driver import decode_request, new_room_id, prefill_request, unified_generate
 from tests.support.procs import start_service
@@ -215,11 +215,20 @@ async def test_a_decode_that_never_connected_frees_the_source_at_once(
     m = Mesh(tiny_model, tmp_path, env)
     try:
         m.start_directory()
-        m.start_peer("prefill-0", "prefill")
+        prefill = m.start_peer("prefill-0", "prefill")
+        checks = rpc_count(prefill, "Check")
         args = ["--model", str(tiny_model), "--directory", m.directory, "--listen", "127.0.0.1:0"]
         m.procs["router"] = start_service(
             "xavier-router", [*args, "--http", ""], tmp_path, name="router", env=env
         )
+        # The router's health loop probes every listed peer once as it starts: the ghost registers after
+        # that round (the prefill has seen its probe), so only the failed call can take it out.
+        for _ in range(600):
+            if rpc_count(prefill, "Check") > checks:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the router never probed the prefill")
         async with (
             ghost(m, "decode-ghost", types_pb2.ROLE_DECODE, like="prefill-0"),
             AsyncClient(m.procs["router"].address, timeout=60) as client,
@@ -232,9 +241,8 @@ async def test_a_decode_that_never_connected_frees_the_source_at_once(
                 pf = await pre_grpc.PrefillServiceStub(ch).GetPrefillStats(
                     pre.GetPrefillStatsRequest(), timeout=5
                 )
-            assert (
-                pf.engine.prompt_tokens_computed > 0
-            )  # the prefill ran: the router got as far as the decode
+            # The prefill ran: the router got as far as the decode.
+            assert pf.engine.prompt_tokens_computed > 0, (err.value, m.procs["prefill-0"].log()[-3000:])
             stats: dict[str, int] = {}
             for _ in range(300):
                 stats = await mesh_stats(m)

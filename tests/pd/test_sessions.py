@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from xavier.v1 import prefill_service_pb2_grpc as pre_grpc
 from xavier.v1 import types_pb2
 from xavier_client import AsyncClient
 
-from tests.pd.conftest import FAST_ENV, Mesh, mesh_stats, wait_drained
+from tests.pd.conftest import FAST_ENV, Mesh, mesh_stats, rpc_count, wait_drained
 from tests.support.pd_driver import decode_request, new_room_id, peer, prefill_request
 from tests.support.procs import ServiceProc, start_service
 from xavier_core.runtime import from_rpc_error
@@ -55,17 +54,6 @@ def _router(m: Mesh, tmp: Path, name: str = "router", env: dict[str, str] | None
     """A router on `m`'s directory (not in `m.procs`: `mesh_stats` reads peers only)."""
     args = ["--model", str(m.model), "--directory", m.directory, "--listen", "127.0.0.1:0", "--http", ""]
     return start_service("xavier-router", args, tmp, name=name, env=env or m.env)
-
-
-def _rpc_count(proc: ServiceProc, method: str) -> float:
-    """`xavier_rpc_total` of `method` on `proc`, every code together."""
-    with urllib.request.urlopen(f"http://{proc.metrics}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("xavier_rpc_total{") and f'method="{method}"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 @contextlib.contextmanager
@@ -193,7 +181,7 @@ async def _until_holding(m: Mesh) -> None:
 
 async def test_a_cancel_reaches_the_decode_and_its_cleanup_runs(long_mesh: Mesh) -> None:
     p, d = await _peers(long_mesh)
-    cancelled_before = _rpc_count(long_mesh.procs["decode-0"], "Decode")
+    cancelled_before = rpc_count(long_mesh.procs["decode-0"], "Decode")
     async with grpc.aio.insecure_channel(d.address) as dch:
         ds = _decode_session(dch)
         call, _room = await _waiting_decode(ds, p, None)
@@ -209,7 +197,7 @@ async def test_a_cancel_reaches_the_decode_and_its_cleanup_runs(long_mesh: Mesh)
             tokens = await _pair_request(_prefill_session(pch), ds, p_, d_, [5, 6, 7])
         assert len(tokens) == _SAMPLING.max_tokens and ds.opened == 1
         await ds.close()
-    assert _rpc_count(long_mesh.procs["decode-0"], "Decode") >= cancelled_before + 2
+    assert rpc_count(long_mesh.procs["decode-0"], "Decode") >= cancelled_before + 2
 
 
 async def test_a_session_that_ends_cancels_its_open_calls_on_the_peer(long_mesh: Mesh) -> None:
@@ -367,7 +355,7 @@ async def test_a_killed_decode_fails_its_open_calls_unavailable_and_the_request_
             for _ in range(3):
                 assert await _generate(client, "after the decode died") == 4
         router.stop()  # the sessions it held end now and are counted
-        assert _rpc_count(m.procs["prefill-0"], "PrefillSession") >= 1
+        assert rpc_count(m.procs["prefill-0"], "PrefillSession") >= 1
 
 
 async def test_a_peer_without_sessions_is_called_per_rpc(tiny_model: Path, tmp_path: Path) -> None:
@@ -380,6 +368,6 @@ async def test_a_peer_without_sessions_is_called_per_rpc(tiny_model: Path, tmp_p
                 assert await _generate(client, "per call") == 4
         router.stop()  # a session it held would end now and be counted
         for name, session in (("prefill-0", "PrefillSession"), ("decode-0", "DecodeSession")):
-            assert _rpc_count(m.procs[name], session) == 0, name
-        assert _rpc_count(m.procs["prefill-0"], "Prefill") == 3
-        assert _rpc_count(m.procs["decode-0"], "Decode") == 3
+            assert rpc_count(m.procs[name], session) == 0, name
+        assert rpc_count(m.procs["prefill-0"], "Prefill") == 3
+        assert rpc_count(m.procs["decode-0"], "Decode") == 3
