@@ -104,14 +104,7 @@ async def _peer(port_out: Any, delay: float) -> None:
         finally:
             reader.cancel()
 
-    server = grpc.aio.server()
-    handler = grpc.stream_stream_rpc_method_handler(session)
-    methods = {"Session": handler}
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("floor.Peer", methods)])
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    print(port, file=port_out, flush=True)
-    await server.wait_for_termination()
+    await _serve("floor.Peer", "Session", grpc.stream_stream_rpc_method_handler(session), port_out)
 
 
 class _Session:
@@ -153,10 +146,13 @@ async def _router(prefill: str, decode: str, port_out: Any) -> None:
         yield first
         yield await sessions["d"].unary(request + first)
 
+    await _serve("floor.Router", "Generate", grpc.unary_stream_rpc_method_handler(generate), port_out)
+
+
+async def _serve(service: str, method: str, handler: grpc.RpcMethodHandler, port_out: Any) -> None:
+    """Serves `service`'s one `method` on a free loopback port, which it prints to `port_out`."""
     server = grpc.aio.server()
-    handler = grpc.unary_stream_rpc_method_handler(generate)
-    methods = {"Generate": handler}
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("floor.Router", methods)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {method: handler})])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, file=port_out, flush=True)
