@@ -54,14 +54,16 @@ def mig(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 async def test_kill_a_decode_under_16_streams_loses_no_token(mig: MigrationMesh) -> None:
     rng = random.Random(22)
-    victim, at = rng.choice(DECODES), rng.randrange(16 * 4, 16 * 40)
+    first, at = rng.choice(DECODES), rng.randrange(16 * 4, 16 * 40)
+    killed: list[str] = []
     try:
-        await _kill_under_16_streams(mig, victim, at)
+        await _kill_under_16_streams(mig, [first, *(d for d in DECODES if d != first)], at, killed)
     finally:  # the tests after this one need both decodes, whatever happened here
-        mig.restart(victim)
+        for victim in killed:
+            mig.restart(victim)
 
 
-async def _kill_under_16_streams(mig: MigrationMesh, victim: str, at: int) -> None:
+async def _kill_under_16_streams(mig: MigrationMesh, prefer: list[str], at: int, killed: list[str]) -> None:
     n, max_tokens = 16, 400
     prompts = [prompt_ids(100 + i) for i in range(n)]
     # The kill waits until every stream has a decode token at the client (from there on a broken stream
@@ -83,6 +85,10 @@ async def _kill_under_16_streams(mig: MigrationMesh, victim: str, at: int) -> No
     async def killer() -> None:
         for _ in range(6000):
             if len(decoding) == n and await sent() - base >= at:
+                # The seeded decode if it runs a stream now, else the other: the router may have put
+                # all 16 on one decode, and a kill of an idle one would test nothing.
+                victim = await serving_decode(mig.mesh, prefer=prefer)
+                killed.append(victim)
                 mig.mesh.procs[victim].kill()  # kill -9, reaped
                 return
             await asyncio.sleep(0.01)
