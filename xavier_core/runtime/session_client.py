@@ -258,6 +258,7 @@ class CallSession:
         self._stream: Any = None
         self._tasks: tuple[asyncio.Task[None], ...] = ()
         self.opened = 0  # streams opened so far (a break and the next call open one more)
+        self.closed = False
 
     def unary(
         self, method: str, request: Message, *, request_id: str, timeout: float | None
@@ -274,14 +275,26 @@ class CallSession:
         return call
 
     def _start(self, kind: Any, method: str, request: Message, request_id: str, timeout: float | None) -> Any:
-        if self._stream is None:
-            self._connect()
         call_id = next(self._ids)
+        if self._stream is None:
+            try:
+                if self.closed:
+                    raise grpc.aio.UsageError("closed")
+                self._connect()
+            except grpc.aio.UsageError:
+                # Retired (its peer left) or its channel closed under it: a caller that still held it
+                # gets what a broken session gives, and fails over.
+                self.closed = True
+                closed_call = kind(self, call_id, None)
+                closed_call.fail(
+                    _rpc_error(grpc.StatusCode.UNAVAILABLE, f"the {self.name} session is closed")
+                )
+                return closed_call
+        call = kind(self, call_id, timeout)
         entry = self._call_type(call_id=call_id, request_id=request_id)
         getattr(entry, method).CopyFrom(request)
         if timeout is not None:
             entry.timeout.CopyFrom(to_duration(timeout))  # type: ignore[attr-defined]
-        call = kind(self, call_id, timeout)
         self._calls[call_id] = call
         size = entry.ByteSize()
         if size > self.max_message_bytes - ENVELOPE_BYTES:
@@ -366,7 +379,8 @@ class CallSession:
             call.fail(error)
 
     async def close(self) -> None:
-        """Ends the stream; its open calls fail UNAVAILABLE."""
+        """Ends the stream; its open calls, and any call started from now on, fail UNAVAILABLE."""
+        self.closed = True
         if self._stream is not None:
             self._broke(self._stream, None)
 
