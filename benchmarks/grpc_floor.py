@@ -180,6 +180,7 @@ async def _drive(
 
         for _ in range(200):  # warm up: sessions open, code paths hot
             await one()
+        bare_before = await bare_rpc_cpu(*bare, conc, max(n, 2000))  # and after: as serving.py does
         sem = asyncio.Semaphore(conc)
 
         async def req() -> None:
@@ -192,7 +193,8 @@ async def _drive(
         cpu1, me1 = cpu_seconds(pids), time.process_time()
     cpu = {k: (cpu1[k] - cpu0[k]) * 1e3 / n for k in cpu1}
     cpu["client"] = (me1 - me0) * 1e3 / n
-    bare_cpu = await bare_rpc_cpu(*bare, conc, max(n, 2000))
+    bare_after = await bare_rpc_cpu(*bare, conc, max(n, 2000))
+    bare_cpu = (bare_before + bare_after) / 2
     total = sum(cpu.values())
     return {
         "concurrency": conc,
@@ -202,6 +204,7 @@ async def _drive(
         "cpu_ms_per_request": {k: round(v, 4) for k, v in sorted(cpu.items())},
         "cpu_ms_per_request_total": round(total, 4),
         "cpu_ms_per_bare_rpc": round(bare_cpu, 4),
+        "cpu_ms_per_bare_rpc_before_after": [round(bare_before, 4), round(bare_after, 4)],
         "cpu_per_request_over_bare_rpc": round(total / bare_cpu, 2),
     }
 

@@ -238,6 +238,9 @@ async def overhead(
     async with AsyncClient(address, timeout=60) as client:
         for _ in range(20):
             await one(client, "warm up", "pd", 2)
+        # The bare round trip is measured just before and just after the level, and the two averaged:
+        # the box's speed drifts over minutes, and one measurement apart from the level swung the ratio.
+        bare_before = await bare_rpc_cpu(*bare_server, conc, max(n, 2000))
         sem = asyncio.Semaphore(conc)
         cpu0, me0, t_start = cpu_seconds(pids), time.process_time(), time.perf_counter()
 
@@ -270,7 +273,8 @@ async def overhead(
                 bare.append((time.perf_counter() - t0) * 1e3)
 
         await asyncio.gather(*(rt() for _ in range(n)))
-    bare_cpu = await bare_rpc_cpu(*bare_server, conc, max(n, 2000))
+    bare_after = await bare_rpc_cpu(*bare_server, conc, max(n, 2000))
+    bare_cpu = (bare_before + bare_after) / 2
     cpu_total = sum(cpu.values())
     return {
         "concurrency": conc,
@@ -286,6 +290,7 @@ async def overhead(
         "bare_grpc_ms_p50": pct(bare, 50),
         "bare_grpc_ms_p99": pct(bare, 99),
         "cpu_ms_per_bare_rpc": round(bare_cpu, 4),
+        "cpu_ms_per_bare_rpc_before_after": [round(bare_before, 4), round(bare_after, 4)],
         "requests_per_s": n / wall,
         "cpu_ms_per_request": {k: round(v, 3) for k, v in sorted(cpu.items())},
         "cpu_ms_per_request_total": round(cpu_total, 3),
