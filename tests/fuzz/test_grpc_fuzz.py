@@ -91,5 +91,12 @@ def test_invalid_utf8_and_unknown_mode_are_invalid_argument(channel: grpc.Channe
     assert _generate(channel, good.SerializeToString()) == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_native_mode_on_a_router_without_it_is_a_failed_precondition(channel: grpc.Channel) -> None:
+    TRIED["grpc targeted"] += 1
+    req = rpb.GenerateRequest(text="Hello", mode=rpb.ROUTING_MODE_NATIVE)
+    req.sampling.max_tokens = 1
+    assert _generate(channel, req.SerializeToString()) == grpc.StatusCode.FAILED_PRECONDITION
+
+
 def test_nothing_leaked_after_grpc_fuzz(mesh: Mesh) -> None:
     assert_nothing_leaked(mesh)

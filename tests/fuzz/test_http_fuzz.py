@@ -91,5 +91,19 @@ def test_oversize_body_is_a_json_413(mesh: Mesh) -> None:
     assert status == 413 and json.loads(data)["error"]["code"] == "REQUEST_TOO_LARGE"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_mode_this_router_does_not_serve_is_a_bad_request(mesh: Mesh, stream: bool) -> None:
+    """Native mode on a router with no native servers configured: a 400 naming the field (asking again
+    cannot help), not a 503."""
+    TRIED["http targeted"] += 1
+    body = {"prompt": "Hello", "max_tokens": 1, "xavier_mode": "native", "stream": stream}
+    status, data, content_type = _send(mesh, "POST", "/v1/completions", dump(body))
+    assert status == 400 and content_type.startswith("application/json"), (status, data[:300])
+    err = json.loads(data)["error"]
+    assert (err["code"], err["param"]) == ("INVALID_MODE", "xavier_mode")
+    assert err["type"] == "invalid_request_error"
+    assert "native mode is not configured" in err["message"]
+
+
 def test_nothing_leaked_after_http_fuzz(mesh: Mesh) -> None:
     assert_nothing_leaked(mesh)

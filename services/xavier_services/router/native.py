@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from xavier.v1 import types_pb2
 
-from xavier_core.runtime import Internal, InvalidArgument, Unavailable
+from xavier_core.runtime import FailedPrecondition, Internal, InvalidArgument, Unavailable
 from xavier_services.router.config import NativeConfig
 from xavier_services.router.flows import Step
 from xavier_services.router.pair_call import PairCall, PrefillFailed, concurrently
@@ -61,7 +61,13 @@ async def native_flow(
     order of `pair_call`: a failed prefill never fills the room, and the decode would wait out SGLang's
     bootstrap timeout, so the prefill's error ends the request at once)."""
     if not cfg.enabled:
-        raise Unavailable("native mode is not configured", reason="NO_PEERS", mode="native")
+        # The router's own configuration, not a passing state: asking again cannot help.
+        raise FailedPrecondition(
+            "native mode is not configured on this router (native.prefill_url, native.decode_url)",
+            reason="INVALID_MODE",
+            field="mode",
+            param="xavier_mode",
+        )
     require_features(prep, None, "native SGLang")  # native servers declare no features
     body = native_body(prep, cfg, new_room_id())  # SGLang keys its transfer state by it
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
