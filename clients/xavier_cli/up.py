@@ -338,6 +338,12 @@ def _sglang_problem(args: argparse.Namespace, prefill: int, decode: int, unified
     if args.engine != "sglang":
         if args.mode == "native":
             return "--mode native runs SGLang's own P/D: add --engine sglang"
+        given = [flag for flag, value in _sglang_only(args) if value]
+        if given:  # ignored, they would leave the mesh other than asked (on the CPU, say)
+            return (
+                f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for SGLang replicas: add "
+                "--engine sglang (the reference engine takes its GPUs from --device cuda or cuda:N)"
+            )
         return ""
     if args.mode == "native" and (prefill != 1 or decode != 1 or unified):
         return "--mode native serves one SGLang prefill and one decode (--prefill 1 --decode 1)"
@@ -348,6 +354,18 @@ def _sglang_problem(args: argparse.Namespace, prefill: int, decode: int, unified
     if args.sglang_hicache and args.sglang_hicache_file:
         return "--sglang-hicache and --sglang-hicache-file choose HiCache's L3 twice: pick one"
     return ""
+
+
+def _sglang_only(args: argparse.Namespace) -> list[tuple[str, object]]:
+    """The flags only SGLang replicas read, each with whether it was given."""
+    return [
+        ("--sglang-command", args.sglang_command),
+        ("--sglang-arg", args.sglang_arg),
+        ("--gpus", args.gpus),
+        ("--gpu-assign", args.gpu_assign != "base-gpu-id"),
+        ("--sglang-hicache", args.sglang_hicache),
+        ("--sglang-hicache-file", args.sglang_hicache_file),
+    ]
 
 
 def _policy(args: argparse.Namespace, say: Callable[[str], None]) -> RestartPolicy:

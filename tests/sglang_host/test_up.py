@@ -221,6 +221,17 @@ def test_up_refuses_native_without_sglang(tmp_path: Path) -> None:
     assert "--engine sglang" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [["--gpus", "0,1"], ["--sglang-arg=--tp", "--sglang-arg", "2"], ["--gpu-assign", "visible-devices"]],
+)
+def test_up_refuses_sglang_flags_without_sglang(tmp_path: Path, flags: list[str]) -> None:
+    """Ignored, they would start a mesh other than the one asked for (a CPU mesh for `--gpus 0,1`)."""
+    with pytest.raises(RuntimeError) as info:
+        start_up(tmp_path, tmp_path / "cache", *flags, timeout=60)
+    assert f"{flags[0].split('=')[0]} is for SGLang replicas: add --engine sglang" in str(info.value)
+
+
 def test_up_chooses_hicaches_l3_once(tmp_path: Path, tiny_model: Path) -> None:
     parser = argparse.ArgumentParser()
     add_up_args(parser)
