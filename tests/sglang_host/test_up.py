@@ -228,7 +228,7 @@ def test_up_refuses_native_without_sglang(tmp_path: Path) -> None:
 def test_up_refuses_sglang_flags_without_sglang(tmp_path: Path, flags: list[str]) -> None:
     """Ignored, they would start a mesh other than the one asked for (a CPU mesh for `--gpus 0,1`)."""
     with pytest.raises(RuntimeError) as info:
-        start_up(tmp_path, tmp_path / "cache", *flags, timeout=60)
+        start_up(tmp_path, tmp_path / "cache", *flags, timeout=60).stop()  # started: stopped, then failed
     assert f"{flags[0].split('=')[0]} is for SGLang replicas: add --engine sglang" in str(info.value)
 
 
