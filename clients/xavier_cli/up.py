@@ -146,6 +146,22 @@ def _counts(args: argparse.Namespace) -> tuple[int, int, int]:
     return args.prefill or 0, args.decode or 0, 1 if args.unified is None else args.unified
 
 
+def _count_problem(mode: str, prefill: int, decode: int, unified: int) -> str:
+    """Why these replica counts cannot serve `mode` ("" when they can). Prefills and decodes come
+    together: one without the other would start and never serve a request."""
+    if (
+        prefill + decode + unified == 0
+        or (mode == "pd" and (prefill == 0 or decode == 0))
+        or (mode == "colocated" and unified == 0)
+    ):
+        return "pd mode needs --prefill and --decode >= 1; colocated needs --unified >= 1"
+    if prefill and not decode:
+        return f"--prefill {prefill} needs --decode >= 1: a prefill hands its KV to a decode"
+    if decode and not prefill:
+        return f"--decode {decode} needs --prefill >= 1: a decode takes its KV from a prefill"
+    return ""
+
+
 def run_up(args: argparse.Namespace) -> int:
     """Starts directory → peers (loading models in parallel) → router; stops them all on a signal."""
     stop = _Stop()
@@ -157,11 +173,9 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
 
     prefill, decode, unified = _counts(args)
-    if prefill + decode + unified == 0 or (args.mode == "pd" and (prefill == 0 or decode == 0)):
-        print(
-            "xavier up: pd mode needs --prefill and --decode >= 1; colocated needs --unified >= 1",
-            file=sys.stderr,
-        )
+    problem = _count_problem(args.mode, prefill, decode, unified)
+    if problem:
+        print(f"xavier up: {problem}", file=sys.stderr)
         return 2
     for flag, address in (
         ("--grpc", args.grpc),

@@ -232,6 +232,23 @@ def test_up_refuses_sglang_flags_without_sglang(tmp_path: Path, flags: list[str]
     assert f"{flags[0].split('=')[0]} is for SGLang replicas: add --engine sglang" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--mode", "colocated", "--prefill", "2"], "--prefill 2 needs --decode >= 1"),
+        (["--mode", "colocated", "--decode", "1"], "--decode 1 needs --prefill >= 1"),
+        (["--mode", "pd", "--decode", "0"], "pd mode needs --prefill and --decode >= 1"),
+        (["--mode", "colocated", "--unified", "0", "--prefill", "1", "--decode", "1"], "colocated needs"),
+    ],
+)
+def test_up_refuses_replicas_that_cannot_serve(tmp_path: Path, flags: list[str], says: str) -> None:
+    """A prefill without a decode (or the reverse), or a default mode with no replica of its kind, would
+    start and never serve."""
+    with pytest.raises(RuntimeError) as info:
+        start_up(tmp_path, tmp_path / "cache", *flags, timeout=60).stop()  # started: stopped, then failed
+    assert says in str(info.value)
+
+
 def test_up_chooses_hicaches_l3_once(tmp_path: Path, tiny_model: Path) -> None:
     parser = argparse.ArgumentParser()
     add_up_args(parser)
