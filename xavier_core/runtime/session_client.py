@@ -276,20 +276,17 @@ class CallSession:
 
     def _start(self, kind: Any, method: str, request: Message, request_id: str, timeout: float | None) -> Any:
         call_id = next(self._ids)
-        if self._stream is None:
+        if self._stream is None and not self.closed:
             try:
-                if self.closed:
-                    raise grpc.aio.UsageError("closed")
                 self._connect()
-            except grpc.aio.UsageError:
-                # Retired (its peer left) or its channel closed under it: a caller that still held it
-                # gets what a broken session gives, and fails over.
+            except grpc.aio.UsageError:  # its channel was closed under it
                 self.closed = True
-                closed_call = kind(self, call_id, None)
-                closed_call.fail(
-                    _rpc_error(grpc.StatusCode.UNAVAILABLE, f"the {self.name} session is closed")
-                )
-                return closed_call
+        if self.closed:
+            # Retired (its peer left) or its channel closed: a caller that still held it gets what a
+            # broken session gives, and fails over.
+            closed_call = kind(self, call_id, None)
+            closed_call.fail(_rpc_error(grpc.StatusCode.UNAVAILABLE, f"the {self.name} session is closed"))
+            return closed_call
         call = kind(self, call_id, timeout)
         entry = self._call_type(call_id=call_id, request_id=request_id)
         getattr(entry, method).CopyFrom(request)
