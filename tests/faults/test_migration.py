@@ -53,18 +53,28 @@ def mig(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 async def test_kill_a_decode_under_16_streams_loses_no_token(mig: MigrationMesh) -> None:
-    await both_decodes_selected(mig, "kill")  # the module's first test: the router may know one so far
-    rng = random.Random(22)
-    first, at = rng.choice(DECODES), rng.randrange(16 * 4, 16 * 40)
-    killed: list[str] = []
-    try:
-        await _kill_under_16_streams(mig, [first, *(d for d in DECODES if d != first)], at, killed)
-    finally:  # the tests after this one need both decodes, whatever happened here
-        for victim in killed:
-            mig.restart(victim)
+    # A round whose kill lands after the killed decode sent its streams' last tokens (the router and the
+    # client may read far behind a decode on a loaded machine) moves nothing: it still checks every
+    # answer, and the next round kills again. One of three rounds must move a stream.
+    for rnd in range(3):
+        await both_decodes_selected(mig, f"kill-{rnd}")  # the router may know one decode so far
+        rng = random.Random(22 + rnd)
+        first, at = rng.choice(DECODES), rng.randrange(16 * 4, 16 * 40)
+        killed: list[str] = []
+        try:
+            prefer = [first, *(d for d in DECODES if d != first)]
+            if await _kill_under_16_streams(mig, f"kill-{rnd}", prefer, at, killed):
+                return
+        finally:  # the tests after this one need both decodes, whatever happened here
+            for victim in killed:
+                mig.restart(victim)
+    raise AssertionError("in 3 rounds no stream was on the killed decode when it died")
 
 
-async def _kill_under_16_streams(mig: MigrationMesh, prefer: list[str], at: int, killed: list[str]) -> None:
+async def _kill_under_16_streams(
+    mig: MigrationMesh, tag: str, prefer: list[str], at: int, killed: list[str]
+) -> int:
+    """One round: 16 streams, a decode killed mid-way, every answer checked; the number of streams moved."""
     n, max_tokens = 16, 400
     prompts = [prompt_ids(100 + i) for i in range(n)]
     # The kill waits until every stream has a decode token at the client (from there on a broken stream
@@ -97,7 +107,7 @@ async def _kill_under_16_streams(mig: MigrationMesh, prefer: list[str], at: int,
 
     kill = asyncio.ensure_future(killer())
     outs = await asyncio.gather(
-        *(stream(mig.router.grpc, request(f"kill-{i}", p, max_tokens), seen) for i, p in enumerate(prompts))
+        *(stream(mig.router.grpc, request(f"{tag}-{i}", p, max_tokens), seen) for i, p in enumerate(prompts))
     )
     await kill
     moved = migrations(mig.router)
@@ -115,7 +125,9 @@ async def _kill_under_16_streams(mig: MigrationMesh, prefer: list[str], at: int,
         assert seams or out.tokens == whole, i  # an unmoved stream (a failover at most) is the plain run
         whole_equal += out.tokens == whole
     n_moved = sum(1 for o in outs if o.request_id in moved)
-    assert n_moved >= 1, "no stream was on the killed decode"
+    if not n_moved:
+        await idle(mig)
+        return 0
     every = [m for ms in moved.values() for m in ms]
     assert all(m.cause == "unavailable" and m.cached is not None and m.seam_s is not None for m in every)
     seams_ms = sorted(round(1000 * (m.seam_s or 0), 1) for m in every)
@@ -126,6 +138,7 @@ async def _kill_under_16_streams(mig: MigrationMesh, prefer: list[str], at: int,
     page = await metrics_page(mig.router.proc.metrics)
     assert metric_values(page, 'xavier_router_migrations_total{cause="unavailable"}'), page
     await idle(mig)
+    return n_moved
 
 
 async def test_seeded_stream_continues_at_the_advanced_seed(mig: MigrationMesh) -> None:
