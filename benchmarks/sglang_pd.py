@@ -12,11 +12,12 @@ are up at once and every level runs on each mode back to back, the order alterna
 
 The workload is the one of `../shared/reference/sglang-gpu/one-gpu/workload.py`: prompts of 24-1,300 token
 ids, 64 tokens out, `ignore_eos`, greedy; `repeat` reuses 8 prompts, `unique` makes every prompt new.
-Per level: output tok/s, TTFT and TPOT p50/p99, errors, the CPU seconds each process spent per request
-(from /proc), and, for the xavier backend, a breakdown of the handoff from the plugin's per-room trace
-(`XAVIER_SGLANG_TRACE`). With `--py-spy S`, the c32 `repeat` level of each mode is sampled by py-spy
-(if installed) and the busiest Python frames of each process are reported. Greedy outputs of the first
-prompts are kept per mode, and `outputs_equal` says whether every mode produced the same tokens
+Each mode first serves `--warm-up` unmeasured prompts (kernels compiled on first use are paid there, not by
+whichever mode runs the first level). Per level: output tok/s, TTFT and TPOT p50/p99, errors, the CPU seconds
+each process spent per request (from /proc), and, for the xavier backend, a breakdown of the handoff from the
+plugin's per-room trace (`XAVIER_SGLANG_TRACE`). With `--py-spy S`, the c32 `repeat` level of each mode is
+sampled by py-spy (if installed) and the busiest Python frames of each process are reported. Greedy outputs of
+the first prompts are kept per mode, and `outputs_equal` says whether every mode produced the same tokens
 (`outputs_compared`: which modes, and at how many levels, went into each comparison).
 
     python benchmarks/sglang_pd.py --gpus 0,0 --out docs/results/sglang-pd-h200
@@ -69,6 +70,9 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 def prompt(kind: str, i: int) -> list[int]:
+    """The i-th prompt of a kind (`warm-up`: unique prompts no level sends)."""
+    if kind == "warm-up":
+        return prompt("unique", 1_000_000 + i)
     if kind == "repeat":
         rng = random.Random(0)
         distinct = [[rng.randrange(1000, 100000) for _ in range(n)] for n in LENS]
@@ -516,6 +520,10 @@ def start_mode(name: str, args: argparse.Namespace, work: Path, env: dict[str, s
     t0 = time.monotonic()
     mode = (start_up if name in UP_MODES else start_direct)(name, args, work, env)
     started = round(time.monotonic() - t0, 1)
+    if args.warm_up:  # kernels compiled on first use (Triton) are paid here, not by a mode's first level
+        warm = asyncio.run(workload(mode, "warm-up", 64, args.warm_up, args.max_tokens))
+        print(json.dumps({"mode": name, "warm_up": {k: warm[k] for k in ("ok", "errors", "wall_s")}}),
+              file=sys.stderr, flush=True)  # fmt: skip
     print(json.dumps({"mode": name, "started_s": started}), file=sys.stderr, flush=True)
     return mode, started
 
@@ -673,6 +681,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1, help="rounds; each reverses the previous order")
+    p.add_argument("--warm-up", type=int, default=128, metavar="N", help="unmeasured prompts at c64 first")
     p.add_argument(
         "--interleave",
         action="store_true",
