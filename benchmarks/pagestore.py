@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -294,6 +295,7 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
         await client.close()
     return {
         "benchmark": "pagestore",
+        "ucx_tls": os.environ.get("UCX_TLS", "default"),  # the transports NIXL's UCX backend may use
         "segments": len(bufs),
         "segment_bytes": seg,
         "page_bytes": page_bytes,
