@@ -4,17 +4,20 @@ only once every posted piece has ended, with the pool pages or staging slots kep
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from types import SimpleNamespace
+from typing import Any, cast
 
+import numpy as np
 import pytest
 
 from tests.pagestore.support import PAGE_BYTES, buffers, chain, make_pool, ns_stats, page_digest, scribble
 from tests.support.procs import ServiceProc
-from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
-from xavier_core.pagestore.connection import TransferStuck
+from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient, reading
+from xavier_core.pagestore.connection import StoreConnection, StorePeer, TransferStuck
 from xavier_core.pagestore.layout import Span
-from xavier_core.pagestore.metrics import client_metrics
-from xavier_core.pagestore.reading import cut_spans, piece_bounds
+from xavier_core.pagestore.metrics import StepClock, client_metrics
+from xavier_core.pagestore.reading import cut_spans, piece_bounds, read_in_pieces
 from xavier_core.transfer.common.errors import PeerError
 
 PIECE = 2 * PAGE_BYTES
@@ -30,6 +33,42 @@ def test_pieces_cover_the_pages_in_order_and_spans_are_cut_at_their_bounds() -> 
     assert cut_spans(spans, 2, 5) == [Span(1000, 8, 7, 1), Span(2000, 8, 0, 2)]
     assert cut_spans(spans, 3, 4) == [Span(2000, 8, 0, 1)]
     assert cut_spans(spans, 5, 5) == []
+
+
+class _Wire:
+    """A connection whose READs take 1 s each and a clock that moves only when something takes time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def post(self, op: str, store: object, rows: object) -> Any:
+        return SimpleNamespace(state="DONE", in_flight=False)
+
+    def settle(self, op: str, xfer: object, rows: object, pages: int) -> None:
+        self.now += 1.0
+
+
+def test_the_read_step_is_the_wires_time_and_leaves_the_checks_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    wire = _Wire()
+    monkeypatch.setattr(reading, "time", wire)
+
+    def verify(lo: int, hi: int, clock: StepClock) -> list[int]:
+        if threading.current_thread() is threading.main_thread():  # the verify threads run beside it
+            wire.now += 10.0  # a check takes 10 s
+        clock.add("verify", 10.0)
+        return []
+
+    for pieces, read_s in ((1, 1.0), (3, 3.0)):
+        clock = StepClock()
+        rows = np.zeros((1, 3), dtype=np.uint64)
+        conn, store = cast(StoreConnection, wire), cast(StorePeer, None)
+        bad = read_in_pieces(conn, store, [(k, k + 1, rows) for k in range(pieces)], verify, clock)
+        # The last piece's check runs on this thread after the last byte landed: "verify" only, not "read".
+        assert bad == [] and clock.seconds == {"read": read_s, "verify": 10.0 * pieces}, pieces
+        wire.now = 0.0
 
 
 def _reader(store: ServiceProc, staged: bool, pool: list[Any]) -> PageStoreClient:
