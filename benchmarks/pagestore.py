@@ -295,7 +295,6 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
         await client.close()
     return {
         "benchmark": "pagestore",
-        "ucx_tls": os.environ.get("UCX_TLS", "default"),  # the transports NIXL's UCX backend may use
         "segments": len(bufs),
         "segment_bytes": seg,
         "page_bytes": page_bytes,
@@ -516,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ttft_reps > 0:
             report["ttft"] = run_ttft(args, Path(work) / "ttft")
             print(json.dumps(report["ttft"]), file=sys.stderr)
+    report["ucx_tls"] = os.environ.get("UCX_TLS", "default")  # the transports NIXL's UCX backend may use
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "pagestore" + (f"-{args.tag}" if args.tag else "")
