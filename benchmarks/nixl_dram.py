@@ -14,6 +14,8 @@ one host it can copy with CMA (`process_vm_readv`/`writev`) or go over TCP.
 
     python benchmarks/nixl_dram.py --out docs/results/nixl-dram-cpu
     UCX_TLS=tcp,self python benchmarks/nixl_dram.py --out docs/results/nixl-dram-cpu-tcp
+    UCX_TLS=^cma UCX_TCP_TX_SEG_SIZE=262144 UCX_TCP_RX_SEG_SIZE=262144 python benchmarks/nixl_dram.py \
+        --out docs/results/nixl-dram-cpu-nocma-256k
 
 Prints JSON; writes <out>.json and <out>.png.
 """
@@ -141,8 +143,9 @@ def main() -> int:
         for seg in sorted({r["segment_bytes"] for r in rows})
     }
     ucx_tls = os.environ.get("UCX_TLS", "default")
-    summary = {"benchmark": "nixl_dram", "ucx_tls": ucx_tls, "bytes": args.bytes, "reps": args.reps,
-               "rows": rows, "medians_gbps": medians}  # fmt: skip
+    segments = os.environ.get("UCX_TCP_TX_SEG_SIZE", "default")  # UCX's TCP segment size (default 8 KiB)
+    summary = {"benchmark": "nixl_dram", "ucx_tls": ucx_tls, "ucx_tcp_seg_size": segments,
+               "bytes": args.bytes, "reps": args.reps, "rows": rows, "medians_gbps": medians}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(rows, args.out.with_suffix(".png"), f"NIXL DRAM to DRAM, two processes (UCX_TLS {ucx_tls})")

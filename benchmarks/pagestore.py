@@ -44,6 +44,7 @@ from xavier_core.pagestore import PageNamespace, PageStoreClient
 from xavier_core.pagestore import client as client_module
 from xavier_core.pagestore.layout import local_page_checksums
 from xavier_core.pagestore.metrics import FETCH_STEPS, client_metrics
+from xavier_core.pagestore.nixl import TCP_SEGMENT_BYTES
 from xavier_core.pagestore.reading import PIECE_BYTES
 from xavier_core.transfer.common.buffers import KvBuffer
 
@@ -516,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
             report["ttft"] = run_ttft(args, Path(work) / "ttft")
             print(json.dumps(report["ttft"]), file=sys.stderr)
     report["ucx_tls"] = os.environ.get("UCX_TLS", "default")  # the transports NIXL's UCX backend may use
+    # UCX's TCP segment size of the store's and the clients' agents (the environment wins over the default).
+    report["ucx_tcp_seg_size"] = os.environ.get("UCX_TCP_TX_SEG_SIZE", str(TCP_SEGMENT_BYTES))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "pagestore" + (f"-{args.tag}" if args.tag else "")

@@ -22,7 +22,14 @@ from xavier.v1 import page_store_service_pb2 as pb
 from xavier.v1 import page_store_service_pb2_grpc as pb_grpc
 
 from xavier_core.pagestore.metrics import client_metrics
-from xavier_core.pagestore.nixl import Op, PageAgent, wait
+from xavier_core.pagestore.nixl import (
+    CLIENT_UCX_ENV,
+    TCP_SEGMENT_BYTES,
+    UCX_DEFAULT_SEGMENT_BYTES,
+    Op,
+    PageAgent,
+    wait,
+)
 from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.errors import from_rpc_error
 from xavier_core.transfer.common.buffers import KvBuffer
@@ -72,7 +79,7 @@ class StoreConnection:
         transfer_timeout_s: float,
     ) -> None:
         self.address = address
-        self.agent = PageAgent(name, buffers)
+        self.agent = PageAgent(name, buffers, CLIENT_UCX_ENV)
         self._rpc_timeout_s = rpc_timeout_s
         self._transfer_timeout_s = transfer_timeout_s
         self._metrics = client_metrics()
@@ -133,9 +140,18 @@ class StoreConnection:
                 return self._store
             if self._store is not None:
                 self.forget_store(self._store)
-            resp = await self._call(self._stub.GetStoreEndpoint, pb.GetStoreEndpointRequest())
+            resp = await self._call(
+                self._stub.GetStoreEndpoint,
+                pb.GetStoreEndpointRequest(tcp_receive_segment_bytes=TCP_SEGMENT_BYTES),
+            )
             if resp.store_instance != instance:
                 raise _StoreChanged(f"store restarted ({instance} -> {resp.store_instance})")
+            if (sends := resp.tcp_segment_bytes or UCX_DEFAULT_SEGMENT_BYTES) > TCP_SEGMENT_BYTES:
+                # A READ of segments larger than this agent receives would abort this process.
+                raise PeerError(
+                    f"the page store sends UCX TCP segments of {sends} bytes, this client takes "
+                    f"{TCP_SEGMENT_BYTES}"
+                )
             name = await asyncio.to_thread(self.agent.add_remote, resp.endpoint.agent_metadata)
             self._store = StorePeer(instance, name, int(resp.max_keys_per_call) or _KEYS_PER_CALL)
             log.info("page store endpoint loaded: instance %s agent %s", instance, name)

@@ -5,13 +5,23 @@ differently from a replica's pool (segment-major chunks, see `layout`), so the p
 rows (arena address, local address, nbytes) in either direction through `RawAgent.read(..., op=...)`.
 Both sides run without NIXL's progress thread: the store polls while any lease is live, the client polls
 its transfer.
+
+UCX's TCP segments are 256 KiB (`TCP_SEGMENT_BYTES`) where UCX's default is 8 KiB: the store's agent
+sends and receives them (`STORE_UCX_ENV`), a client's receives them and sends 8 KiB ones
+(`CLIENT_UCX_ENV`). Where UCX cannot copy between the two processes with CMA (`process_vm_readv`, which a
+container's seccomp profile may forbid), a READ goes over TCP as a request per segment answered by the
+store's worker, and 8 KiB segments left a store READ at half a WRITE's rate
+(`docs/results/pagestore-cpu-tcp-segments.json`). A receiver must take the largest segment its peer
+sends (a larger one aborts its process inside UCX), so a client declares what it receives when it asks
+for the store's endpoint and the store turns away one that cannot take its segments (a client of
+xavier.v1.0 declares nothing: 8 KiB); a client's own 8 KiB segments suit any store.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -25,12 +35,26 @@ from xavier_core.transfer.nixl.xfer import Transfer
 
 Op = Literal["READ", "WRITE"]
 
+TCP_SEGMENT_BYTES = 256 << 10
+"""The UCX TCP segment size the store sends in and clients receive (see the module docstring)."""
+UCX_DEFAULT_SEGMENT_BYTES = 8 << 10
+"""UCX's own TCP segment size: what a client of xavier.v1.0 receives and what every client sends."""
+STORE_UCX_ENV = {"UCX_TCP_TX_SEG_SIZE": str(TCP_SEGMENT_BYTES), "UCX_TCP_RX_SEG_SIZE": str(TCP_SEGMENT_BYTES)}
+CLIENT_UCX_ENV = {"UCX_TCP_RX_SEG_SIZE": str(TCP_SEGMENT_BYTES)}
+
 
 class PageAgent(RawAgent):
     """A `RawAgent` that also posts WRITEs; every call is serialised by `lock`."""
 
-    def __init__(self, name: str, buffers: Sequence[KvBuffer], *, backend: str = "UCX") -> None:
-        super().__init__(name, False, backend)
+    def __init__(
+        self,
+        name: str,
+        buffers: Sequence[KvBuffer],
+        ucx_env: Mapping[str, str],
+        *,
+        backend: str = "UCX",
+    ) -> None:
+        super().__init__(name, False, backend, ucx_env=ucx_env)
         self.lock = threading.RLock()
         self.mem: MemType = check_buffers(buffers, "local")
         self.buffers = tuple(buffers)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from xavier_core.pagestore.layout import PageGeometry, buffer_view, page_checksum
-from xavier_core.pagestore.nixl import PageAgent
+from xavier_core.pagestore.nixl import STORE_UCX_ENV, TCP_SEGMENT_BYTES, PageAgent
 from xavier_core.transfer.common.buffers import KvBuffer
 
 
@@ -41,8 +41,11 @@ class Arena:
         self._view = buffer_view(self.base, self.capacity_bytes)
         self.instance = uuid.uuid4().hex
         self.agent = PageAgent(
-            f"pagestore-{self.instance[:12]}", [KvBuffer(self.base, self.capacity_bytes, chunk_bytes, "cpu")]
+            f"pagestore-{self.instance[:12]}",
+            [KvBuffer(self.base, self.capacity_bytes, chunk_bytes, "cpu")],
+            STORE_UCX_ENV,
         )
+        self.tcp_segment_bytes = TCP_SEGMENT_BYTES  # what the agent sends over UCX's TCP transport
         self.chunks = [Chunk(i, self.base + i * chunk_bytes) for i in range(count)]
         self.free_chunks = list(reversed(self.chunks))  # pop() hands out low addresses first
         self._interval = progress_interval_s

@@ -20,7 +20,8 @@ from xavier.v1 import page_store_service_pb2_grpc as pb_grpc
 from xavier.v1 import types_pb2
 
 from xavier_core.pagestore.layout import map_pages
-from xavier_core.runtime.errors import InvalidArgument, LeaseExpired, Unavailable
+from xavier_core.pagestore.nixl import UCX_DEFAULT_SEGMENT_BYTES
+from xavier_core.runtime.errors import FailedPrecondition, InvalidArgument, LeaseExpired, Unavailable
 from xavier_services.pagestore import validate
 from xavier_services.pagestore.arena import Arena
 from xavier_services.pagestore.config import PageStoreSettings
@@ -102,6 +103,15 @@ class PageStoreServicer(pb_grpc.PageStoreServiceServicer):  # type: ignore[misc]
         self, request: pb.GetStoreEndpointRequest, context: Ctx
     ) -> pb.GetStoreEndpointResponse:
         self._check_running()
+        takes = request.tcp_receive_segment_bytes or UCX_DEFAULT_SEGMENT_BYTES
+        if takes < self.arena.tcp_segment_bytes:
+            raise FailedPrecondition(
+                f"this client's NIXL agent receives UCX TCP segments of {takes} bytes and the store sends "
+                f"{self.arena.tcp_segment_bytes}: a READ would abort the client; upgrade it",
+                reason="TCP_SEGMENT_TOO_SMALL",
+                client_segment_bytes=takes,
+                store_segment_bytes=self.arena.tcp_segment_bytes,
+            )
         region = types_pb2.MemoryRegion(
             base_address=self.arena.base, length=self.arena.capacity_bytes, device="cpu", bytes_per_page=0
         )
@@ -116,6 +126,7 @@ class PageStoreServicer(pb_grpc.PageStoreServiceServicer):  # type: ignore[misc]
             store_instance=self.arena.instance,
             chunk_bytes=self.arena.chunk_bytes,
             max_keys_per_call=self.settings.max_keys_per_call,
+            tcp_segment_bytes=self.arena.tcp_segment_bytes,
         )
 
     async def ExistsPages(self, request: pb.ExistsPagesRequest, context: Ctx) -> pb.ExistsPagesResponse:

@@ -6,7 +6,11 @@ this file touches NIXL objects, so everything above it is checked by mypy.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -33,13 +37,40 @@ def _load_api() -> Any:
     raise NixlUnavailableError("NIXL is not installed (tried " + "; ".join(errors) + ")")
 
 
-class RawAgent:
-    """A NIXL agent with typed methods; it adds no locking and no policy."""
+_ENV_LOCK = threading.Lock()
+"""Held while an agent is created: its backend reads the process environment then, and `ucx_env` changes
+it for that one creation."""
 
-    def __init__(self, name: str, progress_thread: bool, backend: str) -> None:
+
+@contextlib.contextmanager
+def _environment(overrides: Mapping[str, str]) -> Iterator[None]:
+    """`os.environ` with `overrides` until the block ends, then as it was."""
+    with _ENV_LOCK:
+        before = {k: os.environ.get(k) for k in overrides}
+        os.environ.update(overrides)
+        try:
+            yield
+        finally:
+            for key, value in before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+class RawAgent:
+    """A NIXL agent with typed methods; it adds no locking and no policy.
+
+    `ucx_env`: UCX settings (`UCX_*` variables) of this agent's backend alone, over the process
+    environment (whose other `UCX_*` variables, such as `UCX_TLS`, still apply)."""
+
+    def __init__(
+        self, name: str, progress_thread: bool, backend: str, ucx_env: Mapping[str, str] | None = None
+    ) -> None:
         api = _load_api()
         config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend])
-        self._agent: Any = api.nixl_agent(name, config)
+        with _environment(ucx_env or {}):
+            self._agent: Any = api.nixl_agent(name, config)
         if backend not in self._agent.backends:
             raise RuntimeError(f"NIXL backend {backend!r} could not be created for agent {name!r}")
         self.name = name

@@ -245,6 +245,12 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The lease's commit is in progress, so it cannot be committed or released again yet; status
     FAILED_PRECONDITION, metadata "lease_id". Safe to retry after the commit answers.
     """
+    ERROR_REASON_TCP_SEGMENT_TOO_SMALL: _ErrorReason.ValueType  # 97
+    """GetStoreEndpoint: the client's NIXL agent receives smaller UCX TCP segments than the store sends (a
+    client of xavier.v1.0 declares none: 8 KiB), and a READ of the store's segments would abort the
+    client's process; status FAILED_PRECONDITION, metadata "client_segment_bytes" and
+    "store_segment_bytes". Such a client serves its prompts without the store until it is upgraded.
+    """
     ERROR_REASON_REQUEST_TOO_LARGE: _ErrorReason.ValueType  # 67
     """Hostile input and admission.
 
@@ -572,6 +578,12 @@ metadata "lease_id".
 ERROR_REASON_LEASE_BUSY: ErrorReason.ValueType  # 66
 """The lease's commit is in progress, so it cannot be committed or released again yet; status
 FAILED_PRECONDITION, metadata "lease_id". Safe to retry after the commit answers.
+"""
+ERROR_REASON_TCP_SEGMENT_TOO_SMALL: ErrorReason.ValueType  # 97
+"""GetStoreEndpoint: the client's NIXL agent receives smaller UCX TCP segments than the store sends (a
+client of xavier.v1.0 declares none: 8 KiB), and a READ of the store's segments would abort the
+client's process; status FAILED_PRECONDITION, metadata "client_segment_bytes" and
+"store_segment_bytes". Such a client serves its prompts without the store until it is upgraded.
 """
 ERROR_REASON_REQUEST_TOO_LARGE: ErrorReason.ValueType  # 67
 """Hostile input and admission.

@@ -90,12 +90,20 @@ class GetStoreEndpointRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    TCP_RECEIVE_SEGMENT_BYTES_FIELD_NUMBER: _builtins.int
+    tcp_receive_segment_bytes: _builtins.int
+    """The largest UCX TCP segment, in bytes, the client's NIXL agent receives (UCX_TCP_RX_SEG_SIZE); 0, as a
+    client of xavier.v1.0 sends it, means UCX's default of 8 KiB. A store that sends larger segments
+    answers FAILED_PRECONDITION TCP_SEGMENT_TOO_SMALL: a READ of them would abort the client's process.
+    """
     def __init__(
         self,
+        *,
+        tcp_receive_segment_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tcp_receive_segment_bytes", b"tcp_receive_segment_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -111,12 +119,17 @@ class GetStoreEndpointResponse(_message.Message):
     STORE_INSTANCE_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     MAX_KEYS_PER_CALL_FIELD_NUMBER: _builtins.int
+    TCP_SEGMENT_BYTES_FIELD_NUMBER: _builtins.int
     store_instance: _builtins.str
     """Identifies this store process; it changes when the store restarts (then the arena is empty)."""
     chunk_bytes: _builtins.int
     """Bytes of one arena chunk; a page (the sum of its segment sizes) may not exceed it."""
     max_keys_per_call: _builtins.int
     """Most keys one call accepts."""
+    tcp_segment_bytes: _builtins.int
+    """The UCX TCP segment size, in bytes, the store's agent sends and receives; 0 (a store of xavier.v1.0):
+    UCX's default of 8 KiB. A client sends segments no larger than this.
+    """
     @_builtins.property
     def endpoint(self) -> _types_pb2.TransferEndpoint:
         """NIXL agent metadata and the arena region (one region, device "cpu", bytes_per_page 0)."""
@@ -128,10 +141,11 @@ class GetStoreEndpointResponse(_message.Message):
         store_instance: _builtins.str = ...,
         chunk_bytes: _builtins.int = ...,
         max_keys_per_call: _builtins.int = ...,
+        tcp_segment_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "endpoint", b"endpoint", "max_keys_per_call", b"max_keys_per_call", "store_instance", b"store_instance"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "endpoint", b"endpoint", "max_keys_per_call", b"max_keys_per_call", "store_instance", b"store_instance", "tcp_segment_bytes", b"tcp_segment_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
