@@ -10,7 +10,7 @@ UCX's TCP segments are 256 KiB (`TCP_SEGMENT_BYTES`) where UCX's default is 8 Ki
 sends and receives them (`STORE_UCX_ENV`), a client's receives them and sends 8 KiB ones
 (`CLIENT_UCX_ENV`). Where UCX cannot copy between the two processes with CMA (`process_vm_readv`, which a
 container's seccomp profile may forbid), a READ goes over TCP as a request per segment answered by the
-store's worker, and 8 KiB segments left a store READ at half a WRITE's rate
+store's worker, and 8 KiB segments left a store READ at under half a WRITE's rate
 (`docs/results/pagestore-cpu-tcp-segments.json`). A receiver must take the largest segment its peer
 sends (a larger one aborts its process inside UCX), so a client declares what it receives when it asks
 for the store's endpoint and the store turns away one that cannot take its segments (a client of
