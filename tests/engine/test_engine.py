@@ -18,6 +18,8 @@ from xavier_core.engine.api import (
     TokenEvent,
 )
 from xavier_core.engine.reference import ReferenceEngine
+from xavier_core.engine.timing import PHASES
+from xavier_core.runtime.metrics import get_registry
 from xavier_core.sampling import MAX_TOKENS, SamplingError, advance_seed, step_seed
 
 from .conftest import ARCHS, collect, greedy_tokens, prompt_of
@@ -272,3 +274,29 @@ async def test_chat_template_and_detokenization(engine_factory: Factory) -> None
     ids = tok.encode(text)
     assert tok.decode(ids, skip_special_tokens=False) == text
     assert tok.eos_token_id in engine.eos_token_ids
+
+
+def _first_token_readings() -> tuple[float, dict[str, float]]:
+    """The process's `xavier_engine_first_tokens` and `..._first_token_seconds{phase}` so far."""
+    reg = get_registry()
+    count = reg.get_sample_value("xavier_engine_first_tokens_total") or 0.0
+    return count, {
+        ph: reg.get_sample_value("xavier_engine_first_token_seconds_total", {"phase": ph}) or 0.0
+        for ph in PHASES
+    }
+
+
+async def test_first_token_phases_add_up_per_streamed_request(engine_factory: Factory) -> None:
+    engine = engine_factory("llama")
+    n0, s0 = _first_token_readings()
+    await greedy_tokens(engine, prompt_of(engine, 100), 4, rid="timed")
+    n1, s1 = _first_token_readings()
+    spent = {ph: s1[ph] - s0[ph] for ph in PHASES}
+    assert n1 - n0 == 1  # one request streamed its first token
+    assert all(v >= 0 for v in spent.values()) and spent["compute"] > 0
+    parts = spent["prefix"] + spent["queue"] + spent["compute"] + spent["handback"]
+    assert parts == pytest.approx(spent["total"], rel=1e-6, abs=1e-9)
+    # A prefill's first token is its answer, not a stream's: it counts nothing.
+    await engine.prefill("p", prompt_of(engine, 40, seed=3), Sampling(max_tokens=4))
+    engine.release_pages("p")
+    assert _first_token_readings()[0] == n1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import time
@@ -36,6 +37,7 @@ MESH_ENV = {
 class Answer:
     tokens: list[int]
     usage: types_pb2.Usage
+    first_at: float = 0.0  # time.perf_counter() when its first message arrived
 
 
 @dataclass
@@ -83,10 +85,19 @@ class StoreMesh:
             proc.stop()
 
 
-async def generate(address: str, token_ids: Sequence[int], salt: str = "", max_tokens: int = 8) -> Answer:
-    """A greedy GenerateUnified; returns its tokens and the usage of its last message."""
-    async with grpc.aio.insecure_channel(address) as ch:
-        call = dec_grpc.DecodeServiceStub(ch).GenerateUnified(
+async def generate(
+    address: str,
+    token_ids: Sequence[int],
+    salt: str = "",
+    max_tokens: int = 8,
+    channel: grpc.aio.Channel | None = None,
+) -> Answer:
+    """A greedy GenerateUnified (on `channel` when given, else on a channel of its own); returns its
+    tokens, the usage of its last message and when its first message arrived."""
+    async with contextlib.AsyncExitStack() as stack:
+        if channel is None:
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(address))
+        call = dec_grpc.DecodeServiceStub(channel).GenerateUnified(
             dec.GenerateUnifiedRequest(
                 request_id=uuid.uuid4().hex,
                 token_ids=token_ids,
@@ -97,11 +108,13 @@ async def generate(address: str, token_ids: Sequence[int], salt: str = "", max_t
         )
         tokens: list[int] = []
         usage = types_pb2.Usage()
+        first_at = 0.0
         async for msg in call:
+            first_at = first_at or time.perf_counter()
             tokens.extend(msg.delta.token_ids)
             if msg.HasField("usage"):
                 usage = msg.usage
-        return Answer(tokens, usage)
+        return Answer(tokens, usage, first_at)
 
 
 async def prefill_once(address: str, token_ids: Sequence[int], salt: str = "") -> pre.PrefillResponse:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Protocol
 
 import torch
@@ -125,6 +126,9 @@ class EngineLoop:
         return out
 
     def _step(self, plan: StepPlan) -> None:
+        started = time.perf_counter()
+        for req, _ in plan.items:
+            req.scheduled_at = req.scheduled_at or started
         try:
             if self.decoder is not None and self.decoder.accepts(plan.items):
                 logits = self.decoder.run(plan.items)  # the sampling rows only: it takes no prompt rows
@@ -144,6 +148,10 @@ class EngineLoop:
         with self.lock:
             out = self.sched.complete(plan, sampled)
             self.steps += 1
+        ended = time.perf_counter()
+        for req, _ in plan.items:
+            if req.output and not req.sampled_at:
+                req.sampled_at = ended
         self.deliver(out)
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ from xavier_core.engine.request import Delivery, Request, Role, check_prompt, pa
 from xavier_core.engine.scheduler import Scheduler
 from xavier_core.engine.store_link import StoreLink
 from xavier_core.engine.stream import TokenStream
+from xavier_core.engine.timing import record_first_token
 from xavier_core.grammar.masks import LazyCompiler
 from xavier_core.prefix_keys import chain_seed
 from xavier_core.sampling import check_cache_salt
@@ -460,6 +462,7 @@ class ReferenceEngine:
         queue: asyncio.Queue[Delivery] = asyncio.Queue()
         req.deliver = queue.put_nowait
         submitted = done = False
+        started = time.perf_counter()
         try:
             await self._compile_grammar(req)
             if first is not None:
@@ -475,6 +478,7 @@ class ReferenceEngine:
                     done = True
                     yield AbortEvent()
                     return
+            req.queued_at = time.perf_counter()
             self._submit(req, loop)
             submitted = True
             tokens = 0
@@ -484,6 +488,9 @@ class ReferenceEngine:
                     done = True
                     raise item
                 if isinstance(item, TokenEvent) and first is None and tokens == 0:
+                    record_first_token(
+                        started, req.queued_at, req.scheduled_at, req.sampled_at, time.perf_counter()
+                    )
                     # The first token says how much of the prompt was not computed (set at admission).
                     item = dataclasses.replace(
                         item, cached_tokens=req.cached_tokens, cached_tokens_store=req.cached_tokens_store

@@ -64,6 +64,12 @@ class Request:
     cached_tokens_store: int = 0  # the page store's share of `cached_tokens`
     cache_salt: str = ""  # the tenant salt (names the request's page store namespace)
     admitted: bool = False
+    # `time.perf_counter` when it was queued for the engine thread, when the first step that computes
+    # any of it started and when the step that sampled its first output token ended (0: not yet); the
+    # engine's first-token phases (`timing`) come from them.
+    queued_at: float = 0.0
+    scheduled_at: float = 0.0
+    sampled_at: float = 0.0
     finish: FinishReason | None = None
     prompt_keys: list[bytes] = field(default_factory=list)
     # Prompt logprobs by position (entry i: prompt token i + 1), filled as the prompt's chunks compute.
