@@ -95,6 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="tiny",
         help="TTFT model shape (random weights; 7b-width: Qwen2.5-7B's width at 4 layers, use --prefix 8000)",
     )
+    p.add_argument(
+        "--shape-layers",
+        type=int,
+        default=0,
+        help="layers of the TTFT model instead of the shape's own (28 with 7b-width: Qwen2.5-7B's depth)",
+    )
     return p.parse_args(argv)
 
 
@@ -314,6 +320,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
     """TTFT (client side, GenerateUnified to its first token) of cold / warm-from-store / warm-local."""
     from tests.pagestore.engines import generate, prompt
     from tests.pagestore.support import stats
+    from xavier_core.engine import tiny
 
     a, b = mesh.procs["unified-a"].address, mesh.procs["unified-b"].address
     cases: dict[str, list[float]] = {"cold": [], "warm_store": [], "warm_local": []}
@@ -365,6 +372,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         "ttft_measure": "first message, kept channel",
         "prefix_tokens": args.prefix,
         "shape": args.shape,
+        "shape_layers": args.shape_layers or tiny.SHAPES.get(args.shape, {}).get("layers", 2),
         "device": args.device,
         "prompt_tokens": args.prefix + 16,
         "reps": args.ttft_reps,
@@ -416,10 +424,12 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from xavier_core.engine.tiny import SHAPES, make_tiny
 
     sizes = dict(SHAPES.get(args.shape, {}))
+    if args.shape_layers:
+        sizes["layers"] = args.shape_layers
     dtype = "float16" if args.device != "cpu" else "float32"
     model = make_tiny(work / f"{args.shape}-qwen2", "qwen2", seed=args.seed, dtype=dtype, **sizes)
     # Room in the store for every rep's prefix (no eviction between A's write and B's read).
-    geometry = sizes or {"layers": 2, "kv_heads": 2, "heads": 4, "hidden": 64}
+    geometry = {"layers": 2, "kv_heads": 2, "heads": 4, "hidden": 64, **sizes}
     per_token = 2 * geometry["layers"] * geometry["kv_heads"] * (geometry["hidden"] // geometry["heads"]) * 4
     arena = max(32 << 20, 2 * (args.ttft_reps + 2) * (args.prefix + 64) * per_token)
     env = {"XAVIER_ENGINE__NUM_PAGES": str(max(600, 4 * (args.prefix // 16 + 8)))}
