@@ -13,7 +13,9 @@ backend in a directory both replicas share) and each prefix length, per rep:
   backend's storage trace, `XAVIER_SGLANG_TRACE`): the lookups' and gets' milliseconds, the time before
   the first storage call and after the last one, and the gets' fetch steps (`get_read_ms`, ...).
 
-TTFT is the client's, one GenerateUnified straight to the replica (max 1 token). Medians of the reps; the
+TTFT is the client's, one GenerateUnified straight to the replica (max 1 token), from the send to the first
+streamed message over a channel kept per replica, as a router calls (before "ttft_measure" was in the
+JSON: to the stream's end, on a new channel per request). Medians of the reps; the
 JSON has every rep. Replicas share the GPUs given round-robin (`--gpus 0,0`: both on GPU 0, started one
 after another).
 
@@ -37,6 +39,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import grpc
 from sglang_pd import SGLANG_LAUNCHER, launch_up, make_model, stop
 
 from tests.pagestore.engines import Answer, generate
@@ -143,15 +146,31 @@ async def settled(mesh: Mesh, before: float, grow: float = 1.0, bound: float = 6
     raise RuntimeError(f"{mesh.backend}: a write-through never settled in the L3 ({before} -> {last})")
 
 
+_CHANNELS: dict[str, grpc.aio.Channel] = {}
+"""One channel per replica, as a router holds them (opened by `measure`)."""
+
+
 async def timed(address: str, ids: list[int]) -> tuple[float, Answer]:
+    """TTFT (the send to the first streamed message) and the answer."""
     t = time.perf_counter()
-    ans = await generate(address, ids, max_tokens=1)
-    return time.perf_counter() - t, ans
+    ans = await generate(address, ids, max_tokens=1, channel=_CHANNELS.get(address))
+    return ans.first_at - t, ans
 
 
 async def measure(mesh: Mesh, args: argparse.Namespace) -> list[dict[str, Any]]:
-    await generate(mesh.a, prompt(10**5, 64), max_tokens=1)  # first-request costs out
-    await generate(mesh.b, prompt(10**5 + 1, 64), max_tokens=1)
+    for address in (mesh.a, mesh.b):
+        _CHANNELS[address] = grpc.aio.insecure_channel(address)
+    try:
+        return await _measure(mesh, args)
+    finally:
+        for ch in _CHANNELS.values():
+            await ch.close()
+        _CHANNELS.clear()
+
+
+async def _measure(mesh: Mesh, args: argparse.Namespace) -> list[dict[str, Any]]:
+    await timed(mesh.a, prompt(10**5, 64))  # first-request costs out
+    await timed(mesh.b, prompt(10**5 + 1, 64))
     rows = []
     for length in args.lengths:
         reps = []
@@ -247,7 +266,13 @@ def main() -> int:
             rows += asyncio.run(measure(mesh, args))
         finally:
             mesh.close()
-    report = {"model": str(args.model), "gpus": args.gpus, "new_tokens": NEW_TOKENS, "rows": rows}
+    report = {
+        "ttft_measure": "first message, kept channel",
+        "model": str(args.model),
+        "gpus": args.gpus,
+        "new_tokens": NEW_TOKENS,
+        "rows": rows,
+    }
     for n in args.lengths:
         x = next((r for r in rows if r["backend"] == "xavier" and r["prefix_tokens"] == n), None)
         f = next((r for r in rows if r["backend"] == "file" and r["prefix_tokens"] == n), None)
