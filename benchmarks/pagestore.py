@@ -566,8 +566,8 @@ def main(argv: list[str] | None = None) -> int:
             report["ttft"] = run_ttft(args, Path(work) / "ttft")
             print(json.dumps(report["ttft"]), file=sys.stderr)
     report["ucx_tls"] = os.environ.get("UCX_TLS", "default")  # the transports NIXL's UCX backend may use
-    # UCX's TCP segment size of the store's and the clients' agents (the environment wins over the default).
-    report["ucx_tcp_seg_size"] = os.environ.get("UCX_TCP_TX_SEG_SIZE", str(TCP_SEGMENT_BYTES))
+    # The UCX TCP segment size the store's agent sends in (its own setting, over the environment's).
+    report["ucx_tcp_seg_size"] = str(TCP_SEGMENT_BYTES)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "pagestore" + (f"-{args.tag}" if args.tag else "")
