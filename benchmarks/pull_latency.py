@@ -1,14 +1,20 @@
 """How long a decode's KV pull takes on DRAM, against how often the source polls NIXL.
 
 Two processes, each a `KvPort` over a pool shaped like an engine's (tests/transfer/kvpool.py): the source
-publishes 3 pages, the reader pulls them (one NIXL READ carrying the reader's "done" notification, then the
-reader's own poll sees it end), the source waits for that notification and unpublishes. Per source poll
+publishes 3 pages, the reader pulls them (one NIXL READ; the reader's own poll sees it end, and its "done"
+notification goes out), the source waits for that notification and unpublishes. Per source poll
 interval (`handoff.source_poll_interval_seconds` in the services) and rep: the pull's wall time and the
 time until the source saw "done". A READ that carries a notification (and any READ behind a notification
 on the same endpoint) ends only once the source's NIXL worker has progressed (UCX answers it over TCP),
-so the pull waits for the source's next poll.
+so such a pull waits for the source's next poll; so does any READ where UCX has no one-sided copy
+(over TCP alone, without CMA).
 
     python benchmarks/pull_latency.py --source-poll 0.001,0.002,0.005 --out docs/results/pull-latency-cpu
+    python benchmarks/pull_latency.py --source-poll 0.005,0.02 --read-end-agent on,off \
+        --out docs/results/pull-latency-cpu-read-end-agent
+
+`--read-end-agent on,off` measures both ways a reader tells the source its read ended: from a second agent
+of its own (on, the default: its READs carry no notification) or on the READ (off).
 
 Prints JSON; writes <out>.json.
 """
@@ -52,9 +58,10 @@ async def _call(conn: Connection, *cmd: Any) -> Any:
     return conn.recv()
 
 
-async def measure(conn: Connection, reps: int) -> dict[str, Any]:
+async def measure(conn: Connection, reps: int, read_end_agent: bool) -> dict[str, Any]:
     pool = make_pool(None)
-    port = KvPort(f"pull-dst-{os.getpid()}-{time.monotonic_ns()}", kv_buffers(pool), PAGE_SIZE)
+    name = f"pull-dst-{os.getpid()}-{time.monotonic_ns()}"
+    port = KvPort(name, kv_buffers(pool), PAGE_SIZE, read_end_agent=read_end_agent)
     key = peer_key("pull-src", 1)
     pulls: list[float] = []
     seen: list[float] = []
@@ -90,15 +97,33 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--source-poll", default="0.001,0.002,0.005", help="source poll intervals (s), in order")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument(
+        "--read-end-agent",
+        default="on",
+        help="the reader's read-end agent, each measured per source poll in alternating order (on,off)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "pull-latency-cpu")
     args = p.parse_args()
+    modes = [m == "on" for m in args.read_end_agent.split(",")]
     points = []
-    for poll in (float(x) for x in args.source_poll.split(",")):
-        with spawned(_source_main, f"pull-src-{poll}", poll) as conn:
-            point = {"source_poll_s": poll, **asyncio.run(measure(conn, args.reps))}
-        points.append(point)
-        print(json.dumps({k: v for k, v in point.items() if k != "pulls_ms"}), file=sys.stderr, flush=True)
-    result = {"benchmark": "pull_latency", "pages": 3, "reps": args.reps, "points": points}
+    for i, poll in enumerate(float(x) for x in args.source_poll.split(",")):
+        for apart in modes if i % 2 == 0 else modes[::-1]:
+            with spawned(_source_main, f"pull-src-{poll}-{apart}", poll) as conn:
+                point = {
+                    "source_poll_s": poll,
+                    "read_end_agent": apart,
+                    **asyncio.run(measure(conn, args.reps, apart)),
+                }
+            points.append(point)
+            brief = {k: v for k, v in point.items() if k != "pulls_ms"}
+            print(json.dumps(brief), file=sys.stderr, flush=True)
+    result = {
+        "benchmark": "pull_latency",
+        "pages": 3,
+        "reps": args.reps,
+        "ucx_tls": os.environ.get("UCX_TLS", ""),
+        "points": points,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps([{k: v for k, v in pt.items() if k != "pulls_ms"} for pt in points], indent=1))

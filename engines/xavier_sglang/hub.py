@@ -116,8 +116,13 @@ class Hub:
         self.settings = settings
         name = agent_name or f"xavier-sglang-{uuid.uuid4().hex[:12]}"
         # Only the KV pool is registered: the aux slot (host memory) travels inside a notification.
+        # No read-end agent: the prefill WRITEs and the decode posts no READ whose end it would tell.
         self.agent = NixlAgent(
-            name, pool.kv, settings.progress_thread, transfer_timeout_s=settings.transfer_timeout_s
+            name,
+            pool.kv,
+            settings.progress_thread,
+            transfer_timeout_s=settings.transfer_timeout_s,
+            read_end_agent=False,
         )
         self._lock = threading.Lock()  # the tables below
         self._pump_lock = threading.Lock()

@@ -17,7 +17,16 @@ import numpy as np
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
-from xavier_core.transfer import KvBuffer, KvManager, KvPoll, KvPort, KvReceiver, SourceInfo, endpoint_proto
+from xavier_core.transfer import (
+    KvBuffer,
+    KvManager,
+    KvPoll,
+    KvPort,
+    KvReceiver,
+    NixlAgent,
+    SourceInfo,
+    endpoint_proto,
+)
 
 _T = TypeVar("_T")
 
@@ -46,7 +55,7 @@ def page_bytes(pool: list[np.ndarray], pages: list[int]) -> list[bytes]:
 
 
 def _serve(conn: Connection, name: str, seed: int) -> None:
-    from xavier_core.transfer import KvManager, KvSender, NixlAgent
+    from xavier_core.transfer import KvSender
 
     pool = make_pool(seed)
     bufs = kv_buffers(pool)
@@ -142,6 +151,17 @@ def publish(source: Source, room: str, pages: list[int]) -> SourceInfo:
     return SourceInfo.from_proto(
         dpb.SourceDescriptor.FromString(desc), types_pb2.TransferEndpoint.FromString(endpoint)
     )
+
+
+@contextlib.contextmanager
+def reader_manager(name: str, pool: list[np.ndarray], *, read_end_agent: bool) -> Iterator[KvManager]:
+    """A reading side over `pool`: its agent (no progress thread) and KV manager, closed after."""
+    bufs = kv_buffers(pool)
+    agent = NixlAgent(name, bufs, progress_thread=False, read_end_agent=read_end_agent)
+    try:
+        yield KvManager(agent, bufs, PAGE_SIZE)
+    finally:
+        agent.close()
 
 
 def receive(manager: KvManager, room: str, dest: list[int]) -> KvReceiver:

@@ -10,16 +10,15 @@ import numpy as np
 import pytest
 
 from tests.transfer.kvpool import (
-    PAGE_SIZE,
-    kv_buffers,
     make_pool,
     page_bytes,
     poll_until,
     publish,
+    reader_manager,
     receive,
     source_process,
 )
-from xavier_core.transfer import KvManager, KvPoll, NixlAgent, StaleEpochError, peer_key
+from xavier_core.transfer import KvManager, KvPoll, StaleEpochError, peer_key
 
 pytestmark = pytest.mark.integration
 
@@ -31,10 +30,10 @@ def pool() -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def manager(pool: list[np.ndarray]) -> Iterator[KvManager]:
-    bufs = kv_buffers(pool)
-    agent = NixlAgent(f"dst-faults-{os.getpid()}", bufs, progress_thread=False)
-    yield KvManager(agent, bufs, PAGE_SIZE)
-    agent.close()
+    # READs carry the reader's notification (no read-end agent), so a READ stays in flight while the
+    # source does not poll: the in-flight cases below need one.
+    with reader_manager(f"dst-faults-{os.getpid()}", pool, read_end_agent=False) as manager:
+        yield manager
 
 
 def test_peer_killed_mid_read_fails_within_bound(manager: KvManager) -> None:

@@ -11,20 +11,18 @@ import numpy as np
 import pytest
 
 from tests.transfer.kvpool import (
-    PAGE_SIZE,
     Source,
-    kv_buffers,
     make_pool,
     page_bytes,
     poll_until,
     publish,
+    reader_manager,
     receive,
     source_process,
 )
 from xavier_core.transfer import (
     KvManager,
     KvPoll,
-    NixlAgent,
     TransferInFlightError,
     done_notif,
     fail_notif,
@@ -50,10 +48,10 @@ def pool() -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def manager(pool: list[np.ndarray]) -> Iterator[KvManager]:
-    bufs = kv_buffers(pool)
-    agent = NixlAgent(f"dst-{os.getpid()}", bufs, progress_thread=False)
-    yield KvManager(agent, bufs, PAGE_SIZE)
-    agent.close()
+    # READs carry the reader's notification (no read-end agent), so a READ stays in flight while the
+    # source does not poll: the in-flight cases below need one.
+    with reader_manager(f"dst-{os.getpid()}", pool, read_end_agent=False) as manager:
+        yield manager
 
 
 SRC_PAGES = [5, 6, 7, 20, 21, 3, *range(40, 48), 63, 0]

@@ -94,6 +94,31 @@ async def test_pull_copies_exactly_the_published_pages_and_ends_the_room(
     assert port.manager.stats()["receivers"] == 0
 
 
+async def test_each_fresh_readers_first_done_reaches_the_source() -> None:
+    """A reader's "done" leaves from its read-end agent on an endpoint its first message wires up: the
+    port keeps polling after the read, so even a new reader's first one arrives (eight new ports, a
+    source of their own). Every other port carries "done" on its READ instead (xavier.v1.0's way): the
+    source takes either."""
+    with spawned(_source_main, f"port-src-fresh-{os.getpid()}", SRC_SEED) as conn:
+        await _fresh_readers(PortSource(conn))
+
+
+async def _fresh_readers(src: PortSource) -> None:
+    for i in range(8):
+        pool = make_pool(None)
+        apart = i % 2 == 0
+        port = KvPort(f"port-fresh-{os.getpid()}-{i}", kv_buffers(pool), PAGE_SIZE, read_end_agent=apart)
+        try:
+            assert port.agent.notifies_apart is apart
+            desc, endpoint = await src.publish(300 + i, [i, i + 8])
+            await port.pull(300 + i, desc, endpoint, SRC_KEY, [20, 21], timeout=10, park_timeout=5)
+            assert page_bytes(pool, [20, 21]) == page_bytes(src.pool, [i, i + 8])
+            assert await src.call("wait", 300 + i) == "done"
+            assert (await src.call("unpublish", 300 + i, True))[0] == 0
+        finally:
+            await port.close()
+
+
 async def test_decline_tells_the_source_no_read_will_come(
     source_conn: Connection, reader: tuple[KvPort, list[np.ndarray]]
 ) -> None:

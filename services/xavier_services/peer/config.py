@@ -84,6 +84,11 @@ class HandoffSection(_Section):
     as nothing on a request's path waits on it (the prefill also unpins when the decode's CompleteRoom
     reaches it through the room feed); a read over a transport that needs the source's progress (UCX
     over TCP) advances at this pace. Polling every 0.5 ms cost a prefill about 0.7 ms CPU per request."""
+    read_end_agent: bool = True
+    """Whether a decode tells a source that its read ended through a second NIXL agent of its own (no
+    memory registered): its READs then carry no notification and end as soon as their bytes have moved
+    (one-sided over CMA or RDMA), not at the source's next poll. Off, each READ carries its "done"
+    notification, as in xavier.v1.0; a source takes either."""
     transfer_mode: Literal["coalesced", "per_page"] = "coalesced"
     """Descriptors per read: one per contiguous run (default) or one per page (baseline)."""
     transport: Literal["auto", "nixl", "cuda_ipc", "staged"] = "auto"

@@ -158,6 +158,7 @@ class PeerHost:
                 cfg.handoff.transport,
                 slab_bytes=cfg.handoff.staging_slab_bytes,
                 chunk_bytes=cfg.handoff.staging_chunk_bytes,
+                read_end_agent=cfg.handoff.read_end_agent,
             )
             register_port_metrics(ROLE_NAMES[self.role], self.kv.stats)
         if cfg.pagestore.address:  # a decode writes its answers through (a chat's next turn reads them)

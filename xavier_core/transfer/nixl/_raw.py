@@ -92,6 +92,10 @@ class RawAgent:
     def remove_remote(self, name: str) -> None:
         self._agent.remove_remote_agent(name)
 
+    def connect(self, remote_name: str) -> None:
+        """Sets up the endpoint to a loaded remote agent now rather than at its first use."""
+        self._agent.make_connection(remote_name)
+
     def read(
         self,
         local: npt.NDArray[np.uint64],

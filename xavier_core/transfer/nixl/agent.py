@@ -10,6 +10,13 @@ a transfer forward only inside calls on the two agents involved:
 
 Every call returns at once; a READ that stays PROC past its timeout is cancelled and reported ERR, and a
 dead peer surfaces as ERR on the next poll or as `PeerError` from the next call.
+
+Read-end notifications: a READ that carries a notification, and any READ posted behind a notification
+on the same endpoint, ends only once the source's NIXL worker has progressed (UCX answers it under
+NIXL's peer error handling), so a pull would take up to the source's polling interval. An agent made
+with `read_end_agent` (the default) therefore keeps a second agent of its own, with no memory
+registered, that connects to each peer as it is added and sends `notify_read_end`'s messages; READs
+then carry none and end as soon as their bytes have moved.
 """
 
 from __future__ import annotations
@@ -88,6 +95,7 @@ class NixlAgent:
         *,
         backend: str = "UCX",
         transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+        read_end_agent: bool = True,
     ) -> None:
         self.mem = check_buffers(buffers, "local")
         self.buffers = tuple(buffers)
@@ -102,6 +110,15 @@ class NixlAgent:
         self._peers: dict[str, _Peer] = {}
         self._live: set[Transfer] = set()
         self._local_prepped: prepped.PreppedSide | None = None  # made at the first prepared transfer
+        # Sends read-end notifications apart from the READs' endpoints (see the module's docstring);
+        # peer key -> the peer's name as this second agent knows it.
+        self._notifier = RawAgent(f"{name}.notify", progress_thread, backend) if read_end_agent else None
+        self._notifier_peers: dict[str, str] = {}
+
+    @property
+    def notifies_apart(self) -> bool:
+        """True when read-end notifications leave from the second agent: READs then carry none."""
+        return self._notifier is not None
 
     def metadata(self) -> bytes:
         """This agent's NIXL metadata (exchanged once per epoch through the directory)."""
@@ -143,7 +160,21 @@ class NixlAgent:
             except Exception as exc:
                 raise PeerError(f"cannot load metadata of peer {peer_key!r}: {exc}") from exc
             self._peers[peer_key] = _Peer(name)
+            self._connect_notifier(peer_key, metadata)
             return name
+
+    def _connect_notifier(self, peer_key: str, metadata: bytes) -> None:
+        """Loads the peer into the second agent and connects to it now, while the first READ runs; a peer
+        the second agent cannot load is told through this agent (`notify_read_end`)."""
+        if self._notifier is None:
+            return
+        try:
+            name = self._notifier.add_remote(metadata)
+            self._notifier.connect(name)
+        except Exception as exc:
+            log.warning("read-end notifications to %s go through the main agent: %s", peer_key, exc)
+            return
+        self._notifier_peers[peer_key] = name
 
     def peer_keys(self) -> list[str]:
         with self.lock:
@@ -156,12 +187,22 @@ class NixlAgent:
             if peer is None:
                 return
             self._release_prepped(peer.prepped.values())
+            self._drop_notifier_peer(peer_key)
             if any(p.name == peer.name for p in self._peers.values()):
                 return
             try:
                 self.raw.remove_remote(peer.name)
             except Exception as exc:
                 log.warning("removing remote agent %s failed: %s", peer.name, exc)
+
+    def _drop_notifier_peer(self, peer_key: str) -> None:
+        name = self._notifier_peers.pop(peer_key, None)
+        if self._notifier is None or name is None or name in self._notifier_peers.values():
+            return
+        try:
+            self._notifier.remove_remote(name)
+        except Exception as exc:
+            log.warning("removing remote agent %s from the read-end agent failed: %s", name, exc)
 
     def drop_peer_id_epochs_except(self, peer_id: str, epoch: int) -> list[str]:
         """Drops every cached epoch of `peer_id` other than `epoch`; returns the dropped keys."""
@@ -379,6 +420,8 @@ class NixlAgent:
         """New notifications as (sender agent name, message). Calling this also drives progress."""
         with self.lock:
             got = self.raw.notifs()
+            if self._notifier is not None:
+                self._notifier.notifs()  # it receives none: this moves its sends forward
         return [(who, m) for who, msgs in got.items() for m in msgs]
 
     def send_notif(self, peer_key: str, msg: bytes) -> None:
@@ -391,6 +434,21 @@ class NixlAgent:
                 self.raw.send_notif(peer.name, msg)
             except Exception as exc:
                 raise PeerError(f"notification to {peer_key!r} failed: {type(exc).__name__}") from exc
+
+    def notify_read_end(self, peer_key: str, msg: bytes) -> None:
+        """Sends a read's end (done or failed) to the source: from the second agent when this agent has
+        one and it reaches the peer (it posts no READ, so the message queues behind none and no READ
+        queues behind it), else as `send_notif`. `PeerError` if the peer is unknown or gone."""
+        with self.lock:
+            name = self._notifier_peers.get(peer_key)
+            if self._notifier is not None and name is not None:
+                try:
+                    self._notifier.send_notif(name, msg)
+                    self._notifier.notifs()
+                    return
+                except Exception as exc:  # the main agent says whether the peer is gone
+                    log.info("read-end agent could not notify %s, trying the main agent: %s", peer_key, exc)
+            self.send_notif(peer_key, msg)
 
     def close(self) -> None:
         """Cancels live READs, unloads peers and deregisters the buffers. Idempotent."""

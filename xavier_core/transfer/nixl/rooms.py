@@ -309,7 +309,7 @@ class KvReceiver:
             source.buffers,
             source.page_ids(),
             self._dest,
-            done_notif(self.room, self._token),
+            b"" if self.manager.agent.notifies_apart else done_notif(self.room, self._token),
             mode,
         )
         self._pages_after = None
@@ -372,6 +372,8 @@ class KvReceiver:
                 return
             if state == "DONE":
                 self._state = KvPoll.SUCCESS
+                if self.manager.agent.notifies_apart:
+                    self._tell_source(done_notif(self.room, self._token), "done")
             else:
                 self._fail(f"READ failed: {xfer.error}")
         if self._notify_fail_when_idle and (state == "ERR" or after is not None):
@@ -388,9 +390,12 @@ class KvReceiver:
             self._send_fail()
 
     def _send_fail(self) -> None:
+        self._tell_source(fail_notif(self.room, self._token), "fail")
+
+    def _tell_source(self, msg: bytes, kind: str) -> None:
         if self._peer_key is None:
             return
         try:
-            self.manager.agent.send_notif(self._peer_key, fail_notif(self.room, self._token))
+            self.manager.agent.notify_read_end(self._peer_key, msg)
         except TransferError as exc:
-            log.info("room %s: fail notification not delivered: %s", self.room, exc)
+            log.info("room %s: %s notification not delivered: %s", self.room, kind, exc)

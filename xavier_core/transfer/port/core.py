@@ -12,6 +12,7 @@ ended, so a poll costs the loop nothing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 import time
@@ -101,6 +102,7 @@ class PortCore:
         page_size: int,
         poll_interval: float,
         device_lock: threading.Lock | None,
+        read_end_agent: bool = True,
     ) -> None:
         self._buffers = list(buffers)
         # Owned by the NIXL thread: sources not yet reported ended, and live reads with their futures.
@@ -112,7 +114,9 @@ class PortCore:
         self._flush_until = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = NixlThread(self._tick, self._busy, poll_interval, device_lock)
-        self.agent: NixlAgent = self._thread.submit(NixlAgent, agent_name, self._buffers).result()
+        self.agent: NixlAgent = self._thread.submit(
+            functools.partial(NixlAgent, agent_name, self._buffers, read_end_agent=read_end_agent)
+        ).result()
         self.manager = KvManager(self.agent, self._buffers, page_size)
         # Fault-injection hook for tests/faults (a lost NIXL "done" notification); see KvManager.
         self.manager.drop_done_notifications = os.environ.get(DROP_DONE_ENV, "") == "1"
@@ -151,6 +155,8 @@ class PortCore:
                 del self._reads[receiver]
                 if state == KvPoll.SUCCESS:
                     receiver.clear()  # nothing is in flight: forgotten here, not in one more hop
+                    if self.agent.notifies_apart:
+                        self.flush_notifs()  # its "done" left on its own: it moves while this polls
                 else:
                     self.flush_notifs()  # the receiver may have told the source it failed
         reads.extend(self._finished_copies())
@@ -178,7 +184,7 @@ class PortCore:
             del self._copies[handle]
             make = fail_notif if copy.aborted else done_notif
             try:
-                self.agent.send_notif(copy.peer, make(copy.room, copy.token))
+                self.agent.notify_read_end(copy.peer, make(copy.room, copy.token))
             except TransferError as err:
                 log.info("read-end notification not delivered", room=copy.room, error=str(err))
             self.flush_notifs()

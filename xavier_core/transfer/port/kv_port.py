@@ -67,7 +67,9 @@ class KvPort(PortCore):
 
     `buffers` are the process's KV buffers (registered with NIXL here), `page_size` the tokens per page
     (the manager's bookkeeping only). `device_lock`, when given, is held around every NIXL call: a caller
-    that captures CUDA graphs on the same device passes its lock. Async methods run on one event loop.
+    that captures CUDA graphs on the same device passes its lock. `read_end_agent`: tell sources a read
+    ended through a second agent (`NixlAgent`), so READs carry no notification. Async methods run on one
+    event loop.
     """
 
     def __init__(
@@ -82,8 +84,9 @@ class KvPort(PortCore):
         *,
         slab_bytes: int = DEFAULT_SLAB_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        read_end_agent: bool = True,
     ) -> None:
-        super().__init__(agent_name, buffers, page_size, poll_interval, device_lock)
+        super().__init__(agent_name, buffers, page_size, poll_interval, device_lock, read_end_agent)
         self._mode = mode
         self.transport = transport
         self._ipc_blob = b""

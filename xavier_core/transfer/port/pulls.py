@@ -43,7 +43,7 @@ async def decline(
     def _send() -> None:
         try:
             core.agent.add_peer(peer, endpoint.agent_metadata)
-            core.agent.send_notif(peer, fail_notif(str(room_id), read_token))
+            core.agent.notify_read_end(peer, fail_notif(str(room_id), read_token))
             core.flush_notifs()
         except TransferError as err:
             log.info("decline not delivered", room_id=room_id, error=str(err))

@@ -168,6 +168,6 @@ class StagedRead:
         self.ring = []
         make = done_notif if result == KvPoll.SUCCESS else fail_notif
         try:
-            self.agent.send_notif(self.peer, make(self.room, self.token))
+            self.agent.notify_read_end(self.peer, make(self.room, self.token))
         except TransferError as exc:
             log.info("read-end notification not delivered", room=self.room, error=str(exc))
