@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +41,13 @@ from xavier_core.transfer.nixl.xfer import Transfer
 log = logging.getLogger(__name__)
 
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+NOTIFIER_MOVE_S = 0.002
+"""Least time between two polls of the second agent by `notifications()`: its sends complete at once on
+an endpoint already set up (each send also polls it once), so polling it at a decode's every tick would
+only cost CPU."""
+NOTIFIER_SETTLE_S = 1.0
+"""How long after the second agent connects to a peer its first sends may wait for that endpoint to be
+set up, which only polling moves (`notifier_settling`)."""
 
 
 def device_mem(device: str) -> tuple[MemType, int]:
@@ -114,6 +122,8 @@ class NixlAgent:
         # peer key -> the peer's name as this second agent knows it.
         self._notifier = RawAgent(f"{name}.notify", progress_thread, backend) if read_end_agent else None
         self._notifier_peers: dict[str, str] = {}
+        self._notifier_moved = 0.0  # when `notifications()` last moved the second agent's sends
+        self._notifier_connected = float("-inf")  # when the second agent last connected to a peer
 
     @property
     def notifies_apart(self) -> bool:
@@ -175,6 +185,13 @@ class NixlAgent:
             log.warning("read-end notifications to %s go through the main agent: %s", peer_key, exc)
             return
         self._notifier_peers[peer_key] = name
+        self._notifier_connected = time.monotonic()
+
+    def notifier_settling(self) -> bool:
+        """True for `NOTIFIER_SETTLE_S` after the second agent connected to a peer: its owner keeps
+        calling `notifications()` meanwhile, so a first send queued behind that endpoint's set-up
+        goes out even if nothing else happens."""
+        return time.monotonic() - self._notifier_connected < NOTIFIER_SETTLE_S
 
     def peer_keys(self) -> list[str]:
         with self.lock:
@@ -420,7 +437,9 @@ class NixlAgent:
         """New notifications as (sender agent name, message). Calling this also drives progress."""
         with self.lock:
             got = self.raw.notifs()
-            if self._notifier is not None:
+            now = time.monotonic()
+            if self._notifier is not None and now - self._notifier_moved >= NOTIFIER_MOVE_S:
+                self._notifier_moved = now
                 self._notifier.notifs()  # it receives none: this moves its sends forward
         return [(who, m) for who, msgs in got.items() for m in msgs]
 

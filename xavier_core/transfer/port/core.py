@@ -113,10 +113,12 @@ class PortCore:
         self._ipc: IpcPeers | None = None
         self._flush_until = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._settling: Callable[[], bool] = lambda: False  # the agent's, once the thread has made it
         self._thread = NixlThread(self._tick, self._busy, poll_interval, device_lock)
         self.agent: NixlAgent = self._thread.submit(
             functools.partial(NixlAgent, agent_name, self._buffers, read_end_agent=read_end_agent)
         ).result()
+        self._settling = self.agent.notifier_settling
         self.manager = KvManager(self.agent, self._buffers, page_size)
         # Fault-injection hook for tests/faults (a lost NIXL "done" notification); see KvManager.
         self.manager.drop_done_notifications = os.environ.get(DROP_DONE_ENV, "") == "1"
@@ -132,7 +134,9 @@ class PortCore:
 
     def _busy(self) -> bool:
         live = self._senders or self._reads or self._copies or self._staged
-        return bool(live) or time.monotonic() < self._flush_until
+        # While the read-end agent's endpoint to a new peer may still be setting up, its first "done"
+        # moves only when polled.
+        return bool(live) or time.monotonic() < self._flush_until or self._settling()
 
     def flush_notifs(self) -> None:
         """On the NIXL thread, after something may have sent a notification: keep polling a while."""
@@ -155,8 +159,6 @@ class PortCore:
                 del self._reads[receiver]
                 if state == KvPoll.SUCCESS:
                     receiver.clear()  # nothing is in flight: forgotten here, not in one more hop
-                    if self.agent.notifies_apart:
-                        self.flush_notifs()  # its "done" left on its own: it moves while this polls
                 else:
                     self.flush_notifs()  # the receiver may have told the source it failed
         reads.extend(self._finished_copies())

@@ -131,19 +131,24 @@ async def pull_nixl(
     done: asyncio.Future[KvPoll] = asyncio.get_running_loop().create_future()
     posted = False
 
-    def _start() -> None:
+    def _start() -> bool:
         nonlocal posted
         receiver.init()
         receiver.send_metadata(list(dest_pages))
         receiver.start(info, peer, mode)
         posted = True  # from here the receiver tells the source how its read ended
+        if receiver.poll() == KvPoll.SUCCESS:  # ended inside the post (a one-sided copy): no tick needed
+            receiver.clear()
+            return True
         core._reads[receiver] = done
+        return False
 
     def _forget() -> None:
         core._reads.pop(receiver, None)
 
     try:
-        await core.run(_start)
+        if await core.run(_start):
+            return
         await _settle(room_id, done, timeout, "read")
     except BaseException:
         await asyncio.shield(core.run(_forget))
