@@ -9,9 +9,14 @@ backend in a directory both replicas share) and each prefix length, per rep:
 * replica A computes another fresh prompt of the same length; once A's write-through reached the L3
   (the store's page count, or the files in the shared directory, stop growing), `warm`: the same prompt
   asked of B, which must find the prefix in the L3 (SGLang's cached-token count says how much) and answer
-  the tokens A answered. On the Xavier store each warm rep also says where its time went (the
-  backend's storage trace, `XAVIER_SGLANG_TRACE`): the lookups' and gets' milliseconds, the time before
-  the first storage call and after the last one, and the gets' fetch steps (`get_read_ms`, ...).
+  the tokens A answered;
+* `salted`: that prompt once more on B under a tenant salt no one used: SGLang must report nothing cached
+  (another tenant's prefix is served neither from B's radix cache nor from the L3) and answer the same
+  tokens, or the replica refuses salted requests by name where its release cannot isolate them.
+
+On the Xavier store each warm rep also says where its time went (the backend's storage trace,
+`XAVIER_SGLANG_TRACE`): the lookups' and gets' milliseconds, the time before the first storage call and
+after the last one, and the gets' fetch steps (`get_read_ms`, ...).
 
 TTFT is the client's, one GenerateUnified straight to the replica (max 1 token), from the send to the first
 streamed message over a channel kept per replica, as a router calls (before "ttft_measure" was in the
@@ -150,11 +155,22 @@ _CHANNELS: dict[str, grpc.aio.Channel] = {}
 """One channel per replica, as a router holds them (opened by `measure`)."""
 
 
-async def timed(address: str, ids: list[int]) -> tuple[float, Answer]:
+async def timed(address: str, ids: list[int], salt: str = "") -> tuple[float, Answer]:
     """TTFT (the send to the first streamed message) and the answer."""
     t = time.perf_counter()
-    ans = await generate(address, ids, max_tokens=1, channel=_CHANNELS.get(address))
+    ans = await generate(address, ids, salt, max_tokens=1, channel=_CHANNELS.get(address))
     return ans.first_at - t, ans
+
+
+async def salted(address: str, ids: list[int], salt: str) -> dict[str, Any]:
+    """The warm prompt again under a tenant salt nobody used: it must find nothing cached (neither B's
+    radix cache nor the L3 may serve another tenant's prefix) and answer what an unsalted run did; a
+    release that cannot isolate by request refuses it (`salted_refused`, the status's code)."""
+    try:
+        _, ans = await timed(address, ids, salt)
+    except grpc.aio.AioRpcError as exc:
+        return {"salted_refused": exc.code().name}
+    return {"salted_cached_tokens": ans.usage.cached_tokens, "salted_tokens": ans.tokens}
 
 
 async def measure(mesh: Mesh, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -189,12 +205,16 @@ async def _measure(mesh: Mesh, args: argparse.Namespace) -> list[dict[str, Any]]
             t0 = time.time()
             warm_s, warm = await timed(mesh.b, warm_ids)
             breakdown = mesh.storage_calls(t0, time.time())
+            other = await salted(mesh.b, warm_ids, f"tenant-{seed}")
+            if "salted_tokens" in other:
+                other["salted_equals_a"] = other.pop("salted_tokens") == on_a.tokens
             reps.append({
                 **breakdown,
                 "cold_ms": 1e3 * cold_s, "warm_ms": 1e3 * warm_s,
                 "cold_cached_tokens": cold.usage.cached_tokens,
                 "warm_cached_tokens": warm.usage.cached_tokens,
                 "store_pages_read": mesh.store_hits() - hits, "warm_equals_a": warm.tokens == on_a.tokens,
+                **other,
             })  # fmt: skip
             print(
                 json.dumps({"backend": mesh.backend, "length": length, **reps[-1]}),
@@ -207,7 +227,12 @@ async def _measure(mesh: Mesh, args: argparse.Namespace) -> list[dict[str, Any]]
             "backend": mesh.backend, "prefix_tokens": length, "cold_ms": cold_ms, "warm_ms": warm_ms,
             "speedup": cold_ms / warm_ms,
             "warm_cached_tokens": statistics.median(r["warm_cached_tokens"] for r in reps),
-            "outputs_equal": all(r["warm_equals_a"] for r in reps), "reps": reps,
+            "outputs_equal": all(r["warm_equals_a"] for r in reps),
+            # Another tenant's request of the same prompt: nothing cached for it, the same answer.
+            "salt_isolated": all(r.get("salted_cached_tokens", 0) == 0 for r in reps),
+            "salted_outputs_equal": all(r.get("salted_equals_a", True) for r in reps),
+            "salted_refused": sorted({r["salted_refused"] for r in reps if "salted_refused" in r}),
+            "reps": reps,
         })  # fmt: skip
     return rows
 
