@@ -37,8 +37,13 @@ def lossy_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         m.start_directory()
         m.env = {**FAST_ENV, DROP_DONE_ENV: "1"}
         m.start_peer("prefill-0", "prefill")
-        m.env = dict(FAST_ENV)
+        # The decode's READs carry its "done" (no read-end agent): such a READ ends only once the prefill
+        # has polled, which hands it the notification, so every one reaches the fault hook before the
+        # decode can complete its room. Sent apart, a "done" may come after the room feed already ended
+        # the room, and is discarded as a stranger's: harmless, but it would hide the count below.
+        m.env = {**FAST_ENV, "XAVIER_HANDOFF__READ_END_AGENT": "false"}
         m.start_peer("decode-0", "decode")
+        m.env = dict(FAST_ENV)
         m.start_peer("unified-0", "unified")
         yield m
     finally:
