@@ -341,8 +341,15 @@ class KvPort(PortCore):
         return "nixl", None
 
     def stats(self) -> dict[str, Any]:
-        """Transfers by transport, the staging slab and the run-length histogram (metrics, benchmarks)."""
+        """Transfers by transport, the staging slab, the run-length histogram and the notifications this
+        port ignored (metrics, benchmarks)."""
+        manager = self.manager.stats()
         return {
+            "notifications_ignored": {
+                "unknown_room": manager["notifications_dropped"],
+                "bad_token": manager["notifications_rejected"],
+                "injected": manager["notifications_lost"],
+            },
             "transport": self.transport,
             "cuda_ipc_offered": bool(self._ipc_blob),
             "by_transport": {t: vars(v).copy() for t, v in self.by_transport.items()},

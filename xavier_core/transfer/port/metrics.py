@@ -1,5 +1,6 @@
 """Prometheus view of a transfer port, read from its stats at scrape time (no second bookkeeping):
-`xavier_transfers_by_transport{role,transport}` (counter), `xavier_transfer_run_length_pages{role}`
+`xavier_transfers_by_transport{role,transport}` (counter), `xavier_transfer_notifications_ignored{role,why}`
+(counter), `xavier_transfer_run_length_pages{role}`
 (histogram of the page runs pulls moved: how scattered the decode's pages really are), and the staging
 slab: `xavier_staging_bytes_in_use{role}` (gauge) and `xavier_staging_fallbacks{role}` (counter)."""
 
@@ -38,6 +39,16 @@ class PortCollector(Collector):
             fails.add_metric([self._role, transport], totals["failures"])
         yield by
         yield fails
+        ignored = CounterMetricFamily(
+            "xavier_transfer_notifications_ignored",
+            "Read-end notifications a source ignored: for a room it no longer holds (unknown_room: a late "
+            "one, after the room ended otherwise), without the room's read token (bad_token), or dropped "
+            "by the test-only fault hook (injected).",
+            labels=["role", "why"],
+        )
+        for why, count in s["notifications_ignored"].items():
+            ignored.add_metric([self._role, why], count)
+        yield ignored
         staging = s.get("staging")
         if staging is not None:
             used = GaugeMetricFamily(
