@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from tests.transfer.kvpool import (
-    make_pool,
     page_bytes,
     poll_until,
     publish,
@@ -21,11 +20,6 @@ from tests.transfer.kvpool import (
 from xavier_core.transfer import KvManager, KvPoll, StaleEpochError, peer_key
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def pool() -> list[np.ndarray]:
-    return make_pool(None)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import pytest
 
 from tests.transfer.kvpool import (
     Source,
-    make_pool,
     page_bytes,
     poll_until,
     publish,
@@ -39,11 +38,6 @@ SRC_KEY = peer_key("prefill-a", 1)
 def source() -> Iterator[Source]:
     with source_process(f"src-{os.getpid()}", SRC_SEED) as src:
         yield src
-
-
-@pytest.fixture(scope="module")
-def pool() -> list[np.ndarray]:
-    return make_pool(None)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from xavier.v1 import types_pb2
 from tests.transfer.kvpool import (
     PAGE_SIZE,
     kv_buffers,
-    make_pool,
     page_bytes,
     poll_until,
     publish,
@@ -83,11 +82,6 @@ def test_read_end_notifications_leave_from_the_second_agent_and_follow_a_new_epo
     finally:
         for agent in (plain, dst, src):
             agent.close()
-
-
-@pytest.fixture(scope="module")
-def pool() -> list[np.ndarray]:
-    return make_pool(None)
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,11 @@ A caller that runs one request at a time reads one request's phases as the diffe
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
+
+from xavier_core.metrics_once import made_once
 
 PHASES = ("prefix", "queue", "compute", "handback", "total")
 
@@ -32,32 +33,23 @@ class _Metrics:
     requests: Counter
 
 
-_METRICS: _Metrics | None = None
-_LOCK = threading.Lock()
+def _make(reg: CollectorRegistry) -> _Metrics:
+    return _Metrics(
+        Counter(
+            "xavier_engine_first_token_seconds",
+            "Seconds of the reference engine's requests before their first token, per phase.",
+            ("phase",),
+            registry=reg,
+        ),
+        Counter(
+            "xavier_engine_first_tokens",
+            "Requests whose first token the reference engine streamed (the phases' count).",
+            registry=reg,
+        ),
+    )
 
 
-def _metrics() -> _Metrics:
-    global _METRICS
-    with _LOCK:
-        if _METRICS is None:
-            # Imported here: the engine imports nothing of the gRPC runtime at module load.
-            from xavier_core.runtime.metrics import get_registry
-
-            reg = get_registry()
-            _METRICS = _Metrics(
-                Counter(
-                    "xavier_engine_first_token_seconds",
-                    "Seconds of the reference engine's requests before their first token, per phase.",
-                    ("phase",),
-                    registry=reg,
-                ),
-                Counter(
-                    "xavier_engine_first_tokens",
-                    "Requests whose first token the reference engine streamed (the phases' count).",
-                    registry=reg,
-                ),
-            )
-        return _METRICS
+_metrics = made_once(_make)
 
 
 def record_first_token(started: float, queued: float, scheduled: float, sampled: float, held: float) -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
+
+from xavier_core.metrics_once import made_once
 
 
 @dataclass
@@ -46,49 +47,45 @@ class ClientMetrics:
     fetch_seconds: Counter
 
 
-_METRICS: ClientMetrics | None = None
-_LOCK = threading.Lock()
+def _make_client_metrics(reg: CollectorRegistry) -> ClientMetrics:
+    p = "xavier_pagestore_client_"
+    return ClientMetrics(
+        Counter(p + "lookups", "Prefix lookups asked of the page store.", registry=reg),
+        Counter(p + "hit_pages", "Pages fetched from the page store, verified.", registry=reg),
+        Counter(p + "miss_pages", "Looked-up pages not served by the store.", registry=reg),
+        Counter(p + "corrupt_pages", "Fetched pages that failed their checksum.", registry=reg),
+        Counter(p + "pages_written", "Pages written and committed to the store.", registry=reg),
+        Counter(p + "writes_dropped", "Write-throughs dropped on a full queue.", registry=reg),
+        Counter(
+            p + "errors",
+            "Store calls that failed and were served as a miss.",
+            ("op", "reason"),
+            registry=reg,
+        ),
+        Counter(p + "transfer_bytes", "Bytes moved with NIXL.", ("op",), registry=reg),
+        Counter(
+            p + "transfer_descriptors",
+            "NIXL descriptors posted (a stretch of pages contiguous on both sides, per segment).",
+            ("op",),
+            registry=reg,
+        ),
+        Counter(
+            p + "fetch_seconds",
+            "Seconds prefix fetches spent per step (FETCH_STEPS); overlapped steps each count.",
+            ("step",),
+            registry=reg,
+        ),
+    )
+
+
+_client_metrics = made_once(_make_client_metrics)
 
 
 def client_metrics() -> ClientMetrics:
-    """The process's page store client metrics (created once; every client of the process adds to them)."""
-    global _METRICS
-    with _LOCK:
-        if _METRICS is None:
-            # Imported here: the engine times its fetch steps through this module (StepClock), and
-            # the engine imports nothing of the gRPC runtime (tests/runtime/test_domain_errors.py).
-            from xavier_core.runtime.metrics import get_registry
-
-            reg = get_registry()
-            p = "xavier_pagestore_client_"
-            _METRICS = ClientMetrics(
-                Counter(p + "lookups", "Prefix lookups asked of the page store.", registry=reg),
-                Counter(p + "hit_pages", "Pages fetched from the page store, verified.", registry=reg),
-                Counter(p + "miss_pages", "Looked-up pages not served by the store.", registry=reg),
-                Counter(p + "corrupt_pages", "Fetched pages that failed their checksum.", registry=reg),
-                Counter(p + "pages_written", "Pages written and committed to the store.", registry=reg),
-                Counter(p + "writes_dropped", "Write-throughs dropped on a full queue.", registry=reg),
-                Counter(
-                    p + "errors",
-                    "Store calls that failed and were served as a miss.",
-                    ("op", "reason"),
-                    registry=reg,
-                ),
-                Counter(p + "transfer_bytes", "Bytes moved with NIXL.", ("op",), registry=reg),
-                Counter(
-                    p + "transfer_descriptors",
-                    "NIXL descriptors posted (a stretch of pages contiguous on both sides, per segment).",
-                    ("op",),
-                    registry=reg,
-                ),
-                Counter(
-                    p + "fetch_seconds",
-                    "Seconds prefix fetches spent per step (FETCH_STEPS); overlapped steps each count.",
-                    ("step",),
-                    registry=reg,
-                ),
-            )
-        return _METRICS
+    """The process's page store client metrics (created once; every client of the process adds to them).
+    Made on first use: the engine times its fetch steps through this module (StepClock), and the engine
+    imports nothing of the gRPC runtime (tests/runtime/test_domain_errors.py)."""
+    return _client_metrics()
 
 
 FETCH_STEPS = (
