@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -151,61 +152,59 @@ async def settled(mesh: Mesh, before: float, grow: float = 1.0, bound: float = 6
     raise RuntimeError(f"{mesh.backend}: a write-through never settled in the L3 ({before} -> {last})")
 
 
-_CHANNELS: dict[str, grpc.aio.Channel] = {}
-"""One channel per replica, as a router holds them (opened by `measure`)."""
+@dataclass(frozen=True)
+class Replica:
+    """A replica's address and the one channel kept to it, as a router holds them."""
+
+    address: str
+    channel: grpc.aio.Channel
 
 
-async def timed(address: str, ids: list[int], salt: str = "") -> tuple[float, Answer]:
+async def timed(replica: Replica, ids: list[int], salt: str = "") -> tuple[float, Answer]:
     """TTFT (the send to the first streamed message) and the answer."""
     t = time.perf_counter()
-    ans = await generate(address, ids, salt, max_tokens=1, channel=_CHANNELS.get(address))
+    ans = await generate(replica.address, ids, salt, max_tokens=1, channel=replica.channel)
     return ans.first_at - t, ans
 
 
-async def salted(address: str, ids: list[int], salt: str) -> dict[str, Any]:
+async def salted(replica: Replica, ids: list[int], salt: str) -> dict[str, Any]:
     """The warm prompt again under a tenant salt nobody used: it must find nothing cached (neither B's
     radix cache nor the L3 may serve another tenant's prefix) and answer what an unsalted run did; a
     release that cannot isolate by request refuses it (`salted_refused`, the status's code)."""
     try:
-        _, ans = await timed(address, ids, salt)
+        _, ans = await timed(replica, ids, salt)
     except grpc.aio.AioRpcError as exc:
         return {"salted_refused": exc.code().name}
     return {"salted_cached_tokens": ans.usage.cached_tokens, "salted_tokens": ans.tokens}
 
 
 async def measure(mesh: Mesh, args: argparse.Namespace) -> list[dict[str, Any]]:
-    for address in (mesh.a, mesh.b):
-        _CHANNELS[address] = grpc.aio.insecure_channel(address)
-    try:
-        return await _measure(mesh, args)
-    finally:
-        for ch in _CHANNELS.values():
-            await ch.close()
-        _CHANNELS.clear()
+    async with grpc.aio.insecure_channel(mesh.a) as ca, grpc.aio.insecure_channel(mesh.b) as cb:
+        return await _measure(mesh, args, Replica(mesh.a, ca), Replica(mesh.b, cb))
 
 
-async def _measure(mesh: Mesh, args: argparse.Namespace) -> list[dict[str, Any]]:
-    await timed(mesh.a, prompt(10**5, 64))  # first-request costs out
-    await timed(mesh.b, prompt(10**5 + 1, 64))
+async def _measure(mesh: Mesh, args: argparse.Namespace, a: Replica, b: Replica) -> list[dict[str, Any]]:
+    await timed(a, prompt(10**5, 64))  # first-request costs out
+    await timed(b, prompt(10**5 + 1, 64))
     rows = []
     for length in args.lengths:
         reps = []
         for rep in range(args.reps):
             seed = 1000 * length + 10 * rep
             before = mesh.l3_size()
-            cold_s, cold = await timed(mesh.b, prompt(seed, length) + prompt(seed + 1, NEW_TOKENS))
+            cold_s, cold = await timed(b, prompt(seed, length) + prompt(seed + 1, NEW_TOKENS))
             # B's own write-through of the cold prompt lands first: growth after this is A's alone.
             before = await settled(mesh, before)
             warm_ids = prompt(seed + 2, length) + prompt(seed + 3, NEW_TOKENS)
-            _, on_a = await timed(mesh.a, warm_ids)
+            _, on_a = await timed(a, warm_ids)
             # The store counts pages: every whole page of A's prefix must be there (the file backend's
             # byte count only has to grow).
             await settled(mesh, before, grow=length // PAGE_TOKENS if mesh.backend == "xavier" else 1.0)
             hits = mesh.store_hits()
             t0 = time.time()
-            warm_s, warm = await timed(mesh.b, warm_ids)
+            warm_s, warm = await timed(b, warm_ids)
             breakdown = mesh.storage_calls(t0, time.time())
-            other = await salted(mesh.b, warm_ids, f"tenant-{seed}")
+            other = await salted(b, warm_ids, f"tenant-{seed}")
             if "salted_tokens" in other:
                 other["salted_equals_a"] = other.pop("salted_tokens") == on_a.tokens
             reps.append({
