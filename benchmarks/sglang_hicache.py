@@ -91,6 +91,9 @@ class Mesh:
             **os.environ,
             "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(self.files),
             "XAVIER_SGLANG_TRACE": str(self.trace),
+            # Room for every prefix of the run: a full arena evicts, and the L3 would never grow by a
+            # whole prefix (the file backend keeps everything too).
+            "XAVIER_PAGESTORE__ARENA_BYTES": str(args.store_arena_bytes),
         }
         self.proc, _ = launch_up(self.work, flags, env, timeout=1200)
         svc = self.work / "svc"
@@ -149,7 +152,10 @@ async def settled(mesh: Mesh, before: float, grow: float = 1.0, bound: float = 6
             last, since = now, time.monotonic()
         elif last >= before + grow and time.monotonic() - since >= 1.0:
             return now
-    raise RuntimeError(f"{mesh.backend}: a write-through never settled in the L3 ({before} -> {last})")
+    raise RuntimeError(
+        f"{mesh.backend}: a write-through never settled in the L3 ({before} -> {last}, {grow} wanted; "
+        "a full store evicts: see --store-arena-bytes)"
+    )
 
 
 @dataclass(frozen=True)
@@ -186,54 +192,68 @@ async def measure(mesh: Mesh, args: argparse.Namespace) -> list[dict[str, Any]]:
 async def _measure(mesh: Mesh, args: argparse.Namespace, a: Replica, b: Replica) -> list[dict[str, Any]]:
     await timed(a, prompt(10**5, 64))  # first-request costs out
     await timed(b, prompt(10**5 + 1, 64))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for length in args.lengths:
-        reps = []
-        for rep in range(args.reps):
-            seed = 1000 * length + 10 * rep
-            before = mesh.l3_size()
-            cold_s, cold = await timed(b, prompt(seed, length) + prompt(seed + 1, NEW_TOKENS))
-            # B's own write-through of the cold prompt lands first: growth after this is A's alone.
-            before = await settled(mesh, before)
-            warm_ids = prompt(seed + 2, length) + prompt(seed + 3, NEW_TOKENS)
-            _, on_a = await timed(a, warm_ids)
-            # The store counts pages: every whole page of A's prefix must be there (the file backend's
-            # byte count only has to grow).
-            await settled(mesh, before, grow=length // PAGE_TOKENS if mesh.backend == "xavier" else 1.0)
-            hits = mesh.store_hits()
-            t0 = time.time()
-            warm_s, warm = await timed(b, warm_ids)
-            breakdown = mesh.storage_calls(t0, time.time())
-            other = await salted(b, warm_ids, f"tenant-{seed}")
-            if "salted_tokens" in other:
-                other["salted_equals_a"] = other.pop("salted_tokens") == on_a.tokens
-            reps.append({
-                **breakdown,
-                "cold_ms": 1e3 * cold_s, "warm_ms": 1e3 * warm_s,
-                "cold_cached_tokens": cold.usage.cached_tokens,
-                "warm_cached_tokens": warm.usage.cached_tokens,
-                "store_pages_read": mesh.store_hits() - hits, "warm_equals_a": warm.tokens == on_a.tokens,
-                **other,
-            })  # fmt: skip
+        try:
+            rows.append(await _measure_length(mesh, args, a, b, length))
+        except RuntimeError as exc:  # the rows so far and the other backend still count
             print(
-                json.dumps({"backend": mesh.backend, "length": length, **reps[-1]}),
-                file=sys.stderr,
-                flush=True,
+                json.dumps({"backend": mesh.backend, "length": length, "failed": str(exc)}), file=sys.stderr
             )
-        cold_ms = statistics.median(r["cold_ms"] for r in reps)
-        warm_ms = statistics.median(r["warm_ms"] for r in reps)
-        rows.append({
-            "backend": mesh.backend, "prefix_tokens": length, "cold_ms": cold_ms, "warm_ms": warm_ms,
-            "speedup": cold_ms / warm_ms,
-            "warm_cached_tokens": statistics.median(r["warm_cached_tokens"] for r in reps),
-            "outputs_equal": all(r["warm_equals_a"] for r in reps),
-            # Another tenant's request of the same prompt: nothing cached for it, the same answer.
-            "salt_isolated": all(r.get("salted_cached_tokens", 0) == 0 for r in reps),
-            "salted_outputs_equal": all(r.get("salted_equals_a", True) for r in reps),
-            "salted_refused": sorted({r["salted_refused"] for r in reps if "salted_refused" in r}),
-            "reps": reps,
-        })  # fmt: skip
+            rows.append({"backend": mesh.backend, "prefix_tokens": length, "failed": str(exc)})
+            break
     return rows
+
+
+async def _measure_length(
+    mesh: Mesh, args: argparse.Namespace, a: Replica, b: Replica, length: int
+) -> dict[str, Any]:
+    """One prefix length's reps on one mesh: cold on B, computed on A, then warm on B from the L3."""
+    reps = []
+    for rep in range(args.reps):
+        seed = 1000 * length + 10 * rep
+        before = mesh.l3_size()
+        cold_s, cold = await timed(b, prompt(seed, length) + prompt(seed + 1, NEW_TOKENS))
+        # B's own write-through of the cold prompt lands first: growth after this is A's alone.
+        before = await settled(mesh, before)
+        warm_ids = prompt(seed + 2, length) + prompt(seed + 3, NEW_TOKENS)
+        _, on_a = await timed(a, warm_ids)
+        # The store counts pages: every whole page of A's prefix must be there (the file backend's
+        # byte count only has to grow).
+        await settled(mesh, before, grow=length // PAGE_TOKENS if mesh.backend == "xavier" else 1.0)
+        hits = mesh.store_hits()
+        t0 = time.time()
+        warm_s, warm = await timed(b, warm_ids)
+        breakdown = mesh.storage_calls(t0, time.time())
+        other = await salted(b, warm_ids, f"tenant-{seed}")
+        if "salted_tokens" in other:
+            other["salted_equals_a"] = other.pop("salted_tokens") == on_a.tokens
+        reps.append({
+            **breakdown,
+            "cold_ms": 1e3 * cold_s, "warm_ms": 1e3 * warm_s,
+            "cold_cached_tokens": cold.usage.cached_tokens,
+            "warm_cached_tokens": warm.usage.cached_tokens,
+            "store_pages_read": mesh.store_hits() - hits, "warm_equals_a": warm.tokens == on_a.tokens,
+            **other,
+        })  # fmt: skip
+        print(
+            json.dumps({"backend": mesh.backend, "length": length, **reps[-1]}),
+            file=sys.stderr,
+            flush=True,
+        )
+    cold_ms = statistics.median(r["cold_ms"] for r in reps)
+    warm_ms = statistics.median(r["warm_ms"] for r in reps)
+    return {
+        "backend": mesh.backend, "prefix_tokens": length, "cold_ms": cold_ms, "warm_ms": warm_ms,
+        "speedup": cold_ms / warm_ms,
+        "warm_cached_tokens": statistics.median(r["warm_cached_tokens"] for r in reps),
+        "outputs_equal": all(r["warm_equals_a"] for r in reps),
+        # Another tenant's request of the same prompt: nothing cached for it, the same answer.
+        "salt_isolated": all(r.get("salted_cached_tokens", 0) == 0 for r in reps),
+        "salted_outputs_equal": all(r.get("salted_equals_a", True) for r in reps),
+        "salted_refused": sorted({r["salted_refused"] for r in reps if "salted_refused" in r}),
+        "reps": reps,
+    }  # fmt: skip
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -242,6 +262,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "warm_ms" in r]
     lengths = sorted({r["prefix_tokens"] for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.2
@@ -278,6 +299,12 @@ def main() -> int:
     p.add_argument(
         "--sglang-arg", action="append", default=[], help="one more SGLang flag or value, repeatable"
     )
+    p.add_argument(
+        "--store-arena-bytes",
+        type=int,
+        default=4 << 30,
+        help="the Xavier store's arena (default 4 GiB: every prefix of the run without eviction)",
+    )
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/sglang-hicache"))
     args = p.parse_args()
@@ -300,6 +327,7 @@ def main() -> int:
     for n in args.lengths:
         x = next((r for r in rows if r["backend"] == "xavier" and r["prefix_tokens"] == n), None)
         f = next((r for r in rows if r["backend"] == "file" and r["prefix_tokens"] == n), None)
+        x, f = (r if r and "warm_ms" in r else None for r in (x, f))
         if x and f:
             report[f"xavier_warm_over_file_warm_{n}"] = f["warm_ms"] / x["warm_ms"]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -210,8 +210,12 @@ async def test_abort_mid_copy_waits_for_the_copy_and_never_blocks_the_loop(sourc
                 t.fill_(attempt + 1)
             torch.cuda.synchronize(pool[0].device)
             assert all(bool((t == attempt + 1).all()) for t in pool), seen  # nothing wrote them afterwards
-            # The source hears "fail" (it may reuse its pages), and only now.
-            assert await source.call("wait", room) == "fail", seen
+            # The source hears how the copy ended, and only now: "fail" for a copy the cancel caught in
+            # flight (it may reuse its pages); a copy that had already ended when the pull was cancelled
+            # read every page, and may be told either.
+            verdict = await source.call("wait", room)
+            in_flight = bool(handles) and not any(done_at_cancel)
+            assert verdict == "fail" if in_flight else verdict in ("done", "fail"), f"{verdict!r}: {seen}"
             await source.call("unpublish", room, False)
         assert in_flight_at_cancel > 0, "no attempt cancelled a pull while its copy was still running"
         # And a full pull right after still works, bitwise.
