@@ -147,6 +147,31 @@ def test_which_steps_take_the_rows(engine_factory: Factory) -> None:
     assert runner.accepts([(decode, 1)]) and not runner.accepts([item(32, 8)])
 
 
+def test_a_chunk_whose_rows_would_gather_too_much_takes_the_general_forward(engine_factory: Factory) -> None:
+    """Each row of a chunk gathers the request's keys again: past `chunk_gather_bytes` per layer the chunk
+    takes the general forward, which gathers them once. Decode rows are never held to it."""
+    engine = engine_factory("llama")
+    model = engine.model
+    assert isinstance(model, CausalLM)
+    pool = engine.kv_pool
+    k = pool.k[0]
+    key_bytes = 2 * k[0].numel() * k.element_size()
+    prompt = prompt_of(engine, 40)
+    chunk = _request(engine, "r", prompt, [0, 1, 2])
+    chunk.num_computed = 32  # 8 rows, positions 32-39: 3 pages, the 4-page floor bucket
+    decode = _request(engine, "d", prompt, [0, 1, 2])
+    decode.num_computed = 39
+    wants = 8 * 4 * pool.page_size * key_bytes
+    runner = DecodeRunner(model, pool, use_graphs=False, max_rows=8)
+    assert runner.gather_bytes((8, 4)) == wants
+    runner.chunk_gather_bytes = wants
+    assert runner.accepts([(chunk, 8)])
+    runner.chunk_gather_bytes = wants - 1
+    assert not runner.accepts([(chunk, 8)])
+    runner.chunk_gather_bytes = 0  # decode rows are not held to it
+    assert runner.accepts([(decode, 1)]) and not runner.accepts([(chunk, 8)])
+
+
 Served = list[tuple[int, float, int]]  # (token, logprob, cached tokens) of each event
 
 

@@ -30,6 +30,13 @@ from xavier_core.engine.model import CausalLM, DecodeInputs
 from xavier_core.engine.request import Request, pages_for
 
 _MIN_PAGES = 4
+CHUNK_GATHER_BYTES = 64 << 20
+"""Default bound on the K/V bytes per layer that a prefill chunk's rows gather (rows x their page bucket's
+keys x a key's K and V bytes). Every row of a chunk gathers the request's keys again, so a long prefix
+multiplies the gather by the chunk's rows: a 16-token suffix after 8,000 keys of a 7B-width model gathers
+268 MB per layer as rows, 16.8 MB at the 0.5B shape after 2,000. Past the bound the general forward,
+which gathers the keys once per chunk and attends with the flash kernel, is cheaper than the launches a
+graph saves."""
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -70,11 +77,18 @@ class DecodeRunner:
     """Runs steps through `decode_static`, with CUDA graphs when `use_graphs` (CUDA only).
 
     `max_rows` (the engine's running limit) sets the largest row bucket, the one `capture_all` captures up
-    to; with `chunks` off only decode-only steps are taken.
+    to; with `chunks` off only decode-only steps are taken, and a step with a chunk only while its rows
+    gather at most `chunk_gather_bytes` of K/V per layer (`CHUNK_GATHER_BYTES`).
     """
 
     def __init__(
-        self, model: CausalLM, pool: KvPool, use_graphs: bool, max_rows: int, chunks: bool = True
+        self,
+        model: CausalLM,
+        pool: KvPool,
+        use_graphs: bool,
+        max_rows: int,
+        chunks: bool = True,
+        chunk_gather_bytes: int = CHUNK_GATHER_BYTES,
     ) -> None:
         if use_graphs and pool.device.type != "cuda":
             raise InvalidRequestError(f"CUDA graphs need a CUDA device, not {pool.device}")
@@ -84,6 +98,9 @@ class DecodeRunner:
         self.pool = pool
         self.use_graphs = use_graphs
         self.chunks = chunks
+        self.chunk_gather_bytes = chunk_gather_bytes
+        k = pool.k[0]
+        self._key_bytes = 2 * k[0].numel() * k.element_size()  # one key's K and V in one layer
         self.graphs_captured = 0
         self.steps = 0
         self.prefill_chunks = 0  # prefill chunks run as rows of a step (see `accepts`)
@@ -122,10 +139,20 @@ class DecodeRunner:
             if not self.chunks or req.num_computed == 0:
                 return False
             has_chunk = True
-        if not has_chunk or not self.use_graphs:
+        if not has_chunk:
             return True
-        slot = self._slots.get(self._bucket(_rows(items)))
+        key = self._bucket(_rows(items))
+        if self.gather_bytes(key) > self.chunk_gather_bytes:
+            return False
+        if not self.use_graphs:
+            return True
+        slot = self._slots.get(key)
         return slot is not None and slot.graph is not None
+
+    def gather_bytes(self, key: tuple[int, int]) -> int:
+        """K/V bytes per layer that the rows of a (rows, pages) bucket gather (each row its page bucket)."""
+        rows, pages = key
+        return rows * pages * self.pool.page_size * self._key_bytes
 
     def run(self, items: Sequence[tuple[Request, int]]) -> torch.Tensor:
         """Float32 logits of one step that `accepts` took (writes every row's K/V): one row per item that

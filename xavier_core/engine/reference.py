@@ -32,7 +32,7 @@ from xavier_core.engine.api import (
     TokenEvent,
 )
 from xavier_core.engine.checkpoint import ModelConfig, load_config, load_weights, resolve_dtype
-from xavier_core.engine.decode_graph import DecodeRunner
+from xavier_core.engine.decode_graph import CHUNK_GATHER_BYTES, DecodeRunner
 from xavier_core.engine.engine_loop import EngineLoop
 from xavier_core.engine.errors import CheckpointError, EngineClosedError, RequestAbortedError
 from xavier_core.engine.kv_pool import KvPool
@@ -89,6 +89,7 @@ class ReferenceEngine:
         cuda_graphs: bool = True,
         static_chunks: bool = True,
         max_queued: int = 1024,
+        chunk_gather_bytes: int = CHUNK_GATHER_BYTES,
     ) -> None:
         if max_running < 1 or chunk_tokens < 1 or max_queued < 1:
             raise InvalidRequestError(
@@ -113,7 +114,7 @@ class ReferenceEngine:
         # general forward for every step. A NullLM has no static-shape path: forward only.
         decoder = None
         if pool.device.type == "cuda" and isinstance(model, CausalLM):
-            decoder = DecodeRunner(model, pool, cuda_graphs, max_running, chunks=static_chunks)
+            decoder = DecodeRunner(model, pool, cuda_graphs, max_running, static_chunks, chunk_gather_bytes)
         # The loop only calls `forward`, which both models offer.
         self._loop = EngineLoop(model, pool, self._sched, self._cache, decoder)
         self._lock = self._loop.lock
@@ -135,6 +136,7 @@ class ReferenceEngine:
         compute: str = "model",
         max_queued: int = 1024,
         static_chunks: bool = True,
+        chunk_gather_bytes: int = CHUNK_GATHER_BYTES,
     ) -> ReferenceEngine:
         """Loads a checkpoint directory and starts the engine loop.
 
@@ -143,9 +145,10 @@ class ReferenceEngine:
         prefix key chain; by default a SHA-256 of config.json, the dtype and the page size. On CUDA,
         decode steps run from CUDA graphs unless `cuda_graphs` is False (then the same static-shape
         decode runs eagerly), and so do short prefill chunks after cached keys (a prefix hit's suffix: one
-        decode row per token, `DecodeRunner.accepts`) unless `static_chunks` is False; on the CPU both
-        flags have no effect. Past `max_queued` requests waiting for their first step, `generate` and
-        `prefill` raise `EngineBusyError`.
+        decode row per token, `DecodeRunner.accepts`) unless `static_chunks` is False or the rows would
+        gather more than `chunk_gather_bytes` of K/V per layer; on the CPU these have no effect. Past
+        `max_queued` requests waiting for their first step, `generate` and `prefill` raise
+        `EngineBusyError`.
 
         `compute="null"` serves a `NullLM` built from config.json alone (no weights are read; the tokenizer
         still is): deterministic K/V and logits at near-zero cost, for measuring everything around the
@@ -190,6 +193,7 @@ class ReferenceEngine:
             cuda_graphs=cuda_graphs,
             static_chunks=static_chunks,
             max_queued=max_queued,
+            chunk_gather_bytes=chunk_gather_bytes,
         )
         engine.model_dir = path
         return engine

@@ -33,6 +33,10 @@ class EngineSection(_Section):
     """Requests waiting for their first step beyond which new generate/prefill calls are refused with
     RESOURCE_EXHAUSTED / ENGINE_QUEUE_FULL (decodes of already prefilled requests are never refused)."""
     chunk_tokens: int = Field(default=2048, ge=16, le=1 << 20)
+    chunk_gather_bytes: int = Field(default=64 << 20, ge=0, le=1 << 40)  # decode_graph.CHUNK_GATHER_BYTES
+    """On CUDA, a prefill chunk after cached keys (a prefix hit's suffix) replays the decode graphs, one
+    row per token, only while those rows gather at most this many K/V bytes per layer; a longer context
+    takes the general forward, which gathers it once. 0: never as rows."""
     compute: Literal["model", "null"] = "model"
     """What each step runs: "model", the checkpoint's forward pass; "null", a near-zero-cost stand-in (no
     weights loaded) inside the otherwise real engine, for control-plane benchmarks. Null peers have their

@@ -68,6 +68,7 @@ def load_engine(config: PeerServiceConfig) -> Engine:
         num_pages=e.num_pages,
         max_running=e.max_running,
         chunk_tokens=e.chunk_tokens,
+        chunk_gather_bytes=e.chunk_gather_bytes,
         compute=e.compute,
         max_queued=e.max_queued,
     )
