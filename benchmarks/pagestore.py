@@ -1,5 +1,11 @@
 """Page store: get and put GB/s through NIXL against page count and local run length, with baselines.
 
+Gets read the store by `--read-path`: `mapped` (the client's default on the store's host: copies out of
+the store's arena mapped read-only, `xavier_core/pagestore/mapped.py`), `nixl` (NIXL READs; the only path
+before, and this benchmark's output with `--read-path nixl`), or both, one client each taking turns in
+every rep, reported as one point per path (`read_path`; `get_nixl_gbps` / `get_nixl_ms` are then the
+get's read step on that path).
+
 Starts a real `xavier-pagestore` process and drives it with one `PageStoreClient` in this process, whose
 pool is shaped like a KV pool (per layer a K and a V buffer). Local pages are placed in runs of
 `--run-lengths` pages (runs apart from each other), so a run length of 1 is one NIXL descriptor per page
@@ -37,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help=f"a fetch READs in pieces of about this many bytes (say {PIECE_BYTES}), each checked while the "
         "next moves (0, the store client's default: one READ per store call)",
+    )
+    p.add_argument(
+        "--read-path",
+        default="mapped,nixl",
+        help="how the GB/s part's gets read the store (same host): mapped (copies out of its arena, the "
+        "client's default), nixl (NIXL READs: this benchmark before --read-path), or both (one client "
+        "each, taking turns in every rep); the TTFT replicas read by the first",
     )
     p.add_argument(
         "--stage-host-pool",
@@ -162,10 +176,105 @@ async def unchecked_get(
         client._verifier = real  # type: ignore[method-assign]
 
 
+@dataclasses.dataclass
+class Probe:
+    """One client reading by one path (`--read-path`), with the timers wrapped around it."""
+
+    path: str
+    client: PageStoreClient
+    nixl_times: list[float] = dataclasses.field(default_factory=list)  # each NIXL WRITE alone
+    stage_times: list[float] = dataclasses.field(default_factory=list)  # each mirror copy
+
+
+def probe(address: str, bufs: list[KvBuffer], path: str, args: argparse.Namespace, pages: int) -> Probe:
+    """A client whose gets take `path` (mapped: copies out of the store's arena; nixl: NIXL READs)."""
+    settings = client_module.ClientSettings(
+        rpc_timeout_s=30,
+        transfer_timeout_s=60,
+        staging_pages=pages,
+        stage_host_pool=args.stage_host_pool,
+        read_piece_bytes=args.read_piece_bytes,
+        same_host_reads=path == "mapped",
+    )
+    out = Probe(path, PageStoreClient(address, bufs, settings))
+    real_move = out.client.conn.move
+
+    def timed_move(*a: Any) -> None:  # the NIXL transfer alone (a worker thread)
+        t = time.perf_counter()
+        real_move(*a)
+        out.nixl_times.append(time.perf_counter() - t)
+
+    out.client.conn.move = timed_move  # type: ignore[method-assign,assignment]
+    if out.client.staging is not None:
+        staging = out.client.staging
+        real_copy = staging._copy
+
+        def timed_copy(*a: Any, **kw: Any) -> None:
+            t = time.perf_counter()
+            real_copy(*a, **kw)
+            out.stage_times.append(time.perf_counter() - t)
+
+        staging._copy = timed_copy  # type: ignore[method-assign]
+    return out
+
+
+async def one_rep(
+    p: Probe, prompt: int, pages: list[int], count: int, checked_first: bool, got: dict[str, list[float]]
+) -> None:
+    """A put of `count` fresh pages, then their get with and without its checks (in the order given),
+    each sample appended to `got` under its name."""
+    client = p.client
+    ns = PageNamespace("bench", str(prompt))
+    keys = keys_for(prompt, count)
+    p.nixl_times.clear()
+    p.stage_times.clear()
+    before = dataclasses.replace(client.counters)
+    t = time.perf_counter()
+    if await client.write(ns, keys, pages) != count:
+        raise RuntimeError("put did not commit every page")
+    got["put_t"].append(time.perf_counter() - t)
+    got["put_d"].append(client.counters.write_descriptors - before.write_descriptors)
+    got["put_x"].append(p.nixl_times[-1])
+    got["put_s"].append(sum(p.stage_times))
+    # The same get without its checks, in the same rep, the two in alternating order: what verification
+    # adds to a get is the difference of the two.
+    for checked in (True, False) if checked_first else (False, True):
+        if not checked:
+            t = time.perf_counter()
+            await unchecked_get(client, ns, keys, pages, count)
+            got["get_u"].append(time.perf_counter() - t)
+            await client.flush()
+            continue
+        steps = fetch_steps()
+        before = dataclasses.replace(client.counters)  # after the unchecked get, when that went first
+        t = time.perf_counter()
+        if await client.lookup_and_fetch(ns, keys, pages) != count:
+            raise RuntimeError("get did not hit every page")
+        got["get_t"].append(time.perf_counter() - t)
+        got["get_d"].append(client.counters.read_descriptors - before.read_descriptors)
+        got["get_m"].append(client.counters.mapped_reads - before.mapped_reads)
+        spent = {k: v - steps[k] for k, v in fetch_steps().items()}
+        # The client's own clock (`xavier_pagestore_client_fetch_seconds{step}`): with the READ in
+        # pieces, the checks of landed pieces overlap the READ of the next.
+        got["get_x"].append(spent["read"])
+        got["get_s"].append(spent["stage_copy"])
+        got["get_r"].append(spent["get_pages"])
+        got["get_c"].append(spent["verify"])
+        await client.flush()  # the lease release the get did not wait for
+
+
+def read_paths(args: argparse.Namespace) -> list[str]:
+    paths = [x.strip() for x in args.read_path.split(",") if x.strip()]
+    if not paths or any(x not in ("mapped", "nixl") for x in paths) or len(set(paths)) != len(paths):
+        raise SystemExit(f"--read-path takes mapped, nixl or both, got {args.read_path!r}")
+    return paths
+
+
 async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
     seg = args.segment_bytes
     counts = [int(x) for x in args.pages.split(",")]
     runs = [int(x) for x in args.run_lengths.split(",")]
+    paths = read_paths(args)
     pool_pages = 2 * max(counts) + max(runs)
     rng = np.random.default_rng(args.seed)
     pool = [rng.integers(0, 256, pool_pages * seg, dtype=np.uint8) for _ in range(2 * args.layers)]
@@ -176,34 +285,7 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
 
         keep = [torch.from_numpy(a).to(args.pool_device) for a in pool]
         bufs = [KvBuffer(t.data_ptr(), t.numel(), seg, str(t.device)) for t in keep]
-    settings = client_module.ClientSettings(
-        rpc_timeout_s=30,
-        transfer_timeout_s=60,
-        staging_pages=max(counts),
-        stage_host_pool=args.stage_host_pool,
-        read_piece_bytes=args.read_piece_bytes,
-    )
-    client = PageStoreClient(address, bufs, settings)
-    nixl_times: list[float] = []
-    stage_times: list[float] = []
-    real_move = client.conn.move
-
-    def timed_move(*a: Any) -> None:  # the NIXL transfer alone (a worker thread)
-        t = time.perf_counter()
-        real_move(*a)
-        nixl_times.append(time.perf_counter() - t)
-
-    client.conn.move = timed_move  # type: ignore[method-assign,assignment]
-    if client.staging is not None:
-        staging = client.staging
-        real_copy = staging._copy
-
-        def timed_copy(*a: Any, **kw: Any) -> None:
-            t = time.perf_counter()
-            real_copy(*a, **kw)
-            stage_times.append(time.perf_counter() - t)
-
-        staging._copy = timed_copy  # type: ignore[method-assign]
+    probes = [probe(address, bufs, path, args, max(counts)) for path in paths]
     page_bytes = seg * len(bufs)
     points = []
     prompt = 0
@@ -213,106 +295,87 @@ async def run(args: argparse.Namespace, address: str) -> dict[str, Any]:
                 if run_len > count:
                     continue
                 pages = placement(count, run_len)
-                put_t, put_x, get_t, get_x, put_s, get_s = [], [], [], [], [], []
-                get_r: list[float] = []
-                get_c: list[float] = []
-                get_u: list[float] = []
-                get_d: list[int] = []
-                put_d: list[int] = []
-                for _ in range(args.reps):
-                    prompt += 1
-                    ns = PageNamespace("bench", str(prompt))
-                    keys = keys_for(prompt, count)
-                    nixl_times.clear()
-                    stage_times.clear()
-                    before = dataclasses.replace(client.counters)
-                    t = time.perf_counter()
-                    if await client.write(ns, keys, pages) != count:
-                        raise RuntimeError("put did not commit every page")
-                    put_t.append(time.perf_counter() - t)
-                    put_d.append(client.counters.write_descriptors - before.write_descriptors)
-                    put_x.append(nixl_times[-1])
-                    put_s.append(sum(stage_times))
-                    # The same get without its checks, in the same rep, the two in alternating order:
-                    # what verification adds to a get is the difference of the two.
-                    for checked in (True, False) if len(get_t) % 2 == 0 else (False, True):
-                        if not checked:
-                            t = time.perf_counter()
-                            await unchecked_get(client, ns, keys, pages, count)
-                            get_u.append(time.perf_counter() - t)
-                            await client.flush()
-                            continue
-                        steps = fetch_steps()
-                        t = time.perf_counter()
-                        if await client.lookup_and_fetch(ns, keys, pages) != count:
-                            raise RuntimeError("get did not hit every page")
-                        get_t.append(time.perf_counter() - t)
-                        get_d.append(client.counters.read_descriptors - before.read_descriptors)
-                        spent = {k: v - steps[k] for k, v in fetch_steps().items()}
-                        # The client's own clock (`xavier_pagestore_client_fetch_seconds{step}`): with the
-                        # READ in pieces, the checks of landed pieces overlap the READ of the next.
-                        get_x.append(spent["read"])
-                        get_s.append(spent["stage_copy"])
-                        get_r.append(spent["get_pages"])
-                        get_c.append(spent["verify"])
-                        await client.flush()  # the lease release the get did not wait for
+                got: dict[str, dict[str, list[float]]] = {p.path: defaultdict(list) for p in probes}
+                for rep in range(args.reps):
+                    # The paths take turns going first, as the checked and unchecked gets do.
+                    for p in probes if rep % 2 == 0 else probes[::-1]:
+                        prompt += 1
+                        await one_rep(
+                            p, prompt, pages, count, len(got[p.path]["get_t"]) % 2 == 0, got[p.path]
+                        )
                 nbytes = count * page_bytes
                 t = time.perf_counter()
                 local_page_checksums(host_bufs, pages)
                 checksum_s = time.perf_counter() - t
                 blake2b_s = blake2b_baseline(host_bufs, pages)
                 memcpy_s = memcpy_baseline(pool, pages, seg, args.reps)
-
-                def gbps(seconds: list[float], n: int = nbytes) -> float:
-                    return n / statistics.median(seconds) / 1e9
-
-                points.append(
-                    {
-                        "pages": count,
-                        "run_length": run_len,
-                        "bytes": nbytes,
-                        # Counted by the client (what it posted), not computed: the local runs times
-                        # the store's runs, per segment.
-                        "descriptors": statistics.median(get_d),
-                        "put_descriptors": statistics.median(put_d),
-                        "put_gbps": gbps(put_t),
-                        "get_gbps": gbps(get_t),
-                        "put_nixl_gbps": gbps(put_x),
-                        "get_nixl_gbps": gbps(get_x),
-                        "memcpy_gbps": nbytes / memcpy_s / 1e9,
-                        "checksum_gbps": nbytes / checksum_s / 1e9,
-                        "blake2b_gbps": nbytes / blake2b_s / 1e9,
-                        # The checksum pass's own time over a get's (pieces checked while the next
-                        # moves count in full) ...
-                        "get_verify_share": statistics.median(get_c) / statistics.median(get_t),
-                        # ... and what it adds: the same gets with and without their checks, same run.
-                        "get_verify_added_share": 1 - statistics.median(get_u) / statistics.median(get_t),
-                        "get_unverified_gbps": gbps(get_u),
-                        "get_unverified_ms": 1e3 * statistics.median(get_u),
-                        "put_ms": 1e3 * statistics.median(put_t),
-                        "get_ms": 1e3 * statistics.median(get_t),
-                        "put_staging_ms": 1e3 * statistics.median(put_s),
-                        "get_staging_ms": 1e3 * statistics.median(get_s),
-                        # Where a get's time goes: the GetPages RPC, the NIXL READ, the checksum pass.
-                        "get_rpc_ms": 1e3 * statistics.median(get_r),
-                        "get_nixl_ms": 1e3 * statistics.median(get_x),
-                        "get_checksum_ms": 1e3 * statistics.median(get_c),
-                        "checksum_ms": 1e3 * checksum_s,
-                    }
-                )
-                print(json.dumps(points[-1]), file=sys.stderr)
-        await client.flush()
-        stats = await client.stats()
+                for p in probes:
+                    points.append(point(got[p.path], p.path, count, run_len, nbytes))
+                    points[-1]["memcpy_gbps"] = nbytes / memcpy_s / 1e9
+                    points[-1]["checksum_gbps"] = nbytes / checksum_s / 1e9
+                    points[-1]["blake2b_gbps"] = nbytes / blake2b_s / 1e9
+                    points[-1]["checksum_ms"] = 1e3 * checksum_s
+                    print(json.dumps(points[-1]), file=sys.stderr)
+        await probes[0].client.flush()
+        stats = await probes[0].client.stats()
     finally:
-        await client.close()
+        for p in probes:
+            await p.client.close()
     return {
         "benchmark": "pagestore",
         "segments": len(bufs),
         "segment_bytes": seg,
         "page_bytes": page_bytes,
         "reps": args.reps,
+        "read_paths": paths,
         "store_leases_after": stats.leases,
         "points": points,
+    }
+
+
+def point(got: dict[str, list[float]], path: str, count: int, run_len: int, nbytes: int) -> dict[str, Any]:
+    """One point's medians for one read path."""
+
+    def gbps(seconds: list[float], n: int = nbytes) -> float:
+        return n / statistics.median(seconds) / 1e9
+
+    def ms(name: str) -> float:
+        return 1e3 * statistics.median(got[name])
+
+    return {
+        "pages": count,
+        "run_length": run_len,
+        "read_path": path,
+        "bytes": nbytes,
+        # Counted by the client (what it posted), not computed: the local runs times the store's runs,
+        # per segment.
+        "descriptors": statistics.median(got["get_d"]),
+        "put_descriptors": statistics.median(got["put_d"]),
+        # The get's READs that were copies out of the mapped arena (its client's counter): 0 over NIXL.
+        "mapped_reads": statistics.median(got["get_m"]),
+        "put_gbps": gbps(got["put_t"]),
+        "get_gbps": gbps(got["get_t"]),
+        "put_nixl_gbps": gbps(got["put_x"]),
+        # The get's "read" step alone: NIXL READs, or the copies out of the mapped arena.
+        "get_nixl_gbps": gbps(got["get_x"]),
+        # The checksum pass's own time over a get's (pieces checked while the next moves count in
+        # full) ...
+        "get_verify_share": statistics.median(got["get_c"]) / statistics.median(got["get_t"]),
+        # ... and what it adds: the same gets with and without their checks, same run.
+        "get_verify_added_share": 1 - statistics.median(got["get_u"]) / statistics.median(got["get_t"]),
+        "get_unverified_gbps": gbps(got["get_u"]),
+        "get_unverified_ms": ms("get_u"),
+        "put_ms": ms("put_t"),
+        "get_ms": ms("get_t"),
+        "put_staging_ms": ms("put_s"),
+        "get_staging_ms": ms("get_s"),
+        # Where a get's time goes: the GetPages RPC, the READ (NIXL or mapped), the checksum pass.
+        "get_rpc_ms": ms("get_r"),
+        "get_nixl_ms": ms("get_x"),
+        "get_checksum_ms": ms("get_c"),
+        # Per rep, for a reader who wants the spread: end-to-end get and its read step.
+        "get_ms_per_rep": [1e3 * x for x in got["get_t"]],
+        "get_read_ms_per_rep": [1e3 * x for x in got["get_x"]],
     }
 
 
@@ -382,6 +445,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         "warm_store_read_descriptors": statistics.median(read_descriptors),
         "warm_store_read_descriptors_per_rep": read_descriptors,
         "read_piece_bytes": args.read_piece_bytes,
+        "read_path": read_paths(args)[0],
         # Where B's fetch of the stored prefix spent its time, per step (medians over the reps, ms):
         # get_pages (lookup + lease, one RPC), read (NIXL, first post to last done), verify (checksums),
         # stage_copy (mirror <-> pool), worker (the thread hop), fetch (all of it, end to end). With the
@@ -436,6 +500,7 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if args.stage_host_pool:
         env["XAVIER_PAGESTORE__STAGE_HOST_POOL"] = "true"
     env["XAVIER_PAGESTORE__READ_PIECE_BYTES"] = str(args.read_piece_bytes)
+    env["XAVIER_PAGESTORE__SAME_HOST_READS"] = str(read_paths(args)[0] == "mapped").lower()
     arena = -(-arena // args.store_chunk_bytes) * args.store_chunk_bytes
     mesh = StoreMesh(model, work, device=args.device, arena=arena, chunk=args.store_chunk_bytes, env=env)
     try:
@@ -504,12 +569,16 @@ def plot(report: dict[str, Any], path: Path) -> None:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         return
+    paths = report.get("read_paths", ["nixl"])
     for ax, op in zip(axes[:2], ("get", "put"), strict=True):
-        for r in runs:
-            pts = [p for p in report["points"] if p["run_length"] == r]
-            x = [p["pages"] for p in pts]
-            ax.plot(x, [p[f"{op}_gbps"] for p in pts], "o-", label=f"{op}, runs of {r}")
-            ax.plot(x, [p[f"{op}_nixl_gbps"] for p in pts], "x--", label=f"NIXL {op} only, runs of {r}")
+        for way in paths if op == "get" else paths[:1]:
+            for r in runs:
+                pts = [p for p in report["points"] if p["run_length"] == r and p.get("read_path", way) == way]
+                x = [p["pages"] for p in pts]
+                via = f", {way}" if op == "get" and len(paths) > 1 else ""
+                read = "read" if way == "mapped" and op == "get" else f"NIXL {op}"
+                ax.plot(x, [p[f"{op}_gbps"] for p in pts], "o-", label=f"{op}, runs of {r}{via}")
+                ax.plot(x, [p[f"{op}_nixl_gbps"] for p in pts], "x--", label=f"{read} only, runs of {r}{via}")
         base = [p for p in report["points"] if p["run_length"] == runs[-1]] or report["points"]
         ax.plot([p["pages"] for p in base], [p["memcpy_gbps"] for p in base], "k:", label="local memcpy")
         ax.plot([p["pages"] for p in base], [p["checksum_gbps"] for p in base], "k-.", label="XXH3-128 pass")
@@ -546,7 +615,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     counts = [int(x) for x in args.pages.split(",")]
     page_bytes = args.segment_bytes * 2 * args.layers
-    arena = (sum(counts) * len(args.run_lengths.split(",")) * args.reps + 64) * page_bytes
+    arena = (
+        sum(counts) * len(args.run_lengths.split(",")) * args.reps * len(read_paths(args)) + 64
+    ) * page_bytes
     chunk = max(16 << 20, page_bytes)
     report: dict[str, Any] = {"benchmark": "pagestore", "points": []}
     with tempfile.TemporaryDirectory() as work:

@@ -43,7 +43,9 @@ def _idle(address: str) -> bool:
 async def _read(address: str, ns: PageNamespace, keys: list[bytes]) -> tuple[int, int, list[str]]:
     """A fresh reader's fetch of `keys` into pages 20..: (hit, errors counted, digests of the pages)."""
     pool = make_pool(None)
-    reader = PageStoreClient(address, buffers(pool), ClientSettings(transfer_timeout_s=5.0))
+    reader = PageStoreClient(
+        address, buffers(pool), ClientSettings(transfer_timeout_s=5.0, same_host_reads=False)
+    )
     dest = list(range(20, 20 + len(keys)))
     try:
         hit = (await reader.fetch(ns, keys, lambda n: dest[:n])).hit

@@ -13,7 +13,9 @@ store can only ever make a request faster:
   noticed in the next response and reloaded, and the gRPC channel reconnects by itself.
 
 A pool on a GPU goes through `HostStaging`: NIXL and the checksums see its pinned host mirror, and pages
-move between the pool and the mirror around each READ and WRITE (see `staging`).
+move between the pool and the mirror around each READ and WRITE (see `staging`). A store on this host is
+read by copying out of its arena, mapped read-only, instead of NIXL READs (`mapped`;
+`ClientSettings.same_host_reads`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ class ClientSettings:
     the mirror's per-piece copies), so they are for hosts where the check, not the copy, dominates."""
     log_interval_s: float = 30.0
     """While the store keeps failing, at most one log line per this many seconds (see `trouble`)."""
+    same_host_reads: bool = True
+    """Read a store on this host by mapping its arena's memory file read-only and copying the leased pages
+    out of it on a few threads (`mapped`), not with NIXL READs; the checks and staging after the read are
+    the same. Off, or where the mapping cannot be made (another host, PID namespace or permission), every
+    READ goes over NIXL."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,7 @@ class PageStoreClient:
             name=name or f"pagestore-client-{os.getpid()}-{uuid.uuid4().hex[:8]}",
             rpc_timeout_s=self.settings.rpc_timeout_s,
             transfer_timeout_s=self.settings.transfer_timeout_s,
+            same_host_reads=self.settings.same_host_reads,
         )
         self.counters = ClientCounters()
         self._metrics = client_metrics()
@@ -290,6 +298,9 @@ class PageStoreClient:
             pieces = self._pieces(_head(resp.spans, len(pages)), local)
             sums = list(resp.checksums[: len(pages)])
             self.counters.reads += len(pieces)
+            if store.arena is not None:
+                self.counters.mapped_reads += len(pieces)
+            self._metrics.reads.labels("mapped" if store.arena is not None else "nixl").inc(len(pieces))
             self.counters.read_descriptors += sum(rows.shape[0] for *_, rows in pieces)
             verify = self._verifier(local, pages, sums)
             corrupt = await self._off_loop(

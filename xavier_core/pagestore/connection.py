@@ -5,6 +5,10 @@ one typed method per RPC, each with a deadline and its error mapped to `XavierEr
 endpoint is loaded once per store instance (a restarted store answers with a new instance, and its old
 agent is dropped); a NIXL READ or WRITE is posted and waited for, and one that ends otherwise raises
 `PeerError`, or `TransferStuck` when NIXL refused to cancel it. The gRPC channel reconnects by itself.
+
+A store on this host offers its arena's memory file with its endpoint; unless `same_host_reads` is off
+the connection maps it with the endpoint (`mapped`), and a READ posted for that store instance is then a
+copy out of the mapping, posted and waited for the same way; the mapping goes with the store's agent.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy.typing as npt
 from xavier.v1 import page_store_service_pb2 as pb
 from xavier.v1 import page_store_service_pb2_grpc as pb_grpc
 
+from xavier_core.pagestore.mapped import MappedCopy, SharedArena, map_shared_arena
 from xavier_core.pagestore.metrics import client_metrics
 from xavier_core.pagestore.nixl import (
     CLIENT_UCX_ENV,
@@ -36,7 +41,7 @@ from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.errors import PeerError
 from xavier_core.transfer.nixl.xfer import Transfer
 
-__all__ = ["StoreConnection", "StorePeer", "TransferStuck"]
+__all__ = ["Posted", "StoreConnection", "StorePeer", "TransferStuck"]
 
 log = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -52,6 +57,12 @@ class StorePeer:
     instance: str
     agent_name: str
     max_keys: int
+    arena: SharedArena | None = None
+    """The store's arena mapped into this process (a store on this host), which its READs copy from."""
+
+
+Posted = Transfer | MappedCopy
+"""A READ or WRITE under way: a NIXL transfer, or a copy out of a mapped arena."""
 
 
 class TransferStuck(PeerError):
@@ -77,8 +88,10 @@ class StoreConnection:
         name: str,
         rpc_timeout_s: float,
         transfer_timeout_s: float,
+        same_host_reads: bool = True,
     ) -> None:
         self.address = address
+        self.same_host_reads = same_host_reads
         self.agent = PageAgent(name, buffers, CLIENT_UCX_ENV)
         self._rpc_timeout_s = rpc_timeout_s
         self._transfer_timeout_s = transfer_timeout_s
@@ -153,14 +166,36 @@ class StoreConnection:
                     f"{TCP_SEGMENT_BYTES}"
                 )
             name = await asyncio.to_thread(self.agent.add_remote, resp.endpoint.agent_metadata)
-            self._store = StorePeer(instance, name, int(resp.max_keys_per_call) or _KEYS_PER_CALL)
-            log.info("page store endpoint loaded: instance %s agent %s", instance, name)
+            arena = await asyncio.to_thread(self._map_arena, resp) if self.same_host_reads else None
+            self._store = StorePeer(instance, name, int(resp.max_keys_per_call) or _KEYS_PER_CALL, arena)
+            log.info(
+                "page store endpoint loaded: instance %s agent %s, reads %s",
+                instance,
+                name,
+                "copied from its mapped arena" if arena is not None else "over NIXL",
+            )
             return self._store
 
+    @staticmethod
+    def _map_arena(resp: pb.GetStoreEndpointResponse) -> SharedArena | None:
+        """The arena of a store on this host, mapped; None (its READs go over NIXL) where the store offers
+        none or it cannot be mapped, logged once per store instance."""
+        if not resp.HasField("shared_arena") or len(resp.endpoint.regions) != 1:
+            return None
+        region = resp.endpoint.regions[0]
+        try:
+            shared = resp.shared_arena
+            return map_shared_arena(shared, resp.store_instance, region.base_address, region.length)
+        except (OSError, PeerError, ValueError) as exc:
+            log.info("page store %s: read over NIXL, its arena not mapped: %s", resp.store_instance, exc)
+            return None
+
     def forget_store(self, store: StorePeer) -> None:
-        """Drops `store`'s NIXL agent; the next transfer reloads the endpoint."""
+        """Drops `store`'s NIXL agent and arena mapping; the next transfer reloads the endpoint."""
         if self._store is store:
             self._store = None
+        if store.arena is not None:
+            store.arena.close()  # unmapped once the copies out of it under way have ended
         try:
             with self.agent.lock:
                 self.agent.remove_remote(store.agent_name)
@@ -171,14 +206,20 @@ class StoreConnection:
         """Posts one NIXL transfer and waits for it (a worker thread); raises `PeerError` unless DONE."""
         self.settle(op, self.post(op, store, rows), rows, pages)
 
-    def post(self, op: Op, store: StorePeer, rows: npt.NDArray[np.uint64]) -> Transfer:
-        """Posts one NIXL transfer of `rows` with the transfer deadline; `settle` waits for its end."""
+    def post(self, op: Op, store: StorePeer, rows: npt.NDArray[np.uint64]) -> Posted:
+        """Posts one transfer of `rows`: a READ of a mapped arena is a copy out of it, anything else a
+        NIXL transfer with the transfer deadline; `settle` waits for its end."""
+        if op == "READ" and store.arena is not None:
+            return store.arena.copy(rows)
         return self.agent.post(op, rows, store.agent_name, self._transfer_timeout_s)
 
-    def settle(self, op: Op, xfer: Transfer, rows: npt.NDArray[np.uint64], pages: int) -> None:
-        """Waits for a posted transfer to end (its own deadline bounds the wait); raises `PeerError`
-        unless it ended DONE, `TransferStuck` when NIXL refused to cancel it."""
-        state = wait(xfer)
+    def settle(self, op: Op, xfer: Posted, rows: npt.NDArray[np.uint64], pages: int) -> None:
+        """Waits for a posted transfer to end (a NIXL one's own deadline bounds the wait, a copy has none
+        and needs none); raises `PeerError` unless it ended DONE, `TransferStuck` when NIXL refused to
+        cancel it."""
+        state = xfer.wait() if isinstance(xfer, MappedCopy) else wait(xfer)
+        if isinstance(xfer, MappedCopy) and state != "DONE":
+            raise PeerError(f"copying {pages} pages out of the mapped arena ended {state}")
         if state != "DONE":
             if xfer.in_flight:  # NIXL refused to cancel: the pages may still change under the caller
                 log.error("page store: a timed-out NIXL %s could not be cancelled", op)
@@ -196,7 +237,9 @@ class StoreConnection:
             raise
 
     async def close(self) -> None:
-        """Closes the channel and the NIXL agent."""
+        """Closes the channel, the arena mapping and the NIXL agent."""
+        if self._store is not None and self._store.arena is not None:
+            self._store.arena.close()
         if self._channel is not None:
             await self._channel.close()
         await asyncio.to_thread(self.agent.close)

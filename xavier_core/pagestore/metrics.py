@@ -24,9 +24,11 @@ class ClientCounters:
     writes_failed: int = 0
     errors: int = 0
     reads: int = 0
-    """NIXL READs posted (one per piece of a store call of a fetch that hit: `reading`)."""
+    """READs posted (one per piece of a store call of a fetch that hit: `reading`), NIXL or mapped."""
+    mapped_reads: int = 0
+    """Those of them copied out of the store's mapped arena (a store on this host), not NIXL READs."""
     read_descriptors: int = 0
-    """NIXL descriptors those READs carried: one per stretch contiguous on both sides, per segment."""
+    """Descriptors those READs carried: one per stretch contiguous on both sides, per segment."""
     writes: int = 0
     """NIXL WRITEs posted."""
     write_descriptors: int = 0
@@ -44,6 +46,7 @@ class ClientMetrics:
     errors: Counter
     transfer_bytes: Counter
     transfer_descriptors: Counter
+    reads: Counter
     fetch_seconds: Counter
 
 
@@ -62,11 +65,22 @@ def _make_client_metrics(reg: CollectorRegistry) -> ClientMetrics:
             ("op", "reason"),
             registry=reg,
         ),
-        Counter(p + "transfer_bytes", "Bytes moved with NIXL.", ("op",), registry=reg),
+        Counter(
+            p + "transfer_bytes",
+            "Bytes moved by READs and WRITEs (NIXL, or copies out of a mapped arena).",
+            ("op",),
+            registry=reg,
+        ),
         Counter(
             p + "transfer_descriptors",
-            "NIXL descriptors posted (a stretch of pages contiguous on both sides, per segment).",
+            "Descriptors posted, NIXL or mapped (a stretch of pages contiguous on both sides, per segment).",
             ("op",),
+            registry=reg,
+        ),
+        Counter(
+            p + "reads",
+            "READs of fetched pages, by path: mapped (copied out of a same-host store's arena) or nixl.",
+            ("path",),
             registry=reg,
         ),
         Counter(
@@ -93,7 +107,7 @@ FETCH_STEPS = (
     "endpoint",  # the store's NIXL endpoint, once per store instance
     "allocate",  # local pool pages for the hits (the caller's allocator)
     "stage_slots",  # leasing slots of the host mirror (a device pool)
-    "read",  # NIXL READs, posted to the last one done
+    "read",  # READs (NIXL, or copies out of a mapped arena), posted to the last one done
     "verify",  # checksums of the fetched pages
     "stage_copy",  # copies between the mirror and the pool (a device pool)
     "worker",  # the worker-thread hop around READ, verification and copies, less those steps

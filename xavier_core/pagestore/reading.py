@@ -1,7 +1,8 @@
 """The READ of one fetch call in pieces: each piece verified as soon as it lands, while the next moves.
 
 A fetch call's pages are cut into pieces of about `PIECE_BYTES` (`ClientSettings.read_piece_bytes`);
-each piece is one NIXL READ of its own descriptors, and the next piece is posted before the current one
+each piece is one READ of its own descriptors (NIXL's, or a copy out of a store's mapped arena: see
+`mapped`), and the next piece is posted before the current one
 is waited for, so the wire has no gap between pieces. A landed piece is checked (and, for a device pool,
 copied to the pool) on the verify threads while later pieces are still on the wire: the checksum pass,
 which once followed the whole READ, overlaps it wherever the host has cores to spare, and only the last
@@ -22,11 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import numpy.typing as npt
 
-from xavier_core.pagestore.connection import StoreConnection, StorePeer, TransferStuck
+from xavier_core.pagestore.connection import Posted, StoreConnection, StorePeer, TransferStuck
 from xavier_core.pagestore.layout import Span
 from xavier_core.pagestore.metrics import StepClock
 from xavier_core.transfer.common.errors import PeerError
-from xavier_core.transfer.nixl.xfer import Transfer
 
 __all__ = ["PIECE_BYTES", "Verify", "cut_spans", "piece_bounds", "read_in_pieces"]
 
@@ -82,7 +82,7 @@ def read_in_pieces(
     failed. Blocking: run it off the event loop. Raises `PeerError` (`TransferStuck` when a READ could
     not be cancelled) once every piece has ended."""
     started = time.perf_counter()
-    xfers: list[Transfer] = []
+    xfers: list[Posted] = []
     checks: list[tuple[int, Future[tuple[list[int], StepClock]]]] = []
     failure: BaseException | None = None
     landed: float | None = None  # when the last piece ended: the "read" step is the wire's time alone
@@ -121,7 +121,7 @@ def read_in_pieces(
 def _settle_rest(
     conn: StoreConnection,
     pieces: Sequence[tuple[int, int, Rows]],
-    xfers: Sequence[Transfer],
+    xfers: Sequence[Posted],
     failure: BaseException | None,
 ) -> BaseException | None:
     """Waits for every posted READ still running (after a failure); a stuck one outranks any error."""

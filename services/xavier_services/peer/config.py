@@ -132,6 +132,9 @@ class PageStoreSection(_Section):
     stage_host_pool: bool = False
     """Pass a host pool through the mirror too: a GPU pool's exact path on a machine without one (tests,
     benchmarks)."""
+    same_host_reads: bool = True
+    """Read a store on this host by copying out of its arena, mapped read-only, instead of NIXL READs
+    (false: always NIXL; a store elsewhere, or one that cannot be mapped, is read over NIXL anyway)."""
 
 
 class PeerServiceConfig(ServiceConfig):

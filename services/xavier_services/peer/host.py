@@ -188,6 +188,7 @@ class PeerHost:
             staging_pages=ps.staging_pages,
             stage_host_pool=ps.stage_host_pool,
             read_piece_bytes=ps.read_piece_bytes,
+            same_host_reads=ps.same_host_reads,
         )
         name = f"{self.peer_id}-store-{uuid.uuid4().hex[:8]}"
         self.store = PageStoreClient(

@@ -120,6 +120,7 @@ class GetStoreEndpointResponse(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     MAX_KEYS_PER_CALL_FIELD_NUMBER: _builtins.int
     TCP_SEGMENT_BYTES_FIELD_NUMBER: _builtins.int
+    SHARED_ARENA_FIELD_NUMBER: _builtins.int
     store_instance: _builtins.str
     """Identifies this store process; it changes when the store restarts (then the arena is empty)."""
     chunk_bytes: _builtins.int
@@ -134,6 +135,12 @@ class GetStoreEndpointResponse(_message.Message):
     def endpoint(self) -> _types_pb2.TransferEndpoint:
         """NIXL agent metadata and the arena region (one region, device "cpu", bytes_per_page 0)."""
 
+    @_builtins.property
+    def shared_arena(self) -> Global___SharedArena:
+        """How a client on the store's host maps the arena and copies a Get's pages out of it with no NIXL READ;
+        absent when the store cannot offer it (a store of xavier.v1.0, or one without a memory file).
+        """
+
     def __init__(
         self,
         *,
@@ -142,14 +149,64 @@ class GetStoreEndpointResponse(_message.Message):
         chunk_bytes: _builtins.int = ...,
         max_keys_per_call: _builtins.int = ...,
         tcp_segment_bytes: _builtins.int = ...,
+        shared_arena: Global___SharedArena | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "shared_arena", b"shared_arena"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "endpoint", b"endpoint", "max_keys_per_call", b"max_keys_per_call", "store_instance", b"store_instance", "tcp_segment_bytes", b"tcp_segment_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "endpoint", b"endpoint", "max_keys_per_call", b"max_keys_per_call", "shared_arena", b"shared_arena", "store_instance", b"store_instance", "tcp_segment_bytes", b"tcp_segment_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStoreEndpointResponse: _TypeAlias = GetStoreEndpointResponse  # noqa: Y015
+
+@_typing.final
+class SharedArena(_message.Message):
+    """SharedArena lets a client on the store's host map the arena's memory file read-only and copy leased
+    pages straight out of it. The file is `/proc/<pid>/fd/<fd>`: the kernel lets a process open it only if it
+    may read the store's memory anyway (the ptrace read check; a NIXL READ over CMA needs more). The file
+    holds `header_bytes` of header, then the arena: the arena address `a` of a span lies at file offset
+    `header_bytes + (a - arena_base)`. The header starts with the store's `store_instance`, so a client that
+    opened another process's file (another PID namespace) finds out before it copies anything. A client that
+    cannot map the file, or finds another boot_id, reads over NIXL.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    FD_FIELD_NUMBER: _builtins.int
+    HEADER_BYTES_FIELD_NUMBER: _builtins.int
+    ARENA_BYTES_FIELD_NUMBER: _builtins.int
+    ARENA_BASE_FIELD_NUMBER: _builtins.int
+    BOOT_ID_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    """The store's process id, as the store sees it (its PID namespace)."""
+    fd: _builtins.int
+    """The store's file descriptor of the arena's memory file."""
+    header_bytes: _builtins.int
+    """Bytes before the arena in the file: the header (one memory page on the store's host)."""
+    arena_bytes: _builtins.int
+    """Bytes of the arena after the header (the endpoint region's length)."""
+    arena_base: _builtins.int
+    """The arena's address in the store's address space (the endpoint region's base address)."""
+    boot_id: _builtins.str
+    """The store host's /proc/sys/kernel/random/boot_id: a client with another one is on another host."""
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        fd: _builtins.int = ...,
+        header_bytes: _builtins.int = ...,
+        arena_bytes: _builtins.int = ...,
+        arena_base: _builtins.int = ...,
+        boot_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_base", b"arena_base", "arena_bytes", b"arena_bytes", "boot_id", b"boot_id", "fd", b"fd", "header_bytes", b"header_bytes", "pid", b"pid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedArena: _TypeAlias = SharedArena  # noqa: Y015
 
 @_typing.final
 class ExistsPagesRequest(_message.Message):
