@@ -69,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-lengths", default="1,4,64")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--model-cache",
+        type=Path,
+        default=None,
+        help="keep the random checkpoint under this folder and reuse it in later runs of the same shape",
+    )
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--tag", default="")
     p.add_argument("--prefix", type=int, default=2000, help="shared prefix tokens of the TTFT prompts")
@@ -491,7 +497,10 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if args.shape_layers:
         sizes["layers"] = args.shape_layers
     dtype = "float16" if args.device != "cpu" else "float32"
-    model = make_tiny(work / f"{args.shape}-qwen2", "qwen2", seed=args.seed, dtype=dtype, **sizes)
+    name = f"{args.shape}-qwen2" + (f"-{args.shape_layers}l-{dtype}-{args.seed}" if args.model_cache else "")
+    model = (args.model_cache or work) / name
+    if not (model / "model.safetensors").exists():  # a cached checkpoint is written last
+        make_tiny(model, "qwen2", seed=args.seed, dtype=dtype, **sizes)
     # Room in the store for every rep's prefix (no eviction between A's write and B's read).
     geometry = {"layers": 2, "kv_heads": 2, "heads": 4, "hidden": 64, **sizes}
     per_token = 2 * geometry["layers"] * geometry["kv_heads"] * (geometry["hidden"] // geometry["heads"]) * 4
