@@ -7,7 +7,8 @@ fetch steps (the store client's `xavier_pagestore_client_fetch_seconds{step}`: G
 pass, ...) and the same get with its checks taken off (the pages as they land), the two in alternating
 order, so what verification adds to a HiCache get is measured in the same run. The first get of each
 backend loads the store's endpoint and is left out. No GPU: what a get costs in the backend and the
-store client, without SGLang's scheduler beside it.
+store client, without SGLang's scheduler beside it (`--busy-python N` puts N threads of pure Python there,
+as a busy scheduler holds the GIL; `--read-path` picks how B's client reads the store).
 
 Needs the SGLang conformance environment (`tests/sglang/run_conformance.sh` builds it):
 
@@ -25,6 +26,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,14 @@ SHAPES = {  # layers, KV heads, head dim (Qwen2.5's)
 PAGE_TOKENS = 16
 
 
+def _spin(stop: threading.Event) -> None:
+    """Pure Python without a pause (no I/O, no sleep): it gives the GIL up only when asked."""
+    n = 0
+    while not stop.is_set():
+        for i in range(1000):
+            n += i
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
@@ -55,8 +65,26 @@ def main() -> int:
         help="B's store client reads in pieces of this many bytes, each checked while the next moves "
         "(default: the client's own setting)",
     )
+    p.add_argument(
+        "--busy-python",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N threads running Python without pause beside the get, as SGLang's scheduler runs beside "
+        "its HiCache thread (0: none)",
+    )
+    p.add_argument(
+        "--read-path",
+        choices=("default", "mapped", "nixl"),
+        default="default",
+        help="how B's client reads the store: its setting (default), out of the store's mapped arena, or "
+        "by NIXL READs",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hicache-get-cpu")
     args = p.parse_args()
+    stop_busy = threading.Event()
+    for _ in range(args.busy_python):
+        threading.Thread(target=_spin, args=(stop_busy,), daemon=True).start()
     import sglang
 
     import tests.sglang.test_hicache as hc
@@ -81,6 +109,8 @@ def main() -> int:
         a, b = hc.backend(store.address, model, a_pool), hc.backend(store.address, model, b_pool)
         if args.read_piece_bytes is not None:
             b.client.settings = dataclasses.replace(b.client.settings, read_piece_bytes=args.read_piece_bytes)
+        if args.read_path != "default":  # before the first get, which maps the store's arena or not
+            b.client.conn.same_host_reads = args.read_path == "mapped"
         real = b.client._verifier
         for rep in range(args.reps + 1):
             keys = hc.sglang_keys(args.pages, first_token=1_000_000 * (rep + 1))
@@ -109,9 +139,11 @@ def main() -> int:
                 rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         b_settings = b.client.settings.read_piece_bytes
+        mapped_reads = b.client.counters.mapped_reads
         a.close()
         b.close()
     finally:
+        stop_busy.set()
         store.stop()
     get = statistics.median(r["get_ms"] for r in rows)
     plain = statistics.median(r["get_unchecked_ms"] for r in rows)
@@ -122,6 +154,9 @@ def main() -> int:
         "sglang": sglang.__version__,
         "shape": args.shape,
         "pages": args.pages,
+        "busy_python_threads": args.busy_python,
+        "read_path": args.read_path,
+        "mapped_reads": mapped_reads,
         "read_piece_bytes": b_settings,
         "bytes": nbytes,
         "reps": len(rows),
