@@ -75,9 +75,9 @@ def main() -> int:
     )
     p.add_argument(
         "--read-path",
-        choices=("default", "mapped", "nixl"),
+        choices=("default", "direct", "nixl"),
         default="default",
-        help="how B's client reads the store: its setting (default), out of the store's mapped arena, or "
+        help="how B's client reads the store: its setting (default), straight out of the store's memory, or "
         "by NIXL READs",
     )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hicache-get-cpu")
@@ -110,7 +110,7 @@ def main() -> int:
         if args.read_piece_bytes is not None:
             b.client.settings = dataclasses.replace(b.client.settings, read_piece_bytes=args.read_piece_bytes)
         if args.read_path != "default":  # before the first get, which maps the store's arena or not
-            b.client.conn.same_host_reads = args.read_path == "mapped"
+            b.client.conn.same_host_reads = args.read_path == "direct"
         real = b.client._verifier
         for rep in range(args.reps + 1):
             keys = hc.sglang_keys(args.pages, first_token=1_000_000 * (rep + 1))
@@ -139,7 +139,7 @@ def main() -> int:
                 rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         b_settings = b.client.settings.read_piece_bytes
-        mapped_reads = b.client.counters.mapped_reads
+        direct_reads = b.client.counters.direct_reads
         a.close()
         b.close()
     finally:
@@ -156,7 +156,7 @@ def main() -> int:
         "pages": args.pages,
         "busy_python_threads": args.busy_python,
         "read_path": args.read_path,
-        "mapped_reads": mapped_reads,
+        "direct_reads": direct_reads,
         "read_piece_bytes": b_settings,
         "bytes": nbytes,
         "reps": len(rows),

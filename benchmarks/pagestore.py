@@ -1,7 +1,7 @@
 """Page store: get and put GB/s through NIXL against page count and local run length, with baselines.
 
-Gets read the store by `--read-path`: `mapped` (the client's default on the store's host: copies out of
-the store's arena mapped read-only, `xavier_core/pagestore/mapped.py`), `nixl` (NIXL READs; the only path
+Gets read the store by `--read-path`: `direct` (the client's default on the store's host: reads straight
+out of the store process's memory, `xavier_core/pagestore/direct.py`), `nixl` (NIXL READs; the only path
 before, and this benchmark's output with `--read-path nixl`), or both, one client each taking turns in
 every rep, reported as one point per path (`read_path`; `get_nixl_gbps` / `get_nixl_ms` are then the
 get's read step on that path).
@@ -99,8 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--read-path",
-        default="mapped,nixl",
-        help="how the GB/s part's gets read the store (same host): mapped (copies out of its arena, the "
+        default="direct,nixl",
+        help="how the GB/s part's gets read the store (same host): direct (out of its memory, the "
         "client's default), nixl (NIXL READs: this benchmark before --read-path), or both (one client "
         "each, taking turns in every rep); the TTFT replicas read by the first",
     )
@@ -193,14 +193,14 @@ class Probe:
 
 
 def probe(address: str, bufs: list[KvBuffer], path: str, args: argparse.Namespace, pages: int) -> Probe:
-    """A client whose gets take `path` (mapped: copies out of the store's arena; nixl: NIXL READs)."""
+    """A client whose gets take `path` (direct: out of the store's memory; nixl: NIXL READs)."""
     settings = client_module.ClientSettings(
         rpc_timeout_s=30,
         transfer_timeout_s=60,
         staging_pages=pages,
         stage_host_pool=args.stage_host_pool,
         read_piece_bytes=args.read_piece_bytes,
-        same_host_reads=path == "mapped",
+        same_host_reads=path == "direct",
     )
     out = Probe(path, PageStoreClient(address, bufs, settings))
     real_move = out.client.conn.move
@@ -258,7 +258,7 @@ async def one_rep(
             raise RuntimeError("get did not hit every page")
         got["get_t"].append(time.perf_counter() - t)
         got["get_d"].append(client.counters.read_descriptors - before.read_descriptors)
-        got["get_m"].append(client.counters.mapped_reads - before.mapped_reads)
+        got["get_m"].append(client.counters.direct_reads - before.direct_reads)
         spent = {k: v - steps[k] for k, v in fetch_steps().items()}
         # The client's own clock (`xavier_pagestore_client_fetch_seconds{step}`): with the READ in
         # pieces, the checks of landed pieces overlap the READ of the next.
@@ -271,8 +271,8 @@ async def one_rep(
 
 def read_paths(args: argparse.Namespace) -> list[str]:
     paths = [x.strip() for x in args.read_path.split(",") if x.strip()]
-    if not paths or any(x not in ("mapped", "nixl") for x in paths) or len(set(paths)) != len(paths):
-        raise SystemExit(f"--read-path takes mapped, nixl or both, got {args.read_path!r}")
+    if not paths or any(x not in ("direct", "nixl") for x in paths) or len(set(paths)) != len(paths):
+        raise SystemExit(f"--read-path takes direct, nixl or both, got {args.read_path!r}")
     return paths
 
 
@@ -357,12 +357,12 @@ def point(got: dict[str, list[float]], path: str, count: int, run_len: int, nbyt
         # per segment.
         "descriptors": statistics.median(got["get_d"]),
         "put_descriptors": statistics.median(got["put_d"]),
-        # The get's READs that were copies out of the mapped arena (its client's counter): 0 over NIXL.
-        "mapped_reads": statistics.median(got["get_m"]),
+        # The get's READs straight out of the store's memory (its client's counter): 0 over NIXL.
+        "direct_reads": statistics.median(got["get_m"]),
         "put_gbps": gbps(got["put_t"]),
         "get_gbps": gbps(got["get_t"]),
         "put_nixl_gbps": gbps(got["put_x"]),
-        # The get's "read" step alone: NIXL READs, or the copies out of the mapped arena.
+        # The get's "read" step alone: NIXL READs, or the reads straight out of the store's memory.
         "get_nixl_gbps": gbps(got["get_x"]),
         # The checksum pass's own time over a get's (pieces checked while the next moves count in
         # full) ...
@@ -375,7 +375,7 @@ def point(got: dict[str, list[float]], path: str, count: int, run_len: int, nbyt
         "get_ms": ms("get_t"),
         "put_staging_ms": ms("put_s"),
         "get_staging_ms": ms("get_s"),
-        # Where a get's time goes: the GetPages RPC, the READ (NIXL or mapped), the checksum pass.
+        # Where a get's time goes: the GetPages RPC, the READ (NIXL or direct), the checksum pass.
         "get_rpc_ms": ms("get_r"),
         "get_nixl_ms": ms("get_x"),
         "get_checksum_ms": ms("get_c"),
@@ -509,7 +509,7 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if args.stage_host_pool:
         env["XAVIER_PAGESTORE__STAGE_HOST_POOL"] = "true"
     env["XAVIER_PAGESTORE__READ_PIECE_BYTES"] = str(args.read_piece_bytes)
-    env["XAVIER_PAGESTORE__SAME_HOST_READS"] = str(read_paths(args)[0] == "mapped").lower()
+    env["XAVIER_PAGESTORE__SAME_HOST_READS"] = str(read_paths(args)[0] == "direct").lower()
     arena = -(-arena // args.store_chunk_bytes) * args.store_chunk_bytes
     mesh = StoreMesh(model, work, device=args.device, arena=arena, chunk=args.store_chunk_bytes, env=env)
     try:
@@ -585,7 +585,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 pts = [p for p in report["points"] if p["run_length"] == r and p.get("read_path", way) == way]
                 x = [p["pages"] for p in pts]
                 via = f", {way}" if op == "get" and len(paths) > 1 else ""
-                read = "read" if way == "mapped" and op == "get" else f"NIXL {op}"
+                read = "read" if way == "direct" and op == "get" else f"NIXL {op}"
                 ax.plot(x, [p[f"{op}_gbps"] for p in pts], "o-", label=f"{op}, runs of {r}{via}")
                 ax.plot(x, [p[f"{op}_nixl_gbps"] for p in pts], "x--", label=f"{read} only, runs of {r}{via}")
         base = [p for p in report["points"] if p["run_length"] == runs[-1]] or report["points"]

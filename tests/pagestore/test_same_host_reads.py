@@ -1,12 +1,11 @@
-"""Same-host reads: a get from a store process on this host copies the pages out of its arena, mapped
-read-only, and is as exact as a NIXL READ (corrupt pages still dropped as misses); turned off, or where
-the mapping cannot be made (another host, a file that is not the store's arena), the get goes over NIXL;
-a restarted store is mapped anew and the old mapping released."""
+"""Same-host reads: a get from a store process on this host reads the pages straight out of its memory,
+as exactly as a NIXL READ (corrupt pages still dropped as misses); turned off, or where that read cannot
+be made (another host, a process that is not the store instance), the get goes over NIXL; a restarted
+store is checked anew and the old one's arena closed."""
 
 from __future__ import annotations
 
 import asyncio
-import mmap
 import os
 from pathlib import Path
 
@@ -26,9 +25,9 @@ from tests.pagestore.support import (
     stub,
 )
 from tests.support.procs import ServiceProc
-from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient, mapped
+from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient, direct
 from xavier_core.pagestore.connection import StoreConnection
-from xavier_core.pagestore.mapped import HEADER_BYTES, arena_header, map_shared_arena
+from xavier_core.pagestore.direct import arena_tag, open_direct_arena
 from xavier_core.pagestore.metrics import client_metrics
 from xavier_core.transfer.common.errors import PeerError
 
@@ -48,30 +47,30 @@ async def _fetch(
     return hit
 
 
-async def test_a_get_copies_out_of_the_mapped_arena_and_drops_corrupt_pages(store: ServiceProc) -> None:
+async def test_a_get_reads_the_stores_memory_and_drops_corrupt_pages(store: ServiceProc) -> None:
     pool = make_pool(71)
     writer = PageStoreClient(store.address, buffers(pool))
     vandal = PageStoreClient(store.address, buffers(make_pool(72)))
     reader_pool = make_pool(None)
     reader = PageStoreClient(store.address, buffers(reader_pool))
     by_path = client_metrics().reads
-    mapped_before, nixl_before = by_path.labels("mapped")._value.get(), by_path.labels("nixl")._value.get()
+    direct_before, nixl_before = by_path.labels("direct")._value.get(), by_path.labels("nixl")._value.get()
     try:
-        ns = PageNamespace("fp-mapped")
-        keys = chain("fp-mapped", "", 1, 6)
+        ns = PageNamespace("fp-direct")
+        keys = chain("fp-direct", "", 1, 6)
         assert await writer.write(ns, keys, list(range(6))) == 6
         assert await _fetch(reader, reader_pool, ns, keys) == 6
         assert page_digest(reader_pool, list(range(20, 26))) == page_digest(pool, list(range(6)))
-        assert reader.counters.reads == reader.counters.mapped_reads == 1
+        assert reader.counters.reads == reader.counters.direct_reads == 1
         assert reader.conn._store is not None and reader.conn._store.arena is not None
-        assert by_path.labels("mapped")._value.get() == mapped_before + 1
+        assert by_path.labels("direct")._value.get() == direct_before + 1
         assert by_path.labels("nixl")._value.get() == nixl_before
 
-        await scribble(store.address, vandal, "fp-mapped", keys, 3)  # page 3's checksum no longer holds
+        await scribble(store.address, vandal, "fp-direct", keys, 3)  # page 3's checksum no longer holds
         assert await _fetch(reader, reader_pool, ns, keys) == 3
         assert page_digest(reader_pool, list(range(20, 23))) == page_digest(pool, list(range(3)))
-        assert reader.counters.corrupt_pages == 1 and reader.counters.mapped_reads == 2
-        (st,) = ns_stats(store.address, "fp-mapped")
+        assert reader.counters.corrupt_pages == 1 and reader.counters.direct_reads == 2
+        (st,) = ns_stats(store.address, "fp-direct")
         assert st.checksum_failures == 1 and st.pages == 5  # the corrupt page was dropped
     finally:
         for c in (writer, vandal, reader):
@@ -89,7 +88,7 @@ async def test_with_same_host_reads_off_the_get_goes_over_nixl(store: ServicePro
         assert await writer.write(ns, keys, list(range(5))) == 5
         assert await _fetch(reader, reader_pool, ns, keys) == 5
         assert page_digest(reader_pool, list(range(20, 25))) == page_digest(pool, list(range(5)))
-        assert (reader.counters.reads, reader.counters.mapped_reads) == (1, 0)
+        assert (reader.counters.reads, reader.counters.direct_reads) == (1, 0)
         assert reader.conn._store is not None and reader.conn._store.arena is None
     finally:
         await writer.close()
@@ -102,13 +101,13 @@ async def test_a_store_on_another_host_is_read_over_nixl(
     ch, s = stub(store.address)
     with ch:
         endpoint = s.GetStoreEndpoint(pb.GetStoreEndpointRequest(tcp_receive_segment_bytes=256 << 10))
-    assert endpoint.HasField("shared_arena") and endpoint.shared_arena.boot_id == mapped.boot_id()
+    assert endpoint.HasField("direct_arena") and endpoint.direct_arena.boot_id == direct.boot_id()
     elsewhere = pb.GetStoreEndpointResponse()
     elsewhere.CopyFrom(endpoint)
-    elsewhere.shared_arena.boot_id = "another-host"
-    assert StoreConnection._map_arena(elsewhere) is None
+    elsewhere.direct_arena.boot_id = "another-host"
+    assert StoreConnection._direct_arena(elsewhere) is None
 
-    monkeypatch.setattr(mapped, "boot_id", lambda: "another-host")  # as a client on another host sees it
+    monkeypatch.setattr(direct, "boot_id", lambda: "another-host")  # as a client on another host sees it
     pool = make_pool(74)
     writer = PageStoreClient(store.address, buffers(pool))
     reader_pool = make_pool(None)
@@ -119,64 +118,63 @@ async def test_a_store_on_another_host_is_read_over_nixl(
         assert await writer.write(ns, keys, list(range(4))) == 4
         assert await _fetch(reader, reader_pool, ns, keys) == 4
         assert page_digest(reader_pool, list(range(20, 24))) == page_digest(pool, list(range(4)))
-        assert (reader.counters.reads, reader.counters.mapped_reads, reader.counters.errors) == (1, 0, 0)
+        assert (reader.counters.reads, reader.counters.direct_reads, reader.counters.errors) == (1, 0, 0)
     finally:
         await writer.close()
         await reader.close()
 
 
-def test_a_file_that_is_not_the_stores_arena_is_not_mapped() -> None:
+def test_a_process_whose_tag_is_not_the_stores_is_not_read() -> None:
+    """`open_direct_arena` against this very process standing in for a store: its tag must name the store
+    instance asked for and its arena be the endpoint's region; then rows inside the arena are read
+    exactly, and a row outside it, or any after `close`, is refused before anything is read."""
     arena_bytes = 64 << 10
-    fd = os.memfd_create("not-a-store-arena")
-    try:
-        os.ftruncate(fd, HEADER_BYTES + arena_bytes)
-        with mmap.mmap(fd, HEADER_BYTES + arena_bytes) as m:
-            m[: len(arena_header("instance-a"))] = arena_header("instance-a")
-            m[HEADER_BYTES:] = np.random.default_rng(5).integers(0, 256, arena_bytes, np.uint8).tobytes()
-            content = bytes(m[HEADER_BYTES:])
-        base = 1 << 40  # the store's own address of its arena, unrelated to ours
-        shared = pb.SharedArena(
-            pid=os.getpid(),
-            fd=fd,
-            header_bytes=HEADER_BYTES,
-            arena_bytes=arena_bytes,
-            arena_base=base,
-            boot_id=mapped.boot_id(),
-        )
-        with pytest.raises(PeerError):  # the header names another instance
-            map_shared_arena(shared, "instance-b", base, arena_bytes)
-        with pytest.raises(PeerError):  # not the region the endpoint gave NIXL
-            map_shared_arena(shared, "instance-a", base + 4096, arena_bytes)
-        too_long = pb.SharedArena()
-        too_long.CopyFrom(shared)
-        too_long.arena_bytes = 2 * arena_bytes
-        with pytest.raises(PeerError):  # longer than the file: a copy from past its end would fault
-            map_shared_arena(too_long, "instance-a", base, 2 * arena_bytes)
-        gone = pb.SharedArena()
-        gone.CopyFrom(shared)
-        gone.fd = 1 << 20
-        with pytest.raises(OSError):
-            map_shared_arena(gone, "instance-a", base, arena_bytes)
+    content = np.random.default_rng(5).integers(0, 256, arena_bytes, np.uint8)
+    tag = np.frombuffer(bytearray(arena_tag("instance-a")), np.uint8)
+    base = int(content.ctypes.data)
+    advertised = pb.DirectArena(
+        pid=os.getpid(),
+        arena_base=base,
+        arena_bytes=arena_bytes,
+        boot_id=direct.boot_id(),
+        tag_address=int(tag.ctypes.data),
+        tag_bytes=tag.nbytes,
+    )
+    with pytest.raises(PeerError):  # the tag names another instance
+        open_direct_arena(advertised, "instance-b", base, arena_bytes)
+    with pytest.raises(PeerError):  # not the region the endpoint gave NIXL
+        open_direct_arena(advertised, "instance-a", base + 4096, arena_bytes)
+    nowhere = pb.DirectArena()
+    nowhere.CopyFrom(advertised)
+    nowhere.tag_address = 4096  # nothing is mapped there: the kernel answers EFAULT, nothing faults
+    with pytest.raises(PeerError, match="Bad address"):
+        open_direct_arena(nowhere, "instance-a", base, arena_bytes)
+    gone = pb.DirectArena()
+    gone.CopyFrom(advertised)
+    gone.pid = _a_pid_nobody_has()
+    with pytest.raises(PeerError, match="No such process"):
+        open_direct_arena(gone, "instance-a", base, arena_bytes)
 
-        arena = map_shared_arena(shared, "instance-a", base, arena_bytes)
-        dest = np.zeros(3 << 10, np.uint8)
-        at = dest.ctypes.data
-        rows = np.array(
-            [[base + 100, at, 1000], [base + arena_bytes - 2072, at + 1000, 2072]], dtype=np.uint64
-        )
-        assert arena.copy(rows).wait() == "DONE"
-        assert dest.tobytes() == content[100:1100] + content[-2072:]
-        with pytest.raises(PeerError):  # a row past the arena's end is refused before any copy
-            arena.copy(np.array([[base + arena_bytes - 10, at, 20]], dtype=np.uint64))
-        arena.close()
-        assert arena.closed
-        with pytest.raises(PeerError):
-            arena.copy(rows)
-    finally:
-        os.close(fd)
+    arena = open_direct_arena(advertised, "instance-a", base, arena_bytes)
+    dest = np.zeros(3 << 10, np.uint8)
+    at = dest.ctypes.data
+    rows = np.array([[base + 100, at, 1000], [base + arena_bytes - 2072, at + 1000, 2072]], dtype=np.uint64)
+    assert arena.copy(rows).wait() == "DONE"
+    assert dest.tobytes() == content.tobytes()[100:1100] + content.tobytes()[-2072:]
+    with pytest.raises(PeerError):  # a row past the arena's end is refused before any read
+        arena.copy(np.array([[base + arena_bytes - 10, at, 20]], dtype=np.uint64))
+    arena.close()
+    assert arena.closed
+    with pytest.raises(PeerError):
+        arena.copy(rows)
 
 
-async def test_a_restarted_store_is_mapped_anew_and_the_old_mapping_released(tmp_path: Path) -> None:
+def _a_pid_nobody_has() -> int:
+    taken = {int(p) for p in os.listdir("/proc") if p.isdigit()}
+    return next(p for p in range(4_000_000, 1, -1) if p not in taken)
+
+
+async def test_a_restarted_store_is_checked_anew_and_the_old_arena_closed(tmp_path: Path) -> None:
     svc = start_store(tmp_path / "a")
     again: ServiceProc | None = None
     first, second = make_pool(75), make_pool(76)
@@ -211,7 +209,7 @@ async def test_a_restarted_store_is_mapped_anew_and_the_old_mapping_released(tmp
         assert reader.conn._store is not None
         new = reader.conn._store.arena
         assert new is not None and new is not old and old.closed
-        assert reader.counters.mapped_reads == reader.counters.reads == 2
+        assert reader.counters.direct_reads == reader.counters.reads == 2
         assert stats(again.address).leases == 0
     finally:
         await reader.close()

@@ -14,7 +14,7 @@ store can only ever make a request faster:
 
 A pool on a GPU goes through `HostStaging`: NIXL and the checksums see its pinned host mirror, and pages
 move between the pool and the mirror around each READ and WRITE (see `staging`). A store on this host is
-read by copying out of its arena, mapped read-only, instead of NIXL READs (`mapped`;
+read straight out of the store process's memory instead of by NIXL READs (`direct`;
 `ClientSettings.same_host_reads`).
 """
 
@@ -76,9 +76,9 @@ class ClientSettings:
     log_interval_s: float = 30.0
     """While the store keeps failing, at most one log line per this many seconds (see `trouble`)."""
     same_host_reads: bool = True
-    """Read a store on this host by mapping its arena's memory file read-only and copying the leased pages
-    out of it on a few threads (`mapped`), not with NIXL READs; the checks and staging after the read are
-    the same. Off, or where the mapping cannot be made (another host, PID namespace or permission), every
+    """Read a store on this host straight out of its process's memory, the leased pages on a few threads
+    (`direct`), not with NIXL READs; the checks and staging after the read are the same. Off, or where
+    that read is refused (another host, PID namespace or permission), every
     READ goes over NIXL."""
 
 
@@ -299,8 +299,8 @@ class PageStoreClient:
             sums = list(resp.checksums[: len(pages)])
             self.counters.reads += len(pieces)
             if store.arena is not None:
-                self.counters.mapped_reads += len(pieces)
-            self._metrics.reads.labels("mapped" if store.arena is not None else "nixl").inc(len(pieces))
+                self.counters.direct_reads += len(pieces)
+            self._metrics.reads.labels("direct" if store.arena is not None else "nixl").inc(len(pieces))
             self.counters.read_descriptors += sum(rows.shape[0] for *_, rows in pieces)
             verify = self._verifier(local, pages, sums)
             corrupt = await self._off_loop(

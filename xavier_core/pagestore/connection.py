@@ -6,9 +6,9 @@ endpoint is loaded once per store instance (a restarted store answers with a new
 agent is dropped); a NIXL READ or WRITE is posted and waited for, and one that ends otherwise raises
 `PeerError`, or `TransferStuck` when NIXL refused to cancel it. The gRPC channel reconnects by itself.
 
-A store on this host offers its arena's memory file with its endpoint; unless `same_host_reads` is off
-the connection maps it with the endpoint (`mapped`), and a READ posted for that store instance is then a
-copy out of the mapping, posted and waited for the same way; the mapping goes with the store's agent.
+A store on this host says where its arena lies in its memory with its endpoint; unless `same_host_reads`
+is off the connection checks it can read it with the endpoint (`direct`), and a READ posted for that store
+instance is then a read straight out of the store's memory, posted and waited for the same way.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy.typing as npt
 from xavier.v1 import page_store_service_pb2 as pb
 from xavier.v1 import page_store_service_pb2_grpc as pb_grpc
 
-from xavier_core.pagestore.mapped import MappedCopy, SharedArena, map_shared_arena
+from xavier_core.pagestore.direct import DirectArena, DirectCopy, open_direct_arena
 from xavier_core.pagestore.metrics import client_metrics
 from xavier_core.pagestore.nixl import (
     CLIENT_UCX_ENV,
@@ -57,12 +57,12 @@ class StorePeer:
     instance: str
     agent_name: str
     max_keys: int
-    arena: SharedArena | None = None
-    """The store's arena mapped into this process (a store on this host), which its READs copy from."""
+    arena: DirectArena | None = None
+    """The store's arena read straight out of its memory (a store on this host): its READs."""
 
 
-Posted = Transfer | MappedCopy
-"""A READ or WRITE under way: a NIXL transfer, or a copy out of a mapped arena."""
+Posted = Transfer | DirectCopy
+"""A READ or WRITE under way: a NIXL transfer, or a read straight out of a same-host store's memory."""
 
 
 class TransferStuck(PeerError):
@@ -166,36 +166,35 @@ class StoreConnection:
                     f"{TCP_SEGMENT_BYTES}"
                 )
             name = await asyncio.to_thread(self.agent.add_remote, resp.endpoint.agent_metadata)
-            arena = await asyncio.to_thread(self._map_arena, resp) if self.same_host_reads else None
+            arena = await asyncio.to_thread(self._direct_arena, resp) if self.same_host_reads else None
             self._store = StorePeer(instance, name, int(resp.max_keys_per_call) or _KEYS_PER_CALL, arena)
             log.info(
                 "page store endpoint loaded: instance %s agent %s, reads %s",
                 instance,
                 name,
-                "copied from its mapped arena" if arena is not None else "over NIXL",
+                "straight out of its memory" if arena is not None else "over NIXL",
             )
             return self._store
 
     @staticmethod
-    def _map_arena(resp: pb.GetStoreEndpointResponse) -> SharedArena | None:
-        """The arena of a store on this host, mapped; None (its READs go over NIXL) where the store offers
-        none or it cannot be mapped, logged once per store instance."""
-        if not resp.HasField("shared_arena") or len(resp.endpoint.regions) != 1:
+    def _direct_arena(resp: pb.GetStoreEndpointResponse) -> DirectArena | None:
+        """The arena of a store on this host, read straight out of its memory; None (its READs go over
+        NIXL) where the store offers none or it cannot be read, logged once per store instance."""
+        if not resp.HasField("direct_arena") or len(resp.endpoint.regions) != 1:
             return None
-        region = resp.endpoint.regions[0]
+        region, instance = resp.endpoint.regions[0], resp.store_instance
         try:
-            shared = resp.shared_arena
-            return map_shared_arena(shared, resp.store_instance, region.base_address, region.length)
+            return open_direct_arena(resp.direct_arena, instance, region.base_address, region.length)
         except (OSError, PeerError, ValueError) as exc:
-            log.info("page store %s: read over NIXL, its arena not mapped: %s", resp.store_instance, exc)
+            log.info("page store %s: read over NIXL, not out of its memory: %s", instance, exc)
             return None
 
     def forget_store(self, store: StorePeer) -> None:
-        """Drops `store`'s NIXL agent and arena mapping; the next transfer reloads the endpoint."""
+        """Drops `store`'s NIXL agent and its arena; the next transfer reloads the endpoint."""
         if self._store is store:
             self._store = None
         if store.arena is not None:
-            store.arena.close()  # unmapped once the copies out of it under way have ended
+            store.arena.close()  # no later READ of this store instance reads its memory
         try:
             with self.agent.lock:
                 self.agent.remove_remote(store.agent_name)
@@ -207,7 +206,7 @@ class StoreConnection:
         self.settle(op, self.post(op, store, rows), rows, pages)
 
     def post(self, op: Op, store: StorePeer, rows: npt.NDArray[np.uint64]) -> Posted:
-        """Posts one transfer of `rows`: a READ of a mapped arena is a copy out of it, anything else a
+        """Posts one transfer of `rows`: a READ of a same-host store reads its memory, anything else is a
         NIXL transfer with the transfer deadline; `settle` waits for its end."""
         if op == "READ" and store.arena is not None:
             return store.arena.copy(rows)
@@ -217,9 +216,9 @@ class StoreConnection:
         """Waits for a posted transfer to end (a NIXL one's own deadline bounds the wait, a copy has none
         and needs none); raises `PeerError` unless it ended DONE, `TransferStuck` when NIXL refused to
         cancel it."""
-        state = xfer.wait() if isinstance(xfer, MappedCopy) else wait(xfer)
-        if isinstance(xfer, MappedCopy) and state != "DONE":
-            raise PeerError(f"copying {pages} pages out of the mapped arena ended {state}")
+        state = xfer.wait() if isinstance(xfer, DirectCopy) else wait(xfer)
+        if isinstance(xfer, DirectCopy) and state != "DONE":
+            raise PeerError(f"reading {pages} pages out of the store's memory: {xfer.error()}")
         if state != "DONE":
             if xfer.in_flight:  # NIXL refused to cancel: the pages may still change under the caller
                 log.error("page store: a timed-out NIXL %s could not be cancelled", op)
@@ -237,7 +236,7 @@ class StoreConnection:
             raise
 
     async def close(self) -> None:
-        """Closes the channel, the arena mapping and the NIXL agent."""
+        """Closes the channel, the store's arena and the NIXL agent."""
         if self._store is not None and self._store.arena is not None:
             self._store.arena.close()
         if self._channel is not None:

@@ -24,9 +24,9 @@ class ClientCounters:
     writes_failed: int = 0
     errors: int = 0
     reads: int = 0
-    """READs posted (one per piece of a store call of a fetch that hit: `reading`), NIXL or mapped."""
-    mapped_reads: int = 0
-    """Those of them copied out of the store's mapped arena (a store on this host), not NIXL READs."""
+    """READs posted (one per piece of a store call of a fetch that hit: `reading`), NIXL or direct."""
+    direct_reads: int = 0
+    """Those of them read straight out of the store's memory (a store on this host), not NIXL READs."""
     read_descriptors: int = 0
     """Descriptors those READs carried: one per stretch contiguous on both sides, per segment."""
     writes: int = 0
@@ -67,19 +67,19 @@ def _make_client_metrics(reg: CollectorRegistry) -> ClientMetrics:
         ),
         Counter(
             p + "transfer_bytes",
-            "Bytes moved by READs and WRITEs (NIXL, or copies out of a mapped arena).",
+            "Bytes moved by READs and WRITEs (NIXL, or read straight out of a same-host store's memory).",
             ("op",),
             registry=reg,
         ),
         Counter(
             p + "transfer_descriptors",
-            "Descriptors posted, NIXL or mapped (a stretch of pages contiguous on both sides, per segment).",
+            "Descriptors posted, NIXL or direct (a stretch of pages contiguous on both sides, per segment).",
             ("op",),
             registry=reg,
         ),
         Counter(
             p + "reads",
-            "READs of fetched pages, by path: mapped (copied out of a same-host store's arena) or nixl.",
+            "READs of fetched pages, by path: direct (out of a same-host store's memory) or nixl.",
             ("path",),
             registry=reg,
         ),
@@ -107,7 +107,7 @@ FETCH_STEPS = (
     "endpoint",  # the store's NIXL endpoint, once per store instance
     "allocate",  # local pool pages for the hits (the caller's allocator)
     "stage_slots",  # leasing slots of the host mirror (a device pool)
-    "read",  # READs (NIXL, or copies out of a mapped arena), posted to the last one done
+    "read",  # READs (NIXL, or out of a same-host store's memory), posted to the last one done
     "verify",  # checksums of the fetched pages
     "stage_copy",  # copies between the mirror and the pool (a device pool)
     "worker",  # the worker-thread hop around READ, verification and copies, less those steps

@@ -1,8 +1,8 @@
 """The READ of one fetch call in pieces: each piece verified as soon as it lands, while the next moves.
 
 A fetch call's pages are cut into pieces of about `PIECE_BYTES` (`ClientSettings.read_piece_bytes`);
-each piece is one READ of its own descriptors (NIXL's, or a copy out of a store's mapped arena: see
-`mapped`), and the next piece is posted before the current one
+each piece is one READ of its own descriptors (NIXL's, or one straight out of a same-host store's memory:
+see `direct`), and the next piece is posted before the current one
 is waited for, so the wire has no gap between pieces. A landed piece is checked (and, for a device pool,
 copied to the pool) on the verify threads while later pieces are still on the wire: the checksum pass,
 which once followed the whole READ, overlaps it wherever the host has cores to spare, and only the last

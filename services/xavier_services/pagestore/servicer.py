@@ -127,7 +127,7 @@ class PageStoreServicer(pb_grpc.PageStoreServiceServicer):  # type: ignore[misc]
             chunk_bytes=self.arena.chunk_bytes,
             max_keys_per_call=self.settings.max_keys_per_call,
             tcp_segment_bytes=self.arena.tcp_segment_bytes,
-            shared_arena=self.arena.shared(),
+            direct_arena=self.arena.direct(),
         )
 
     async def ExistsPages(self, request: pb.ExistsPagesRequest, context: Ctx) -> pb.ExistsPagesResponse:

@@ -133,8 +133,8 @@ class PageStoreSection(_Section):
     """Pass a host pool through the mirror too: a GPU pool's exact path on a machine without one (tests,
     benchmarks)."""
     same_host_reads: bool = True
-    """Read a store on this host by copying out of its arena, mapped read-only, instead of NIXL READs
-    (false: always NIXL; a store elsewhere, or one that cannot be mapped, is read over NIXL anyway)."""
+    """Read a store on this host straight out of its process's memory instead of by NIXL READs (false:
+    always NIXL; a store elsewhere, or one whose memory cannot be read so, is read over NIXL anyway)."""
 
 
 class PeerServiceConfig(ServiceConfig):

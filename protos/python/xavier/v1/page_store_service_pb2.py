@@ -26,13 +26,15 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from xavier.v1 import types_pb2 as xavier_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"xavier/v1/page_store_service.proto\x12\txavier.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15xavier/v1/types.proto\"O\n\rPageNamespace\x12\x1c\n\x14\x63ontract_fingerprint\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\"Y\n\x08PageSpan\x12\x15\n\rchunk_address\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_slots\x18\x02 \x01(\r\x12\x12\n\nfirst_slot\x18\x03 \x01(\r\x12\r\n\x05\x63ount\x18\x04 \x01(\r\"<\n\x17GetStoreEndpointRequest\x12!\n\x19tcp_receive_segment_bytes\x18\x01 \x01(\x04\"\xda\x01\n\x18GetStoreEndpointResponse\x12-\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1b.xavier.v1.TransferEndpoint\x12\x16\n\x0estore_instance\x18\x02 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_keys_per_call\x18\x04 \x01(\r\x12\x19\n\x11tcp_segment_bytes\x18\x05 \x01(\x04\x12,\n\x0cshared_arena\x18\x06 \x01(\x0b\x32\x16.xavier.v1.SharedArena\"v\n\x0bSharedArena\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\n\n\x02\x66\x64\x18\x02 \x01(\r\x12\x14\n\x0cheader_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x04\x12\x12\n\narena_base\x18\x05 \x01(\x04\x12\x0f\n\x07\x62oot_id\x18\x06 \x01(\t\"O\n\x12\x45xistsPagesRequest\x12+\n\tnamespace\x18\x01 \x01(\x0b\x32\x18.xavier.v1.PageNamespace\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"(\n\x13\x45xistsPagesResponse\x12\x11\n\thit_count\x18\x01 \x01(\r\"\x8e\x01\n\x0fGetPagesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\tnamespace\x18\x02 \x01(\x0b\x32\x18.xavier.v1.PageNamespace\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x15\n\rsegment_bytes\x18\x04 \x03(\x04\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\"\xbd\x01\n\x10GetPagesResponse\x12\x11\n\thit_count\x18\x01 \x01(\r\x12\"\n\x05spans\x18\x02 \x03(\x0b\x32\x13.xavier.v1.PageSpan\x12\x11\n\tchecksums\x18\x03 \x03(\x0c\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x35\n\x11lease_expire_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0estore_instance\x18\x06 \x01(\t\"\x8e\x01\n\x0fPutPagesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\tnamespace\x18\x02 \x01(\x0b\x32\x18.xavier.v1.PageNamespace\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x15\n\rsegment_bytes\x18\x04 \x03(\x04\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\"\xc2\x01\n\x10PutPagesResponse\x12\x18\n\x10reserved_indices\x18\x01 \x03(\r\x12\"\n\x05spans\x18\x02 \x03(\x0b\x32\x13.xavier.v1.PageSpan\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x35\n\x11lease_expire_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0estore_instance\x18\x05 \x01(\t\x12\x0f\n\x07\x65victed\x18\x06 \x01(\r\"K\n\x10\x43ommitPutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x11\n\tchecksums\x18\x03 \x03(\x0c\"A\n\x11\x43ommitPutResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\x12\x19\n\x11\x63hecksum_failures\x18\x02 \x01(\r\"T\n\x13ReleaseLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63orrupt_indices\x18\x03 \x03(\r\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x1a\n\x18GetPageStoreStatsRequest\"\xc3\x02\n\x0eNamespaceStats\x12\x1c\n\x14\x63ontract_fingerprint\x18\x01 \x01(\t\x12\x13\n\x0bsalt_digest\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\r\n\x05pages\x18\x05 \x01(\x04\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x0e\n\x06misses\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x0e\n\x06leases\x18\n \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x0b \x01(\x04\x12\x16\n\x0eleases_expired\x18\x0c \x01(\x04\x12\x1c\n\x14reservations_dropped\x18\r \x01(\x04\x12\x16\n\x0ereserved_pages\x18\x0e \x01(\x04\x12\x14\n\x0cpinned_pages\x18\x0f \x01(\x04\"\xb2\x01\n\x19GetPageStoreStatsResponse\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x17\n\x0f\x61llocated_bytes\x18\x02 \x01(\x04\x12\r\n\x05pages\x18\x03 \x01(\x04\x12\x0e\n\x06leases\x18\x04 \x01(\x04\x12-\n\nnamespaces\x18\x05 \x03(\x0b\x32\x19.xavier.v1.NamespaceStats\x12\x16\n\x0estore_instance\x18\x06 \x01(\t2\xc0\x04\n\x10PageStoreService\x12[\n\x10GetStoreEndpoint\x12\".xavier.v1.GetStoreEndpointRequest\x1a#.xavier.v1.GetStoreEndpointResponse\x12L\n\x0b\x45xistsPages\x12\x1d.xavier.v1.ExistsPagesRequest\x1a\x1e.xavier.v1.ExistsPagesResponse\x12\x43\n\x08GetPages\x12\x1a.xavier.v1.GetPagesRequest\x1a\x1b.xavier.v1.GetPagesResponse\x12\x43\n\x08PutPages\x12\x1a.xavier.v1.PutPagesRequest\x1a\x1b.xavier.v1.PutPagesResponse\x12\x46\n\tCommitPut\x12\x1b.xavier.v1.CommitPutRequest\x1a\x1c.xavier.v1.CommitPutResponse\x12O\n\x0cReleaseLease\x12\x1e.xavier.v1.ReleaseLeaseRequest\x1a\x1f.xavier.v1.ReleaseLeaseResponse\x12^\n\x11GetPageStoreStats\x12#.xavier.v1.GetPageStoreStatsRequest\x1a$.xavier.v1.GetPageStoreStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"xavier/v1/page_store_service.proto\x12\txavier.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15xavier/v1/types.proto\"O\n\rPageNamespace\x12\x1c\n\x14\x63ontract_fingerprint\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\"Y\n\x08PageSpan\x12\x15\n\rchunk_address\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_slots\x18\x02 \x01(\r\x12\x12\n\nfirst_slot\x18\x03 \x01(\r\x12\r\n\x05\x63ount\x18\x04 \x01(\r\"<\n\x17GetStoreEndpointRequest\x12!\n\x19tcp_receive_segment_bytes\x18\x01 \x01(\x04\"\x8c\x02\n\x18GetStoreEndpointResponse\x12-\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1b.xavier.v1.TransferEndpoint\x12\x16\n\x0estore_instance\x18\x02 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_keys_per_call\x18\x04 \x01(\r\x12\x19\n\x11tcp_segment_bytes\x18\x05 \x01(\x04\x12\x30\n\x0cshared_arena\x18\x06 \x01(\x0b\x32\x16.xavier.v1.SharedArenaB\x02\x18\x01\x12,\n\x0c\x64irect_arena\x18\x07 \x01(\x0b\x32\x16.xavier.v1.DirectArena\"|\n\x0b\x44irectArena\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x12\n\narena_base\x18\x02 \x01(\x04\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07\x62oot_id\x18\x04 \x01(\t\x12\x13\n\x0btag_address\x18\x05 \x01(\x04\x12\x11\n\ttag_bytes\x18\x06 \x01(\r\"v\n\x0bSharedArena\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\n\n\x02\x66\x64\x18\x02 \x01(\r\x12\x14\n\x0cheader_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61rena_bytes\x18\x04 \x01(\x04\x12\x12\n\narena_base\x18\x05 \x01(\x04\x12\x0f\n\x07\x62oot_id\x18\x06 \x01(\t\"O\n\x12\x45xistsPagesRequest\x12+\n\tnamespace\x18\x01 \x01(\x0b\x32\x18.xavier.v1.PageNamespace\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"(\n\x13\x45xistsPagesResponse\x12\x11\n\thit_count\x18\x01 \x01(\r\"\x8e\x01\n\x0fGetPagesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\tnamespace\x18\x02 \x01(\x0b\x32\x18.xavier.v1.PageNamespace\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x15\n\rsegment_bytes\x18\x04 \x03(\x04\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\"\xbd\x01\n\x10GetPagesResponse\x12\x11\n\thit_count\x18\x01 \x01(\r\x12\"\n\x05spans\x18\x02 \x03(\x0b\x32\x13.xavier.v1.PageSpan\x12\x11\n\tchecksums\x18\x03 \x03(\x0c\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x35\n\x11lease_expire_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0estore_instance\x18\x06 \x01(\t\"\x8e\x01\n\x0fPutPagesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\tnamespace\x18\x02 \x01(\x0b\x32\x18.xavier.v1.PageNamespace\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x15\n\rsegment_bytes\x18\x04 \x03(\x04\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\"\xc2\x01\n\x10PutPagesResponse\x12\x18\n\x10reserved_indices\x18\x01 \x03(\r\x12\"\n\x05spans\x18\x02 \x03(\x0b\x32\x13.xavier.v1.PageSpan\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x35\n\x11lease_expire_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0estore_instance\x18\x05 \x01(\t\x12\x0f\n\x07\x65victed\x18\x06 \x01(\r\"K\n\x10\x43ommitPutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x11\n\tchecksums\x18\x03 \x03(\x0c\"A\n\x11\x43ommitPutResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\x12\x19\n\x11\x63hecksum_failures\x18\x02 \x01(\r\"T\n\x13ReleaseLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63orrupt_indices\x18\x03 \x03(\r\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x1a\n\x18GetPageStoreStatsRequest\"\xc3\x02\n\x0eNamespaceStats\x12\x1c\n\x14\x63ontract_fingerprint\x18\x01 \x01(\t\x12\x13\n\x0bsalt_digest\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\r\n\x05pages\x18\x05 \x01(\x04\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x0e\n\x06misses\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x0e\n\x06leases\x18\n \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x0b \x01(\x04\x12\x16\n\x0eleases_expired\x18\x0c \x01(\x04\x12\x1c\n\x14reservations_dropped\x18\r \x01(\x04\x12\x16\n\x0ereserved_pages\x18\x0e \x01(\x04\x12\x14\n\x0cpinned_pages\x18\x0f \x01(\x04\"\xb2\x01\n\x19GetPageStoreStatsResponse\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x17\n\x0f\x61llocated_bytes\x18\x02 \x01(\x04\x12\r\n\x05pages\x18\x03 \x01(\x04\x12\x0e\n\x06leases\x18\x04 \x01(\x04\x12-\n\nnamespaces\x18\x05 \x03(\x0b\x32\x19.xavier.v1.NamespaceStats\x12\x16\n\x0estore_instance\x18\x06 \x01(\t2\xc0\x04\n\x10PageStoreService\x12[\n\x10GetStoreEndpoint\x12\".xavier.v1.GetStoreEndpointRequest\x1a#.xavier.v1.GetStoreEndpointResponse\x12L\n\x0b\x45xistsPages\x12\x1d.xavier.v1.ExistsPagesRequest\x1a\x1e.xavier.v1.ExistsPagesResponse\x12\x43\n\x08GetPages\x12\x1a.xavier.v1.GetPagesRequest\x1a\x1b.xavier.v1.GetPagesResponse\x12\x43\n\x08PutPages\x12\x1a.xavier.v1.PutPagesRequest\x1a\x1b.xavier.v1.PutPagesResponse\x12\x46\n\tCommitPut\x12\x1b.xavier.v1.CommitPutRequest\x1a\x1c.xavier.v1.CommitPutResponse\x12O\n\x0cReleaseLease\x12\x1e.xavier.v1.ReleaseLeaseRequest\x1a\x1f.xavier.v1.ReleaseLeaseResponse\x12^\n\x11GetPageStoreStats\x12#.xavier.v1.GetPageStoreStatsRequest\x1a$.xavier.v1.GetPageStoreStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'xavier.v1.page_store_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GETSTOREENDPOINTRESPONSE'].fields_by_name['shared_arena']._loaded_options = None
+  _globals['_GETSTOREENDPOINTRESPONSE'].fields_by_name['shared_arena']._serialized_options = b'\030\001'
   _globals['_PAGENAMESPACE']._serialized_start=105
   _globals['_PAGENAMESPACE']._serialized_end=184
   _globals['_PAGESPAN']._serialized_start=186
@@ -40,35 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTOREENDPOINTREQUEST']._serialized_start=277
   _globals['_GETSTOREENDPOINTREQUEST']._serialized_end=337
   _globals['_GETSTOREENDPOINTRESPONSE']._serialized_start=340
-  _globals['_GETSTOREENDPOINTRESPONSE']._serialized_end=558
-  _globals['_SHAREDARENA']._serialized_start=560
-  _globals['_SHAREDARENA']._serialized_end=678
-  _globals['_EXISTSPAGESREQUEST']._serialized_start=680
-  _globals['_EXISTSPAGESREQUEST']._serialized_end=759
-  _globals['_EXISTSPAGESRESPONSE']._serialized_start=761
-  _globals['_EXISTSPAGESRESPONSE']._serialized_end=801
-  _globals['_GETPAGESREQUEST']._serialized_start=804
-  _globals['_GETPAGESREQUEST']._serialized_end=946
-  _globals['_GETPAGESRESPONSE']._serialized_start=949
-  _globals['_GETPAGESRESPONSE']._serialized_end=1138
-  _globals['_PUTPAGESREQUEST']._serialized_start=1141
-  _globals['_PUTPAGESREQUEST']._serialized_end=1283
-  _globals['_PUTPAGESRESPONSE']._serialized_start=1286
-  _globals['_PUTPAGESRESPONSE']._serialized_end=1480
-  _globals['_COMMITPUTREQUEST']._serialized_start=1482
-  _globals['_COMMITPUTREQUEST']._serialized_end=1557
-  _globals['_COMMITPUTRESPONSE']._serialized_start=1559
-  _globals['_COMMITPUTRESPONSE']._serialized_end=1624
-  _globals['_RELEASELEASEREQUEST']._serialized_start=1626
-  _globals['_RELEASELEASEREQUEST']._serialized_end=1710
-  _globals['_RELEASELEASERESPONSE']._serialized_start=1712
-  _globals['_RELEASELEASERESPONSE']._serialized_end=1752
-  _globals['_GETPAGESTORESTATSREQUEST']._serialized_start=1754
-  _globals['_GETPAGESTORESTATSREQUEST']._serialized_end=1780
-  _globals['_NAMESPACESTATS']._serialized_start=1783
-  _globals['_NAMESPACESTATS']._serialized_end=2106
-  _globals['_GETPAGESTORESTATSRESPONSE']._serialized_start=2109
-  _globals['_GETPAGESTORESTATSRESPONSE']._serialized_end=2287
-  _globals['_PAGESTORESERVICE']._serialized_start=2290
-  _globals['_PAGESTORESERVICE']._serialized_end=2866
+  _globals['_GETSTOREENDPOINTRESPONSE']._serialized_end=608
+  _globals['_DIRECTARENA']._serialized_start=610
+  _globals['_DIRECTARENA']._serialized_end=734
+  _globals['_SHAREDARENA']._serialized_start=736
+  _globals['_SHAREDARENA']._serialized_end=854
+  _globals['_EXISTSPAGESREQUEST']._serialized_start=856
+  _globals['_EXISTSPAGESREQUEST']._serialized_end=935
+  _globals['_EXISTSPAGESRESPONSE']._serialized_start=937
+  _globals['_EXISTSPAGESRESPONSE']._serialized_end=977
+  _globals['_GETPAGESREQUEST']._serialized_start=980
+  _globals['_GETPAGESREQUEST']._serialized_end=1122
+  _globals['_GETPAGESRESPONSE']._serialized_start=1125
+  _globals['_GETPAGESRESPONSE']._serialized_end=1314
+  _globals['_PUTPAGESREQUEST']._serialized_start=1317
+  _globals['_PUTPAGESREQUEST']._serialized_end=1459
+  _globals['_PUTPAGESRESPONSE']._serialized_start=1462
+  _globals['_PUTPAGESRESPONSE']._serialized_end=1656
+  _globals['_COMMITPUTREQUEST']._serialized_start=1658
+  _globals['_COMMITPUTREQUEST']._serialized_end=1733
+  _globals['_COMMITPUTRESPONSE']._serialized_start=1735
+  _globals['_COMMITPUTRESPONSE']._serialized_end=1800
+  _globals['_RELEASELEASEREQUEST']._serialized_start=1802
+  _globals['_RELEASELEASEREQUEST']._serialized_end=1886
+  _globals['_RELEASELEASERESPONSE']._serialized_start=1888
+  _globals['_RELEASELEASERESPONSE']._serialized_end=1928
+  _globals['_GETPAGESTORESTATSREQUEST']._serialized_start=1930
+  _globals['_GETPAGESTORESTATSREQUEST']._serialized_end=1956
+  _globals['_NAMESPACESTATS']._serialized_start=1959
+  _globals['_NAMESPACESTATS']._serialized_end=2282
+  _globals['_GETPAGESTORESTATSRESPONSE']._serialized_start=2285
+  _globals['_GETPAGESTORESTATSRESPONSE']._serialized_end=2463
+  _globals['_PAGESTORESERVICE']._serialized_start=2466
+  _globals['_PAGESTORESERVICE']._serialized_end=3042
 # @@protoc_insertion_point(module_scope)

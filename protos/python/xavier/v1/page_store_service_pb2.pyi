@@ -18,6 +18,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
@@ -121,6 +126,7 @@ class GetStoreEndpointResponse(_message.Message):
     MAX_KEYS_PER_CALL_FIELD_NUMBER: _builtins.int
     TCP_SEGMENT_BYTES_FIELD_NUMBER: _builtins.int
     SHARED_ARENA_FIELD_NUMBER: _builtins.int
+    DIRECT_ARENA_FIELD_NUMBER: _builtins.int
     store_instance: _builtins.str
     """Identifies this store process; it changes when the store restarts (then the arena is empty)."""
     chunk_bytes: _builtins.int
@@ -136,9 +142,16 @@ class GetStoreEndpointResponse(_message.Message):
         """NIXL agent metadata and the arena region (one region, device "cpu", bytes_per_page 0)."""
 
     @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
     def shared_arena(self) -> Global___SharedArena:
-        """How a client on the store's host maps the arena and copies a Get's pages out of it with no NIXL READ;
-        absent when the store cannot offer it (a store of xavier.v1.0, or one without a memory file).
+        """Offered by no store: the first same-host read, which mapped the arena from a memory file, gave way to
+        direct_arena before any release; kept so that no field number is reused.
+        """
+
+    @_builtins.property
+    def direct_arena(self) -> Global___DirectArena:
+        """How a client on the store's host reads a Get's pages straight out of the store's memory, with no NIXL
+        READ; absent when the store cannot offer it (a store of xavier.v1.0).
         """
 
     def __init__(
@@ -150,24 +163,69 @@ class GetStoreEndpointResponse(_message.Message):
         max_keys_per_call: _builtins.int = ...,
         tcp_segment_bytes: _builtins.int = ...,
         shared_arena: Global___SharedArena | None = ...,
+        direct_arena: Global___DirectArena | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "shared_arena", b"shared_arena"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["direct_arena", b"direct_arena", "endpoint", b"endpoint", "shared_arena", b"shared_arena"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "endpoint", b"endpoint", "max_keys_per_call", b"max_keys_per_call", "shared_arena", b"shared_arena", "store_instance", b"store_instance", "tcp_segment_bytes", b"tcp_segment_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "direct_arena", b"direct_arena", "endpoint", b"endpoint", "max_keys_per_call", b"max_keys_per_call", "shared_arena", b"shared_arena", "store_instance", b"store_instance", "tcp_segment_bytes", b"tcp_segment_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStoreEndpointResponse: _TypeAlias = GetStoreEndpointResponse  # noqa: Y015
 
 @_typing.final
+class DirectArena(_message.Message):
+    """DirectArena lets a client on the store's host read leased pages straight out of the store process's
+    memory (Linux's process_vm_readv). The kernel allows that only to a process that may ptrace the store,
+    the check a NIXL READ over CMA takes too. At `tag_address` the store keeps `tag_bytes` naming its
+    `store_instance`, so a client that reached another process (another PID namespace) finds out before it
+    reads anything else. A client that cannot read the tag, finds another instance in it, or has another
+    boot_id, reads over NIXL.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    ARENA_BASE_FIELD_NUMBER: _builtins.int
+    ARENA_BYTES_FIELD_NUMBER: _builtins.int
+    BOOT_ID_FIELD_NUMBER: _builtins.int
+    TAG_ADDRESS_FIELD_NUMBER: _builtins.int
+    TAG_BYTES_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    """The store's process id, as the store sees it (its PID namespace)."""
+    arena_base: _builtins.int
+    """The arena's address in the store's address space (the endpoint region's base address)."""
+    arena_bytes: _builtins.int
+    """Bytes of the arena (the endpoint region's length)."""
+    boot_id: _builtins.str
+    """The store host's /proc/sys/kernel/random/boot_id: a client with another one is on another host."""
+    tag_address: _builtins.int
+    """Where in the store's address space its tag lies."""
+    tag_bytes: _builtins.int
+    """Bytes of the tag."""
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        arena_base: _builtins.int = ...,
+        arena_bytes: _builtins.int = ...,
+        boot_id: _builtins.str = ...,
+        tag_address: _builtins.int = ...,
+        tag_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_base", b"arena_base", "arena_bytes", b"arena_bytes", "boot_id", b"boot_id", "pid", b"pid", "tag_address", b"tag_address", "tag_bytes", b"tag_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DirectArena: _TypeAlias = DirectArena  # noqa: Y015
+
+@_typing.final
 class SharedArena(_message.Message):
-    """SharedArena lets a client on the store's host map the arena's memory file read-only and copy leased
-    pages straight out of it. The file is `/proc/<pid>/fd/<fd>`: the kernel lets a process open it only if it
-    may read the store's memory anyway (the ptrace read check; a NIXL READ over CMA needs more). The file
-    holds `header_bytes` of header, then the arena: the arena address `a` of a span lies at file offset
-    `header_bytes + (a - arena_base)`. The header starts with the store's `store_instance`, so a client that
-    opened another process's file (another PID namespace) finds out before it copies anything. A client that
-    cannot map the file, or finds another boot_id, reads over NIXL.
+    """SharedArena (offered by no store; see GetStoreEndpointResponse.shared_arena) described an arena kept in a
+    memory file, which a client on the store's host mapped read-only through `/proc/<pid>/fd/<fd>`: the file
+    held `header_bytes` of header naming the store instance, then the arena.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
