@@ -72,7 +72,13 @@ async def test_lost_done_notification_unpins_through_room_completion(lossy_mesh:
     # The fault really happened: no request's "done" unpinned anything. The fault hook dropped it, or it
     # came after the room feed had ended its room (the decode's read-end agent sends it apart from the
     # READ, so it can) and the prefill ignored it as a stranger's.
+    # A late one is taken in once the room feed ends its room (the port polls a while after that).
     ignored = _ignored(mesh.procs["prefill-0"].metrics)
+    for _ in range(100):
+        if ignored.get("injected", 0) + ignored.get("unknown_room", 0) >= REQUESTS:
+            break
+        await asyncio.sleep(0.1)
+        ignored = _ignored(mesh.procs["prefill-0"].metrics)
     dropped = ignored["injected"]
     assert dropped + ignored["unknown_room"] == REQUESTS and ignored["bad_token"] == 0, ignored
     assert mesh.procs["prefill-0"].log().count("done notification dropped (fault injection)") == dropped

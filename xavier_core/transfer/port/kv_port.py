@@ -236,8 +236,15 @@ class KvPort(PortCore):
         if completed:
             self.totals.transfers += 1
 
+        heard = pub.ended.is_set()
+
         def _clear() -> None:
             self._senders.pop(room_id, None)
+            if not heard:
+                # Ended by the room's word, not the reader's: its "done" may be on the way still, and
+                # would otherwise wait in NIXL's queue for the next room's polling. Take it in now (it is
+                # counted as late: `xavier_transfer_notifications_ignored{why="unknown_room"}`).
+                self.flush_notifs()
             if completed:
                 pub.sender.mark_complete()
             else:
