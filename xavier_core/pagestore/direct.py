@@ -28,7 +28,6 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import cast
 
 import numpy as np
@@ -36,9 +35,10 @@ import numpy.typing as npt
 from xavier.v1 import page_store_service_pb2 as pb
 
 from xavier_core.transfer.common.errors import PeerError
+from xavier_core.transfer.common.host import boot_id
 from xavier_core.transfer.nixl._raw import XferState
 
-__all__ = ["DirectArena", "DirectCopy", "arena_tag", "boot_id", "open_direct_arena", "read_memory"]
+__all__ = ["DirectArena", "DirectCopy", "arena_tag", "open_direct_arena", "read_memory"]
 
 log = logging.getLogger(__name__)
 Rows = npt.NDArray[np.uint64]
@@ -57,16 +57,6 @@ _IOV_MAX = 1024
 def arena_tag(instance: str) -> bytes:
     """What the store keeps in its memory at the advertised tag address: names the store instance."""
     return _TAG + instance.encode() + b"\n"
-
-
-@functools.cache
-def boot_id() -> str:
-    """This host's boot id (empty where the kernel does not say): two processes with the same one run on
-    the same host, since this boot."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 @functools.cache

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from xavier.v1 import page_store_service_pb2 as pb
 
-from xavier_core.pagestore.direct import arena_tag, boot_id
+from xavier_core.pagestore.direct import arena_tag
 from xavier_core.pagestore.layout import PageGeometry, buffer_view, page_checksum
 from xavier_core.pagestore.nixl import STORE_UCX_ENV, TCP_SEGMENT_BYTES, PageAgent
 from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.host import boot_id
 
 
 @dataclass

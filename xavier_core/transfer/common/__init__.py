@@ -7,6 +7,7 @@
 - `source`: `SourceInfo`, what a source publishes so a reader can pull, and its wire form (the contract's
   `SourceDescriptor` and `TransferEndpoint`, validated here since they arrive from the network).
 - `slab_layout`: `SlabLayout`, how a staging slab is cut (a source's endpoint names its slab).
+- `host`: `boot_id`, which host (since which boot) a process runs on, for same-host shortcuts.
 - `errors`: the typed errors (`TransferError` and its kinds) that the services map to gRPC statuses.
 
 Nothing here imports NIXL, CUDA or another room of the package (`source` alone loads the protos);

@@ -20,10 +20,10 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.errors import InvalidSourceError, StaleEpochError, TransferError
+from xavier_core.transfer.common.host import boot_id
 from xavier_core.transfer.cuda._driver import (
     IPC_HANDLE_SIZE,
     allocation_range,
@@ -45,10 +45,7 @@ class CudaIpcError(TransferError):
 
 def host_id() -> str:
     """Identifies this host's kernel boot: IPC handles are meaningful only between its processes."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return os.uname().nodename
+    return boot_id() or os.uname().nodename
 
 
 @dataclass(frozen=True)
