@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from xavier_core.engine.api import Sampling, TokenEvent
-from xavier_core.engine.decode_graph import DecodeRunner
+from xavier_core.engine.decode_graph import CHUNK_GATHER_BYTES, DecodeRunner
 from xavier_core.engine.kv_pool import KvPool
 from xavier_core.engine.model import CausalLM
 from xavier_core.engine.reference import ReferenceEngine
@@ -170,6 +170,13 @@ def test_a_chunk_whose_rows_would_gather_too_much_takes_the_general_forward(engi
     assert not runner.accepts([(chunk, 8)])
     runner.chunk_gather_bytes = 0  # decode rows are not held to it
     assert runner.accepts([(decode, 1)]) and not runner.accepts([(chunk, 8)])
+
+
+def test_the_configs_gather_bound_is_the_runners_default() -> None:
+    """`engine.chunk_gather_bytes` repeats the runner's default (the config module imports no torch)."""
+    from xavier_services.peer.config import EngineSection
+
+    assert EngineSection().chunk_gather_bytes == CHUNK_GATHER_BYTES
 
 
 Served = list[tuple[int, float, int]]  # (token, logprob, cached tokens) of each event

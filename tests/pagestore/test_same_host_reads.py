@@ -47,6 +47,25 @@ async def _fetch(
     return hit
 
 
+async def _written_then_read(
+    writer: PageStoreClient,
+    pool: list[np.ndarray],
+    reader: PageStoreClient,
+    reader_pool: list[np.ndarray],
+    name: str,
+    seed: int,
+    n: int,
+) -> tuple[PageNamespace, list[bytes]]:
+    """`writer` stores pages 0..n-1 of `pool` under a chain of `name`; `reader` fetches them whole into
+    its pages 20.. and they hold the same bytes. The namespace and keys, for more."""
+    ns = PageNamespace(name)
+    keys = chain(name, "", seed, n)
+    assert await writer.write(ns, keys, list(range(n))) == n
+    assert await _fetch(reader, reader_pool, ns, keys) == n
+    assert page_digest(reader_pool, list(range(20, 20 + n))) == page_digest(pool, list(range(n)))
+    return ns, keys
+
+
 async def test_a_get_reads_the_stores_memory_and_drops_corrupt_pages(store: ServiceProc) -> None:
     pool = make_pool(71)
     writer = PageStoreClient(store.address, buffers(pool))
@@ -56,11 +75,7 @@ async def test_a_get_reads_the_stores_memory_and_drops_corrupt_pages(store: Serv
     by_path = client_metrics().reads
     direct_before, nixl_before = by_path.labels("direct")._value.get(), by_path.labels("nixl")._value.get()
     try:
-        ns = PageNamespace("fp-direct")
-        keys = chain("fp-direct", "", 1, 6)
-        assert await writer.write(ns, keys, list(range(6))) == 6
-        assert await _fetch(reader, reader_pool, ns, keys) == 6
-        assert page_digest(reader_pool, list(range(20, 26))) == page_digest(pool, list(range(6)))
+        ns, keys = await _written_then_read(writer, pool, reader, reader_pool, "fp-direct", 1, 6)
         assert reader.counters.reads == reader.counters.direct_reads == 1
         assert reader.conn._store is not None and reader.conn._store.arena is not None
         assert by_path.labels("direct")._value.get() == direct_before + 1
@@ -83,11 +98,7 @@ async def test_with_same_host_reads_off_the_get_goes_over_nixl(store: ServicePro
     reader_pool = make_pool(None)
     reader = PageStoreClient(store.address, buffers(reader_pool), NIXL_ONLY)
     try:
-        ns = PageNamespace("fp-nixl-only")
-        keys = chain("fp-nixl-only", "", 2, 5)
-        assert await writer.write(ns, keys, list(range(5))) == 5
-        assert await _fetch(reader, reader_pool, ns, keys) == 5
-        assert page_digest(reader_pool, list(range(20, 25))) == page_digest(pool, list(range(5)))
+        await _written_then_read(writer, pool, reader, reader_pool, "fp-nixl-only", 2, 5)
         assert (reader.counters.reads, reader.counters.direct_reads) == (1, 0)
         assert reader.conn._store is not None and reader.conn._store.arena is None
     finally:
@@ -113,11 +124,7 @@ async def test_a_store_on_another_host_is_read_over_nixl(
     reader_pool = make_pool(None)
     reader = PageStoreClient(store.address, buffers(reader_pool))
     try:
-        ns = PageNamespace("fp-elsewhere")
-        keys = chain("fp-elsewhere", "", 3, 4)
-        assert await writer.write(ns, keys, list(range(4))) == 4
-        assert await _fetch(reader, reader_pool, ns, keys) == 4
-        assert page_digest(reader_pool, list(range(20, 24))) == page_digest(pool, list(range(4)))
+        await _written_then_read(writer, pool, reader, reader_pool, "fp-elsewhere", 3, 4)
         assert (reader.counters.reads, reader.counters.direct_reads, reader.counters.errors) == (1, 0, 0)
     finally:
         await writer.close()

@@ -298,9 +298,9 @@ class PageStoreClient:
             pieces = self._pieces(_head(resp.spans, len(pages)), local)
             sums = list(resp.checksums[: len(pages)])
             self.counters.reads += len(pieces)
-            if store.arena is not None:
+            if direct := store.arena is not None:
                 self.counters.direct_reads += len(pieces)
-            self._metrics.reads.labels("direct" if store.arena is not None else "nixl").inc(len(pieces))
+            self._metrics.reads.labels("direct" if direct else "nixl").inc(len(pieces))
             self.counters.read_descriptors += sum(rows.shape[0] for *_, rows in pieces)
             verify = self._verifier(local, pages, sums)
             corrupt = await self._off_loop(

@@ -216,10 +216,10 @@ class StoreConnection:
         """Waits for a posted transfer to end (a NIXL one's own deadline bounds the wait, a copy has none
         and needs none); raises `PeerError` unless it ended DONE, `TransferStuck` when NIXL refused to
         cancel it."""
-        state = xfer.wait() if isinstance(xfer, DirectCopy) else wait(xfer)
-        if isinstance(xfer, DirectCopy) and state != "DONE":
-            raise PeerError(f"reading {pages} pages out of the store's memory: {xfer.error()}")
-        if state != "DONE":
+        if isinstance(xfer, DirectCopy):
+            if xfer.wait() != "DONE":
+                raise PeerError(f"reading {pages} pages out of the store's memory: {xfer.error()}")
+        elif (state := wait(xfer)) != "DONE":
             if xfer.in_flight:  # NIXL refused to cancel: the pages may still change under the caller
                 log.error("page store: a timed-out NIXL %s could not be cancelled", op)
                 raise TransferStuck(f"NIXL {op} of {pages} pages ended {state}, still in flight")
