@@ -5,6 +5,7 @@ no lease, staging slot or pool page is left behind."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -27,8 +28,10 @@ from xavier_core.engine.api import Sampling
 from xavier_core.engine.reference import ReferenceEngine
 from xavier_core.engine.tiny import make_tiny
 from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
+from xavier_core.pagestore.layout import PageGeometry, Span
 from xavier_core.pagestore.staging import HostStaging
 from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.errors import InvalidPagesError
 
 pytestmark = pytest.mark.integration
 
@@ -99,7 +102,10 @@ async def test_a_fragmented_mirror_reads_a_run_as_one_descriptor_per_segment(sto
     pool = make_pool(42)
     writer = PageStoreClient(store.address, buffers(pool))
     reader_pool = make_pool(None)
-    reader = PageStoreClient(store.address, buffers(reader_pool), STAGED)
+    # Over NIXL: a same-host read lands page-major in the staging rows instead (the test below).
+    reader = PageStoreClient(
+        store.address, buffers(reader_pool), dataclasses.replace(STAGED, same_host_reads=False)
+    )
     staging = reader.staging
     assert staging is not None
     try:
@@ -113,6 +119,33 @@ async def test_a_fragmented_mirror_reads_a_run_as_one_descriptor_per_segment(sto
         assert reader.counters.read_descriptors == NBUF
         assert page_digest(reader_pool, dest) == page_digest(pool, range(20))
         await staging.release(b)
+        assert staging._free == list(range(48))
+    finally:
+        await writer.close()
+        await reader.close()
+
+
+async def test_a_same_host_read_into_slots_of_two_runs_lands_each_page_in_its_pool_page(
+    store: ServiceProc,
+) -> None:
+    pool = make_pool(44)
+    writer = PageStoreClient(store.address, buffers(pool))
+    reader_pool = make_pool(None)
+    reader = PageStoreClient(store.address, buffers(reader_pool), STAGED)
+    staging = reader.staging
+    assert staging is not None
+    try:
+        keys = chain("fp-rows", "", 1, 20)
+        assert await writer.write(PageNamespace("fp-rows"), keys, list(range(20))) == 20
+        held = [await staging.acquire(10) for _ in range(4)]  # slots 0-39
+        for run in (held[0], held[2]):
+            await staging.release(run)  # free: 0-9, 20-29, 40-47: no run of 20
+        dest = list(range(63, 43, -1))
+        assert await reader.lookup_and_fetch(PageNamespace("fp-rows"), keys, dest) == 20
+        assert reader.counters.direct_reads == 1 and reader.counters.read_descriptors == 20 * NBUF
+        assert page_digest(reader_pool, dest) == page_digest(pool, range(20))
+        for run in (held[1], held[3]):
+            await staging.release(run)
         assert staging._free == list(range(48))
     finally:
         await writer.close()
@@ -164,7 +197,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 async def engines(model: Path, store: ServiceProc) -> AsyncIterator[list[ReferenceEngine]]:
-    """A writer and two readers (one through the host mirror) of one namespace; every pool starts empty."""
+    """A writer and two readers (one through the host staging) of one namespace; every pool starts empty."""
     out: list[ReferenceEngine] = []
     try:
         for settings in (ClientSettings(), ClientSettings(), ClientSettings(stage_host_pool=True)):
@@ -195,7 +228,28 @@ async def test_a_prefix_written_through_by_one_engine_is_read_in_runs_by_others(
         assert reader._store is not None
         counters = reader._store.client.counters
         segments = len(reader.kv_buffers())
-        assert counters.reads == 1 and counters.read_descriptors == 2 * segments
+        # Into the pool, one row per run per segment; through the mirror, a same-host read lands
+        # page-major in the staging rows: one row per segment per page.
+        runs = 50 if reader._store.client.staging is not None else 2
+        assert counters.reads == 1 and counters.read_descriptors == runs * segments
         await reader._store.client.flush()
         s = reader.stats()
         assert s.running == s.waiting == s.pages_pinned == 0
+
+
+def test_a_page_major_read_puts_each_segment_after_the_last_in_its_row() -> None:
+    geometry = PageGeometry((16, 32, 8))
+    spans = [Span(1000, 10, 2, 3), Span(5000, 4, 0, 2)]
+    base, rows = 1 << 20, [7, 1, 2, 9, 4]
+    got = geometry.row_descriptors(spans, base, rows)
+    want = []
+    slots = [(spans[0], 2), (spans[0], 3), (spans[0], 4), (spans[1], 0), (spans[1], 1)]
+    for (span, slot), row in zip(slots, rows, strict=True):
+        at = base + row * geometry.page_bytes
+        addrs = geometry.slot_addresses(span.chunk_address, span.chunk_slots, slot)
+        for addr, size in zip(addrs, (16, 32, 8), strict=True):
+            want.append((addr, at, size))
+            at += size
+    assert [tuple(int(x) for x in r) for r in got] == want
+    with pytest.raises(InvalidPagesError):
+        geometry.row_descriptors(spans, base, rows[:4])

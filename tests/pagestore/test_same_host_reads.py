@@ -14,6 +14,9 @@ import pytest
 from xavier.v1 import page_store_service_pb2 as pb
 
 from tests.pagestore.support import (
+    BPP,
+    NBUF,
+    PAGE_BYTES,
     buffers,
     chain,
     make_pool,
@@ -66,26 +69,42 @@ async def _written_then_read(
     return ns, keys
 
 
-async def test_a_get_reads_the_stores_memory_and_drops_corrupt_pages(store: ServiceProc) -> None:
+# A pool read straight into its pages; one behind host staging (a GPU pool's path), whose pages land
+# page-major in the staging rows, in one piece and in pieces of two pages.
+PATHS = {
+    "pool": ClientSettings(),
+    "staged": ClientSettings(stage_host_pool=True, staging_pages=16),
+    "staged-pieces": ClientSettings(stage_host_pool=True, staging_pages=16, read_piece_bytes=2 * PAGE_BYTES),
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+async def test_a_get_reads_the_stores_memory_and_drops_corrupt_pages(store: ServiceProc, path: str) -> None:
     pool = make_pool(71)
     writer = PageStoreClient(store.address, buffers(pool))
     vandal = PageStoreClient(store.address, buffers(make_pool(72)))
     reader_pool = make_pool(None)
-    reader = PageStoreClient(store.address, buffers(reader_pool))
+    reader = PageStoreClient(store.address, buffers(reader_pool), PATHS[path])
     by_path = client_metrics().reads
     direct_before, nixl_before = by_path.labels("direct")._value.get(), by_path.labels("nixl")._value.get()
+    reads = 3 if path == "staged-pieces" else 1  # a call's reads: 6 pages in pieces of 2, or one
+    name = f"fp-direct-{path}"
     try:
-        ns, keys = await _written_then_read(writer, pool, reader, reader_pool, "fp-direct", 1, 6)
-        assert reader.counters.reads == reader.counters.direct_reads == 1
+        ns, keys = await _written_then_read(writer, pool, reader, reader_pool, name, 1, 6)
+        assert reader.counters.reads == reader.counters.direct_reads == reads
+        if path != "pool":  # page-major rows: one read row per segment of every page
+            assert reader.counters.read_descriptors == 6 * NBUF
         assert reader.conn._store is not None and reader.conn._store.arena is not None
-        assert by_path.labels("direct")._value.get() == direct_before + 1
+        assert by_path.labels("direct")._value.get() == direct_before + reads
         assert by_path.labels("nixl")._value.get() == nixl_before
 
-        await scribble(store.address, vandal, "fp-direct", keys, 3)  # page 3's checksum no longer holds
+        await scribble(store.address, vandal, name, keys, 3)  # page 3's checksum no longer holds
         assert await _fetch(reader, reader_pool, ns, keys) == 3
         assert page_digest(reader_pool, list(range(20, 23))) == page_digest(pool, list(range(3)))
-        assert reader.counters.corrupt_pages == 1 and reader.counters.direct_reads == 2
-        (st,) = ns_stats(store.address, "fp-direct")
+        if path != "pool":  # behind staging, a page past the verified head never reaches the pool
+            assert not any(a.reshape(-1, BPP)[23:26].any() for a in reader_pool)
+        assert reader.counters.corrupt_pages == 1 and reader.counters.direct_reads == 2 * reads
+        (st,) = ns_stats(store.address, name)
         assert st.checksum_failures == 1 and st.pages == 5  # the corrupt page was dropped
     finally:
         for c in (writer, vandal, reader):

@@ -20,6 +20,7 @@ read straight out of the store process's memory instead of by NIXL READs (`direc
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -295,17 +296,21 @@ class PageStoreClient:
             if self.staging is not None:
                 with clock.step("stage_slots"):
                     slots = local = await self.staging.acquire(len(pages))
-            pieces = self._pieces(_head(resp.spans, len(pages)), local)
+            direct = store.arena is not None
+            rows_base = self.staging.rows_base if self.staging is not None and direct else None
+            pieces = self._pieces(_head(resp.spans, len(pages)), local, rows_base)
             sums = list(resp.checksums[: len(pages)])
             self.counters.reads += len(pieces)
-            if direct := store.arena is not None:
+            if direct:
                 self.counters.direct_reads += len(pieces)
             self._metrics.reads.labels("direct" if direct else "nixl").inc(len(pieces))
             self.counters.read_descriptors += sum(rows.shape[0] for *_, rows in pieces)
-            verify = self._verifier(local, pages, sums)
-            corrupt = await self._off_loop(
-                store, clock, lambda: read_in_pieces(self.conn, store, pieces, verify, clock)
-            )
+            if rows_base is None:
+                verify = self._verifier(local, pages, sums)
+                read = functools.partial(read_in_pieces, self.conn, store, pieces, verify, clock)
+            else:
+                read = functools.partial(self._read_rows, store, pieces, slots, pages, sums, clock)
+            corrupt = await self._off_loop(store, clock, read)
         except TransferStuck:
             if self.staging is not None:
                 await self.staging.retire(slots)  # NIXL may still write into them: never lent again
@@ -323,12 +328,46 @@ class PageStoreClient:
             return corrupt[0]
         return len(pages)
 
-    def _pieces(self, spans: list[Span], local: list[int]) -> list[tuple[int, int, Rows]]:
-        """The call's READ cut into pieces (`reading`): each piece's page range and descriptor rows."""
-        return [
-            (lo, hi, self.geometry.span_descriptors(cut_spans(spans, lo, hi), self._bases, local[lo:hi]))
-            for lo, hi in piece_bounds(len(local), self.geometry.page_bytes, self.settings.read_piece_bytes)
-        ]
+    def _pieces(
+        self, spans: list[Span], local: list[int], rows_base: int | None = None
+    ) -> list[tuple[int, int, Rows]]:
+        """The call's READ cut into pieces (`reading`): each piece's page range and descriptor rows, into
+        `local` pages of the buffers, or, with `rows_base`, into the staging's page-major rows `local`."""
+        out = []
+        for lo, hi in piece_bounds(len(local), self.geometry.page_bytes, self.settings.read_piece_bytes):
+            part = cut_spans(spans, lo, hi)
+            if rows_base is None:
+                rows = self.geometry.span_descriptors(part, self._bases, local[lo:hi])
+            else:
+                rows = self.geometry.row_descriptors(part, rows_base, local[lo:hi])
+            out.append((lo, hi, rows))
+        return out
+
+    def _read_rows(
+        self,
+        store: StorePeer,
+        pieces: list[tuple[int, int, Rows]],
+        slots: list[int],
+        pages: list[int],
+        sums: list[bytes],
+        clock: StepClock,
+    ) -> list[int]:
+        """A device pool's read out of a same-host store's memory: each page lands page-major in the
+        staging rows at `slots` (the read places every segment), is checked there and crosses to the
+        device as it is, into a buffer of this call; the verified head is then scattered into the pool's
+        `pages`. One crossing a page, where a READ into the buffer-major mirror takes three (there, to
+        the device and back page-major for the check, see `HostStaging.to_pool_checked`). Returns the
+        indices of the pages that failed. Blocking: a worker thread."""
+        staging = self.staging
+        assert staging is not None
+        moved = staging.moved_rows(len(slots))
+
+        def verify(lo: int, hi: int, piece_clock: StepClock) -> list[int]:
+            return staging.check_rows(slots[lo:hi], sums[lo:hi], moved, lo, piece_clock)
+
+        corrupt = read_in_pieces(self.conn, store, pieces, verify, clock)
+        staging.rows_to_pool(moved, pages[: corrupt[0] if corrupt else len(pages)], clock)
+        return corrupt
 
     def _verifier(self, local: list[int], pages: list[int], sums: list[bytes]) -> Verify:
         """Checks pages `lo:hi` of a call that landed in `local` (pool pages or staging slots) and, through

@@ -102,6 +102,29 @@ class PageGeometry:
             return np.zeros((0, 3), dtype=np.uint64)
         return np.ascontiguousarray(np.concatenate(parts))
 
+    def row_descriptors(
+        self, spans: Sequence[Span], rows_base: int, local_rows: Sequence[int]
+    ) -> npt.NDArray[np.uint64]:
+        """Nx3 rows (arena address, local address, nbytes) moving span pages into page-major rows: page i
+        of the spans (in span order) lands at `rows_base + local_rows[i] * page_bytes`, its segments one
+        after another in buffer order (one contiguous range a page, the layout `page_row_checksums`
+        hashes). One row per segment per page: the arena's runs are segment-major, so no two rows join."""
+        rows = np.asarray(local_rows, dtype=np.uint64)
+        total = sum(s.count for s in spans)
+        if total != rows.size:
+            raise InvalidPagesError(f"spans cover {total} pages, local side has {rows.size}")
+        offs = self.segment_offsets()
+        sizes = np.asarray(self.segment_bytes, dtype=np.uint64)
+        out = np.empty((total, len(sizes), 3), dtype=np.uint64)
+        at = 0
+        for span in spans:
+            slots = np.arange(span.first_slot, span.first_slot + span.count, dtype=np.uint64)[:, None]
+            out[at : at + span.count, :, 0] = span.chunk_address + offs * span.chunk_slots + slots * sizes
+            at += span.count
+        out[:, :, 1] = rows_base + rows[:, None] * np.uint64(self.page_bytes) + offs
+        out[:, :, 2] = sizes
+        return out.reshape(-1, 3)
+
 
 def page_checksum(segments: Sequence[memoryview | bytes]) -> bytes:
     """XXH3-128 over a page's segments in order, as 16 bytes (what CommitPut and readers compare).

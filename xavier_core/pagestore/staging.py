@@ -4,8 +4,10 @@ The store is DRAM and the client checksums every page it reads or writes on the 
 pool is on a GPU moves pages through a pinned host mirror of the pool's page geometry: `slots` pages of
 every buffer, registered with NIXL instead of the device pool. A read lands in staging slots, crosses to
 the device as it is, comes back page-major into a second pinned buffer to be verified there (one hash
-call per page), and only verified pages are scattered to their device pages; a write copies device pages
-to slots, checksums them there and WRITEs from there. Slots are leased per operation, as a run of
+call per page), and only verified pages are scattered to their device pages. A read out of a same-host store's
+memory places each segment itself, so it lands page-major in that second buffer straight away: checked
+there, it crosses to the device once (`check_rows`, `rows_to_pool`). A write copies device pages to slots,
+checksums them there and WRITEs from there. Slots are leased per operation, as a run of
 consecutive slots where one is free, so concurrent reads and write-throughs share the mirror without
 waiting on each other until it is full.
 
@@ -207,16 +209,89 @@ class HostStaging:
                     stream.synchronize()
         return corrupt
 
-    def _page_rows(self, slots: Sequence[int]) -> torch.Tensor:
+    # --- reads that land page-major (a same-host store's memory, read by this process) ------------------
+
+    @property
+    def rows_base(self) -> int | None:
+        """Address of the page-major row buffer (slot s's page at `rows_base + s * page_bytes`, its
+        segments one after another in buffer order: what `page_row_checksums` hashes), where a read that
+        can place each segment where it likes lands; None without the one-tensor mirror."""
+        return None if self._rows is None else int(self._rows.data_ptr())
+
+    def moved_rows(self, n: int) -> torch.Tensor:
+        """A (n, page bytes) buffer on the pool's device for one call's checked rows (`check_rows`),
+        allocated under the device lock (an allocation may reach the driver, which a graph capture of
+        another thread must not see)."""
+        import torch
+
+        assert self._rows is not None
+        with self._lock or contextlib.nullcontext():
+            return torch.empty((n, self._rows.shape[1]), dtype=torch.uint8, device=torch.device(self.device))
+
+    def check_rows(
+        self,
+        slots: Sequence[int],
+        want: Sequence[bytes],
+        moved: torch.Tensor,
+        at: int,
+        clock: StepClock,
+    ) -> list[int]:
+        """Checks the pages that landed page-major in the rows at `slots` against `want` and copies the
+        rows, as they are, to `moved[at : at + len(slots)]` (the call's own device buffer, which the pool
+        never sees before `rows_to_pool`); returns the indices that failed. One hash call per page and one
+        DMA per run of slots: no trip to the device and back to make the pages page-major, as the
+        mirror's `to_pool_checked` takes."""
+        import torch
+
+        assert self._rows is not None
+        if len(want) != len(slots):
+            raise InvalidPagesError(f"{len(slots)} staging slots but {len(want)} sums")
+        if not slots:
+            return []
+        with clock.step("verify"):
+            corrupt = _failed(page_row_checksums(self._page_rows(slots, copy=True).numpy()), want)
+        dev = torch.device(self.device)
+        cuda = dev.type == "cuda"
+        stream = torch.cuda.default_stream(dev) if cuda else None
+        with clock.step("stage_copy"), self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
+            for first, start, length in _slot_runs(slots):
+                moved[at + first : at + first + length].copy_(
+                    self._rows[start : start + length], non_blocking=cuda
+                )
+            if stream is not None:
+                stream.synchronize()
+        return corrupt
+
+    def rows_to_pool(self, moved: torch.Tensor, pages: Sequence[int], clock: StepClock) -> None:
+        """Scatters the first `len(pages)` checked rows of `moved` into pool `pages` (row i into page i),
+        each buffer's segment of every row in one copy, and waits for it."""
+        import torch
+
+        if not pages:
+            return
+        dev = torch.device(self.device)
+        cuda = dev.type == "cuda"
+        stream = torch.cuda.default_stream(dev) if cuda else None
+        p_idx = torch.tensor(list(pages), dtype=torch.long, device=dev)
+        width = self._pool[0].shape[1]
+        with clock.step("stage_copy"), self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
+            for b, pool in enumerate(self._pool):
+                pool.index_copy_(0, p_idx, moved[: len(pages), b * width : (b + 1) * width])
+            if stream is not None:
+                stream.synchronize()
+
+    def _page_rows(self, slots: Sequence[int], copy: bool = False) -> torch.Tensor:
         """A (len(slots), page bytes) pinned host buffer for a page-major copy of `slots`: the rows of
         the mirror-sized page buffer at those slots when they are one run (leased to this call alone, so
-        calls at once never share rows), else a buffer of its own."""
+        calls at once never share rows), else a buffer of its own (with `copy`, holding their rows)."""
         import torch
 
         assert self._rows is not None
         first = slots[0]
         if list(slots) == list(range(first, first + len(slots))):
             return self._rows[first : first + len(slots)]
+        if copy:
+            return self._rows.index_select(0, torch.tensor(list(slots), dtype=torch.long))
         return torch.empty(
             (len(slots), self._rows.shape[1]), dtype=torch.uint8, pin_memory=self.device != "cpu"
         )
