@@ -85,15 +85,15 @@ class Mesh:
             ]
         flags = ["--insecure", "--engine", "sglang", "--mode", "colocated", "--unified", "2",
                  "--model", str(args.model), "--gpus", args.gpus, "--sglang-command", SGLANG_LAUNCHER, *flags,
+                 # Room for every prefix of the run: a full arena evicts, and the L3 would never grow
+                 # by a whole prefix (the file backend keeps everything too).
+                 "--pagestore-arena-bytes", str(args.store_arena_bytes),
                  *(f"--sglang-arg={a}" for a in SGLANG_ARGS + args.sglang_arg)]  # fmt: skip
         self.trace = self.work / "trace"
         env = {
             **os.environ,
             "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(self.files),
             "XAVIER_SGLANG_TRACE": str(self.trace),
-            # Room for every prefix of the run: a full arena evicts, and the L3 would never grow by a
-            # whole prefix (the file backend keeps everything too).
-            "XAVIER_PAGESTORE__ARENA_BYTES": str(args.store_arena_bytes),
         }
         self.proc, _ = launch_up(self.work, flags, env, timeout=1200)
         svc = self.work / "svc"

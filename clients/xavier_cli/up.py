@@ -125,6 +125,13 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pagestore-listen", default="127.0.0.1:0", metavar="HOST:PORT", help="page store address"
     )
+    p.add_argument(
+        "--pagestore-arena-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="the page store's DRAM arena (its pagestore.arena_bytes; default: its config's, 256 MiB)",
+    )
     add_sglang_args(p)
 
 
@@ -219,9 +226,7 @@ def run_up(args: argparse.Namespace) -> int:
         first = [directory]
         if use_store:
             # Stage 0 like the directory: it outlives the engines that write to it.
-            first.append(
-                sup.start("pagestore", "xavier-pagestore", ["--listen", args.pagestore_listen], stage=0)
-            )
+            first.append(sup.start("pagestore", "xavier-pagestore", _store_args(args), stage=0))
         say(f"starting {' and '.join(c.name for c in first)}")
         if not sup.wait_ready(first, 60, lambda: stop.requested, _progress(say), _ready(say)):
             return 0
@@ -455,3 +460,12 @@ class MeshCertificates:
             "cert_file": str(files.cert_file),
             "key_file": str(files.key_file),
         }
+
+
+def _store_args(args: argparse.Namespace) -> list[str]:
+    """The page store's command line: its address, and its arena when `--pagestore-arena-bytes` sets it
+    (a flag of its own: the engines read the `pagestore` settings section too, as clients)."""
+    out = ["--listen", args.pagestore_listen]
+    if args.pagestore_arena_bytes is not None:
+        out += ["--arena-bytes", str(args.pagestore_arena_bytes)]
+    return out
