@@ -228,10 +228,10 @@ class Router:
                     yield step_response(rid, mode, step)
             total = time.monotonic() - prep.arrival
             if tally.ttft is not None and tally.completion > 1:
-                self._metrics.tpot.labels(mode_name).observe((total - tally.ttft) / (tally.completion - 1))
+                self._metrics.mode(mode_name).tpot.observe((total - tally.ttft) / (tally.completion - 1))
             rec.finish = types_pb2.FinishReason.Name(tally.finish)
             yield last_response(rid, mode, len(prep.token_ids), tally, total)
-            self._metrics.requests.labels(mode_name, rec.finish).inc()
+            self._metrics.finished(mode_name, rec.finish).inc()
         finally:
             if trace.failovers:
                 self._metrics.failovers.inc(trace.failovers)
@@ -250,6 +250,7 @@ class Router:
         step finishes the request or the flow ends (finish ABORT) or fails (its error raised); a gap of
         `progress_timeout_seconds` raises `ProgressTimeout`."""
         progress = self.config.progress_timeout_seconds
+        metrics = self._metrics.mode(rec.mode)
         while True:
             if queue.empty():  # a step already queued needs no timer, and a wait no task of its own
                 try:
@@ -271,10 +272,10 @@ class Router:
                 raise item.error
             if tally.ttft is None and item.token_ids:
                 rec.ttft = tally.ttft = time.monotonic() - prep.arrival
-                self._metrics.ttft.labels(rec.mode).observe(tally.ttft)
+                metrics.ttft.observe(tally.ttft)
             tally.add(item)
             rec.completion_tokens = tally.completion
-            self._metrics.output_tokens.labels(rec.mode).inc(len(item.token_ids))
+            metrics.output_tokens.inc(len(item.token_ids))
             if tally.finish:
                 return
             if item.token_ids or item.text:

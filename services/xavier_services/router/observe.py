@@ -18,6 +18,16 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
+@dataclass(frozen=True)
+class ModeMetrics:
+    """One mode's labelled children of the per-mode metrics. `labels()` checks and joins the labels
+    under a lock at every call, and the router's read loop would pay that once per streamed step."""
+
+    ttft: Histogram
+    tpot: Histogram
+    output_tokens: Counter
+
+
 class RouterMetrics:
     """Prometheus metrics of the router's requests."""
 
@@ -88,6 +98,24 @@ class RouterMetrics:
             ("role",),
             registry=registry,
         )
+        self._modes: dict[str, ModeMetrics] = {}
+        self._finished: dict[tuple[str, str], Counter] = {}
+
+    def mode(self, name: str) -> ModeMetrics:
+        """The children of mode `name`, looked up once (a handful of modes: the cache stays small)."""
+        found = self._modes.get(name)
+        if found is None:
+            found = self._modes[name] = ModeMetrics(
+                self.ttft.labels(name), self.tpot.labels(name), self.output_tokens.labels(name)
+            )
+        return found
+
+    def finished(self, mode: str, finish: str) -> Counter:
+        """The `requests` child of (`mode`, `finish`), looked up once per pair."""
+        child = self._finished.get((mode, finish))
+        if child is None:
+            child = self._finished[(mode, finish)] = self.requests.labels(mode, finish)
+        return child
 
 
 @dataclass
@@ -134,4 +162,4 @@ class RequestRecord:
             _log.warning("request failed", **fields)
 
 
-__all__ = ["RequestRecord", "RouterMetrics"]
+__all__ = ["ModeMetrics", "RequestRecord", "RouterMetrics"]

@@ -85,6 +85,8 @@ class _CacheMetrics:
             ("result",),
             registry=registry,
         )
+        # Looked up once: every request counts one lookup, and `labels()` locks and checks each time.
+        self.hit, self.miss = self.lookups.labels("hit"), self.lookups.labels("miss")
         self.size = Gauge(
             "xavier_router_prompt_cache_entries", "Entries in the prompt cache.", registry=registry
         )
@@ -124,10 +126,10 @@ class PromptCache:
             if found is not None:
                 self._entries.move_to_end(key)
                 self.hits += 1
-                self._metrics.lookups.labels("hit").inc()
+                self._metrics.hit.inc()
                 return found
             self.misses += 1
-        self._metrics.lookups.labels("miss").inc()
+        self._metrics.miss.inc()
         ids = tuple(encode(text))
         if self.capacity > 0:
             with self._lock:
