@@ -1,12 +1,12 @@
 """SGLang HiCache's get on the Xavier page store, on CPU: SGLang's own host pool, a real store process.
 
-Replica A's backend writes `--pages` pages of SGLang's `MHATokenToKVPoolHost` (page-first layout, the
-geometry of `--shape`, fp16) into a real `xavier-pagestore` process; replica B's backend gets them into
-its own host pool, as SGLang's prefetch thread does (`batch_get_v1`). Per rep: the get's wall time, its
-fetch steps (the store client's `xavier_pagestore_client_fetch_seconds{step}`: GetPages, READ, checksum
-pass, ...) and the same get with its checks taken off (the pages as they land), the two in alternating
-order, so what verification adds to a HiCache get is measured in the same run. The first get of each
-backend loads the store's endpoint and is left out. No GPU: what a get costs in the backend and the
+Replica A's backend writes `--pages` pages of SGLang's `MHATokenToKVPoolHost` (`--layout`, page-first unless
+asked; the geometry of `--shape`, fp16) into a real `xavier-pagestore` process; replica B's backend gets
+them into its own host pool, as SGLang's prefetch thread does (`batch_get_v1`). Per rep: the get's wall
+time, its fetch steps (the store client's `xavier_pagestore_client_fetch_seconds{step}`: GetPages, READ,
+checksum pass, ...) and the same get with its checks taken off (the pages as they land), the two in
+alternating order, so what verification adds to a HiCache get is measured in the same run. The first get of
+each backend loads the store's endpoint and is left out. No GPU: what a get costs in the backend and the
 store client, without SGLang's scheduler beside it (`--busy-python N` puts N threads of pure Python there,
 as a busy scheduler holds the GIL; `--read-path` picks how B's client reads the store).
 
@@ -80,6 +80,13 @@ def main() -> int:
         help="how B's client reads the store: its setting (default), straight out of the store's memory, or "
         "by NIXL READs",
     )
+    p.add_argument(
+        "--layout",
+        choices=("page_first", "layer_first"),
+        default="page_first",
+        help="both host pools' layout (SGLang's --hicache-mem-layout): page_first, a page's K of every "
+        "layer in one range and its V in another, or layer_first, one range per layer's K and V",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hicache-get-cpu")
     args = p.parse_args()
     stop_busy = threading.Event()
@@ -104,7 +111,8 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     try:
         a_pool, b_pool = (
-            hc.host_pool(seed, layers, heads, dim, PAGE_TOKENS, tokens, torch.float16) for seed in (1, None)
+            hc.host_pool(seed, layers, heads, dim, PAGE_TOKENS, tokens, torch.float16, args.layout)
+            for seed in (1, None)
         )
         a, b = hc.backend(store.address, model, a_pool), hc.backend(store.address, model, b_pool)
         if args.read_piece_bytes is not None:
@@ -140,6 +148,7 @@ def main() -> int:
             print(json.dumps(row), file=sys.stderr, flush=True)
         b_settings = b.client.settings.read_piece_bytes
         direct_reads = b.client.counters.direct_reads
+        segments = len(b.client.buffers)  # the store's segments a page: one per host pool pointer
         a.close()
         b.close()
     finally:
@@ -154,6 +163,8 @@ def main() -> int:
         "sglang": sglang.__version__,
         "shape": args.shape,
         "pages": args.pages,
+        "layout": args.layout,
+        "segments_per_page": segments,
         "busy_python_threads": args.busy_python,
         "read_path": args.read_path,
         "direct_reads": direct_reads,

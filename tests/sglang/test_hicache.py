@@ -47,9 +47,10 @@ def host_pool(
     page: int = PAGE,
     device_tokens: int = DEVICE_TOKENS,
     dtype: torch.dtype = torch.float32,
+    layout: str = "page_first",
 ) -> Any:
-    """SGLang's host KV pool (page-first) over a CPU device pool of `device_tokens` tokens; random
-    contents from `seed`, zeros without one."""
+    """SGLang's host KV pool (`layout`: page-first unless asked) over a CPU device pool of `device_tokens`
+    tokens; random contents from `seed`, zeros without one."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
@@ -60,12 +61,14 @@ def host_pool(
     if "buffer_info" in inspect.signature(MHATokenToKVPoolHost.__init__).parameters:  # 0.5.23
         info = device.get_device_pool_infos()[0].buffer_info
         pool = MHATokenToKVPoolHost(
-            info, HOST_RATIO, 0, page, "page_first", pin_memory=False, device="cpu",
+            info, HOST_RATIO, 0, page, layout, pin_memory=False, device="cpu",
             device_capacity_tokens=device_tokens, start_layer=0, end_layer=layers,
         )  # fmt: skip
     else:  # 0.5.17
-        pool = MHATokenToKVPoolHost(device, HOST_RATIO, 0, page, "page_first", pin_memory=False, device="cpu")
-    assert pool.layout == "page_first" and tuple(pool.kv_buffer.shape[2:]) == (layers, heads, dim)
+        pool = MHATokenToKVPoolHost(device, HOST_RATIO, 0, page, layout, pin_memory=False, device="cpu")
+    assert pool.layout == layout
+    if layout == "page_first":  # [2, tokens, layers, heads, head_dim]: what `page` reads
+        assert tuple(pool.kv_buffer.shape[2:]) == (layers, heads, dim)
     if seed is not None:
         gen = torch.Generator().manual_seed(seed)
         pool.kv_buffer.copy_(torch.rand(pool.kv_buffer.shape, generator=gen))
