@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import heapq
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -141,9 +141,7 @@ class HostStaging:
         dev = torch.device(self.device)
         p_idx = torch.tensor(list(pages), dtype=torch.long, device=dev)
         s_idx = torch.tensor(list(slots), dtype=torch.long)
-        cuda = dev.type == "cuda"
-        stream = torch.cuda.default_stream(dev) if cuda else None
-        with self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
+        with self._on_device() as cuda:
             if self._mirror is not None and cuda and into_host:
                 self._copy_runs(p_idx, slots)
             elif self._mirror is not None and into_host:
@@ -157,8 +155,6 @@ class HostStaging:
                         host.index_copy_(0, s_idx, pool.index_select(0, p_idx).to("cpu"))
                     else:
                         pool.index_copy_(0, p_idx, host.index_select(0, s_idx).to(dev))
-            if stream is not None:
-                stream.synchronize()
 
     def to_pool_checked(
         self,
@@ -189,24 +185,18 @@ class HostStaging:
                 self.to_pool(slots[:good], pages[:good])
             return corrupt
         dev = torch.device(self.device)
-        cuda = dev.type == "cuda"
-        stream = torch.cuda.default_stream(dev) if cuda else None
         rows = self._page_rows(slots)
-        with clock.step("stage_copy"), self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
+        with clock.step("stage_copy"), self._on_device() as cuda:
             moved = self._to_device(slots, dev)
             rows.copy_(moved.permute(1, 0, 2).reshape(len(slots), -1), non_blocking=cuda)
-            if stream is not None:
-                stream.synchronize()
         # Hashed without the device lock: the engine computes meanwhile; `moved` is this call's own.
         with clock.step("verify"):
             corrupt = _failed(page_row_checksums(rows.numpy()), want)
         good = corrupt[0] if corrupt else len(slots)
         if good:
             p_idx = torch.tensor(list(pages[:good]), dtype=torch.long, device=dev)
-            with clock.step("stage_copy"), self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
+            with clock.step("stage_copy"), self._on_device():
                 self._scatter(moved[:, :good], p_idx)
-                if stream is not None:
-                    stream.synchronize()
         return corrupt
 
     # --- reads that land page-major (a same-host store's memory, read by this process) ------------------
@@ -241,7 +231,6 @@ class HostStaging:
         never sees before `rows_to_pool`); returns the indices that failed. One hash call per page and one
         DMA per run of slots: no trip to the device and back to make the pages page-major, as the
         mirror's `to_pool_checked` takes."""
-        import torch
 
         assert self._rows is not None
         if len(want) != len(slots):
@@ -250,16 +239,11 @@ class HostStaging:
             return []
         with clock.step("verify"):
             corrupt = _failed(page_row_checksums(self._page_rows(slots, copy=True).numpy()), want)
-        dev = torch.device(self.device)
-        cuda = dev.type == "cuda"
-        stream = torch.cuda.default_stream(dev) if cuda else None
-        with clock.step("stage_copy"), self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
+        with clock.step("stage_copy"), self._on_device() as cuda:
             for first, start, length in _slot_runs(slots):
                 moved[at + first : at + first + length].copy_(
                     self._rows[start : start + length], non_blocking=cuda
                 )
-            if stream is not None:
-                stream.synchronize()
         return corrupt
 
     def rows_to_pool(self, moved: torch.Tensor, pages: Sequence[int], clock: StepClock) -> None:
@@ -269,14 +253,23 @@ class HostStaging:
 
         if not pages:
             return
-        dev = torch.device(self.device)
-        cuda = dev.type == "cuda"
-        stream = torch.cuda.default_stream(dev) if cuda else None
-        p_idx = torch.tensor(list(pages), dtype=torch.long, device=dev)
+        p_idx = torch.tensor(list(pages), dtype=torch.long, device=torch.device(self.device))
         width = self._pool[0].shape[1]
-        with clock.step("stage_copy"), self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
+        with clock.step("stage_copy"), self._on_device():
             for b, pool in enumerate(self._pool):
                 pool.index_copy_(0, p_idx, moved[: len(pages), b * width : (b + 1) * width])
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[bool]:
+        """Device work queued inside runs on the device's default stream (the engine's: see the module
+        docstring) under the device lock, and has finished when the block ends; yields whether the device
+        is a GPU (a copy may then be queued asynchronously)."""
+        import torch
+
+        dev = torch.device(self.device)
+        stream = torch.cuda.default_stream(dev) if dev.type == "cuda" else None
+        with self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
+            yield stream is not None
             if stream is not None:
                 stream.synchronize()
 
