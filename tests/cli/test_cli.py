@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli.mesh import Mesh, shared_cache, start_up
+from tests.pagestore.support import stats
 
 pytestmark = pytest.mark.integration
 # The `xavier` command, run as a module so it needs no installed script.
@@ -113,3 +115,20 @@ def test_make_tiny_command(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "m" / "config.json").is_file() and (tmp_path / "m" / "tokenizer.json").is_file()
+
+
+def test_up_sizes_the_page_store_arena_alone(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`--pagestore-arena-bytes` reaches the store's command line, not the environment every child reads:
+    the engines' own `pagestore` settings (a client's) would refuse an arena key and stop `xavier up`."""
+    arena = 48 << 20
+    up = start_up(
+        tmp_path, shared_cache(tmp_path_factory), "--mode", "colocated", "--pagestore-arena-bytes", str(arena)
+    )
+    try:
+        assert set(up.child_pids()) == {"directory", "pagestore", "unified-0", "router"}
+        store = json.loads((up.workdir / "pagestore.ready").read_text())["address"]
+        assert stats(store).capacity_bytes == arena
+    finally:
+        assert up.stop(signal.SIGTERM) == 0
