@@ -7,7 +7,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from xavier_core.pagestore.layout import local_page_checksums
+from xavier_core.pagestore.layout import local_page_checksums, page_row_checksums
+from xavier_core.pagestore.metrics import StepClock
 from xavier_core.pagestore.staging import HostStaging
 from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.errors import InvalidPagesError
@@ -150,3 +151,43 @@ def test_a_checked_scatter_moves_only_the_verified_head(
         assert torch.equal(d[dest].cpu(), s[pages].cpu())
     with pytest.raises(InvalidPagesError):
         back.to_pool_checked(slots, dest, want[:3])
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("slots", [[3, 4, 5, 6, 7, 8], [9, 2, 11, 0, 14, 5]], ids=["run", "scattered"])
+def test_rows_checked_while_they_move_reach_the_pool_only_as_the_verified_head(
+    device: str, slots: list[int]
+) -> None:
+    """Pages that landed page-major in the staging rows go to the call's device buffer while they are
+    hashed (two pieces, as `read_in_pieces` checks them); only the head before the first bad page is
+    scattered into the pool, and the rows' bytes are the pool's pages, buffer by buffer."""
+    import torch
+
+    if device != "cpu" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sizes = (256,) * 4  # the one-tensor mirror: the layout whose same-host reads land page-major
+    dst = [torch.zeros((32, s), dtype=torch.uint8, device=device) for s in sizes]
+    staging = HostStaging([KvBuffer(t.data_ptr(), t.numel(), t.shape[1], str(t.device)) for t in dst], 16)
+    assert staging.rows_base is not None
+    gen = torch.Generator().manual_seed(3)
+    pages = torch.randint(0, 256, (len(slots), sum(sizes)), generator=gen, dtype=torch.uint8)
+    rows = np.ctypeslib.as_array(
+        (np.ctypeslib.ctypes.c_uint8 * (16 * sum(sizes))).from_address(staging.rows_base)
+    ).reshape(16, sum(sizes))
+    for i, s in enumerate(slots):
+        rows[s] = pages[i].numpy()
+    want = page_row_checksums(pages.numpy())
+    want[4] = bytes(16)
+    moved = staging.moved_rows(len(slots))
+    clock = StepClock()
+    bad = staging.check_rows(slots[:3], want[:3], moved, 0, clock)
+    bad += [3 + i for i in staging.check_rows(slots[3:], want[3:], moved, 3, clock)]
+    assert bad == [4]
+    assert torch.equal(moved.cpu(), pages)  # every row crossed as it was, the bad one too
+    targets = [20, 1, 30, 7, 8, 9]
+    staging.rows_to_pool(moved, targets[: bad[0]], clock)
+    for b, pool in enumerate(dst):
+        got = pool.cpu()
+        assert torch.equal(got[targets[:4]], pages[:4, b * 256 : (b + 1) * 256])
+        assert not got[targets[4:]].any()  # the failed page and the one after it never reach the pool
+    assert clock.seconds["verify"] > 0 and clock.seconds["stage_copy"] > 0

@@ -5,8 +5,8 @@ pool is on a GPU moves pages through a pinned host mirror of the pool's page geo
 every buffer, registered with NIXL instead of the device pool. A read lands in staging slots, crosses to
 the device as it is, comes back page-major into a second pinned buffer to be verified there (one hash
 call per page), and only verified pages are scattered to their device pages. A read out of a same-host store's
-memory places each segment itself, so it lands page-major in that second buffer straight away: checked
-there, it crosses to the device once (`check_rows`, `rows_to_pool`). A write copies device pages to slots,
+memory places each segment itself, so it lands page-major in that second buffer straight away: hashed
+there while it crosses to the device once (`check_rows`, `rows_to_pool`). A write copies device pages to slots,
 checksums them there and WRITEs from there. Slots are leased per operation, as a run of
 consecutive slots where one is free, so concurrent reads and write-throughs share the mirror without
 waiting on each other until it is full.
@@ -230,21 +230,38 @@ class HostStaging:
         rows, as they are, to `moved[at : at + len(slots)]` (the call's own device buffer, which the pool
         never sees before `rows_to_pool`); returns the indices that failed. One hash call per page and one
         DMA per run of slots: no trip to the device and back to make the pages page-major, as the
-        mirror's `to_pool_checked` takes."""
+        mirror's `to_pool_checked` takes.
+
+        On a GPU the DMAs are queued first and the pages hashed while they move: both only read the
+        pinned rows, and the copy lands in the call's own buffer, so the check costs the fetch only what
+        it takes beyond the copy. The copy is waited for (under the device lock, as every wait here)
+        before this returns or raises: the rows' slots go back to the mirror only once nothing reads
+        them."""
+        import torch
 
         assert self._rows is not None
         if len(want) != len(slots):
             raise InvalidPagesError(f"{len(slots)} staging slots but {len(want)} sums")
         if not slots:
             return []
-        with clock.step("verify"):
-            corrupt = _failed(page_row_checksums(self._page_rows(slots, copy=True).numpy()), want)
-        with clock.step("stage_copy"), self._on_device() as cuda:
+        dev = torch.device(self.device)
+        stream = torch.cuda.default_stream(dev) if dev.type == "cuda" else None
+        moving: torch.cuda.Event | None = None
+        with clock.step("stage_copy"), self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
             for first, start, length in _slot_runs(slots):
                 moved[at + first : at + first + length].copy_(
-                    self._rows[start : start + length], non_blocking=cuda
+                    self._rows[start : start + length], non_blocking=stream is not None
                 )
-        return corrupt
+            if stream is not None:
+                moving = torch.cuda.Event()
+                moving.record(stream)
+        try:
+            with clock.step("verify"):
+                return _failed(page_row_checksums(self._page_rows(slots, copy=True).numpy()), want)
+        finally:
+            if moving is not None:
+                with clock.step("stage_copy"), self._lock or contextlib.nullcontext():
+                    moving.synchronize()
 
     def rows_to_pool(self, moved: torch.Tensor, pages: Sequence[int], clock: StepClock) -> None:
         """Scatters the first `len(pages)` checked rows of `moved` into pool `pages` (row i into page i),
