@@ -6,8 +6,8 @@ every buffer, registered with NIXL instead of the device pool. A read lands in s
 the device as it is, comes back page-major into a second pinned buffer to be verified there (one hash
 call per page), and only verified pages are scattered to their device pages. A read out of a same-host store's
 memory places each segment itself, so it lands page-major in that second buffer straight away: hashed
-there while it crosses to the device once (`check_rows`, `rows_to_pool`). A write copies device pages to slots,
-checksums them there and WRITEs from there. Slots are leased per operation, as a run of
+there while it crosses to the device once (`check_rows`, `rows_to_pool`). A write copies device pages
+to slots, checksums them there and WRITEs from there. Slots are leased per operation, as a run of
 consecutive slots where one is free, so concurrent reads and write-throughs share the mirror without
 waiting on each other until it is full.
 
@@ -253,7 +253,7 @@ class HostStaging:
                     self._rows[start : start + length], non_blocking=stream is not None
                 )
             if stream is not None:
-                moving = torch.cuda.Event()
+                moving = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 moving.record(stream)
         try:
             with clock.step("verify"):
