@@ -44,7 +44,14 @@ class SourceInfo:
         return sum(r.count for r in self.runs)
 
     def page_ids(self) -> npt.NDArray[np.int64]:
-        return runs_to_pages(self.runs)
+        """The pages the runs cover, in order; computed once per source (a pull asks twice: to pair
+        them with the reader's pages and to post the READ), read-only since it is shared."""
+        pages: npt.NDArray[np.int64] | None = self.__dict__.get("_page_ids")
+        if pages is None:
+            pages = runs_to_pages(self.runs)
+            pages.flags.writeable = False
+            object.__setattr__(self, "_page_ids", pages)
+        return pages
 
     def staging_chunks(self) -> npt.NDArray[np.int64]:
         return runs_to_pages(self.staging_runs)
