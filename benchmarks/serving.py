@@ -228,7 +228,13 @@ async def bare_rpc_cpu(address: str, pid: int, conc: int, n: int) -> float:
 
 
 async def overhead(
-    address: str, directory: str, conc: int, n: int, pids: dict[int, str], bare_server: tuple[str, int]
+    address: str,
+    directory: str,
+    conc: int,
+    n: int,
+    pids: dict[int, str],
+    bare_server: tuple[str, int],
+    tokens: int = 2,
 ) -> dict[str, Any]:
     """P/D control-plane cost per request on a zero-compute mesh, beside a bare grpc.aio round trip."""
     ps = prompts(n, 99)
@@ -247,7 +253,7 @@ async def overhead(
         async def req(p: str) -> None:
             async with sem:
                 t0 = time.perf_counter()
-                r = await one(client, p, "pd", 2)
+                r = await one(client, p, "pd", tokens)
                 total.append((time.perf_counter() - t0) * 1e3)
                 ttft.append(r["ttft"] * 1e3)
                 engine.append(r["prefill"] * 1e3)
@@ -279,6 +285,7 @@ async def overhead(
     return {
         "concurrency": conc,
         "requests": n,
+        "tokens": tokens,
         # TTFT less the time the prefill service reports for its engine (queue + step, zero compute).
         "overhead_ms_p50": pct(control, 50),
         "overhead_ms_p99": pct(control, 99),
@@ -364,7 +371,15 @@ async def run_overhead(
         for conc in args.concurrency:
             n = max(args.overhead_requests, 40 * conc)
             out.append(
-                await overhead(info["grpc"], info["directory"], conc, n, pids, (bare_address, bare.pid))
+                await overhead(
+                    info["grpc"],
+                    info["directory"],
+                    conc,
+                    n,
+                    pids,
+                    (bare_address, bare.pid),
+                    args.overhead_tokens,
+                )
             )
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     finally:
@@ -439,6 +454,13 @@ def main() -> int:
         type=int,
         default=600,
         help="requests per concurrency level of the overhead part (at least 40 per concurrent client)",
+    )
+    p.add_argument(
+        "--overhead-tokens",
+        type=int,
+        default=2,
+        help="tokens each request of the overhead part streams (2: the control-plane figure; more: the "
+        "per-token path through the services)",
     )
     p.add_argument(
         "--protocols",
