@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from xavier.v1 import directory_service_pb2 as dir_pb
@@ -179,6 +180,35 @@ async def one(client: AsyncClient, prompt: str, mode: str, max_tokens: int) -> d
     return {"ttft": first - t0, "tpot": tpot, "tokens": n, "prefill": prefill}
 
 
+async def one_http(
+    web: aiohttp.ClientSession, address: str, prompt: str, max_tokens: int
+) -> dict[str, float]:
+    """`one` through the router's OpenAI API: a streamed `/v1/completions` in P/D mode."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "xavier_mode": "pd",
+    }
+    t0 = time.perf_counter()
+    first = last = 0.0
+    n = 0
+    async with web.post(f"http://{address}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            now = time.perf_counter()
+            if n == 0:
+                first = now
+            last = now
+            n += 1
+    tpot = (last - first) / (n - 1) if n > 1 else 0.0
+    return {"ttft": first - t0, "tpot": tpot, "tokens": n, "prefill": 0.0}
+
+
 async def level(address: str, mode: str, conc: int, n: int, max_tokens: int, seed: int) -> dict[str, Any]:
     ps = prompts(n, seed)
     queue: asyncio.Queue[str] = asyncio.Queue()
@@ -235,8 +265,11 @@ async def overhead(
     pids: dict[int, str],
     bare_server: tuple[str, int],
     tokens: int = 2,
+    http: str = "",
 ) -> dict[str, Any]:
-    """P/D control-plane cost per request on a zero-compute mesh, beside a bare grpc.aio round trip."""
+    """P/D control-plane cost per request on a zero-compute mesh, beside a bare grpc.aio round trip;
+    with `http` (the router's OpenAI address), the requests stream `/v1/completions` over HTTP instead
+    of the gRPC API (no engine time comes back there: the overhead figures are then TTFT's)."""
     ps = prompts(n, 99)
     ttft: list[float] = []
     total: list[float] = []
@@ -250,16 +283,22 @@ async def overhead(
         sem = asyncio.Semaphore(conc)
         cpu0, me0, t_start = cpu_seconds(pids), time.process_time(), time.perf_counter()
 
+        web = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) if http else None
+
         async def req(p: str) -> None:
             async with sem:
                 t0 = time.perf_counter()
-                r = await one(client, p, "pd", tokens)
+                r = await (one_http(web, http, p, tokens) if web else one(client, p, "pd", tokens))
                 total.append((time.perf_counter() - t0) * 1e3)
                 ttft.append(r["ttft"] * 1e3)
                 engine.append(r["prefill"] * 1e3)
 
         rooms0 = await directory_rooms(directory)
-        await asyncio.gather(*(req(p) for p in ps))
+        try:
+            await asyncio.gather(*(req(p) for p in ps))
+        finally:
+            if web is not None:
+                await web.close()
         wall = time.perf_counter() - t_start
         cpu1, me1 = cpu_seconds(pids), time.process_time()
         rooms = (await directory_rooms(directory) - rooms0) / n
@@ -286,6 +325,7 @@ async def overhead(
         "concurrency": conc,
         "requests": n,
         "tokens": tokens,
+        "api": "openai-http" if http else "grpc",
         # TTFT less the time the prefill service reports for its engine (queue + step, zero compute).
         "overhead_ms_p50": pct(control, 50),
         "overhead_ms_p99": pct(control, 99),
@@ -379,6 +419,7 @@ async def run_overhead(
                     pids,
                     (bare_address, bare.pid),
                     args.overhead_tokens,
+                    info["http"] if args.overhead_api == "http" else "",
                 )
             )
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
@@ -461,6 +502,12 @@ def main() -> int:
         default=2,
         help="tokens each request of the overhead part streams (2: the control-plane figure; more: the "
         "per-token path through the services)",
+    )
+    p.add_argument(
+        "--overhead-api",
+        choices=["grpc", "http"],
+        default="grpc",
+        help="the API the overhead part's requests use: the router's gRPC API, or its OpenAI HTTP API",
     )
     p.add_argument(
         "--protocols",
