@@ -22,6 +22,78 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class SharePrefixRequest(_message.Message):
+    """SharePrefixRequest asks a replica for the pages of a prefix it holds."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    READER_PEER_ID_FIELD_NUMBER: _builtins.int
+    READER_EPOCH_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.int
+    """The reader's id for the share: the room id of the source (non-zero, unique among the reader's
+    live shares with this replica).
+    """
+    cache_salt: _builtins.str
+    """The tenant salt the pages were computed under (at most 256 characters)."""
+    reader_peer_id: _builtins.str
+    """The reader's directory peer id (its transfer endpoint comes from the directory's peer list)."""
+    reader_epoch: _builtins.int
+    """The reader's registration epoch."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The prefix's token ids: whole pages only (a multiple of the page size), at least one page."""
+
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.int = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        cache_salt: _builtins.str = ...,
+        reader_peer_id: _builtins.str = ...,
+        reader_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "reader_epoch", b"reader_epoch", "reader_peer_id", b"reader_peer_id", "room_id", b"room_id", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharePrefixRequest: _TypeAlias = SharePrefixRequest  # noqa: Y015
+
+@_typing.final
+class SharePrefixResponse(_message.Message):
+    """SharePrefixResponse names the published source."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGES_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    pages: _builtins.int
+    """Leading pages of the asked prefix published; 0 (and no source) when none is cached here any more."""
+    @_builtins.property
+    def source(self) -> _directory_service_pb2.SourceDescriptor:
+        """The source to read (as a pair handoff's PrefillResponse.source); its read token must come back in
+        the reader's notification.
+        """
+
+    def __init__(
+        self,
+        *,
+        pages: _builtins.int = ...,
+        source: _directory_service_pb2.SourceDescriptor | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pages", b"pages", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharePrefixResponse: _TypeAlias = SharePrefixResponse  # noqa: Y015
+
+@_typing.final
 class TokenDelta(_message.Message):
     """TokenDelta is a group of generated tokens."""
 

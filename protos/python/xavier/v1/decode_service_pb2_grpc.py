@@ -56,6 +56,11 @@ class DecodeServiceStub:
                 request_serializer=xavier_dot_v1_dot_decode__service__pb2.DecodeSessionRequest.SerializeToString,
                 response_deserializer=xavier_dot_v1_dot_decode__service__pb2.DecodeSessionResponse.FromString,
                 _registered_method=True)
+        self.SharePrefix = channel.unary_unary(
+                '/xavier.v1.DecodeService/SharePrefix',
+                request_serializer=xavier_dot_v1_dot_decode__service__pb2.SharePrefixRequest.SerializeToString,
+                response_deserializer=xavier_dot_v1_dot_decode__service__pb2.SharePrefixResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -95,6 +100,17 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SharePrefix(self, request, context):
+        """SharePrefix publishes the pages of a prompt prefix this replica holds in its prefix cache as a
+        transfer source for one reader (a replica that found them in the page store with this replica as
+        their holder): the longest leading run of the asked pages still cached, pinned until the reader's
+        read ends (its notification, as a pair handoff's) or the lease passes. Unified role, callers of the
+        unified or prefill role; FAILED_PRECONDITION SHARING_OFF where the replica does not share.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,6 +133,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.DecodeSession,
                     request_deserializer=xavier_dot_v1_dot_decode__service__pb2.DecodeSessionRequest.FromString,
                     response_serializer=xavier_dot_v1_dot_decode__service__pb2.DecodeSessionResponse.SerializeToString,
+            ),
+            'SharePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.SharePrefix,
+                    request_deserializer=xavier_dot_v1_dot_decode__service__pb2.SharePrefixRequest.FromString,
+                    response_serializer=xavier_dot_v1_dot_decode__service__pb2.SharePrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -229,6 +250,33 @@ class DecodeService:
             '/xavier.v1.DecodeService/DecodeSession',
             xavier_dot_v1_dot_decode__service__pb2.DecodeSessionRequest.SerializeToString,
             xavier_dot_v1_dot_decode__service__pb2.DecodeSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SharePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xavier.v1.DecodeService/SharePrefix',
+            xavier_dot_v1_dot_decode__service__pb2.SharePrefixRequest.SerializeToString,
+            xavier_dot_v1_dot_decode__service__pb2.SharePrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,13 @@ class DecodeServiceStub:
     identity is checked once, when the stream opens, as Decode checks it; each call then streams the
     messages and ends with the status the per-call RPC would.
     """
+    SharePrefix: _grpc.UnaryUnaryMultiCallable[_decode_service_pb2.SharePrefixRequest, _decode_service_pb2.SharePrefixResponse]
+    """SharePrefix publishes the pages of a prompt prefix this replica holds in its prefix cache as a
+    transfer source for one reader (a replica that found them in the page store with this replica as
+    their holder): the longest leading run of the asked pages still cached, pinned until the reader's
+    read ends (its notification, as a pair handoff's) or the lease passes. Unified role, callers of the
+    unified or prefill role; FAILED_PRECONDITION SHARING_OFF where the replica does not share.
+    """
 
 @_typing.type_check_only
 class DecodeServiceAsyncStub(DecodeServiceStub):
@@ -70,6 +77,13 @@ class DecodeServiceAsyncStub(DecodeServiceStub):
     lists SERVICE_FEATURE_CALL_SESSIONS in KvLayout.service_features when it serves it). The caller's
     identity is checked once, when the stream opens, as Decode checks it; each call then streams the
     messages and ends with the status the per-call RPC would.
+    """
+    SharePrefix: _aio.UnaryUnaryMultiCallable[_decode_service_pb2.SharePrefixRequest, _decode_service_pb2.SharePrefixResponse]  # type: ignore[assignment]
+    """SharePrefix publishes the pages of a prompt prefix this replica holds in its prefix cache as a
+    transfer source for one reader (a replica that found them in the page store with this replica as
+    their holder): the longest leading run of the asked pages still cached, pinned until the reader's
+    read ends (its notification, as a pair handoff's) or the lease passes. Unified role, callers of the
+    unified or prefill role; FAILED_PRECONDITION SHARING_OFF where the replica does not share.
     """
 
 class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -113,6 +127,19 @@ class DecodeServiceServicer(metaclass=_abc_1.ABCMeta):
         lists SERVICE_FEATURE_CALL_SESSIONS in KvLayout.service_features when it serves it). The caller's
         identity is checked once, when the stream opens, as Decode checks it; each call then streams the
         messages and ends with the status the per-call RPC would.
+        """
+
+    @_abc_1.abstractmethod
+    def SharePrefix(
+        self,
+        request: _decode_service_pb2.SharePrefixRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_decode_service_pb2.SharePrefixResponse, _abc.Awaitable[_decode_service_pb2.SharePrefixResponse]]:
+        """SharePrefix publishes the pages of a prompt prefix this replica holds in its prefix cache as a
+        transfer source for one reader (a replica that found them in the page store with this replica as
+        their holder): the longest leading run of the asked pages still cached, pinned until the reader's
+        read ends (its notification, as a pair handoff's) or the lease passes. Unified role, callers of the
+        unified or prefill role; FAILED_PRECONDITION SHARING_OFF where the replica does not share.
         """
 
 def add_DecodeServiceServicer_to_server(servicer: DecodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

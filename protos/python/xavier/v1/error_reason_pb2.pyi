@@ -345,6 +345,12 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     "method", "bytes" and "limit" (HTTP 400 at the router's OpenAI front: asking again cannot help), and
     the session's other calls go on (sent, it would have broken the stream for every call on it).
     """
+    ERROR_REASON_SHARING_OFF: _ErrorReason.ValueType  # 98
+    """Prefix sharing (DecodeService.SharePrefix).
+
+    The replica does not share the pages it holds (pagestore.share_prefixes is off, or it is not a
+    unified replica with a transfer port); status FAILED_PRECONDITION. The reader reads the page store.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason lists every `google.rpc.ErrorInfo.reason` that a xavier.v1 service or client emits.
@@ -678,5 +684,11 @@ One call's request or answer on a call session is larger than the sender's gRPC 
 (max_message_bytes), so it was not sent: that call ends with status RESOURCE_EXHAUSTED, metadata
 "method", "bytes" and "limit" (HTTP 400 at the router's OpenAI front: asking again cannot help), and
 the session's other calls go on (sent, it would have broken the stream for every call on it).
+"""
+ERROR_REASON_SHARING_OFF: ErrorReason.ValueType  # 98
+"""Prefix sharing (DecodeService.SharePrefix).
+
+The replica does not share the pages it holds (pagestore.share_prefixes is off, or it is not a
+unified replica with a transfer port); status FAILED_PRECONDITION. The reader reads the page store.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -376,12 +376,16 @@ class GetPagesResponse(_message.Message):
     LEASE_ID_FIELD_NUMBER: _builtins.int
     LEASE_EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     STORE_INSTANCE_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    HOLDER_PAGES_FIELD_NUMBER: _builtins.int
     hit_count: _builtins.int
     """Number of leading keys that hit; the pages of keys[0..hit_count) are pinned."""
     lease_id: _builtins.str
     """Read lease pinning the pages; empty when hit_count is 0 (no lease is taken then)."""
     store_instance: _builtins.str
     """Identifies the store process whose arena the spans point into."""
+    holder_pages: _builtins.int
+    """How many leading hit pages that holder wrote; 0 when holder is unset."""
     @_builtins.property
     def spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageSpan]:
         """Spans covering the hit pages in key order; empty when hit_count is 0."""
@@ -394,6 +398,13 @@ class GetPagesResponse(_message.Message):
     def lease_expire_time(self) -> _timestamp_pb2.Timestamp:
         """When the lease ends unless released earlier; the pages are unpinned then."""
 
+    @_builtins.property
+    def holder(self) -> Global___PageHolder:
+        """The replica that wrote the first hit page, when its writer named itself (PutPagesRequest.holder):
+        it may still hold those pages in its own pool, where a reader of the same host can copy them from
+        (DecodeService.SharePrefix) instead of READing the store. Unset when the writer named none.
+        """
+
     def __init__(
         self,
         *,
@@ -403,14 +414,42 @@ class GetPagesResponse(_message.Message):
         lease_id: _builtins.str = ...,
         lease_expire_time: _timestamp_pb2.Timestamp | None = ...,
         store_instance: _builtins.str = ...,
+        holder: Global___PageHolder | None = ...,
+        holder_pages: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_expire_time", b"lease_expire_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["holder", b"holder", "lease_expire_time", b"lease_expire_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksums", b"checksums", "hit_count", b"hit_count", "lease_expire_time", b"lease_expire_time", "lease_id", b"lease_id", "spans", b"spans", "store_instance", b"store_instance"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksums", b"checksums", "hit_count", b"hit_count", "holder", b"holder", "holder_pages", b"holder_pages", "lease_expire_time", b"lease_expire_time", "lease_id", b"lease_id", "spans", b"spans", "store_instance", b"store_instance"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetPagesResponse: _TypeAlias = GetPagesResponse  # noqa: Y015
+
+@_typing.final
+class PageHolder(_message.Message):
+    """PageHolder names a replica that wrote pages, as the directory knows it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    peer_id: _builtins.str
+    """The replica's directory peer id."""
+    epoch: _builtins.int
+    """Its registration epoch when it wrote (a replica registered again holds nothing of before)."""
+    def __init__(
+        self,
+        *,
+        peer_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "peer_id", b"peer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PageHolder: _TypeAlias = PageHolder  # noqa: Y015
 
 @_typing.final
 class PutPagesRequest(_message.Message):
@@ -423,6 +462,7 @@ class PutPagesRequest(_message.Message):
     KEYS_FIELD_NUMBER: _builtins.int
     SEGMENT_BYTES_FIELD_NUMBER: _builtins.int
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key: a retry with the same id returns the same reservation; 1 to 128 characters."""
     lease_seconds: _builtins.float
@@ -441,6 +481,12 @@ class PutPagesRequest(_message.Message):
         chunk_bytes. A namespace's first Put declares them; later calls must repeat them exactly.
         """
 
+    @_builtins.property
+    def holder(self) -> Global___PageHolder:
+        """The writing replica, when it shares the pages it holds with readers of its host
+        (GetPagesResponse.holder); the store records it with each page the write commits.
+        """
+
     def __init__(
         self,
         *,
@@ -449,10 +495,11 @@ class PutPagesRequest(_message.Message):
         keys: _abc.Iterable[_builtins.bytes] | None = ...,
         segment_bytes: _abc.Iterable[_builtins.int] | None = ...,
         lease_seconds: _builtins.float = ...,
+        holder: Global___PageHolder | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["holder", b"holder", "namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "lease_seconds", b"lease_seconds", "namespace", b"namespace", "request_id", b"request_id", "segment_bytes", b"segment_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["holder", b"holder", "keys", b"keys", "lease_seconds", b"lease_seconds", "namespace", b"namespace", "request_id", b"request_id", "segment_bytes", b"segment_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
