@@ -27,39 +27,39 @@ from xavier.v1 import directory_service_pb2 as xavier_dot_v1_dot_directory__serv
 from xavier.v1 import types_pb2 as xavier_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1exavier/v1/decode_service.proto\x12\txavier.v1\x1a\x1egoogle/protobuf/duration.proto\x1a!xavier/v1/directory_service.proto\x1a\x15xavier/v1/types.proto\"z\n\x12SharePrefixRequest\x12\x0f\n\x07room_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\t\x12\x16\n\x0ereader_peer_id\x18\x04 \x01(\t\x12\x14\n\x0creader_epoch\x18\x05 \x01(\x04\"Q\n\x13SharePrefixResponse\x12\r\n\x05pages\x18\x01 \x01(\r\x12+\n\x06source\x18\x02 \x01(\x0b\x32\x1b.xavier.v1.SourceDescriptor\"m\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.xavier.v1.TopLogprobs\"\xe4\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\x04\x12\x17\n\x0fprefill_peer_id\x18\x03 \x01(\t\x12\x15\n\rprefill_epoch\x18\x04 \x01(\x04\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\x12\x15\n\rfirst_logprob\x18\x07 \x01(\x02\x12+\n\x08sampling\x18\x08 \x01(\x0b\x32\x19.xavier.v1.SamplingParams\x12\x18\n\x10return_kv_digest\x18\t \x01(\x08\x12+\n\x06source\x18\n \x01(\x0b\x32\x1b.xavier.v1.SourceDescriptor\x12\x37\n\x12\x66irst_token_source\x18\x0b \x01(\x0e\x32\x1b.xavier.v1.FirstTokenSource\x12\x12\n\ncache_salt\x18\x0c \x01(\t\"\xbf\x01\n\x0e\x44\x65\x63odeResponse\x12$\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.xavier.v1.TokenDelta\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.xavier.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.xavier.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.xavier.v1.Timings\x12\x11\n\tkv_digest\x18\x05 \x01(\x0c\"\x80\x01\n\x16GenerateUnifiedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.xavier.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\xe9\x01\n\x17GenerateUnifiedResponse\x12$\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.xavier.v1.TokenDelta\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.xavier.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.xavier.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.xavier.v1.Timings\x12\x32\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32\x19.xavier.v1.PromptLogprobs\"\x17\n\x15GetDecodeStatsRequest\"\xaf\x01\n\x16GetDecodeStatsResponse\x12&\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x16.xavier.v1.EngineStats\x12\x14\n\x0crooms_active\x18\x02 \x01(\r\x12*\n\x08transfer\x18\x03 \x01(\x0b\x32\x18.xavier.v1.TransferStats\x12\x0c\n\x04peer\x18\x04 \x01(\t\x12\x1d\n\x04role\x18\x05 \x01(\x0e\x32\x0f.xavier.v1.Role\"C\n\x14\x44\x65\x63odeSessionRequest\x12+\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1c.xavier.v1.DecodeSessionCall\"\xc3\x01\n\x11\x44\x65\x63odeSessionCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x18.xavier.v1.DecodeRequestH\x00\x12\'\n\x06\x63\x61ncel\x18\x05 \x01(\x0b\x32\x15.xavier.v1.CallCancelH\x00\x42\x08\n\x06method\"H\n\x15\x44\x65\x63odeSessionResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.xavier.v1.DecodeSessionResult\"~\n\x13\x44\x65\x63odeSessionResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12+\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x19.xavier.v1.DecodeResponseH\x00\x12\x10\n\x06status\x18\x03 \x01(\x0cH\x00\x12\x0c\n\x04last\x18\x04 \x01(\x08\x42\t\n\x07outcome2\xa9\x03\n\rDecodeService\x12?\n\x06\x44\x65\x63ode\x12\x18.xavier.v1.DecodeRequest\x1a\x19.xavier.v1.DecodeResponse0\x01\x12Z\n\x0fGenerateUnified\x12!.xavier.v1.GenerateUnifiedRequest\x1a\".xavier.v1.GenerateUnifiedResponse0\x01\x12U\n\x0eGetDecodeStats\x12 .xavier.v1.GetDecodeStatsRequest\x1a!.xavier.v1.GetDecodeStatsResponse\x12V\n\rDecodeSession\x12\x1f.xavier.v1.DecodeSessionRequest\x1a .xavier.v1.DecodeSessionResponse(\x01\x30\x01\x12L\n\x0bSharePrefix\x12\x1d.xavier.v1.SharePrefixRequest\x1a\x1e.xavier.v1.SharePrefixResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1exavier/v1/decode_service.proto\x12\txavier.v1\x1a\x1egoogle/protobuf/duration.proto\x1a!xavier/v1/directory_service.proto\x1a\x15xavier/v1/types.proto\"\x8e\x01\n\x12SharePrefixRequest\x12\x0f\n\x07room_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\t\x12\x16\n\x0ereader_peer_id\x18\x04 \x01(\t\x12\x14\n\x0creader_epoch\x18\x05 \x01(\x04\x12\x12\n\nfirst_page\x18\x06 \x01(\r\"Q\n\x13SharePrefixResponse\x12\r\n\x05pages\x18\x01 \x01(\r\x12+\n\x06source\x18\x02 \x01(\x0b\x32\x1b.xavier.v1.SourceDescriptor\"m\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.xavier.v1.TopLogprobs\"\xe4\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\x04\x12\x17\n\x0fprefill_peer_id\x18\x03 \x01(\t\x12\x15\n\rprefill_epoch\x18\x04 \x01(\x04\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\x12\x15\n\rfirst_logprob\x18\x07 \x01(\x02\x12+\n\x08sampling\x18\x08 \x01(\x0b\x32\x19.xavier.v1.SamplingParams\x12\x18\n\x10return_kv_digest\x18\t \x01(\x08\x12+\n\x06source\x18\n \x01(\x0b\x32\x1b.xavier.v1.SourceDescriptor\x12\x37\n\x12\x66irst_token_source\x18\x0b \x01(\x0e\x32\x1b.xavier.v1.FirstTokenSource\x12\x12\n\ncache_salt\x18\x0c \x01(\t\"\xbf\x01\n\x0e\x44\x65\x63odeResponse\x12$\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.xavier.v1.TokenDelta\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.xavier.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.xavier.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.xavier.v1.Timings\x12\x11\n\tkv_digest\x18\x05 \x01(\x0c\"\x80\x01\n\x16GenerateUnifiedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.xavier.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\xe9\x01\n\x17GenerateUnifiedResponse\x12$\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x15.xavier.v1.TokenDelta\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.xavier.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.xavier.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.xavier.v1.Timings\x12\x32\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32\x19.xavier.v1.PromptLogprobs\"\x17\n\x15GetDecodeStatsRequest\"\xaf\x01\n\x16GetDecodeStatsResponse\x12&\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x16.xavier.v1.EngineStats\x12\x14\n\x0crooms_active\x18\x02 \x01(\r\x12*\n\x08transfer\x18\x03 \x01(\x0b\x32\x18.xavier.v1.TransferStats\x12\x0c\n\x04peer\x18\x04 \x01(\t\x12\x1d\n\x04role\x18\x05 \x01(\x0e\x32\x0f.xavier.v1.Role\"C\n\x14\x44\x65\x63odeSessionRequest\x12+\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1c.xavier.v1.DecodeSessionCall\"\xc3\x01\n\x11\x44\x65\x63odeSessionCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12*\n\x07timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x18.xavier.v1.DecodeRequestH\x00\x12\'\n\x06\x63\x61ncel\x18\x05 \x01(\x0b\x32\x15.xavier.v1.CallCancelH\x00\x42\x08\n\x06method\"H\n\x15\x44\x65\x63odeSessionResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.xavier.v1.DecodeSessionResult\"~\n\x13\x44\x65\x63odeSessionResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12+\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x19.xavier.v1.DecodeResponseH\x00\x12\x10\n\x06status\x18\x03 \x01(\x0cH\x00\x12\x0c\n\x04last\x18\x04 \x01(\x08\x42\t\n\x07outcome2\xa9\x03\n\rDecodeService\x12?\n\x06\x44\x65\x63ode\x12\x18.xavier.v1.DecodeRequest\x1a\x19.xavier.v1.DecodeResponse0\x01\x12Z\n\x0fGenerateUnified\x12!.xavier.v1.GenerateUnifiedRequest\x1a\".xavier.v1.GenerateUnifiedResponse0\x01\x12U\n\x0eGetDecodeStats\x12 .xavier.v1.GetDecodeStatsRequest\x1a!.xavier.v1.GetDecodeStatsResponse\x12V\n\rDecodeSession\x12\x1f.xavier.v1.DecodeSessionRequest\x1a .xavier.v1.DecodeSessionResponse(\x01\x30\x01\x12L\n\x0bSharePrefix\x12\x1d.xavier.v1.SharePrefixRequest\x1a\x1e.xavier.v1.SharePrefixResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'xavier.v1.decode_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SHAREPREFIXREQUEST']._serialized_start=135
-  _globals['_SHAREPREFIXREQUEST']._serialized_end=257
-  _globals['_SHAREPREFIXRESPONSE']._serialized_start=259
-  _globals['_SHAREPREFIXRESPONSE']._serialized_end=340
-  _globals['_TOKENDELTA']._serialized_start=342
-  _globals['_TOKENDELTA']._serialized_end=451
-  _globals['_DECODEREQUEST']._serialized_start=454
-  _globals['_DECODEREQUEST']._serialized_end=810
-  _globals['_DECODERESPONSE']._serialized_start=813
-  _globals['_DECODERESPONSE']._serialized_end=1004
-  _globals['_GENERATEUNIFIEDREQUEST']._serialized_start=1007
-  _globals['_GENERATEUNIFIEDREQUEST']._serialized_end=1135
-  _globals['_GENERATEUNIFIEDRESPONSE']._serialized_start=1138
-  _globals['_GENERATEUNIFIEDRESPONSE']._serialized_end=1371
-  _globals['_GETDECODESTATSREQUEST']._serialized_start=1373
-  _globals['_GETDECODESTATSREQUEST']._serialized_end=1396
-  _globals['_GETDECODESTATSRESPONSE']._serialized_start=1399
-  _globals['_GETDECODESTATSRESPONSE']._serialized_end=1574
-  _globals['_DECODESESSIONREQUEST']._serialized_start=1576
-  _globals['_DECODESESSIONREQUEST']._serialized_end=1643
-  _globals['_DECODESESSIONCALL']._serialized_start=1646
-  _globals['_DECODESESSIONCALL']._serialized_end=1841
-  _globals['_DECODESESSIONRESPONSE']._serialized_start=1843
-  _globals['_DECODESESSIONRESPONSE']._serialized_end=1915
-  _globals['_DECODESESSIONRESULT']._serialized_start=1917
-  _globals['_DECODESESSIONRESULT']._serialized_end=2043
-  _globals['_DECODESERVICE']._serialized_start=2046
-  _globals['_DECODESERVICE']._serialized_end=2471
+  _globals['_SHAREPREFIXREQUEST']._serialized_start=136
+  _globals['_SHAREPREFIXREQUEST']._serialized_end=278
+  _globals['_SHAREPREFIXRESPONSE']._serialized_start=280
+  _globals['_SHAREPREFIXRESPONSE']._serialized_end=361
+  _globals['_TOKENDELTA']._serialized_start=363
+  _globals['_TOKENDELTA']._serialized_end=472
+  _globals['_DECODEREQUEST']._serialized_start=475
+  _globals['_DECODEREQUEST']._serialized_end=831
+  _globals['_DECODERESPONSE']._serialized_start=834
+  _globals['_DECODERESPONSE']._serialized_end=1025
+  _globals['_GENERATEUNIFIEDREQUEST']._serialized_start=1028
+  _globals['_GENERATEUNIFIEDREQUEST']._serialized_end=1156
+  _globals['_GENERATEUNIFIEDRESPONSE']._serialized_start=1159
+  _globals['_GENERATEUNIFIEDRESPONSE']._serialized_end=1392
+  _globals['_GETDECODESTATSREQUEST']._serialized_start=1394
+  _globals['_GETDECODESTATSREQUEST']._serialized_end=1417
+  _globals['_GETDECODESTATSRESPONSE']._serialized_start=1420
+  _globals['_GETDECODESTATSRESPONSE']._serialized_end=1595
+  _globals['_DECODESESSIONREQUEST']._serialized_start=1597
+  _globals['_DECODESESSIONREQUEST']._serialized_end=1664
+  _globals['_DECODESESSIONCALL']._serialized_start=1667
+  _globals['_DECODESESSIONCALL']._serialized_end=1862
+  _globals['_DECODESESSIONRESPONSE']._serialized_start=1864
+  _globals['_DECODESESSIONRESPONSE']._serialized_end=1936
+  _globals['_DECODESESSIONRESULT']._serialized_start=1938
+  _globals['_DECODESESSIONRESULT']._serialized_end=2064
+  _globals['_DECODESERVICE']._serialized_start=2067
+  _globals['_DECODESERVICE']._serialized_end=2492
 # @@protoc_insertion_point(module_scope)

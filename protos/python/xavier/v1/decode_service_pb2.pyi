@@ -32,6 +32,7 @@ class SharePrefixRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     READER_PEER_ID_FIELD_NUMBER: _builtins.int
     READER_EPOCH_FIELD_NUMBER: _builtins.int
+    FIRST_PAGE_FIELD_NUMBER: _builtins.int
     room_id: _builtins.int
     """The reader's id for the share: the room id of the source (non-zero, unique among the reader's
     live shares with this replica).
@@ -42,6 +43,10 @@ class SharePrefixRequest(_message.Message):
     """The reader's directory peer id (its transfer endpoint comes from the directory's peer list)."""
     reader_epoch: _builtins.int
     """The reader's registration epoch."""
+    first_page: _builtins.int
+    """Leading pages of the prefix the reader holds already: the source covers the cached pages from this
+    one on (all of token_ids still names the prefix, as its pages' keys chain from the first).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prefix's token ids: whole pages only (a multiple of the page size), at least one page."""
@@ -54,10 +59,11 @@ class SharePrefixRequest(_message.Message):
         cache_salt: _builtins.str = ...,
         reader_peer_id: _builtins.str = ...,
         reader_epoch: _builtins.int = ...,
+        first_page: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "reader_epoch", b"reader_epoch", "reader_peer_id", b"reader_peer_id", "room_id", b"room_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "first_page", b"first_page", "reader_epoch", b"reader_epoch", "reader_peer_id", b"reader_peer_id", "room_id", b"room_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -72,7 +78,9 @@ class SharePrefixResponse(_message.Message):
     PAGES_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     pages: _builtins.int
-    """Leading pages of the asked prefix published; 0 (and no source) when none is cached here any more."""
+    """Pages published, from first_page on (the longest run of the asked prefix still cached here); 0,
+    and no source, when none past first_page is.
+    """
     @_builtins.property
     def source(self) -> _directory_service_pb2.SourceDescriptor:
         """The source to read (as a pair handoff's PrefillResponse.source); its read token must come back in
