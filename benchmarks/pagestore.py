@@ -91,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the TTFT store's arena chunk (the store's default); a stored run never crosses a chunk",
     )
     p.add_argument(
+        "--share-prefixes",
+        action="store_true",
+        help="the TTFT replicas share the prefixes they hold (handoff.share_prefixes): B copies the "
+        "pages A wrote from A's pool instead of READing the store",
+    )
+    p.add_argument(
         "--read-piece-bytes",
         type=int,
         default=0,
@@ -394,6 +400,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
     a, b = mesh.procs["unified-a"].address, mesh.procs["unified-b"].address
     cases: dict[str, list[float]] = {"cold": [], "warm_store": [], "warm_local": []}
     read_descriptors: list[float] = []
+    holder: list[float] = []
     steps: list[dict[str, float]] = []  # B's fetch steps in each warm-from-store request (its metric)
     metrics_b = mesh.procs["unified-b"].metrics
     metrics = {a: mesh.procs["unified-a"].metrics, b: metrics_b}
@@ -409,6 +416,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         shared = prompt(1000 + rep, args.prefix)
         for case, addr, suffix in (("cold", a, 1), ("warm_store", b, 2), ("warm_local", b, 3)):
             posted = scrape(metrics_b, READ_DESCRIPTORS)
+            copied = scrape(metrics_b, HOLDER_READS)
             chunks = scrape(metrics[addr], STATIC_CHUNKS)
             spent = scrape_steps(metrics_b)
             phased = scrape_phases(metrics[addr])
@@ -421,6 +429,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
             phases[case].append({k: v - phased[k] for k, v in scrape_phases(metrics[addr]).items()})
             static[case].append(scrape(metrics[addr], STATIC_CHUNKS) - chunks)
             if case == "warm_store":
+                holder.append(scrape(metrics_b, HOLDER_READS) - copied)
                 read_descriptors.append(scrape(metrics_b, READ_DESCRIPTORS) - posted)
                 steps.append({k: v - spent[k] for k, v in scrape_steps(metrics_b).items()})
             cached[case].append(
@@ -452,6 +461,9 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         "warm_store_read_descriptors_per_rep": read_descriptors,
         "read_piece_bytes": args.read_piece_bytes,
         "read_path": read_paths(args)[0],
+        "share_prefixes": args.share_prefixes,
+        # Store calls of B's warm fetches served by copying from A's pool (its client's reads{path=holder}).
+        "warm_store_holder_copies": sum(holder),
         # Where B's fetch of the stored prefix spent its time, per step (medians over the reps, ms):
         # get_pages (lookup + lease, one RPC), read (NIXL, first post to last done), verify (checksums),
         # stage_copy (mirror <-> pool), worker (the thread hop), fetch (all of it, end to end). With the
@@ -510,6 +522,7 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         env["XAVIER_PAGESTORE__STAGE_HOST_POOL"] = "true"
     env["XAVIER_PAGESTORE__READ_PIECE_BYTES"] = str(args.read_piece_bytes)
     env["XAVIER_PAGESTORE__SAME_HOST_READS"] = str(read_paths(args)[0] == "direct").lower()
+    env["XAVIER_HANDOFF__SHARE_PREFIXES"] = str(args.share_prefixes).lower()
     arena = -(-arena // args.store_chunk_bytes) * args.store_chunk_bytes
     mesh = StoreMesh(model, work, device=args.device, arena=arena, chunk=args.store_chunk_bytes, env=env)
     try:
@@ -523,6 +536,7 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 READ_DESCRIPTORS = 'xavier_pagestore_client_transfer_descriptors_total{op="read"}'
+HOLDER_READS = 'xavier_pagestore_client_reads_total{path="holder"}'
 STATIC_CHUNKS = 'xavier_engine_counts{name="static_prefill_chunks",role="unified"}'
 
 

@@ -22,6 +22,7 @@ from xavier_core.sampling import check_sampling
 from xavier_core.transfer.common.buffers import KvBuffer
 
 if TYPE_CHECKING:
+    from xavier_core.engine.store_link import SharePull
     from xavier_core.pagestore.client import PageStoreClient
 
 
@@ -277,8 +278,17 @@ class Engine(Protocol):
         """Computes the prompt's KV and samples the first token; the pages stay pinned."""
         ...
 
+    def pin_prefix(
+        self, owner: str, token_ids: Sequence[int], cache_salt: str = "", first_page: int = 0
+    ) -> tuple[int, ...]:
+        """Pins the cached pages of the longest run of `token_ids`' full pages from `first_page` on (keys
+        under `cache_salt`) for `owner` (an id no request uses) until `release_pages(owner)`; () when
+        none is cached."""
+        ...
+
     def release_pages(self, request_id: str) -> None:
-        """Unpins the pages of a prefill (or frees the reserved pages of a decode). Idempotent."""
+        """Unpins the pages of a prefill or a pinned prefix (or frees the reserved pages of a decode).
+        Idempotent."""
         ...
 
     def reserve_pages(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
@@ -307,12 +317,15 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def use_page_store(self, store: PageStoreClient, contract_fingerprint: str) -> None:
+    def use_page_store(
+        self, store: PageStoreClient, contract_fingerprint: str, share: SharePull | None = None
+    ) -> None:
         """Shares full prompt pages across replicas through `store` (pages of namespace
         `contract_fingerprint` + the request's cache salt): before computing a prompt, the engine fetches
         the longest stored prefix beyond its local cache; after it, it writes computed pages through. The
-        store can only make requests faster: its trouble is a miss, never a failed request. Call once,
-        from the event loop the requests run on."""
+        store can only make requests faster: its trouble is a miss, never a failed request. With `share`,
+        stored pages another replica wrote are first asked of that replica's pool (`store_link.SharePull`).
+        Call once, from the event loop the requests run on."""
         ...
 
     def read_pages(self, page_ids: Sequence[int]) -> bytes:

@@ -42,11 +42,11 @@ from xavier_core.engine.page_allocator import PageAllocator
 from xavier_core.engine.prefix_cache import PrefixCache
 from xavier_core.engine.request import Delivery, Request, Role, check_prompt, pages_for
 from xavier_core.engine.scheduler import Scheduler
-from xavier_core.engine.store_link import StoreLink
+from xavier_core.engine.store_link import SharePull, StoreLink
 from xavier_core.engine.stream import TokenStream
 from xavier_core.engine.timing import record_first_token
 from xavier_core.grammar.masks import LazyCompiler
-from xavier_core.prefix_keys import chain_seed
+from xavier_core.prefix_keys import chain_seed, page_keys
 from xavier_core.sampling import check_cache_salt
 from xavier_core.text.errors import ModelFilesError
 from xavier_core.text.tokenizer import TextTokenizer
@@ -333,8 +333,31 @@ class ReferenceEngine:
             self._allocator.pin(request_id, pages)
         return tuple(pages)
 
+    def pin_prefix(
+        self, owner: str, token_ids: Sequence[int], cache_salt: str = "", first_page: int = 0
+    ) -> tuple[int, ...]:
+        """Pins the cached pages of the longest run of `token_ids`' full pages from `first_page` on (keys
+        chained from the first page under `cache_salt`), no request needed: a replica shares them with a
+        peer's read (`SharePrefix`). The run needs no page before `first_page` cached: each key names
+        its whole prefix already.
+
+        They are held for `owner`, an id no request uses, until `release_pages(owner)`, so nothing evicts
+        or rewrites them meanwhile; nothing cached pins nothing and returns ()."""
+        check_cache_salt(cache_salt)
+        p = self.page_size
+        full = len(token_ids) // p
+        if not 0 <= first_page < full:
+            raise InvalidRequestError(f"first_page must be in [0, {full}), got {first_page}")
+        keys = page_keys(chain_seed(self.layout_fingerprint, cache_salt), token_ids[: full * p], p)
+        with self._lock:
+            self._check_open_and_unique(owner)
+            pages = self._cache.match(keys[first_page:], token_ids[first_page * p :], full - first_page)
+            if pages:
+                self._allocator.pin(owner, pages)
+        return tuple(pages)
+
     def release_pages(self, request_id: str) -> None:
-        """Unpins a prefill's pages or frees an unclaimed reservation. Idempotent."""
+        """Unpins a prefill's pages, a pinned prefix's or frees an unclaimed reservation. Idempotent."""
         with self._lock:
             self._cache.release(self._allocator.unpin(request_id))
 
@@ -362,10 +385,14 @@ class ReferenceEngine:
             self._store.abort(request_id)
         self._loop.queue_abort(request_id)
 
-    def use_page_store(self, store: PageStoreClient, contract_fingerprint: str) -> None:
-        """Fetches stored prefixes before admission and writes computed prompt pages through (see
+    def use_page_store(
+        self, store: PageStoreClient, contract_fingerprint: str, share: SharePull | None = None
+    ) -> None:
+        """Fetches stored prefixes before admission (with `share`, stored pages another replica wrote are
+        first asked of that replica) and writes computed prompt pages through (see
         `xavier_core.engine.store_link`). Call once, from the event loop the requests run on."""
         link = StoreLink(store, contract_fingerprint, self._sched, self._lock, asyncio.get_running_loop())
+        link.share = share
         with self._lock:
             self._store = link
             self._sched.on_prompt_done = link.prompt_done

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,6 +48,11 @@ class Prefix:
     store_pages: int
 
 
+SharePull = Callable[[tuple[str, int], Sequence[int], str, int, list[int]], Awaitable[int]]
+"""`(holder, prefix token ids, cache salt, first page, local pages) -> pages pulled`: copies pages
+`first page ...` of a prefix from the replica that holds them into local pages (all of them, or it
+answers 0); the service's `PrefixSharing.pull`."""
+
 OUTPUT_BATCH_PAGES = 8
 """Full output pages a running request collects before they go to the store in one write."""
 
@@ -72,6 +77,9 @@ class StoreLink:
         self._loop = loop
         # Requests fetching their prefix (not queued yet) -> whether an abort was asked meanwhile.
         self._prefetching: dict[str, bool] = {}
+        self.share: SharePull | None = None
+        """Where the store names a holder of the hit pages, pulls them from it instead of READing the
+        store (`handoff.share_prefixes`); None reads the store."""
 
     def namespace(self, cache_salt: str) -> PageNamespace:
         return PageNamespace(self.fingerprint, cache_salt)
@@ -155,9 +163,18 @@ class StoreLink:
             dest.extend(got)
             return got
 
+        share = self.share
+        from_holder = None
+        if share is not None:
+            p = self.page_size
+
+            def from_holder(holder: tuple[str, int], at: int, pages: list[int]) -> Awaitable[int]:
+                last = first + at + len(pages)
+                return share(holder, req.prompt[: last * p], req.cache_salt, first + at, pages)
+
         hit, stuck = 0, False
         try:
-            got = await self.client.fetch(ns, keys, allocate)
+            got = await self.client.fetch(ns, keys, allocate, from_holder=from_holder)
             hit, stuck = got.hit, got.stuck
         finally:
             p = self.page_size

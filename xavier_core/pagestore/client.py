@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -92,6 +92,37 @@ class Fetched:
     stuck: bool
     """A timed-out READ that NIXL refused to cancel may still write into the pages past `hit`: the caller
     must never reuse them (they are lost to the pool, as a device pool loses the staging slots)."""
+    holder: tuple[str, int] | None = None
+    """(peer id, epoch) of the replica the store says wrote the first stored page (`GetPagesResponse.holder`),
+    which may still hold the pages in its own pool; None on a miss or when that page's writer named none."""
+    holder_pages: int = 0
+    """How many leading stored pages `holder` wrote, summed over the fetch's store calls while each call's
+    hits were all its; what the store said, so it may exceed `hit` (a failed READ, a short allocation)."""
+
+
+@dataclass
+class _HolderRun:
+    """The holder of a fetch's first stored page and its run of leading pages, across store calls."""
+
+    holder: tuple[str, int] | None = None
+    pages: int = 0
+    open: bool = True  # every hit page so far is the holder's: the next call's run continues it
+
+    def add(self, resp: pb.GetPagesResponse) -> None:
+        if not self.open:
+            return
+        got = (resp.holder.peer_id, int(resp.holder.epoch)) if resp.HasField("holder") else None
+        if got is None or (self.pages and got != self.holder):
+            self.open = False
+            return
+        self.holder = got
+        self.pages += int(resp.holder_pages)
+        self.open = resp.holder_pages == resp.hit_count
+
+
+FromHolder = Callable[[tuple[str, int], int, list[int]], Awaitable[int]]
+"""`(holder, index of the call's first key in the fetch's keys, local pages) -> pages copied`: copies a
+store call's hit pages from the replica that wrote them into the local pages; all of them or 0."""
 
 
 class InOrder:
@@ -122,8 +153,13 @@ class PageStoreClient:
         *,
         name: str | None = None,
         device_lock: threading.Lock | None = None,
+        holder: tuple[str, int] | None = None,
     ) -> None:
         self.settings = settings or ClientSettings()
+        self.holder = holder
+        """(directory peer id, registration epoch) this replica names as the writer of every page it puts
+        (`PutPagesRequest.holder`), so that readers of its host may copy them from its pool; None names
+        none. Read at each put: a replica that registers again sets its new epoch here."""
         self.staging: HostStaging | None = None
         if self.settings.stage_host_pool or any(b.device != "cpu" for b in buffers):
             self.staging = HostStaging(buffers, self.settings.staging_pages, device_lock)
@@ -161,7 +197,12 @@ class PageStoreClient:
         return (await self.fetch(namespace, keys, InOrder(self._check_pages(keys, dest_pages)))).hit
 
     async def fetch(
-        self, namespace: PageNamespace, keys: Sequence[bytes], allocate: Callable[[int], Sequence[int]]
+        self,
+        namespace: PageNamespace,
+        keys: Sequence[bytes],
+        allocate: Callable[[int], Sequence[int]],
+        *,
+        from_holder: FromHolder | None = None,
     ) -> Fetched:
         """READs the longest stored prefix of `keys` into local pages that `allocate` hands out.
 
@@ -170,11 +211,17 @@ class PageStoreClient:
         calls it, so a miss takes no local page. The caller owns every page it gave; see `Fetched` for
         which hold what. Pages `allocate` gives outside the pool, or twice, raise `InvalidPagesError`
         (a caller bug).
+
+        With `from_holder`, a store call whose hit pages were all written by one replica (the store's
+        `holder`) first asks `from_holder(holder, first key index, pages)` to copy them from that
+        replica's pool into the pages; when it answers all of them, the call READs nothing (its lease is
+        released unread), else the READ overwrites whatever came.
         """
         self._metrics.lookups.inc()
         hit = 0
         stuck = False
         given: set[int] = set()
+        run = _HolderRun()
         clock = StepClock()
         started = time.perf_counter()
         try:
@@ -182,7 +229,13 @@ class PageStoreClient:
             for at in range(0, len(keys), limit):
                 chunk = list(keys[at : at + limit])
                 got = await self._fetch(
-                    namespace, chunk, lambda n: self._allocated(allocate, n, given), clock
+                    namespace,
+                    chunk,
+                    lambda n: self._allocated(allocate, n, given),
+                    clock,
+                    run,
+                    at,
+                    from_holder,
                 )
                 hit += got
                 if got < len(chunk):
@@ -201,7 +254,7 @@ class PageStoreClient:
         self.counters.miss_pages += len(keys) - hit
         self._metrics.hit_pages.inc(hit)
         self._metrics.miss_pages.inc(len(keys) - hit)
-        return Fetched(hit, stuck)
+        return Fetched(hit, stuck, run.holder, run.pages)
 
     async def exists(self, namespace: PageNamespace, keys: Sequence[bytes]) -> int:
         """Length of the stored prefix of `keys` (0 when the store cannot be asked)."""
@@ -269,6 +322,9 @@ class PageStoreClient:
         keys: list[bytes],
         allocate: Callable[[int], list[int]],
         clock: StepClock,
+        run: _HolderRun,
+        at: int = 0,
+        from_holder: FromHolder | None = None,
     ) -> int:
         req = pb.GetPagesRequest(
             request_id=uuid.uuid4().hex,
@@ -281,6 +337,7 @@ class PageStoreClient:
         # taken only once it says there is something to read.
         with clock.step("get_pages"):
             resp = await self.conn.get_pages(req)
+        run.add(resp)
         if resp.hit_count == 0:
             return 0
         corrupt: list[int] = []
@@ -292,6 +349,14 @@ class PageStoreClient:
                 pages = allocate(int(resp.hit_count))
             if not pages:
                 return 0
+            if from_holder is not None and resp.HasField("holder") and resp.holder_pages >= len(pages):
+                holder = (resp.holder.peer_id, int(resp.holder.epoch))
+                with clock.step("holder"):
+                    copied = await from_holder(holder, at, list(pages))
+                if copied == len(pages):
+                    self.counters.holder_pages += copied
+                    self._metrics.reads.labels("holder").inc()
+                    return copied
             local = pages
             if self.staging is not None:
                 with clock.step("stage_slots"):
@@ -407,6 +472,8 @@ class PageStoreClient:
             segment_bytes=self.geometry.segment_bytes,
             lease_seconds=self.settings.lease_seconds,
         )
+        if self.holder is not None:
+            req.holder.CopyFrom(pb.PageHolder(peer_id=self.holder[0], epoch=self.holder[1]))
         resp = await self.conn.put_pages(req)
         if not resp.reserved_indices:
             return 0

@@ -27,6 +27,8 @@ class ClientCounters:
     """READs posted (one per piece of a store call of a fetch that hit: `reading`), NIXL or direct."""
     direct_reads: int = 0
     """Those of them read straight out of the store's memory (a store on this host), not NIXL READs."""
+    holder_pages: int = 0
+    """Hit pages copied from the replica that wrote them (`fetch`'s `from_holder`) instead of READ."""
     read_descriptors: int = 0
     """Descriptors those READs carried: one per stretch contiguous on both sides, per segment."""
     writes: int = 0
@@ -109,6 +111,7 @@ FETCH_STEPS = (
     "stage_slots",  # leasing slots of the host mirror (a device pool)
     "read",  # READs (NIXL, or out of a same-host store's memory), posted to the last one done
     "verify",  # checksums of the fetched pages
+    "holder",  # asking the replica that wrote the pages for them and copying them from its pool
     "stage_copy",  # copies between the mirror and the pool (a device pool)
     "worker",  # the worker-thread hop around READ, verification and copies, less those steps
     "fetch",  # the whole fetch, every step above included

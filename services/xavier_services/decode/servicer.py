@@ -6,6 +6,12 @@ opens the room for the pair (or adopts the one the prefill's publication opened)
 moment the room turns SOURCE_READY. The prefill's transfer endpoint comes from the directory once per
 prefill epoch and is cached here. A read that may still be writing into the pages keeps them reserved until
 the NIXL handle is no longer in progress (invariant I1); only then are they returned to the engine.
+
+A unified replica with `handoff.share_prefixes` also serves SharePrefix: it pins the pages of a prefix
+still in its prefix cache (from the reader's `first_page` on) and publishes them on its port as a source
+for one reader, as a prefill does for a pair handoff, and unpins them on the reader's NIXL notification;
+with no word within the room lease it parks them (a read may be running) until the word comes or the
+park timeout passes.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -31,10 +38,12 @@ from xavier_core.runtime.errors import (
     LayoutMismatch,
     LeaseExpired,
     Unavailable,
+    XavierError,
 )
 from xavier_core.runtime.identity import require
 from xavier_core.runtime.logging import get_logger
 from xavier_core.transfer import peer_key
+from xavier_core.transfer.port.kv_port import ReadEnd
 from xavier_services.peer.convert import (
     check_prompt,
     check_room_id,
@@ -56,6 +65,35 @@ _ENDPOINT_CACHE = 256
 """Prefill endpoints (one per peer epoch) cached; a mesh has far fewer prefill peers than this."""
 
 
+@dataclass
+class _Share:
+    """A prefix published for one reader (SharePrefix); its pages are pinned for `owner` meanwhile."""
+
+    room_id: int
+    pages: int = 0
+    parked: bool = False
+    task: asyncio.Task[None] | None = None
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the replica stops: the hold ends at once."""
+
+    @property
+    def owner(self) -> str:
+        """The engine's pin owner: the room id is unique among live shares, so this is too."""
+        return f"share-prefix-{self.room_id}"
+
+
+async def _or_stop(wait: Awaitable[ReadEnd], stop: asyncio.Event) -> ReadEnd:
+    """The read's end `wait` answers, or `ReadEnd.NONE` when `stop` comes first."""
+    read_end = asyncio.ensure_future(wait)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({read_end, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        read_end.cancel()
+        stopped.cancel()
+    return read_end.result() if read_end.done() and not read_end.cancelled() else ReadEnd.NONE
+
+
 def _delta(ev: StreamEvent) -> pb.TokenDelta:
     if isinstance(ev, AbortEvent):  # ends an aborted stream; it carries no token
         return pb.TokenDelta()
@@ -73,7 +111,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         self.host = host
         # engine request id -> (room id, 0 for unified requests; client request id)
         self._live: dict[str, tuple[int, str]] = {}
-        self._quiet = asyncio.Event()  # set while nothing is live
+        self._quiet = asyncio.Event()  # set while nothing is live: no request, no share
         self._quiet.set()
         self._draining = False
         # (prefill peer id, epoch) -> its transfer endpoint, fixed for the epoch (oldest first).
@@ -82,10 +120,15 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         self._prefills = PeerCache(
             host.membership, types_pb2.ROLE_PREFILL, host.fingerprint, limit=_ENDPOINT_CACHE
         )
+        # SharePrefix: live shares by room id, and their readers' registrations (for the reader's host).
+        self._shares: dict[int, _Share] = {}
+        self._readers = PeerCache(
+            host.membership, types_pb2.ROLE_UNSPECIFIED, host.fingerprint, limit=_ENDPOINT_CACHE
+        )
         register_peer_metrics(
             PeerCollector(
                 "decode" if host.role == types_pb2.ROLE_DECODE else "unified",
-                lambda: host.engine_stats_pb(pages_parked=0),
+                lambda: host.engine_stats_pb(pages_parked=self._pages_parked),
                 lambda: self._rooms_active,
                 host.transfer_stats_pb,
                 lambda: host.engine.stats().extra,
@@ -337,6 +380,94 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
             self._leave(rid)
             await asyncio.shield(host.engine.abort(rid))
 
+    async def SharePrefix(
+        self,
+        request: pb.SharePrefixRequest,
+        context: grpc.aio.ServicerContext[pb.SharePrefixRequest, pb.SharePrefixResponse],
+    ) -> pb.SharePrefixResponse:
+        require(context, "SharePrefix", roles=("unified", "prefill"))
+        host = self.host
+        if host.role != types_pb2.ROLE_UNIFIED or host.kv is None:
+            raise FailedPrecondition(
+                "this replica does not share its prefixes (a unified replica with handoff.share_prefixes)",
+                reason="SHARING_OFF",
+            )
+        port, page_size = host.kv, host.engine.page_size
+        check_room_id(request.room_id)
+        token_ids = list(request.token_ids)
+        check_prompt(token_ids, host.engine.max_context, host.vocab_size)
+        if len(token_ids) % page_size:
+            raise InvalidArgument(
+                f"token_ids must be whole pages of {page_size} tokens, got {len(token_ids)}",
+                field="token_ids",
+            )
+        if request.first_page >= len(token_ids) // page_size:
+            raise InvalidArgument(
+                f"first_page {request.first_page} is not one of the prefix's {len(token_ids) // page_size} "
+                "pages",
+                field="first_page",
+            )
+        if not request.reader_peer_id:
+            raise InvalidArgument("reader_peer_id is required", field="reader_peer_id")
+        self._refuse_when_draining()
+        if request.room_id in self._shares:
+            raise FailedPrecondition(f"room {request.room_id} is already shared here", reason="ROOM_BUSY")
+        share = _Share(request.room_id)
+        pages = host.engine.pin_prefix(share.owner, token_ids, request.cache_salt, request.first_page)
+        if not pages:
+            return pb.SharePrefixResponse(pages=0)
+        share.pages = len(pages)
+        self._shares[share.room_id] = share
+        self._quiet.clear()
+        try:
+            reader = (request.reader_peer_id, request.reader_epoch)
+            where = await self._reader_host(reader) if port.needs_reader_host else None
+            source = await port.publish(share.room_id, pages, host.fingerprint, reader_host=where)
+        except BaseException:
+            host.engine.release_pages(share.owner)  # nothing was published: no read can come
+            self._drop_share(share)
+            raise
+        source.num_tokens = len(pages) * page_size
+        share.task = asyncio.get_running_loop().create_task(self._hold_share(share))
+        return pb.SharePrefixResponse(pages=len(pages), source=source)
+
+    async def _reader_host(self, reader: tuple[str, int]) -> str | None:
+        """The host id of a reader's endpoint, which decides whether a VRAM source stages the pages; None
+        when the directory does not list it or cannot say (the pages are staged: any reader reads them)."""
+        try:
+            found = await self._readers.find(reader)
+        except XavierError:
+            return None
+        return found.endpoint.host_id if found is not None else None
+
+    async def _hold_share(self, share: _Share) -> None:
+        """Unpins a share on its reader's word (done, failed or declined); with no word within the room
+        lease a read may still run, so the pages are parked until the word or the park timeout; the
+        replica's stop ends the hold at once."""
+        port, handoff = self.host.port, self.host.config.handoff
+        outcome = ReadEnd.NONE
+        try:
+            outcome = await _or_stop(
+                port.wait_read_end(share.room_id, handoff.room_lease_seconds), share.stop
+            )
+            if not outcome and not share.stop.is_set():
+                share.parked = True
+                wait = port.wait_read_end(share.room_id, handoff.park_timeout_seconds)
+                outcome = await _or_stop(wait, share.stop)
+                if not outcome and not share.stop.is_set():
+                    log.warning("parked shared pages reclaimed after timeout", room_id=share.room_id)
+        finally:
+            try:
+                await asyncio.shield(port.unpublish(share.room_id, completed=outcome == ReadEnd.DONE))
+            finally:
+                self.host.engine.release_pages(share.owner)
+                self._drop_share(share)
+
+    def _drop_share(self, share: _Share) -> None:
+        self._shares.pop(share.room_id, None)
+        if not self._live and not self._shares:
+            self._quiet.set()
+
     async def GetDecodeStats(
         self,
         request: pb.GetDecodeStatsRequest,
@@ -344,7 +475,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
     ) -> pb.GetDecodeStatsResponse:
         host = self.host
         return pb.GetDecodeStatsResponse(
-            engine=host.engine_stats_pb(pages_parked=0),
+            engine=host.engine_stats_pb(pages_parked=self._pages_parked),
             rooms_active=self._rooms_active,
             transfer=host.transfer_stats_pb(),
             peer=f"{host.peer_id}@{host.epoch}",
@@ -353,7 +484,11 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
 
     @property
     def _rooms_active(self) -> int:
-        return sum(1 for room_id, _ in self._live.values() if room_id)
+        return sum(1 for room_id, _ in self._live.values() if room_id) + len(self._shares)
+
+    @property
+    def _pages_parked(self) -> int:
+        return sum(s.pages for s in self._shares.values() if s.parked)
 
     def _enter(self, rid: str, room_id: int, request_id: str) -> None:
         self._live[rid] = (room_id, request_id)
@@ -361,7 +496,7 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
 
     def _leave(self, rid: str) -> None:
         self._live.pop(rid, None)
-        if not self._live:
+        if not self._live and not self._shares:
             self._quiet.set()
 
     def _refuse_when_draining(self) -> None:
@@ -371,8 +506,12 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
     async def drain(self) -> None:
         """On shutdown: refuse new requests, end every live request (streams end FINISH_REASON_ABORT)
         and room (SHUTDOWN: a wait for its source ends now), and wait until each told the directory how
-        it ended, before the peer closes its channel."""
+        it ended, before the peer closes its channel. Shares end at once, as a prefill's holds do: from
+        now on nothing reuses their pages (the engine closes next), and a read still running when the
+        port closes fails on the reader's side."""
         self._draining = True
+        for share in self._shares.values():
+            share.stop.set()
         live = list(self._live.items())
         for rid, _ in live:
             await self.host.engine.abort(rid)

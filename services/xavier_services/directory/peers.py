@@ -94,10 +94,12 @@ class PeerTable:
                 )
             check_layout(layout)
             kv_layout = KvLayout.from_proto(layout)
-        if role in _ENDPOINT_ROLES:
-            if endpoint is None:
-                raise InvalidArgument("endpoint is required for prefill and decode peers", field="endpoint")
-            check_endpoint(endpoint, self.settings, "endpoint")
+        if role in _ENDPOINT_ROLES and endpoint is None:
+            raise InvalidArgument("endpoint is required for prefill and decode peers", field="endpoint")
+        # A unified replica that shares its prefixes (handoff.share_prefixes) has one too; others none.
+        kept = endpoint if role in _ENDPOINT_ROLES or (role == types_pb2.ROLE_UNIFIED and endpoint) else None
+        if kept is not None:
+            check_endpoint(kept, self.settings, "endpoint")
         old = self.get(peer_id)
         if old is None and len(self._peers) >= self.settings.max_peers:
             raise CapacityExhausted(f"{len(self._peers)} peers registered", limit=self.settings.max_peers)
@@ -113,7 +115,7 @@ class PeerTable:
             layout=layout if kv_layout is not None else None,
             kv_layout=kv_layout,
             fingerprint=kv_layout.fingerprint if kv_layout is not None else "",
-            endpoint=endpoint if role in _ENDPOINT_ROLES else None,
+            endpoint=kept,
             expires_at=self.clock() + self.settings.peer_lease_seconds,
         )
         self._peers[peer_id] = peer

@@ -155,6 +155,10 @@ class PageStoreServicer(pb_grpc.PageStoreServiceServicer):  # type: ignore[misc]
                 response.checksums.extend(p.checksum for p in hits)
                 response.lease_id = lease.id
                 response.lease_expire_time.CopyFrom(_timestamp(lease.expire_wall))
+                holder, run = self.store.holder_run(hits)
+                if holder is not None:
+                    response.holder.CopyFrom(pb.PageHolder(peer_id=holder[0], epoch=holder[1]))
+                    response.holder_pages = run
         self._remember("get", request.request_id, response)
         return response
 
@@ -166,6 +170,7 @@ class PageStoreServicer(pb_grpc.PageStoreServiceServicer):  # type: ignore[misc]
         keys = validate.keys(request.keys, self.settings, distinct=True)
         geo = validate.geometry(request.segment_bytes, self.settings, self.arena.chunk_bytes)
         lease_s = validate.lease_seconds(request.lease_seconds, self.settings)
+        holder = validate.holder(request.holder) if request.HasField("holder") else None
         ns = self.store.find(key)
         if ns is None:
             ns = self.store.create(key, geo)
@@ -174,7 +179,7 @@ class PageStoreServicer(pb_grpc.PageStoreServiceServicer):  # type: ignore[misc]
         indices, pages, evicted = self.store.put(ns, keys, lease_s)
         response = pb.PutPagesResponse(store_instance=self.arena.instance, evicted=evicted)
         if pages:
-            lease = self.store.write_lease(ns, pages, lease_s)
+            lease = self.store.write_lease(ns, pages, lease_s, holder=holder)
             response.reserved_indices.extend(indices)
             response.spans.extend(_spans(self.store, pages))
             response.lease_id = lease.id

@@ -4,6 +4,9 @@ Rules the code keeps:
 - A page is visible (Exists, Get) only once committed with a verified checksum.
 - A pinned page (some read lease holds it) and a reserved slot (a write lease holds it) are never evicted,
   reused or freed; an expired lease unpins or frees them like a release would.
+- A page's holder is the replica its committing put named (``PutPagesRequest.holder``), or none: one tuple
+  per write lease, shared by its pages. A key written again (after an eviction) is a new page with the new
+  writer's holder.
 - Eviction takes the least recently used unpinned committed page. Hits touch a chain tail-first, so the
   tail of a chain is older than its head and eviction shortens chains from the end instead of cutting
   them in the middle (a prefix lookup stops at the first miss).
@@ -24,6 +27,7 @@ from xavier_services.pagestore.arena import Arena, Chunk
 from xavier_services.pagestore.config import PageStoreSettings
 
 NsKey = tuple[str, bytes, int]  # contract fingerprint, SHA-256 of the cache salt, rank
+Holder = tuple[str, int]  # the writing replica's directory peer id and registration epoch
 
 
 @dataclass
@@ -60,6 +64,7 @@ class Page:
     checksum: bytes = b""
     pins: int = 0
     doomed: bool = False  # dropped while pinned: freed when the last read lease on it ends
+    holder: Holder | None = None  # set when committed
 
 
 @dataclass(eq=False)
@@ -71,6 +76,7 @@ class Lease:
     expires: float  # time.monotonic()
     expire_wall: float  # time.time(), for the response
     committing: bool = False
+    holder: Holder | None = None  # a write lease's writer, given to each page it commits
 
 
 class PageStore:
@@ -123,6 +129,19 @@ class PageStore:
             ns.pinned += page.pins == 1
         return hits, lease
 
+    @staticmethod
+    def holder_run(pages: Sequence[Page]) -> tuple[Holder | None, int]:
+        """The holder of the first page and how many leading pages share it; (None, 0) when it has none."""
+        first = pages[0].holder if pages else None
+        if first is None:
+            return None, 0
+        run = 0
+        for page in pages:
+            if page.holder != first:
+                break
+            run += 1
+        return first, run
+
     # --- writes -----------------------------------------------------------------------------------------
 
     def put(self, ns: Namespace, keys: Sequence[bytes], lease_s: float) -> tuple[list[int], list[Page], int]:
@@ -147,8 +166,12 @@ class PageStore:
                 pages.append(page)
         return indices, pages, evicted
 
-    def write_lease(self, ns: Namespace, pages: list[Page], lease_s: float) -> Lease:
-        return self._new_lease(ns, True, pages, lease_s)
+    def write_lease(
+        self, ns: Namespace, pages: list[Page], lease_s: float, holder: Holder | None = None
+    ) -> Lease:
+        lease = self._new_lease(ns, True, pages, lease_s)
+        lease.holder = holder
+        return lease
 
     def begin_commit(self, lease_id: str) -> Lease:
         lease = self._live(lease_id)
@@ -170,6 +193,7 @@ class PageStore:
             ns.reserved -= 1
             if ok:
                 page.committed = True
+                page.holder = lease.holder
                 ns.committed += 1
                 committed += 1
             else:

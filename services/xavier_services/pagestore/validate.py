@@ -10,12 +10,13 @@ from xavier.v1 import page_store_service_pb2 as pb
 from xavier_core.pagestore.layout import CHECKSUM_BYTES, KEY_BYTES, PageGeometry
 from xavier_core.runtime.errors import InvalidArgument
 from xavier_services.pagestore.config import PageStoreSettings
-from xavier_services.pagestore.store import Namespace, NsKey
+from xavier_services.pagestore.store import Holder, Namespace, NsKey
 
 MAX_FINGERPRINT_CHARS = 256
 MAX_SALT_BYTES = 1024
 MAX_RANK = 65535
 MAX_REQUEST_ID_CHARS = 128
+MAX_PEER_ID_CHARS = 256
 
 
 def namespace_key(ns: pb.PageNamespace) -> NsKey:
@@ -113,3 +114,14 @@ def lease_id(value: str) -> str:
     if not value or len(value) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument("lease_id is empty or too long", field="lease_id")
     return value
+
+
+def holder(value: pb.PageHolder) -> Holder:
+    """A set ``PutPagesRequest.holder``: a reader is pointed at this peer id, so it must name one."""
+    peer = value.peer_id
+    if not peer or len(peer) > MAX_PEER_ID_CHARS:
+        raise InvalidArgument(
+            f"holder.peer_id must have 1 to {MAX_PEER_ID_CHARS} characters, got {len(peer)}",
+            field="holder.peer_id",
+        )
+    return peer, int(value.epoch)

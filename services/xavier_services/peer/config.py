@@ -87,7 +87,13 @@ class HandoffSection(_Section):
     """The same on a prefill while its published sources wait for their reader's notification. Slower,
     as nothing on a request's path waits on it (the prefill also unpins when the decode's CompleteRoom
     reaches it through the room feed); a read over a transport that needs the source's progress (UCX
-    over TCP) advances at this pace. Polling every 0.5 ms cost a prefill about 0.7 ms CPU per request."""
+    over TCP) advances at this pace. Polling every 0.5 ms cost a prefill about 0.7 ms CPU per request.
+    A unified replica that shares its prefixes polls its shares at this pace too."""
+    share_prefixes: bool = False
+    """Whether a unified replica shares the pages of the prefixes it holds with peer replicas
+    (`DecodeService.SharePrefix`): it then opens a transfer port (one NIXL agent, the pool registered)
+    and registers its endpoint in the directory, as a prefill does. Off, it has no port and refuses
+    SharePrefix with SHARING_OFF. Other roles ignore it."""
     read_end_agent: bool = True
     """Whether a decode tells a source that its read ended through a second NIXL agent of its own (no
     memory registered): its READs then carry no notification and end as soon as their bytes have moved

@@ -35,6 +35,7 @@ from xavier_core.transfer.port.metrics import register_port_metrics
 from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.peer.convert import features_pb
 from xavier_services.peer.membership import Membership, PeerCache
+from xavier_services.peer.sharing import PrefixSharing
 
 log = get_logger(__name__)
 _DECODE_CACHE = 1024
@@ -106,9 +107,10 @@ class PeerHost:
             role, config.peer.peer_id, config.peer.directory, config.peer.rpc_timeout_seconds
         )
         self.address = ""
-        self.kv: KvPort | None = None  # prefill and decode roles only
+        self.kv: KvPort | None = None  # prefill and decode roles, and unified with handoff.share_prefixes
         self.rooms: RoomFeed | None = None  # the prefill's feed of its rooms' states
         self.store: PageStoreClient | None = None  # prefill and unified roles, when configured
+        self.sharing: PrefixSharing | None = None  # unified with a store and handoff.share_prefixes
         self._decodes = PeerCache(
             self.membership, types_pb2.ROLE_DECODE, self.fingerprint, limit=_DECODE_CACHE
         )
@@ -139,21 +141,29 @@ class PeerHost:
                 layout.service_features.append(types_pb2.SERVICE_FEATURE_CALL_SESSIONS)
         return layout
 
+    @property
+    def has_port(self) -> bool:
+        """Whether this peer opens a KV transfer port: prefill and decode roles, and a unified replica
+        that shares its prefixes (`handoff.share_prefixes`: a source for its peers' reads)."""
+        if self.role == types_pb2.ROLE_UNIFIED:
+            return self.config.handoff.share_prefixes
+        return self.role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE)
+
     # -- lifecycle ------------------------------------------------------------------------------------------
 
     async def start(self, port: int) -> dict[str, Any]:
         cfg = self.config
         self.address = f"{cfg.peer.advertise_host}:{port}"
         self.membership.name(self.host_id, port)
-        if self.role in (types_pb2.ROLE_PREFILL, types_pb2.ROLE_DECODE):
+        if self.has_port:
             name = f"{self.peer_id}-{uuid.uuid4().hex[:8]}"
             self.kv = KvPort(
                 name,
                 self.engine.kv_buffers(),
                 self.engine.page_size,
-                cfg.handoff.source_poll_interval_seconds
+                cfg.handoff.source_poll_interval_seconds  # a source only: nothing waits on its polls
                 if self.role == types_pb2.ROLE_PREFILL
-                else cfg.handoff.poll_interval_seconds,
+                else cfg.handoff.poll_interval_seconds,  # a reader (a sharing replica reads its peers')
                 cfg.handoff.transfer_mode,
                 self.engine.device_lock,
                 cfg.handoff.transport,
@@ -191,10 +201,25 @@ class PeerHost:
             same_host_reads=ps.same_host_reads,
         )
         name = f"{self.peer_id}-store-{uuid.uuid4().hex[:8]}"
-        self.store = PageStoreClient(
+        store = self.store = PageStoreClient(
             ps.address, self.engine.kv_buffers(), settings, name=name, device_lock=self.engine.device_lock
         )
-        self.engine.use_page_store(self.store, self.fingerprint)
+        share = None
+        if self.kv is not None and self.role == types_pb2.ROLE_UNIFIED:  # has_port: it shares
+            h = self.config.handoff
+            self.sharing = PrefixSharing(
+                self.kv,
+                self.membership,
+                self.fingerprint,
+                lambda: (self.peer_id, self.epoch),
+                ps.rpc_timeout_seconds,
+                h.transfer_timeout_seconds,
+                h.park_timeout_seconds,
+            )
+            share = self.sharing.pull
+            # The pages it writes name it (and its epoch: a replica registered again holds none of before).
+            self.membership.on_epoch.append(lambda epoch: setattr(store, "holder", (self.peer_id, epoch)))
+        self.engine.use_page_store(store, self.fingerprint, share)
         log.info("page store attached", address=ps.address)
 
     async def stop(self) -> None:
@@ -202,6 +227,8 @@ class PeerHost:
             await self.rooms.stop()
         await self.membership.leave()
         await self.membership.close()
+        if self.sharing is not None:
+            await self.sharing.close()
         if self.kv is not None:
             await self.kv.close()
         if self.store is not None:
@@ -217,7 +244,7 @@ class PeerHost:
 
     @property
     def port(self) -> KvPort:
-        """The KV transfer port; only prefill and decode peers have one (a unified replica has none)."""
+        """The KV transfer port (`has_port`; a unified replica that does not share has none)."""
         if self.kv is None:
             raise FailedPrecondition(
                 f"a {ROLE_NAMES[self.role]} peer has no KV transfer port", reason="WRONG_ROLE"

@@ -41,6 +41,8 @@ class Membership:
         self._address = directory
         self._timeout = rpc_timeout
         self._session: PeerSession | None = None
+        self.on_epoch: list[Callable[[int], None]] = []
+        """Called with each new epoch, as it is registered."""
 
     def name(self, host_id: str, port: int) -> str:
         """The peer's id: the configured one, else ``<role>-<host>-<port>`` (set once, kept after)."""
@@ -76,6 +78,8 @@ class Membership:
         # A new epoch (first start, or re-registration after a directory restart): calls carry it from now on.
         self.epoch = reg.epoch
         log.info("registered", peer_id=self.peer_id, epoch=self.epoch)
+        for call in self.on_epoch:
+            call(self.epoch)
 
     async def leave(self) -> None:
         """Stops the heartbeats and unregisters (once); a directory that cannot be told lets the lease

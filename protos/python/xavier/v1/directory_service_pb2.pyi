@@ -141,7 +141,9 @@ class Peer(_message.Message):
 
     @_builtins.property
     def endpoint(self) -> _types_pb2.TransferEndpoint:
-        """The peer's transfer endpoint; set for prefill and decode peers."""
+        """The peer's transfer endpoint; set for prefill and decode peers, and for unified peers that share
+        the prefixes they hold (DecodeService.SharePrefix).
+        """
 
     @_builtins.property
     def lease_expires_at(self) -> _timestamp_pb2.Timestamp:
@@ -228,7 +230,8 @@ class RegisterPeerRequest(_message.Message):
 
     @_builtins.property
     def endpoint(self) -> _types_pb2.TransferEndpoint:
-        """The transfer endpoint; required for prefill and decode peers. The directory hands it to the room's
+        """The transfer endpoint; required for prefill and decode peers, given by unified peers that share
+        their prefixes (others send none). The directory hands it to the room's
         reader once per epoch, so sources do not carry it.
         """
 

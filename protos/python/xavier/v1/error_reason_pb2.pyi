@@ -348,7 +348,7 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     ERROR_REASON_SHARING_OFF: _ErrorReason.ValueType  # 98
     """Prefix sharing (DecodeService.SharePrefix).
 
-    The replica does not share the pages it holds (pagestore.share_prefixes is off, or it is not a
+    The replica does not share the pages it holds (handoff.share_prefixes is off, or it is not a
     unified replica with a transfer port); status FAILED_PRECONDITION. The reader reads the page store.
     """
 
@@ -688,7 +688,7 @@ the session's other calls go on (sent, it would have broken the stream for every
 ERROR_REASON_SHARING_OFF: ErrorReason.ValueType  # 98
 """Prefix sharing (DecodeService.SharePrefix).
 
-The replica does not share the pages it holds (pagestore.share_prefixes is off, or it is not a
+The replica does not share the pages it holds (handoff.share_prefixes is off, or it is not a
 unified replica with a transfer port); status FAILED_PRECONDITION. The reader reads the page store.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

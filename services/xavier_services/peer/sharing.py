@@ -1,0 +1,141 @@
+"""A replica's reads of prefix pages from the replica that wrote them (`handoff.share_prefixes`).
+
+The page store names the replica that wrote the pages a fetch hit (`GetPagesResponse.holder`). Where
+that replica may still hold them in its own pool, copying them from there is cheaper than READing the
+store's DRAM: between replicas of one host's GPUs the transfer port copies pool to pool through CUDA
+IPC, where a store read crosses host memory and is checked page by page. So before it READs the store, a
+fetch asks the holder (`DecodeService.SharePrefix`): the holder pins the prefix pages it still has and
+publishes them as a transfer source for this one read, and the port pulls them into the pages the fetch
+took, as a decode pulls a prefill's (the read's end, told by the port, unpins them there).
+
+Anything short of every asked page (the holder is this replica, gone, re-registered, no longer holds
+them, refuses, or the pull fails) answers 0 and the fetch READs the store as before: sharing can only
+save a read, never fail a request. The store lease taken by GetPages covers the pages meanwhile.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Sequence
+
+import grpc
+from xavier.v1 import decode_service_pb2 as pb
+from xavier.v1 import decode_service_pb2_grpc, types_pb2
+
+from xavier_core.runtime.channels import open_channel
+from xavier_core.runtime.errors import XavierError, from_rpc_error
+from xavier_core.runtime.logging import get_logger
+from xavier_core.transfer import peer_key
+from xavier_core.transfer.port.kv_port import KvPort
+from xavier_services.peer.membership import Membership, PeerCache
+
+log = get_logger(__name__)
+
+_PEERS = 256
+"""Holder registrations remembered (one directory lookup per holder epoch)."""
+
+
+class PrefixSharing:
+    """Pulls pages a fetch hit in the store from their holder's pool (see the module docstring)."""
+
+    def __init__(
+        self,
+        port: KvPort,
+        membership: Membership,
+        fingerprint: str,
+        me: Callable[[], tuple[str, int]],
+        rpc_timeout: float,
+        transfer_timeout: float,
+        park_timeout: float,
+    ) -> None:
+        self._port = port
+        self._me = me
+        self._holders = PeerCache(membership, types_pb2.ROLE_UNIFIED, fingerprint, limit=_PEERS)
+        self._stubs: dict[str, decode_service_pb2_grpc.DecodeServiceStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+        self._rpc_timeout = rpc_timeout
+        self._transfer_timeout = transfer_timeout
+        self._park_timeout = park_timeout
+        self.pages = 0
+        """Pages pulled from holders so far."""
+        self.misses = 0
+        """Asks that brought fewer pages than asked (the fetch then READ the store)."""
+
+    async def pull(
+        self,
+        holder: tuple[str, int],
+        token_ids: Sequence[int],
+        cache_salt: str,
+        first_page: int,
+        dest: list[int],
+    ) -> int:
+        """Pulls pages `first_page ...` of the prefix `token_ids` (whole pages, keys chained from the
+        first) from `holder` into the local pages `dest`; returns len(dest) when all of them came, else 0
+        (whatever landed in `dest` is then overwritten by the store's READ)."""
+        me = self._me()
+        if holder == me or not dest:
+            return 0
+        got = 0
+        try:
+            got = await self._pull(holder, me, token_ids, cache_salt, first_page, dest)
+        except XavierError as err:
+            log.info("prefix sharing: the holder's pages did not come", holder=holder[0], reason=err.reason)
+        if got != len(dest):
+            self.misses += 1
+            return 0
+        self.pages += got
+        return got
+
+    async def _pull(
+        self,
+        holder: tuple[str, int],
+        me: tuple[str, int],
+        token_ids: Sequence[int],
+        cache_salt: str,
+        first_page: int,
+        dest: list[int],
+    ) -> int:
+        peer = await self._holders.find(holder)
+        if peer is None or not peer.HasField("endpoint"):
+            return 0  # gone, registered again, or a replica that does not share
+        room_id = secrets.randbits(63) or 1
+        req = pb.SharePrefixRequest(
+            room_id=room_id,
+            token_ids=token_ids,
+            cache_salt=cache_salt,
+            reader_peer_id=me[0],
+            reader_epoch=me[1],
+            first_page=first_page,
+        )
+        try:
+            resp = await self._stub(peer.address).SharePrefix(req, timeout=self._rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        if resp.pages != len(dest):
+            if resp.pages:  # a source for fewer pages: say so at once, so the holder unpins them
+                await self._port.decline(room_id, resp.source.read_token, peer.endpoint, peer_key(*holder))
+            return 0
+        await self._port.pull(
+            room_id,
+            resp.source,
+            peer.endpoint,
+            peer_key(*holder),
+            dest,
+            self._transfer_timeout,
+            self._park_timeout,
+        )
+        return len(dest)
+
+    def _stub(self, address: str) -> decode_service_pb2_grpc.DecodeServiceStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = open_channel(address)
+            self._channels.append(channel)
+            stub = self._stubs[address] = decode_service_pb2_grpc.DecodeServiceStub(channel)
+        return stub
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+        self._channels.clear()
+        self._stubs.clear()

@@ -1,0 +1,214 @@
+"""The store records which replica wrote each page (`PutPagesRequest.holder`) and tells a reader the holder
+of the first hit page and how many leading hit pages share it (`GetPagesResponse.holder`, `holder_pages`)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+from xavier.v1 import page_store_service_pb2 as pb
+
+from tests.pagestore.support import (
+    BPP,
+    NBUF,
+    buffers,
+    chain,
+    make_pool,
+    page_digest,
+    raw_release,
+    start_store,
+    stub,
+)
+from tests.support.procs import ServiceProc
+from xavier_core.pagestore import PageNamespace, PageStoreClient
+from xavier_core.pagestore.client import InOrder
+from xavier_core.runtime.errors import from_rpc_error
+
+pytestmark = pytest.mark.integration
+
+
+def _get(address: str, fp: str, keys: list[bytes], request_id: str | None = None) -> pb.GetPagesResponse:
+    ch, s = stub(address)
+    with ch:
+        req = pb.GetPagesRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            namespace=pb.PageNamespace(contract_fingerprint=fp),
+            keys=keys,
+            segment_bytes=[BPP] * NBUF,
+        )
+        resp: pb.GetPagesResponse = s.GetPages(req, timeout=5)
+        return resp
+
+
+def _holder_of(address: str, fp: str, keys: list[bytes]) -> tuple[int, tuple[str, int] | None, int]:
+    """(hit_count, holder, holder_pages) of one GetPages, its lease released."""
+    got = _get(address, fp, keys)
+    if got.lease_id:
+        assert raw_release(address, got.lease_id).released
+    holder = (got.holder.peer_id, got.holder.epoch) if got.HasField("holder") else None
+    return got.hit_count, holder, got.holder_pages
+
+
+async def test_a_put_with_a_holder_is_told_to_readers_and_replayed_alike(store: ServiceProc) -> None:
+    fp = "fp-holder-one"
+    keys = chain(fp, "", 1, 5)
+    pool = make_pool(41)  # a client keeps only the buffers' addresses: the arrays must outlive it
+    writer = PageStoreClient(store.address, buffers(pool), holder=("a", 3))
+    try:
+        assert await writer.write(PageNamespace(fp), keys, [0, 1, 2, 3, 4]) == 5
+    finally:
+        await writer.close()
+    first = _get(store.address, fp, keys, request_id="holder-replay")
+    try:
+        assert first.hit_count == 5
+        assert (first.holder.peer_id, first.holder.epoch, first.holder_pages) == ("a", 3, 5)
+        # A retried GetPages (same request id) gets the very same answer, holder included.
+        assert _get(store.address, fp, keys, request_id="holder-replay") == first
+    finally:
+        assert raw_release(store.address, first.lease_id).released
+    # A longer chain hits the stored prefix only; the holder covers those hits.
+    assert _holder_of(store.address, fp, chain(fp, "", 1, 7)) == (5, ("a", 3), 5)
+
+
+async def test_two_writers_the_run_stops_where_the_holder_changes(store: ServiceProc) -> None:
+    fp = "fp-holder-two"
+    ns = PageNamespace(fp)
+    keys = chain(fp, "", 2, 6)
+    pool = make_pool(42)
+    client = PageStoreClient(store.address, buffers(pool))
+    try:
+        client.holder = ("a", 1)  # set after construction, as a replica does once it has registered
+        assert await client.write(ns, keys[:3], [0, 1, 2]) == 3
+        client.holder = ("b", 1)
+        assert await client.write(ns, keys, [0, 1, 2, 3, 4, 5]) == 3  # the first half is stored already
+    finally:
+        await client.close()
+    assert _holder_of(store.address, fp, keys) == (6, ("a", 1), 3)
+    assert _holder_of(store.address, fp, keys[3:]) == (3, ("b", 1), 3)
+
+
+async def test_same_peer_other_epoch_is_another_holder(store: ServiceProc) -> None:
+    fp = "fp-holder-epoch"
+    ns = PageNamespace(fp)
+    keys = chain(fp, "", 3, 4)
+    pool = make_pool(43)
+    client = PageStoreClient(store.address, buffers(pool), holder=("a", 1))
+    try:
+        assert await client.write(ns, keys[:1], [0]) == 1
+        client.holder = ("a", 2)  # registered again: it holds nothing it wrote before
+        assert await client.write(ns, keys, [0, 1, 2, 3]) == 3
+    finally:
+        await client.close()
+    assert _holder_of(store.address, fp, keys) == (4, ("a", 1), 1)
+    assert _holder_of(store.address, fp, keys[1:]) == (3, ("a", 2), 3)
+
+
+async def test_a_put_without_holder_leaves_none_and_a_rewrite_takes_its_writers(store: ServiceProc) -> None:
+    fp = "fp-holder-none"
+    ns = PageNamespace(fp)
+    keys = chain(fp, "", 4, 4)
+    pool = make_pool(44)
+    anonymous = PageStoreClient(store.address, buffers(pool))
+    named = PageStoreClient(store.address, buffers(pool), holder=("a", 1))
+    try:
+        assert await anonymous.write(ns, keys, [0, 1, 2, 3]) == 4
+        assert _holder_of(store.address, fp, keys) == (4, None, 0)
+        got = _get(store.address, fp, keys)
+        assert not got.HasField("holder") and got.holder_pages == 0
+        # A reader names page 0 corrupt: the store drops it, and the next writer's put stores it again.
+        assert raw_release(store.address, got.lease_id, [0]).released
+        assert await named.write(ns, keys, [0, 1, 2, 3]) == 1
+        assert _holder_of(store.address, fp, keys) == (4, ("a", 1), 1)
+        got = _get(store.address, fp, keys)
+        assert raw_release(store.address, got.lease_id, [0]).released
+        assert await anonymous.write(ns, keys, [0, 1, 2, 3]) == 1
+        assert _holder_of(store.address, fp, keys) == (4, None, 0)
+    finally:
+        await anonymous.close()
+        await named.close()
+
+
+@pytest.mark.parametrize("peer_id", ["", "p" * 300], ids=["empty", "300 characters"])
+def test_a_bad_holder_is_refused_and_the_store_keeps_serving(store: ServiceProc, peer_id: str) -> None:
+    fp = "fp-holder-bad"
+    keys = chain(fp, "", 5, 2)
+
+    def put(holder: pb.PageHolder) -> pb.PutPagesResponse:
+        req = pb.PutPagesRequest(
+            request_id=uuid.uuid4().hex,
+            namespace=pb.PageNamespace(contract_fingerprint=fp),
+            keys=keys,
+            segment_bytes=[BPP] * NBUF,
+            holder=holder,
+        )
+        resp: pb.PutPagesResponse = s.PutPages(req, timeout=5)
+        return resp
+
+    ch, s = stub(store.address)
+    with ch:
+        with pytest.raises(grpc.RpcError) as info:
+            put(pb.PageHolder(peer_id=peer_id, epoch=1))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        err = from_rpc_error(info.value)
+        assert err.reason == "INVALID_ARGUMENT" and err.metadata["field"] == "holder.peer_id"
+        # Nothing was reserved; a holder of the longest allowed peer id is taken.
+        ok = put(pb.PageHolder(peer_id="p" * 256, epoch=1))
+        assert list(ok.reserved_indices) == [0, 1]
+        assert raw_release(store.address, ok.lease_id).released
+
+
+async def test_the_fetch_result_carries_the_holder(store: ServiceProc) -> None:
+    fp = "fp-holder-fetch"
+    ns = PageNamespace(fp)
+    keys = chain(fp, "", 6, 5)
+    pool = make_pool(46)
+    writer = PageStoreClient(store.address, buffers(pool), holder=("a", 3))
+    reader_pool = make_pool(None)
+    reader = PageStoreClient(store.address, buffers(reader_pool))
+    try:
+        miss = await reader.fetch(ns, keys, InOrder([10, 11, 12, 13, 14]))
+        assert (miss.hit, miss.holder, miss.holder_pages) == (0, None, 0)
+        assert await writer.write(ns, keys[:2], [0, 1]) == 2
+        writer.holder = None
+        assert await writer.write(ns, keys[:4], [0, 1, 2, 3]) == 2
+        got = await reader.fetch(ns, keys, InOrder([10, 11, 12, 13, 14]))
+        assert (got.hit, got.stuck, got.holder, got.holder_pages) == (4, False, ("a", 3), 2)
+        assert page_digest(reader_pool, [10, 11, 12, 13]) == page_digest(pool, [0, 1, 2, 3])
+        # What the store said, not what arrived: a short allocation reads one page of the two.
+        short = await reader.fetch(ns, keys, lambda n: [20])
+        assert (short.hit, short.holder, short.holder_pages) == (1, ("a", 3), 2)
+        # No holder on the first hit page: none, even though later pages have one.
+        assert (await reader.fetch(ns, keys[2:], InOrder([10, 11, 12]))).holder is None
+    finally:
+        await writer.close()
+        await reader.close()
+
+
+async def test_the_fetch_result_sums_the_run_over_store_calls(tmp_path: Path) -> None:
+    """A store that takes 2 keys a call: the run goes on while each call's hits are all the holder's."""
+    svc = start_store(tmp_path, max_keys_per_call="2")
+    fp = "fp-holder-calls"
+    ns = PageNamespace(fp)
+    keys = chain(fp, "", 7, 7)
+    pool, reader_pool = make_pool(47), make_pool(None)
+    writer = PageStoreClient(svc.address, buffers(pool), holder=("a", 1))
+    reader = PageStoreClient(svc.address, buffers(reader_pool))
+    try:
+        # A client learns the store's batch limit from its first call that reaches the store's endpoint.
+        assert await writer.write(ns, keys[:2], [0, 1]) == 2
+        assert await writer.write(ns, keys[:5], [0, 1, 2, 3, 4]) == 3
+        assert (await reader.fetch(ns, keys[:2], InOrder([10, 11]))).hit == 2
+        writer.holder = ("b", 1)
+        assert await writer.write(ns, keys, [0, 1, 2, 3, 4, 5, 6]) == 2
+        # Calls of keys 0-1, 2-3 (a's), 4-5 (a's, then b's: the run ends at 5 pages), 6.
+        got = await reader.fetch(ns, keys, InOrder(list(range(10, 17))))
+        assert (got.hit, got.holder, got.holder_pages) == (7, ("a", 1), 5)
+        assert page_digest(reader_pool, list(range(10, 17))) == page_digest(pool, list(range(7)))
+        got = await reader.fetch(ns, keys[5:], InOrder([10, 11]))
+        assert (got.hit, got.holder, got.holder_pages) == (2, ("b", 1), 2)
+    finally:
+        await writer.close()
+        await reader.close()
+        assert svc.stop() == 0

@@ -1,0 +1,100 @@
+"""Replicas that share prefixes (`handoff.share_prefixes`): a store hit whose pages another replica wrote
+is copied from that replica's pool (DecodeService.SharePrefix + the transfer port), not READ from the
+store; the answer is the one computing gives; every pin ends; a holder that is gone is a store READ, never a
+failed request. Real processes, real NIXL DRAM transfers, the tiny model."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from tests.pagestore.engines import StoreMesh, generate, prompt, wait_for
+from tests.pagestore.test_engines import _assert_quiet, _store_pages
+from xavier_core.engine.tiny import make_tiny
+
+pytestmark = pytest.mark.integration
+
+PREFIX = 640  # 40 full pages of 16 tokens
+SUFFIX = 24
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreMesh]:
+    model = make_tiny(tmp_path_factory.mktemp("models") / "tiny-qwen2", "qwen2")
+    m = StoreMesh(model, tmp_path_factory.mktemp("sharing-mesh"))
+    m.env = {"XAVIER_HANDOFF__SHARE_PREFIXES": "1", "XAVIER_HANDOFF__ROOM_LEASE_SECONDS": "3"}
+    try:
+        m.start_directory()
+        m.start_store()
+        for name in ("unified-a", "unified-b", "unified-c"):
+            m.start_unified(name, "--pagestore", m.store.address)
+        yield m
+    finally:
+        m.stop()
+
+
+def _reads(mesh: StoreMesh, name: str) -> dict[str, float]:
+    """A replica's `xavier_pagestore_client_reads_total` by path (direct, nixl, holder)."""
+    text = urllib.request.urlopen(f"http://{mesh.procs[name].metrics}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^xavier_pagestore_client_reads_total\{path="(\w+)"\} (\S+)$', text, re.M):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+async def test_a_hit_written_by_a_peer_is_copied_from_its_pool(mesh: StoreMesh) -> None:
+    a, b = mesh.procs["unified-a"].address, mesh.procs["unified-b"].address
+    shared = prompt(11, PREFIX)
+    first, second = shared + prompt(12, SUFFIX), shared + prompt(13, SUFFIX)
+    assert (await generate(a, first, salt="t-share")).usage.cached_tokens == 0
+    await wait_for(lambda: _store_pages(mesh, "t-share") >= len(first) // 16, 30, "A's write-through")
+    cold = await generate(a, second, salt="t-share-cold")  # the reference: nothing reused
+
+    before = _reads(mesh, "unified-b")
+    warm = await generate(b, second, salt="t-share")
+    got = _delta(_reads(mesh, "unified-b"), before)
+    assert got.get("holder", 0) >= 1, got
+    assert not got.get("direct") and not got.get("nixl"), f"B READ the store: {got}"
+    assert warm.usage.cached_tokens_store >= PREFIX - 16
+    assert warm.tokens == cold.tokens
+    await _assert_quiet(mesh)  # A's share pins ended with B's read; the store's lease was released
+
+
+async def test_another_salt_is_never_shared(mesh: StoreMesh) -> None:
+    a, b = mesh.procs["unified-a"].address, mesh.procs["unified-b"].address
+    shared = prompt(21, PREFIX)
+    await generate(a, shared + prompt(22, SUFFIX), salt="t-one")
+    await wait_for(lambda: _store_pages(mesh, "t-one") >= PREFIX // 16, 30, "A's write-through")
+    before = _reads(mesh, "unified-b")
+    other = await generate(b, shared + prompt(23, SUFFIX), salt="t-two")
+    assert other.usage.cached_tokens == 0
+    assert _delta(_reads(mesh, "unified-b"), before) == {}
+    await _assert_quiet(mesh)
+
+
+async def test_a_holder_that_is_gone_leaves_a_store_read(mesh: StoreMesh) -> None:
+    c = mesh.procs["unified-c"].address
+    b = mesh.procs["unified-b"].address
+    shared = prompt(31, PREFIX)
+    first, second = shared + prompt(32, SUFFIX), shared + prompt(33, SUFFIX)
+    await generate(c, first, salt="t-gone")
+    await wait_for(lambda: _store_pages(mesh, "t-gone") >= len(first) // 16, 30, "C's write-through")
+    cold = await generate(b, second, salt="t-gone-cold")
+    mesh.procs["unified-c"].kill()  # its pool goes with it; the directory still lists it a while
+    del mesh.procs["unified-c"]
+
+    before = _reads(mesh, "unified-b")
+    warm = await generate(b, second, salt="t-gone")
+    got = _delta(_reads(mesh, "unified-b"), before)
+    assert not got.get("holder"), got
+    assert got.get("direct", 0) + got.get("nixl", 0) >= 1, got
+    assert warm.usage.cached_tokens_store >= PREFIX - 16
+    assert warm.tokens == cold.tokens
+    await _assert_quiet(mesh)
