@@ -56,7 +56,12 @@ def _make_client_metrics(reg: CollectorRegistry) -> ClientMetrics:
     p = "xavier_pagestore_client_"
     return ClientMetrics(
         Counter(p + "lookups", "Prefix lookups asked of the page store.", registry=reg),
-        Counter(p + "hit_pages", "Pages fetched from the page store, verified.", registry=reg),
+        Counter(
+            p + "hit_pages",
+            "Pages fetched from the page store: READ and verified, or copied from the replica that wrote "
+            "them.",
+            registry=reg,
+        ),
         Counter(p + "miss_pages", "Looked-up pages not served by the store.", registry=reg),
         Counter(p + "corrupt_pages", "Fetched pages that failed their checksum.", registry=reg),
         Counter(p + "pages_written", "Pages written and committed to the store.", registry=reg),
@@ -81,7 +86,8 @@ def _make_client_metrics(reg: CollectorRegistry) -> ClientMetrics:
         ),
         Counter(
             p + "reads",
-            "READs of fetched pages, by path: direct (out of a same-host store's memory) or nixl.",
+            "Store calls' reads of fetched pages, by path: direct (out of a same-host store's memory), nixl, "
+            "or holder (copied from the pool of the replica that wrote them, no READ).",
             ("path",),
             registry=reg,
         ),
