@@ -19,6 +19,7 @@ from tests.pagestore.support import (
     page_digest,
     raw_release,
     start_store,
+    stats,
     stub,
 )
 from tests.support.procs import ServiceProc
@@ -212,3 +213,47 @@ async def test_the_fetch_result_sums_the_run_over_store_calls(tmp_path: Path) ->
         await writer.close()
         await reader.close()
         assert svc.stop() == 0
+
+
+async def test_a_fetch_copies_from_the_holder_or_reads_what_it_could_not(store: ServiceProc) -> None:
+    """`fetch(from_holder=...)`: all pages copied means no READ and the lease released unread; fewer (here
+    none, after scribbling into the pages) means the store's READ, whose bytes are what the pool gets."""
+    fp = "fp-holder-copy"
+    ns = PageNamespace(fp)
+    keys = chain(fp, "", 8, 4)
+    pool, reader_pool = make_pool(48), make_pool(None)
+    writer = PageStoreClient(store.address, buffers(pool), holder=("a", 7))
+    reader = PageStoreClient(store.address, buffers(reader_pool))
+    asked: list[tuple[tuple[str, int], int, list[int]]] = []
+
+    async def copies(holder: tuple[str, int], at: int, pages: list[int]) -> int:
+        asked.append((holder, at, pages))
+        for p in pages:  # what the writer's pool holds, as its port would have copied it
+            for src, dst in zip(pool, reader_pool, strict=True):
+                dst[p * BPP : (p + 1) * BPP] = src[(p - 10) * BPP : (p - 9) * BPP]
+        return len(pages)
+
+    async def fails(holder: tuple[str, int], at: int, pages: list[int]) -> int:
+        for p in pages:
+            for dst in reader_pool:
+                dst[p * BPP : (p + 1) * BPP] = 0xEE
+        return 0
+
+    try:
+        assert await writer.write(ns, keys, [0, 1, 2, 3]) == 4
+        got = await reader.fetch(ns, keys, InOrder([10, 11, 12, 13]), from_holder=copies)
+        assert (got.hit, got.holder, got.holder_pages) == (4, ("a", 7), 4)
+        assert asked == [(("a", 7), 0, [10, 11, 12, 13])]
+        assert (reader.counters.reads, reader.counters.holder_pages) == (0, 4)
+        assert page_digest(reader_pool, [10, 11, 12, 13]) == page_digest(pool, [0, 1, 2, 3])
+        await reader.flush()
+        assert stats(store.address).leases == 0  # released, unread
+
+        for dst in reader_pool:
+            dst[:] = 0
+        got = await reader.fetch(ns, keys, InOrder([10, 11, 12, 13]), from_holder=fails)
+        assert got.hit == 4 and reader.counters.reads == 1 and reader.counters.holder_pages == 4
+        assert page_digest(reader_pool, [10, 11, 12, 13]) == page_digest(pool, [0, 1, 2, 3])
+    finally:
+        await writer.close()
+        await reader.close()
