@@ -123,6 +123,13 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         "(router peer_sessions; default: on)",
     )
     p.add_argument(
+        "--share-prefixes",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="unified replicas copy a stored prefix straight from the pool of the replica that wrote it, "
+        "where that one still holds it, instead of reading the store (handoff.share_prefixes; default: off)",
+    )
+    p.add_argument(
         "--pagestore-listen", default="127.0.0.1:0", metavar="HOST:PORT", help="page store address"
     )
     p.add_argument(
@@ -212,6 +219,14 @@ def run_up(args: argparse.Namespace) -> int:
     env = {"XAVIER_ENGINE__COMPUTE": args.compute}
     if not args.peer_sessions:  # the router's `peer_sessions`; the other services have no such key
         env["XAVIER_PEER_SESSIONS"] = "false"
+    if args.share_prefixes:
+        if sglang or not use_store:
+            print(
+                "xavier up: --share-prefixes is for reference-engine replicas with the page store",
+                file=sys.stderr,
+            )
+            return 2
+        env["XAVIER_HANDOFF__SHARE_PREFIXES"] = "true"  # read by the engines' `handoff` section alone
     if args.insecure and args.tls:
         print("xavier up: --tls and --insecure contradict each other", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from tests.cli.mesh import Mesh, shared_cache, start_up
@@ -130,5 +131,37 @@ def test_up_sizes_the_page_store_arena_alone(
         assert set(up.child_pids()) == {"directory", "pagestore", "unified-0", "router"}
         store = json.loads((up.workdir / "pagestore.ready").read_text())["address"]
         assert stats(store).capacity_bytes == arena
+    finally:
+        assert up.stop(signal.SIGTERM) == 0
+
+
+def test_up_share_prefixes_lists_the_unified_replicas_endpoints(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`--share-prefixes` turns on `handoff.share_prefixes` in the replicas: each unified replica opens a
+    transfer port and the directory lists its endpoint, where its peers' store fetches find it; without
+    the flag a unified replica has none. Asked of a mesh without the store, it is refused."""
+    from xavier.v1 import directory_service_pb2 as dpb
+    from xavier.v1 import directory_service_pb2_grpc as dpb_grpc
+    from xavier.v1 import types_pb2
+
+    refused = subprocess.run(
+        [sys.executable, "-m", "xavier_cli", "up", "--insecure", "--no-pagestore", "--share-prefixes"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "--share-prefixes" in refused.stderr
+    up = start_up(
+        tmp_path, shared_cache(tmp_path_factory), "--mode", "colocated", "--unified", "2", "--share-prefixes"
+    )
+    try:
+        directory = json.loads((tmp_path / "up.json").read_text())["directory"]
+        with grpc.insecure_channel(directory) as ch:
+            listed = dpb_grpc.DirectoryServiceStub(ch).ListPeers(
+                dpb.ListPeersRequest(role=types_pb2.ROLE_UNIFIED), timeout=10
+            )
+        assert sorted(p.peer_id for p in listed.peers) == ["unified-0", "unified-1"]
+        assert all(p.HasField("endpoint") and p.endpoint.agent_name for p in listed.peers)
     finally:
         assert up.stop(signal.SIGTERM) == 0
