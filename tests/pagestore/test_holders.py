@@ -4,6 +4,7 @@ of the first hit page and how many leading hit pages share it (`GetPagesResponse
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -160,7 +161,20 @@ def test_a_bad_holder_is_refused_and_the_store_keeps_serving(store: ServiceProc,
         assert raw_release(store.address, ok.lease_id).released
 
 
-async def test_the_fetch_result_carries_the_holder(store: ServiceProc) -> None:
+Asked = list[tuple[tuple[str, int], int, list[int]]]
+
+
+def _recorder(asked: Asked) -> Callable[[tuple[str, int], int, list[int]], Awaitable[int]]:
+    """A `from_holder` that notes what it is asked and copies nothing (the store's READ follows)."""
+
+    async def ask(holder: tuple[str, int], at: int, pages: list[int]) -> int:
+        asked.append((holder, at, pages))
+        return 0
+
+    return ask
+
+
+async def test_a_fetch_asks_the_holder_only_for_a_call_whose_hits_are_all_its(store: ServiceProc) -> None:
     fp = "fp-holder-fetch"
     ns = PageNamespace(fp)
     keys = chain(fp, "", 6, 5)
@@ -168,27 +182,32 @@ async def test_the_fetch_result_carries_the_holder(store: ServiceProc) -> None:
     writer = PageStoreClient(store.address, buffers(pool), holder=("a", 3))
     reader_pool = make_pool(None)
     reader = PageStoreClient(store.address, buffers(reader_pool))
+    asked: Asked = []
+    ask = _recorder(asked)
     try:
-        miss = await reader.fetch(ns, keys, InOrder([10, 11, 12, 13, 14]))
-        assert (miss.hit, miss.holder, miss.holder_pages) == (0, None, 0)
+        miss = await reader.fetch(ns, keys, InOrder([10, 11, 12, 13, 14]), from_holder=ask)
+        assert (miss.hit, asked) == (0, [])
         assert await writer.write(ns, keys[:2], [0, 1]) == 2
         writer.holder = None
         assert await writer.write(ns, keys[:4], [0, 1, 2, 3]) == 2
-        got = await reader.fetch(ns, keys, InOrder([10, 11, 12, 13, 14]))
-        assert (got.hit, got.stuck, got.holder, got.holder_pages) == (4, False, ("a", 3), 2)
+        # Four hits, the holder wrote two: not all the call's pages are its, so the store is READ.
+        got = await reader.fetch(ns, keys, InOrder([10, 11, 12, 13, 14]), from_holder=ask)
+        assert (got.hit, got.stuck, asked) == (4, False, [])
         assert page_digest(reader_pool, [10, 11, 12, 13]) == page_digest(pool, [0, 1, 2, 3])
-        # What the store said, not what arrived: a short allocation reads one page of the two.
-        short = await reader.fetch(ns, keys, lambda n: [20])
-        assert (short.hit, short.holder, short.holder_pages) == (1, ("a", 3), 2)
-        # No holder on the first hit page: none, even though later pages have one.
-        assert (await reader.fetch(ns, keys[2:], InOrder([10, 11, 12]))).holder is None
+        # A short allocation takes one page, which the holder wrote: it is asked for that one.
+        short = await reader.fetch(ns, keys, lambda n: [20], from_holder=ask)
+        assert (short.hit, asked) == (1, [(("a", 3), 0, [20])])
+        # No holder on the first hit page: nobody is asked, even though later pages have one.
+        assert (await reader.fetch(ns, keys[2:], InOrder([10, 11, 12]), from_holder=ask)).hit == 2
+        assert len(asked) == 1
     finally:
         await writer.close()
         await reader.close()
 
 
-async def test_the_fetch_result_sums_the_run_over_store_calls(tmp_path: Path) -> None:
-    """A store that takes 2 keys a call: the run goes on while each call's hits are all the holder's."""
+async def test_a_fetch_asks_the_holder_per_store_call_with_its_keys_offset(tmp_path: Path) -> None:
+    """A store that takes 2 keys a call: each call whose hits are all one writer's asks that writer, with
+    the index of the call's first key among the fetch's keys; a call of two writers asks nobody."""
     svc = start_store(tmp_path, max_keys_per_call="2")
     fp = "fp-holder-calls"
     ns = PageNamespace(fp)
@@ -196,6 +215,7 @@ async def test_the_fetch_result_sums_the_run_over_store_calls(tmp_path: Path) ->
     pool, reader_pool = make_pool(47), make_pool(None)
     writer = PageStoreClient(svc.address, buffers(pool), holder=("a", 1))
     reader = PageStoreClient(svc.address, buffers(reader_pool))
+    asked: Asked = []
     try:
         # A client learns the store's batch limit from its first call that reaches the store's endpoint.
         assert await writer.write(ns, keys[:2], [0, 1]) == 2
@@ -203,12 +223,14 @@ async def test_the_fetch_result_sums_the_run_over_store_calls(tmp_path: Path) ->
         assert (await reader.fetch(ns, keys[:2], InOrder([10, 11]))).hit == 2
         writer.holder = ("b", 1)
         assert await writer.write(ns, keys, [0, 1, 2, 3, 4, 5, 6]) == 2
-        # Calls of keys 0-1, 2-3 (a's), 4-5 (a's, then b's: the run ends at 5 pages), 6.
-        got = await reader.fetch(ns, keys, InOrder(list(range(10, 17))))
-        assert (got.hit, got.holder, got.holder_pages) == (7, ("a", 1), 5)
+        # Calls of keys 0-1, 2-3 (a's), 4-5 (a's, then b's: nobody asked), 6 (b's).
+        got = await reader.fetch(ns, keys, InOrder(list(range(10, 17))), from_holder=_recorder(asked))
+        assert got.hit == 7
+        assert asked == [(("a", 1), 0, [10, 11]), (("a", 1), 2, [12, 13]), (("b", 1), 6, [16])]
         assert page_digest(reader_pool, list(range(10, 17))) == page_digest(pool, list(range(7)))
-        got = await reader.fetch(ns, keys[5:], InOrder([10, 11]))
-        assert (got.hit, got.holder, got.holder_pages) == (2, ("b", 1), 2)
+        asked.clear()
+        got = await reader.fetch(ns, keys[5:], InOrder([10, 11]), from_holder=_recorder(asked))
+        assert (got.hit, asked) == (2, [(("b", 1), 0, [10, 11])])
     finally:
         await writer.close()
         await reader.close()
@@ -242,7 +264,7 @@ async def test_a_fetch_copies_from_the_holder_or_reads_what_it_could_not(store: 
     try:
         assert await writer.write(ns, keys, [0, 1, 2, 3]) == 4
         got = await reader.fetch(ns, keys, InOrder([10, 11, 12, 13]), from_holder=copies)
-        assert (got.hit, got.holder, got.holder_pages) == (4, ("a", 7), 4)
+        assert (got.hit, got.stuck) == (4, False)
         assert asked == [(("a", 7), 0, [10, 11, 12, 13])]
         assert (reader.counters.reads, reader.counters.holder_pages) == (0, 4)
         assert page_digest(reader_pool, [10, 11, 12, 13]) == page_digest(pool, [0, 1, 2, 3])

@@ -92,32 +92,6 @@ class Fetched:
     stuck: bool
     """A timed-out READ that NIXL refused to cancel may still write into the pages past `hit`: the caller
     must never reuse them (they are lost to the pool, as a device pool loses the staging slots)."""
-    holder: tuple[str, int] | None = None
-    """(peer id, epoch) of the replica the store says wrote the first stored page (`GetPagesResponse.holder`),
-    which may still hold the pages in its own pool; None on a miss or when that page's writer named none."""
-    holder_pages: int = 0
-    """How many leading stored pages `holder` wrote, summed over the fetch's store calls while each call's
-    hits were all its; what the store said, so it may exceed `hit` (a failed READ, a short allocation)."""
-
-
-@dataclass
-class _HolderRun:
-    """The holder of a fetch's first stored page and its run of leading pages, across store calls."""
-
-    holder: tuple[str, int] | None = None
-    pages: int = 0
-    open: bool = True  # every hit page so far is the holder's: the next call's run continues it
-
-    def add(self, resp: pb.GetPagesResponse) -> None:
-        if not self.open:
-            return
-        got = (resp.holder.peer_id, int(resp.holder.epoch)) if resp.HasField("holder") else None
-        if got is None or (self.pages and got != self.holder):
-            self.open = False
-            return
-        self.holder = got
-        self.pages += int(resp.holder_pages)
-        self.open = resp.holder_pages == resp.hit_count
 
 
 FromHolder = Callable[[tuple[str, int], int, list[int]], Awaitable[int]]
@@ -221,7 +195,6 @@ class PageStoreClient:
         hit = 0
         stuck = False
         given: set[int] = set()
-        run = _HolderRun()
         clock = StepClock()
         started = time.perf_counter()
         try:
@@ -233,7 +206,6 @@ class PageStoreClient:
                     chunk,
                     lambda n: self._allocated(allocate, n, given),
                     clock,
-                    run,
                     at,
                     from_holder,
                 )
@@ -254,7 +226,7 @@ class PageStoreClient:
         self.counters.miss_pages += len(keys) - hit
         self._metrics.hit_pages.inc(hit)
         self._metrics.miss_pages.inc(len(keys) - hit)
-        return Fetched(hit, stuck, run.holder, run.pages)
+        return Fetched(hit, stuck)
 
     async def exists(self, namespace: PageNamespace, keys: Sequence[bytes]) -> int:
         """Length of the stored prefix of `keys` (0 when the store cannot be asked)."""
@@ -322,9 +294,8 @@ class PageStoreClient:
         keys: list[bytes],
         allocate: Callable[[int], list[int]],
         clock: StepClock,
-        run: _HolderRun,
-        at: int = 0,
-        from_holder: FromHolder | None = None,
+        at: int,
+        from_holder: FromHolder | None,
     ) -> int:
         req = pb.GetPagesRequest(
             request_id=uuid.uuid4().hex,
@@ -337,7 +308,6 @@ class PageStoreClient:
         # taken only once it says there is something to read.
         with clock.step("get_pages"):
             resp = await self.conn.get_pages(req)
-        run.add(resp)
         if resp.hit_count == 0:
             return 0
         corrupt: list[int] = []

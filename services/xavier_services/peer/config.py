@@ -82,18 +82,20 @@ class HandoffSection(_Section):
     park_timeout_seconds: float = Field(default=60.0, gt=0, le=86400)
     """Longest an aborted source's pages stay parked waiting for a possibly in-flight read."""
     poll_interval_seconds: float = Field(default=0.0005, gt=0, le=1)
-    """NIXL progress / notification polling period of a decode while its reads are live."""
+    """NIXL progress / notification polling period of a decode while its reads are live (and of a
+    unified replica that shares its prefixes, which reads its peers' too, while its reads or shares are
+    live)."""
     source_poll_interval_seconds: float = Field(default=0.005, gt=0, le=1)
     """The same on a prefill while its published sources wait for their reader's notification. Slower,
     as nothing on a request's path waits on it (the prefill also unpins when the decode's CompleteRoom
     reaches it through the room feed); a read over a transport that needs the source's progress (UCX
-    over TCP) advances at this pace. Polling every 0.5 ms cost a prefill about 0.7 ms CPU per request.
-    A unified replica that shares its prefixes polls its shares at this pace too."""
+    over TCP) advances at this pace. Polling every 0.5 ms cost a prefill about 0.7 ms CPU per request."""
     share_prefixes: bool = False
     """Whether a unified replica shares the pages of the prefixes it holds with peer replicas
     (`DecodeService.SharePrefix`): it then opens a transfer port (one NIXL agent, the pool registered)
-    and registers its endpoint in the directory, as a prefill does. Off, it has no port and refuses
-    SharePrefix with SHARING_OFF. Other roles ignore it."""
+    and registers its endpoint in the directory, as a prefill does; and its page store fetches copy the
+    hit pages a sharing peer wrote from that peer's pool (`peer/sharing.py`). Off, it has no port and
+    refuses SharePrefix with SHARING_OFF. Other roles ignore it."""
     read_end_agent: bool = True
     """Whether a decode tells a source that its read ended through a second NIXL agent of its own (no
     memory registered): its READs then carry no notification and end as soon as their bytes have moved

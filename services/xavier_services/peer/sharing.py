@@ -51,15 +51,10 @@ class PrefixSharing:
         self._port = port
         self._me = me
         self._holders = PeerCache(membership, types_pb2.ROLE_UNIFIED, fingerprint, limit=_PEERS)
-        self._stubs: dict[str, decode_service_pb2_grpc.DecodeServiceStub] = {}
-        self._channels: list[grpc.aio.Channel] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}  # by holder address
         self._rpc_timeout = rpc_timeout
         self._transfer_timeout = transfer_timeout
         self._park_timeout = park_timeout
-        self.pages = 0
-        """Pages pulled from holders so far."""
-        self.misses = 0
-        """Asks that brought fewer pages than asked (the fetch then READ the store)."""
 
     async def pull(
         self,
@@ -75,16 +70,11 @@ class PrefixSharing:
         me = self._me()
         if holder == me or not dest:
             return 0
-        got = 0
         try:
-            got = await self._pull(holder, me, token_ids, cache_salt, first_page, dest)
+            return await self._pull(holder, me, token_ids, cache_salt, first_page, dest)
         except XavierError as err:
             log.info("prefix sharing: the holder's pages did not come", holder=holder[0], reason=err.reason)
-        if got != len(dest):
-            self.misses += 1
             return 0
-        self.pages += got
-        return got
 
     async def _pull(
         self,
@@ -108,7 +98,8 @@ class PrefixSharing:
             first_page=first_page,
         )
         try:
-            resp = await self._stub(peer.address).SharePrefix(req, timeout=self._rpc_timeout)
+            stub = decode_service_pb2_grpc.DecodeServiceStub(self._channel(peer.address))
+            resp = await stub.SharePrefix(req, timeout=self._rpc_timeout)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
         if resp.pages != len(dest):
@@ -126,16 +117,13 @@ class PrefixSharing:
         )
         return len(dest)
 
-    def _stub(self, address: str) -> decode_service_pb2_grpc.DecodeServiceStub:
-        stub = self._stubs.get(address)
-        if stub is None:
-            channel = open_channel(address)
-            self._channels.append(channel)
-            stub = self._stubs[address] = decode_service_pb2_grpc.DecodeServiceStub(channel)
-        return stub
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = open_channel(address)
+        return channel
 
     async def close(self) -> None:
-        for channel in self._channels:
+        for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
-        self._stubs.clear()
