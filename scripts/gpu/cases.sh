@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# On the GPU machine after scripts/gpu/setup.sh (same or a later call): named runs, each writing its JSON to
+# $OUT (what a device call brings back: at most 8 files, so pictures are left out) and printing a one-line
+# summary per run. Both P/D roles and both replicas share GPU 0 throughout.
+#
+#   tests             the GPU-marked tests, then the page store's replica tests and the P/D suite's prefix
+#                     sharing tests with their KV on the GPU (XAVIER_TEST_DEVICE=cuda)
+#   share [REPS]      page store TTFT, cold / warm from the store / warm local: the warm fetch READing the
+#                     store vs copying the writer's pages (--share-prefixes), 0.5B-shaped at 2,000 tokens
+#                     (read, share, share, read), then 7B width at 28 layers at 8,000 (read, share)
+#   pd ROUNDS [S]     SGLang P/D: native vs pd, interleaved, ROUNDS rounds, no level started after S seconds
+#                     (default 420: a call's 600 s covers the servers' start)
+#   hicache [SHAPE]   SGLang HiCache on the Xavier store vs SGLang's file L3, 2,000 and 8,000 tokens
+#                     (SHAPE: qwen2.5-0.5b, the default, or qwen2.5-7b)
+#
+# usage: bash scripts/gpu/cases.sh CASE [ARGS] [-- CASE [ARGS]]...
+# (DEVICE=cpu MODELS=DIR OUT=DIR run the store cases on this machine's CPU: a check of the script.)
+set -u
+cd "$(dirname "$0")/../.."
+[ -f /root/env.sh ] && source /root/env.sh
+out=${OUT:-out}
+logs=/tmp/gpu-case-logs  # stdout and stderr of each run: $OUT keeps the results alone
+models=${MODELS:-/root/models}  # random checkpoints, made once per machine
+device=${DEVICE:-cuda}
+mkdir -p "$out" "$logs" "$models"
+export PYTHONUNBUFFERED=1
+
+summary() {  # one line of a pagestore.py TTFT result
+  python3 - "$1" <<'PY'
+import json, sys
+t = json.load(open(sys.argv[1]))["ttft"]
+keys = ("cold_ms", "warm_store_ms", "warm_local_ms", "speedup_store", "speedup_local", "warm_store_holder_copies")
+print(sys.argv[1].rsplit("/", 1)[-1], {k: round(t[k], 2) for k in keys if k in t},
+      "fetch steps", {k: round(v, 2) for k, v in t.get("warm_store_steps_ms", {}).items() if v})
+PY
+}
+
+store_ttft() {  # TAG SHAPE PREFIX LAYERS REPS [--share-prefixes]
+  local tag=$1 shape=$2 prefix=$3 layers=$4 reps=$5; shift 5
+  python3 benchmarks/pagestore.py --skip-gbps --device "$device" --shape "$shape" --shape-layers "$layers" \
+    --prefix "$prefix" --ttft-reps "$reps" --model-cache "$models" --out-dir "$out" --tag "$tag" "$@" \
+    > "$logs/$tag.stdout" 2> "$logs/$tag.stderr" || { echo "$tag failed:"; tail -n 20 "$logs/$tag.stderr"; }
+  rm -f "$out/pagestore-$tag.png"
+  [ -f "$out/pagestore-$tag.json" ] && summary "$out/pagestore-$tag.json"
+}
+
+run_case() {
+  local name=$1; shift
+  local t0; t0=$(date +%s)
+  echo "== $name $* ($(date +%H:%M:%S))"
+  case "$name" in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests -o timeout=1500 2>&1 | tail -n 8
+      XAVIER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -o timeout=900 \
+        tests/pagestore/test_prefix_sharing.py tests/pagestore/test_engines.py tests/pd/test_share_prefix.py \
+        2>&1 | tail -n 8
+      ;;
+    share)
+      local reps=${1:-5}
+      store_ttft share-05b-read-1 qwen2.5-0.5b 2000 0 "$reps"
+      store_ttft share-05b-copy-1 qwen2.5-0.5b 2000 0 "$reps" --share-prefixes
+      store_ttft share-05b-copy-2 qwen2.5-0.5b 2000 0 "$reps" --share-prefixes
+      store_ttft share-05b-read-2 qwen2.5-0.5b 2000 0 "$reps"
+      store_ttft share-7b-read 7b-width 8000 28 3
+      store_ttft share-7b-copy 7b-width 8000 28 3 --share-prefixes
+      ;;
+    pd)
+      local rounds=${1:-5} stop=${2:-420}
+      python3 benchmarks/sglang_pd.py --gpus 0,0 --modes native,pd --interleave --rounds "$rounds" \
+        --stop-after "$stop" --rows-log "$out/sglang-pd-rows.jsonl" --out "$out/sglang-pd" \
+        > "$logs/pd.stdout" 2> "$logs/pd.stderr" || tail -n 20 "$logs/pd.stderr"
+      rm -f "$out/sglang-pd.png"
+      tail -c 3000 "$logs/pd.stdout"
+      ;;
+    hicache)
+      local shape=${1:-qwen2.5-0.5b}
+      python3 benchmarks/sglang_hicache.py --shape "$shape" --gpus 0,0 --out "$out/sglang-hicache-$shape" \
+        > "$logs/hicache.stdout" 2> "$logs/hicache.stderr" || tail -n 20 "$logs/hicache.stderr"
+      rm -f "$out/sglang-hicache-$shape.png"
+      tail -c 3000 "$logs/hicache.stdout"
+      ;;
+    *) echo "unknown case: $name (tests, share, pd, hicache)"; return 2 ;;
+  esac
+  echo "== $name: $(( $(date +%s) - t0 )) s"
+}
+
+args=("$@")
+while [ ${#args[@]} -gt 0 ]; do
+  one=()
+  while [ ${#args[@]} -gt 0 ] && [ "${args[0]}" != "--" ]; do one+=("${args[0]}"); args=("${args[@]:1}"); done
+  [ ${#args[@]} -gt 0 ] && args=("${args[@]:1}")
+  [ ${#one[@]} -gt 0 ] && run_case "${one[@]}"
+done
