@@ -206,15 +206,16 @@ class PeerHost:
         )
         share = None
         if self.kv is not None and self.role == types_pb2.ROLE_UNIFIED:  # has_port: it shares
-            h = self.config.handoff
+            # A copy from the writer stands in for a store read: the store's deadlines bound it, so a
+            # writer that stalls costs what a stalled store would before the fetch reads the store.
             self.sharing = PrefixSharing(
                 self.kv,
                 self.membership,
                 self.fingerprint,
                 lambda: (self.peer_id, self.epoch),
                 ps.rpc_timeout_seconds,
-                h.transfer_timeout_seconds,
-                h.park_timeout_seconds,
+                ps.transfer_timeout_seconds,
+                self.config.handoff.park_timeout_seconds,
             )
             share = self.sharing.pull
             # The pages it writes name it (and its epoch: a replica registered again holds none of before).
