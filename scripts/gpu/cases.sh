@@ -8,6 +8,8 @@
 #   share [REPS]      page store TTFT, cold / warm from the store / warm local: the warm fetch READing the
 #                     store vs copying the writer's pages (--share-prefixes), 0.5B-shaped at 2,000 tokens
 #                     (read, share, share, read), then 7B width at 28 layers at 8,000 (read, share)
+#   verify            page store gets into a GPU pool (through the pinned host mirror) with and without their
+#                     checks, the GB/s points: 125 pages at the 0.5B shape, 500 at 7B width (28 layers)
 #   pd ROUNDS [S]     SGLang P/D: native vs pd, interleaved, ROUNDS rounds, no level started after S seconds
 #                     (default 420: a call's 600 s covers the servers' start)
 #   hicache [SHAPE]   SGLang HiCache on the Xavier store vs SGLang's file L3, 2,000 and 8,000 tokens
@@ -24,6 +26,16 @@ models=${MODELS:-/root/models}  # random checkpoints, made once per machine
 device=${DEVICE:-cuda}
 mkdir -p "$out" "$logs" "$models"
 export PYTHONUNBUFFERED=1
+
+gets() {  # one line per GB/s point of a pagestore.py result
+  python3 - "$1" <<'PY'
+import json, sys
+keys = ("pages", "run_length", "read_path", "get_ms", "get_unverified_ms", "get_verify_added_share", "get_rpc_ms",
+        "get_nixl_ms", "get_checksum_ms", "get_staging_ms")
+for p in json.load(open(sys.argv[1]))["points"]:
+    print(sys.argv[1].rsplit("/", 1)[-1], {k: round(p[k], 3) if isinstance(p[k], float) else p[k] for k in keys if k in p})
+PY
+}
 
 summary() {  # one line of a pagestore.py TTFT result
   python3 - "$1" <<'PY'
@@ -64,6 +76,16 @@ run_case() {
       store_ttft share-7b-read 7b-width 8000 28 3
       store_ttft share-7b-copy 7b-width 8000 28 3 --share-prefixes
       ;;
+    verify)
+      for shape in "05b 24 4096 125 7" "7b 28 16384 500 5"; do
+        set -- $shape
+        python3 benchmarks/pagestore.py --ttft-reps 0 --pool-device cuda:0 --read-path direct --layers "$2" \
+          --segment-bytes "$3" --pages "$4" --run-lengths "$4" --reps "$5" --out-dir "$out" --tag "verify-$1" \
+          > "$logs/verify-$1.stdout" 2> "$logs/verify-$1.stderr" || tail -n 20 "$logs/verify-$1.stderr"
+        rm -f "$out/pagestore-verify-$1.png"
+        [ -f "$out/pagestore-verify-$1.json" ] && gets "$out/pagestore-verify-$1.json"
+      done
+      ;;
     pd)
       local rounds=${1:-5} stop=${2:-420}
       python3 benchmarks/sglang_pd.py --gpus 0,0 --modes native,pd --interleave --rounds "$rounds" \
@@ -79,7 +101,7 @@ run_case() {
       rm -f "$out/sglang-hicache-$shape.png"
       tail -c 3000 "$logs/hicache.stdout"
       ;;
-    *) echo "unknown case: $name (tests, share, pd, hicache)"; return 2 ;;
+    *) echo "unknown case: $name (tests, share, verify, pd, hicache)"; return 2 ;;
   esac
   echo "== $name: $(( $(date +%s) - t0 )) s"
 }
