@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from xavier_core.engine.api import TopLogprobs
@@ -39,7 +40,7 @@ def build_batch(plan: StepPlan, page_size: int, device: torch.device, rows: Prom
     """The flattened `ForwardBatch` of a step (decode items first, as the scheduler orders them); the
     logits of `rows` (`prompt_rows(plan)`) come after the sampled rows'."""
     ids: list[int] = []
-    positions: list[int] = []
+    positions = _SlotList()
     out_slots = _SlotList()
     sample_idx: list[int] = []
     decode_rows: list[tuple[Sequence[int], int]] = []  # (pages, keys visible) of each decode item
@@ -48,19 +49,22 @@ def build_batch(plan: StepPlan, page_size: int, device: torch.device, rows: Prom
         start, stop = req.num_computed, req.num_computed + n
         offset = len(ids)
         ids += req.tokens[start:stop]
-        positions += range(start, stop)
         if stop == len(req.tokens):
             sample_idx.append(offset + n - 1)
         if n == 1:  # one new slot, in plain integers: a tensor per decode row per step costs more
+            positions.add(start)
             out_slots.add(req.pages[start // page_size] * page_size + start % page_size)
             decode_rows.append((req.pages, stop))
         else:
+            positions.extend(torch.arange(start, stop))
             kv = _all_slots(req.pages, stop, page_size)
             out_slots.extend(kv[start:stop])
             segments.append(PrefillSegment(offset, n, start, kv.to(device, non_blocking=True)))
     batch = ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True),
-        positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
+        # Through NumPy: torch.tensor over a long list of ints costs 3-4x more (a 4,000-token chunk's
+        # ids took 0.2 ms that way).
+        input_ids=torch.from_numpy(np.array(ids, dtype=np.int64)).to(device, non_blocking=True),
+        positions=positions.tensor().to(device, non_blocking=True),
         out_slots=out_slots.tensor().to(device, non_blocking=True),
         sample_idx=torch.tensor(sample_idx, dtype=torch.long).to(device, non_blocking=True),
         num_decode=len(decode_rows),
@@ -75,7 +79,8 @@ def build_batch(plan: StepPlan, page_size: int, device: torch.device, rows: Prom
 
 
 class _SlotList:
-    """Slots in batch order: decode rows' as integers, prefill chunks' as tensors, joined once."""
+    """Slots (or positions) in batch order: decode rows' as integers, prefill chunks' as tensors, joined
+    once."""
 
     def __init__(self) -> None:
         self._parts: list[torch.Tensor] = []
