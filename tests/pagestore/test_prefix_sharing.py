@@ -45,6 +45,13 @@ def _reads(mesh: StoreMesh, name: str) -> dict[str, float]:
     return out
 
 
+def _steps(mesh: StoreMesh, name: str) -> dict[str, float]:
+    """A replica's `xavier_pagestore_client_fetch_seconds_total` by step."""
+    text = urllib.request.urlopen(f"http://{mesh.procs[name].metrics}/metrics", timeout=5).read().decode()
+    pattern = r'^xavier_pagestore_client_fetch_seconds_total\{step="(\w+)"\} (\S+)$'
+    return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.M)}
+
+
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
 
@@ -57,11 +64,15 @@ async def test_a_hit_written_by_a_peer_is_copied_from_its_pool(mesh: StoreMesh) 
     await wait_for(lambda: _store_pages(mesh, "t-share") >= len(first) // 16, 30, "A's write-through")
     cold = await generate(a, second, salt="t-share-cold")  # the reference: nothing reused
 
-    before = _reads(mesh, "unified-b")
+    before, steps_before = _reads(mesh, "unified-b"), _steps(mesh, "unified-b")
     warm = await generate(b, second, salt="t-share")
     got = _delta(_reads(mesh, "unified-b"), before)
     assert got.get("holder", 0) >= 1, got
     assert not got.get("direct") and not got.get("nixl"), f"B READ the store: {got}"
+    steps = _delta(_steps(mesh, "unified-b"), steps_before)  # the copy's two parts, timed apart
+    assert steps.get("holder_ask", 0) > 0 and steps.get("holder_copy", 0) > 0, steps
+    assert steps["holder_ask"] + steps["holder_copy"] <= steps["holder"], steps
+    assert not steps.get("read") and not steps.get("verify"), steps
     assert warm.usage.cached_tokens_store >= PREFIX - 16
     assert warm.tokens == cold.tokens
     await _assert_quiet(mesh)  # A's share pins ended with B's read; the store's lease was released

@@ -118,6 +118,8 @@ FETCH_STEPS = (
     "read",  # READs (NIXL, or out of a same-host store's memory), posted to the last one done
     "verify",  # checksums of the fetched pages
     "holder",  # asking the replica that wrote the pages for them and copying them from its pool
+    "holder_ask",  # of "holder": finding the writer and its SharePrefix round trip (pin and publish)
+    "holder_copy",  # of "holder": the copy out of the writer's pool, to the read's end
     "stage_copy",  # copies between the mirror and the pool (a device pool)
     "worker",  # the worker-thread hop around READ, verification and copies, less those steps
     "fetch",  # the whole fetch, every step above included

@@ -22,6 +22,7 @@ import grpc
 from xavier.v1 import decode_service_pb2 as pb
 from xavier.v1 import decode_service_pb2_grpc, types_pb2
 
+from xavier_core.pagestore.metrics import StepClock
 from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.errors import XavierError, from_rpc_error
 from xavier_core.runtime.logging import get_logger
@@ -85,37 +86,38 @@ class PrefixSharing:
         first_page: int,
         dest: list[int],
     ) -> int:
-        peer = await self._holders.find(holder)
-        if peer is None or not peer.HasField("endpoint"):
-            return 0  # gone, registered again, or a replica that does not share
-        room_id = secrets.randbits(63) or 1
-        req = pb.SharePrefixRequest(
-            room_id=room_id,
-            token_ids=token_ids,
-            cache_salt=cache_salt,
-            reader_peer_id=me[0],
-            reader_epoch=me[1],
-            first_page=first_page,
-        )
+        clock = StepClock()  # the fetch's "holder" step in two parts, in the same metric
         try:
-            stub = decode_service_pb2_grpc.DecodeServiceStub(self._channel(peer.address))
-            resp = await stub.SharePrefix(req, timeout=self._rpc_timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
-        if resp.pages != len(dest):
-            if resp.pages:  # a source for fewer pages: say so at once, so the holder unpins them
-                await self._port.decline(room_id, resp.source.read_token, peer.endpoint, peer_key(*holder))
-            return 0
-        await self._port.pull(
-            room_id,
-            resp.source,
-            peer.endpoint,
-            peer_key(*holder),
-            dest,
-            self._transfer_timeout,
-            self._park_timeout,
-        )
-        return len(dest)
+            with clock.step("holder_ask"):
+                peer = await self._holders.find(holder)
+                if peer is None or not peer.HasField("endpoint"):
+                    return 0  # gone, registered again, or a replica that does not share
+                room_id = secrets.randbits(63) or 1
+                req = pb.SharePrefixRequest(
+                    room_id=room_id,
+                    token_ids=token_ids,
+                    cache_salt=cache_salt,
+                    reader_peer_id=me[0],
+                    reader_epoch=me[1],
+                    first_page=first_page,
+                )
+                try:
+                    stub = decode_service_pb2_grpc.DecodeServiceStub(self._channel(peer.address))
+                    resp = await stub.SharePrefix(req, timeout=self._rpc_timeout)
+                except grpc.aio.AioRpcError as exc:
+                    raise from_rpc_error(exc) from None
+            key = peer_key(*holder)
+            if resp.pages != len(dest):
+                if resp.pages:  # a source for fewer pages: say so at once, so the holder unpins them
+                    await self._port.decline(room_id, resp.source.read_token, peer.endpoint, key)
+                return 0
+            with clock.step("holder_copy"):
+                await self._port.pull(
+                    room_id, resp.source, peer.endpoint, key, dest, self._transfer_timeout, self._park_timeout
+                )
+            return len(dest)
+        finally:
+            clock.flush()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
