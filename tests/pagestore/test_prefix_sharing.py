@@ -25,7 +25,11 @@ SUFFIX = 24
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreMesh]:
     model = make_tiny(tmp_path_factory.mktemp("models") / "tiny-qwen2", "qwen2")
     m = StoreMesh(model, tmp_path_factory.mktemp("sharing-mesh"))
-    m.env = {"XAVIER_HANDOFF__SHARE_PREFIXES": "1", "XAVIER_HANDOFF__ROOM_LEASE_SECONDS": "3"}
+    m.env = {
+        "XAVIER_HANDOFF__SHARE_PREFIXES": "1",
+        "XAVIER_HANDOFF__ROOM_LEASE_SECONDS": "3",
+        "XAVIER_HANDOFF__WARM_INTERVAL_SECONDS": "0.2",
+    }
     try:
         m.start_directory()
         m.start_store()
@@ -54,6 +58,18 @@ def _steps(mesh: StoreMesh, name: str) -> dict[str, float]:
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+def _warmed(mesh: StoreMesh, name: str) -> float:
+    text = urllib.request.urlopen(f"http://{mesh.procs[name].metrics}/metrics", timeout=5).read().decode()
+    m = re.search(r'^xavier_transfer_peers_warmed_total\{role="unified"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+async def test_replicas_that_share_connect_to_each_other_before_their_first_share(mesh: StoreMesh) -> None:
+    for name in ("unified-a", "unified-b", "unified-c"):  # each to the two others, none to itself
+        await wait_for(lambda n=name: _warmed(mesh, n) >= 2, 30, f"{name} warming its port")
+        assert _warmed(mesh, name) == 2
 
 
 async def test_a_hit_written_by_a_peer_is_copied_from_its_pool(mesh: StoreMesh) -> None:

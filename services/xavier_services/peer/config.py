@@ -96,6 +96,11 @@ class HandoffSection(_Section):
     and registers its endpoint in the directory, as a prefill does; and its page store fetches copy the
     hit pages a sharing peer wrote from that peer's pool (`peer/sharing.py`). Off, it has no port and
     refuses SharePrefix with SHARING_OFF. Other roles ignore it."""
+    warm_interval_seconds: float = Field(default=5.0, ge=0, le=3600)
+    """How often a reader (a decode; a unified replica that shares its prefixes) lists the peers it reads
+    from (its prefills; the other sharing replicas of its layout) and connects its transfer port to new
+    ones, so that the first request to each does not wait for that (`peer/warming.py`). 0: off, the
+    first pull from a peer connects."""
     read_end_agent: bool = True
     """Whether a decode tells a source that its read ended through a second NIXL agent of its own (no
     memory registered): its READs then carry no notification and end as soon as their bytes have moved

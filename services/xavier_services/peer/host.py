@@ -36,6 +36,7 @@ from xavier_services.peer.config import PeerServiceConfig
 from xavier_services.peer.convert import features_pb
 from xavier_services.peer.membership import Membership, PeerCache
 from xavier_services.peer.sharing import PrefixSharing
+from xavier_services.peer.warming import PeerWarmer
 
 log = get_logger(__name__)
 _DECODE_CACHE = 1024
@@ -83,6 +84,10 @@ def load_engine(config: PeerServiceConfig) -> Engine:
     return engine
 
 
+_SOURCES = {types_pb2.ROLE_DECODE: types_pb2.ROLE_PREFILL, types_pb2.ROLE_UNIFIED: types_pb2.ROLE_UNIFIED}
+"""Whose pages a peer with a port reads: a decode its prefills', a sharing replica its fellow replicas'."""
+
+
 class PeerHost:
     """Everything a prefill/decode/unified servicer needs besides its own request logic."""
 
@@ -111,6 +116,7 @@ class PeerHost:
         self.rooms: RoomFeed | None = None  # the prefill's feed of its rooms' states
         self.store: PageStoreClient | None = None  # prefill and unified roles, when configured
         self.sharing: PrefixSharing | None = None  # unified with a store and handoff.share_prefixes
+        self.warmer: PeerWarmer | None = None  # a reader's port connected to its sources ahead of time
         self._decodes = PeerCache(
             self.membership, types_pb2.ROLE_DECODE, self.fingerprint, limit=_DECODE_CACHE
         )
@@ -184,6 +190,18 @@ class PeerHost:
         if self.role == types_pb2.ROLE_PREFILL:
             self.rooms = RoomFeed(directory, lambda: (self.peer_id, self.epoch))
             self.rooms.start()
+        sources = _SOURCES.get(self.role)
+        if self.kv is not None and sources is not None and cfg.handoff.warm_interval_seconds > 0:
+            self.warmer = PeerWarmer(
+                self.kv,
+                self.membership,
+                sources,
+                self.fingerprint,
+                lambda: self.peer_id,
+                cfg.handoff.warm_interval_seconds,
+                self.sharing.connect if self.sharing is not None else None,
+            )
+            self.warmer.start()
         return {"peer_id": self.peer_id, "epoch": self.epoch, "fingerprint": self.fingerprint}
 
     def _attach_store(self) -> None:
@@ -224,6 +242,8 @@ class PeerHost:
         log.info("page store attached", address=ps.address)
 
     async def stop(self) -> None:
+        if self.warmer is not None:
+            await self.warmer.stop()
         if self.rooms is not None:
             await self.rooms.stop()
         await self.membership.leave()

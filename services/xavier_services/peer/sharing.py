@@ -15,12 +15,15 @@ save a read, never fail a request. The store lease taken by GetPages covers the 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
 from collections.abc import Callable, Sequence
 
 import grpc
 from xavier.v1 import decode_service_pb2 as pb
 from xavier.v1 import decode_service_pb2_grpc, types_pb2
+from xavier.v1 import directory_service_pb2 as dpb
 
 from xavier_core.pagestore.metrics import StepClock
 from xavier_core.runtime.channels import open_channel
@@ -118,6 +121,12 @@ class PrefixSharing:
             return len(dest)
         finally:
             clock.flush()
+
+    async def connect(self, peer: dpb.Peer) -> None:
+        """Opens the channel to a fellow replica before its first SharePrefix (`PeerWarmer`), waiting for
+        it at most the RPC deadline: best effort, a channel not ready yet still connects on first use."""
+        with contextlib.suppress(TimeoutError, grpc.aio.AioRpcError):
+            await asyncio.wait_for(self._channel(peer.address).channel_ready(), self._rpc_timeout)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)

@@ -29,7 +29,7 @@ from xavier_core.transfer.common.errors import InvalidSourceError, TransferError
 from xavier_core.transfer.common.peers import split_peer_key
 from xavier_core.transfer.common.runs import Mode, as_page_array
 from xavier_core.transfer.common.slab_layout import SlabLayout
-from xavier_core.transfer.common.source import SourceInfo, endpoint_proto
+from xavier_core.transfer.common.source import MAX_METADATA_BYTES, SourceInfo, endpoint_proto
 from xavier_core.transfer.nixl.rooms import KvSender
 from xavier_core.transfer.port import pulls
 from xavier_core.transfer.port.core import (
@@ -110,6 +110,7 @@ class KvPort(PortCore):
         self.totals = TransferTotals()
         self.by_transport: dict[Transport, TransferTotals] = {t: TransferTotals() for t in TRANSPORTS}
         self.run_lengths = RunLengths()
+        self.peers_warmed = 0
 
     def _init_ipc(self) -> None:
         """On the NIXL thread: export this pool and get ready to import peers' (compiling the kernel)."""
@@ -347,6 +348,30 @@ class KvPort(PortCore):
             log.warning("staging chunk sizes differ from the source's; reading page runs", peer=peer)
         return "nixl", None
 
+    async def warm(self, peer: str, endpoint: types_pb2.TransferEndpoint) -> bool:
+        """Connects to a peer before its first transfer: its agent loaded (and the read-end agent's
+        connection made), its pool mapped where CUDA IPC reaches it, so that the first pull from it moves
+        pages instead of setting all that up (33.6 ms of a first pull on a CPU box, 4.5 ms warmed).
+        `peer` is its `peer_key(peer_id, epoch)`, as pulls name it. Best effort: False, logged, when it
+        could not (an older epoch than one loaded, metadata NIXL refuses); a pull then does it as it
+        always did."""
+        if not endpoint.agent_metadata or len(endpoint.agent_metadata) > MAX_METADATA_BYTES:
+            return False
+
+        def _warm() -> None:
+            self.agent.add_peer(peer, endpoint.agent_metadata)
+            if self._ipc is not None and self.transport in ("auto", "cuda_ipc"):
+                peer_id, epoch = split_peer_key(peer) or (peer, 0)
+                self._ipc.view(peer_id, epoch, endpoint.cuda_ipc_pool)  # None (and logged) if unreachable
+
+        try:
+            await self.run(_warm)
+        except TransferError as err:
+            log.info("peer not connected ahead of its first transfer", peer=peer, error=str(err))
+            return False
+        self.peers_warmed += 1
+        return True
+
     def stats(self) -> dict[str, Any]:
         """Transfers by transport, the staging slab, the run-length histogram and the notifications this
         port ignored (metrics, benchmarks)."""
@@ -358,6 +383,7 @@ class KvPort(PortCore):
                 "injected": manager["notifications_lost"],
             },
             "transport": self.transport,
+            "peers_warmed": self.peers_warmed,
             "cuda_ipc_offered": bool(self._ipc_blob),
             "by_transport": {t: vars(v).copy() for t, v in self.by_transport.items()},
             "run_lengths": self.run_lengths.to_dict(),

@@ -1,6 +1,6 @@
 """Prometheus view of a transfer port, read from its stats at scrape time (no second bookkeeping):
 `xavier_transfers_by_transport{role,transport}` (counter), `xavier_transfer_notifications_ignored{role,why}`
-(counter), `xavier_transfer_run_length_pages{role}`
+(counter), `xavier_transfer_peers_warmed{role}` (counter), `xavier_transfer_run_length_pages{role}`
 (histogram of the page runs pulls moved: how scattered the decode's pages really are), and the staging
 slab: `xavier_staging_bytes_in_use{role}` (gauge) and `xavier_staging_fallbacks{role}` (counter)."""
 
@@ -49,6 +49,13 @@ class PortCollector(Collector):
         for why, count in s["notifications_ignored"].items():
             ignored.add_metric([self._role, why], count)
         yield ignored
+        warmed = CounterMetricFamily(
+            "xavier_transfer_peers_warmed",
+            "Peers this port connected to ahead of their first transfer (see KvPort.warm).",
+            labels=["role"],
+        )
+        warmed.add_metric([self._role], s.get("peers_warmed", 0))
+        yield warmed
         staging = s.get("staging")
         if staging is not None:
             used = GaugeMetricFamily(
