@@ -83,17 +83,24 @@ class Mesh:
 
 
 @contextlib.contextmanager
-def standard_mesh(tiny_model: Path, workdir: Path, env: dict[str, str]) -> Iterator[Mesh]:
-    """Directory, prefill-0, decode-0 and unified-0, stopped on exit."""
-    m = Mesh(tiny_model, workdir, env)
+def pair_mesh(model: Path, workdir: Path, env: dict[str, str]) -> Iterator[Mesh]:
+    """Directory, prefill-0 and decode-0 under `env`, stopped on exit (with what the test added)."""
+    m = Mesh(model, workdir, env)
     try:
         m.start_directory()
         m.start_peer("prefill-0", "prefill")
         m.start_peer("decode-0", "decode")
-        m.start_peer("unified-0", "unified")
         yield m
     finally:
         m.stop()
+
+
+@contextlib.contextmanager
+def standard_mesh(tiny_model: Path, workdir: Path, env: dict[str, str]) -> Iterator[Mesh]:
+    """Directory, prefill-0, decode-0 and unified-0, stopped on exit."""
+    with pair_mesh(tiny_model, workdir, env) as m:
+        m.start_peer("unified-0", "unified")
+        yield m
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from xavier.v1 import prefill_service_pb2_grpc as pre_grpc
 from xavier.v1 import types_pb2
 from xavier_client import AsyncClient
 
-from tests.pd.conftest import FAST_ENV, Mesh, mesh_stats, rpc_count, wait_drained
+from tests.pd.conftest import FAST_ENV, Mesh, mesh_stats, pair_mesh, rpc_count, wait_drained
 from tests.support.pd_driver import decode_request, new_room_id, peer, prefill_request
 from tests.support.procs import ServiceProc, start_service
 from xavier_core.runtime import from_rpc_error
@@ -56,22 +56,9 @@ def _router(m: Mesh, tmp: Path, name: str = "router", env: dict[str, str] | None
     return start_service("xavier-router", args, tmp, name=name, env=env or m.env)
 
 
-@contextlib.contextmanager
-def _pair(model: Path, workdir: Path, env: dict[str, str]) -> Iterator[Mesh]:
-    """Directory, prefill-0 and decode-0 under `env`, stopped on exit (with what the test added)."""
-    m = Mesh(model, workdir, env)
-    try:
-        m.start_directory()
-        m.start_peer("prefill-0", "prefill")
-        m.start_peer("decode-0", "decode")
-        yield m
-    finally:
-        m.stop()
-
-
 @pytest.fixture(scope="module")
 def long_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    with _pair(tiny_model, tmp_path_factory.mktemp("sessions"), dict(_LONG)) as m:
+    with pair_mesh(tiny_model, tmp_path_factory.mktemp("sessions"), dict(_LONG)) as m:
         yield m
 
 
@@ -258,7 +245,7 @@ async def test_an_answer_past_the_message_limit_fails_its_call_alone(
     would break the session under the calls beside it; those finish, the stream stays, and the
     router's ReleaseSource unpins what the refused call published."""
     env = {**_LONG, "XAVIER_MAX_MESSAGE_BYTES": str(_SMALL_MESSAGES)}
-    with _pair(tiny_model, tmp_path, env) as m:
+    with pair_mesh(tiny_model, tmp_path, env) as m:
         p, d = await _peers(m)
         big = types_pb2.SamplingParams(max_tokens=2, prompt_logprobs=True, top_logprobs=20)
         prompt = [3 + (i * 7) % 500 for i in range(1500)]
@@ -336,7 +323,7 @@ async def test_a_killed_decode_fails_its_open_calls_unavailable_and_the_request_
     tiny_model: Path, tmp_path: Path
 ) -> None:
     env = {**_LONG, "XAVIER_HEALTH_INTERVAL_SECONDS": "600"}
-    with _pair(tiny_model, tmp_path, env) as m, _routed(m, tmp_path) as router:
+    with pair_mesh(tiny_model, tmp_path, env) as m, _routed(m, tmp_path) as router:
         async with AsyncClient(router.address, timeout=60) as client:
             assert await _generate(client, "warm the router's sessions") == 4
             p, d = await _peers(m)
@@ -360,7 +347,7 @@ async def test_a_killed_decode_fails_its_open_calls_unavailable_and_the_request_
 
 async def test_a_peer_without_sessions_is_called_per_rpc(tiny_model: Path, tmp_path: Path) -> None:
     env = {**FAST_ENV, "XAVIER_PEER__CALL_SESSIONS": "false"}
-    with _pair(tiny_model, tmp_path, env) as m, _routed(m, tmp_path, dict(FAST_ENV)) as router:
+    with pair_mesh(tiny_model, tmp_path, env) as m, _routed(m, tmp_path, dict(FAST_ENV)) as router:
         p, d = await _peers(m)
         assert not p.layout.service_features and not d.layout.service_features
         async with AsyncClient(router.address, timeout=60) as client:

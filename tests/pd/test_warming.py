@@ -15,7 +15,7 @@ import grpc
 import pytest
 from xavier.v1 import types_pb2
 
-from tests.pd.conftest import FAST_ENV, Mesh, wait_drained
+from tests.pd.conftest import FAST_ENV, Mesh, pair_mesh, wait_drained
 from tests.support.pd_driver import pd_generate, peer
 
 pytestmark = pytest.mark.integration
@@ -24,14 +24,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     env = {**FAST_ENV, "XAVIER_HANDOFF__WARM_INTERVAL_SECONDS": "0.2"}  # rounds keep coming meanwhile
-    m = Mesh(tiny_model, tmp_path_factory.mktemp("warming"), env)
-    try:
-        m.start_directory()
-        m.start_peer("prefill-0", "prefill")
-        m.start_peer("decode-0", "decode")
+    with pair_mesh(tiny_model, tmp_path_factory.mktemp("warming"), env) as m:
         yield m
-    finally:
-        m.stop()
 
 
 def _counter(mesh: Mesh, name: str, sample: str) -> float:
