@@ -13,6 +13,11 @@ so such a pull waits for the source's next poll; so does any READ where UCX has 
     python benchmarks/pull_latency.py --source-poll 0.005,0.02 --read-end-agent on,off \
         --out docs/results/pull-latency-cpu-read-end-agent
 
+`--first-pulls N` measures instead a new reader's first pull from the source, with its port connected
+ahead (`KvPort.warm`, what a decode's warmer does) and not, N rounds in alternating order:
+
+    python benchmarks/pull_latency.py --first-pulls 8 --out docs/results/pull-latency-cpu-first
+
 `--read-end-agent on,off` measures both ways a reader tells the source its read ended: from a second agent
 of its own (on, the default: its READs carry no notification) or on the READ (off).
 
@@ -93,6 +98,41 @@ async def measure(conn: Connection, reps: int, read_end_agent: bool) -> dict[str
     }
 
 
+async def first_pulls(conn: Connection, rounds: int) -> dict[str, Any]:
+    """Each round, two new readers (a port each) make their first pull from the source, one connected
+    ahead of it (`KvPort.warm`, then a pause, as a decode's warmer does while nothing waits) and one not,
+    in alternating order: what a request's first read from a new peer costs either way."""
+    key = peer_key("pull-src", 1)
+    got: dict[str, list[float]] = {"cold": [], "warmed": [], "warm": []}
+    room = 5000
+    for r in range(rounds):
+        for warmed in (False, True) if r % 2 == 0 else (True, False):
+            room += 1
+            pool = make_pool(None)
+            port = KvPort(f"first-{os.getpid()}-{room}", kv_buffers(pool), PAGE_SIZE)
+            try:
+                desc, ep = await _call(conn, "publish", room, [r % 60, r % 60 + 1, 63])
+                source = dpb.SourceDescriptor.FromString(desc)
+                endpoint = types_pb2.TransferEndpoint.FromString(ep)
+                if warmed:
+                    t = time.perf_counter()
+                    if not await port.warm(key, endpoint):
+                        raise RuntimeError("the reader could not warm its port to the source")
+                    got["warm"].append(1e3 * (time.perf_counter() - t))
+                    await asyncio.sleep(1.5)  # the read-end agent's connection settles meanwhile
+                t = time.perf_counter()
+                await port.pull(room, source, endpoint, key, [5, 6, 7], timeout=10, park_timeout=5)
+                got["warmed" if warmed else "cold"].append(1e3 * (time.perf_counter() - t))
+                if await _call(conn, "wait", room) != "done":
+                    raise RuntimeError(f"room {room}: the source never heard the read end")
+                await _call(conn, "unpublish", room, True)
+            finally:
+                await port.close()
+    out: dict[str, Any] = {f"{k}_ms_p50": statistics.median(v) for k, v in got.items()}
+    out.update({f"{k}_ms": v for k, v in got.items()})
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--source-poll", default="0.001,0.002,0.005", help="source poll intervals (s), in order")
@@ -102,8 +142,23 @@ def main() -> int:
         default="on",
         help="the reader's read-end agent, each measured per source poll in alternating order (on,off)",
     )
+    p.add_argument(
+        "--first-pulls",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: N rounds of a new reader's first pull, connected ahead (KvPort.warm) and not",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "pull-latency-cpu")
     args = p.parse_args()
+    if args.first_pulls:
+        with spawned(_source_main, "pull-src", 0.005) as conn:
+            first = asyncio.run(first_pulls(conn, args.first_pulls))
+        result = {"benchmark": "pull_latency", "pages": 3, "first_pulls": first}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in first.items() if k.endswith("_p50")}, indent=1))
+        return 0
     modes = [m == "on" for m in args.read_end_agent.split(",")]
     points = []
     for i, poll in enumerate(float(x) for x in args.source_poll.split(",")):
