@@ -9,7 +9,6 @@ while the stream was down: they are fetched once with GetRoom.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 from collections import OrderedDict
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from xavier.v1 import directory_service_pb2 as dpb
 
 from xavier_core.runtime.errors import NotFound, XavierError
 from xavier_core.runtime.logging import get_logger
+from xavier_core.runtime.tasks import cancel_and_wait
 
 from .client import TERMINAL_ROOM_STATES, DirectoryClient
 
@@ -66,10 +66,7 @@ class RoomFeed:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="room-feed")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     def latest(self, room_id: int) -> dpb.Room | None:
         """The latest message of a room (from the stream or `apply`), None if none came. A plain read of

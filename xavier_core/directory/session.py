@@ -17,6 +17,7 @@ from xavier.v1 import error_reason_pb2 as er
 
 from xavier_core.runtime.errors import NotFound, XavierError
 from xavier_core.runtime.logging import get_logger
+from xavier_core.runtime.tasks import cancel_and_wait
 
 from .client import DirectoryClient, Registration
 
@@ -84,11 +85,8 @@ class PeerSession:
 
     async def stop(self, *, unregister: bool = True) -> None:
         """Stops heartbeating and (by default) unregisters, best effort."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if unregister and self._registration is not None:
             with contextlib.suppress(XavierError):
                 reg = self._registration

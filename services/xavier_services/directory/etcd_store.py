@@ -49,6 +49,7 @@ from aetcd.rpc import rpc_pb2_grpc as egrpc
 from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.errors import Unavailable, XavierError
 from xavier_core.runtime.logging import get_logger
+from xavier_core.runtime.tasks import cancel_and_wait
 from xavier_services.directory.commands import Command, Register
 from xavier_services.directory.config import DirectorySettings
 from xavier_services.directory.etcd_commands import Arg, Entry, command_from_args, decode_entry, encode_entry
@@ -118,10 +119,7 @@ class EtcdLog:
         await self.sync()
 
     async def stop(self) -> None:
-        if self._follower is not None:
-            self._follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._follower
+        await cancel_and_wait(self._follower)
         if self._snapshotting is not None:
             # A snapshot still being written would otherwise call etcd on the closed channel.
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):

@@ -27,6 +27,7 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime.durations import to_duration
 from xavier_core.runtime.errors import CapacityExhausted, InvalidArgument, Unavailable
 from xavier_core.runtime.identity import ROLE_NAMES, require
+from xavier_core.runtime.tasks import cancel_and_wait
 from xavier_services.directory.commands import (
     Abort,
     Begin,
@@ -111,10 +112,7 @@ class DirectoryServicer(dpb_grpc.DirectoryServiceServicer):  # type: ignore[misc
 
     async def stop(self, _handle: object = None) -> None:
         """Stops the sweeper and ends every peer feed with UNAVAILABLE (SHUTTING_DOWN)."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        await cancel_and_wait(self._sweeper)
         for queues in self._feeds.values():
             for queue in queues:
                 queue.put_nowait(None)

@@ -7,7 +7,6 @@ at commit, runs in a thread while the lease is marked committing (the sweeper le
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from xavier.v1 import types_pb2
 from xavier_core.pagestore.layout import map_pages
 from xavier_core.pagestore.nixl import UCX_DEFAULT_SEGMENT_BYTES
 from xavier_core.runtime.errors import FailedPrecondition, InvalidArgument, LeaseExpired, Unavailable
+from xavier_core.runtime.tasks import cancel_and_wait
 from xavier_services.pagestore import validate
 from xavier_services.pagestore.arena import Arena
 from xavier_services.pagestore.config import PageStoreSettings
@@ -73,10 +73,7 @@ class PageStoreServicer(pb_grpc.PageStoreServiceServicer):  # type: ignore[misc]
 
     async def stop(self, _handle: object = None) -> None:
         self._stopping = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        await cancel_and_wait(self._sweeper)
         self.collector.unregister()
         await asyncio.to_thread(self.arena.close)
 

@@ -15,7 +15,6 @@ to connect, as it always did.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 from xavier.v1 import directory_service_pb2 as dpb
@@ -23,6 +22,7 @@ from xavier.v1 import types_pb2
 
 from xavier_core.runtime.errors import XavierError
 from xavier_core.runtime.logging import get_logger
+from xavier_core.runtime.tasks import cancel_and_wait, every
 from xavier_core.transfer import peer_key
 from xavier_core.transfer.port.kv_port import KvPort
 from xavier_services.peer.membership import Membership
@@ -58,14 +58,11 @@ class PeerWarmer:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._task = every(self._interval, self.once, self._skipped, "peer-warmer")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def once(self) -> int:
         """One listing: warms the registrations not tried yet; returns how many it warmed."""
@@ -87,10 +84,6 @@ class PeerWarmer:
                 await self._connect(p)
         return warmed
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.once()
-            except XavierError as err:  # the directory did not answer: the next round asks again
-                log.debug("peers not listed for warming", error=str(err))
-            await asyncio.sleep(self._interval)
+    @staticmethod
+    def _skipped(err: XavierError) -> None:  # the directory did not answer: the next round asks again
+        log.debug("peers not listed for warming", error=str(err))

@@ -10,7 +10,6 @@ SERVING again is re-admitted. Peers are keyed by id and epoch: a restarted peer 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -19,6 +18,7 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
 from xavier_core.runtime import XavierError, get_logger
+from xavier_core.runtime.tasks import cancel_and_wait, every
 
 _log = get_logger("xavier.router.health")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -112,19 +112,14 @@ class PeerHealth:
     def start(self, peers: Callable[[], Awaitable[list[dpb.Peer]]]) -> None:
         """Runs the probe loop over `peers()` every `interval` until `stop`."""
 
-        async def loop() -> None:
-            while True:
-                try:
-                    await self.probe_all(await peers())
-                except XavierError as err:  # a directory outage: keep the last states
-                    _log.info("health probe skipped", error=str(err))
-                await asyncio.sleep(self.interval)
+        async def probe_listed() -> None:
+            await self.probe_all(await peers())
 
-        self._task = asyncio.get_running_loop().create_task(loop(), name="peer-health")
+        def skipped(err: XavierError) -> None:  # a directory outage: keep the last states
+            _log.info("health probe skipped", error=str(err))
+
+        self._task = every(self.interval, probe_listed, skipped, "peer-health")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
