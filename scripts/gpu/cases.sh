@@ -10,10 +10,13 @@
 #                     (read, share, share, read), then 7B width at 28 layers at 8,000 (read, share)
 #   verify            page store gets into a GPU pool (through the pinned host mirror) with and without their
 #                     checks, the GB/s points: 125 pages at the 0.5B shape, 500 at 7B width (28 layers)
+#   profile           a warm local prefix hit's GPU kernels (torch.profiler, benchmarks/prefix_hit.py): 0.5B-shaped
+#                     at 2,000 tokens, 7B width at 8 layers at 8,000
 #   pd ROUNDS [S]     SGLang P/D: native vs pd, interleaved, ROUNDS rounds, no level started after S seconds
 #                     (default 420: a call's 600 s covers the servers' start)
-#   hicache [SHAPE]   SGLang HiCache on the Xavier store vs SGLang's file L3, 2,000 and 8,000 tokens
-#                     (SHAPE: qwen2.5-0.5b, the default, or qwen2.5-7b)
+#   hicache [SHAPE [ARGS]]  SGLang HiCache on the Xavier store vs SGLang's file L3, 2,000 and 8,000 tokens
+#                     (SHAPE: qwen2.5-0.5b, the default, or qwen2.5-7b; ARGS go to sglang_hicache.py,
+#                     e.g. --lengths 8000)
 #
 # usage: bash scripts/gpu/cases.sh CASE [ARGS] [-- CASE [ARGS]]...
 # (DEVICE=cpu MODELS=DIR OUT=DIR run the store cases on this machine's CPU: a check of the script.)
@@ -86,6 +89,22 @@ run_case() {
         [ -f "$out/pagestore-verify-$1.json" ] && gets "$out/pagestore-verify-$1.json"
       done
       ;;
+    profile)
+      for shape in "05b qwen2.5-0.5b 0 2000" "7b 7b-width 8 8000"; do
+        set -- $shape
+        python3 benchmarks/prefix_hit.py --device "$device" --shape "$2" --layers "$3" --prefix "$4" --reps 3 \
+          --torch-profile > "$out/prefix-hit-profile-$1.json" 2> "$logs/profile-$1.stderr" ||
+          tail -n 20 "$logs/profile-$1.stderr"
+        python3 - "$out/prefix-hit-profile-$1.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])); t = d["torch_profile"]
+print(sys.argv[1].rsplit("/", 1)[-1], "cold", round(d["cold_ms"], 2), "warm", round(d["warm_local_ms"], 2),
+      "profiled", round(t["warm_ms"], 2), "gpu busy", round(t["gpu_busy_ms"], 2), "launches", t["gpu_launches"])
+for k in t["top_gpu"][:12]:
+    print("  ", round(k["ms"], 3), k["count"], k["name"])
+PY
+      done
+      ;;
     pd)
       local rounds=${1:-5} stop=${2:-420}
       python3 benchmarks/sglang_pd.py --gpus 0,0 --modes native,pd --interleave --rounds "$rounds" \
@@ -95,13 +114,13 @@ run_case() {
       tail -c 3000 "$logs/pd.stdout"
       ;;
     hicache)
-      local shape=${1:-qwen2.5-0.5b}
-      python3 benchmarks/sglang_hicache.py --shape "$shape" --gpus 0,0 --out "$out/sglang-hicache-$shape" \
+      local shape=${1:-qwen2.5-0.5b}; shift $(( $# > 0 ? 1 : 0 ))
+      python3 benchmarks/sglang_hicache.py --shape "$shape" --gpus 0,0 --out "$out/sglang-hicache-$shape" "$@" \
         > "$logs/hicache.stdout" 2> "$logs/hicache.stderr" || tail -n 20 "$logs/hicache.stderr"
       rm -f "$out/sglang-hicache-$shape.png"
       tail -c 3000 "$logs/hicache.stdout"
       ;;
-    *) echo "unknown case: $name (tests, share, verify, pd, hicache)"; return 2 ;;
+    *) echo "unknown case: $name (tests, share, verify, profile, pd, hicache)"; return 2 ;;
   esac
   echo "== $name: $(( $(date +%s) - t0 )) s"
 }
