@@ -122,3 +122,22 @@ async def test_abort_releases_a_pinned_prefill(engine_factory: Factory) -> None:
             break
         await asyncio.sleep(0.01)
     assert engine.stats().pages_pinned == 0
+
+
+async def test_quarantined_pages_are_never_handed_out_again(engine_factory: Factory) -> None:
+    """A decode whose read into its reserved pages may still be running keeps them out of use for good:
+    the abort and release that follow free nothing, and no later allocation gets them."""
+    engine = engine_factory("llama")
+    total = engine.stats().pages_total
+    stuck = set(engine.reserve_pages("stuck", 40))
+    assert engine.quarantine_pages("stuck") == len(stuck) and engine.quarantine_pages("stuck") == 0
+    await engine.abort("stuck")
+    engine.release_pages("stuck")
+    await asyncio.sleep(0.05)  # the loop applies the abort
+    s = engine.stats()
+    assert s.pages_free == total - len(stuck) and s.pages_pinned == 0
+    assert s.extra["pages_quarantined"] == len(stuck)
+    # Every page the pool can still give, taken at once: none of the quarantined ones among them.
+    rest = engine.reserve_pages("rest", (total - len(stuck)) * engine.page_size - 1)
+    assert not stuck & set(rest)
+    engine.release_pages("rest")

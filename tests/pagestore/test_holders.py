@@ -24,8 +24,9 @@ from tests.pagestore.support import (
     stub,
 )
 from tests.support.procs import ServiceProc
-from xavier_core.pagestore import PageNamespace, PageStoreClient
+from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
 from xavier_core.pagestore.client import InOrder
+from xavier_core.pagestore.connection import HolderStuck
 from xavier_core.runtime.errors import from_rpc_error
 
 pytestmark = pytest.mark.integration
@@ -279,3 +280,36 @@ async def test_a_fetch_copies_from_the_holder_or_reads_what_it_could_not(store: 
     finally:
         await writer.close()
         await reader.close()
+
+
+async def test_a_holder_copy_still_running_after_it_failed_marks_the_pages_unsafe(store: ServiceProc) -> None:
+    """The copy from the holder lands in the fetch's pool pages themselves, staged client or not: one that
+    was still running at its park timeout ends the fetch with the pages marked unsafe, the store unread."""
+    fp = "fp-holder-stuck"
+    ns = PageNamespace(fp)
+    keys = chain(fp, "", 8, 3)
+    pool = make_pool(48)
+    writer = PageStoreClient(store.address, buffers(pool), holder=("a", 1))
+    pools = [make_pool(None), make_pool(None)]
+    readers = [
+        PageStoreClient(store.address, buffers(pools[0])),
+        PageStoreClient(store.address, buffers(pools[1]), ClientSettings(stage_host_pool=True)),
+    ]
+
+    async def stuck(holder: tuple[str, int], at: int, pages: list[int]) -> int:
+        raise HolderStuck("copy from a: still in flight after the park timeout")
+
+    try:
+        assert await writer.write(ns, keys, [0, 1, 2]) == 3
+        for reader in readers:
+            got = await reader.fetch(ns, keys, InOrder([10, 11, 12]), from_holder=stuck)
+            assert (got.hit, got.stuck) == (0, True)
+            assert reader.counters.errors == 1 and reader.counters.reads == 0  # the store was not READ
+        staging = readers[1].staging
+        assert staging is not None and staging.usable == staging.slots  # no slot was taken, none retired
+        # Nothing was read and the lease went back: the pages stay whole in the store for the next reader.
+        assert (await readers[0].fetch(ns, keys, InOrder([20, 21, 22]))).hit == 3
+        assert page_digest(pools[0], [20, 21, 22]) == page_digest(pool, [0, 1, 2])
+    finally:
+        for c in (writer, *readers):
+            await c.close()

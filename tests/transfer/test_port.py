@@ -19,8 +19,10 @@ from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
 
 from tests.transfer.kvpool import PAGE_SIZE, kv_buffers, make_pool, page_bytes, serve_port, spawned
-from xavier_core.runtime.errors import FailedPrecondition, LayoutMismatch
+from xavier_core.runtime.errors import FailedPrecondition, LayoutMismatch, Unavailable
 from xavier_core.transfer import KvPort, peer_key
+from xavier_core.transfer.nixl.rooms import KvPoll, KvReceiver
+from xavier_core.transfer.port.pulls import ReadStuck
 
 pytestmark = pytest.mark.integration
 
@@ -154,3 +156,31 @@ async def test_bad_descriptors_fail_before_any_read(
     await port.pull(103, desc, endpoint, SRC_KEY, [5, 6], timeout=10, park_timeout=5)
     assert await src.call("wait", 103) == "done"
     await src.call("unpublish", 103, True)
+
+
+async def test_a_failed_read_still_running_at_the_park_timeout_is_told_apart(
+    source_conn: Connection, reader: tuple[KvPort, list[np.ndarray]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pull that times out and whose READ NIXL will not let go of within the park timeout raises
+    `ReadStuck` (not the plain transfer failure a caller may free its pages after), and the port
+    remembers the room once for the caller (`take_stuck`)."""
+    port, _ = reader
+    src = PortSource(source_conn)
+    desc, endpoint = await src.publish(104, [3, 4])
+    # No read is ever seen to end, so the pull times out; and its READ never lets go of the pages.
+    monkeypatch.setattr(KvReceiver, "poll", lambda self: KvPoll.TRANSFERRING)
+    monkeypatch.setattr(KvReceiver, "wait_idle", lambda self, timeout: False)
+    with pytest.raises(ReadStuck) as err:
+        await port.pull(104, desc, endpoint, SRC_KEY, [7, 8], timeout=0.1, park_timeout=0.2)
+    assert err.value.reason == "TRANSFER_STUCK"
+    assert port.take_stuck(104) and not port.take_stuck(104)
+    monkeypatch.undo()
+    # A pull that times out and lets go in time is the plain failure, and nothing is remembered.
+    monkeypatch.setattr(KvReceiver, "poll", lambda self: KvPoll.TRANSFERRING)
+    desc, endpoint = await src.publish(105, [3, 4])
+    with pytest.raises(Unavailable) as plain:
+        await port.pull(105, desc, endpoint, SRC_KEY, [7, 8], timeout=0.1, park_timeout=5)
+    assert not isinstance(plain.value, ReadStuck) and plain.value.reason == "TRANSFER_FAILED"
+    assert not port.take_stuck(105)
+    for room in (104, 105):
+        await src.call("unpublish", room, False)

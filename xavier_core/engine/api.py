@@ -291,6 +291,11 @@ class Engine(Protocol):
         Idempotent."""
         ...
 
+    def quarantine_pages(self, request_id: str) -> int:
+        """Takes the request's pinned pages out of use for good (a read into them may still be running);
+        returns how many. Idempotent."""
+        ...
+
     def reserve_pages(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
         """Allocates destination pages for `num_tokens` prompt tokens (decode role) before the KV arrives."""
         ...

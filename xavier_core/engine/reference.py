@@ -119,6 +119,7 @@ class ReferenceEngine:
         self._loop = EngineLoop(model, pool, self._sched, self._cache, decoder)
         self._lock = self._loop.lock
         self._store: StoreLink | None = None
+        self._quarantined = 0  # pages taken out of use for good (`quarantine_pages`)
         self._grammars = LazyCompiler(tokenizer, self.config.vocab_size, self.eos_token_ids)
 
     @classmethod
@@ -361,6 +362,17 @@ class ReferenceEngine:
         with self._lock:
             self._cache.release(self._allocator.unpin(request_id))
 
+    def quarantine_pages(self, request_id: str) -> int:
+        """Takes a request's pinned pages out of use for good (a read into them may still be running: freed,
+        they could be overwritten under another request); returns how many. Idempotent."""
+        with self._lock:
+            pages = self._allocator.unpin(request_id)
+            self._quarantined += len(pages)  # their references are never released: never handed out again
+        if pages:
+            log.error("%d pages of %s kept out of use: a read into them may still be running", len(pages),
+                      request_id)  # fmt: skip
+        return len(pages)
+
     def decode_from_pages(
         self,
         request_id: str,
@@ -417,6 +429,7 @@ class ReferenceEngine:
                     "pages_cached": self._cache.num_cached,
                     "pages_evictable": self._cache.num_evictable,
                     "evictions": self._cache.evictions,
+                    "pages_quarantined": self._quarantined,
                     "preemptions": s.preemptions,
                     "steps": self._loop.steps,
                     "decode_graphs": decoder.graphs_captured if decoder else 0,

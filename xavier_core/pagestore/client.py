@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 from xavier.v1 import page_store_service_pb2 as pb
 
-from xavier_core.pagestore.connection import StoreConnection, StorePeer, TransferStuck
+from xavier_core.pagestore.connection import HolderStuck, StoreConnection, StorePeer, TransferStuck
 from xavier_core.pagestore.layout import PageGeometry, Span, local_page_checksums
 from xavier_core.pagestore.metrics import ClientCounters, StepClock, client_metrics
 from xavier_core.pagestore.namespace import PageNamespace
@@ -96,7 +96,8 @@ class Fetched:
 
 FromHolder = Callable[[tuple[str, int], int, list[int]], Awaitable[int]]
 """`(holder, index of the call's first key in the fetch's keys, local pages) -> pages copied`: copies a
-store call's hit pages from the replica that wrote them into the local pages; all of them or 0."""
+store call's hit pages from the replica that wrote them into the local pages; all of them or 0, or raises
+`HolderStuck` when a failed copy was still running at its park timeout (the pages may still change)."""
 
 
 class InOrder:
@@ -216,8 +217,9 @@ class PageStoreClient:
         except _BadAllocation as exc:
             raise InvalidPagesError(str(exc)) from None
         except Exception as exc:
-            # A device pool's stuck READ writes into staging slots (never lent again), not into pages.
-            stuck = isinstance(exc, TransferStuck) and self.staging is None
+            # A device pool's stuck READ writes into staging slots (never lent again), not into pages; a
+            # stuck copy from the holder writes into the pages in any pool.
+            stuck = isinstance(exc, HolderStuck) or (isinstance(exc, TransferStuck) and self.staging is None)
             self.failed("get", exc)
         finally:
             clock.add("fetch", time.perf_counter() - started)

@@ -41,7 +41,7 @@ from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.errors import PeerError
 from xavier_core.transfer.nixl.xfer import Transfer
 
-__all__ = ["Posted", "StoreConnection", "StorePeer", "TransferStuck"]
+__all__ = ["HolderStuck", "Posted", "StoreConnection", "StorePeer", "TransferStuck"]
 
 log = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -67,6 +67,11 @@ Posted = Transfer | DirectCopy
 
 class TransferStuck(PeerError):
     """A timed-out NIXL transfer that could not be cancelled: its local pages may still change."""
+
+
+class HolderStuck(TransferStuck):
+    """A copy from the pages' holder (`from_holder`) still running after it failed: it lands in the fetch's
+    pool pages themselves (never in staging slots), so those may still change."""
 
 
 class _StoreChanged(Exception):

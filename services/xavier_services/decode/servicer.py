@@ -292,6 +292,8 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         its decline, told the prefill)."""
         host = self.host
         try:
+            if read_posted and host.port.take_stuck(room_id):  # the read may still land: never reused
+                host.engine.quarantine_pages(rid)
             await host.engine.abort(rid)
             host.engine.release_pages(rid)
             if room and not completed:

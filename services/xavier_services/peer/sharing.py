@@ -10,7 +10,9 @@ took, as a decode pulls a prefill's (the read's end, told by the port, unpins th
 
 Anything short of every asked page (the holder is this replica, gone, re-registered, no longer holds
 them, refuses, or the pull fails) answers 0 and the fetch READs the store as before: sharing can only
-save a read, never fail a request. The store lease taken by GetPages covers the pages meanwhile.
+save a read, never fail a request. The store lease taken by GetPages covers the pages meanwhile. The one
+exception is a failed pull whose copy was still running at the park timeout: the pages may still change,
+so the fetch ends there (`HolderStuck`) and its pages are kept out of use.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from xavier.v1 import decode_service_pb2 as pb
 from xavier.v1 import decode_service_pb2_grpc, types_pb2
 from xavier.v1 import directory_service_pb2 as dpb
 
+from xavier_core.pagestore.connection import HolderStuck
 from xavier_core.pagestore.metrics import StepClock
 from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.errors import XavierError, from_rpc_error
 from xavier_core.runtime.logging import get_logger
 from xavier_core.transfer import peer_key
 from xavier_core.transfer.port.kv_port import KvPort
+from xavier_core.transfer.port.pulls import ReadStuck
 from xavier_services.peer.membership import Membership, PeerCache
 
 log = get_logger(__name__)
@@ -76,6 +80,8 @@ class PrefixSharing:
             return 0
         try:
             return await self._pull(holder, me, token_ids, cache_salt, first_page, dest)
+        except ReadStuck as err:
+            raise HolderStuck(f"copy from {holder[0]}: {err.message}") from err
         except XavierError as err:
             log.info("prefix sharing: the holder's pages did not come", holder=holder[0], reason=err.reason)
             return 0
@@ -115,9 +121,11 @@ class PrefixSharing:
                     await self._port.decline(room_id, resp.source.read_token, peer.endpoint, key)
                 return 0
             with clock.step("holder_copy"):
-                await self._port.pull(
-                    room_id, resp.source, peer.endpoint, key, dest, self._transfer_timeout, self._park_timeout
-                )
+                try:
+                    timeouts = (self._transfer_timeout, self._park_timeout)
+                    await self._port.pull(room_id, resp.source, peer.endpoint, key, dest, *timeouts)
+                finally:
+                    self._port.take_stuck(room_id)  # a stuck copy raised ReadStuck (or was cancelled)
             return len(dest)
         finally:
             clock.flush()

@@ -125,6 +125,8 @@ class PortCore:
         # Owned by the asyncio loop: published rooms, and rooms whose publication is under way.
         self._published: dict[int, Published] = {}
         self._publishing: set[int] = set()
+        self.stuck_rooms: set[int] = set()
+        """Rooms whose pull failed with its read still running at the park timeout (`KvPort.take_stuck`)."""
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs `fn(*args)` on the NIXL thread."""

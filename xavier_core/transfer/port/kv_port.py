@@ -278,7 +278,9 @@ class KvPort(PortCore):
         The transport: CUDA IPC when allowed and the endpoint offers a pool this GPU can map; else
         staged when allowed, the source staged the room and the slabs match; else NIXL page runs. If
         cancelled or timed out while the read is in flight, this waits (bounded by `park_timeout`) until
-        nothing can touch the pages before returning, so the caller may free them (I1).
+        nothing can touch the pages before returning, so the caller may free them (I1); if the read is
+        still running then, it raises `ReadStuck` (or stays cancelled) and `take_stuck(room_id)` says so:
+        the caller must keep the pages out of use.
         """
         if source.num_pages != len(dest_pages):
             raise FailedPrecondition(
@@ -347,6 +349,14 @@ class KvPort(PortCore):
                 return "staged", None
             log.warning("staging chunk sizes differ from the source's; reading page runs", peer=peer)
         return "nixl", None
+
+    def take_stuck(self, room_id: int) -> bool:
+        """Whether `room_id`'s pull ended (failed or cancelled) with its read still running at the park
+        timeout, forgetting it: the pages it read into may still change and must never be used again."""
+        if room_id in self.stuck_rooms:
+            self.stuck_rooms.discard(room_id)
+            return True
+        return False
 
     async def warm(self, peer: str, endpoint: types_pb2.TransferEndpoint) -> bool:
         """Connects to a peer before its first transfer: its agent loaded (and the read-end agent's

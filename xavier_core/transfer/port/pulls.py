@@ -3,7 +3,10 @@ staged slab chunks. `KvPort.pull` picks one and counts it.
 
 Every pull keeps invariant I1 the same way: once anything is posted, a cancel or a timeout waits (bounded
 by `park_timeout`) until nothing can touch the pages or slab chunks any more before it returns, so the
-caller may free them; the engine loop never waits, since the work is polled on the NIXL thread. And the
+caller may free them; the engine loop never waits, since the work is polled on the NIXL thread. A read
+still running at the park timeout is said apart: the pull raises `ReadStuck` (a cancelled one stays
+cancelled) and the port remembers the room (`PortCore.stuck_rooms`), so the caller keeps the pages out of
+use instead of freeing them. And the
 source always learns how the read ended (a NIXL notification with its read token), or that no read
 will come (`decline`), so it unpins at once instead of at its park timeout.
 """
@@ -35,6 +38,25 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
+class ReadStuck(Unavailable):
+    """A pull that failed while its read was still running at the park timeout: the destination pages may
+    still change, so they are never to be used again."""
+
+    def __init__(self, room_id: int, what: str) -> None:
+        super().__init__(
+            f"KV {what} of room {room_id} still in flight after the park timeout", reason="TRANSFER_STUCK"
+        )
+
+
+def _stuck(core: PortCore, exc: BaseException, room_id: int, what: str) -> None:
+    """After a failed pull whose read did not end: remembered on the port, and raised as `ReadStuck` in
+    place of an error (a cancellation goes on as one)."""
+    log.error(f"KV {what} still running after the park timeout", room=room_id)
+    core.stuck_rooms.add(room_id)
+    if isinstance(exc, Exception):
+        raise ReadStuck(room_id, what) from exc
+
+
 async def decline(
     core: PortCore, room_id: int, read_token: str, endpoint: types_pb2.TransferEndpoint, peer: str
 ) -> None:
@@ -62,11 +84,13 @@ async def _settle(room_id: int, done: asyncio.Future[KvPoll], timeout: float, wh
         raise Unavailable(f"KV {what} of room {room_id} failed ({state.name})", reason="TRANSFER_FAILED")
 
 
-async def _park(done: asyncio.Future[KvPoll], park_timeout: float, room_id: int, what: str) -> None:
+async def _park(done: asyncio.Future[KvPoll], park_timeout: float) -> bool:
+    """Whether a posted copy or read ended within the park timeout."""
     try:
         await asyncio.shield(asyncio.wait_for(asyncio.shield(done), park_timeout))
     except TimeoutError:
-        log.error(f"KV {what} still running after the park timeout", room=room_id)
+        return False
+    return True
 
 
 async def pull_ipc(
@@ -105,13 +129,13 @@ async def pull_ipc(
                 f"KV copy of room {room_id} not started: {err}", reason="TRANSFER_FAILED"
             ) from None
         await _settle(room_id, copy.done, timeout, "copy")
-    except BaseException:
+    except BaseException as exc:
         # Queued behind `_start` on the NIXL thread, so `posted` is final once this returns.
         await asyncio.shield(core.run(_abort))
         if not posted:
             await asyncio.shield(decline(core, room_id, info.token, endpoint, peer))
-        else:
-            await _park(copy.done, park_timeout, room_id, "copy")
+        elif not await _park(copy.done, park_timeout):
+            _stuck(core, exc, room_id, "copy")
         raise
 
 
@@ -150,25 +174,27 @@ async def pull_nixl(
         if await core.run(_start):
             return
         await _settle(room_id, done, timeout, "read")
-    except BaseException:
+    except BaseException as exc:
         await asyncio.shield(core.run(_forget))
         if not posted:
             await asyncio.shield(decline(core, room_id, info.token, endpoint, peer))
-        await asyncio.shield(_quiesce(core, receiver, park_timeout))
+        if not await asyncio.shield(_quiesce(core, receiver, park_timeout)):
+            _stuck(core, exc, room_id, "read")
         raise
     # A read that succeeded was cleared on the NIXL thread when its end was seen (`PortCore._tick`).
 
 
-async def _quiesce(core: PortCore, receiver: KvReceiver, timeout: float) -> None:
-    """Aborts a receiver and waits until its read can no longer touch the destination pages."""
+async def _quiesce(core: PortCore, receiver: KvReceiver, timeout: float) -> bool:
+    """Aborts a receiver and waits until its read can no longer touch the destination pages; False when
+    it still could at `timeout`."""
     await core.run(receiver.abort)
     await core.run(core.flush_notifs)  # its "fail" leaves now or once the read ends
     deadline = time.monotonic() + timeout
     while not await core.run(receiver.wait_idle, 0.05):
         if time.monotonic() > deadline:
-            log.error("KV read still in flight after the park timeout", room=receiver.room)
-            return
+            return False
     await core.run(receiver.clear)
+    return True
 
 
 async def pull_staged(
@@ -232,7 +258,8 @@ async def pull_staged(
                     f"KV staged read of room {room_id} not started: {exc}", reason="TRANSFER_FAILED"
                 ) from None
             raise
-        await _park(done, park_timeout, room_id, "staged read")
+        if not await _park(done, park_timeout):
+            _stuck(core, exc, room_id, "staged read")
         raise
     return True
 

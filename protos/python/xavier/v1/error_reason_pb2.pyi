@@ -131,6 +131,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The KV read from the prefill peer failed (NIXL reported an error or the read timed out); status
     UNAVAILABLE.
     """
+    ERROR_REASON_TRANSFER_STUCK: _ErrorReason.ValueType  # 99
+    """The KV read failed and was still running at the park timeout: the reader's destination pages may
+    still change, so it keeps them out of use; status UNAVAILABLE.
+    """
     ERROR_REASON_ENGINE_ERROR: _ErrorReason.ValueType  # 33
     """Engines (xavier_core/engine/api.py).
 
@@ -470,6 +474,10 @@ FAILED_PRECONDITION.
 ERROR_REASON_TRANSFER_FAILED: ErrorReason.ValueType  # 32
 """The KV read from the prefill peer failed (NIXL reported an error or the read timed out); status
 UNAVAILABLE.
+"""
+ERROR_REASON_TRANSFER_STUCK: ErrorReason.ValueType  # 99
+"""The KV read failed and was still running at the park timeout: the reader's destination pages may
+still change, so it keeps them out of use; status UNAVAILABLE.
 """
 ERROR_REASON_ENGINE_ERROR: ErrorReason.ValueType  # 33
 """Engines (xavier_core/engine/api.py).
