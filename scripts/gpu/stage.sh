@@ -5,6 +5,7 @@
 # it (extra/, from scripts/gpu_extra_wheels.sh). About 4 minutes. Then, on the GPU machine:
 #   call 1, carry [DIR/sx00]:                mkdir -p /root/stage && cp DIR/sx00 /root/stage/
 #   call 2, carry [DIR/sx01, DIR/extra]:     bash scripts/gpu/setup.sh DIR && bash scripts/gpu/cases.sh CASE...
+# (The reference engine's cases alone need no SGLang: scripts/gpu/stage_lean.sh stages them for one call.)
 # usage: scripts/gpu/stage.sh [DIR] [SHARED]   (SHARED: the shared folder, default ../shared)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
