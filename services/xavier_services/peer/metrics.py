@@ -39,6 +39,7 @@ class PeerCollector(Collector):
             ("free", s.pages_free),
             ("pinned", s.pages_pinned),
             ("parked", s.pages_parked),
+            ("quarantined", s.pages_quarantined),
         ):
             pages.add_metric([self._role, state], value)
         yield pages

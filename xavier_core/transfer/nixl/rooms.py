@@ -81,6 +81,9 @@ class KvManager:
         # through the directory must unpin the source. Never set in production.
         self.drop_done_notifications = False
         self.notifications_lost = 0
+        # Fault injection likewise (XAVIER_FAULT_STUCK_READS): a reader's READs are never seen to end, so a
+        # pull times out with its READ still "in flight" at the park timeout. Never set in production.
+        self.stuck_reads = False
         self.bytes_read = 0
         self.read_seconds = 0.0
 
@@ -318,7 +321,8 @@ class KvReceiver:
     def poll(self) -> KvPoll:
         """Drives the READ and returns the state."""
         with self._lock:
-            self._check()
+            if not self.manager.stuck_reads:
+                self._check()
             return self._state
 
     def abort(self, reason: str = "aborted") -> None:
@@ -332,6 +336,8 @@ class KvReceiver:
     def in_flight(self) -> bool:
         """True while the READ may still write the destination pages (invariant I1)."""
         with self._lock:
+            if self.manager.stuck_reads:
+                return self._xfer is not None
             self._check()
             return self._xfer is not None and self._xfer.in_flight
 

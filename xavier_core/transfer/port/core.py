@@ -44,6 +44,7 @@ DEFAULT_POLL_INTERVAL_S = 0.0005
 NOTIF_FLUSH_S = 1.0
 # Test-only fault injection: "1" makes this process's sources discard every reader "done" notification.
 DROP_DONE_ENV = "XAVIER_FAULT_DROP_DONE_NOTIFICATIONS"
+STUCK_READS_ENV = "XAVIER_FAULT_STUCK_READS"
 
 _Ended = list[tuple["asyncio.Future[KvPoll]", KvPoll]]
 
@@ -122,6 +123,7 @@ class PortCore:
         self.manager = KvManager(self.agent, self._buffers, page_size)
         # Fault-injection hook for tests/faults (a lost NIXL "done" notification); see KvManager.
         self.manager.drop_done_notifications = os.environ.get(DROP_DONE_ENV, "") == "1"
+        self.manager.stuck_reads = os.environ.get(STUCK_READS_ENV, "") == "1"  # tests/faults, as well
         # Owned by the asyncio loop: published rooms, and rooms whose publication is under way.
         self._published: dict[int, Published] = {}
         self._publishing: set[int] = set()

@@ -35,6 +35,7 @@ from xavier_core.transfer.port import pulls
 from xavier_core.transfer.port.core import (
     DEFAULT_POLL_INTERVAL_S,
     DROP_DONE_ENV,
+    STUCK_READS_ENV,
     PortCore,
     Published,
     ReadEnd,
@@ -54,7 +55,14 @@ from xavier_core.transfer.staged.port_slab import PortSlab
 if TYPE_CHECKING:
     from xavier_core.transfer.cuda.copy_plan import PoolView
 
-__all__ = ["DEFAULT_POLL_INTERVAL_S", "DROP_DONE_ENV", "KvPort", "ReadEnd", "TransferTotals"]
+__all__ = [
+    "DEFAULT_POLL_INTERVAL_S",
+    "DROP_DONE_ENV",
+    "STUCK_READS_ENV",
+    "KvPort",
+    "ReadEnd",
+    "TransferTotals",
+]
 
 log = get_logger(__name__)
 

@@ -939,6 +939,7 @@ class EngineStats(_message.Message):
     STORE_PAGES_WRITTEN_FIELD_NUMBER: _builtins.int
     STORE_WRITES_DROPPED_FIELD_NUMBER: _builtins.int
     STORE_ERRORS_FIELD_NUMBER: _builtins.int
+    PAGES_QUARANTINED_FIELD_NUMBER: _builtins.int
     pages_total: _builtins.int
     """The number of pages in the pool."""
     pages_free: _builtins.int
@@ -965,6 +966,10 @@ class EngineStats(_message.Message):
     """The number of write-throughs dropped because the write queue was full."""
     store_errors: _builtins.int
     """The number of page store calls that failed and were served as a miss or a lost write."""
+    pages_quarantined: _builtins.int
+    """The number of pages taken out of use for good: a read into them was still running at the park
+    timeout after it failed (reason TRANSFER_STUCK), so they are never handed out again.
+    """
     def __init__(
         self,
         *,
@@ -981,10 +986,11 @@ class EngineStats(_message.Message):
         store_pages_written: _builtins.int = ...,
         store_writes_dropped: _builtins.int = ...,
         store_errors: _builtins.int = ...,
+        pages_quarantined: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pages_free", b"pages_free", "pages_parked", b"pages_parked", "pages_pinned", b"pages_pinned", "pages_total", b"pages_total", "prompt_tokens_cached", b"prompt_tokens_cached", "prompt_tokens_cached_store", b"prompt_tokens_cached_store", "prompt_tokens_computed", b"prompt_tokens_computed", "running", b"running", "store_errors", b"store_errors", "store_hit_pages", b"store_hit_pages", "store_pages_written", b"store_pages_written", "store_writes_dropped", b"store_writes_dropped", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pages_free", b"pages_free", "pages_parked", b"pages_parked", "pages_pinned", b"pages_pinned", "pages_quarantined", b"pages_quarantined", "pages_total", b"pages_total", "prompt_tokens_cached", b"prompt_tokens_cached", "prompt_tokens_cached_store", b"prompt_tokens_cached_store", "prompt_tokens_computed", b"prompt_tokens_computed", "running", b"running", "store_errors", b"store_errors", "store_hit_pages", b"store_hit_pages", "store_pages_written", b"store_pages_written", "store_writes_dropped", b"store_writes_dropped", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
