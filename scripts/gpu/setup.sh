@@ -20,8 +20,9 @@ elif [ ! -d /root/site/sglang ]; then
     { echo "setup: unpacking the site failed"; exit 1; }
   rm -f /root/site.tar.xz
 fi
-cat > /root/env.sh <<'EOT'
-export PYTHONPATH=/root/site PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# The project's root too: the benchmarks import the test suite's process helpers (tests.support).
+cat > /root/env.sh <<EOT
+export PYTHONPATH=/root/site:$(pwd) PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 EOT
 source /root/env.sh
 if compgen -G "$dir/extra/*.whl" > /dev/null; then
