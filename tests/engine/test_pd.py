@@ -136,7 +136,7 @@ async def test_quarantined_pages_are_never_handed_out_again(engine_factory: Fact
     await asyncio.sleep(0.05)  # the loop applies the abort
     s = engine.stats()
     assert s.pages_free == total - len(stuck) and s.pages_pinned == 0
-    assert s.extra["pages_quarantined"] == len(stuck)
+    assert s.pages_quarantined == len(stuck)
     # Every page the pool can still give, taken at once: none of the quarantined ones among them.
     rest = engine.reserve_pages("rest", (total - len(stuck)) * engine.page_size - 1)
     assert not stuck & set(rest)

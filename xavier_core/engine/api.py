@@ -216,6 +216,7 @@ class EngineStats:
     pages_pinned: int
     running: int
     waiting: int
+    pages_quarantined: int = 0  # out of use for good: a read into them may still run (`quarantine_pages`)
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0  # local prefix cache plus page store
     prompt_tokens_cached_store: int = 0  # the page store's share of `prompt_tokens_cached`

@@ -335,5 +335,5 @@ class PeerHost:
             store_pages_written=s.store.pages_written if s.store else 0,
             store_writes_dropped=s.store.writes_dropped if s.store else 0,
             store_errors=s.store.errors if s.store else 0,
-            pages_quarantined=int(s.extra.get("pages_quarantined", 0)),
+            pages_quarantined=s.pages_quarantined,
         )
