@@ -82,6 +82,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "warm_local_ms_all": warm,
             # Prefill chunks run as decode rows (static shapes, CUDA graphs): one per warm prompt on CUDA.
             "static_prefill_chunks": engine.stats().extra["static_prefill_chunks"],
+            "static_shared_chunks": engine.stats().extra["static_shared_chunks"],
         }
         if args.profile:
             shared = prompt(77, args.prefix)

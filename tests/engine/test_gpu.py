@@ -124,7 +124,9 @@ async def test_prefix_hit_suffix_replays_the_decode_graphs(arch: str, tiny_dirs:
                 )
                 assert (events[0].cached_tokens > 0) == (i == 1)
                 _check_near_tie(tiny_dirs[arch], prompt, want, [e.token_id for e in events])
+        # Alone in its step, the suffix's rows shared one page table (its K/V gathered once).
         assert gpu.stats().extra["static_prefill_chunks"] == 1
+        assert gpu.stats().extra["static_shared_chunks"] == 1
         # The third prompt arrives while another request decodes: one step of a decode row and 11 rows.
         stream = gpu.generate("long", prompt_of(cpu, 30, seed=1), Sampling(max_tokens=24, ignore_eos=True))
         await anext(stream)
@@ -134,6 +136,7 @@ async def test_prefix_hit_suffix_replays_the_decode_graphs(arch: str, tiny_dirs:
             tiny_dirs[arch], prompts[2], await greedy_tokens(cpu, prompts[2], 24, rid="c2"), await late
         )
         assert gpu.stats().extra["static_prefill_chunks"] == 2
+        assert gpu.stats().extra["static_shared_chunks"] == 1  # beside a decode row: a table per row
         assert plain.stats().extra["static_prefill_chunks"] == 0
     finally:
         await cpu.close()

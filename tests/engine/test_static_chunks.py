@@ -115,6 +115,7 @@ def test_chunk_rows_equal_the_general_forward(arch: str, case: str, engine_facto
 
     step([(r, r.remaining) for r, _ in general], [(r, r.remaining) for r, _ in static])
     assert runner.prefill_chunks == sum(1 for r, done in static if done < len(r.prompt))
+    assert runner.shared_steps == (len(static) == 1)  # a chunk alone gathers its keys once
     for _ in range(6):  # greedy decode over the pages the chunk rows wrote
         step([(r, 1) for r, _ in general], [(r, 1) for r, _ in static])
     assert [r.tokens for r, _ in static] == [r.tokens for r, _ in general]
@@ -148,8 +149,9 @@ def test_which_steps_take_the_rows(engine_factory: Factory) -> None:
 
 
 def test_a_chunk_whose_rows_would_gather_too_much_takes_the_general_forward(engine_factory: Factory) -> None:
-    """Each row of a chunk gathers the request's keys again: past `chunk_gather_bytes` per layer the chunk
-    takes the general forward, which gathers them once. Decode rows are never held to it."""
+    """Beside other requests' rows each row of a chunk gathers the request's keys again; alone in its step
+    the chunk gathers them once (a shared table). Past `chunk_gather_bytes` per layer the chunk takes the
+    general forward, which gathers them once. Decode rows are never held to it."""
     engine = engine_factory("llama")
     model = engine.model
     assert isinstance(model, CausalLM)
@@ -158,15 +160,17 @@ def test_a_chunk_whose_rows_would_gather_too_much_takes_the_general_forward(engi
     key_bytes = 2 * k[0].numel() * k.element_size()
     prompt = prompt_of(engine, 40)
     chunk = _request(engine, "r", prompt, [0, 1, 2])
-    chunk.num_computed = 32  # 8 rows, positions 32-39: 3 pages, the 4-page floor bucket
+    chunk.num_computed = 32  # positions 32-39: 3 pages, the 4-page floor bucket
     decode = _request(engine, "d", prompt, [0, 1, 2])
     decode.num_computed = 39
-    wants = 8 * 4 * pool.page_size * key_bytes
+    alone, beside = 4 * pool.page_size * key_bytes, 8 * 4 * pool.page_size * key_bytes
     runner = DecodeRunner(model, pool, use_graphs=False, max_rows=8)
-    assert runner.gather_bytes((8, 4)) == wants
-    runner.chunk_gather_bytes = wants
-    assert runner.accepts([(chunk, 8)])
-    runner.chunk_gather_bytes = wants - 1
+    assert runner.gather_bytes((8, 4, True)) == alone and runner.gather_bytes((8, 4, False)) == beside
+    runner.chunk_gather_bytes = beside
+    assert runner.accepts([(chunk, 8)]) and runner.accepts([(decode, 1), (chunk, 7)])
+    runner.chunk_gather_bytes = beside - 1
+    assert runner.accepts([(chunk, 8)]) and not runner.accepts([(decode, 1), (chunk, 7)])
+    runner.chunk_gather_bytes = alone - 1
     assert not runner.accepts([(chunk, 8)])
     runner.chunk_gather_bytes = 0  # decode rows are not held to it
     assert runner.accepts([(decode, 1)]) and not runner.accepts([(chunk, 8)])
@@ -221,8 +225,10 @@ async def test_a_prefix_hit_yields_the_same_tokens_with_and_without_chunk_rows(
         assert [t for t, _, _ in got] == [t for t, _, _ in want]
         assert [lp for _, lp, _ in got] == pytest.approx([lp for _, lp, _ in want], abs=_ATOL)
     assert [r[0][2] for r in results[True]] == [0, 48, 48, 0]  # the prefix hits
-    # The second and third suffixes ran as rows, the third beside the long request's decode row.
+    # The second and third suffixes ran as rows: the second alone (one shared page table), the third
+    # beside the long request's decode row (a table per row).
     assert runners[True].prefill_chunks == 2 and runners[False].prefill_chunks == 0
+    assert runners[True].shared_steps == 1
 
 
 async def test_prompt_logprobs_keep_the_general_forward(engine_factory: Factory) -> None:

@@ -11,6 +11,9 @@ Such a chunk of n tokens runs as n rows of the same batch: row i is position sta
 page table, writes slot start + i and sees start + i + 1 keys. `CausalLM._layers` writes every row's K/V
 of a layer before any row of that layer attends, so row i sees the chunk's earlier keys as the causal
 prefill would: the same attention over the same pages (`DecodeRunner.accepts` says which steps qualify).
+A step that is one request's chunk alone (a prefix hit's suffix on an idle engine) has its own buckets
+whose rows share one page table: the request's K/V are gathered once per layer, not once per row, so a
+long prefix is no reason to leave the graph.
 
 Padding rows repeat the first row (same token, position, slot and pages), so the K/V they write are the
 first row's own, written to the same slot: padding never touches another request's pages.
@@ -32,11 +35,12 @@ from xavier_core.engine.request import Request, pages_for
 _MIN_PAGES = 4
 CHUNK_GATHER_BYTES = 64 << 20
 """Default bound on the K/V bytes per layer that a prefill chunk's rows gather (rows x their page bucket's
-keys x a key's K and V bytes). Every row of a chunk gathers the request's keys again, so a long prefix
-multiplies the gather by the chunk's rows: a 16-token suffix after 8,000 keys of a 7B-width model gathers
-268 MB per layer as rows, 16.8 MB at the 0.5B shape after 2,000. Past the bound the general forward,
-which gathers the keys once per chunk and attends with the flash kernel, is cheaper than the launches a
-graph saves."""
+keys x a key's K and V bytes). In a step with other requests' rows every row of a chunk gathers the
+request's keys again, so a long prefix multiplies the gather by the chunk's rows: a 16-token suffix after
+8,000 keys of a 7B-width model gathers 268 MB per layer as rows, 16.8 MB at the 0.5B shape after 2,000.
+Past the bound the general forward, which gathers the keys once per chunk and attends with the flash
+kernel, is cheaper than the launches a graph saves. A chunk alone in its step gathers once (16.8 MB for
+that 7B suffix)."""
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -47,11 +51,15 @@ def bucket(n: int, floor: int = 1) -> int:
     return size
 
 
+Key = tuple[int, int, bool]
+"""A bucket: (rows, pages, whether every row shares one page table: one request's chunk alone)."""
+
+
 @dataclass
 class _Slot:
-    """The static buffers of one (rows, pages) bucket and, once captured, its graph."""
+    """The static buffers of one bucket and, once captured, its graph."""
 
-    host: torch.Tensor  # [rows * (5 + pages)] int64 on the CPU, filled each step
+    host: torch.Tensor  # [rows * 5 + tables * pages] int64 on the CPU, filled each step
     device: torch.Tensor  # the same layout on the model's device; the graph reads it
     inputs: DecodeInputs  # views into `device`
     sample: torch.Tensor  # [rows] view into `device` after the inputs: the rows that sample, then zeros
@@ -59,16 +67,18 @@ class _Slot:
     logits: torch.Tensor | None = None  # the graph's output buffer
 
 
-def _slot(rows: int, pages: int, device: torch.device) -> _Slot:
-    host = torch.zeros(rows * (5 + pages), dtype=torch.long)
+def _slot(key: Key, device: torch.device) -> _Slot:
+    rows, pages, shared = key
+    tables = 1 if shared else rows
+    host = torch.zeros(rows * 5 + tables * pages, dtype=torch.long)
     dev = host.to(device)
-    table = 4 * rows + rows * pages
+    table = 4 * rows + tables * pages
     inputs = DecodeInputs(
         input_ids=dev[:rows],
         positions=dev[rows : 2 * rows],
         out_slots=dev[2 * rows : 3 * rows],
         seq_lens=dev[3 * rows : 4 * rows],
-        page_table=dev[4 * rows : table].view(rows, pages),
+        page_table=dev[4 * rows : table].view(tables, pages),
     )
     return _Slot(host, dev, inputs, dev[table:])
 
@@ -78,7 +88,8 @@ class DecodeRunner:
 
     `max_rows` (the engine's running limit) sets the largest row bucket, the one `capture_all` captures up
     to; with `chunks` off only decode-only steps are taken, and a step with a chunk only while its rows
-    gather at most `chunk_gather_bytes` of K/V per layer (`CHUNK_GATHER_BYTES`).
+    gather at most `chunk_gather_bytes` of K/V per layer (`CHUNK_GATHER_BYTES`). A chunk alone in its
+    step takes the shared-table buckets, which gather its keys once.
     """
 
     def __init__(
@@ -104,9 +115,10 @@ class DecodeRunner:
         self.graphs_captured = 0
         self.steps = 0
         self.prefill_chunks = 0  # prefill chunks run as rows of a step (see `accepts`)
+        self.shared_steps = 0  # of them, chunks alone in their step: K/V gathered once (shared table)
         self.max_rows = bucket(max_rows)
         self.max_pages = pool.num_pages
-        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._slots: dict[Key, _Slot] = {}
         self._mempool = torch.cuda.graph_pool_handle() if use_graphs else None
         # Held while a graph is captured. Other threads that issue CUDA work on this device (KV transfers,
         # page reads) take it too: work on the legacy default stream during a capture invalidates it.
@@ -122,7 +134,9 @@ class DecodeRunner:
         logprobs in this chunk keeps the general forward. The step's rows (its tokens) fit the largest
         row bucket, `max_rows`; every row's pages fit the largest page bucket (the pool). With graphs, a
         step that holds a chunk takes only a bucket already captured (`capture_all`, or an earlier
-        decode step): a chunk never starts a capture, which must not overlap transfers.
+        decode step): a chunk never starts a capture, which must not overlap transfers. A step of one
+        chunk alone gathers its keys once (a shared-table bucket), others once per row: either must
+        gather at most `chunk_gather_bytes` per layer.
         """
         if not items or sum(n for _, n in items) > self.max_rows:
             return False
@@ -141,7 +155,7 @@ class DecodeRunner:
             has_chunk = True
         if not has_chunk:
             return True
-        key = self._bucket(_rows(items))
+        key = self._bucket(items)
         if self.gather_bytes(key) > self.chunk_gather_bytes:
             return False
         if not self.use_graphs:
@@ -149,19 +163,20 @@ class DecodeRunner:
         slot = self._slots.get(key)
         return slot is not None and slot.graph is not None
 
-    def gather_bytes(self, key: tuple[int, int]) -> int:
-        """K/V bytes per layer that the rows of a (rows, pages) bucket gather (each row its page bucket)."""
-        rows, pages = key
-        return rows * pages * self.pool.page_size * self._key_bytes
+    def gather_bytes(self, key: Key) -> int:
+        """K/V bytes per layer that the rows of a bucket gather: each row its page bucket, or once for all
+        with a shared table."""
+        rows, pages, shared = key
+        return (1 if shared else rows) * pages * self.pool.page_size * self._key_bytes
 
     def run(self, items: Sequence[tuple[Request, int]]) -> torch.Tensor:
         """Float32 logits of one step that `accepts` took (writes every row's K/V): one row per item that
         samples (its chunk's last row; every decode row), in the items' order."""
         rows = _rows(items)
-        key = self._bucket(rows)
+        key = self._bucket(items)
         slot = self._slots.get(key)
         if slot is None:
-            slot = self._slots[key] = _slot(*key, self.pool.device)
+            slot = self._slots[key] = _slot(key, self.pool.device)
         sampling: list[int] = []
         offset = 0
         for req, n in items:
@@ -169,10 +184,11 @@ class DecodeRunner:
             if req.num_computed + n == len(req.tokens):
                 sampling.append(offset - 1)
         # The sampling rows travel with the inputs: an index copied after the replay would wait for it.
-        self._fill(slot.host, rows, sampling, *key)
+        self._fill(slot.host, rows, sampling, key)
         slot.device.copy_(slot.host)
         self.steps += 1
         self.prefill_chunks += sum(not _decode_row(req, n) for req, n in items)
+        self.shared_steps += key[2]
         if not self.use_graphs:
             logits = self.model.decode_static(slot.inputs, self.pool)
         else:
@@ -184,11 +200,14 @@ class DecodeRunner:
             return logits[: len(sampling)]
         return logits.index_select(0, slot.sample[: len(sampling)])
 
-    def _bucket(self, rows: Sequence[tuple[Request, int]]) -> tuple[int, int]:
-        """The (rows, pages) bucket of a step's rows."""
+    def _bucket(self, items: Sequence[tuple[Request, int]]) -> Key:
+        """The bucket of a step: its rows and pages padded, and whether it is one chunk alone of more than
+        one row (a single row has a single table either way)."""
         ps = self.pool.page_size
-        pages = bucket(max(pages_for(pos + 1, ps) for _, pos in rows), _MIN_PAGES)
-        return bucket(len(rows)), min(pages, self.max_pages)
+        rows = bucket(sum(n for _, n in items))
+        pages = bucket(max(pages_for(req.num_computed + n, ps) for req, n in items), _MIN_PAGES)
+        shared = len(items) == 1 and rows > 1 and not _decode_row(*items[0])
+        return rows, min(pages, self.max_pages), shared
 
     def capture_all(self, max_pages: int) -> int:
         """Captures every (rows, pages) bucket up to `max_rows` and `max_pages` now; returns how many were
@@ -208,44 +227,45 @@ class DecodeRunner:
         row_buckets = [1 << i for i in range(self.max_rows.bit_length())]
         top_pages = min(bucket(max_pages, _MIN_PAGES), self.max_pages)
         page_buckets = [p for p in (_MIN_PAGES << i for i in range(32)) if p < top_pages] + [top_pages]
-        for rows in row_buckets:
-            for pages in page_buckets:
-                slot = self._slots.get((rows, pages))
-                if slot is None:
-                    slot = self._slots[(rows, pages)] = _slot(rows, pages, self.pool.device)
-                if slot.graph is None:
-                    # One key per row at slot 0 of page 0 (no request owns pages yet); replays overwrite it.
-                    slot.host.zero_()
-                    slot.host[3 * rows : 4 * rows] = 1
-                    slot.device.copy_(slot.host)
-                    slot.graph, slot.logits = self._capture(slot.inputs)
+        keys = [(rows, pages, False) for rows in row_buckets for pages in page_buckets]
+        if self.chunks:
+            keys += [(rows, pages, True) for rows in row_buckets[1:] for pages in page_buckets]
+        for key in keys:
+            rows = key[0]
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = _slot(key, self.pool.device)
+            if slot.graph is None:
+                # One key per row at slot 0 of page 0 (no request owns pages yet); replays overwrite it.
+                slot.host.zero_()
+                slot.host[3 * rows : 4 * rows] = 1
+                slot.device.copy_(slot.host)
+                slot.graph, slot.logits = self._capture(slot.inputs)
         torch.cuda.synchronize(self.pool.device)
         return self.graphs_captured - before
 
     def _fill(
-        self,
-        host: torch.Tensor,
-        rows: Sequence[tuple[Request, int]],
-        sampling: list[int],
-        size: int,
-        pages: int,
+        self, host: torch.Tensor, rows: Sequence[tuple[Request, int]], sampling: list[int], key: Key
     ) -> None:
+        size, pages, shared = key
         ps = self.pool.page_size
         ids, positions, slots, lens, table = [], [], [], [], []
+        for req, pos in rows[-1:] if shared else rows:  # a shared table: the last row's covers them all
+            used = req.pages[: pages_for(pos + 1, ps)]
+            table += used
+            table += [used[-1]] * (pages - len(used))  # masked: any valid page will do
         for req, pos in rows:
             ids.append(req.tokens[pos])
             positions.append(pos)
             slots.append(req.pages[pos // ps] * ps + pos % ps)
             lens.append(pos + 1)
-            used = req.pages[: pages_for(pos + 1, ps)]
-            table += used
-            table += [used[-1]] * (pages - len(used))  # masked: any valid page will do
         pad = size - len(rows)
         ids += ids[:1] * pad
         positions += positions[:1] * pad
         slots += slots[:1] * pad
         lens += lens[:1] * pad
-        table += table[:pages] * pad
+        if not shared:
+            table += table[:pages] * pad
         sample = sampling + [0] * (size - len(sampling))
         host.copy_(torch.tensor(ids + positions + slots + lens + table + sample, dtype=torch.long))
 

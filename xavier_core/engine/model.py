@@ -60,8 +60,10 @@ class ForwardBatch:
 
 @dataclass
 class DecodeInputs:
-    """A decode-only batch with shapes fixed by its buckets: B rows (padded), P pages per row (padded).
+    """A batch of rows with shapes fixed by its buckets: B rows (padded), P pages per row (padded).
 
+    The page table has one row per row (R = B), or one for all (R = 1): the rows of one request's chunk
+    share its pages, so its K/V are gathered once and each row is masked at its own length.
     Padding rows repeat a real row, so the K/V they write land in the same slot with the same values.
     """
 
@@ -69,7 +71,7 @@ class DecodeInputs:
     positions: torch.Tensor  # [B]
     out_slots: torch.Tensor  # [B]
     seq_lens: torch.Tensor  # [B] keys visible to each row, its new token included
-    page_table: torch.Tensor  # [B, P] pool pages of each row; entries past its length are masked
+    page_table: torch.Tensor  # [R, P] pool pages (R = B or 1); entries past a row's length are masked
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -183,11 +185,13 @@ class CausalLM:
         consecutive positions (a prefill chunk) see each other's keys as a causal prefill does.
         """
         ps = pool.page_size
-        rows, width = inputs.page_table.shape[0], inputs.page_table.shape[1] * ps
-        slots = (inputs.page_table.unsqueeze(2) * ps + torch.arange(ps, device=self.device)).view(rows, width)
+        tables, width = inputs.page_table.shape[0], inputs.page_table.shape[1] * ps
+        slots = (inputs.page_table.unsqueeze(2) * ps + torch.arange(ps, device=self.device)).view(
+            tables, width
+        )
         hidden = torch.arange(width, device=self.device) >= inputs.seq_lens.unsqueeze(1)  # [B, L]
-        bias = torch.zeros(rows, width, device=self.device).masked_fill(hidden, float("-inf"))
-        attend = partial(self._paged_decode_attention, slots=slots, bias=bias.view(1, rows, 1, width))
+        bias = torch.zeros(hidden.shape, device=self.device).masked_fill(hidden, float("-inf"))
+        attend = partial(self._paged_decode_attention, slots=slots, bias=bias)
         h = self._layers(inputs.input_ids, inputs.positions, inputs.out_slots, pool, attend)
         return F.linear(_rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
@@ -239,22 +243,32 @@ class CausalLM:
         slots: torch.Tensor,
         bias: torch.Tensor,
     ) -> torch.Tensor:
-        """One query per row against the keys in its `slots`, `[B, heads*head_dim]`, without expanding K/V.
+        """One query per row against the keys in its `slots` row, `[B, heads*head_dim]`, without expanding
+        K/V.
 
-        K/V are gathered head-major, `[KV, B, L, D]`, so both matmuls read them as they come; the queries of
-        a KV head's group share one matmul against that head's keys. `bias` (0, or -inf past a row's
-        length) masks the page padding; the softmax runs in float32.
+        `slots` is `[R, L]`: R = B gives each row its own keys (decode rows of many requests), R = 1 gives
+        every row the same keys (one request's chunk), gathered once. K/V are gathered head-major,
+        `[KV, R, L, D]`, so both matmuls read them as they come; the queries of a KV head's group (times
+        the B / R rows sharing a table) share one matmul against that head's keys. `bias` `[B, L]` (0, or
+        -inf past a row's length) masks the page padding and, in a chunk, the keys after a row's own; the
+        softmax runs in float32.
         """
-        b = slots.shape[0]
+        b, (r, width) = q.shape[0], slots.shape
         kv_heads, d = k_buf.shape[1], k_buf.shape[2]
         k = k_buf.transpose(0, 1)[:, slots]
         v = v_buf.transpose(0, 1)[:, slots]
+        # Query head h reads KV head h // group: [KV, R, (B / R) * G, D], rows of a table then their heads.
         qg = (
-            (q * self.scale).view(b, kv_heads, -1, d).transpose(0, 1)
-        )  # query head h reads KV head h // group
-        scores = torch.matmul(qg, k.transpose(-1, -2)) + bias  # float16 + float32: float32 [KV, B, G, L]
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, v).transpose(0, 1).reshape(b, -1)
+            (q * self.scale)
+            .view(r, b // r, kv_heads, -1, d)
+            .permute(2, 0, 1, 3, 4)
+            .reshape(kv_heads, r, -1, d)
+        )
+        scores = torch.matmul(qg, k.transpose(-1, -2)).view(kv_heads, r, b // r, -1, width)
+        scores = scores + bias.view(1, r, b // r, 1, width)  # float16 + float32: float32
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads, r, -1, width)
+        out = torch.matmul(probs, v).view(kv_heads, r, b // r, -1, d)  # [KV, R, B / R, G, D]
+        return out.permute(1, 2, 0, 3, 4).reshape(b, -1)
 
     def _attention(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, batch: ForwardBatch

@@ -435,6 +435,8 @@ class ReferenceEngine:
                     "decode_graphs": decoder.graphs_captured if decoder else 0,
                     # Prefill chunks run as decode rows (`DecodeRunner.accepts`), not by the general forward.
                     "static_prefill_chunks": decoder.prefill_chunks if decoder else 0,
+                    # Of them, chunks alone in their step: the request's K/V gathered once per layer.
+                    "static_shared_chunks": decoder.shared_steps if decoder else 0,
                 },
             )
 
