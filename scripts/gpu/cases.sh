@@ -13,6 +13,9 @@
 #                     checks, the GB/s points: 125 pages at the 0.5B shape, 500 at 7B width (28 layers)
 #   profile           a warm local prefix hit's GPU kernels (torch.profiler, benchmarks/prefix_hit.py): 0.5B-shaped
 #                     at 2,000 tokens, 7B width at 8 layers at 8,000
+#   chunk             a prefix hit's suffix (16 rows) as one static step, a page table per row vs one shared
+#                     table, eager and graphed (benchmarks/static_chunk.py): 7B width at 28 layers after 8,000
+#                     keys, 0.5B-shaped after 2,000
 #   pd ROUNDS [S]     SGLang P/D: native vs pd, interleaved, ROUNDS rounds, no level started after S seconds
 #                     (default 420: a call's 600 s covers the servers' start)
 #   hicache [SHAPE [ARGS]]  SGLang HiCache on the Xavier store vs SGLang's file L3, 2,000 and 8,000 tokens
@@ -108,6 +111,16 @@ print(sys.argv[1].rsplit("/", 1)[-1], "cold", round(d["cold_ms"], 2), "warm", ro
 for k in t["top_gpu"][:12]:
     print("  ", round(k["ms"], 3), k["count"], k["name"])
 PY
+      done
+      ;;
+    chunk)
+      for shape in "7b 7b-width 28 8000" "05b qwen2.5-0.5b 0 2000"; do
+        set -- $shape
+        python3 benchmarks/static_chunk.py --device "$device" --shape "$2" --layers "$3" --prefix "$4" \
+          --out "$out/static-chunk-$1.json" > /dev/null 2> "$logs/chunk-$1.stderr" || tail -n 20 "$logs/chunk-$1.stderr"
+        [ -f "$out/static-chunk-$1.json" ] && python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(
+          sys.argv[1].rsplit('/', 1)[-1], {k: round(v, 3) for k, v in d['ms'].items()}, 'rows/shared',
+          {k: round(v, 2) for k, v in d['rows_over_shared'].items()}, 'diff', d['max_abs_logit_diff'])" "$out/static-chunk-$1.json"
       done
       ;;
     pd)
