@@ -141,3 +141,25 @@ async def test_quarantined_pages_are_never_handed_out_again(engine_factory: Fact
     rest = engine.reserve_pages("rest", (total - len(stuck)) * engine.page_size - 1)
     assert not stuck & set(rest)
     engine.release_pages("rest")
+
+
+async def test_quarantined_pages_come_back_once_the_read_ends(engine_factory: Factory) -> None:
+    """With the read's end to wait for (`until`), the pages stay out of use until it completes, then go
+    back to the pool; a wait that fails or is cancelled keeps them out for good."""
+    engine = engine_factory("llama")
+    total = engine.stats().pages_total
+    loop = asyncio.get_running_loop()
+    ended, broken, cancelled = loop.create_future(), loop.create_future(), loop.create_future()
+    sizes = {}
+    for rid, until in (("ends", ended), ("breaks", broken), ("cancelled", cancelled)):
+        sizes[rid] = len(engine.reserve_pages(rid, 40))
+        assert engine.quarantine_pages(rid, until=until) == sizes[rid]
+    held = sum(sizes.values())
+    assert engine.stats().pages_quarantined == held and engine.stats().pages_free == total - held
+    ended.set_result(None)
+    broken.set_exception(RuntimeError("the port closed"))
+    cancelled.cancel()
+    await asyncio.sleep(0)  # the futures' callbacks run
+    s = engine.stats()
+    kept = sizes["breaks"] + sizes["cancelled"]
+    assert s.pages_quarantined == kept and s.pages_free == total - kept

@@ -1,10 +1,11 @@
 """An injected stuck read: the decode's READ into its reserved pages never ends.
 
-The decode runs with XAVIER_FAULT_STUCK_READS=1 (the test-only hook in KvReceiver): its READs are never
-seen to end, so a pull times out and its READ is still "in flight" at the park timeout. The request must
-end with a clear status (UNAVAILABLE, reason TRANSFER_STUCK), and the decode must keep the pages that
-READ may still write out of use for good (quarantined, counted), never free them; the prefill unpins its
-source, the directory ends the room, and the decode stays up.
+The decode runs with XAVIER_FAULT_STUCK_READS naming a file (the test-only hook in KvReceiver): while the
+file exists its READs are never seen to end, so a pull times out and its READ is still "in flight" at the
+park timeout. The request must end with a clear status (UNAVAILABLE, reason TRANSFER_STUCK), and the
+decode must keep the pages that READ may still write out of use (quarantined, counted), never free them;
+the prefill unpins its source, the directory ends the room, and the decode stays up. Once the READ ends
+(the file goes), the decode takes the pages back: nothing is lost for good.
 """
 
 from __future__ import annotations
@@ -32,15 +33,22 @@ SHORT = {"XAVIER_HANDOFF__TRANSFER_TIMEOUT_SECONDS": "1", "XAVIER_HANDOFF__PARK_
 
 @pytest.fixture(scope="module")
 def stuck_mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = Mesh(tiny_model, tmp_path_factory.mktemp("stuck-read"), {**FAST_ENV, **SHORT})
+    workdir = tmp_path_factory.mktemp("stuck-read")
+    m = Mesh(tiny_model, workdir, {**FAST_ENV, **SHORT})
     try:
         m.start_directory()
         m.start_peer("prefill-0", "prefill")
-        m.env = {**FAST_ENV, **SHORT, STUCK_READS_ENV: "1"}
+        hook = workdir / "reads-stuck"
+        hook.touch()  # the decode's READs look in flight while this file exists
+        m.env = {**FAST_ENV, **SHORT, STUCK_READS_ENV: str(hook)}
         m.start_peer("decode-0", "decode")
         yield m
     finally:
         m.stop()
+
+
+def _unstick(mesh: Mesh) -> None:
+    Path(mesh.env[STUCK_READS_ENV]).unlink()
 
 
 async def _decode_engine(mesh: Mesh) -> types_pb2.EngineStats:
@@ -74,3 +82,12 @@ async def test_a_read_still_running_at_the_park_timeout_quarantines_its_pages(st
             break
         await asyncio.sleep(0.1)
     assert not any(stats.values()), stats
+    assert (await _decode_engine(mesh)).pages_quarantined == before.pages_quarantined + 5  # still held
+
+    _unstick(mesh)  # the READ ends: the decode takes its pages back
+    for _ in range(300):
+        now = await _decode_engine(mesh)
+        if now.pages_quarantined == before.pages_quarantined:
+            break
+        await asyncio.sleep(0.1)
+    assert now.pages_quarantined == before.pages_quarantined and now.pages_free == before.pages_free

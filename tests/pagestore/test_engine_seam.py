@@ -21,7 +21,7 @@ from xavier_core.engine.reference import ReferenceEngine
 from xavier_core.engine.store_link import OUTPUT_BATCH_PAGES
 from xavier_core.engine.tiny import make_tiny
 from xavier_core.pagestore import ClientSettings, PageStoreClient
-from xavier_core.pagestore.connection import TransferStuck
+from xavier_core.pagestore.connection import HolderStuck, TransferStuck
 
 pytestmark = pytest.mark.integration
 
@@ -166,3 +166,38 @@ async def test_a_generating_request_writes_its_output_through_in_batches(
     assert client.counters.writes - before.writes == 1 + output_pages // batch + (output_pages % batch > 0)
     assert client.counters.pages_written - before.pages_written == full
     await _settle(engine)
+
+
+async def test_pages_of_a_stuck_copy_from_the_holder_come_back_once_it_ends(
+    engine: ReferenceEngine, model: Path, store: ServiceProc
+) -> None:
+    """A copy from the replica that wrote the pages (`share`) still running after it failed keeps the
+    fetch's pages out of use until the copy's end is told (`HolderStuck.released`), then they go back."""
+    writer = ReferenceEngine.load(model, num_pages=300, max_running=4)
+    client = PageStoreClient(store.address, writer.kv_buffers(), holder=("writer", 1))
+    writer.use_page_store(client, "fp-seam")
+    ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    asked: list[tuple[str, int]] = []
+
+    async def stuck(holder: tuple[str, int], *_: Any) -> int:
+        asked.append(holder)
+        raise HolderStuck("copy from writer: still in flight after the park timeout", ended)
+
+    tokens = prompt(6, 400)
+    try:
+        events = [ev async for ev in writer.generate("w", tokens, GREEDY)]  # written through
+        assert all(isinstance(ev, TokenEvent) for ev in events)
+        await client.flush()
+        assert engine._store is not None
+        engine._store.share = stuck
+        res = await engine.prefill("seam-holder-stuck", [*tokens, 5], GREEDY)  # served as a miss
+        assert res.cached_tokens == 0 and asked == [("writer", 1)]
+        engine.release_pages("seam-holder-stuck")
+        await engine._store.client.flush()
+        engine._cache.clear()
+        assert engine.stats().pages_total - engine.stats().pages_free == len(tokens) // 16  # held
+        ended.set_result(None)  # the copy has ended
+        await _settle(engine)
+    finally:
+        await client.close()
+        await writer.close()

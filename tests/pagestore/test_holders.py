@@ -3,6 +3,7 @@ of the first hit page and how many leading hit pages share it (`GetPagesResponse
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -284,7 +285,8 @@ async def test_a_fetch_copies_from_the_holder_or_reads_what_it_could_not(store: 
 
 async def test_a_holder_copy_still_running_after_it_failed_marks_the_pages_unsafe(store: ServiceProc) -> None:
     """The copy from the holder lands in the fetch's pool pages themselves, staged client or not: one that
-    was still running at its park timeout ends the fetch with the pages marked unsafe, the store unread."""
+    was still running at its park timeout ends the fetch with the pages marked unsafe, the store unread,
+    and hands on where the copy's end will be told."""
     fp = "fp-holder-stuck"
     ns = PageNamespace(fp)
     keys = chain(fp, "", 8, 3)
@@ -296,14 +298,16 @@ async def test_a_holder_copy_still_running_after_it_failed_marks_the_pages_unsaf
         PageStoreClient(store.address, buffers(pools[1]), ClientSettings(stage_host_pool=True)),
     ]
 
+    ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # where the copy's end is told
+
     async def stuck(holder: tuple[str, int], at: int, pages: list[int]) -> int:
-        raise HolderStuck("copy from a: still in flight after the park timeout")
+        raise HolderStuck("copy from a: still in flight after the park timeout", ended)
 
     try:
         assert await writer.write(ns, keys, [0, 1, 2]) == 3
         for reader in readers:
             got = await reader.fetch(ns, keys, InOrder([10, 11, 12]), from_holder=stuck)
-            assert (got.hit, got.stuck) == (0, True)
+            assert (got.hit, got.stuck, got.released) == (0, True, ended)
             assert reader.counters.errors == 1 and reader.counters.reads == 0  # the store was not READ
         staging = readers[1].staging
         assert staging is not None and staging.usable == staging.slots  # no slot was taken, none retired

@@ -22,6 +22,7 @@ from tests.transfer.kvpool import PAGE_SIZE, kv_buffers, make_pool, page_bytes, 
 from xavier_core.runtime.errors import FailedPrecondition, LayoutMismatch, Unavailable
 from xavier_core.transfer import KvPort, peer_key
 from xavier_core.transfer.nixl.rooms import KvPoll, KvReceiver
+from xavier_core.transfer.port.core import REAP_POLL_S
 from xavier_core.transfer.port.pulls import ReadStuck
 
 pytestmark = pytest.mark.integration
@@ -163,7 +164,8 @@ async def test_a_failed_read_still_running_at_the_park_timeout_is_told_apart(
 ) -> None:
     """A pull that times out and whose READ NIXL will not let go of within the park timeout raises
     `ReadStuck` (not the plain transfer failure a caller may free its pages after), and the port
-    remembers the room once for the caller (`take_stuck`)."""
+    remembers the room once for the caller (`take_stuck`), with a future that completes once the READ
+    has let go."""
     port, _ = reader
     src = PortSource(source_conn)
     desc, endpoint = await src.publish(104, [3, 4])
@@ -173,14 +175,17 @@ async def test_a_failed_read_still_running_at_the_park_timeout_is_told_apart(
     with pytest.raises(ReadStuck) as err:
         await port.pull(104, desc, endpoint, SRC_KEY, [7, 8], timeout=0.1, park_timeout=0.2)
     assert err.value.reason == "TRANSFER_STUCK"
-    assert port.take_stuck(104) and not port.take_stuck(104)
-    monkeypatch.undo()
+    released = port.take_stuck(104)
+    assert released is not None and port.take_stuck(104) is None
+    assert not released.done()
+    monkeypatch.undo()  # the READ lets go now: the port says so within its next ask
+    await asyncio.wait_for(released, 10 * REAP_POLL_S)
     # A pull that times out and lets go in time is the plain failure, and nothing is remembered.
     monkeypatch.setattr(KvReceiver, "poll", lambda self: KvPoll.TRANSFERRING)
     desc, endpoint = await src.publish(105, [3, 4])
     with pytest.raises(Unavailable) as plain:
         await port.pull(105, desc, endpoint, SRC_KEY, [7, 8], timeout=0.1, park_timeout=5)
     assert not isinstance(plain.value, ReadStuck) and plain.value.reason == "TRANSFER_FAILED"
-    assert not port.take_stuck(105)
+    assert port.take_stuck(105) is None
     for room in (104, 105):
         await src.call("unpublish", room, False)

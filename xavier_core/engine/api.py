@@ -22,6 +22,8 @@ from xavier_core.sampling import check_sampling
 from xavier_core.transfer.common.buffers import KvBuffer
 
 if TYPE_CHECKING:
+    import asyncio
+
     from xavier_core.engine.store_link import SharePull
     from xavier_core.pagestore.client import PageStoreClient
 
@@ -216,7 +218,7 @@ class EngineStats:
     pages_pinned: int
     running: int
     waiting: int
-    pages_quarantined: int = 0  # out of use for good: a read into them may still run (`quarantine_pages`)
+    pages_quarantined: int = 0  # out of use while a read into them may still run (`quarantine_pages`)
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0  # local prefix cache plus page store
     prompt_tokens_cached_store: int = 0  # the page store's share of `prompt_tokens_cached`
@@ -292,9 +294,9 @@ class Engine(Protocol):
         Idempotent."""
         ...
 
-    def quarantine_pages(self, request_id: str) -> int:
-        """Takes the request's pinned pages out of use for good (a read into them may still be running);
-        returns how many. Idempotent."""
+    def quarantine_pages(self, request_id: str, until: asyncio.Future[None] | None = None) -> int:
+        """Takes the request's pinned pages out of use (a read into them may still be running) until
+        `until` completes (the read ended), for good without it; returns how many. Idempotent."""
         ...
 
     def reserve_pages(self, request_id: str, num_tokens: int) -> tuple[int, ...]:

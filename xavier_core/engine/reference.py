@@ -362,15 +362,28 @@ class ReferenceEngine:
         with self._lock:
             self._cache.release(self._allocator.unpin(request_id))
 
-    def quarantine_pages(self, request_id: str) -> int:
-        """Takes a request's pinned pages out of use for good (a read into them may still be running: freed,
-        they could be overwritten under another request); returns how many. Idempotent."""
+    def quarantine_pages(self, request_id: str, until: asyncio.Future[None] | None = None) -> int:
+        """Takes a request's pinned pages out of use (a read into them may still be running: freed, they
+        could be overwritten under another request) until `until` completes (the read has ended), for good
+        without it or if it fails; returns how many. Idempotent."""
         with self._lock:
             pages = self._allocator.unpin(request_id)
-            self._quarantined += len(pages)  # their references are never released: never handed out again
-        if pages:
-            log.error("%d pages of %s kept out of use: a read into them may still be running", len(pages),
-                      request_id)  # fmt: skip
+            self._quarantined += len(pages)  # their references stay held: never handed out meanwhile
+        if not pages:
+            return 0
+        log.error("%d pages of %s kept out of use: a read into them may still be running", len(pages),
+                  request_id)  # fmt: skip
+
+        def lift(done: asyncio.Future[None]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return
+            with self._lock:
+                self._cache.release(pages)
+                self._quarantined -= len(pages)
+            log.info("%d pages of %s back in use: the read into them ended", len(pages), request_id)
+
+        if until is not None:
+            until.add_done_callback(lift)
         return len(pages)
 
     def decode_from_pages(

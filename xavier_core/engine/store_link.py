@@ -172,10 +172,10 @@ class StoreLink:
                 last = first + at + len(pages)
                 return share(holder, req.prompt[: last * p], req.cache_salt, first + at, pages)
 
-        hit, stuck = 0, False
+        hit, stuck, released = 0, False, None
         try:
             got = await self.client.fetch(ns, keys, allocate, from_holder=from_holder)
-            hit, stuck = got.hit, got.stuck
+            hit, stuck, released = got.hit, got.stuck, got.released
         finally:
             p = self.page_size
             clock = StepClock()
@@ -183,12 +183,27 @@ class StoreLink:
                 for i in range(hit):
                     at = (first + i) * p
                     self.cache.insert(keys[i], dest[i], req.prompt[at : at + p])
-                if stuck:  # NIXL may still write into them: kept referenced, never handed out again
-                    log.error("page store: %d pool pages lost to a stuck READ", len(dest) - hit)
-                else:
+                if not stuck:
                     self.cache.release(dest[hit:])
             clock.flush()
+        if stuck:  # a transfer may still write into them: kept referenced, not handed out meanwhile
+            self._keep_until(dest[hit:], released)
         return dest[:hit]
+
+    def _keep_until(self, pages: list[int], released: asyncio.Future[None] | None) -> None:
+        """Keeps pages a stuck transfer may still write out of use until `released` completes (for good
+        without it, or if it fails)."""
+        if released is None:
+            log.error("page store: %d pool pages lost to a stuck READ", len(pages))
+            return
+        log.error("page store: %d pool pages out of use until a stuck copy ends", len(pages))
+
+        def lift(done: asyncio.Future[None]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self.release(pages)
+                log.info("page store: %d pool pages back in use: the stuck copy ended", len(pages))
+
+        released.add_done_callback(lift)
 
     def release(self, pages: Sequence[int]) -> None:
         """Drops the references a prefix held (a request that never reached the scheduler)."""

@@ -20,6 +20,7 @@ read straight out of the store process's memory instead of by NIXL READs (`direc
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -91,7 +92,10 @@ class Fetched:
     """The first `hit` pages hold verified bytes of the first `hit` keys; the rest hold unspecified bytes."""
     stuck: bool
     """A timed-out READ that NIXL refused to cancel may still write into the pages past `hit`: the caller
-    must never reuse them (they are lost to the pool, as a device pool loses the staging slots)."""
+    must not reuse them (lost to the pool, as a device pool loses the staging slots, unless `released`)."""
+    released: asyncio.Future[None] | None = None
+    """With `stuck`, where the transfer's end can be told (a copy from the holder): completes once it has
+    ended, and the pages past `hit` may then go back into use."""
 
 
 FromHolder = Callable[[tuple[str, int], int, list[int]], Awaitable[int]]
@@ -195,6 +199,7 @@ class PageStoreClient:
         self._metrics.lookups.inc()
         hit = 0
         stuck = False
+        released: asyncio.Future[None] | None = None
         given: set[int] = set()
         clock = StepClock()
         started = time.perf_counter()
@@ -220,6 +225,7 @@ class PageStoreClient:
             # A device pool's stuck READ writes into staging slots (never lent again), not into pages; a
             # stuck copy from the holder writes into the pages in any pool.
             stuck = isinstance(exc, HolderStuck) or (isinstance(exc, TransferStuck) and self.staging is None)
+            released = exc.released if isinstance(exc, HolderStuck) else None
             self.failed("get", exc)
         finally:
             clock.add("fetch", time.perf_counter() - started)
@@ -228,7 +234,7 @@ class PageStoreClient:
         self.counters.miss_pages += len(keys) - hit
         self._metrics.hit_pages.inc(hit)
         self._metrics.miss_pages.inc(len(keys) - hit)
-        return Fetched(hit, stuck)
+        return Fetched(hit, stuck, released)
 
     async def exists(self, namespace: PageNamespace, keys: Sequence[bytes]) -> int:
         """Length of the stored prefix of `keys` (0 when the store cannot be asked)."""

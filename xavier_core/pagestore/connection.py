@@ -71,7 +71,12 @@ class TransferStuck(PeerError):
 
 class HolderStuck(TransferStuck):
     """A copy from the pages' holder (`from_holder`) still running after it failed: it lands in the fetch's
-    pool pages themselves (never in staging slots), so those may still change."""
+    pool pages themselves (never in staging slots), so those may still change; until `released`
+    completes (the copy has ended), or for good without it."""
+
+    def __init__(self, message: str, released: asyncio.Future[None] | None = None) -> None:
+        super().__init__(message)
+        self.released = released
 
 
 class _StoreChanged(Exception):

@@ -292,8 +292,9 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         its decline, told the prefill)."""
         host = self.host
         try:
-            if read_posted and host.port.take_stuck(room_id):  # the read may still land: never reused
-                host.engine.quarantine_pages(rid)
+            stuck = host.port.take_stuck(room_id) if read_posted else None
+            if stuck is not None:  # the read may still land: out of use until it has ended
+                host.engine.quarantine_pages(rid, until=stuck)
             await host.engine.abort(rid)
             host.engine.release_pages(rid)
             if room and not completed:

@@ -12,7 +12,7 @@ Anything short of every asked page (the holder is this replica, gone, re-registe
 them, refuses, or the pull fails) answers 0 and the fetch READs the store as before: sharing can only
 save a read, never fail a request. The store lease taken by GetPages covers the pages meanwhile. The one
 exception is a failed pull whose copy was still running at the park timeout: the pages may still change,
-so the fetch ends there (`HolderStuck`) and its pages are kept out of use.
+so the fetch ends there (`HolderStuck`) and its pages are kept out of use until the copy has ended.
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ class PrefixSharing:
             return 0
         try:
             return await self._pull(holder, me, token_ids, cache_salt, first_page, dest)
-        except ReadStuck as err:
-            raise HolderStuck(f"copy from {holder[0]}: {err.message}") from err
+        except HolderStuck:
+            raise
         except XavierError as err:
             log.info("prefix sharing: the holder's pages did not come", holder=holder[0], reason=err.reason)
             return 0
@@ -124,8 +124,11 @@ class PrefixSharing:
                 try:
                     timeouts = (self._transfer_timeout, self._park_timeout)
                     await self._port.pull(room_id, resp.source, peer.endpoint, key, dest, *timeouts)
+                except ReadStuck as err:  # the pages are the fetch's to keep until the copy has ended
+                    released = self._port.take_stuck(room_id)
+                    raise HolderStuck(f"copy from {holder[0]}: {err.message}", released) from err
                 finally:
-                    self._port.take_stuck(room_id)  # a stuck copy raised ReadStuck (or was cancelled)
+                    self._port.take_stuck(room_id)  # a cancelled stuck copy: nobody waits for its end
             return len(dest)
         finally:
             clock.flush()

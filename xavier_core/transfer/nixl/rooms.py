@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import hmac
 import logging
+import os
 import secrets
 import threading
 import time
@@ -81,11 +82,16 @@ class KvManager:
         # through the directory must unpin the source. Never set in production.
         self.drop_done_notifications = False
         self.notifications_lost = 0
-        # Fault injection likewise (XAVIER_FAULT_STUCK_READS): a reader's READs are never seen to end, so a
-        # pull times out with its READ still "in flight" at the park timeout. Never set in production.
-        self.stuck_reads = False
+        # Fault injection likewise (XAVIER_FAULT_STUCK_READS, a file path): while that file exists, a
+        # reader's READs are never seen to end, so a pull times out with its READ still "in flight" at the
+        # park timeout; once it is gone they end as NIXL says. Never set in production.
+        self.stuck_reads = ""
         self.bytes_read = 0
         self.read_seconds = 0.0
+
+    def reads_stuck(self) -> bool:
+        """Whether the stuck-reads fault hook holds READs in flight now."""
+        return bool(self.stuck_reads) and os.path.exists(self.stuck_reads)
 
     def progress(self) -> int:
         """Polls NIXL notifications (this also moves reads of our pages forward) and routes them to
@@ -321,7 +327,7 @@ class KvReceiver:
     def poll(self) -> KvPoll:
         """Drives the READ and returns the state."""
         with self._lock:
-            if not self.manager.stuck_reads:
+            if not self.manager.reads_stuck():
                 self._check()
             return self._state
 
@@ -336,7 +342,7 @@ class KvReceiver:
     def in_flight(self) -> bool:
         """True while the READ may still write the destination pages (invariant I1)."""
         with self._lock:
-            if self.manager.stuck_reads:
+            if self.manager.reads_stuck():
                 return self._xfer is not None
             self._check()
             return self._xfer is not None and self._xfer.in_flight

@@ -16,7 +16,7 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -44,7 +44,10 @@ DEFAULT_POLL_INTERVAL_S = 0.0005
 NOTIF_FLUSH_S = 1.0
 # Test-only fault injection: "1" makes this process's sources discard every reader "done" notification.
 DROP_DONE_ENV = "XAVIER_FAULT_DROP_DONE_NOTIFICATIONS"
+# Test-only as well: a file path; while that file exists, this process's READs are never seen to end.
 STUCK_READS_ENV = "XAVIER_FAULT_STUCK_READS"
+REAP_POLL_S = 1.0
+"""How often a read still running past its park timeout is asked again whether it ended."""
 
 _Ended = list[tuple["asyncio.Future[KvPoll]", KvPoll]]
 
@@ -123,12 +126,36 @@ class PortCore:
         self.manager = KvManager(self.agent, self._buffers, page_size)
         # Fault-injection hook for tests/faults (a lost NIXL "done" notification); see KvManager.
         self.manager.drop_done_notifications = os.environ.get(DROP_DONE_ENV, "") == "1"
-        self.manager.stuck_reads = os.environ.get(STUCK_READS_ENV, "") == "1"  # tests/faults, as well
+        self.manager.stuck_reads = os.environ.get(STUCK_READS_ENV, "")  # tests/faults, as well
         # Owned by the asyncio loop: published rooms, and rooms whose publication is under way.
         self._published: dict[int, Published] = {}
         self._publishing: set[int] = set()
-        self.stuck_rooms: set[int] = set()
-        """Rooms whose pull failed with its read still running at the park timeout (`KvPort.take_stuck`)."""
+        self.stuck_rooms: dict[int, asyncio.Future[None]] = {}
+        """Rooms whose pull failed with its read still running at the park timeout (`KvPort.take_stuck`),
+        each with a future that completes once that read has ended (`reap`)."""
+        self._reapers: set[asyncio.Task[None]] = set()
+
+    def reap(self, room_id: int, ended: Callable[[], Awaitable[object]]) -> None:
+        """Remembers a stuck room; `ended()` returns once its read can no longer touch the pages, and
+        then the room's future completes (its pages may go back into use)."""
+        released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.stuck_rooms[room_id] = released
+
+        async def wait() -> None:
+            await ended()
+            log.info("a stuck KV read ended; its pages may be used again", room=room_id)
+            if not released.done():
+                released.set_result(None)
+
+        task = asyncio.get_running_loop().create_task(wait())
+        self._reapers.add(task)
+        task.add_done_callback(self._reapers.discard)
+
+    async def stop_reaping(self) -> None:
+        """Stops waiting for stuck reads (the port closes: their pages stay out of use)."""
+        for task in list(self._reapers):
+            task.cancel()
+        await asyncio.gather(*self._reapers, return_exceptions=True)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs `fn(*args)` on the NIXL thread."""

@@ -358,13 +358,11 @@ class KvPort(PortCore):
             log.warning("staging chunk sizes differ from the source's; reading page runs", peer=peer)
         return "nixl", None
 
-    def take_stuck(self, room_id: int) -> bool:
+    def take_stuck(self, room_id: int) -> asyncio.Future[None] | None:
         """Whether `room_id`'s pull ended (failed or cancelled) with its read still running at the park
-        timeout, forgetting it: the pages it read into may still change and must never be used again."""
-        if room_id in self.stuck_rooms:
-            self.stuck_rooms.discard(room_id)
-            return True
-        return False
+        timeout, forgetting it: if so, a future that completes once that read has ended. Until then the
+        pages it read into may still change and must not be used; None for any other room."""
+        return self.stuck_rooms.pop(room_id, None)
 
     async def warm(self, peer: str, endpoint: types_pb2.TransferEndpoint) -> bool:
         """Connects to a peer before its first transfer: its agent loaded (and the read-end agent's
@@ -430,6 +428,7 @@ class KvPort(PortCore):
         await pulls.decline(self, room_id, read_token, endpoint, peer)
 
     async def close(self) -> None:
+        await self.stop_reaping()
         if self._ipc is not None:
             await self.run(self._ipc.close)
         await self.run(self.agent.close)

@@ -6,7 +6,8 @@ by `park_timeout`) until nothing can touch the pages or slab chunks any more bef
 caller may free them; the engine loop never waits, since the work is polled on the NIXL thread. A read
 still running at the park timeout is said apart: the pull raises `ReadStuck` (a cancelled one stays
 cancelled) and the port remembers the room (`PortCore.stuck_rooms`), so the caller keeps the pages out of
-use instead of freeing them. And the
+use instead of freeing them, until the read has ended (the room's future, asked every `REAP_POLL_S`). And
+the
 source always learns how the read ended (a NIXL notification with its read token), or that no read
 will come (`decline`), so it unpins at once instead of at its park timeout.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from xavier.v1 import types_pb2
@@ -27,7 +28,7 @@ from xavier_core.transfer.common.peers import split_peer_key
 from xavier_core.transfer.common.runs import Mode
 from xavier_core.transfer.common.source import SourceInfo
 from xavier_core.transfer.nixl.rooms import KvPoll, KvReceiver, fail_notif
-from xavier_core.transfer.port.core import IpcCopy, PortCore
+from xavier_core.transfer.port.core import REAP_POLL_S, IpcCopy, PortCore
 from xavier_core.transfer.staged.read import PIPELINE_DEPTH, StagedRead
 from xavier_core.transfer.staged.slab import I64, Slab, View
 
@@ -48,13 +49,25 @@ class ReadStuck(Unavailable):
         )
 
 
-def _stuck(core: PortCore, exc: BaseException, room_id: int, what: str) -> None:
-    """After a failed pull whose read did not end: remembered on the port, and raised as `ReadStuck` in
-    place of an error (a cancellation goes on as one)."""
+def _stuck(
+    core: PortCore, exc: BaseException, room_id: int, what: str, ended: Callable[[], Awaitable[object]]
+) -> None:
+    """After a failed pull whose read did not end: remembered on the port until `ended()` returns (the
+    read can no longer touch the pages), and raised as `ReadStuck` in place of an error (a cancellation
+    goes on as one)."""
     log.error(f"KV {what} still running after the park timeout", room=room_id)
-    core.stuck_rooms.add(room_id)
+    core.reap(room_id, ended)
     if isinstance(exc, Exception):
         raise ReadStuck(room_id, what) from exc
+
+
+async def _idle_at_last(core: PortCore, receiver: KvReceiver) -> None:
+    """Returns once a stuck NIXL read has ended, asking every `REAP_POLL_S`; forgets the receiver."""
+    while True:
+        if await core.run(receiver.wait_idle, 0.0):
+            break
+        await asyncio.sleep(REAP_POLL_S)
+    await core.run(receiver.clear)
 
 
 async def decline(
@@ -135,7 +148,7 @@ async def pull_ipc(
         if not posted:
             await asyncio.shield(decline(core, room_id, info.token, endpoint, peer))
         elif not await _park(copy.done, park_timeout):
-            _stuck(core, exc, room_id, "copy")
+            _stuck(core, exc, room_id, "copy", lambda: asyncio.shield(copy.done))
         raise
 
 
@@ -179,7 +192,7 @@ async def pull_nixl(
         if not posted:
             await asyncio.shield(decline(core, room_id, info.token, endpoint, peer))
         if not await asyncio.shield(_quiesce(core, receiver, park_timeout)):
-            _stuck(core, exc, room_id, "read")
+            _stuck(core, exc, room_id, "read", lambda: _idle_at_last(core, receiver))
         raise
     # A read that succeeded was cleared on the NIXL thread when its end was seen (`PortCore._tick`).
 
@@ -259,7 +272,7 @@ async def pull_staged(
                 ) from None
             raise
         if not await _park(done, park_timeout):
-            _stuck(core, exc, room_id, "staged read")
+            _stuck(core, exc, room_id, "staged read", lambda: asyncio.shield(done))
         raise
     return True
 

@@ -967,8 +967,8 @@ class EngineStats(_message.Message):
     store_errors: _builtins.int
     """The number of page store calls that failed and were served as a miss or a lost write."""
     pages_quarantined: _builtins.int
-    """The number of pages taken out of use for good: a read into them was still running at the park
-    timeout after it failed (reason TRANSFER_STUCK), so they are never handed out again.
+    """The number of pages out of use now because a read into them was still running at the park timeout
+    after it failed (reason TRANSFER_STUCK): none is handed out again before that read has ended.
     """
     def __init__(
         self,
