@@ -34,12 +34,13 @@ bound, and a thread that holds it alone pays nothing.
 
 Host pages of a get stay under a hold (`quarantine`) until the READ into them has ended, even when the
 wait for it gave up first; a READ NIXL refused to cancel (`Fetched.stuck`) keeps its pages out of the pool
-for good.
+until it has ended (`Fetched.released`), for good if nothing can tell that.
 """
 # mypy: disable-error-code="misc"
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import sys
@@ -201,7 +202,7 @@ class XavierHiCacheStorage(HiCacheStorage):
         before = fetch_step_seconds() if tracing() else None
         allocate = InOrder([tokens[i * page] // page for i in range(len(keys))])
         # SGLang frees the pages it is told are missing and lends them again: they stay held until the
-        # fetch has ended (not when the wait below gives up), and for good if its READ is stuck.
+        # fetch has ended (not when the wait below gives up), and while a stuck READ may still write.
         hold = guard.hold(tokens)
         future = self._loop.submit(client.fetch(ns, self._store_keys(keys), allocate))
         future.add_done_callback(lambda f: self._settle(f, hold, tokens, allocate))
@@ -230,8 +231,21 @@ class XavierHiCacheStorage(HiCacheStorage):
             guard.lift(hold)
             return
         keep = tokens[got.hit * self._page_size : allocate.handed * self._page_size]
-        log.error("page store: %d host pages lost to a stuck READ", len(keep) // self._page_size)
         guard.lift(hold, keep)
+        if got.released is None:
+            log.error("page store: %d host pages lost to a stuck READ", len(keep) // self._page_size)
+            return
+        log.error(
+            "page store: %d host pages out of use until a stuck READ ends", len(keep) // self._page_size
+        )
+
+        def restore(done: asyncio.Future[None]) -> None:  # on the store loop's thread
+            if not done.cancelled() and done.exception() is None:
+                guard.restore(keep)
+
+        # This runs on whichever thread saw the fetch end: the future's callbacks are its loop's to add.
+        released = got.released
+        released.get_loop().call_soon_threadsafe(released.add_done_callback, restore)
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         client, ns = self.client, self.namespace

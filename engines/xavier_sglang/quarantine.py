@@ -4,9 +4,10 @@ SGLang lends `batch_get_v1` pages of its host pool; pages the call reports missi
 (`mem_pool_host.free`) and lent to other requests. A READ that outlives the call (the wait for it timed
 out), or one NIXL refused to cancel (`Fetched.stuck`), may still write into them. `HostQuarantine` wraps
 the pool's `free` (and `clear`, SGLang's cache flush) so that pages under a hold stay allocated when SGLang
-frees them; lifting the hold (the READ ended) frees them then. A stuck READ's pages are kept for good:
-NIXL still holds the READ and nothing will report its end, so they are lost to the pool and counted
-(`lost_tokens`), as the reference engine loses its pool pages.
+frees them; lifting the hold (the READ ended) frees them then. A stuck READ's pages are kept
+(`lift(hold, keep)`) and counted (`lost_tokens`) while NIXL still holds the READ: for good when nothing can
+report its end, else until the page store client sees it end (`restore`), as the reference engine keeps its
+pool pages.
 
 The wrappers take the pool's own lock (SGLang's `free` and `clear` are synchronised on it) only through
 the original methods, and this module's lock is never held while calling them.
@@ -57,8 +58,14 @@ class HostQuarantine:
             self._held.update(hold.tokens)
         return hold
 
+    def restore(self, kept: Sequence[int]) -> None:
+        """Ends the keep of a stuck READ's indices (`lift(hold, keep)`): its READ has ended."""
+        with self._lock:
+            self.lost_tokens -= len(kept)
+        self.lift(Hold(kept))
+
     def lift(self, hold: Hold, keep: Sequence[int] = ()) -> None:
-        """Ends `hold`, except for the indices in `keep` (a stuck READ's pages: never lifted). Indices
+        """Ends `hold`, except for the indices in `keep` (a stuck READ's pages: kept until `restore`). Indices
         SGLang freed meanwhile are freed now. Idempotent."""
         kept = set(keep)
         release: list[int] = []

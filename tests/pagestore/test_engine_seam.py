@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,33 +117,54 @@ async def test_caller_gone_during_a_fetch_leaves_no_pages(
     await _settle(engine)
 
 
-async def test_pages_of_a_stuck_read_are_never_reused(
-    engine: ReferenceEngine, store: ServiceProc, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    tokens = prompt(4, 400)
-    events = [ev async for ev in engine.generate("seam-stuck-warm", tokens, GREEDY)]  # written through
+async def _stuck_miss(
+    engine: ReferenceEngine, monkeypatch: pytest.MonkeyPatch, seed: int, ended: Callable[[], bool] | None
+) -> int:
+    """A prompt written through, then asked again with every store READ ending stuck (NIXL refused to
+    cancel it; `ended` asks again): served as a miss. Returns the prompt's full pages."""
+    tokens = prompt(seed, 400)
+    events = [ev async for ev in engine.generate(f"seam-{seed}-warm", tokens, GREEDY)]  # written through
     assert all(isinstance(ev, TokenEvent) for ev in events)
     assert engine._store is not None
     client = engine._store.client
     await client.flush()
     engine._cache.clear()
-
     real = client.conn.settle
 
-    def stuck(*a: Any) -> None:  # NIXL refused to cancel a timed-out READ into the pool pages
+    def stuck(*a: Any) -> None:
         real(*a)
-        raise TransferStuck("READ still in flight")
+        raise TransferStuck("READ still in flight", ended)
 
     monkeypatch.setattr(client.conn, "settle", stuck)
-    res = await engine.prefill("seam-stuck", [*tokens, 5], GREEDY)  # served as a miss
+    res = await engine.prefill(f"seam-{seed}", [*tokens, 5], GREEDY)
     assert res.cached_tokens == 0
-    engine.release_pages("seam-stuck")
+    engine.release_pages(f"seam-{seed}")
     await client.flush()  # its write-through holds its computed pages until the store answers
     engine._cache.clear()
+    return len(tokens) // 16
+
+
+async def test_pages_of_a_stuck_read_are_never_reused(
+    engine: ReferenceEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pages = await _stuck_miss(engine, monkeypatch, 4, None)
     s = engine.stats()
     assert s.running == s.waiting == s.pages_pinned == 0
     # Every page is back but the READ's: out of the pool for good, never handed to another request.
-    assert s.pages_total - s.pages_free == len(tokens) // 16
+    assert s.pages_total - s.pages_free == pages
+
+
+async def test_pages_of_a_stuck_read_come_back_once_it_has_ended(
+    engine: ReferenceEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same stuck READ, but one NIXL lets go of when asked again (`TransferStuck.ended`): its pages
+    stay out of use until then, and then they are the pool's again."""
+    let_go = asyncio.Event()
+    pages = await _stuck_miss(engine, monkeypatch, 5, let_go.is_set)
+    s = engine.stats()
+    assert s.pages_total - s.pages_free == pages  # held while the READ may still write
+    let_go.set()
+    await _settle(engine)
 
 
 async def test_a_generating_request_writes_its_output_through_in_batches(

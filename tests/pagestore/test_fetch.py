@@ -14,7 +14,7 @@ from tests.pagestore.support import buffers, chain, make_pool, ns_stats, page_di
 from tests.support.procs import ServiceProc
 from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
 from xavier_core.pagestore.connection import TransferStuck
-from xavier_core.transfer.common.errors import InvalidPagesError
+from xavier_core.transfer.common.errors import REAP_POLL_S, InvalidPagesError
 
 pytestmark = pytest.mark.integration
 
@@ -134,6 +134,52 @@ async def test_a_read_nixl_could_not_cancel_marks_the_pages_unsafe(
         assert got.hit == 0 and not got.stuck  # a staged READ lands in slots, which are kept out instead
         assert staged.staging is not None and len(staged.staging._free) == staged.staging.slots - 3
         assert reader.counters.errors == 1 and staged.counters.errors == 1
+        assert got.released is None  # nothing can tell this READ's end: lost for good
+    finally:
+        for c in (writer, reader, staged):
+            await c.close()
+
+
+async def test_a_stuck_read_whose_end_can_be_told_gives_its_pages_and_slots_back(
+    store: ServiceProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A READ NIXL refused to cancel is asked again (`TransferStuck.ended`) until it has ended: the fetch
+    reports where that is told (`Fetched.released`), and a staged client's slots come back then."""
+    pool = make_pool(34)
+    writer = PageStoreClient(store.address, buffers(pool))
+    pools = [make_pool(None), make_pool(None)]
+    reader = PageStoreClient(store.address, buffers(pools[0]))
+    staged = PageStoreClient(store.address, buffers(pools[1]), ClientSettings(stage_host_pool=True))
+    asked = {"reader": 0, "staged": 0}
+    try:
+        ns = PageNamespace("fp-stuck-ends")
+        keys = chain("fp-stuck-ends", "", 4, 3)
+        assert await writer.write(ns, keys, [0, 1, 2]) == 3
+        for name, client in (("reader", reader), ("staged", staged)):
+            real = client.conn.settle
+
+            def ended(name: str = name) -> bool:  # NIXL lets go at the second ask
+                asked[name] += 1
+                return asked[name] >= 2
+
+            def stuck(*a: Any, real: Any = real, ended: Any = ended) -> None:
+                real(*a)
+                raise TransferStuck("READ still in flight", ended)
+
+            monkeypatch.setattr(client.conn, "settle", stuck)
+        got = await reader.fetch(ns, keys, lambda n: list(range(10, 10 + n)))
+        assert got.hit == 0 and got.stuck and got.released is not None
+        await asyncio.wait_for(got.released, 10 * REAP_POLL_S)
+        assert asked["reader"] == 2
+        got = await staged.fetch(ns, keys, lambda n: list(range(10, 10 + n)))
+        assert got.hit == 0 and not got.stuck
+        staging = staged.staging
+        assert staging is not None and staging.usable == staging.slots - 3
+        for _ in range(100):  # the slots come back once the second ask says the READ ended
+            if staging.usable == staging.slots:
+                break
+            await asyncio.sleep(0.1)
+        assert staging.usable == staging.slots and len(staging._free) == staging.slots
     finally:
         for c in (writer, reader, staged):
             await c.close()

@@ -74,6 +74,20 @@ async def test_retired_slots_are_never_lent_and_waiters_are_refused() -> None:
     assert staging.usable == 2
 
 
+async def test_retired_slots_come_back_once_their_transfer_ends() -> None:
+    pool = np.zeros(8 * 64, np.uint8)
+    staging = HostStaging([KvBuffer(pool.ctypes.data, pool.nbytes, 64, "cpu")], 4)
+    stuck = await staging.acquire(2)
+    ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    await staging.retire(stuck, until=ended)
+    assert staging.usable == 2 and sorted(await staging.acquire(2)) == [2, 3]
+    waiting = asyncio.ensure_future(staging.acquire(2))  # only the retired ones could serve it
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    ended.set_result(None)
+    assert sorted(await asyncio.wait_for(waiting, 5)) == stuck and staging.usable == 4
+
+
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_a_vram_pool_crosses_in_runs_of_slots_bitwise() -> None:
     """A VRAM pool (equal page sizes: one pinned mirror): gathered and scattered on the GPU, each run of

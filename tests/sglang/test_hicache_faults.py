@@ -81,6 +81,33 @@ def test_a_stuck_read_keeps_its_host_pages_out_of_sglangs_pool(
     assert reader.quarantine.held_tokens == 3 * PAGE
 
 
+def test_a_stuck_read_whose_end_is_told_gives_its_host_pages_back(
+    pair: tuple[Any, Any, Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A READ NIXL refused to cancel but lets go of when asked again (`TransferStuck.ended`): its host
+    pages stay out of SGLang's pool until then, and come back then."""
+    writer_pool, writer, reader_pool, reader = pair
+    let_go = threading.Event()
+    keys = sglang_keys(3, first_token=5000)
+    assert writer.batch_set_v1(keys, writer_pool.alloc(3 * PAGE)) == [True] * 3
+    real_settle = reader.client.conn.settle
+
+    def stuck(*a: Any) -> None:
+        real_settle(*a)
+        raise TransferStuck("READ still in flight", let_go.is_set)
+
+    monkeypatch.setattr(reader.client.conn, "settle", stuck)
+    dst = reader_pool.alloc(3 * PAGE)
+    assert reader.batch_get_v1(keys, dst) == [False] * 3
+    reader_pool.free(dst)
+    _wait(lambda: reader.get_stats()["lost_host_pages"] == 3, "the stuck READ's pages were not kept")
+    assert _overlap(reader_pool, dst) == set(), "pages of a stuck READ were lent again"
+    let_go.set()  # the next ask finds the READ ended
+    _wait(lambda: reader.quarantine.held_tokens == 0, "the stuck READ's pages never came back")
+    assert reader.get_stats()["lost_host_pages"] == 0
+    assert _overlap(reader_pool, dst) == set(dst.tolist())
+
+
 def test_a_get_that_outlives_its_wait_keeps_its_pages_until_the_read_ended(
     pair: tuple[Any, Any, Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -119,7 +119,7 @@ class ReferenceEngine:
         self._loop = EngineLoop(model, pool, self._sched, self._cache, decoder)
         self._lock = self._loop.lock
         self._store: StoreLink | None = None
-        self._quarantined = 0  # pages taken out of use for good (`quarantine_pages`)
+        self._quarantined = 0  # pages out of use while a read may still write them (`quarantine_pages`)
         self._grammars = LazyCompiler(tokenizer, self.config.vocab_size, self.eos_token_ids)
 
     @classmethod

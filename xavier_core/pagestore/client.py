@@ -45,7 +45,7 @@ from xavier_core.pagestore.trouble import TroubleLog
 from xavier_core.pagestore.writer import Background, WriteQueue
 from xavier_core.runtime.errors import XavierError
 from xavier_core.transfer.common.buffers import KvBuffer
-from xavier_core.transfer.common.errors import InvalidPagesError
+from xavier_core.transfer.common.errors import REAP_POLL_S, InvalidPagesError
 
 __all__ = ["ClientSettings", "Fetched", "InOrder", "PageNamespace", "PageStoreClient"]
 
@@ -159,6 +159,7 @@ class PageStoreClient:
         self._num_pages = min(b.num_pages for b in buffers)
         self._writes = WriteQueue(self.write, self.settings.write_queue, self._dropped)
         self._releases = Background("pagestore-release")
+        self._reapers = Background("pagestore-reap")  # stuck transfers, asked until they have ended
         self._trouble = TroubleLog(log, self.settings.log_interval_s)
 
     @property
@@ -222,10 +223,10 @@ class PageStoreClient:
         except _BadAllocation as exc:
             raise InvalidPagesError(str(exc)) from None
         except Exception as exc:
-            # A device pool's stuck READ writes into staging slots (never lent again), not into pages; a
+            # A device pool's stuck READ writes into staging slots (not lent meanwhile), not into pages; a
             # stuck copy from the holder writes into the pages in any pool.
             stuck = isinstance(exc, HolderStuck) or (isinstance(exc, TransferStuck) and self.staging is None)
-            released = exc.released if isinstance(exc, HolderStuck) else None
+            released = exc.released if stuck and isinstance(exc, TransferStuck) else None
             self.failed("get", exc)
         finally:
             clock.add("fetch", time.perf_counter() - started)
@@ -289,10 +290,31 @@ class PageStoreClient:
         return await self.conn.get_stats()
 
     async def close(self) -> None:
-        """Stops the writer (queued writes are dropped), closes the channel and the NIXL agent."""
+        """Stops the writer (queued writes are dropped), closes the channel and the NIXL agent. Pages and
+        slots of transfers still stuck stay out of use."""
         await self._writes.close()
         await self._releases.wait()
+        await self._reapers.cancel()
         await self.conn.close()
+
+    def _reap(self, exc: TransferStuck) -> asyncio.Future[None] | None:
+        """Where a stuck transfer's end will be told (`exc.released`, set here from `exc.ended`, asked
+        every `REAP_POLL_S` in a worker thread); None when nothing can tell it."""
+        if exc.released is not None or exc.ended is None:
+            return exc.released
+        ended, released = exc.ended, asyncio.get_running_loop().create_future()
+        exc.released = released
+
+        async def wait() -> None:
+            while True:
+                if await asyncio.to_thread(ended):
+                    break
+                await asyncio.sleep(REAP_POLL_S)
+            log.info("page store: a stuck transfer has ended; its pages may be used again")
+            released.set_result(None)
+
+        self._reapers.start(wait())
+        return released
 
     # --- one call's chunk -----------------------------------------------------------------------------
 
@@ -354,9 +376,10 @@ class PageStoreClient:
             else:
                 read = functools.partial(self._read_rows, store, pieces, slots, pages, sums, clock)
             corrupt = await self._off_loop(store, clock, read)
-        except TransferStuck:
-            if self.staging is not None:
-                await self.staging.retire(slots)  # NIXL may still write into them: never lent again
+        except TransferStuck as exc:
+            released = self._reap(exc)
+            if self.staging is not None:  # NIXL may still write into them: not lent until it has ended
+                await self.staging.retire(slots, until=released)
             slots = []
             raise
         finally:
@@ -468,7 +491,8 @@ class PageStoreClient:
             sums = await self.conn.off_loop(store, lambda: self._write_summed(store, rows, local, src))
         except BaseException as exc:
             if isinstance(exc, TransferStuck) and self.staging is not None:
-                await self.staging.retire(slots)  # NIXL may still read them: never lent again
+                # NIXL may still read them: not lent until it has ended
+                await self.staging.retire(slots, until=self._reap(exc))
                 slots = []
             self._releases.start(self._release(resp.lease_id, []))
             raise

@@ -66,7 +66,20 @@ Posted = Transfer | DirectCopy
 
 
 class TransferStuck(PeerError):
-    """A timed-out NIXL transfer that could not be cancelled: its local pages may still change."""
+    """A timed-out NIXL transfer that could not be cancelled: its local pages may still change, until
+    `ended()` (asked in a worker thread) says it has ended; for good without it.
+
+    `released`, once set (`PageStoreClient` sets it from `ended`), completes when it has."""
+
+    def __init__(
+        self,
+        message: str,
+        ended: Callable[[], bool] | None = None,
+        released: asyncio.Future[None] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.ended = ended
+        self.released = released
 
 
 class HolderStuck(TransferStuck):
@@ -75,8 +88,7 @@ class HolderStuck(TransferStuck):
     completes (the copy has ended), or for good without it."""
 
     def __init__(self, message: str, released: asyncio.Future[None] | None = None) -> None:
-        super().__init__(message)
-        self.released = released
+        super().__init__(message, released=released)
 
 
 class _StoreChanged(Exception):
@@ -232,7 +244,10 @@ class StoreConnection:
         elif (state := wait(xfer)) != "DONE":
             if xfer.in_flight:  # NIXL refused to cancel: the pages may still change under the caller
                 log.error("page store: a timed-out NIXL %s could not be cancelled", op)
-                raise TransferStuck(f"NIXL {op} of {pages} pages ended {state}, still in flight")
+                # Asked again later (`TransferStuck.ended`): NIXL lets go of a transfer that has ended.
+                raise TransferStuck(
+                    f"NIXL {op} of {pages} pages ended {state}, still in flight", xfer.release
+                )
             raise PeerError(f"NIXL {op} of {pages} pages ended {state}")
         self._metrics.transfer_bytes.labels(op.lower()).inc(int(rows[:, 2].sum()))
         self._metrics.transfer_descriptors.labels(op.lower()).inc(rows.shape[0])

@@ -80,6 +80,7 @@ class HostStaging:
         self.usable = slots
         """Slots not retired: the most one call may take."""
         self._freed: asyncio.Condition | None = None
+        self._restoring: set[asyncio.Task[None]] = set()  # `_restore` calls under way
         # Page-major rows for checking reads (`to_pool_checked`): a second buffer the mirror's size.
         self._rows: torch.Tensor | None = None
         if self._mirror is not None:
@@ -105,13 +106,32 @@ class HostStaging:
             self._free = [s for s in self._free if s not in gone]
         return taken
 
-    async def retire(self, slots: Sequence[int]) -> None:
-        """Takes leased `slots` out of use for good (a transfer that may still touch them could not be
-        cancelled); waiters that now ask for more than is usable are refused."""
+    async def retire(self, slots: Sequence[int], until: asyncio.Future[None] | None = None) -> None:
+        """Takes leased `slots` out of use (a transfer that may still touch them could not be cancelled)
+        until `until` completes (it has ended), for good without it; waiters that now ask for more than
+        is usable are refused."""
         if self._freed is None:
             self._freed = asyncio.Condition()
         async with self._freed:
             self.usable -= len(slots)
+            self._freed.notify_all()
+        if until is None:
+            return
+        back = list(slots)
+
+        def restore(done: asyncio.Future[None]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._restoring.add(task := asyncio.get_running_loop().create_task(self._restore(back)))
+                task.add_done_callback(self._restoring.discard)
+
+        until.add_done_callback(restore)
+
+    async def _restore(self, slots: list[int]) -> None:
+        """Retired `slots` back in use (the transfer that could touch them has ended)."""
+        assert self._freed is not None
+        async with self._freed:
+            self.usable += len(slots)
+            self._free = list(heapq.merge(self._free, sorted(slots)))
             self._freed.notify_all()
 
     async def release(self, slots: Sequence[int]) -> None:

@@ -89,3 +89,9 @@ class Background:
         """Returns once every call started so far (and any started meanwhile) has ended."""
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def cancel(self) -> None:
+        """Cancels every call still running and waits for them to end."""
+        for task in list(self._tasks):
+            task.cancel()
+        await self.wait()

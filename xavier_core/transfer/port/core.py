@@ -46,8 +46,6 @@ NOTIF_FLUSH_S = 1.0
 DROP_DONE_ENV = "XAVIER_FAULT_DROP_DONE_NOTIFICATIONS"
 # Test-only as well: a file path; while that file exists, this process's READs are never seen to end.
 STUCK_READS_ENV = "XAVIER_FAULT_STUCK_READS"
-REAP_POLL_S = 1.0
-"""How often a read still running past its park timeout is asked again whether it ended."""
 
 _Ended = list[tuple["asyncio.Future[KvPoll]", KvPoll]]
 

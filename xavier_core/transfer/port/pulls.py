@@ -23,12 +23,12 @@ from xavier.v1 import types_pb2
 
 from xavier_core.runtime.errors import Unavailable
 from xavier_core.runtime.logging import get_logger
-from xavier_core.transfer.common.errors import TransferError
+from xavier_core.transfer.common.errors import REAP_POLL_S, TransferError
 from xavier_core.transfer.common.peers import split_peer_key
 from xavier_core.transfer.common.runs import Mode
 from xavier_core.transfer.common.source import SourceInfo
 from xavier_core.transfer.nixl.rooms import KvPoll, KvReceiver, fail_notif
-from xavier_core.transfer.port.core import REAP_POLL_S, IpcCopy, PortCore
+from xavier_core.transfer.port.core import IpcCopy, PortCore
 from xavier_core.transfer.staged.read import PIPELINE_DEPTH, StagedRead
 from xavier_core.transfer.staged.slab import I64, Slab, View
 
