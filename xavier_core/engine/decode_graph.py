@@ -79,6 +79,9 @@ def _slot(key: Key, device: torch.device) -> _Slot:
         out_slots=dev[2 * rows : 3 * rows],
         seq_lens=dev[3 * rows : 4 * rows],
         page_table=dev[4 * rows : table].view(tables, pages),
+        # One request's chunk samples at most once, at its last row: only that row's logits are made
+        # (and kept by the graph), not a [rows, vocab] buffer per captured bucket.
+        out_rows=dev[table : table + 1] if shared else None,
     )
     return _Slot(host, dev, inputs, dev[table:])
 
@@ -196,7 +199,7 @@ class DecodeRunner:
                 slot.graph, slot.logits = self._capture(slot.inputs)
             slot.graph.replay()
             logits = slot.logits
-        if sampling == list(range(len(sampling))):  # decode-only: every row samples, no gather
+        if key[2] or sampling == list(range(len(sampling))):  # the sampling rows' already, in order
             return logits[: len(sampling)]
         return logits.index_select(0, slot.sample[: len(sampling)])
 

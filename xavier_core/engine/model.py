@@ -72,6 +72,7 @@ class DecodeInputs:
     out_slots: torch.Tensor  # [B]
     seq_lens: torch.Tensor  # [B] keys visible to each row, its new token included
     page_table: torch.Tensor  # [R, P] pool pages (R = B or 1); entries past a row's length are masked
+    out_rows: torch.Tensor | None = None  # [S] the rows whose logits come back; None: every row
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -177,7 +178,8 @@ class CausalLM:
 
     @torch.inference_mode()
     def decode_static(self, inputs: DecodeInputs, pool: KvPool) -> torch.Tensor:
-        """Float32 logits `[B, vocab]` of a batch of rows whose shapes depend only on its buckets.
+        """Float32 logits `[B, vocab]` (`[S, vocab]` with `out_rows`) of a batch of rows whose shapes depend
+        only on its buckets.
 
         Every tensor the step creates has a shape fixed by `inputs`, and nothing reads back to the host,
         so the step can be captured in a CUDA graph and replayed with new values in the same buffers.
@@ -193,6 +195,8 @@ class CausalLM:
         bias = torch.zeros(hidden.shape, device=self.device).masked_fill(hidden, float("-inf"))
         attend = partial(self._paged_decode_attention, slots=slots, bias=bias)
         h = self._layers(inputs.input_ids, inputs.positions, inputs.out_slots, pool, attend)
+        if inputs.out_rows is not None:
+            h = h.index_select(0, inputs.out_rows)
         return F.linear(_rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
     def _layers(
