@@ -306,10 +306,14 @@ class PageStoreClient:
         exc.released = released
 
         async def wait() -> None:
-            while True:
-                if await asyncio.to_thread(ended):
-                    break
-                await asyncio.sleep(REAP_POLL_S)
+            try:
+                while True:
+                    if await asyncio.to_thread(ended):
+                        break
+                    await asyncio.sleep(REAP_POLL_S)
+            except Exception:  # cannot be asked any more: the pages stay out of use
+                log.exception("page store: a stuck transfer's end can no longer be told")
+                return
             log.info("page store: a stuck transfer has ended; its pages may be used again")
             released.set_result(None)
 

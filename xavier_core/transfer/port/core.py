@@ -140,7 +140,11 @@ class PortCore:
         self.stuck_rooms[room_id] = released
 
         async def wait() -> None:
-            await ended()
+            try:
+                await ended()
+            except Exception:  # cannot be asked any more: the pages stay out of use
+                log.exception("a stuck KV read's end can no longer be told", room=room_id)
+                return
             log.info("a stuck KV read ended; its pages may be used again", room=room_id)
             if not released.done():
                 released.set_result(None)
