@@ -414,6 +414,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
     metrics = {a: mesh.procs["unified-a"].metrics, b: metrics_b}
     cached: dict[str, list[int]] = {k: [] for k in cases}
     static: dict[str, list[float]] = {k: [] for k in cases}
+    lone: dict[str, list[float]] = {k: [] for k in cases}  # of `static`, chunks alone in their step
     phases: dict[str, list[dict[str, float]]] = {k: [] for k in cases}  # the engine's, per request
     lifetimes: dict[str, list[float]] = {k: [] for k in cases}  # send to the stream's end
     # One channel per replica, as a router holds them; TTFT is the client's send to the first message.
@@ -426,6 +427,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
             posted = scrape(metrics_b, READ_DESCRIPTORS)
             copied = scrape(metrics_b, HOLDER_READS)
             chunks = scrape(metrics[addr], STATIC_CHUNKS)
+            alone = scrape(metrics[addr], STATIC_SHARED)
             spent = scrape_steps(metrics_b)
             phased = scrape_phases(metrics[addr])
             t = time.perf_counter()
@@ -436,6 +438,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
             lifetimes[case].append(time.perf_counter() - t)
             phases[case].append({k: v - phased[k] for k, v in scrape_phases(metrics[addr]).items()})
             static[case].append(scrape(metrics[addr], STATIC_CHUNKS) - chunks)
+            lone[case].append(scrape(metrics[addr], STATIC_SHARED) - alone)
             if case == "warm_store":
                 holder.append(scrape(metrics_b, HOLDER_READS) - copied)
                 read_descriptors.append(scrape(metrics_b, READ_DESCRIPTORS) - posted)
@@ -489,6 +492,8 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         out[f"{case}_cached_tokens"] = statistics.median(cached[case])
         # Prefill chunks the replica ran as decode rows (static shapes, CUDA graphs) for this prompt.
         out[f"{case}_static_chunks"] = statistics.median(static[case])
+        # Of them, chunks alone in their step: rows sharing one page table (the context gathered once).
+        out[f"{case}_static_shared_chunks"] = statistics.median(lone[case])
         # Where the replica's engine spent the request's time to its first token (medians per phase,
         # ms; see xavier_core/engine/timing.py), and the rest of the client's TTFT: the RPC both ways,
         # the servicer, and the response's way back.
@@ -546,6 +551,7 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 READ_DESCRIPTORS = 'xavier_pagestore_client_transfer_descriptors_total{op="read"}'
 HOLDER_READS = 'xavier_pagestore_client_reads_total{path="holder"}'
 STATIC_CHUNKS = 'xavier_engine_counts{name="static_prefill_chunks",role="unified"}'
+STATIC_SHARED = 'xavier_engine_counts{name="static_shared_chunks",role="unified"}'
 
 
 def scrape(metrics: str, sample: str) -> float:

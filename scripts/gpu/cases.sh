@@ -48,7 +48,8 @@ summary() {  # one line of a pagestore.py TTFT result
   python3 - "$1" <<'PY'
 import json, sys
 t = json.load(open(sys.argv[1]))["ttft"]
-keys = ("cold_ms", "warm_store_ms", "warm_local_ms", "speedup_store", "speedup_local", "warm_store_holder_copies")
+keys = ("cold_ms", "warm_store_ms", "warm_local_ms", "speedup_store", "speedup_local", "warm_store_holder_copies",
+        "warm_store_static_shared_chunks", "warm_local_static_shared_chunks")
 print(sys.argv[1].rsplit("/", 1)[-1], {k: round(t[k], 2) for k in keys if k in t},
       "fetch steps", {k: round(v, 2) for k, v in t.get("warm_store_steps_ms", {}).items() if v})
 PY
