@@ -40,7 +40,6 @@ until it has ended (`Fetched.released`), for good if nothing can tell that.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import sys
@@ -59,6 +58,7 @@ from xavier_core.pagestore.client import Fetched, InOrder
 from xavier_core.pagestore.metrics import fetch_step_seconds
 from xavier_core.prefix_keys import chain_seed
 from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.stuck import on_success
 
 from .config import UnsupportedSetupError
 from .loop import LoopThread
@@ -239,13 +239,9 @@ class XavierHiCacheStorage(HiCacheStorage):
             "page store: %d host pages out of use until a stuck READ ends", len(keep) // self._page_size
         )
 
-        def restore(done: asyncio.Future[None]) -> None:  # on the store loop's thread
-            if not done.cancelled() and done.exception() is None:
-                guard.restore(keep)
-
         # This runs on whichever thread saw the fetch end: the future's callbacks are its loop's to add.
         released = got.released
-        released.get_loop().call_soon_threadsafe(released.add_done_callback, restore)
+        released.get_loop().call_soon_threadsafe(on_success, released, lambda: guard.restore(keep))
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         client, ns = self.client, self.namespace

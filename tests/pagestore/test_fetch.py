@@ -14,7 +14,8 @@ from tests.pagestore.support import buffers, chain, make_pool, ns_stats, page_di
 from tests.support.procs import ServiceProc
 from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
 from xavier_core.pagestore.connection import TransferStuck
-from xavier_core.transfer.common.errors import REAP_POLL_S, InvalidPagesError
+from xavier_core.transfer.common.errors import InvalidPagesError
+from xavier_core.transfer.common.stuck import REAP_POLL_S
 
 pytestmark = pytest.mark.integration
 

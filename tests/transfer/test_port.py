@@ -21,7 +21,7 @@ from xavier.v1 import types_pb2
 from tests.transfer.kvpool import PAGE_SIZE, kv_buffers, make_pool, page_bytes, serve_port, spawned
 from xavier_core.runtime.errors import FailedPrecondition, LayoutMismatch, Unavailable
 from xavier_core.transfer import KvPort, peer_key
-from xavier_core.transfer.common.errors import REAP_POLL_S
+from xavier_core.transfer.common.stuck import REAP_POLL_S
 from xavier_core.transfer.nixl.rooms import KvPoll, KvReceiver
 from xavier_core.transfer.port.pulls import ReadStuck
 

@@ -51,6 +51,7 @@ from xavier_core.sampling import check_cache_salt
 from xavier_core.text.errors import ModelFilesError
 from xavier_core.text.tokenizer import TextTokenizer
 from xavier_core.transfer.common.buffers import KvBuffer
+from xavier_core.transfer.common.stuck import on_success
 
 if TYPE_CHECKING:
     from xavier_core.pagestore.client import PageStoreClient
@@ -374,16 +375,14 @@ class ReferenceEngine:
         log.error("%d pages of %s kept out of use: a read into them may still be running", len(pages),
                   request_id)  # fmt: skip
 
-        def lift(done: asyncio.Future[None]) -> None:
-            if done.cancelled() or done.exception() is not None:
-                return
+        def lift() -> None:
             with self._lock:
                 self._cache.release(pages)
                 self._quarantined -= len(pages)
             log.info("%d pages of %s back in use: the read into them ended", len(pages), request_id)
 
         if until is not None:
-            until.add_done_callback(lift)
+            on_success(until, lift)
         return len(pages)
 
     def decode_from_pages(

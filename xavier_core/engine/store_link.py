@@ -33,6 +33,7 @@ from xavier_core.engine.scheduler import Scheduler
 from xavier_core.pagestore.metrics import StepClock
 from xavier_core.pagestore.namespace import PageNamespace
 from xavier_core.prefix_keys import page_keys
+from xavier_core.transfer.common.stuck import on_success
 
 if TYPE_CHECKING:
     from xavier_core.pagestore.client import PageStoreClient
@@ -196,14 +197,13 @@ class StoreLink:
         if released is None:
             log.error("page store: %d pool pages lost to a stuck READ", len(pages))
             return
-        log.error("page store: %d pool pages out of use until a stuck copy ends", len(pages))
+        log.error("page store: %d pool pages out of use until a stuck transfer ends", len(pages))
 
-        def lift(done: asyncio.Future[None]) -> None:
-            if not done.cancelled() and done.exception() is None:
-                self.release(pages)
-                log.info("page store: %d pool pages back in use: the stuck copy ended", len(pages))
+        def lift() -> None:
+            self.release(pages)
+            log.info("page store: %d pool pages back in use: the stuck transfer ended", len(pages))
 
-        released.add_done_callback(lift)
+        on_success(released, lift)
 
     def release(self, pages: Sequence[int]) -> None:
         """Drops the references a prefix held (a request that never reached the scheduler)."""

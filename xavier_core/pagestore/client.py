@@ -42,10 +42,12 @@ from xavier_core.pagestore.namespace import PageNamespace
 from xavier_core.pagestore.reading import Verify, cut_spans, piece_bounds, read_in_pieces
 from xavier_core.pagestore.staging import HostStaging
 from xavier_core.pagestore.trouble import TroubleLog
-from xavier_core.pagestore.writer import Background, WriteQueue
+from xavier_core.pagestore.writer import WriteQueue
 from xavier_core.runtime.errors import XavierError
+from xavier_core.runtime.tasks import Background
 from xavier_core.transfer.common.buffers import KvBuffer
-from xavier_core.transfer.common.errors import REAP_POLL_S, InvalidPagesError
+from xavier_core.transfer.common.errors import InvalidPagesError
+from xavier_core.transfer.common.stuck import poll_until, released_when
 
 __all__ = ["ClientSettings", "Fetched", "InOrder", "PageNamespace", "PageStoreClient"]
 
@@ -300,25 +302,14 @@ class PageStoreClient:
     def _reap(self, exc: TransferStuck) -> asyncio.Future[None] | None:
         """Where a stuck transfer's end will be told (`exc.released`, set here from `exc.ended`, asked
         every `REAP_POLL_S` in a worker thread); None when nothing can tell it."""
-        if exc.released is not None or exc.ended is None:
-            return exc.released
-        ended, released = exc.ended, asyncio.get_running_loop().create_future()
-        exc.released = released
-
-        async def wait() -> None:
-            try:
-                while True:
-                    if await asyncio.to_thread(ended):
-                        break
-                    await asyncio.sleep(REAP_POLL_S)
-            except Exception:  # cannot be asked any more: the pages stay out of use
-                log.exception("page store: a stuck transfer's end can no longer be told")
-                return
-            log.info("page store: a stuck transfer has ended; its pages may be used again")
-            released.set_result(None)
-
-        self._reapers.start(wait())
-        return released
+        if exc.released is None and exc.ended is not None:
+            ended = exc.ended
+            exc.released = released_when(
+                lambda: poll_until(lambda: asyncio.to_thread(ended)),
+                self._reapers.start,
+                "page store transfer",
+            )
+        return exc.released
 
     # --- one call's chunk -----------------------------------------------------------------------------
 

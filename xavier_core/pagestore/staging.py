@@ -31,8 +31,10 @@ import numpy as np
 
 from xavier_core.pagestore.layout import local_page_checksums, page_row_checksums
 from xavier_core.pagestore.metrics import StepClock
+from xavier_core.runtime.tasks import Background
 from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.errors import InvalidPagesError
+from xavier_core.transfer.common.stuck import on_success
 from xavier_core.transfer.cuda.copy import CudaBytes
 
 if TYPE_CHECKING:
@@ -80,7 +82,7 @@ class HostStaging:
         self.usable = slots
         """Slots not retired: the most one call may take."""
         self._freed: asyncio.Condition | None = None
-        self._restoring: set[asyncio.Task[None]] = set()  # `_restore` calls under way
+        self._restoring = Background("staging-restore")  # `_restore` calls under way
         # Page-major rows for checking reads (`to_pool_checked`): a second buffer the mirror's size.
         self._rows: torch.Tensor | None = None
         if self._mirror is not None:
@@ -118,13 +120,7 @@ class HostStaging:
         if until is None:
             return
         back = list(slots)
-
-        def restore(done: asyncio.Future[None]) -> None:
-            if not done.cancelled() and done.exception() is None:
-                self._restoring.add(task := asyncio.get_running_loop().create_task(self._restore(back)))
-                task.add_done_callback(self._restoring.discard)
-
-        until.add_done_callback(restore)
+        on_success(until, lambda: self._restoring.start(self._restore(back)))
 
     async def _restore(self, slots: list[int]) -> None:
         """Retired `slots` back in use (the transfer that could touch them has ended)."""

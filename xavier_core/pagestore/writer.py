@@ -1,12 +1,11 @@
-"""The bounded write-through queue: writes leave the caller at once, overload drops them (counted); and
-the set of fire-and-forget calls (lease releases) that `flush` and `close` wait for."""
+"""The bounded write-through queue: writes leave the caller at once, overload drops them (counted)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -70,28 +69,3 @@ class WriteQueue(Generic[NS]):
                     except Exception:  # a caller's callback must not stop the writer for everyone
                         log.exception("page store write-through callback failed")
                 queue.task_done()
-
-
-class Background:
-    """Calls the caller does not wait for; each handles its own failure. Holds a reference to each task
-    until it ends (the event loop keeps only weak ones) so that `wait` can drain them."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def start(self, call: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(call, name=self._name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def wait(self) -> None:
-        """Returns once every call started so far (and any started meanwhile) has ended."""
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def cancel(self) -> None:
-        """Cancels every call still running and waits for them to end."""
-        for task in list(self._tasks):
-            task.cancel()
-        await self.wait()

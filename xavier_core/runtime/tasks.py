@@ -1,15 +1,16 @@
-"""Background tasks of a service: a round run at an interval, and a task's end waited for on stop."""
+"""Background tasks of a service: a round run at an interval, a task's end waited for on stop, and calls
+nobody waits for."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from xavier_core.runtime.errors import XavierError
 
-__all__ = ["cancel_and_wait", "every"]
+__all__ = ["Background", "cancel_and_wait", "every"]
 
 
 def every(
@@ -41,3 +42,28 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+class Background:
+    """Calls the caller does not wait for; each handles its own failure. Holds a reference to each task
+    until it ends (the event loop keeps only weak ones) so that `wait` can drain them."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, call: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(call, name=self._name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait(self) -> None:
+        """Returns once every call started so far (and any started meanwhile) has ended."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def cancel(self) -> None:
+        """Cancels every call still running and waits for them to end."""
+        for task in list(self._tasks):
+            task.cancel()
+        await self.wait()

@@ -80,9 +80,7 @@ class PrefixSharing:
             return 0
         try:
             return await self._pull(holder, me, token_ids, cache_salt, first_page, dest)
-        except HolderStuck:
-            raise
-        except XavierError as err:
+        except XavierError as err:  # never a `HolderStuck` (a transfer error): that one ends the fetch
             log.info("prefix sharing: the holder's pages did not come", holder=holder[0], reason=err.reason)
             return 0
 

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-REAP_POLL_S = 1.0
-"""How often a transfer still running after it failed (its pages kept out of use) is asked again whether it
-has ended, so the pages can go back."""
-
 
 class TransferError(Exception):
     """Base class of transfer-layer errors."""

@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from xavier.v1 import types_pb2
 
 from xavier_core.runtime.logging import get_logger
+from xavier_core.runtime.tasks import Background
 from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.errors import TransferError
+from xavier_core.transfer.common.stuck import released_when
 from xavier_core.transfer.nixl.agent import NixlAgent
 from xavier_core.transfer.nixl.rooms import KvManager, KvPoll, KvReceiver, KvSender, done_notif, fail_notif
 from xavier_core.transfer.nixl.thread import NixlThread
@@ -131,33 +133,16 @@ class PortCore:
         self.stuck_rooms: dict[int, asyncio.Future[None]] = {}
         """Rooms whose pull failed with its read still running at the park timeout (`KvPort.take_stuck`),
         each with a future that completes once that read has ended (`reap`)."""
-        self._reapers: set[asyncio.Task[None]] = set()
+        self._reapers = Background("kv-port-reap")
 
     def reap(self, room_id: int, ended: Callable[[], Awaitable[object]]) -> None:
         """Remembers a stuck room; `ended()` returns once its read can no longer touch the pages, and
         then the room's future completes (its pages may go back into use)."""
-        released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.stuck_rooms[room_id] = released
-
-        async def wait() -> None:
-            try:
-                await ended()
-            except Exception:  # cannot be asked any more: the pages stay out of use
-                log.exception("a stuck KV read's end can no longer be told", room=room_id)
-                return
-            log.info("a stuck KV read ended; its pages may be used again", room=room_id)
-            if not released.done():
-                released.set_result(None)
-
-        task = asyncio.get_running_loop().create_task(wait())
-        self._reapers.add(task)
-        task.add_done_callback(self._reapers.discard)
+        self.stuck_rooms[room_id] = released_when(ended, self._reapers.start, f"KV read of room {room_id}")
 
     async def stop_reaping(self) -> None:
         """Stops waiting for stuck reads (the port closes: their pages stay out of use)."""
-        for task in list(self._reapers):
-            task.cancel()
-        await asyncio.gather(*self._reapers, return_exceptions=True)
+        await self._reapers.cancel()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs `fn(*args)` on the NIXL thread."""

@@ -23,10 +23,11 @@ from xavier.v1 import types_pb2
 
 from xavier_core.runtime.errors import Unavailable
 from xavier_core.runtime.logging import get_logger
-from xavier_core.transfer.common.errors import REAP_POLL_S, TransferError
+from xavier_core.transfer.common.errors import TransferError
 from xavier_core.transfer.common.peers import split_peer_key
 from xavier_core.transfer.common.runs import Mode
 from xavier_core.transfer.common.source import SourceInfo
+from xavier_core.transfer.common.stuck import poll_until
 from xavier_core.transfer.nixl.rooms import KvPoll, KvReceiver, fail_notif
 from xavier_core.transfer.port.core import IpcCopy, PortCore
 from xavier_core.transfer.staged.read import PIPELINE_DEPTH, StagedRead
@@ -63,10 +64,7 @@ def _stuck(
 
 async def _idle_at_last(core: PortCore, receiver: KvReceiver) -> None:
     """Returns once a stuck NIXL read has ended, asking every `REAP_POLL_S`; forgets the receiver."""
-    while True:
-        if await core.run(receiver.wait_idle, 0.0):
-            break
-        await asyncio.sleep(REAP_POLL_S)
+    await poll_until(lambda: core.run(receiver.wait_idle, 0.0))
     await core.run(receiver.clear)
 
 
