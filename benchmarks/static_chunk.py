@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from xavier_core.engine.decode_graph import DecodeRunner
 from xavier_core.engine.model import CausalLM, DecodeInputs
 from xavier_core.engine.reference import ReferenceEngine
 from xavier_core.engine.request import pages_for
@@ -71,15 +72,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return lambda: model.decode_static(inputs(shared), pool)
 
     def graphed(shared: bool) -> Callable[[], torch.Tensor]:
-        static = inputs(shared)
-        side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # the warm-up a capture needs, off the capturing stream
-            model.decode_static(static, pool)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = model.decode_static(static, pool)
+        # Captured as the engine captures its buckets (warm-up off the capturing stream, one graph pool).
+        runner = DecodeRunner(model, pool, use_graphs=True, max_rows=n)
+        graph, logits = runner._capture(inputs(shared))
 
         def replay() -> torch.Tensor:
             graph.replay()
