@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -646,6 +646,34 @@ def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]
     return dict(out)
 
 
+def paired_ratios(
+    runs: Sequence[Sequence[dict[str, Any]]], base: str = "native"
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per mode other than `base` and level, the median over rounds of the ratio of that round's figure to
+    `base`'s in the same round, for tok/s, TTFT p50 and TPOT p50 and mean: the in-run baseline, free of the
+    drift between rounds that per-mode medians keep. Within each run (the rows of one benchmark run) a
+    mode's k-th run of a level pairs with `base`'s k-th (interleaved runs put them back to back); the pairs
+    of all runs are pooled."""
+    pairs: dict[tuple[str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
+    for rows in runs:
+        levels: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+        for r in rows:
+            if "out_tok_s" in r:
+                levels[(r["mode"], f"{r['kind']}/{r['concurrency']}")].append(r)
+        for (mode, level), rs in levels.items():
+            if mode != base and (base, level) in levels:
+                pairs[(mode, level)] += zip(rs, levels[(base, level)], strict=False)
+    out: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
+    for (mode, level), ps in sorted(pairs.items()):
+        ratios = {
+            k: round(statistics.median(a[k] / b[k] for a, b in ps if a.get(k) and b.get(k)), 4)
+            for k in ("out_tok_s", "ttft_p50", "tpot_p50", "tpot_mean")
+            if any(a.get(k) and b.get(k) for a, b in ps)
+        }
+        out[mode][level] = ratios | {"pairs": len(ps)}
+    return dict(out)
+
+
 def _output_family(row: dict[str, Any]) -> str:
     """Rows whose outputs compare: through the router (text) or direct (token ids), per prompt kind."""
     return ("direct" if row["mode"] in DIRECT_MODES else "router") + "/" + row["kind"]
@@ -708,17 +736,22 @@ def main() -> int:
     p.add_argument(
         "--summarize",
         type=Path,
+        nargs="+",
         default=None,
         metavar="LOG",
-        help="run nothing: write the summary (JSON, PNG) of the rows a --rows-log LOG holds",
+        help="run nothing: write the summary (JSON, PNG) of the rows the --rows-log LOGs hold (one per run: "
+        "the ratios to native pair rounds within a run and pool the pairs of all)",
     )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sglang-pd")
     args = p.parse_args()
     args.sglang_args = args.sglang_args or list(SGLANG_ARGS)
     modes = args.modes.split(",")
     if args.summarize is not None:
-        rows = [json.loads(ln) for ln in args.summarize.read_text().splitlines() if ln.strip()]
-        return summarize(args, sorted({r["mode"] for r in rows if "mode" in r}), rows)
+        runs = [
+            [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()] for log in args.summarize
+        ]
+        rows = [r for run in runs for r in run]
+        return summarize(args, sorted({r["mode"] for r in rows if "mode" in r}), rows, runs)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="sglang-pd-"))
     args.model = make_model(args.model or work / "qwen2.5-0.5b-shape")
     env = dict(os.environ)
@@ -741,17 +774,23 @@ def main() -> int:
     return summarize(args, modes, rows)
 
 
-def summarize(args: argparse.Namespace, modes: list[str], rows: list[dict[str, Any]]) -> int:
-    """Writes the run's summary (every row, greedy-output equality, per-level medians) and its plot."""
+def summarize(
+    args: argparse.Namespace,
+    modes: list[str],
+    rows: list[dict[str, Any]],
+    runs: Sequence[Sequence[dict[str, Any]]] | None = None,
+) -> int:
+    """Writes the run's summary (every row, greedy-output equality, per-level medians and per-round ratios to
+    native) and its plot."""
     summary = {"gpus": args.gpus, "modes": modes, "interleaved": args.interleave,
                "sglang_args": args.sglang_args, "rows": rows,
                "outputs_equal": outputs_equal(rows), "outputs_compared": outputs_compared(rows),
-               "medians": medians(rows)}  # fmt: skip
+               "medians": medians(rows), "ratios_to_native": paired_ratios(runs or [rows])}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     plot([r for r in rows if "out_tok_s" in r], args.out.with_suffix(".png"))
-    compared = {"outputs_equal": summary["outputs_equal"], "outputs_compared": summary["outputs_compared"]}
-    print(json.dumps({**compared, "out": str(args.out)}), flush=True)
+    short = {k: summary[k] for k in ("outputs_equal", "outputs_compared", "ratios_to_native")}
+    print(json.dumps({**short, "out": str(args.out)}), flush=True)
     return 0
 
 

@@ -71,10 +71,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def eager(shared: bool) -> Callable[[], torch.Tensor]:
         return lambda: model.decode_static(inputs(shared), pool)
 
+    captured: list[DecodeInputs] = []
+
     def graphed(shared: bool) -> Callable[[], torch.Tensor]:
         # Captured as the engine captures its buckets (warm-up off the capturing stream, one graph pool).
+        # The replays read the captured inputs' memory, so they are kept as long as the graph: freed,
+        # their blocks go to other tensors and the replays index the pool with whatever lands there.
         runner = DecodeRunner(model, pool, use_graphs=True, max_rows=n)
-        graph, logits = runner._capture(inputs(shared))
+        captured.append(inputs(shared))
+        graph, logits = runner._capture(captured[-1])
 
         def replay() -> torch.Tensor:
             graph.replay()
