@@ -410,6 +410,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
     read_descriptors: list[float] = []
     holder: list[float] = []
     steps: list[dict[str, float]] = []  # B's fetch steps in each warm-from-store request (its metric)
+    served: list[dict[str, float]] = []  # the store's GetPages and A's SharePrefix handling in each
     metrics_b = mesh.procs["unified-b"].metrics
     metrics = {a: mesh.procs["unified-a"].metrics, b: metrics_b}
     cached: dict[str, list[int]] = {k: [] for k in cases}
@@ -429,6 +430,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
             chunks = scrape(metrics[addr], STATIC_CHUNKS)
             alone = scrape(metrics[addr], STATIC_SHARED)
             spent = scrape_steps(metrics_b)
+            handled = scrape_handling(mesh.store.metrics, metrics[a])
             phased = scrape_phases(metrics[addr])
             t = time.perf_counter()
             ans = await generate(
@@ -443,6 +445,9 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
                 holder.append(scrape(metrics_b, HOLDER_READS) - copied)
                 read_descriptors.append(scrape(metrics_b, READ_DESCRIPTORS) - posted)
                 steps.append({k: v - spent[k] for k, v in scrape_steps(metrics_b).items()})
+                served.append(
+                    {k: v - handled[k] for k, v in scrape_handling(mesh.store.metrics, metrics[a]).items()}
+                )
             cached[case].append(
                 ans.usage.cached_tokens_store if case == "warm_store" else ans.usage.cached_tokens
             )
@@ -481,6 +486,10 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         # READ in pieces, verify and stage_copy overlap read, so the steps sum to more than fetch.
         "warm_store_steps_ms": {k: 1e3 * statistics.median(r[k] for r in steps) for k in FETCH_STEPS},
         "warm_store_steps_ms_per_rep": [{k: 1e3 * v for k, v in r.items()} for r in steps],
+        # Of the fetch's two calls, the time their servers spent handling them (xavier_rpc_seconds): the
+        # store's GetPages and A's SharePrefix (0 when the fetch READ the store); the rest of steps
+        # get_pages and holder_ask is the calls' way there and back.
+        "warm_store_handling_ms": {k: 1e3 * statistics.median(r[k] for r in served) for k in HANDLED},
         # The rest of a warm-from-store TTFT: the RPC, admission, scheduling and the suffix's compute,
         # the same work as a local hit's whole TTFT.
         "warm_store_outside_fetch_ms": 1e3
@@ -566,6 +575,25 @@ def scrape(metrics: str, sample: str) -> float:
 
 
 FETCH_SECONDS = "xavier_pagestore_client_fetch_seconds_total"
+HANDLED = {"get_pages": "GetPages", "share_prefix": "SharePrefix"}
+"""The fetch's calls whose handling the benchmark reads off their servers, by the step they sit in."""
+
+
+def scrape_handling(store_metrics: str, holder_metrics: str) -> dict[str, float]:
+    """Seconds the store spent handling GetPages and the holder SharePrefix so far (their servers'
+    xavier_rpc_seconds sums)."""
+    import urllib.request
+
+    out = {}
+    for step, method in HANDLED.items():
+        where = store_metrics if method == "GetPages" else holder_metrics
+        text = urllib.request.urlopen(f"http://{where}/metrics", timeout=5).read().decode()
+        out[step] = sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("xavier_rpc_seconds_sum{") and f'method="{method}"' in line
+        )
+    return out
 
 
 def scrape_steps(metrics: str) -> dict[str, float]:

@@ -51,7 +51,8 @@ t = json.load(open(sys.argv[1]))["ttft"]
 keys = ("cold_ms", "warm_store_ms", "warm_local_ms", "speedup_store", "speedup_local", "warm_store_holder_copies",
         "warm_store_static_shared_chunks", "warm_local_static_shared_chunks")
 print(sys.argv[1].rsplit("/", 1)[-1], {k: round(t[k], 2) for k in keys if k in t},
-      "fetch steps", {k: round(v, 2) for k, v in t.get("warm_store_steps_ms", {}).items() if v})
+      "fetch steps", {k: round(v, 2) for k, v in t.get("warm_store_steps_ms", {}).items() if v},
+      "handled", {k: round(v, 2) for k, v in t.get("warm_store_handling_ms", {}).items() if v})
 PY
 }
 
