@@ -264,9 +264,15 @@ class ReferenceEngine:
         captured already (`DecodeRunner.accepts`). Returns the number of graphs captured (0 with null
         compute, which has no graphs)."""
         decoder = self._loop.decoder
-        if decoder is None:
+        if decoder is None or not decoder.use_graphs:
             return 0
-        return decoder.capture_all(pages_for(self.max_context, self.page_size))
+        device = self.kv_pool.device
+        started, reserved = time.monotonic(), torch.cuda.memory_reserved(device)
+        n = decoder.capture_all(pages_for(self.max_context, self.page_size))
+        log.info("%d decode graphs captured in %.2f s, %.0f MiB more reserved on %s", n,
+                 time.monotonic() - started, (torch.cuda.memory_reserved(device) - reserved) / 2**20,
+                 device)  # fmt: skip
+        return n
 
     @property
     def device_lock(self) -> threading.Lock | None:
