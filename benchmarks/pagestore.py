@@ -466,7 +466,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         "ttft_measure": "first message, kept channel",
         "prefix_tokens": args.prefix,
         "shape": args.shape,
-        "shape_layers": args.shape_layers or tiny.SHAPES.get(args.shape, {}).get("layers", 2),
+        "shape_layers": tiny.shape_sizes(args.shape, args.shape_layers).get("layers", 2),
         "device": args.device,
         "prompt_tokens": args.prefix + 16,
         "reps": args.ttft_reps,
@@ -525,11 +525,9 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from tests.pagestore.engines import StoreMesh
-    from xavier_core.engine.tiny import SHAPES, make_tiny
+    from xavier_core.engine.tiny import make_tiny, shape_sizes
 
-    sizes = dict(SHAPES.get(args.shape, {}))
-    if args.shape_layers:
-        sizes["layers"] = args.shape_layers
+    sizes = shape_sizes(args.shape, args.shape_layers)
     dtype = "float16" if args.device != "cpu" else "float32"
     name = f"{args.shape}-qwen2" + (f"-{args.shape_layers}l-{dtype}-{args.seed}" if args.model_cache else "")
     model = (args.model_cache or work) / name

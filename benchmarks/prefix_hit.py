@@ -26,7 +26,7 @@ from typing import Any
 from xavier_core.engine import engine_loop
 from xavier_core.engine.api import Sampling
 from xavier_core.engine.reference import ReferenceEngine
-from xavier_core.engine.tiny import SHAPES, make_tiny
+from xavier_core.engine.tiny import SHAPES, make_tiny, shape_sizes
 
 _PROFILE = cProfile.Profile()
 _PROFILING = [False]
@@ -57,9 +57,7 @@ async def ttft_ms(engine: ReferenceEngine, rid: str, tokens: list[int]) -> float
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    sizes = dict(SHAPES.get(args.shape, {}))
-    if args.layers:
-        sizes["layers"] = args.layers
+    sizes = shape_sizes(args.shape, args.layers)
     dtype = "float16" if args.device != "cpu" else "float32"
     model = make_tiny(Path(tempfile.mkdtemp()) / "m", "qwen2", dtype=dtype, **sizes)
     engine = ReferenceEngine.load(model, device=args.device, num_pages=max(600, 4 * args.prefix // 16))

@@ -26,7 +26,7 @@ from xavier_core.engine.decode_graph import DecodeRunner
 from xavier_core.engine.model import CausalLM, DecodeInputs
 from xavier_core.engine.reference import ReferenceEngine
 from xavier_core.engine.request import pages_for
-from xavier_core.engine.tiny import SHAPES, make_tiny
+from xavier_core.engine.tiny import SHAPES, make_tiny, shape_sizes
 
 
 def median_ms(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
@@ -41,9 +41,7 @@ def median_ms(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    sizes = dict(SHAPES.get(args.shape, {}))
-    if args.layers:
-        sizes["layers"] = args.layers
+    sizes = shape_sizes(args.shape, args.layers)
     cuda = args.device.startswith("cuda")
     dtype = "float16" if cuda else "float32"
     model_dir = make_tiny(Path(tempfile.mkdtemp()) / "m", "qwen2", dtype=dtype, **sizes)  # type: ignore[arg-type]

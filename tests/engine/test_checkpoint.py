@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from xavier_core.engine.checkpoint import load_config
 from xavier_core.engine.errors import CheckpointError
 from xavier_core.engine.reference import ReferenceEngine
-from xavier_core.engine.tiny import make_tiny, make_tiny_main
+from xavier_core.engine.tiny import SHAPES, make_tiny, make_tiny_main, shape_sizes
 
 
 @pytest.fixture
@@ -131,3 +131,10 @@ def test_make_tiny_is_deterministic_and_has_a_cli(tmp_path: Path) -> None:
     assert cfg.num_layers == 3 and cfg.vocab_size == 600 and cfg.qk_norm and cfg.max_position == 4096
     with pytest.raises(CheckpointError):
         make_tiny(tmp_path / "d", "gpt2")
+
+
+def test_shape_sizes_name_a_shape_and_may_change_its_depth() -> None:
+    assert shape_sizes("7b-width") == SHAPES["7b-width"] and shape_sizes("7b-width")["layers"] == 4
+    deep = shape_sizes("7b-width", 28)
+    assert deep == {**SHAPES["7b-width"], "layers": 28} and SHAPES["7b-width"]["layers"] == 4  # a copy
+    assert shape_sizes("tiny") == {} and shape_sizes("tiny", 3) == {"layers": 3}

@@ -64,6 +64,16 @@ same ratio of prefill compute to KV bytes as the whole model."""
 SHAPES: dict[str, dict[str, int]] = {"qwen2.5-0.5b": QWEN25_05B, "7b-width": WIDTH_7B}
 """The benchmarks' named model shapes (`make_tiny` sizes); any other name is the tiny default."""
 
+
+def shape_sizes(shape: str, layers: int = 0) -> dict[str, int]:
+    """The `make_tiny` sizes of a named shape (`SHAPES`; any other name: {}, the tiny default), with
+    `layers` layers instead of its own when given."""
+    sizes = dict(SHAPES.get(shape, {}))
+    if layers:
+        sizes["layers"] = layers
+    return sizes
+
+
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
 Once upon a time there was a small village by the sea, where the fishermen went out every morning.
