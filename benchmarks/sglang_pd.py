@@ -629,18 +629,27 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     fig.savefig(out)
 
 
-def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """Per mode and level (`kind/concurrency`), the median over rounds of tok/s, TTFT p50 and TPOT p50 and
-    mean (rows of earlier runs have no mean)."""
+FIGURES = ("out_tok_s", "ttft_p50", "tpot_p50", "tpot_mean")
+"""A level's figures that the summary compares across rounds and modes."""
+
+
+def by_level(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """The measured rows (failed ones left out) per mode and level (`kind/concurrency`), in run order."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         if "out_tok_s" in r:
             groups[(r["mode"], f"{r['kind']}/{r['concurrency']}")].append(r)
+    return groups
+
+
+def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per mode and level (`kind/concurrency`), the median over rounds of tok/s, TTFT p50 and TPOT p50 and
+    mean (rows of earlier runs have no mean)."""
     out: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
-    for (mode, level), rs in sorted(groups.items()):
+    for (mode, level), rs in sorted(by_level(rows).items()):
         out[mode][level] = {
             k: statistics.median(r[k] for r in rs if r.get(k) is not None)
-            for k in ("out_tok_s", "ttft_p50", "tpot_p50", "tpot_mean")
+            for k in FIGURES
             if any(r.get(k) is not None for r in rs)
         } | {"rounds": len(rs)}
     return dict(out)
@@ -656,10 +665,7 @@ def paired_ratios(
     of all runs are pooled."""
     pairs: dict[tuple[str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
     for rows in runs:
-        levels: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-        for r in rows:
-            if "out_tok_s" in r:
-                levels[(r["mode"], f"{r['kind']}/{r['concurrency']}")].append(r)
+        levels = by_level(rows)
         for (mode, level), rs in levels.items():
             if mode != base and (base, level) in levels:
                 pairs[(mode, level)] += zip(rs, levels[(base, level)], strict=False)
@@ -667,7 +673,7 @@ def paired_ratios(
     for (mode, level), ps in sorted(pairs.items()):
         ratios = {
             k: round(statistics.median(a[k] / b[k] for a, b in ps if a.get(k) and b.get(k)), 4)
-            for k in ("out_tok_s", "ttft_p50", "tpot_p50", "tpot_mean")
+            for k in FIGURES
             if any(a.get(k) and b.get(k) for a, b in ps)
         }
         out[mode][level] = ratios | {"pairs": len(ps)}
