@@ -573,25 +573,20 @@ def scrape(metrics: str, sample: str) -> float:
 
 
 FETCH_SECONDS = "xavier_pagestore_client_fetch_seconds_total"
-HANDLED = {"get_pages": "GetPages", "share_prefix": "SharePrefix"}
-"""The fetch's calls whose handling the benchmark reads off their servers, by the step they sit in."""
+HANDLED = {
+    "get_pages": 'xavier_rpc_seconds_sum{method="GetPages",service="xavier.v1.PageStoreService"}',
+    "share_prefix": 'xavier_rpc_seconds_sum{method="SharePrefix",service="xavier.v1.DecodeService"}',
+}
+"""The fetch's calls whose handling the benchmark reads off their servers (the store's, the holder's), by
+the step they sit in."""
 
 
 def scrape_handling(store_metrics: str, holder_metrics: str) -> dict[str, float]:
-    """Seconds the store spent handling GetPages and the holder SharePrefix so far (their servers'
-    xavier_rpc_seconds sums)."""
-    import urllib.request
-
-    out = {}
-    for step, method in HANDLED.items():
-        where = store_metrics if method == "GetPages" else holder_metrics
-        text = urllib.request.urlopen(f"http://{where}/metrics", timeout=5).read().decode()
-        out[step] = sum(
-            float(line.split()[-1])
-            for line in text.splitlines()
-            if line.startswith("xavier_rpc_seconds_sum{") and f'method="{method}"' in line
-        )
-    return out
+    """Seconds the store spent handling GetPages and the holder SharePrefix so far (`HANDLED`)."""
+    return {
+        step: scrape(store_metrics if step == "get_pages" else holder_metrics, sample)
+        for step, sample in HANDLED.items()
+    }
 
 
 def scrape_steps(metrics: str) -> dict[str, float]:
