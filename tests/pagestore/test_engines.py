@@ -61,7 +61,8 @@ async def _assert_quiet(mesh: StoreMesh) -> None:
             e = await read(addr)
             return (e.running, e.waiting, e.pages_pinned, e.pages_total - e.pages_free)
 
-        for _ in range(100):  # write-throughs release their pages when the store answers
+        for _ in range(200):  # write-throughs release their pages when the store answers (or, standing,
+            # a few seconds later: tests/pagestore/test_prefix_sharing.py)
             if await busy() == (0, 0, 0, 0):
                 break
             await asyncio.sleep(0.05)

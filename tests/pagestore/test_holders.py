@@ -4,13 +4,14 @@ of the first hit page and how many leading hit pages share it (`GetPagesResponse
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
 import pytest
 from xavier.v1 import page_store_service_pb2 as pb
+from xavier.v1 import types_pb2
 
 from tests.pagestore.support import (
     BPP,
@@ -26,7 +27,7 @@ from tests.pagestore.support import (
 )
 from tests.support.procs import ServiceProc
 from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
-from xavier_core.pagestore.client import InOrder
+from xavier_core.pagestore.client import FromHolder, InOrder, Standing
 from xavier_core.pagestore.connection import HolderStuck
 from xavier_core.runtime.errors import from_rpc_error
 
@@ -166,10 +167,10 @@ def test_a_bad_holder_is_refused_and_the_store_keeps_serving(store: ServiceProc,
 Asked = list[tuple[tuple[str, int], int, list[int]]]
 
 
-def _recorder(asked: Asked) -> Callable[[tuple[str, int], int, list[int]], Awaitable[int]]:
+def _recorder(asked: Asked) -> FromHolder:
     """A `from_holder` that notes what it is asked and copies nothing (the store's READ follows)."""
 
-    async def ask(holder: tuple[str, int], at: int, pages: list[int]) -> int:
+    async def ask(holder: tuple[str, int], at: int, pages: list[int], _stands: Standing | None) -> int:
         asked.append((holder, at, pages))
         return 0
 
@@ -250,14 +251,14 @@ async def test_a_fetch_copies_from_the_holder_or_reads_what_it_could_not(store: 
     reader = PageStoreClient(store.address, buffers(reader_pool))
     asked: list[tuple[tuple[str, int], int, list[int]]] = []
 
-    async def copies(holder: tuple[str, int], at: int, pages: list[int]) -> int:
+    async def copies(holder: tuple[str, int], at: int, pages: list[int], _stands: Standing | None) -> int:
         asked.append((holder, at, pages))
         for p in pages:  # what the writer's pool holds, as its port would have copied it
             for src, dst in zip(pool, reader_pool, strict=True):
                 dst[p * BPP : (p + 1) * BPP] = src[(p - 10) * BPP : (p - 9) * BPP]
         return len(pages)
 
-    async def fails(holder: tuple[str, int], at: int, pages: list[int]) -> int:
+    async def fails(holder: tuple[str, int], at: int, pages: list[int], _stands: Standing | None) -> int:
         for p in pages:
             for dst in reader_pool:
                 dst[p * BPP : (p + 1) * BPP] = 0xEE
@@ -300,7 +301,7 @@ async def test_a_holder_copy_still_running_after_it_failed_marks_the_pages_unsaf
 
     ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # where the copy's end is told
 
-    async def stuck(holder: tuple[str, int], at: int, pages: list[int]) -> int:
+    async def stuck(holder: tuple[str, int], at: int, pages: list[int], _stands: Standing | None) -> int:
         raise HolderStuck("copy from a: still in flight after the park timeout", ended)
 
     try:
@@ -317,3 +318,125 @@ async def test_a_holder_copy_still_running_after_it_failed_marks_the_pages_unsaf
     finally:
         for c in (writer, *readers):
             await c.close()
+
+
+def _standing_of(address: str, fp: str, keys: list[bytes]) -> tuple[list[int], int]:
+    """(pool pages the holder's pages stand at, ms left) of one GetPages, its lease released."""
+    got = _get(address, fp, keys)
+    if got.lease_id:
+        assert raw_release(address, got.lease_id).released
+    return [r.first_page + i for r in got.holder_page_runs for i in range(r.count)], got.holder_standing_ms
+
+
+async def _until_not_standing(address: str, fp: str, keys: list[bytes]) -> None:
+    for _ in range(200):  # a bounded wait for the store's clock to pass the standing
+        if not _standing_of(address, fp, keys)[0]:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the pages still stand")
+
+
+async def test_pages_that_stand_are_handed_to_readers_with_their_pool_pages_until_they_stop(
+    store: ServiceProc,
+) -> None:
+    fp = "fp-holder-standing"
+    ns = PageNamespace(fp)
+    keys = chain(fp, "", 9, 6)
+    pool, reader_pool = make_pool(49), make_pool(None)
+    writer = PageStoreClient(store.address, buffers(pool), holder=("a", 2))
+    reader = PageStoreClient(store.address, buffers(reader_pool))
+    asked: list[tuple[int, list[int], Standing | None]] = []
+
+    async def ask(holder: tuple[str, int], at: int, pages: list[int], stands: Standing | None) -> int:
+        asked.append((at, pages, stands))
+        return 0
+
+    try:
+        # Pool pages 5, 6, 7 and 9 stand for 0.3 s; the next put of the same holder stands for 60 s.
+        assert await writer.write(ns, keys[:4], [5, 6, 7, 9], stand_s=0.3) == 4
+        assert await writer.write(ns, keys, [5, 6, 7, 9, 1, 2], stand_s=60) == 2
+        sent = time.monotonic()
+        ids, left = _standing_of(store.address, fp, keys[4:])
+        assert ids == [1, 2] and 59_000 < left <= 60_000
+        got = await reader.fetch(ns, keys[4:], InOrder([30, 31]), from_holder=ask)
+        assert got.hit == 2 and len(asked) == 1  # read from the store after the ask copied nothing
+        at, pages, stands = asked[0]
+        assert (at, pages) == (0, [30, 31]) and stands is not None and stands.pages == [1, 2]
+        assert sent + 59 < stands.deadline <= time.monotonic() + 60
+        # A short allocation: the standing pages of the pages it took.
+        asked.clear()
+        assert (await reader.fetch(ns, keys[4:], lambda n: [40], from_holder=ask)).hit == 1
+        assert asked[0][2] is not None and asked[0][2].pages == [1]
+        # Once the first put's pages stop standing, a run holding any of them stands nowhere; the holder
+        # is still named, to be asked.
+        await _until_not_standing(store.address, fp, keys)
+        assert _holder_of(store.address, fp, keys) == (6, ("a", 2), 6)
+        assert _standing_of(store.address, fp, keys[4:])[0] == [1, 2]
+        asked.clear()
+        assert (await reader.fetch(ns, keys, InOrder(list(range(30, 36))), from_holder=ask)).hit == 6
+        assert [s for *_, s in asked] == [None]
+        assert page_digest(reader_pool, list(range(30, 36))) == page_digest(pool, [5, 6, 7, 9, 1, 2])
+    finally:
+        await writer.close()
+        await reader.close()
+
+
+async def test_a_put_without_a_holder_or_standing_stands_nowhere(store: ServiceProc) -> None:
+    fp = "fp-holder-no-standing"
+    ns = PageNamespace(fp)
+    keys = chain(fp, "", 10, 3)
+    pool = make_pool(50)
+    client = PageStoreClient(store.address, buffers(pool))
+    try:
+        assert await client.write(ns, keys[:1], [0], stand_s=60) == 1  # no holder: nothing can stand
+        client.holder = ("a", 1)
+        assert await client.write(ns, keys, [0, 1, 2]) == 2  # a holder, no standing
+    finally:
+        await client.close()
+    got = _get(store.address, fp, keys[1:])
+    assert raw_release(store.address, got.lease_id).released
+    assert (got.holder_pages, list(got.holder_page_runs), got.holder_standing_ms) == (2, [], 0)
+    assert _standing_of(store.address, fp, keys) == ([], 0)
+
+
+@pytest.mark.parametrize(
+    ("runs", "seconds", "holder", "field"),
+    [
+        ([(0, 2)], 5.0, False, "holder"),
+        ([(0, 1)], 5.0, True, "holder_page_runs"),
+        ([(0, 2), (4, 0)], 5.0, True, "holder_page_runs"),
+        ([(0, 2)], 0.0, True, "holder_standing_seconds"),
+        ([(0, 2)], 601.0, True, "holder_standing_seconds"),
+        ([], 5.0, True, "holder_standing_seconds"),
+    ],
+    ids=["no holder", "too few pages", "an empty run", "no seconds", "too long", "seconds alone"],
+)
+def test_bad_standing_is_refused_by_field_and_reserves_nothing(
+    store: ServiceProc, runs: list[tuple[int, int]], seconds: float, holder: bool, field: str
+) -> None:
+    fp = "fp-holder-bad-standing"
+    keys = chain(fp, "", 11, 2)
+    req = pb.PutPagesRequest(
+        request_id=uuid.uuid4().hex,
+        namespace=pb.PageNamespace(contract_fingerprint=fp),
+        keys=keys,
+        segment_bytes=[BPP] * NBUF,
+        holder_page_runs=[types_pb2.PageRun(first_page=f, count=c) for f, c in runs],
+        holder_standing_seconds=seconds,
+    )
+    if holder:
+        req.holder.CopyFrom(pb.PageHolder(peer_id="a", epoch=1))
+    ch, s = stub(store.address)
+    with ch:
+        with pytest.raises(grpc.RpcError) as info:
+            s.PutPages(req, timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert from_rpc_error(info.value).metadata["field"] == field
+        req.request_id = uuid.uuid4().hex  # the same put, well formed, is taken: nothing was reserved before
+        req.holder.CopyFrom(pb.PageHolder(peer_id="a", epoch=1))
+        req.ClearField("holder_page_runs")
+        req.holder_page_runs.append(types_pb2.PageRun(first_page=0, count=2))
+        req.holder_standing_seconds = 5.0
+        ok = s.PutPages(req, timeout=5)
+        assert list(ok.reserved_indices) == [0, 1]
+        assert raw_release(store.address, ok.lease_id).released

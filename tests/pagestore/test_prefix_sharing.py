@@ -1,10 +1,12 @@
 """Replicas that share prefixes (`handoff.share_prefixes`): a store hit whose pages another replica wrote
-is copied from that replica's pool (DecodeService.SharePrefix + the transfer port), not READ from the
-store; the answer is the one computing gives; every pin ends; a holder that is gone is a store READ, never a
-failed request. Real processes, real NIXL DRAM transfers, the tiny model."""
+is copied from that replica's pool, not READ from the store: straight from where they stand while the
+writer lets them (`handoff.standing_share_seconds`), else after asking it (DecodeService.SharePrefix), both
+through the transfer port; the answer is the one computing gives; every pin ends; a holder that is gone is
+a store READ, never a failed request. Real processes, real NIXL DRAM transfers, the tiny model."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +21,8 @@ pytestmark = pytest.mark.integration
 
 PREFIX = 640  # 40 full pages of 16 tokens
 SUFFIX = 24
+STANDING_S = 3.0
+"""How long the pages a replica writes through stand in its pool (a bounded wait outlasts it)."""
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +33,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreMesh]:
         "XAVIER_HANDOFF__SHARE_PREFIXES": "1",
         "XAVIER_HANDOFF__ROOM_LEASE_SECONDS": "3",
         "XAVIER_HANDOFF__WARM_INTERVAL_SECONDS": "0.2",
+        "XAVIER_HANDOFF__STANDING_SHARE_SECONDS": str(STANDING_S),
     }
     try:
         m.start_directory()
@@ -72,26 +77,33 @@ async def test_replicas_that_share_connect_to_each_other_before_their_first_shar
         assert _warmed(mesh, name) == 2
 
 
-async def test_a_hit_written_by_a_peer_is_copied_from_its_pool(mesh: StoreMesh) -> None:
+@pytest.mark.parametrize("stands", [True, False], ids=["standing", "asked"])
+async def test_a_hit_written_by_a_peer_is_copied_from_its_pool(mesh: StoreMesh, stands: bool) -> None:
+    """While A's pages stand, B copies them without asking (no SharePrefix: no `holder_ask` step); once
+    they stand no more, B asks A first. Either way nothing is READ from the store."""
     a, b = mesh.procs["unified-a"].address, mesh.procs["unified-b"].address
-    shared = prompt(11, PREFIX)
+    salt = f"t-share-{stands}"
+    shared = prompt(11 if stands else 14, PREFIX)
     first, second = shared + prompt(12, SUFFIX), shared + prompt(13, SUFFIX)
-    assert (await generate(a, first, salt="t-share")).usage.cached_tokens == 0
-    await wait_for(lambda: _store_pages(mesh, "t-share") >= len(first) // 16, 30, "A's write-through")
-    cold = await generate(a, second, salt="t-share-cold")  # the reference: nothing reused
+    cold = await generate(a, second, salt=f"{salt}-cold")  # the reference: nothing reused
+    assert (await generate(a, first, salt=salt)).usage.cached_tokens == 0
+    await wait_for(lambda: _store_pages(mesh, salt) >= len(first) // 16, 30, "A's write-through")
+    if not stands:  # the store committed them before it counted them: this outlasts their standing
+        await asyncio.sleep(STANDING_S)
 
     before, steps_before = _reads(mesh, "unified-b"), _steps(mesh, "unified-b")
-    warm = await generate(b, second, salt="t-share")
+    warm = await generate(b, second, salt=salt)
     got = _delta(_reads(mesh, "unified-b"), before)
     assert got.get("holder", 0) >= 1, got
     assert not got.get("direct") and not got.get("nixl"), f"B READ the store: {got}"
     steps = _delta(_steps(mesh, "unified-b"), steps_before)  # the copy's two parts, timed apart
-    assert steps.get("holder_ask", 0) > 0 and steps.get("holder_copy", 0) > 0, steps
-    assert steps["holder_ask"] + steps["holder_copy"] <= steps["holder"], steps
+    assert steps.get("holder_copy", 0) > 0, steps
+    assert bool(steps.get("holder_ask")) is not stands, steps
+    assert steps.get("holder_ask", 0) + steps["holder_copy"] <= steps["holder"], steps
     assert not steps.get("read") and not steps.get("verify"), steps
     assert warm.usage.cached_tokens_store >= PREFIX - 16
     assert warm.tokens == cold.tokens
-    await _assert_quiet(mesh)  # A's share pins ended with B's read; the store's lease was released
+    await _assert_quiet(mesh)  # A's pins ended (the standing, or the share with B's read); leases released
 
 
 async def test_another_salt_is_never_shared(mesh: StoreMesh) -> None:

@@ -326,14 +326,21 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def use_page_store(
-        self, store: PageStoreClient, contract_fingerprint: str, share: SharePull | None = None
+        self,
+        store: PageStoreClient,
+        contract_fingerprint: str,
+        share: SharePull | None = None,
+        stand_s: float = 0.0,
+        stand_share: float = 0.0,
     ) -> None:
         """Shares full prompt pages across replicas through `store` (pages of namespace
         `contract_fingerprint` + the request's cache salt): before computing a prompt, the engine fetches
         the longest stored prefix beyond its local cache; after it, it writes computed pages through. The
         store can only make requests faster: its trouble is a miss, never a failed request. With `share`,
-        stored pages another replica wrote are first asked of that replica's pool (`store_link.SharePull`).
-        Call once, from the event loop the requests run on."""
+        stored pages another replica wrote are first asked of that replica's pool (`store_link.SharePull`),
+        and the pages this one writes stand in its pool for `stand_s` seconds (at most `stand_share` of
+        the pool at once), where other replicas copy them without asking. Call once, from the event loop
+        the requests run on."""
         ...
 
     def read_pages(self, page_ids: Sequence[int]) -> bytes:

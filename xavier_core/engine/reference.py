@@ -416,13 +416,22 @@ class ReferenceEngine:
         self._loop.queue_abort(request_id)
 
     def use_page_store(
-        self, store: PageStoreClient, contract_fingerprint: str, share: SharePull | None = None
+        self,
+        store: PageStoreClient,
+        contract_fingerprint: str,
+        share: SharePull | None = None,
+        stand_s: float = 0.0,
+        stand_share: float = 0.0,
     ) -> None:
         """Fetches stored prefixes before admission (with `share`, stored pages another replica wrote are
         first asked of that replica) and writes computed prompt pages through (see
-        `xavier_core.engine.store_link`). Call once, from the event loop the requests run on."""
+        `xavier_core.engine.store_link`); with `share`, the pages written stand `stand_s` for other
+        replicas, at most `stand_share` of the pool at a time. Call once, from the event loop the requests
+        run on."""
         link = StoreLink(store, contract_fingerprint, self._sched, self._lock, asyncio.get_running_loop())
         link.share = share
+        link.stand_s = stand_s
+        link.stand_limit = int(stand_share * self._allocator.num_pages)
         with self._lock:
             self._store = link
             self._sched.on_prompt_done = link.prompt_done

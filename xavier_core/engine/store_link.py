@@ -15,6 +15,12 @@ every `OUTPUT_BATCH_PAGES` full pages while it runs and the rest when it finishe
 holds the answer (a chat's next turn on another replica, or a request resumed after its replica died)
 finds it in the store. Store trouble never fails a request: the client turns it into a miss (reads) or a
 dropped or failed write, each counted and logged by the client.
+
+A replica that shares its prefixes (`share` set) may let the pages it writes through stand: it tells the
+store where they are in its pool (`PageStoreClient.write`'s `stand_s`) and keeps them referenced that
+long after the write (plus `STAND_SLACK_S`), so that a replica of its host that hits them in the store
+copies them straight from this pool without asking first (`PrefixSharing`). At most `stand_share` of the
+pool stands at a time; a write beyond that stands nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from xavier_core.prefix_keys import page_keys
 from xavier_core.transfer.common.stuck import on_success
 
 if TYPE_CHECKING:
-    from xavier_core.pagestore.client import PageStoreClient
+    from xavier_core.pagestore.client import PageStoreClient, Standing
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +55,15 @@ class Prefix:
     store_pages: int
 
 
-SharePull = Callable[[tuple[str, int], Sequence[int], str, int, list[int]], Awaitable[int]]
-"""`(holder, prefix token ids, cache salt, first page, local pages) -> pages pulled`: copies pages
-`first page ...` of a prefix from the replica that holds them into local pages (all of them, or it
-answers 0); the service's `PrefixSharing.pull`."""
+SharePull = Callable[[tuple[str, int], Sequence[int], str, int, list[int], "Standing | None"], Awaitable[int]]
+"""`(holder, prefix token ids, cache salt, first page, local pages, where they stand in the holder's pool)
+-> pages pulled`: copies pages `first page ...` of a prefix from the replica that holds them into local
+pages (all of them, or it answers 0); the service's `PrefixSharing.pull`."""
 
 OUTPUT_BATCH_PAGES = 8
 """Full output pages a running request collects before they go to the store in one write."""
+STAND_SLACK_S = 1.0
+"""Pages that stand are kept this much longer than the store hands them out for."""
 
 
 class StoreLink:
@@ -81,6 +89,12 @@ class StoreLink:
         self.share: SharePull | None = None
         """Where the store names a holder of the hit pages, pulls them from it instead of READing the
         store (`handoff.share_prefixes`); None reads the store."""
+        self.stand_s = 0.0
+        """With `share`: how long the pages written through stand for other replicas (see the module)."""
+        self.stand_limit = 0
+        """Pages that may stand at once."""
+        self.standing = 0
+        """Pages standing now."""
 
     def namespace(self, cache_salt: str) -> PageNamespace:
         return PageNamespace(self.fingerprint, cache_salt)
@@ -169,9 +183,11 @@ class StoreLink:
         if share is not None:
             p = self.page_size
 
-            def from_holder(holder: tuple[str, int], at: int, pages: list[int]) -> Awaitable[int]:
+            def from_holder(
+                holder: tuple[str, int], at: int, pages: list[int], stands: Standing | None
+            ) -> Awaitable[int]:
                 last = first + at + len(pages)
-                return share(holder, req.prompt[: last * p], req.cache_salt, first + at, pages)
+                return share(holder, req.prompt[: last * p], req.cache_salt, first + at, pages, stands)
 
         hit, stuck, released = 0, False, None
         try:
@@ -248,11 +264,22 @@ class StoreLink:
             self.cache.release(pages)
 
     def _write(self, ns: PageNamespace, keys: list[bytes], pages: list[int]) -> None:
-        def done(_committed: int) -> None:
-            self.release(pages)
+        stand = self.share is not None and self.stand_s > 0 and self.standing + len(pages) <= self.stand_limit
+        stand_s = self.stand_s if stand else 0.0
+        self.standing += len(pages) if stand else 0
+
+        def done(committed: int) -> None:
+            if stand and committed:  # readers may copy them until `stand_s` after the commit
+                self._loop.call_later(stand_s + STAND_SLACK_S, self._unstand, pages)
+            else:
+                self._unstand(pages) if stand else self.release(pages)
 
         try:
-            self.client.write_through(ns, keys, pages, done=done)
+            self.client.write_through(ns, keys, pages, done=done, stand_s=stand_s)
         except Exception:  # refused before queueing (done will not be called): nothing reads the pages
             log.exception("page store write-through refused")
-            self.release(pages)
+            self._unstand(pages) if stand else self.release(pages)
+
+    def _unstand(self, pages: list[int]) -> None:
+        self.standing -= len(pages)
+        self.release(pages)

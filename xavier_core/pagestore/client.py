@@ -47,6 +47,8 @@ from xavier_core.runtime.errors import XavierError
 from xavier_core.runtime.tasks import Background
 from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.errors import InvalidPagesError
+from xavier_core.transfer.common.runs import PageRun, expand
+from xavier_core.transfer.common.source import page_runs_proto
 from xavier_core.transfer.common.stuck import poll_until, released_when
 
 __all__ = ["ClientSettings", "Fetched", "InOrder", "PageNamespace", "PageStoreClient"]
@@ -100,10 +102,21 @@ class Fetched:
     ended, and the pages past `hit` may then go back into use."""
 
 
-FromHolder = Callable[[tuple[str, int], int, list[int]], Awaitable[int]]
-"""`(holder, index of the call's first key in the fetch's keys, local pages) -> pages copied`: copies a
-store call's hit pages from the replica that wrote them into the local pages; all of them or 0, or raises
-`HolderStuck` when a failed copy was still running at its park timeout (the pages may still change)."""
+@dataclass(frozen=True)
+class Standing:
+    """Where a store call's hit pages stand in their holder's pool (`GetPagesResponse.holder_page_runs`):
+    a copy of them must have ended by `deadline` (`time.monotonic()`), after which the holder may reuse
+    them."""
+
+    pages: list[int]
+    deadline: float
+
+
+FromHolder = Callable[[tuple[str, int], int, list[int], Standing | None], Awaitable[int]]
+"""`(holder, index of the call's first key in the fetch's keys, local pages, where they stand) -> pages
+copied`: copies a store call's hit pages from the replica that wrote them into the local pages; all of
+them or 0, or raises `HolderStuck` when a failed copy was still running at its park timeout (the pages may
+still change)."""
 
 
 class InOrder:
@@ -257,23 +270,33 @@ class PageStoreClient:
         keys: Sequence[bytes],
         src_pages: Sequence[int],
         done: Callable[[int], None] | None = None,
+        stand_s: float = 0.0,
     ) -> bool:
         """Queues a write of local pages `src_pages` under `keys` and returns at once.
 
         `done(committed_pages)` is called exactly once when the client no longer reads the source pages
         (after the write, after a failure, or at once when the queue is full): the caller keeps the pages
-        unchanged until then. False means the write was dropped (queue full) and counted.
+        unchanged until then. False means the write was dropped (queue full) and counted. `stand_s`: see
+        `write`.
         """
-        return self._writes.submit(namespace, list(keys), self._check_pages(keys, src_pages), done)
+        pages = self._check_pages(keys, src_pages)
+        return self._writes.submit(namespace, list(keys), pages, done, stand_s)
 
-    async def write(self, namespace: PageNamespace, keys: Sequence[bytes], src_pages: Sequence[int]) -> int:
-        """Writes now: returns the pages newly committed (keys already stored count as nothing)."""
+    async def write(
+        self, namespace: PageNamespace, keys: Sequence[bytes], src_pages: Sequence[int], stand_s: float = 0.0
+    ) -> int:
+        """Writes now: returns the pages newly committed (keys already stored count as nothing).
+
+        `stand_s` > 0, with a `holder`: the store is told the pages stand in this pool that long after each
+        of its commits (`PutPagesRequest.holder_page_runs`), for readers to copy them from here; the caller
+        then keeps them unchanged for `stand_s` after this returns (a reader's copy ends before that)."""
         pages = self._check_pages(keys, src_pages)
         committed = 0
         try:
             limit = self._chunk_limit()
             for at in range(0, len(keys), limit):
-                committed += await self._put(namespace, list(keys[at : at + limit]), pages[at : at + limit])
+                chunk_keys, chunk_pages = list(keys[at : at + limit]), pages[at : at + limit]
+                committed += await self._put(namespace, chunk_keys, chunk_pages, stand_s)
             self._trouble.ok()
         except Exception as exc:
             self.failed("put", exc)
@@ -331,6 +354,7 @@ class PageStoreClient:
         )
         # GetPages answers what Exists would and leases the hits in the same round trip; local pages are
         # taken only once it says there is something to read.
+        sent = time.monotonic()
         with clock.step("get_pages"):
             resp = await self.conn.get_pages(req)
         if resp.hit_count == 0:
@@ -346,8 +370,9 @@ class PageStoreClient:
                 return 0
             if from_holder is not None and resp.HasField("holder") and resp.holder_pages >= len(pages):
                 holder = (resp.holder.peer_id, int(resp.holder.epoch))
+                stands = _standing(resp, len(pages), sent)
                 with clock.step("holder"):
-                    copied = await from_holder(holder, at, list(pages))
+                    copied = await from_holder(holder, at, list(pages), stands)
                 if copied == len(pages):
                     self.counters.holder_pages += copied
                     self._metrics.reads.labels("holder").inc()
@@ -460,7 +485,9 @@ class PageStoreClient:
         finally:
             clock.add("worker", time.perf_counter() - t - inside[0])
 
-    async def _put(self, namespace: PageNamespace, keys: list[bytes], pages: list[int]) -> int:
+    async def _put(
+        self, namespace: PageNamespace, keys: list[bytes], pages: list[int], stand_s: float
+    ) -> int:
         req = pb.PutPagesRequest(
             request_id=uuid.uuid4().hex,
             namespace=_ns_proto(namespace),
@@ -470,6 +497,9 @@ class PageStoreClient:
         )
         if self.holder is not None:
             req.holder.CopyFrom(pb.PageHolder(peer_id=self.holder[0], epoch=self.holder[1]))
+            if stand_s > 0:
+                req.holder_page_runs.extend(page_runs_proto(pages))
+                req.holder_standing_seconds = stand_s
         resp = await self.conn.put_pages(req)
         if not resp.reserved_indices:
             return 0
@@ -578,3 +608,19 @@ def _ns_proto(ns: PageNamespace) -> pb.PageNamespace:
     return pb.PageNamespace(
         contract_fingerprint=ns.contract_fingerprint, cache_salt=ns.cache_salt, rank=ns.rank
     )
+
+
+def _standing(resp: pb.GetPagesResponse, n: int, sent: float) -> Standing | None:
+    """Where the first `n` holder pages of a GetPages answer stand in their holder's pool, with the
+    deadline counted from when the call was `sent` (the store's clock ran no earlier); None when they do
+    not stand or the answer does not cover them."""
+    runs = resp.holder_page_runs
+    if not runs or not resp.holder_standing_ms or sum(r.count for r in runs) != resp.holder_pages:
+        return None
+    try:
+        pages = expand(PageRun(r.first_page, r.count) for r in resp.holder_page_runs)
+    except InvalidPagesError:
+        return None
+    if len(pages) < n:
+        return None
+    return Standing(pages[:n], sent + resp.holder_standing_ms / 1e3)

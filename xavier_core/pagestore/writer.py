@@ -10,8 +10,10 @@ from typing import Generic, TypeVar
 log = logging.getLogger(__name__)
 
 NS = TypeVar("NS")
-WriteFn = Callable[[NS, Sequence[bytes], Sequence[int]], Awaitable[int]]
+WriteFn = Callable[[NS, Sequence[bytes], Sequence[int], float], Awaitable[int]]
+"""`(namespace, keys, pages, seconds the pages stand after it) -> pages committed`."""
 Done = Callable[[int], None]
+_Item = tuple[NS, list[bytes], list[int], Done | None, float]
 
 
 class WriteQueue(Generic[NS]):
@@ -21,10 +23,12 @@ class WriteQueue(Generic[NS]):
         self._write = write
         self._maxsize = maxsize
         self._on_drop = on_drop
-        self._queue: asyncio.Queue[tuple[NS, list[bytes], list[int], Done | None]] | None = None
+        self._queue: asyncio.Queue[_Item[NS]] | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def submit(self, namespace: NS, keys: list[bytes], pages: list[int], done: Done | None) -> bool:
+    def submit(
+        self, namespace: NS, keys: list[bytes], pages: list[int], done: Done | None, stand_s: float = 0.0
+    ) -> bool:
         """Queues a write; False (and `done(0)` at once) when the queue is full."""
         if self._queue is None:
             self._queue = asyncio.Queue(self._maxsize)
@@ -32,7 +36,7 @@ class WriteQueue(Generic[NS]):
                 self._run(self._queue), name="pagestore-writer"
             )
         try:
-            self._queue.put_nowait((namespace, keys, pages, done))
+            self._queue.put_nowait((namespace, keys, pages, done, stand_s))
         except asyncio.QueueFull:
             self._on_drop()
             if done is not None:
@@ -50,16 +54,16 @@ class WriteQueue(Generic[NS]):
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         while self._queue is not None and not self._queue.empty():
-            *_, done = self._queue.get_nowait()
+            done = self._queue.get_nowait()[3]
             if done is not None:
                 done(0)
 
-    async def _run(self, queue: asyncio.Queue[tuple[NS, list[bytes], list[int], Done | None]]) -> None:
+    async def _run(self, queue: asyncio.Queue[_Item[NS]]) -> None:
         while True:
-            namespace, keys, pages, done = await queue.get()
+            namespace, keys, pages, done, stand_s = await queue.get()
             committed = 0
             try:
-                committed = await self._write(namespace, keys, pages)
+                committed = await self._write(namespace, keys, pages, stand_s)
             except Exception:  # the write fn counts store trouble itself; anything else must not stop us
                 log.exception("page store write-through failed")
             finally:

@@ -22,6 +22,7 @@ from xavier_core.pagestore.layout import map_pages
 from xavier_core.pagestore.nixl import UCX_DEFAULT_SEGMENT_BYTES
 from xavier_core.runtime.errors import FailedPrecondition, InvalidArgument, LeaseExpired, Unavailable
 from xavier_core.runtime.tasks import cancel_and_wait
+from xavier_core.transfer.common.source import page_runs_proto
 from xavier_services.pagestore import validate
 from xavier_services.pagestore.arena import Arena
 from xavier_services.pagestore.config import PageStoreSettings
@@ -156,6 +157,10 @@ class PageStoreServicer(pb_grpc.PageStoreServiceServicer):  # type: ignore[misc]
                 if holder is not None:
                     response.holder.CopyFrom(pb.PageHolder(peer_id=holder[0], epoch=holder[1]))
                     response.holder_pages = run
+                    ids, left = self.store.standing_run(hits[:run])
+                    if ids:
+                        response.holder_page_runs.extend(page_runs_proto(ids))
+                        response.holder_standing_ms = int(left * 1e3)
         self._remember("get", request.request_id, response)
         return response
 
@@ -168,6 +173,7 @@ class PageStoreServicer(pb_grpc.PageStoreServiceServicer):  # type: ignore[misc]
         geo = validate.geometry(request.segment_bytes, self.settings, self.arena.chunk_bytes)
         lease_s = validate.lease_seconds(request.lease_seconds, self.settings)
         holder = validate.holder(request.holder) if request.HasField("holder") else None
+        standing = validate.standing(request)
         ns = self.store.find(key)
         if ns is None:
             ns = self.store.create(key, geo)
@@ -176,7 +182,8 @@ class PageStoreServicer(pb_grpc.PageStoreServiceServicer):  # type: ignore[misc]
         indices, pages, evicted = self.store.put(ns, keys, lease_s)
         response = pb.PutPagesResponse(store_instance=self.arena.instance, evicted=evicted)
         if pages:
-            lease = self.store.write_lease(ns, pages, lease_s, holder=holder)
+            stands = validate.standing_of(standing, indices, request.holder_standing_seconds)
+            lease = self.store.write_lease(ns, pages, lease_s, holder=holder, standing=stands)
             response.reserved_indices.extend(indices)
             response.spans.extend(_spans(self.store, pages))
             response.lease_id = lease.id

@@ -7,6 +7,9 @@ Rules the code keeps:
 - A page's holder is the replica its committing put named (``PutPagesRequest.holder``), or none: one tuple
   per write lease, shared by its pages. A key written again (after an eviction) is a new page with the new
   writer's holder.
+- A page may also stand in its holder's pool (``PutPagesRequest.holder_page_runs``): the pool page the
+  holder keeps unchanged for a while after its commit, which GetPages hands to readers until that long
+  after the store committed it (`standing_run`), so a reader's copy ends before the holder's hold does.
 - Eviction takes the least recently used unpinned committed page. Hits touch a chain tail-first, so the
   tail of a chain is older than its head and eviction shortens chains from the end instead of cutting
   them in the middle (a prefix lookup stops at the first miss).
@@ -28,6 +31,7 @@ from xavier_services.pagestore.config import PageStoreSettings
 
 NsKey = tuple[str, bytes, int]  # contract fingerprint, SHA-256 of the cache salt, rank
 Holder = tuple[str, int]  # the writing replica's directory peer id and registration epoch
+Standing = tuple[list[int], float]  # a write's pool page per reserved page, and seconds they stand
 
 
 @dataclass
@@ -65,6 +69,8 @@ class Page:
     pins: int = 0
     doomed: bool = False  # dropped while pinned: freed when the last read lease on it ends
     holder: Holder | None = None  # set when committed
+    holder_page: int = -1  # where it stands in its holder's pool, when its put said so (set when committed)
+    stands_until: float = 0.0  # time.monotonic() until which it stands there
 
 
 @dataclass(eq=False)
@@ -77,6 +83,7 @@ class Lease:
     expire_wall: float  # time.time(), for the response
     committing: bool = False
     holder: Holder | None = None  # a write lease's writer, given to each page it commits
+    standing: Standing | None = None  # its pages' pool pages in the writer's pool, and for how long
 
 
 class PageStore:
@@ -142,6 +149,20 @@ class PageStore:
             run += 1
         return first, run
 
+    @staticmethod
+    def standing_run(pages: Sequence[Page]) -> tuple[list[int], float]:
+        """Where `pages` (a holder run, `holder_run`) stand in their holder's pool, and the seconds left of
+        the shortest standing; ([], 0.0) unless every one of them still stands."""
+        now = time.monotonic()
+        ids: list[int] = []
+        until = float("inf")
+        for page in pages:
+            if page.holder_page < 0 or page.stands_until <= now:
+                return [], 0.0
+            ids.append(page.holder_page)
+            until = min(until, page.stands_until)
+        return (ids, until - now) if ids else ([], 0.0)
+
     # --- writes -----------------------------------------------------------------------------------------
 
     def put(self, ns: Namespace, keys: Sequence[bytes], lease_s: float) -> tuple[list[int], list[Page], int]:
@@ -167,10 +188,18 @@ class PageStore:
         return indices, pages, evicted
 
     def write_lease(
-        self, ns: Namespace, pages: list[Page], lease_s: float, holder: Holder | None = None
+        self,
+        ns: Namespace,
+        pages: list[Page],
+        lease_s: float,
+        holder: Holder | None = None,
+        standing: Standing | None = None,
     ) -> Lease:
+        """A write lease of `pages`; `standing`, with `holder`: each page's pool page in the holder's pool,
+        and how long it stands there after the commit."""
         lease = self._new_lease(ns, True, pages, lease_s)
         lease.holder = holder
+        lease.standing = standing if holder is not None else None
         return lease
 
     def begin_commit(self, lease_id: str) -> Lease:
@@ -189,11 +218,15 @@ class PageStore:
     def finish_commit(self, lease: Lease, good: Sequence[bool]) -> tuple[int, int]:
         ns = lease.ns
         committed = 0
-        for page, ok in zip(lease.pages, good, strict=True):
+        ids, seconds = lease.standing or ([], 0.0)
+        until = time.monotonic() + seconds
+        for i, (page, ok) in enumerate(zip(lease.pages, good, strict=True)):
             ns.reserved -= 1
             if ok:
                 page.committed = True
                 page.holder = lease.holder
+                if ids:
+                    page.holder_page, page.stands_until = ids[i], until
                 ns.committed += 1
                 committed += 1
             else:

@@ -10,13 +10,15 @@ from xavier.v1 import page_store_service_pb2 as pb
 from xavier_core.pagestore.layout import CHECKSUM_BYTES, KEY_BYTES, PageGeometry
 from xavier_core.runtime.errors import InvalidArgument
 from xavier_services.pagestore.config import PageStoreSettings
-from xavier_services.pagestore.store import Holder, Namespace, NsKey
+from xavier_services.pagestore.store import Holder, Namespace, NsKey, Standing
 
 MAX_FINGERPRINT_CHARS = 256
 MAX_SALT_BYTES = 1024
 MAX_RANK = 65535
 MAX_REQUEST_ID_CHARS = 128
 MAX_PEER_ID_CHARS = 256
+MAX_HOLDER_RUNS = 1024
+MAX_STANDING_SECONDS = 600.0
 
 
 def namespace_key(ns: pb.PageNamespace) -> NsKey:
@@ -125,3 +127,39 @@ def holder(value: pb.PageHolder) -> Holder:
             field="holder.peer_id",
         )
     return peer, int(value.epoch)
+
+
+def standing(request: pb.PutPagesRequest) -> list[int] | None:
+    """``PutPagesRequest.holder_page_runs`` as one pool page per key, or None when the put keeps nothing
+    standing; the runs must cover exactly the keys, under a named holder, for 0 < seconds <= 600."""
+    runs, seconds = request.holder_page_runs, request.holder_standing_seconds
+    if not runs:
+        if seconds:
+            raise InvalidArgument(
+                "holder_standing_seconds is set without holder_page_runs", field="holder_standing_seconds"
+            )
+        return None
+    if not request.HasField("holder"):
+        raise InvalidArgument("holder_page_runs needs a holder", field="holder")
+    if not 0 < seconds <= MAX_STANDING_SECONDS:
+        raise InvalidArgument(
+            f"holder_standing_seconds must be in (0, {MAX_STANDING_SECONDS:g}], got {seconds}",
+            field="holder_standing_seconds",
+        )
+    if len(runs) > MAX_HOLDER_RUNS:
+        raise InvalidArgument(
+            f"{len(runs)} holder_page_runs, at most {MAX_HOLDER_RUNS}", field="holder_page_runs"
+        )
+    if any(r.count == 0 for r in runs):
+        raise InvalidArgument("a holder_page_runs run has count 0", field="holder_page_runs")
+    total = sum(r.count for r in runs)
+    if total != len(request.keys):
+        raise InvalidArgument(
+            f"holder_page_runs cover {total} pages for {len(request.keys)} keys", field="holder_page_runs"
+        )
+    return [r.first_page + i for r in runs for i in range(r.count)]
+
+
+def standing_of(ids: list[int] | None, indices: Sequence[int], seconds: float) -> Standing | None:
+    """The reserved keys' pool pages (`indices` into the put's keys) and their standing, for the lease."""
+    return ([ids[i] for i in indices], seconds) if ids is not None else None

@@ -96,6 +96,14 @@ class HandoffSection(_Section):
     and registers its endpoint in the directory, as a prefill does; and its page store fetches copy the
     hit pages a sharing peer wrote from that peer's pool (`peer/sharing.py`). Off, it has no port and
     refuses SharePrefix with SHARING_OFF. Other roles ignore it."""
+    standing_share_seconds: float = Field(default=10.0, ge=0, le=600)
+    """With `share_prefixes`: how long the pages a replica writes through to the page store stand in its
+    pool afterwards, kept unchanged for readers: the store hands their pool pages to a reader's fetch
+    (`GetPagesResponse.holder_page_runs`), which copies them at once, asking nothing (one SharePrefix round
+    trip less). 0: nothing stands; a reader then asks (SharePrefix) each time."""
+    standing_share_pool_fraction: float = Field(default=0.25, ge=0, le=1)
+    """At most this share of the pool stands at once (`standing_share_seconds`); a write-through beyond
+    it stands nothing. Standing pages cannot be evicted meanwhile."""
     warm_interval_seconds: float = Field(default=5.0, ge=0, le=3600)
     """How often a reader (a decode; a unified replica that shares its prefixes) lists the peers it reads
     from (its prefills; the other sharing replicas of its layout) and connects its transfer port to new

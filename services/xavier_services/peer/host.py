@@ -238,7 +238,9 @@ class PeerHost:
             share = self.sharing.pull
             # The pages it writes name it (and its epoch: a replica registered again holds none of before).
             self.membership.on_epoch.append(lambda epoch: setattr(store, "holder", (self.peer_id, epoch)))
-        self.engine.use_page_store(store, self.fingerprint, share)
+        handoff = self.config.handoff
+        stand = (handoff.standing_share_seconds, handoff.standing_share_pool_fraction)
+        self.engine.use_page_store(store, self.fingerprint, share, *stand)
         log.info("page store attached", address=ps.address)
 
     async def stop(self) -> None:

@@ -8,6 +8,12 @@ fetch asks the holder (`DecodeService.SharePrefix`): the holder pins the prefix 
 publishes them as a transfer source for this one read, and the port pulls them into the pages the fetch
 took, as a decode pulls a prefill's (the read's end, told by the port, unpins them there).
 
+Pages the holder let stand after writing them (`handoff.standing_share_seconds`) come with their place
+in its pool in the store's answer (`Standing`): those are copied at once, the holder told nothing
+(a silent pull: they stand for every reader), if the copy can end before they stop standing; only
+where they stand no more, or where the copy cannot start (no CUDA IPC or NIXL reach to the holder), is
+the holder asked.
+
 Anything short of every asked page (the holder is this replica, gone, re-registered, no longer holds
 them, refuses, or the pull fails) answers 0 and the fetch READs the store as before: sharing can only
 save a read, never fail a request. The store lease taken by GetPages covers the pages meanwhile. The one
@@ -20,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import time
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -27,12 +34,15 @@ from xavier.v1 import decode_service_pb2 as pb
 from xavier.v1 import decode_service_pb2_grpc, types_pb2
 from xavier.v1 import directory_service_pb2 as dpb
 
+from xavier_core.pagestore.client import Standing
 from xavier_core.pagestore.connection import HolderStuck
 from xavier_core.pagestore.metrics import StepClock
 from xavier_core.runtime.channels import open_channel
 from xavier_core.runtime.errors import XavierError, from_rpc_error
 from xavier_core.runtime.logging import get_logger
 from xavier_core.transfer import peer_key
+from xavier_core.transfer.common.errors import TransferError
+from xavier_core.transfer.common.source import page_runs_proto
 from xavier_core.transfer.port.kv_port import KvPort
 from xavier_core.transfer.port.pulls import ReadStuck
 from xavier_services.peer.membership import Membership, PeerCache
@@ -41,6 +51,8 @@ log = get_logger(__name__)
 
 _PEERS = 256
 """Holder registrations remembered (one directory lookup per holder epoch)."""
+MIN_STANDING_S = 0.25
+"""Pages that stand for less than this longer are asked for instead: a copy must end while they stand."""
 
 
 class PrefixSharing:
@@ -71,18 +83,54 @@ class PrefixSharing:
         cache_salt: str,
         first_page: int,
         dest: list[int],
+        standing: Standing | None = None,
     ) -> int:
         """Pulls pages `first_page ...` of the prefix `token_ids` (whole pages, keys chained from the
         first) from `holder` into the local pages `dest`; returns len(dest) when all of them came, else 0
-        (whatever landed in `dest` is then overwritten by the store's READ)."""
+        (whatever landed in `dest` is then overwritten by the store's READ). `standing`: where those
+        pages stand in the holder's pool, copied from there without asking."""
         me = self._me()
         if holder == me or not dest:
             return 0
         try:
+            if standing is not None and standing.deadline - time.monotonic() >= MIN_STANDING_S:
+                got = await self._pull_standing(holder, standing, dest)
+                if got is not None:
+                    return got
             return await self._pull(holder, me, token_ids, cache_salt, first_page, dest)
         except XavierError as err:  # never a `HolderStuck` (a transfer error): that one ends the fetch
             log.info("prefix sharing: the holder's pages did not come", holder=holder[0], reason=err.reason)
             return 0
+
+    async def _pull_standing(
+        self, holder: tuple[str, int], standing: Standing, dest: list[int]
+    ) -> int | None:
+        """Copies pages that stand in the holder's pool, telling it nothing; the copy must end before they
+        stop standing. None when it failed or could not start, with nothing in flight: ask instead (the
+        ask's pull overwrites whatever landed)."""
+        clock = StepClock()
+        try:
+            peer = await self._holders.find(holder)
+            if peer is None or not peer.HasField("endpoint"):
+                return 0  # gone, registered again, or a replica that does not share
+            source = dpb.SourceDescriptor(page_runs=page_runs_proto(standing.pages), num_pages=len(dest))
+            room_id = secrets.randbits(63) or 1
+            with clock.step("holder_copy"):
+                try:
+                    timeout = min(self._transfer_timeout, standing.deadline - time.monotonic())
+                    key, timeouts = peer_key(*holder), (timeout, self._park_timeout)
+                    await self._port.pull(room_id, source, peer.endpoint, key, dest, *timeouts, silent=True)
+                except ReadStuck as err:  # the pages are the fetch's to keep until the copy has ended
+                    released = self._port.take_stuck(room_id)
+                    raise HolderStuck(f"copy from {holder[0]}: {err.message}", released) from err
+                except (XavierError, TransferError) as err:  # nothing is in flight any more: ask instead
+                    log.info("prefix sharing: standing pages not copied", holder=holder[0], error=str(err))
+                    return None
+                finally:
+                    self._port.take_stuck(room_id)
+            return len(dest)
+        finally:
+            clock.flush()
 
     async def _pull(
         self,

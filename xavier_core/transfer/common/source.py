@@ -14,7 +14,7 @@ from xavier.v1 import types_pb2
 
 from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.errors import InvalidPagesError, InvalidSourceError
-from xavier_core.transfer.common.runs import PageRun, runs_to_pages
+from xavier_core.transfer.common.runs import PageRun, coalesce, runs_to_pages
 from xavier_core.transfer.common.slab_layout import SlabLayout
 
 # Limits on network input: NIXL metadata is ~0.5 KB + 44 B per region.
@@ -151,6 +151,11 @@ def buffers_from_regions(regions: Sequence[types_pb2.MemoryRegion], field: str) 
         if not r.device or len(r.device) > MAX_DEVICE_CHARS:
             raise InvalidSourceError(f"{field}[{i}].device: empty or too long")
     return tuple(KvBuffer(r.base_address, r.length, r.bytes_per_page, r.device) for r in regions)
+
+
+def page_runs_proto(page_ids: Sequence[int]) -> list[types_pb2.PageRun]:
+    """Page ids as the contract's runs, consecutive ids merged, order kept."""
+    return [types_pb2.PageRun(first_page=r.first, count=r.count) for r in coalesce(page_ids)]
 
 
 def runs_from_proto(runs: Iterable[types_pb2.PageRun], field: str) -> tuple[PageRun, ...]:

@@ -259,6 +259,9 @@ class KvReceiver:
         self._token = ""
         self._notify_fail_when_idle = False
         self.error: str | None = None
+        self.silent = False
+        """Tell the source nothing (no notification on the READ, no done or fail after it): a source
+        whose pages stand for a while whoever reads them, which waits for no reader's word."""
 
     def init(self) -> None:
         """Registers the room with the manager (idempotent)."""
@@ -318,7 +321,7 @@ class KvReceiver:
             source.buffers,
             source.page_ids(),
             self._dest,
-            b"" if self.manager.agent.notifies_apart else done_notif(self.room, self._token),
+            b"" if self.manager.agent.notifies_apart or self.silent else done_notif(self.room, self._token),
             mode,
         )
         self._pages_after = None
@@ -405,7 +408,7 @@ class KvReceiver:
         self._tell_source(fail_notif(self.room, self._token), "fail")
 
     def _tell_source(self, msg: bytes, kind: str) -> None:
-        if self._peer_key is None:
+        if self._peer_key is None or self.silent:
             return
         try:
             self.manager.agent.notify_read_end(self._peer_key, msg)

@@ -74,6 +74,7 @@ class IpcCopy:
     peer: str
     done: asyncio.Future[KvPoll]
     aborted: bool = False
+    tell: bool = True  # tell the source how the copy ended (not a silent pull's: `KvPort.pull`)
 
 
 class ReadEnd(StrEnum):
@@ -202,12 +203,13 @@ class PortCore:
             if not handle.is_done():
                 continue
             del self._copies[handle]
-            make = fail_notif if copy.aborted else done_notif
-            try:
-                self.agent.notify_read_end(copy.peer, make(copy.room, copy.token))
-            except TransferError as err:
-                log.info("read-end notification not delivered", room=copy.room, error=str(err))
-            self.flush_notifs()
+            if copy.tell:
+                make = fail_notif if copy.aborted else done_notif
+                try:
+                    self.agent.notify_read_end(copy.peer, make(copy.room, copy.token))
+                except TransferError as err:
+                    log.info("read-end notification not delivered", room=copy.room, error=str(err))
+                self.flush_notifs()
             out.append((copy.done, KvPoll.FAILED if copy.aborted else KvPoll.SUCCESS))
         if self._ipc is not None:
             self._ipc.collect()

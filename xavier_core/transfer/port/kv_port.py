@@ -279,9 +279,13 @@ class KvPort(PortCore):
         dest_pages: Sequence[int],
         timeout: float,
         park_timeout: float,
+        *,
+        silent: bool = False,
     ) -> tuple[int, float]:
         """Reads the source pages (at `endpoint`) into `dest_pages`; returns (bytes, seconds). `peer` is the
         source's `peer_key(peer_id, epoch)`: a newer epoch of the same peer replaces the cached older one.
+        `silent`: the source is told nothing of the read (pages that stand in its pool for a while, for
+        any reader, `PrefixSharing`; such a source names no staging chunks, so it is never read staged).
 
         The transport: CUDA IPC when allowed and the endpoint offers a pool this GPU can map; else
         staged when allowed, the source staged the room and the slabs match; else NIXL page runs. If
@@ -311,21 +315,22 @@ class KvPort(PortCore):
             else:
                 transport, view = await self.run(self._choose, endpoint, peer, info)
         except Unavailable:
-            await asyncio.shield(pulls.decline(self, room_id, info.token, endpoint, peer))
+            if not silent:
+                await asyncio.shield(pulls.decline(self, room_id, info.token, endpoint, peer))
             raise
         started = time.perf_counter()
         args = (room_id, info, endpoint, peer)
         try:
             if view is not None and self._ipc is not None:
                 pages = (src_pages, dst_pages)
-                await pulls.pull_ipc(self, self._ipc, *args, view, pages, timeout, park_timeout)
+                await pulls.pull_ipc(self, self._ipc, *args, view, pages, timeout, park_timeout, silent)
             elif transport == "staged" and self._slab is not None:
                 slab, pool = self._slab.slab, self._slab.pool
                 staged = pulls.pull_staged(self, slab, pool, *args, dst_pages, timeout, park_timeout)
                 if not await staged:
                     transport = "nixl"  # no free chunk here: the page runs, as coalesced NIXL
             if transport == "nixl":
-                await pulls.pull_nixl(self, self._mode, *args, dest_pages, timeout, park_timeout)
+                await pulls.pull_nixl(self, self._mode, *args, dest_pages, timeout, park_timeout, silent)
         except Unavailable:
             self.totals.failures += 1
             self.by_transport[transport].failures += 1

@@ -115,16 +115,20 @@ async def pull_ipc(
     pages: tuple[I64, I64],
     timeout: float,
     park_timeout: float,
+    silent: bool = False,
 ) -> None:
     """One fused copy from the mapped source pool; its end is told to the source only once the copy's
-    CUDA event has completed, so the source's pages stay pinned until then (I1)."""
+    CUDA event has completed, so the source's pages stay pinned until then (I1). `silent`: nothing is
+    told (a standing source, `KvPort.pull`)."""
     peer_id = (split_peer_key(peer) or (peer, 0))[0]
-    copy = IpcCopy(str(room_id), info.token, peer, asyncio.get_running_loop().create_future())
+    loop = asyncio.get_running_loop()
+    copy = IpcCopy(str(room_id), info.token, peer, loop.create_future(), tell=not silent)
     posted = False
 
     def _start() -> None:
         nonlocal posted
-        core.agent.add_peer(peer, endpoint.agent_metadata)  # the read-end notification goes over NIXL
+        if not silent:
+            core.agent.add_peer(peer, endpoint.agent_metadata)  # the read-end notification goes over NIXL
         handle = ipc.pull(peer_id, view, *pages)
         core._copies[handle] = copy
         posted = True  # from here the copy's end tells the source (even if this task is cancelled)
@@ -144,7 +148,8 @@ async def pull_ipc(
         # Queued behind `_start` on the NIXL thread, so `posted` is final once this returns.
         await asyncio.shield(core.run(_abort))
         if not posted:
-            await asyncio.shield(decline(core, room_id, info.token, endpoint, peer))
+            if not silent:
+                await asyncio.shield(decline(core, room_id, info.token, endpoint, peer))
         elif not await _park(copy.done, park_timeout):
             _stuck(core, exc, room_id, "copy", lambda: asyncio.shield(copy.done))
         raise
@@ -160,9 +165,12 @@ async def pull_nixl(
     dest_pages: Sequence[int],
     timeout: float,
     park_timeout: float,
+    silent: bool = False,
 ) -> None:
-    """One NIXL READ of the source's page runs (one descriptor per run per buffer, or per page)."""
+    """One NIXL READ of the source's page runs (one descriptor per run per buffer, or per page);
+    `silent`: the source is told nothing (`KvReceiver.silent`)."""
     receiver = KvReceiver(core.manager, str(room_id))
+    receiver.silent = silent
     done: asyncio.Future[KvPoll] = asyncio.get_running_loop().create_future()
     posted = False
 
@@ -187,7 +195,7 @@ async def pull_nixl(
         await _settle(room_id, done, timeout, "read")
     except BaseException as exc:
         await asyncio.shield(core.run(_forget))
-        if not posted:
+        if not posted and not silent:
             await asyncio.shield(decline(core, room_id, info.token, endpoint, peer))
         if not await asyncio.shield(_quiesce(core, receiver, park_timeout)):
             _stuck(core, exc, room_id, "read", lambda: _idle_at_last(core, receiver))

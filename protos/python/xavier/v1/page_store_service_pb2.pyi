@@ -378,6 +378,8 @@ class GetPagesResponse(_message.Message):
     STORE_INSTANCE_FIELD_NUMBER: _builtins.int
     HOLDER_FIELD_NUMBER: _builtins.int
     HOLDER_PAGES_FIELD_NUMBER: _builtins.int
+    HOLDER_PAGE_RUNS_FIELD_NUMBER: _builtins.int
+    HOLDER_STANDING_MS_FIELD_NUMBER: _builtins.int
     hit_count: _builtins.int
     """Number of leading keys that hit; the pages of keys[0..hit_count) are pinned."""
     lease_id: _builtins.str
@@ -386,6 +388,10 @@ class GetPagesResponse(_message.Message):
     """Identifies the store process whose arena the spans point into."""
     holder_pages: _builtins.int
     """How many leading hit pages that holder wrote; 0 when holder is unset."""
+    holder_standing_ms: _builtins.int
+    """Milliseconds left, from this answer, of the shortest standing of those pages; 0 when
+    holder_page_runs is empty.
+    """
     @_builtins.property
     def spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageSpan]:
         """Spans covering the hit pages in key order; empty when hit_count is 0."""
@@ -405,6 +411,15 @@ class GetPagesResponse(_message.Message):
         (DecodeService.SharePrefix) instead of READing the store. Unset when the writer named none.
         """
 
+    @_builtins.property
+    def holder_page_runs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.PageRun]:
+        """Where those holder_pages pages stand in the holder's own pool, when its write kept them there for
+        readers (PutPagesRequest.holder_page_runs): pool page ids in key order, as runs covering exactly
+        holder_pages pages. A reader may copy them straight from that pool, asking the holder nothing, if the
+        copy has ended within holder_standing_ms of when it sent this GetPages; after that the holder may
+        reuse them. Empty when any of those pages no longer stands (then DecodeService.SharePrefix asks).
+        """
+
     def __init__(
         self,
         *,
@@ -416,10 +431,12 @@ class GetPagesResponse(_message.Message):
         store_instance: _builtins.str = ...,
         holder: Global___PageHolder | None = ...,
         holder_pages: _builtins.int = ...,
+        holder_page_runs: _abc.Iterable[_types_pb2.PageRun] | None = ...,
+        holder_standing_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["holder", b"holder", "lease_expire_time", b"lease_expire_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksums", b"checksums", "hit_count", b"hit_count", "holder", b"holder", "holder_pages", b"holder_pages", "lease_expire_time", b"lease_expire_time", "lease_id", b"lease_id", "spans", b"spans", "store_instance", b"store_instance"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checksums", b"checksums", "hit_count", b"hit_count", "holder", b"holder", "holder_page_runs", b"holder_page_runs", "holder_pages", b"holder_pages", "holder_standing_ms", b"holder_standing_ms", "lease_expire_time", b"lease_expire_time", "lease_id", b"lease_id", "spans", b"spans", "store_instance", b"store_instance"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -463,10 +480,16 @@ class PutPagesRequest(_message.Message):
     SEGMENT_BYTES_FIELD_NUMBER: _builtins.int
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     HOLDER_FIELD_NUMBER: _builtins.int
+    HOLDER_PAGE_RUNS_FIELD_NUMBER: _builtins.int
+    HOLDER_STANDING_SECONDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key: a retry with the same id returns the same reservation; 1 to 128 characters."""
     lease_seconds: _builtins.float
     """Write lease length in seconds; 0 takes the store's default, larger than its maximum is cut to it."""
+    holder_standing_seconds: _builtins.float
+    """How long the pages of holder_page_runs stand, in seconds: more than 0 and at most 600 with runs,
+    0 without.
+    """
     @_builtins.property
     def namespace(self) -> Global___PageNamespace:
         """Namespace to store under; created at first use with these segment sizes."""
@@ -487,6 +510,14 @@ class PutPagesRequest(_message.Message):
         (GetPagesResponse.holder); the store records it with each page the write commits.
         """
 
+    @_builtins.property
+    def holder_page_runs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.PageRun]:
+        """With holder: the pool page of each key in the writer's own pool, as runs covering the keys in order
+        (exactly len(keys) pages), which the writer keeps unchanged for holder_standing_seconds after its
+        CommitPut is answered; the store hands them to readers (GetPagesResponse.holder_page_runs) until that
+        long after it committed them. At most 1024 runs; empty keeps nothing standing.
+        """
+
     def __init__(
         self,
         *,
@@ -496,10 +527,12 @@ class PutPagesRequest(_message.Message):
         segment_bytes: _abc.Iterable[_builtins.int] | None = ...,
         lease_seconds: _builtins.float = ...,
         holder: Global___PageHolder | None = ...,
+        holder_page_runs: _abc.Iterable[_types_pb2.PageRun] | None = ...,
+        holder_standing_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["holder", b"holder", "namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["holder", b"holder", "keys", b"keys", "lease_seconds", b"lease_seconds", "namespace", b"namespace", "request_id", b"request_id", "segment_bytes", b"segment_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["holder", b"holder", "holder_page_runs", b"holder_page_runs", "holder_standing_seconds", b"holder_standing_seconds", "keys", b"keys", "lease_seconds", b"lease_seconds", "namespace", b"namespace", "request_id", b"request_id", "segment_bytes", b"segment_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
