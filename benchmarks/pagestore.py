@@ -98,6 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "pages A wrote from A's pool instead of READing the store",
     )
     p.add_argument(
+        "--standing-seconds",
+        type=float,
+        default=None,
+        help="with --share-prefixes, how long A's written pages stand in its pool for B to copy without "
+        "asking (handoff.standing_share_seconds; default the service's; 0: B asks A each time)",
+    )
+    p.add_argument(
         "--read-piece-bytes",
         type=int,
         default=0,
@@ -478,6 +485,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         "read_piece_bytes": args.read_piece_bytes,
         "read_path": read_paths(args)[0],
         "share_prefixes": args.share_prefixes,
+        "standing_share_seconds": args.standing_seconds,
         # Store calls of B's warm fetches served by copying from A's pool (its client's reads{path=holder}).
         "warm_store_holder_copies": sum(holder),
         # Where B's fetch of the stored prefix spent its time, per step (medians over the reps, ms):
@@ -543,6 +551,8 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     env["XAVIER_PAGESTORE__READ_PIECE_BYTES"] = str(args.read_piece_bytes)
     env["XAVIER_PAGESTORE__SAME_HOST_READS"] = str(read_paths(args)[0] == "direct").lower()
     env["XAVIER_HANDOFF__SHARE_PREFIXES"] = str(args.share_prefixes).lower()
+    if args.standing_seconds is not None:
+        env["XAVIER_HANDOFF__STANDING_SHARE_SECONDS"] = str(args.standing_seconds)
     arena = -(-arena // args.store_chunk_bytes) * args.store_chunk_bytes
     mesh = StoreMesh(model, work, device=args.device, arena=arena, chunk=args.store_chunk_bytes, env=env)
     try:

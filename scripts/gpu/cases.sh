@@ -7,9 +7,11 @@
 #                     sharing tests with their KV on the GPU (XAVIER_TEST_DEVICE=cuda)
 #   share [REPS [SHAPES [PATHS]]]  page store TTFT, cold / warm from the store / warm local: the warm fetch
 #                     READing the store vs copying the writer's pages (--share-prefixes): 7B width at 28
-#                     layers at 8,000 tokens (copy, read; PATHS copy,read, the default, copy or read), then
-#                     0.5B-shaped at 2,000 (read, copy, copy, read); SHAPES: 05b,7b (both, the default), 05b
-#                     or 7b
+#                     layers at 8,000 tokens, one run per PATHS entry in its order (stand: the pages stand
+#                     in the writer's pool, copied without asking; copy: the writer is asked first,
+#                     --standing-seconds 0; read: the store is READ; default stand,copy,read), then
+#                     0.5B-shaped at 2,000 (read, stand, copy, read); SHAPES: 05b,7b (both, the default),
+#                     05b or 7b
 #   verify            page store gets into a GPU pool (through the pinned host mirror) with and without their
 #                     checks, the GB/s points: 125 pages at the 0.5B shape, 500 at 7B width (28 layers)
 #   profile           a warm local prefix hit's GPU kernels (torch.profiler, benchmarks/prefix_hit.py): 0.5B-shaped
@@ -78,15 +80,22 @@ run_case() {
         2>&1 | tail -n 8
       ;;
     share)
-      local reps=${1:-5} shapes=${2:-05b,7b} paths=${3:-copy,read}
+      local reps=${1:-5} shapes=${2:-05b,7b} paths=${3:-stand,copy,read} n=0 path
       if [[ ,$shapes, == *,7b,* ]]; then
-        [[ ,$paths, == *,copy,* ]] && store_ttft share-7b-copy 7b-width 8000 28 3 --share-prefixes
-        [[ ,$paths, == *,read,* ]] && store_ttft share-7b-read 7b-width 8000 28 3
+        for path in ${paths//,/ }; do
+          n=$((n + 1))
+          case "$path" in
+            stand) store_ttft "share-7b-stand-$n" 7b-width 8000 28 3 --share-prefixes ;;
+            copy) store_ttft "share-7b-copy-$n" 7b-width 8000 28 3 --share-prefixes --standing-seconds 0 ;;
+            read) store_ttft "share-7b-read-$n" 7b-width 8000 28 3 ;;
+            *) echo "unknown share path: $path (stand, copy, read)" ;;
+          esac
+        done
       fi
       if [[ ,$shapes, == *,05b,* ]]; then
         store_ttft share-05b-read-1 qwen2.5-0.5b 2000 0 "$reps"
-        store_ttft share-05b-copy-1 qwen2.5-0.5b 2000 0 "$reps" --share-prefixes
-        store_ttft share-05b-copy-2 qwen2.5-0.5b 2000 0 "$reps" --share-prefixes
+        store_ttft share-05b-stand-1 qwen2.5-0.5b 2000 0 "$reps" --share-prefixes
+        store_ttft share-05b-copy-1 qwen2.5-0.5b 2000 0 "$reps" --share-prefixes --standing-seconds 0
         store_ttft share-05b-read-2 qwen2.5-0.5b 2000 0 "$reps"
       fi
       ;;

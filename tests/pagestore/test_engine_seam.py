@@ -222,3 +222,36 @@ async def test_pages_of_a_stuck_copy_from_the_holder_come_back_once_it_ends(
     finally:
         await client.close()
         await writer.close()
+
+
+async def test_written_pages_stand_within_the_pool_share_then_come_back(
+    model: Path, store: ServiceProc
+) -> None:
+    """A sharing engine's write-through keeps its pages (`stand_s`, plus the slack) while at most
+    `stand_share` of the pool stands: a write that would pass it stands nothing, its pages back at once."""
+    writer = ReferenceEngine.load(model, num_pages=100, max_running=4)
+    client = PageStoreClient(store.address, writer.kv_buffers(), holder=("writer", 1))
+
+    async def share(*_: Any) -> int:
+        return 0
+
+    writer.use_page_store(client, "fp-stand", share, stand_s=0.5, stand_share=0.3)  # 30 pages may stand
+    link = writer._store
+    assert link is not None
+    try:
+        # 20 full prompt pages a request: the second would pass 30; once the first's have come back, the
+        # third stands again.
+        for seed, standing in ((7, 20), (8, 20), (9, 20)):
+            events = [ev async for ev in writer.generate(f"w{seed}", prompt(seed, 328), GREEDY)]
+            assert all(isinstance(ev, TokenEvent) for ev in events)
+            await client.flush()
+            s = writer.stats()
+            assert (link.standing, s.pages_total - s.pages_free) == (standing, standing), seed
+            if seed == 8:
+                await _settle(writer)  # the first write's pages stop standing and come back
+                assert link.standing == 0
+        await _settle(writer)
+        assert link.standing == 0
+    finally:
+        await client.close()
+        await writer.close()
