@@ -408,7 +408,7 @@ def point(got: dict[str, list[float]], path: str, count: int, run_len: int, nbyt
 
 async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
     """TTFT (client side, GenerateUnified to its first token) of cold / warm-from-store / warm-local."""
-    from tests.pagestore.engines import generate, prompt
+    from tests.pagestore.engines import generate, prompt, wait_for
     from tests.pagestore.support import stats
     from xavier_core.engine import tiny
 
@@ -430,9 +430,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
     # First-request costs out, B's warm path's too: B's first prompt starts with A's, which B fetches (its
     # first store read, or its first copy from A's pool: the copy kernel's compile, the pool's mapping).
     await generate(a, prompt(10**6, 64), max_tokens=1, channel=channels[a])
-    deadline = time.monotonic() + 30
-    while stats(mesh.store.address).pages < 64 // 16 and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    await wait_for(lambda: stats(mesh.store.address).pages >= 64 // 16, 30, "A's warm-up write-through")
     await generate(b, prompt(10**6, 64) + prompt(10**6 + 1, 16), max_tokens=1, channel=channels[b])
     for rep in range(args.ttft_reps):
         shared = prompt(1000 + rep, args.prefix)
