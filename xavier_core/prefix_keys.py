@@ -37,10 +37,11 @@ def page_keys(seed: bytes, token_ids: Sequence[int], page_size: int) -> list[byt
     full = len(token_ids) // page_size
     if full == 0:
         return []
-    arr = np.asarray(token_ids[: full * page_size], dtype="<u4")
+    data = np.asarray(token_ids[: full * page_size], dtype="<u4").tobytes()  # sliced as bytes: no view a page
+    step = page_size * 4
     keys: list[bytes] = []
     prev = seed
-    for i in range(full):
-        prev = hashlib.sha256(prev + arr[i * page_size : (i + 1) * page_size].tobytes()).digest()
+    for at in range(0, full * step, step):
+        prev = hashlib.sha256(prev + data[at : at + step]).digest()
         keys.append(prev)
     return keys
