@@ -7,6 +7,7 @@ import asyncio
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -45,6 +46,17 @@ def _get(address: str, fp: str, keys: list[bytes], request_id: str | None = None
         )
         resp: pb.GetPagesResponse = s.GetPages(req, timeout=5)
         return resp
+
+
+def _put_request(fp: str, keys: list[bytes], **fields: Any) -> pb.PutPagesRequest:
+    """A PutPages of `keys` in namespace `fp`, with the test's geometry and a fresh request id."""
+    return pb.PutPagesRequest(
+        request_id=uuid.uuid4().hex,
+        namespace=pb.PageNamespace(contract_fingerprint=fp),
+        keys=keys,
+        segment_bytes=[BPP] * NBUF,
+        **fields,
+    )
 
 
 def _holder_of(address: str, fp: str, keys: list[bytes]) -> tuple[int, tuple[str, int] | None, int]:
@@ -141,14 +153,7 @@ def test_a_bad_holder_is_refused_and_the_store_keeps_serving(store: ServiceProc,
     keys = chain(fp, "", 5, 2)
 
     def put(holder: pb.PageHolder) -> pb.PutPagesResponse:
-        req = pb.PutPagesRequest(
-            request_id=uuid.uuid4().hex,
-            namespace=pb.PageNamespace(contract_fingerprint=fp),
-            keys=keys,
-            segment_bytes=[BPP] * NBUF,
-            holder=holder,
-        )
-        resp: pb.PutPagesResponse = s.PutPages(req, timeout=5)
+        resp: pb.PutPagesResponse = s.PutPages(_put_request(fp, keys, holder=holder), timeout=5)
         return resp
 
     ch, s = stub(store.address)
@@ -416,11 +421,9 @@ def test_bad_standing_is_refused_by_field_and_reserves_nothing(
 ) -> None:
     fp = "fp-holder-bad-standing"
     keys = chain(fp, "", 11, 2)
-    req = pb.PutPagesRequest(
-        request_id=uuid.uuid4().hex,
-        namespace=pb.PageNamespace(contract_fingerprint=fp),
-        keys=keys,
-        segment_bytes=[BPP] * NBUF,
+    req = _put_request(
+        fp,
+        keys,
         holder_page_runs=[types_pb2.PageRun(first_page=f, count=c) for f, c in runs],
         holder_standing_seconds=seconds,
     )
