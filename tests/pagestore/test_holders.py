@@ -28,7 +28,7 @@ from tests.pagestore.support import (
 )
 from tests.support.procs import ServiceProc
 from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
-from xavier_core.pagestore.client import FromHolder, InOrder, Standing
+from xavier_core.pagestore.client import FromHolder, InOrder, Standing, holder_standing
 from xavier_core.pagestore.connection import HolderStuck
 from xavier_core.runtime.errors import from_rpc_error
 
@@ -443,3 +443,22 @@ def test_bad_standing_is_refused_by_field_and_reserves_nothing(
         ok = s.PutPages(req, timeout=5)
         assert list(ok.reserved_indices) == [0, 1]
         assert raw_release(store.address, ok.lease_id).released
+
+
+def test_a_store_answer_whose_standing_does_not_add_up_is_not_used() -> None:
+    """The client takes the pool pages of a GetPages answer only when they cover its holder pages."""
+
+    def answer(runs: list[tuple[int, int]], holder_pages: int, ms: int = 5000) -> pb.GetPagesResponse:
+        return pb.GetPagesResponse(
+            holder_pages=holder_pages,
+            holder_page_runs=[types_pb2.PageRun(first_page=f, count=c) for f, c in runs],
+            holder_standing_ms=ms,
+        )
+
+    got = holder_standing(answer([(7, 2), (3, 1)], 3), 2, sent=100.0)
+    assert got == Standing([7, 8], 105.0)  # the first n, due `holder_standing_ms` after the call was sent
+    assert holder_standing(answer([(7, 2)], 3), 2, sent=0.0) is None  # fewer than the holder's pages
+    assert holder_standing(answer([(7, 2), (9, 0)], 2), 2, sent=0.0) is None  # an empty run
+    assert holder_standing(answer([(7, 2)], 2), 3, sent=0.0) is None  # fewer than the call took
+    assert holder_standing(answer([(7, 2)], 2, ms=0), 2, sent=0.0) is None  # no time left
+    assert holder_standing(answer([], 2), 2, sent=0.0) is None

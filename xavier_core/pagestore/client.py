@@ -370,7 +370,7 @@ class PageStoreClient:
                 return 0
             if from_holder is not None and resp.HasField("holder") and resp.holder_pages >= len(pages):
                 holder = (resp.holder.peer_id, int(resp.holder.epoch))
-                stands = _standing(resp, len(pages), sent)
+                stands = holder_standing(resp, len(pages), sent)
                 with clock.step("holder"):
                     copied = await from_holder(holder, at, list(pages), stands)
                 if copied == len(pages):
@@ -610,7 +610,7 @@ def _ns_proto(ns: PageNamespace) -> pb.PageNamespace:
     )
 
 
-def _standing(resp: pb.GetPagesResponse, n: int, sent: float) -> Standing | None:
+def holder_standing(resp: pb.GetPagesResponse, n: int, sent: float) -> Standing | None:
     """Where the first `n` holder pages of a GetPages answer stand in their holder's pool, with the
     deadline counted from when the call was `sent` (the store's clock ran no earlier); None when they do
     not stand or the answer does not cover them."""
