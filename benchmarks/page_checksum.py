@@ -8,6 +8,12 @@ most one part per 4 MiB, so 24 MiB uses 6 threads at most), each thread count fo
 client runs it (`as_configured`: one thread below `layout._MIN_UNIT_BYTES` a segment). Medians of
 `--reps`, alternating the cases every rep. Prints JSON.
 Example: `python benchmarks/page_checksum.py --pages 125 --buffers 48 --segment-bytes 1024,4096,65536`.
+
+`--methods` compares instead how a page of several segments is hashed (what `local_page_checksums` picks
+by `layout._NO_COPY_SEGMENT_BYTES`): `joined`, the segments copied into one bytes object and hashed in
+one call, vs `streamed`, XXH3's streaming calls over the segments in place with the GIL held; with
+`--busy-python N` threads running Python without pause beside it, as SGLang's scheduler runs beside its
+HiCache thread (a thread that lets go of the GIL waits up to a switch interval to get it back there).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -34,7 +41,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--segment-bytes", default="4096")
     p.add_argument("--threads", default="1,2,4,8")
     p.add_argument("--reps", type=int, default=21)
+    p.add_argument("--methods", action="store_true", help="joined vs streamed page hashes (see above)")
+    p.add_argument(
+        "--busy-python", default="0", help="with --methods: busy Python threads beside, e.g. 0,1,2"
+    )
     return p.parse_args(argv)
+
+
+def _spin(stop: threading.Event) -> None:
+    """Pure Python without a pause (no I/O, no sleep): it gives the GIL up only when asked."""
+    n = 0
+    while not stop.is_set():
+        for i in range(1000):
+            n += i
+
+
+def methods(pages: int, nbuf: int, seg: int, busy: int, reps: int) -> dict[str, Any]:
+    """`joined` vs `streamed` hashing of `pages` pages of `nbuf` segments, `busy` Python threads beside,
+    alternating every rep."""
+    slots = pages + 8
+    mirror = np.random.default_rng(seg).integers(0, 256, (nbuf, slots, seg), dtype=np.uint8)
+    bufs = [KvBuffer(mirror[b].ctypes.data, slots * seg, seg, "cpu") for b in range(nbuf)]
+    wanted = list(range(3, 3 + pages))
+    configured = layout._NO_COPY_SEGMENT_BYTES
+    stop = threading.Event()
+    spinning = [threading.Thread(target=_spin, args=(stop,), daemon=True) for _ in range(busy)]
+    for t in spinning:
+        t.start()
+    times: dict[str, list[float]] = {}
+    ref: list[bytes] | None = None
+    try:
+        for rep in range(reps):
+            order = [("joined", 1 << 62), ("streamed", 0)]
+            for name, threshold in order if rep % 2 == 0 else order[::-1]:
+                layout._NO_COPY_SEGMENT_BYTES = threshold
+                start = time.perf_counter()
+                got = layout.local_page_checksums(bufs, wanted)
+                times.setdefault(name, []).append(time.perf_counter() - start)
+                if ref is not None and got != ref:
+                    raise RuntimeError("the two methods' checksums differ")
+                ref = got
+    finally:
+        layout._NO_COPY_SEGMENT_BYTES = configured
+        stop.set()
+        for t in spinning:
+            t.join()
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    return {
+        "pages": pages,
+        "buffers": nbuf,
+        "segment_bytes": seg,
+        "busy_python": busy,
+        "ms": ms,
+        "joined_over_streamed": ms["joined"] / ms["streamed"],
+    }
 
 
 def case(pages: int, nbuf: int, seg: int, threads: list[int], reps: int) -> dict[str, Any]:
@@ -74,6 +134,19 @@ def case(pages: int, nbuf: int, seg: int, threads: list[int], reps: int) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.methods:
+        sizes, busy = (
+            [int(x) for x in args.segment_bytes.split(",")],
+            [int(x) for x in args.busy_python.split(",")],
+        )
+        rows = [methods(args.pages, args.buffers, seg, b, args.reps) for seg in sizes for b in busy]
+        json.dump(
+            {"benchmark": "page_checksum_methods", "cpus": os.cpu_count(), "cases": rows},
+            sys.stdout,
+            indent=2,
+        )
+        print()
+        return 0
     threads = [int(t) for t in args.threads.split(",")]
     out = {
         "benchmark": "page_checksum",
