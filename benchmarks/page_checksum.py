@@ -10,10 +10,11 @@ client runs it (`as_configured`: one thread below `layout._MIN_UNIT_BYTES` a seg
 Example: `python benchmarks/page_checksum.py --pages 125 --buffers 48 --segment-bytes 1024,4096,65536`.
 
 `--methods` compares instead how a page of several segments is hashed (what `local_page_checksums` picks
-by `layout._NO_COPY_SEGMENT_BYTES`): `joined`, the segments copied into one bytes object and hashed in
-one call, vs `streamed`, XXH3's streaming calls over the segments in place with the GIL held; with
-`--busy-python N` threads running Python without pause beside it, as SGLang's scheduler runs beside its
-HiCache thread (a thread that lets go of the GIL waits up to a switch interval to get it back there).
+by `layout._NO_COPY_SEGMENT_BYTES` and `layout._HELD_PAGE_BYTES`): `joined`, the segments copied into one
+bytes object and hashed in one call, vs `streamed`, XXH3's streaming calls over the segments in place with
+the GIL held; with `--busy-python N` threads running Python without pause beside it, as SGLang's
+scheduler runs beside its HiCache thread (a thread that lets go of the GIL waits up to a switch interval
+to get it back there).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def methods(pages: int, nbuf: int, seg: int, busy: int, reps: int) -> dict[str, 
     mirror = np.random.default_rng(seg).integers(0, 256, (nbuf, slots, seg), dtype=np.uint8)
     bufs = [KvBuffer(mirror[b].ctypes.data, slots * seg, seg, "cpu") for b in range(nbuf)]
     wanted = list(range(3, 3 + pages))
-    configured = layout._NO_COPY_SEGMENT_BYTES
+    configured = (layout._NO_COPY_SEGMENT_BYTES, layout._HELD_PAGE_BYTES)
     stop = threading.Event()
     spinning = [threading.Thread(target=_spin, args=(stop,), daemon=True) for _ in range(busy)]
     for t in spinning:
@@ -74,7 +75,7 @@ def methods(pages: int, nbuf: int, seg: int, busy: int, reps: int) -> dict[str, 
         for rep in range(reps):
             order = [("joined", 1 << 62), ("streamed", 0)]
             for name, threshold in order if rep % 2 == 0 else order[::-1]:
-                layout._NO_COPY_SEGMENT_BYTES = threshold
+                layout._NO_COPY_SEGMENT_BYTES = layout._HELD_PAGE_BYTES = threshold
                 start = time.perf_counter()
                 got = layout.local_page_checksums(bufs, wanted)
                 times.setdefault(name, []).append(time.perf_counter() - start)
@@ -82,7 +83,7 @@ def methods(pages: int, nbuf: int, seg: int, busy: int, reps: int) -> dict[str, 
                     raise RuntimeError("the two methods' checksums differ")
                 ref = got
     finally:
-        layout._NO_COPY_SEGMENT_BYTES = configured
+        layout._NO_COPY_SEGMENT_BYTES, layout._HELD_PAGE_BYTES = configured
         stop.set()
         for t in spinning:
             t.join()

@@ -13,8 +13,8 @@ from xavier_core.transfer.common.buffers import KvBuffer
 
 @pytest.mark.parametrize(
     ("segments", "segment_bytes"),
-    # in place with the GIL held (long segments), joined (short ones, up to 1 MiB), streamed (larger)
-    [(2, 96 << 10), (2, 1 << 20), (48, 4 << 10), (32, 48 << 10)],
+    # in place with the GIL held (long segments, or pages past 512 KiB), joined (short ones up to it)
+    [(2, 96 << 10), (2, 1 << 20), (48, 4 << 10), (32, 48 << 10), (56, 16 << 10)],
 )
 def test_local_page_checksums_are_page_checksum_of_each_pages_segments(
     segments: int, segment_bytes: int

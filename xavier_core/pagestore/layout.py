@@ -39,6 +39,10 @@ with the GIL held (`_held_xxh3`); shorter segments cost more in calls than a joi
 _JOIN_BYTES = 1 << 20
 """Pages up to this size are checked as one joined copy and one one-shot digest, both under the GIL
 (CPython's bytes.join keeps it below 1 MiB, the one-shot digest always): see `local_page_checksums`."""
+_HELD_PAGE_BYTES = 512 << 10
+"""Pages larger than this are hashed in place by `_held_xxh3` whatever their segments: joined, a 917 KiB
+page (56 segments of 16 KiB, Qwen2.5-7B's) beside one busy Python thread took 10x as long (500 pages: 1,629
+vs 157 ms; quiet 60 vs 68.5 ms; `docs/results/page-checksum-methods-cpu.json`)."""
 
 
 @dataclass(frozen=True)
@@ -149,14 +153,15 @@ def local_page_checksums(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> l
     `page_checksum` of each page's segments. The streaming hash of the `xxhash` module lets go of the GIL
     in every update, and where another thread runs Python without pause (SGLang's scheduler beside its
     HiCache thread) each update then waits up to a switch interval to get it back: 250 updates of a 24 MiB
-    get took 30 ms on an H200 host that way. So the GIL is kept: pages of long segments are hashed in
-    place by XXH3's streaming calls with the GIL held (`_held_xxh3`); other pages up to `_JOIN_BYTES` are
-    joined into one copy and hashed in one call; larger ones segment by segment, over a few threads when
-    that pays."""
+    get took 30 ms on an H200 host that way. So the GIL is kept: pages of long segments, and pages larger
+    than `_HELD_PAGE_BYTES`, are hashed in place by XXH3's streaming calls with the GIL held
+    (`_held_xxh3`); other pages up to `_JOIN_BYTES` are joined into one copy and hashed in one call; larger
+    ones (where the library lacks the streaming calls) segment by segment, over a few threads when that
+    pays."""
     views = [(buffer_view(b.addr, b.nbytes), b.bytes_per_page) for b in buffers]
     page_bytes = sum(b.bytes_per_page for b in buffers)
     shortest = min((b.bytes_per_page for b in buffers), default=0)
-    held = _held_xxh3() if shortest >= _NO_COPY_SEGMENT_BYTES else None
+    held = _held_xxh3() if shortest >= _NO_COPY_SEGMENT_BYTES or page_bytes > _HELD_PAGE_BYTES else None
 
     if held is not None:
         segments = [(b.addr, b.bytes_per_page) for b in buffers]
