@@ -178,8 +178,10 @@ class PortCore:
                 del self._reads[receiver]
                 if state == KvPoll.SUCCESS:
                     receiver.clear()  # nothing is in flight: forgotten here, not in one more hop
-                else:
-                    self.flush_notifs()  # the receiver may have told the source it failed
+                # The receiver told the source how it ended, the "done" maybe by the read-end agent, whose
+                # send moves only while this thread polls: keep polling a while, or, with no read left,
+                # that "done" could wait for the next read (under load one was still unsent at exit).
+                self.flush_notifs()
         reads.extend(self._finished_copies())
         reads.extend(self._stepped_staged())
         if (ended or reads) and self._loop is not None:

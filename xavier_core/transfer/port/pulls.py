@@ -182,6 +182,7 @@ async def pull_nixl(
         posted = True  # from here the receiver tells the source how its read ended
         if receiver.poll() == KvPoll.SUCCESS:  # ended inside the post (a one-sided copy): no tick needed
             receiver.clear()
+            core.flush_notifs()  # but its "done" moves only while the thread polls (`PortCore._tick`)
             return True
         core._reads[receiver] = done
         return False
