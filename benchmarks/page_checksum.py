@@ -12,9 +12,10 @@ Example: `python benchmarks/page_checksum.py --pages 125 --buffers 48 --segment-
 `--methods` compares instead how a page of several segments is hashed (what `local_page_checksums` picks
 by `layout._NO_COPY_SEGMENT_BYTES` and `layout._HELD_PAGE_BYTES`): `joined`, the segments copied into one
 bytes object and hashed in one call, vs `streamed`, XXH3's streaming calls over the segments in place with
-the GIL held; with `--busy-python N` threads running Python without pause beside it, as SGLang's
-scheduler runs beside its HiCache thread (a thread that lets go of the GIL waits up to a switch interval
-to get it back there).
+the GIL held, vs `native`, the built loop over all pages in one call per thread without the GIL
+(`xavier_core/pagestore/native.py`, what a get uses where it is built); with `--busy-python N` threads
+running Python without pause beside it, as SGLang's scheduler runs beside its HiCache thread (a thread
+that lets go of the GIL waits up to a switch interval to get it back there).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from xavier_core.pagestore import layout
+from xavier_core.pagestore import layout, native
 from xavier_core.transfer.common.buffers import KvBuffer
 
 
@@ -42,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--segment-bytes", default="4096")
     p.add_argument("--threads", default="1,2,4,8")
     p.add_argument("--reps", type=int, default=21)
-    p.add_argument("--methods", action="store_true", help="joined vs streamed page hashes (see above)")
+    p.add_argument(
+        "--methods", action="store_true", help="joined vs streamed vs native page hashes (see above)"
+    )
     p.add_argument(
         "--busy-python", default="0", help="with --methods: busy Python threads beside, e.g. 0,1,2"
     )
@@ -71,18 +74,21 @@ def methods(pages: int, nbuf: int, seg: int, busy: int, reps: int) -> dict[str, 
         t.start()
     times: dict[str, list[float]] = {}
     ref: list[bytes] | None = None
+    built = native.native_hash
     try:
         for rep in range(reps):
-            order = [("joined", 1 << 62), ("streamed", 0)]
+            order = [("joined", 1 << 62), ("streamed", 0), *([("native", 0)] if built() else [])]
             for name, threshold in order if rep % 2 == 0 else order[::-1]:
                 layout._NO_COPY_SEGMENT_BYTES = layout._HELD_PAGE_BYTES = threshold
+                native.native_hash = built if name == "native" else _no_native  # type: ignore[assignment]
                 start = time.perf_counter()
                 got = layout.local_page_checksums(bufs, wanted)
                 times.setdefault(name, []).append(time.perf_counter() - start)
                 if ref is not None and got != ref:
-                    raise RuntimeError("the two methods' checksums differ")
+                    raise RuntimeError("the methods' checksums differ")
                 ref = got
     finally:
+        native.native_hash = built  # type: ignore[assignment]
         layout._NO_COPY_SEGMENT_BYTES, layout._HELD_PAGE_BYTES = configured
         stop.set()
         for t in spinning:
@@ -95,7 +101,12 @@ def methods(pages: int, nbuf: int, seg: int, busy: int, reps: int) -> dict[str, 
         "busy_python": busy,
         "ms": ms,
         "joined_over_streamed": ms["joined"] / ms["streamed"],
+        **({"streamed_over_native": ms["streamed"] / ms["native"]} if "native" in ms else {}),
     }
+
+
+def _no_native() -> None:
+    return None
 
 
 def case(pages: int, nbuf: int, seg: int, threads: list[int], reps: int) -> dict[str, Any]:

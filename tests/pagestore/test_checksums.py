@@ -1,14 +1,24 @@
 """Page checksums of a local pool: `local_page_checksums` is `page_checksum` (XXH3-128 over a page's
-segments in order, what the store compares) of each page, whichever way it hashes a page."""
+segments in order, what the store compares) of each page, whichever way it hashes a page: the built loop
+without the GIL (`native`), or page by page where that cannot be built."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from xavier_core.pagestore import layout
+from xavier_core.pagestore import layout, native
 from xavier_core.pagestore.layout import local_page_checksums, page_checksum
 from xavier_core.transfer.common.buffers import KvBuffer
+
+
+@pytest.fixture(params=["native", "page_by_page"])
+def hashing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "page_by_page":
+        monkeypatch.setattr(native, "native_hash", lambda: None)
+    return str(request.param)
 
 
 @pytest.mark.parametrize(
@@ -17,7 +27,7 @@ from xavier_core.transfer.common.buffers import KvBuffer
     [(2, 96 << 10), (2, 1 << 20), (48, 4 << 10), (32, 48 << 10), (56, 16 << 10)],
 )
 def test_local_page_checksums_are_page_checksum_of_each_pages_segments(
-    segments: int, segment_bytes: int
+    hashing: str, segments: int, segment_bytes: int
 ) -> None:
     rng = np.random.default_rng(segments)
     pages = 5
@@ -36,3 +46,36 @@ def test_local_page_checksums_are_page_checksum_of_each_pages_segments(
 def test_the_in_place_hash_is_there() -> None:
     """The wheels this project installs export XXH3's streaming calls: the fast path is not skipped."""
     assert layout._held_xxh3() is not None
+
+
+def test_row_checksums_are_page_checksum_of_each_row(hashing: str) -> None:
+    rows = np.random.default_rng(7).integers(0, 256, (40, 3 << 18), dtype=np.uint8)  # 30 MiB: threads
+    want = [page_checksum([r.tobytes()]) for r in rows]
+    assert layout.page_row_checksums(rows) == want
+    rows[17, 5] ^= 0x80
+    assert [a == b for a, b in zip(layout.page_row_checksums(rows), want, strict=True)] == [
+        i != 17 for i in range(40)
+    ]
+
+
+def test_the_native_loop_builds_here() -> None:
+    """Every machine the project runs on has a C compiler (CI's and the GPU hosts'): the loop without
+    the GIL is not silently skipped."""
+    assert native.available()
+
+
+def test_a_failed_build_falls_back_with_a_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(native, "_cache_dirs", lambda: [tmp_path])
+    monkeypatch.setenv("CC", "false")
+    native.native_hash.cache_clear()
+    try:
+        assert native.native_hash() is None
+        assert "native page checksums unavailable" in caplog.text
+        assert list(tmp_path.iterdir()) == []  # no partial file left behind
+        arrays = [np.arange(4 * 4096, dtype=np.uint8) for _ in range(3)]
+        buffers = [KvBuffer(a.ctypes.data, a.nbytes, 4096, "cpu") for a in arrays]
+        assert local_page_checksums(buffers, [1]) == [page_checksum([a[4096:8192].tobytes() for a in arrays])]
+    finally:
+        native.native_hash.cache_clear()

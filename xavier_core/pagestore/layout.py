@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from xavier_core.pagestore import native
 from xavier_core.transfer.common import runs
 from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.errors import InvalidPagesError
@@ -150,14 +151,17 @@ def buffer_view(addr: int, nbytes: int) -> memoryview:
 def local_page_checksums(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> list[bytes]:
     """Checksums of pages of local DRAM buffers (buffer b's page p at addr + p * bytes_per_page).
 
-    `page_checksum` of each page's segments. The streaming hash of the `xxhash` module lets go of the GIL
-    in every update, and where another thread runs Python without pause (SGLang's scheduler beside its
-    HiCache thread) each update then waits up to a switch interval to get it back: 250 updates of a 24 MiB
-    get took 30 ms on an H200 host that way. So the GIL is kept: pages of long segments, and pages larger
+    `page_checksum` of each page's segments, through `range_checksums` (the built loop, without the GIL,
+    where there is one). Without it: the streaming hash of the `xxhash` module lets go of the GIL in every
+    update, and where another thread runs Python without pause (SGLang's scheduler beside its HiCache
+    thread) each update then waits up to a switch interval to get it back: 250 updates of a 24 MiB get
+    took 30 ms on an H200 host that way. So the GIL is kept: pages of long segments, and pages larger
     than `_HELD_PAGE_BYTES`, are hashed in place by XXH3's streaming calls with the GIL held
     (`_held_xxh3`); other pages up to `_JOIN_BYTES` are joined into one copy and hashed in one call; larger
     ones (where the library lacks the streaming calls) segment by segment, over a few threads when that
     pays."""
+    if native.available():
+        return range_checksums(_page_ranges(buffers, pages))
     views = [(buffer_view(b.addr, b.nbytes), b.bytes_per_page) for b in buffers]
     page_bytes = sum(b.bytes_per_page for b in buffers)
     shortest = min((b.bytes_per_page for b in buffers), default=0)
@@ -182,6 +186,40 @@ def local_page_checksums(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> l
         return h.digest()
 
     return map_pages(one, pages, page_bytes, shortest)
+
+
+def _page_ranges(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> npt.NDArray[np.uint64]:
+    """(pages, buffers, 2) words: the (address, length) of each page's segment in each buffer."""
+    at = np.asarray(pages, dtype=np.uint64).reshape(-1, 1)
+    sizes = np.asarray([b.bytes_per_page for b in buffers], dtype=np.uint64)
+    out = np.empty((at.shape[0], len(buffers), 2), dtype=np.uint64)
+    out[:, :, 0] = np.asarray([b.addr for b in buffers], dtype=np.uint64) + at * sizes
+    out[:, :, 1] = sizes
+    return out
+
+
+def range_checksums(ranges: npt.NDArray[np.uint64]) -> list[bytes]:
+    """`page_checksum` of each page of `ranges`, a (pages, segments, 2) array of the (address, length) of
+    each page's segments in order, in host memory this process can read. The built loop
+    (`native.NativeHash`) hashes a part of at least `_BYTES_PER_THREAD` per thread, each part one call
+    without the GIL; without it, page by page (`_held_xxh3`, or the module's streaming hash)."""
+    ranges = np.ascontiguousarray(ranges, dtype=np.uint64)
+    n = ranges.shape[0]
+    if n == 0:
+        return []
+    built = native.native_hash()
+    if built is None:
+        held = _held_xxh3()
+        if held is not None:
+            return [held([(int(a), int(b)) for a, b in page]) for page in ranges]
+        return [page_checksum([buffer_view(int(a), int(b)) for a, b in page]) for page in ranges]
+    total = int(ranges[:, :, 1].sum())
+    parts = max(1, min(_HASH_THREADS, n, total // _BYTES_PER_THREAD))
+    if parts == 1:
+        return built.checksums(ranges)
+    step = -(-n // parts)
+    done = _hash_pool().map(built.checksums, [ranges[at : at + step] for at in range(0, n, step)])
+    return [c for part in done for c in part]
 
 
 class _Hash128(ctypes.Structure):
@@ -226,7 +264,13 @@ def page_row_checksums(rows: npt.NDArray[np.uint8]) -> list[bytes]:
     range, hashed in one call (XXH3 of a page's segments in order is XXH3 of their concatenation), so
     long pages spread over threads."""
     n, size = rows.shape
-    view = np.ascontiguousarray(rows).data.cast("B")
+    rows = np.ascontiguousarray(rows)
+    if native.available():
+        ranges = np.empty((n, 1, 2), dtype=np.uint64)
+        ranges[:, 0, 0] = rows.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(size)
+        ranges[:, 0, 1] = size
+        return range_checksums(ranges)
+    view = rows.data.cast("B")
     return map_pages(lambda i: xxhash.xxh3_128_digest(view[i * size : (i + 1) * size]), range(n), size, size)
 
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 from xavier.v1 import page_store_service_pb2 as pb
 
 from xavier_core.pagestore.direct import arena_tag
-from xavier_core.pagestore.layout import PageGeometry, buffer_view, page_checksum
+from xavier_core.pagestore.layout import PageGeometry, buffer_view
 from xavier_core.pagestore.nixl import STORE_UCX_ENV, TCP_SEGMENT_BYTES, PageAgent
 from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.common.host import boot_id
@@ -75,14 +76,16 @@ class Arena:
             tag_bytes=self._tag.nbytes,
         )
 
-    def checksum(self, geometry: PageGeometry, chunk: Chunk, slot: int) -> bytes:
-        """Checksum of the bytes a slot holds now (what a writer's checksum is compared with)."""
-        addrs = geometry.slot_addresses(chunk.address, chunk.slots, slot)
-        segs = [
-            self._view[a - self.base : a - self.base + s]
-            for a, s in zip(addrs, geometry.segment_bytes, strict=True)
-        ]
-        return page_checksum(segs)
+    def page_ranges(
+        self, geometry: PageGeometry, slots: Sequence[tuple[Chunk, int]]
+    ) -> npt.NDArray[np.uint64]:
+        """(pages, segments, 2) words: the arena (address, length) of each segment of each (chunk, slot),
+        what `layout.range_checksums` hashes."""
+        out = np.empty((len(slots), len(geometry.segment_bytes), 2), dtype=np.uint64)
+        out[:, :, 1] = np.asarray(geometry.segment_bytes, dtype=np.uint64)
+        for i, (chunk, slot) in enumerate(slots):
+            out[i, :, 0] = geometry.slot_addresses(chunk.address, chunk.slots, slot)
+        return out
 
     def start(self, busy: Callable[[], bool]) -> None:
         """Starts polling NIXL whenever `busy()` (some lease is live): a READ or WRITE of the arena moves

@@ -18,7 +18,7 @@ from xavier.v1 import page_store_service_pb2 as pb
 from xavier.v1 import page_store_service_pb2_grpc as pb_grpc
 from xavier.v1 import types_pb2
 
-from xavier_core.pagestore.layout import map_pages
+from xavier_core.pagestore.layout import range_checksums
 from xavier_core.pagestore.nixl import UCX_DEFAULT_SEGMENT_BYTES
 from xavier_core.runtime.errors import FailedPrecondition, InvalidArgument, LeaseExpired, Unavailable
 from xavier_core.runtime.tasks import cancel_and_wait
@@ -214,12 +214,7 @@ class PageStoreServicer(pb_grpc.PageStoreServiceServicer):  # type: ignore[misc]
         for page, want in zip(lease.pages, sums, strict=True):
             page.checksum = want
         geometry = lease.ns.geometry
-        got = map_pages(
-            lambda page: self.arena.checksum(geometry, page.chunk, page.slot),
-            lease.pages,
-            geometry.page_bytes,
-            min(geometry.segment_bytes),
-        )
+        got = range_checksums(self.arena.page_ranges(geometry, [(p.chunk, p.slot) for p in lease.pages]))
         return [a == b for a, b in zip(got, sums, strict=True)]
 
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Ctx) -> pb.ReleaseLeaseResponse:

@@ -1,0 +1,152 @@
+"""Page checksums of many pages in one call without the GIL: `pagehash.c`, built on first use.
+
+Inside a process whose other threads run Python without pause (SGLang's scheduler beside its HiCache
+thread), every return of a hashing thread from C waits for the GIL, up to a switch interval, and the
+per-page or per-segment calls of `layout` pay that wait hundreds of times a get: 500 pages of
+Qwen2.5-7B's shape (two 458 KiB segments each) took 228-298 ms to check inside SGLang on an H100 host,
+where the same bytes hash in under 10 ms on a quiet one. `pagehash.c` loops over the pages in C and is
+called through `ctypes.CDLL` (which releases the GIL for the call), so a part of a get costs one hand-off.
+
+The C file holds only the loop: XXH3-128's streaming calls are passed in from the library the `xxhash`
+module is built on, so the checksums are `layout.page_checksum`'s by construction. It is compiled with the
+system's C compiler (`$CC`, else `cc`) into `$XDG_CACHE_HOME/xavier` (else `~/.cache/xavier`, else the
+temporary directory), once per source version; where that fails, or `XAVIER_NATIVE_PAGEHASH=0` is set,
+`available()` is False and `layout` hashes page by page as before (logged once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["NativeHash", "available", "native_hash"]
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("pagehash.c")
+_ENV = "XAVIER_NATIVE_PAGEHASH"
+_COMPILE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class NativeHash:
+    """The built loop and XXH3's streaming calls, as addresses it takes."""
+
+    hash_pages: Any
+    create: Any
+    free: Any
+    reset: int
+    update: int
+    digest: int
+
+    def checksums(self, ranges: npt.NDArray[np.uint64]) -> list[bytes]:
+        """`layout.page_checksum` of each page of `ranges`, a C-contiguous (pages, segments, 2) array of
+        (address, length) words, in one call made without the GIL."""
+        pages, segments, _ = ranges.shape
+        out = ctypes.create_string_buffer(16 * pages)
+        state = self.create()
+        if not state:
+            raise MemoryError("XXH3_createState failed")
+        try:
+            rc = self.hash_pages(
+                self.reset, self.update, self.digest, state, ranges.ctypes.data, pages, segments, out
+            )
+        finally:
+            self.free(state)
+        if rc != 0:
+            raise RuntimeError(f"XXH3 failed with status {rc}")
+        raw = out.raw
+        return [raw[16 * i : 16 * (i + 1)] for i in range(pages)]
+
+
+def available() -> bool:
+    return native_hash() is not None
+
+
+@functools.cache
+def native_hash() -> NativeHash | None:
+    """The built loop, or None where it cannot be had (see the module docstring)."""
+    if os.environ.get(_ENV, "1") == "0":
+        log.info("native page checksums off (%s=0)", _ENV)
+        return None
+    try:
+        xxh = ctypes.CDLL(str(importlib.import_module("xxhash._xxhash").__file__))
+        create, free = xxh.XXH3_createState, xxh.XXH3_freeState
+        calls = [ctypes.cast(getattr(xxh, n), ctypes.c_void_p).value for n in _STREAMING]
+        lib = ctypes.CDLL(str(_build()))
+        hash_pages = lib.xavier_hash_pages
+    except (ImportError, OSError, AttributeError, subprocess.SubprocessError, RuntimeError) as exc:
+        log.warning("native page checksums unavailable, hashing page by page: %s", exc)
+        return None
+    create.restype = ctypes.c_void_p
+    free.argtypes = [ctypes.c_void_p]
+    hash_pages.restype = ctypes.c_int
+    hash_pages.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_char_p]
+    reset, update, digest = (int(c or 0) for c in calls)
+    return NativeHash(hash_pages, create, free, reset, update, digest)
+
+
+_STREAMING = ("XXH3_128bits_reset", "XXH3_128bits_update", "XXH3_128bits_digest")
+
+
+def _build() -> Path:
+    """The compiled loop for this source, compiled now if no earlier process did (written under a
+    temporary name and renamed into place, so processes building at once never load a partial file)."""
+    source = _SOURCE.read_bytes()
+    name = f"pagehash-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    for folder in _cache_dirs():
+        lib = folder / name
+        if lib.exists():
+            return lib
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler ($CC, cc or gcc) on PATH")
+    errors = []
+    for folder in _cache_dirs():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=name + ".", dir=folder)
+            os.close(fd)
+        except OSError as exc:
+            errors.append(f"{folder}: {exc}")
+            continue
+        try:
+            subprocess.run(
+                [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE)],
+                check=True,
+                capture_output=True,
+                timeout=_COMPILE_TIMEOUT_S,
+            )
+            os.replace(tmp, folder / name)
+        except subprocess.CalledProcessError as exc:
+            Path(tmp).unlink(missing_ok=True)
+            raise RuntimeError(f"{compiler} failed: {exc.stderr.decode(errors='replace')[-400:]}") from exc
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        log.info("built native page checksums: %s", folder / name)
+        return folder / name
+    raise RuntimeError("no writable folder for the built checksum loop: " + "; ".join(errors))
+
+
+def _cache_dirs() -> list[Path]:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = [Path(xdg)] if xdg else []
+    try:
+        base.append(Path.home() / ".cache")
+    except RuntimeError:
+        pass
+    return [p / "xavier" for p in base] + [Path(tempfile.gettempdir()) / "xavier-cache"]
