@@ -132,6 +132,9 @@ class Mesh:
         for c in calls:  # the gets' fetch steps (GetPages, READ, checksums...), summed
             for step, ms in c.get("steps_ms", {}).items():
                 out[f"get_{step}_ms"] = out.get(f"get_{step}_ms", 0.0) + ms
+        gets = [c for c in calls if c["op"] == "get"]
+        out["gets_read_direct"] = float(sum(1 for c in gets if c.get("direct_reads", 0) > 0))
+        out["gets_checked_natively"] = float(sum(1 for c in gets if c.get("native_checks")))
         out["to_first_call_ms"] = 1e3 * (min(c["t0"] for c in calls) - t0)
         out["after_last_call_ms"] = 1e3 * (t1 - max(c["t1"] for c in calls))
         return out

@@ -53,7 +53,7 @@ import sglang
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from xavier_core.contract import layout_from_model_dir
-from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
+from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient, native
 from xavier_core.pagestore.client import Fetched, InOrder
 from xavier_core.pagestore.metrics import fetch_step_seconds
 from xavier_core.prefix_keys import chain_seed
@@ -200,6 +200,7 @@ class XavierHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         page, start = self._page_size, time.time()
         before = fetch_step_seconds() if tracing() else None
+        direct_before = client.counters.direct_reads
         allocate = InOrder([tokens[i * page] // page for i in range(len(keys))])
         # SGLang frees the pages it is told are missing and lends them again: they stay held until the
         # fetch has ended (not when the wait below gives up), and while a stuck READ may still write.
@@ -218,7 +219,15 @@ class XavierHiCacheStorage(HiCacheStorage):
             steps = {
                 k: v - before.get(k, 0.0) for k, v in fetch_step_seconds().items() if v > before.get(k, 0.0)
             }
-        storage_call("get", len(keys), start, hit, steps)
+        storage_call(
+            "get",
+            len(keys),
+            start,
+            hit,
+            steps,
+            direct_reads=client.counters.direct_reads - direct_before,
+            native_checks=native.available(),
+        )
         return [True] * hit + [False] * (len(keys) - hit)
 
     def _settle(self, future: Future[Fetched], hold: Hold, tokens: list[int], allocate: InOrder) -> None:

@@ -79,15 +79,19 @@ def tracing() -> bool:
     return bool(os.environ.get(ENV_TRACE))
 
 
-def storage_call(op: str, pages: int, start: float, hit: int, steps: dict[str, float] | None = None) -> None:
+def storage_call(
+    op: str, pages: int, start: float, hit: int, steps: dict[str, float] | None = None, **facts: object
+) -> None:
     """Appends one HiCache storage call's line (`<dir>/hicache-<pid>.jsonl`): the operation (exists, get),
     the pages asked and found, its wall-clock start and end and, for a get, the seconds of each step of
-    its fetch (`xavier_pagestore_client_fetch_seconds`); nothing when tracing is off."""
+    its fetch (`xavier_pagestore_client_fetch_seconds`) and `facts` (how it read and checked); nothing
+    when tracing is off."""
     out = _sink("hicache") if tracing() else None
     if out is None:
         return
     line: dict[str, object] = {"op": op, "pages": pages, "hit": hit, "t0": start, "t1": time.time()}
     if steps:
         line["steps_ms"] = {k: round(1e3 * v, 3) for k, v in steps.items()}
+    line.update(facts)
     with _lock:
         out.write(json.dumps(line, separators=(",", ":")) + "\n")

@@ -126,14 +126,20 @@ async def test_a_holder_that_is_gone_leaves_a_store_read(mesh: StoreMesh) -> Non
     await generate(c, first, salt="t-gone")
     await wait_for(lambda: _store_pages(mesh, "t-gone") >= len(first) // 16, 30, "C's write-through")
     cold = await generate(b, second, salt="t-gone-cold")
-    mesh.procs["unified-c"].kill()  # its pool goes with it; the directory still lists it a while
+    mesh.procs["unified-c"].kill()  # the directory still lists it a while
     del mesh.procs["unified-c"]
 
     before = _reads(mesh, "unified-b")
     warm = await generate(b, second, salt="t-gone")
     got = _delta(_reads(mesh, "unified-b"), before)
-    assert not got.get("holder"), got
-    assert got.get("direct", 0) + got.get("nixl", 0) >= 1, got
+    if mesh.device == "cuda":
+        # A CUDA pool B has mapped (an earlier copy of this module) outlives C: the driver keeps an
+        # allocation another process has open, and pages that stood when C died are whole, so B may copy
+        # them without asking. Either way the answer must be right.
+        assert got.get("holder", 0) + got.get("direct", 0) + got.get("nixl", 0) >= 1, got
+    else:  # C's pool went with it: the silent pull and the ask both fail, and B READs the store
+        assert not got.get("holder"), got
+        assert got.get("direct", 0) + got.get("nixl", 0) >= 1, got
     assert warm.usage.cached_tokens_store >= PREFIX - 16
     assert warm.tokens == cold.tokens
     await _assert_quiet(mesh)
