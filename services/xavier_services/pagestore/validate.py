@@ -9,6 +9,7 @@ from xavier.v1 import page_store_service_pb2 as pb
 
 from xavier_core.pagestore.layout import CHECKSUM_BYTES, KEY_BYTES, PageGeometry
 from xavier_core.runtime.errors import InvalidArgument
+from xavier_core.transfer.common.runs import PageRun, expand
 from xavier_services.pagestore.config import PageStoreSettings
 from xavier_services.pagestore.store import Holder, Namespace, NsKey, Standing
 
@@ -157,7 +158,7 @@ def standing(request: pb.PutPagesRequest) -> list[int] | None:
         raise InvalidArgument(
             f"holder_page_runs cover {total} pages for {len(request.keys)} keys", field="holder_page_runs"
         )
-    return [r.first_page + i for r in runs for i in range(r.count)]
+    return expand(PageRun(r.first_page, r.count) for r in runs)
 
 
 def standing_of(ids: list[int] | None, indices: Sequence[int], seconds: float) -> Standing | None:
