@@ -4,8 +4,10 @@ Replica A's backend writes `--pages` pages of SGLang's `MHATokenToKVPoolHost` (`
 asked; the geometry of `--shape`, fp16) into a real `xavier-pagestore` process; replica B's backend gets
 them into its own host pool, as SGLang's prefetch thread does (`batch_get_v1`). Per rep: the get's wall
 time, its fetch steps (the store client's `xavier_pagestore_client_fetch_seconds{step}`: GetPages, READ,
-checksum pass, ...) and the same get with its checks taken off (the pages as they land), the two in
-alternating order, so what verification adds to a HiCache get is measured in the same run. The first get of
+checksum pass, ...), the same get with its checks taken off (the pages as they land) and, where the
+native checksum loop is built (`xavier_core/pagestore/native.py`), the same get checked page by page with
+the GIL held (`held`, the way before it), in rotating order, so what verification adds to a HiCache get,
+either way, is measured in the same run. The first get of
 each backend loads the store's endpoint and is left out. No GPU: what a get costs in the backend and the
 store client, without SGLang's scheduler beside it (`--busy-python N` puts N threads of pure Python there,
 as a busy scheduler holds the GIL; `--read-path` picks how B's client reads the store).
@@ -41,6 +43,7 @@ from pagestore import fetch_steps, unchecked_verifier  # noqa: E402  (benchmarks
 SHAPES = {  # layers, KV heads, head dim (Qwen2.5's)
     "qwen2.5-0.5b": (24, 2, 64),
     "7b-width-4": (4, 4, 128),
+    "qwen2.5-7b": (28, 4, 128),
 }
 PAGE_TOKENS = 16
 
@@ -97,6 +100,7 @@ def main() -> int:
     import tests.sglang.test_hicache as hc
     from tests.pagestore.support import start_store
     from xavier_core.engine.tiny import make_tiny
+    from xavier_core.pagestore import native
 
     layers, heads, dim = SHAPES[args.shape]
     hc.PAGE = PAGE_TOKENS  # the keys' page size (SGLang's hash chain)
@@ -120,14 +124,19 @@ def main() -> int:
         if args.read_path != "default":  # before the first get, which maps the store's arena or not
             b.client.conn.same_host_reads = args.read_path == "direct"
         real = b.client._verifier
+        built = native.native_hash
+        # checked: as the client checks (the native loop where it is built); held: page by page, the GIL
+        # held (the way before it); unchecked: the pages as they land. Rotated every rep.
+        modes = ["checked", "unchecked", *(["held"] if built() is not None else [])]
         for rep in range(args.reps + 1):
             keys = hc.sglang_keys(args.pages, first_token=1_000_000 * (rep + 1))
             src = a_pool.alloc(args.pages * PAGE_TOKENS)
             if a.batch_set_v1(keys, src) != [True] * args.pages:
                 raise RuntimeError("the write-through did not store every page")
             row: dict[str, Any] = {"rep": rep}
-            for checked in (True, False) if rep % 2 == 0 else (False, True):
-                b.client._verifier = real if checked else unchecked_verifier(b.client)
+            for mode in modes[rep % len(modes) :] + modes[: rep % len(modes)]:
+                b.client._verifier = unchecked_verifier(b.client) if mode == "unchecked" else real
+                native.native_hash = built if mode == "checked" else _no_native  # type: ignore[assignment]
                 dst = b_pool.alloc(args.pages * PAGE_TOKENS)
                 before, t = fetch_steps(), time.perf_counter()
                 got = b.batch_get_v1(keys, dst)
@@ -136,12 +145,13 @@ def main() -> int:
                 b_pool.free(dst)
                 if got != [True] * args.pages:
                     raise RuntimeError(f"the get found {got.count(True)} of {args.pages} pages")
-                if checked:
+                if mode == "checked":
                     row["get_ms"] = 1e3 * spent
                     row["steps_ms"] = {k: 1e3 * (v - before[k]) for k, v in after.items() if v > before[k]}
                 else:
-                    row["get_unchecked_ms"] = 1e3 * spent
+                    row[f"get_{mode}_ms"] = 1e3 * spent
             b.client._verifier = real
+            native.native_hash = built  # type: ignore[assignment]
             a_pool.free(src)
             if rep:  # the first get of a backend loads the store's endpoint
                 rows.append(row)
@@ -156,6 +166,7 @@ def main() -> int:
         store.stop()
     get = statistics.median(r["get_ms"] for r in rows)
     plain = statistics.median(r["get_unchecked_ms"] for r in rows)
+    held = statistics.median(r["get_held_ms"] for r in rows) if "get_held_ms" in rows[0] else None
     steps = {k: statistics.median(r["steps_ms"].get(k, 0.0) for r in rows) for k in rows[0]["steps_ms"]}
     nbytes = args.pages * page_bytes
     result = {
@@ -175,6 +186,9 @@ def main() -> int:
         "get_gbps": nbytes / get / 1e6,
         "get_unchecked_ms": plain,
         "verify_added_share": 1 - plain / get,
+        "native_checks": built() is not None,
+        "get_held_ms": held,
+        "verify_held_added_share": None if held is None else 1 - plain / held,
         "steps_ms": steps,
         "rows": rows,
     }
@@ -182,6 +196,10 @@ def main() -> int:
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
     return 0
+
+
+def _no_native() -> None:
+    return None
 
 
 if __name__ == "__main__":
