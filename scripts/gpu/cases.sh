@@ -14,6 +14,8 @@
 #                     05b or 7b
 #   verify            page store gets into a GPU pool (through the pinned host mirror) with and without their
 #                     checks, the GB/s points: 125 pages at the 0.5B shape, 500 at 7B width (28 layers)
+#   verify-ab         verify's gets checked page by page (the GIL held) vs by the native loop, alternating:
+#                     0.5B twice each way, 7B width once
 #   profile           a warm local prefix hit's GPU kernels (torch.profiler, benchmarks/prefix_hit.py): 0.5B-shaped
 #                     at 2,000 tokens, 7B width at 8 layers at 8,000
 #   chunk             a prefix hit's suffix (16 rows) as one static step, a page table per row vs one shared
@@ -109,6 +111,22 @@ run_case() {
         [ -f "$out/pagestore-verify-$1.json" ] && gets "$out/pagestore-verify-$1.json"
       done
       ;;
+    verify-ab)
+      # the same gets as verify, checked page by page with the GIL held (XAVIER_NATIVE_PAGEHASH=0, the
+      # way before the native loop) and natively, alternating: 0.5B twice each, 7B width once each
+      for run in "05b 0 1" "05b 1 1" "7b 0 1" "7b 1 1" "05b 1 2" "05b 0 2"; do
+        set -- $run
+        local geo="24 4096 125 7"; [ "$1" = 7b ] && geo="28 16384 500 5"
+        local tag="verify-$1-native$2-$3"
+        set -- $geo
+        XAVIER_NATIVE_PAGEHASH=$(echo "$run" | cut -d' ' -f2) python3 benchmarks/pagestore.py --ttft-reps 0 \
+          --pool-device cuda:0 --read-path direct --layers "$1" --segment-bytes "$2" --pages "$3" \
+          --run-lengths "$3" --reps "$4" --out-dir "$out" --tag "$tag" \
+          > "$logs/$tag.stdout" 2> "$logs/$tag.stderr" || tail -n 20 "$logs/$tag.stderr"
+        rm -f "$out/pagestore-$tag.png"
+        [ -f "$out/pagestore-$tag.json" ] && gets "$out/pagestore-$tag.json"
+      done
+      ;;
     profile)
       for shape in "05b qwen2.5-0.5b 0 2000" "7b 7b-width 8 8000"; do
         set -- $shape
@@ -150,7 +168,7 @@ PY
       rm -f "$out/sglang-hicache-$shape.png"
       tail -c 3000 "$logs/hicache.stdout"
       ;;
-    *) echo "unknown case: $name (tests, share, verify, profile, pd, hicache)"; return 2 ;;
+    *) echo "unknown case: $name (tests, share, verify, verify-ab, profile, pd, hicache)"; return 2 ;;
   esac
   echo "== $name: $(( $(date +%s) - t0 )) s"
 }
