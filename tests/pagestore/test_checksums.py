@@ -4,6 +4,7 @@ without the GIL (`native`), or page by page where that cannot be built."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +80,18 @@ def test_a_failed_build_falls_back_with_a_reason(
         assert local_page_checksums(buffers, [1]) == [page_checksum([a[4096:8192].tobytes() for a in arrays])]
     finally:
         native.native_hash.cache_clear()
+
+
+def test_a_library_others_could_write_is_never_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared, own = tmp_path / "shared", tmp_path / "own"
+    shared.mkdir()
+    shared.chmod(0o777)  # as a shared temporary directory is
+    name = f"pagehash-{hashlib.sha256(native._SOURCE.read_bytes()).hexdigest()[:16]}.so"
+    (shared / name).write_bytes(b"planted")
+    monkeypatch.setattr(native, "_cache_dirs", lambda: [shared, own])
+    built = native._build()
+    assert built == own / name
+    assert (shared / name).read_bytes() == b"planted"
+    assert built.stat().st_mode & 0o777 == 0o700

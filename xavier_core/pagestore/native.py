@@ -10,7 +10,8 @@ called through `ctypes.CDLL` (which releases the GIL for the call), so a part of
 The C file holds only the loop: XXH3-128's streaming calls are passed in from the library the `xxhash`
 module is built on, so the checksums are `layout.page_checksum`'s by construction. It is compiled with the
 system's C compiler (`$CC`, else `cc`) into `$XDG_CACHE_HOME/xavier` (else `~/.cache/xavier`, else the
-temporary directory), once per source version; where that fails, or `XAVIER_NATIVE_PAGEHASH=0` is set,
+temporary directory), once per source version, and loaded only from a folder and file this user owns and
+no one else can write; where that fails, or `XAVIER_NATIVE_PAGEHASH=0` is set,
 `available()` is False and `layout` hashes page by page as before (logged once).
 """
 
@@ -109,7 +110,7 @@ def _build() -> Path:
     name = f"pagehash-{hashlib.sha256(source).hexdigest()[:16]}.so"
     for folder in _cache_dirs():
         lib = folder / name
-        if lib.exists():
+        if lib.exists() and _private(folder) and _private(lib):
             return lib
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
@@ -117,7 +118,10 @@ def _build() -> Path:
     errors = []
     for folder in _cache_dirs():
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not _private(folder):
+                errors.append(f"{folder}: not this user's alone")
+                continue
             fd, tmp = tempfile.mkstemp(prefix=name + ".", dir=folder)
             os.close(fd)
         except OSError as exc:
@@ -130,6 +134,7 @@ def _build() -> Path:
                 capture_output=True,
                 timeout=_COMPILE_TIMEOUT_S,
             )
+            os.chmod(tmp, 0o700)
             os.replace(tmp, folder / name)
         except subprocess.CalledProcessError as exc:
             Path(tmp).unlink(missing_ok=True)
@@ -140,6 +145,16 @@ def _build() -> Path:
         log.info("built native page checksums: %s", folder / name)
         return folder / name
     raise RuntimeError("no writable folder for the built checksum loop: " + "; ".join(errors))
+
+
+def _private(path: Path) -> bool:
+    """Owned by this user and writable by no one else: a library anyone else could have put or changed
+    there (a shared temporary directory) is never loaded."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _cache_dirs() -> list[Path]:
