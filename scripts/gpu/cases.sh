@@ -14,8 +14,8 @@
 #                     05b or 7b
 #   verify            page store gets into a GPU pool (through the pinned host mirror) with and without their
 #                     checks, the GB/s points: 125 pages at the 0.5B shape, 500 at 7B width (28 layers)
-#   verify-ab         verify's gets checked page by page (the GIL held) vs by the native loop, alternating:
-#                     0.5B twice each way, 7B width natively once
+#   verify-ab [SHAPE] verify's gets checked page by page (the GIL held) vs by the native loop, alternating:
+#                     0.5B twice each way, 7B width natively once (SHAPE 05b or 7b: that shape's runs alone)
 #   profile           a warm local prefix hit's GPU kernels (torch.profiler, benchmarks/prefix_hit.py): 0.5B-shaped
 #                     at 2,000 tokens, 7B width at 8 layers at 8,000
 #   chunk             a prefix hit's suffix (16 rows) as one static step, a page table per row vs one shared
@@ -114,8 +114,10 @@ run_case() {
     verify-ab)
       # the same gets as verify, checked page by page with the GIL held (XAVIER_NATIVE_PAGEHASH=0, the
       # way before the native loop) and natively, alternating: 0.5B twice each, 7B width natively
+      local only=${1:-}
       for run in "05b 0 1" "05b 1 1" "7b 1 1" "05b 1 2" "05b 0 2"; do
         set -- $run
+        [ -n "$only" ] && [ "$1" != "$only" ] && continue
         local geo="24 4096 125 7"; [ "$1" = 7b ] && geo="28 16384 500 5"
         local tag="verify-$1-native$2-$3"
         set -- $geo
