@@ -201,8 +201,8 @@ def _page_ranges(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> npt.NDArr
 def range_checksums(ranges: npt.NDArray[np.uint64]) -> list[bytes]:
     """`page_checksum` of each page of `ranges`, a (pages, segments, 2) array of the (address, length) of
     each page's segments in order, in host memory this process can read. The built loop
-    (`native.NativeHash`) hashes a part of at least `_BYTES_PER_THREAD` per thread, each part one call
-    without the GIL; without it, page by page (`_held_xxh3`, or the module's streaming hash)."""
+    (`native.NativeHash`) hashes them in one call without the GIL, at least `_BYTES_PER_THREAD` on each
+    of its threads; without it, page by page (`_held_xxh3`, or the module's streaming hash)."""
     ranges = np.ascontiguousarray(ranges, dtype=np.uint64)
     n = ranges.shape[0]
     if n == 0:
@@ -214,12 +214,7 @@ def range_checksums(ranges: npt.NDArray[np.uint64]) -> list[bytes]:
             return [held([(int(a), int(b)) for a, b in page]) for page in ranges]
         return [page_checksum([buffer_view(int(a), int(b)) for a, b in page]) for page in ranges]
     total = int(ranges[:, :, 1].sum())
-    parts = max(1, min(_HASH_THREADS, n, total // _BYTES_PER_THREAD))
-    if parts == 1:
-        return built.checksums(ranges)
-    step = -(-n // parts)
-    done = _hash_pool().map(built.checksums, [ranges[at : at + step] for at in range(0, n, step)])
-    return [c for part in done for c in part]
+    return built.checksums(ranges, max(1, min(_HASH_THREADS, n, total // _BYTES_PER_THREAD)))
 
 
 class _Hash128(ctypes.Structure):

@@ -5,7 +5,10 @@ thread), every return of a hashing thread from C waits for the GIL, up to a swit
 per-page or per-segment calls of `layout` pay that wait hundreds of times a get: 500 pages of
 Qwen2.5-7B's shape (two 458 KiB segments each) took 228-298 ms to check inside SGLang on an H100 host,
 where the same bytes hash in under 10 ms on a quiet one. `pagehash.c` loops over the pages in C and is
-called through `ctypes.CDLL` (which releases the GIL for the call), so a part of a get costs one hand-off.
+called through `ctypes.CDLL` (which releases the GIL for the call), its pages cut over threads of its
+own, so a whole get costs one hand-off: spread over a Python thread pool instead, every worker's start and
+end waited for the GIL too, and beside two busy threads that was slower than hashing page by page with the
+GIL held (500 pages of 917 KiB on an H100 host: 219 vs 179 ms, `page-checksum-methods-h100-pagefirst.json`).
 
 The C file holds only the loop: XXH3-128's streaming calls are passed in from the library the `xxhash`
 module is built on, so the checksums are `layout.page_checksum`'s by construction. It is compiled with the
@@ -40,6 +43,8 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("pagehash.c")
 _ENV = "XAVIER_NATIVE_PAGEHASH"
 _COMPILE_TIMEOUT_S = 60.0
+_MAX_THREADS = 64
+"""The loop's own limit (`MAX_THREADS` in pagehash.c)."""
 
 
 @dataclass(frozen=True)
@@ -53,20 +58,34 @@ class NativeHash:
     update: int
     digest: int
 
-    def checksums(self, ranges: npt.NDArray[np.uint64]) -> list[bytes]:
+    def checksums(self, ranges: npt.NDArray[np.uint64], threads: int = 1) -> list[bytes]:
         """`layout.page_checksum` of each page of `ranges`, a C-contiguous (pages, segments, 2) array of
-        (address, length) words, in one call made without the GIL."""
+        (address, length) words, in one call made without the GIL, its pages cut over `threads` threads
+        of the loop's own (at most 64)."""
         pages, segments, _ = ranges.shape
+        threads = max(1, min(threads, _MAX_THREADS, pages))
         out = ctypes.create_string_buffer(16 * pages)
-        state = self.create()
-        if not state:
-            raise MemoryError("XXH3_createState failed")
+        states = (ctypes.c_void_p * threads)()
         try:
+            for i in range(threads):
+                states[i] = self.create()
+                if not states[i]:
+                    raise MemoryError("XXH3_createState failed")
             rc = self.hash_pages(
-                self.reset, self.update, self.digest, state, ranges.ctypes.data, pages, segments, out
+                self.reset,
+                self.update,
+                self.digest,
+                states,
+                threads,
+                ranges.ctypes.data,
+                pages,
+                segments,
+                out,
             )
         finally:
-            self.free(state)
+            for state in states:
+                if state:
+                    self.free(state)
         if rc != 0:
             raise RuntimeError(f"XXH3 failed with status {rc}")
         raw = out.raw
@@ -95,7 +114,16 @@ def native_hash() -> NativeHash | None:
     create.restype = ctypes.c_void_p
     free.argtypes = [ctypes.c_void_p]
     hash_pages.restype = ctypes.c_int
-    hash_pages.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_char_p]
+    # (reset, update, digest, states, threads, ranges, pages, segments, out)
+    hash_pages.argtypes = [
+        *(ctypes.c_void_p,) * 3,
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+        ctypes.c_char_p,
+    ]
     reset, update, digest = (int(c or 0) for c in calls)
     return NativeHash(hash_pages, create, free, reset, update, digest)
 
@@ -129,7 +157,7 @@ def _build() -> Path:
             continue
         try:
             subprocess.run(
-                [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE)],
+                [compiler, "-O2", "-shared", "-fPIC", "-pthread", "-o", tmp, str(_SOURCE)],
                 check=True,
                 capture_output=True,
                 timeout=_COMPILE_TIMEOUT_S,

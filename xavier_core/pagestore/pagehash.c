@@ -1,13 +1,16 @@
 /* Page checksums of many pages in one call, made without the GIL (`xavier_core/pagestore/native.py`).
 
    XXH3-128 itself is the `xxhash` module's: its streaming calls come in as function pointers, so this
-   file holds only the loop, and its checksums are `layout.page_checksum`'s by construction. A call made
-   through ctypes.CDLL runs with the GIL released, so a get's pages are hashed with one GIL hand-off per
-   thread instead of one per page or segment (each of which waits up to a switch interval beside a busy
-   Python thread, as SGLang's scheduler is). */
+   file holds only the loops, and its checksums are `layout.page_checksum`'s by construction. A call made
+   through ctypes.CDLL runs with the GIL released, and the threads that share its pages are this file's
+   own, so a get waits for the GIL once, not once per page, segment or Python worker thread (each such wait
+   lasts up to a switch interval beside a busy Python thread, as SGLang's scheduler is). */
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#define MAX_THREADS 64
 
 typedef struct {
     uint64_t low64;
@@ -18,6 +21,18 @@ typedef int (*reset_fn)(void *state);
 typedef int (*update_fn)(void *state, const void *input, size_t length);
 typedef hash128 (*digest_fn)(const void *state);
 
+typedef struct {
+    reset_fn reset;
+    update_fn update;
+    digest_fn digest;
+    void *state;
+    const uint64_t *ranges;
+    size_t pages;
+    size_t segments;
+    unsigned char *out;
+    int rc;
+} part;
+
 static void put_be64(unsigned char *out, uint64_t v) {
     for (int i = 7; i >= 0; i--) {
         out[i] = (unsigned char)(v & 0xff);
@@ -25,29 +40,67 @@ static void put_be64(unsigned char *out, uint64_t v) {
     }
 }
 
+static void *hash_part(void *arg) {
+    part *p = (part *)arg;
+    p->rc = 0;
+    for (size_t page = 0; page < p->pages; page++) {
+        int rc = p->reset(p->state);
+        const uint64_t *r = p->ranges + 2 * p->segments * page;
+        for (size_t s = 0; rc == 0 && s < p->segments; s++) {
+            rc = p->update(p->state, (const void *)(uintptr_t)r[2 * s], (size_t)r[2 * s + 1]);
+        }
+        if (rc != 0) {
+            p->rc = rc;
+            return NULL;
+        }
+        hash128 h = p->digest(p->state);
+        put_be64(p->out + 16 * page, h.high64);
+        put_be64(p->out + 16 * page + 8, h.low64);
+    }
+    return NULL;
+}
+
 /* For each of `pages` pages, XXH3-128 over its `segments` ranges in order (`ranges` holds pages x segments
    x (address, length) words), written canonical (high 64 bits, then low, big-endian) at out + 16 * page.
-   Returns 0, or the first nonzero status of the library's reset or update. */
-int xavier_hash_pages(void *reset, void *update, void *digest, void *state, const uint64_t *ranges,
-                      size_t pages, size_t segments, unsigned char *out) {
-    reset_fn do_reset = (reset_fn)reset;
-    update_fn do_update = (update_fn)update;
-    digest_fn do_digest = (digest_fn)digest;
-    for (size_t p = 0; p < pages; p++) {
-        int rc = do_reset(state);
-        if (rc != 0) {
-            return rc;
-        }
-        const uint64_t *r = ranges + 2 * segments * p;
-        for (size_t s = 0; s < segments; s++) {
-            rc = do_update(state, (const void *)(uintptr_t)r[2 * s], (size_t)r[2 * s + 1]);
-            if (rc != 0) {
-                return rc;
-            }
-        }
-        hash128 h = do_digest(state);
-        put_be64(out + 16 * p, h.high64);
-        put_be64(out + 16 * p + 8, h.low64);
+   The pages are cut into `threads` (at most 64) consecutive parts, one XXH3 state each (`states`), hashed
+   at once: the calling thread takes the first part; a part whose thread cannot be started is hashed on the
+   calling thread too. Returns 0, or the first nonzero status of the library's reset or update. */
+int xavier_hash_pages(void *reset, void *update, void *digest, void **states, size_t threads,
+                      const uint64_t *ranges, size_t pages, size_t segments, unsigned char *out) {
+    part parts[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS];
+    if (threads > MAX_THREADS) {
+        threads = MAX_THREADS;
     }
-    return 0;
+    if (threads > pages) {
+        threads = pages;
+    }
+    if (threads == 0) {
+        return 0;
+    }
+    size_t step = (pages + threads - 1) / threads;
+    for (size_t t = 0; t < threads; t++) {
+        size_t lo = t * step < pages ? t * step : pages;
+        size_t hi = lo + step < pages ? lo + step : pages;
+        parts[t] = (part){(reset_fn)reset, (update_fn)update, (digest_fn)digest, states[t],
+                          ranges + 2 * segments * lo, hi - lo, segments, out + 16 * lo, 0};
+        started[t] = 0;
+    }
+    for (size_t t = 1; t < threads; t++) {
+        started[t] = pthread_create(&ids[t], NULL, hash_part, &parts[t]) == 0;
+    }
+    hash_part(&parts[0]);
+    int rc = parts[0].rc;
+    for (size_t t = 1; t < threads; t++) {
+        if (started[t]) {
+            pthread_join(ids[t], NULL);
+        } else {
+            hash_part(&parts[t]);
+        }
+        if (rc == 0) {
+            rc = parts[t].rc;
+        }
+    }
+    return rc;
 }
