@@ -103,9 +103,12 @@ def test_a_stuck_read_whose_end_is_told_gives_its_host_pages_back(
     _wait(lambda: reader.get_stats()["lost_host_pages"] == 3, "the stuck READ's pages were not kept")
     assert _overlap(reader_pool, dst) == set(), "pages of a stuck READ were lent again"
     let_go.set()  # the next ask finds the READ ended
-    _wait(lambda: reader.quarantine.held_tokens == 0, "the stuck READ's pages never came back")
+    # The hold ends first and the pages are freed into SGLang's pool just after (outside the hold's lock):
+    # wait for what SGLang sees, the pages lent again.
+    want = set(dst.tolist())
+    _wait(lambda: _overlap(reader_pool, dst) == want, "the stuck READ's pages never came back")
+    assert reader.quarantine.held_tokens == 0
     assert reader.get_stats()["lost_host_pages"] == 0
-    assert _overlap(reader_pool, dst) == set(dst.tolist())
 
 
 def test_a_get_that_outlives_its_wait_keeps_its_pages_until_the_read_ended(
@@ -128,9 +131,10 @@ def test_a_get_that_outlives_its_wait_keeps_its_pages_until_the_read_ended(
         assert reader.batch_get_v1(keys, dst) == [False, False]
         reader_pool.free(dst)
         assert _overlap(reader_pool, dst) == set(), "pages under a running READ were lent again"
-        gate.set()  # the READ ends: the pages come back to the pool
-        _wait(lambda: reader.quarantine.held_tokens == 0, "the hold was never lifted")
-        assert _overlap(reader_pool, dst) == set(dst.tolist())
+        gate.set()  # the READ ends: the pages come back to the pool (just after the hold ends)
+        want = set(dst.tolist())
+        _wait(lambda: _overlap(reader_pool, dst) == want, "the hold was never lifted")
+        assert reader.quarantine.held_tokens == 0
         assert reader.get_stats()["lost_host_pages"] == 0 and reader.errors == 1
     finally:
         gate.set()
