@@ -5,9 +5,10 @@ asked; the geometry of `--shape`, fp16) into a real `xavier-pagestore` process; 
 them into its own host pool, as SGLang's prefetch thread does (`batch_get_v1`). Per rep: the get's wall
 time, its fetch steps (the store client's `xavier_pagestore_client_fetch_seconds{step}`: GetPages, READ,
 checksum pass, ...), the same get with its checks taken off (the pages as they land) and, where the
-native checksum loop is built (`xavier_core/pagestore/native.py`), the same get checked page by page with
-the GIL held (`held`, the way before it), in rotating order, so what verification adds to a HiCache get,
-either way, is measured in the same run. The first get of
+native checksum loop is built (`xavier_core/pagestore/native.py`), the same get read first and then
+checked by the loop (`apart`; by default a same-host read checks each page as it lands) and read first,
+then checked page by page with the GIL held (`held`, the way before the loop), in rotating order, so what
+verification adds to a HiCache get, each way, is measured in the same run. The first get of
 each backend loads the store's endpoint and is left out. No GPU: what a get costs in the backend and the
 store client, without SGLang's scheduler beside it (`--busy-python N` puts N threads of pure Python there,
 as a busy scheduler holds the GIL; `--read-path` picks how B's client reads the store).
@@ -54,6 +55,11 @@ def _spin(stop: threading.Event) -> None:
     while not stop.is_set():
         for i in range(1000):
             n += i
+
+
+def _median_steps(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
+    names = {k for r in rows for k in r.get(key, {})}
+    return {k: statistics.median(r.get(key, {}).get(k, 0.0) for r in rows) for k in sorted(names)}
 
 
 def main() -> int:
@@ -123,11 +129,13 @@ def main() -> int:
             b.client.settings = dataclasses.replace(b.client.settings, read_piece_bytes=args.read_piece_bytes)
         if args.read_path != "default":  # before the first get, which maps the store's arena or not
             b.client.conn.same_host_reads = args.read_path == "direct"
-        real = b.client._verifier
+        real, settings = b.client._verifier, b.client.settings
         built = native.native_hash
-        # checked: as the client checks (the native loop where it is built); held: page by page, the GIL
-        # held (the way before it); unchecked: the pages as they land. Rotated every rep.
-        modes = ["checked", "unchecked", *(["held"] if built() is not None else [])]
+        # checked: as the client checks (where the native loop is built and the store's memory is read
+        # straight, each page checked as it lands); apart: read first, then checked by the native loop;
+        # held: read first, then checked page by page with the GIL held (the way before the loop);
+        # unchecked: read first, the pages taken as they land. Rotated every rep.
+        modes = ["checked", "unchecked", *(["apart", "held"] if built() is not None else [])]
         for rep in range(args.reps + 1):
             keys = hc.sglang_keys(args.pages, first_token=1_000_000 * (rep + 1))
             src = a_pool.alloc(args.pages * PAGE_TOKENS)
@@ -136,7 +144,8 @@ def main() -> int:
             row: dict[str, Any] = {"rep": rep}
             for mode in modes[rep % len(modes) :] + modes[: rep % len(modes)]:
                 b.client._verifier = unchecked_verifier(b.client) if mode == "unchecked" else real
-                native.native_hash = built if mode == "checked" else _no_native  # type: ignore[assignment]
+                b.client.settings = dataclasses.replace(settings, check_while_reading=mode == "checked")
+                native.native_hash = _no_native if mode == "held" else built  # type: ignore[assignment]
                 dst = b_pool.alloc(args.pages * PAGE_TOKENS)
                 before, t = fetch_steps(), time.perf_counter()
                 got = b.batch_get_v1(keys, dst)
@@ -145,12 +154,14 @@ def main() -> int:
                 b_pool.free(dst)
                 if got != [True] * args.pages:
                     raise RuntimeError(f"the get found {got.count(True)} of {args.pages} pages")
+                steps = {k: 1e3 * (v - before[k]) for k, v in after.items() if v > before[k]}
                 if mode == "checked":
                     row["get_ms"] = 1e3 * spent
-                    row["steps_ms"] = {k: 1e3 * (v - before[k]) for k, v in after.items() if v > before[k]}
+                    row["steps_ms"] = steps
                 else:
                     row[f"get_{mode}_ms"] = 1e3 * spent
-            b.client._verifier = real
+                    row[f"steps_{mode}_ms"] = steps
+            b.client._verifier, b.client.settings = real, settings
             native.native_hash = built  # type: ignore[assignment]
             a_pool.free(src)
             if rep:  # the first get of a backend loads the store's endpoint
@@ -167,7 +178,8 @@ def main() -> int:
     get = statistics.median(r["get_ms"] for r in rows)
     plain = statistics.median(r["get_unchecked_ms"] for r in rows)
     held = statistics.median(r["get_held_ms"] for r in rows) if "get_held_ms" in rows[0] else None
-    steps = {k: statistics.median(r["steps_ms"].get(k, 0.0) for r in rows) for k in rows[0]["steps_ms"]}
+    apart = statistics.median(r["get_apart_ms"] for r in rows) if "get_apart_ms" in rows[0] else None
+    steps = _median_steps(rows, "steps_ms")
     nbytes = args.pages * page_bytes
     result = {
         "benchmark": "hicache_get",
@@ -187,6 +199,9 @@ def main() -> int:
         "get_unchecked_ms": plain,
         "verify_added_share": 1 - plain / get,
         "native_checks": built() is not None,
+        "get_apart_ms": apart,
+        "verify_apart_added_share": None if apart is None else 1 - plain / apart,
+        "steps_apart_ms": _median_steps(rows, "steps_apart_ms"),
         "get_held_ms": held,
         "verify_held_added_share": None if held is None else 1 - plain / held,
         "steps_ms": steps,

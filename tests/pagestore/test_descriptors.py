@@ -37,6 +37,9 @@ pytestmark = pytest.mark.integration
 
 SLOTS_PER_CHUNK = 32  # the module store's 256 KiB chunks over NBUF x 2 KiB pages
 STAGED = ClientSettings(stage_host_pool=True, staging_pages=48)
+COALESCED = ClientSettings(check_while_reading=False)
+"""A pool's same-host read of whole runs, checked once it has all landed (checked as each page lands, the
+default, it reads page by page: one row per segment per page)."""
 
 
 def raw_spans(address: str, fp: str, keys: list[bytes]) -> list[int]:
@@ -60,7 +63,7 @@ async def test_a_write_through_reads_back_as_one_descriptor_per_run_per_segment(
     pool = make_pool(41)
     writer = PageStoreClient(store.address, buffers(pool))
     reader_pool = make_pool(None)
-    reader = PageStoreClient(store.address, buffers(reader_pool))
+    reader = PageStoreClient(store.address, buffers(reader_pool), COALESCED)
     try:
         await _holes(writer, store.address, "fp-runs")
         # 24 pages do not fit in the holes: they take one fresh chunk (one run), not the holes and a tail.
@@ -228,9 +231,10 @@ async def test_a_prefix_written_through_by_one_engine_is_read_in_runs_by_others(
         assert reader._store is not None
         counters = reader._store.client.counters
         segments = len(reader.kv_buffers())
-        # Into the pool, one row per run per segment; through the mirror, a same-host read lands
-        # page-major in the staging rows: one row per segment per page.
-        runs = 50 if reader._store.client.staging is not None else 2
+        # Into the pool, read and checked page by page (the built loop): one row per segment per page;
+        # through the mirror, a same-host read lands page-major in the staging rows: the same.
+        client = reader._store.client
+        runs = 50 if client.staging is not None or client._checks_while_reading() else 2
         assert counters.reads == 1 and counters.read_descriptors == runs * segments
         await reader._store.client.flush()
         s = reader.stats()

@@ -108,13 +108,18 @@ async def test_a_failed_release_is_counted_and_the_lease_expires(store: ServiceP
         await reader.close()
 
 
+READ_THEN_CHECKED = ClientSettings(check_while_reading=False)
+"""A reader whose READ is posted and then waited for (`StoreConnection.settle`), where a NIXL READ can end
+stuck; a same-host read checked as it lands is one call that cannot."""
+
+
 async def test_a_read_nixl_could_not_cancel_marks_the_pages_unsafe(
     store: ServiceProc, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pool = make_pool(34)
     writer = PageStoreClient(store.address, buffers(pool))
     pools = [make_pool(None), make_pool(None)]  # held: the READs land in their memory
-    reader = PageStoreClient(store.address, buffers(pools[0]))
+    reader = PageStoreClient(store.address, buffers(pools[0]), READ_THEN_CHECKED)
     staged = PageStoreClient(store.address, buffers(pools[1]), ClientSettings(stage_host_pool=True))
     try:
         ns = PageNamespace("fp-stuck")
@@ -149,7 +154,7 @@ async def test_a_stuck_read_whose_end_can_be_told_gives_its_pages_and_slots_back
     pool = make_pool(34)
     writer = PageStoreClient(store.address, buffers(pool))
     pools = [make_pool(None), make_pool(None)]
-    reader = PageStoreClient(store.address, buffers(pools[0]))
+    reader = PageStoreClient(store.address, buffers(pools[0]), READ_THEN_CHECKED)
     staged = PageStoreClient(store.address, buffers(pools[1]), ClientSettings(stage_host_pool=True))
     asked = {"reader": 0, "staged": 0}
     try:

@@ -28,9 +28,10 @@ from tests.pagestore.support import (
     stub,
 )
 from tests.support.procs import ServiceProc
-from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient, direct
+from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient, direct, native
 from xavier_core.pagestore.connection import StoreConnection
 from xavier_core.pagestore.direct import arena_tag, open_direct_arena
+from xavier_core.pagestore.layout import page_checksum
 from xavier_core.pagestore.metrics import client_metrics
 from xavier_core.transfer.common.errors import PeerError
 
@@ -69,10 +70,12 @@ async def _written_then_read(
     return ns, keys
 
 
-# A pool read straight into its pages; one behind host staging (a GPU pool's path), whose pages land
+# A pool read straight into its pages, each page checked as it lands (where the page loop is built) or
+# all read first and checked after; one behind host staging (a GPU pool's path), whose pages land
 # page-major in the staging rows, in one piece and in pieces of two pages.
 PATHS = {
     "pool": ClientSettings(),
+    "pool-read-then-checked": ClientSettings(check_while_reading=False),
     "staged": ClientSettings(stage_host_pool=True, staging_pages=16),
     "staged-pieces": ClientSettings(stage_host_pool=True, staging_pages=16, read_piece_bytes=2 * PAGE_BYTES),
 }
@@ -92,7 +95,7 @@ async def test_a_get_reads_the_stores_memory_and_drops_corrupt_pages(store: Serv
     try:
         ns, keys = await _written_then_read(writer, pool, reader, reader_pool, name, 1, 6)
         assert reader.counters.reads == reader.counters.direct_reads == reads
-        if path != "pool":  # page-major rows: one read row per segment of every page
+        if path != "pool-read-then-checked":  # one read row per segment of every page (not coalesced)
             assert reader.counters.read_descriptors == 6 * NBUF
         assert reader.conn._store is not None and reader.conn._store.arena is not None
         assert by_path.labels("direct")._value.get() == direct_before + reads
@@ -101,7 +104,7 @@ async def test_a_get_reads_the_stores_memory_and_drops_corrupt_pages(store: Serv
         await scribble(store.address, vandal, name, keys, 3)  # page 3's checksum no longer holds
         assert await _fetch(reader, reader_pool, ns, keys) == 3
         assert page_digest(reader_pool, list(range(20, 23))) == page_digest(pool, list(range(3)))
-        if path != "pool":  # behind staging, a page past the verified head never reaches the pool
+        if path.startswith("staged"):  # behind staging, a page past the verified head never reaches the pool
             assert not any(a.reshape(-1, BPP)[23:26].any() for a in reader_pool)
         assert reader.counters.corrupt_pages == 1 and reader.counters.direct_reads == 2 * reads
         (st,) = ns_stats(store.address, name)
@@ -189,10 +192,29 @@ def test_a_process_whose_tag_is_not_the_stores_is_not_read() -> None:
     assert dest.tobytes() == content.tobytes()[100:1100] + content.tobytes()[-2072:]
     with pytest.raises(PeerError):  # a row past the arena's end is refused before any read
         arena.copy(np.array([[base + arena_bytes - 10, at, 20]], dtype=np.uint64))
+    if native.available():  # read and checked page by page: two pages of two segments each
+        pages = np.array(
+            [
+                [[base, at, 512], [base + 4096, at + 512, 512]],
+                [[base + 1024, at + 1024, 2048], [base, at + 3072, 0]],
+            ],
+            dtype=np.uint64,
+        )
+        dest[:] = 0
+        sums = arena.read_checked(pages)
+        c = content.tobytes()
+        assert dest.tobytes()[:3072] == c[:512] + c[4096:4608] + c[1024:3072]
+        assert sums == [page_checksum([c[:512], c[4096:4608]]), page_checksum([c[1024:3072]])]
+        with pytest.raises(PeerError):  # a segment past the arena's end is refused before any read
+            arena.read_checked(np.array([[[base, at, 8], [base + arena_bytes - 4, at + 8, 8]]], np.uint64))
+        with pytest.raises(PeerError, match="Bad address"):  # a local range nothing is mapped at
+            arena.read_checked(np.array([[[base, 4096, 8]]], np.uint64))
     arena.close()
     assert arena.closed
     with pytest.raises(PeerError):
         arena.copy(rows)
+    with pytest.raises(PeerError):
+        arena.read_checked(np.array([[[base, at, 8]]], np.uint64))
 
 
 def _a_pid_nobody_has() -> int:

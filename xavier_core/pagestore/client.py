@@ -35,8 +35,9 @@ import numpy as np
 import numpy.typing as npt
 from xavier.v1 import page_store_service_pb2 as pb
 
+from xavier_core.pagestore import native
 from xavier_core.pagestore.connection import HolderStuck, StoreConnection, StorePeer, TransferStuck
-from xavier_core.pagestore.layout import PageGeometry, Span, local_page_checksums
+from xavier_core.pagestore.layout import PageGeometry, Span, local_page_checksums, page_ranges
 from xavier_core.pagestore.metrics import ClientCounters, StepClock, client_metrics
 from xavier_core.pagestore.namespace import PageNamespace
 from xavier_core.pagestore.reading import Verify, cut_spans, piece_bounds, read_in_pieces
@@ -86,6 +87,11 @@ class ClientSettings:
     (`direct`), not with NIXL READs; the checks and staging after the read are the same. Off, or where
     that read is refused (another host, PID namespace or permission), every
     READ goes over NIXL."""
+    check_while_reading: bool = True
+    """Where a store's memory is read straight into a host pool (`same_host_reads`, no mirror, one piece)
+    and the page loop is built (`native`), each page is checksummed right after its read, in the same
+    loop, while its bytes are still in cache: one pass over memory, where reading all and then checking
+    all makes two. Off: read first, then checked, as after a NIXL READ."""
 
 
 @dataclass(frozen=True)
@@ -383,18 +389,24 @@ class PageStoreClient:
                     slots = local = await self.staging.acquire(len(pages))
             direct = store.arena is not None
             rows_base = self.staging.rows_base if self.staging is not None and direct else None
-            pieces = self._pieces(_head(resp.spans, len(pages)), local, rows_base)
             sums = list(resp.checksums[: len(pages)])
-            self.counters.reads += len(pieces)
-            if direct:
-                self.counters.direct_reads += len(pieces)
-            self._metrics.reads.labels("direct" if direct else "nixl").inc(len(pieces))
-            self.counters.read_descriptors += sum(rows.shape[0] for *_, rows in pieces)
-            if rows_base is None:
-                verify = self._verifier(local, pages, sums)
-                read = functools.partial(read_in_pieces, self.conn, store, pieces, verify, clock)
+            spans = _head(resp.spans, len(pages))
+            if direct and self._checks_while_reading():  # one pass: each page checked as it lands
+                read = functools.partial(self._read_checked, store, spans, pages, sums, clock)
+                reads, descriptors = 1, len(pages) * len(self.geometry.segment_bytes)
             else:
-                read = functools.partial(self._read_rows, store, pieces, slots, pages, sums, clock)
+                pieces = self._pieces(spans, local, rows_base)
+                reads, descriptors = len(pieces), sum(rows.shape[0] for *_, rows in pieces)
+                if rows_base is None:
+                    verify = self._verifier(local, pages, sums)
+                    read = functools.partial(read_in_pieces, self.conn, store, pieces, verify, clock)
+                else:
+                    read = functools.partial(self._read_rows, store, pieces, slots, pages, sums, clock)
+            self.counters.reads += reads
+            if direct:
+                self.counters.direct_reads += reads
+            self._metrics.reads.labels("direct" if direct else "nixl").inc(reads)
+            self.counters.read_descriptors += descriptors
             corrupt = await self._off_loop(store, clock, read)
         except TransferStuck as exc:
             released = self._reap(exc)
@@ -428,6 +440,24 @@ class PageStoreClient:
                 rows = self.geometry.row_descriptors(part, rows_base, local[lo:hi])
             out.append((lo, hi, rows))
         return out
+
+    def _checks_while_reading(self) -> bool:
+        """Whether a same-host read checks each page as it lands (`ClientSettings.check_while_reading`)."""
+        s = self.settings
+        return (
+            s.check_while_reading and self.staging is None and not s.read_piece_bytes and native.available()
+        )
+
+    def _read_checked(
+        self, store: StorePeer, spans: list[Span], pages: list[int], sums: list[bytes], clock: StepClock
+    ) -> list[int]:
+        """A host pool's read out of a same-host store's memory, each page checked as it lands
+        (`DirectArena.read_checked`); returns the indices of the pages that failed. Blocking: a worker
+        thread."""
+        rows = self.geometry.page_descriptors(spans, page_ranges(self.buffers, pages)[:, :, 0])
+        with clock.step("read_checked"):
+            got = self.conn.read_checked(store, rows)
+        return [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
 
     def _read_rows(
         self,

@@ -234,6 +234,17 @@ class StoreConnection:
             return store.arena.copy(rows)
         return self.agent.post(op, rows, store.agent_name, self._transfer_timeout_s)
 
+    def read_checked(self, store: StorePeer, pages: npt.NDArray[np.uint64]) -> list[bytes]:
+        """A same-host store's READ of `pages` ((pages, segments, 3) words: arena address, local address,
+        nbytes) with each page's checksum taken as it lands (`DirectArena.read_checked`); raises
+        `PeerError`."""
+        if store.arena is None:
+            raise PeerError("the store's memory is not read on this host")
+        sums = store.arena.read_checked(pages)
+        self._metrics.transfer_bytes.labels("read").inc(int(pages[:, :, 2].sum()))
+        self._metrics.transfer_descriptors.labels("read").inc(pages.shape[0] * pages.shape[1])
+        return sums
+
     def settle(self, op: Op, xfer: Posted, rows: npt.NDArray[np.uint64], pages: int) -> None:
         """Waits for a posted transfer to end (a NIXL one's own deadline bounds the wait, a copy has none
         and needs none); raises `PeerError` unless it ended DONE, `TransferStuck` when NIXL refused to

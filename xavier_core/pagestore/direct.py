@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 from xavier.v1 import page_store_service_pb2 as pb
 
+from xavier_core.pagestore import native
 from xavier_core.transfer.common.errors import PeerError
 from xavier_core.transfer.common.host import boot_id
 from xavier_core.transfer.nixl._raw import XferState
@@ -97,12 +98,7 @@ class DirectArena:
         """Starts reading `rows` (arena address, local address, nbytes) out of the store: the first part
         on this thread at once, the rest on the copy threads. Raises `PeerError`, reading nothing, when
         a row leaves the arena or the arena was closed (its store instance forgotten)."""
-        if self.closed:
-            raise PeerError("the store's arena was closed (its store instance is gone)")
-        src, size = rows[:, 0], rows[:, 2]
-        end = self.arena_base + self.arena_bytes
-        if rows.shape[0] and (int(src.min()) < self.arena_base or int((src + size).max()) > end):
-            raise PeerError("a page span lies outside the store's arena")
+        self._check_inside(rows[:, 0], rows[:, 2])
         parts = _split(rows)
         futures = [_copy_pool().submit(read_memory, self.pid, *part) for part in parts[1:]]
         here: Future[None] = Future()
@@ -113,6 +109,33 @@ class DirectArena:
         except BaseException as exc:
             here.set_exception(exc)
         return DirectCopy([here, *futures])
+
+    def read_checked(self, pages: Rows) -> list[bytes]:
+        """Reads every page of `pages`, (pages, segments, 3) words of (arena address, local address,
+        nbytes), out of the store and returns each one's `layout.page_checksum` as it landed: the built
+        loop (`native.NativeHash.read_checksums`) reads a page and hashes it while it is in cache, one
+        pass over memory, on up to `_COPY_THREADS` threads without the GIL. Raises `PeerError`, reading
+        nothing, where a segment leaves the arena, and when a read fails (the local pages then hold
+        unspecified bytes). Call only where `native.available()`."""
+        built = native.native_hash()
+        if built is None:
+            raise PeerError("the built page loop is unavailable")
+        self._check_inside(pages[:, :, 0].ravel(), pages[:, :, 2].ravel())
+        total = int(pages[:, :, 2].sum()) if pages.size else 0
+        threads = max(1, min(_COPY_THREADS, pages.shape[0], total // _COPY_UNIT_BYTES))
+        try:
+            return built.read_checksums(self.pid, np.ascontiguousarray(pages), threads)
+        except OSError as exc:
+            raise PeerError(
+                f"reading the page store's memory (pid {self.pid}) failed: {exc.strerror}"
+            ) from exc
+
+    def _check_inside(self, src: Rows, size: Rows) -> None:
+        if self.closed:
+            raise PeerError("the store's arena was closed (its store instance is gone)")
+        end = self.arena_base + self.arena_bytes
+        if src.shape[0] and (int(src.min()) < self.arena_base or int((src + size).max()) > end):
+            raise PeerError("a page span lies outside the store's arena")
 
     def close(self) -> None:
         """Later `copy` calls raise `PeerError`; reads under way end on their own."""

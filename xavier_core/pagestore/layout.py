@@ -115,9 +115,18 @@ class PageGeometry:
         after another in buffer order (one contiguous range a page, the layout `page_row_checksums`
         hashes). One row per segment per page: the arena's runs are segment-major, so no two rows join."""
         rows = np.asarray(local_rows, dtype=np.uint64)
+        offs = self.segment_offsets()
+        local = rows_base + rows[:, None] * np.uint64(self.page_bytes) + offs
+        return self.page_descriptors(spans, local).reshape(-1, 3)
+
+    def page_descriptors(
+        self, spans: Sequence[Span], local: npt.NDArray[np.uint64]
+    ) -> npt.NDArray[np.uint64]:
+        """(pages, segments, 3) words (arena address, local address, nbytes): page i of the spans (in span
+        order), segment by segment, paired with the local addresses `local[i]` ((pages, segments))."""
         total = sum(s.count for s in spans)
-        if total != rows.size:
-            raise InvalidPagesError(f"spans cover {total} pages, local side has {rows.size}")
+        if local.shape != (total, len(self.segment_bytes)):
+            raise InvalidPagesError(f"spans cover {total} pages, local side has {local.shape[0]}")
         offs = self.segment_offsets()
         sizes = np.asarray(self.segment_bytes, dtype=np.uint64)
         out = np.empty((total, len(sizes), 3), dtype=np.uint64)
@@ -126,9 +135,9 @@ class PageGeometry:
             slots = np.arange(span.first_slot, span.first_slot + span.count, dtype=np.uint64)[:, None]
             out[at : at + span.count, :, 0] = span.chunk_address + offs * span.chunk_slots + slots * sizes
             at += span.count
-        out[:, :, 1] = rows_base + rows[:, None] * np.uint64(self.page_bytes) + offs
+        out[:, :, 1] = local
         out[:, :, 2] = sizes
-        return out.reshape(-1, 3)
+        return out
 
 
 def page_checksum(segments: Sequence[memoryview | bytes]) -> bytes:
@@ -161,7 +170,7 @@ def local_page_checksums(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> l
     ones (where the library lacks the streaming calls) segment by segment, over a few threads when that
     pays."""
     if native.available():
-        return range_checksums(_page_ranges(buffers, pages))
+        return range_checksums(page_ranges(buffers, pages))
     views = [(buffer_view(b.addr, b.nbytes), b.bytes_per_page) for b in buffers]
     page_bytes = sum(b.bytes_per_page for b in buffers)
     shortest = min((b.bytes_per_page for b in buffers), default=0)
@@ -188,7 +197,7 @@ def local_page_checksums(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> l
     return map_pages(one, pages, page_bytes, shortest)
 
 
-def _page_ranges(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> npt.NDArray[np.uint64]:
+def page_ranges(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> npt.NDArray[np.uint64]:
     """(pages, buffers, 2) words: the (address, length) of each page's segment in each buffer."""
     at = np.asarray(pages, dtype=np.uint64).reshape(-1, 1)
     sizes = np.asarray([b.bytes_per_page for b in buffers], dtype=np.uint64)

@@ -117,6 +117,7 @@ FETCH_STEPS = (
     "stage_slots",  # leasing slots of the host mirror (a device pool)
     "read",  # READs (NIXL, or out of a same-host store's memory), posted to the last one done
     "verify",  # checksums of the fetched pages
+    "read_checked",  # a same-host read, each page checked as it lands: "read" and "verify" in one
     "holder",  # asking the replica that wrote the pages for them and copying them from its pool
     "holder_ask",  # of "holder": finding the writer and its SharePrefix round trip (pin and publish)
     "holder_copy",  # of "holder": the copy out of the writer's pool, to the read's end

@@ -53,6 +53,7 @@ class NativeHash:
     """The built loop and XXH3's streaming calls, as addresses it takes."""
 
     hash_pages: Any
+    read_hash_pages: Any
     create: Any
     free: Any
     reset: int
@@ -63,6 +64,20 @@ class NativeHash:
         """`layout.page_checksum` of each page of `ranges`, a C-contiguous (pages, segments, 2) array of
         (address, length) words, in one call made without the GIL, its pages cut over `threads` threads
         of the loop's own (at most 64)."""
+        return self._run(self.hash_pages, (), ranges, threads)
+
+    def read_checksums(self, pid: int, ranges: npt.NDArray[np.uint64], threads: int = 1) -> list[bytes]:
+        """Reads each page of `ranges`, a C-contiguous (pages, segments, 3) array of (address in process
+        `pid`, local address, length) words, out of that process's memory (`process_vm_readv`, one call a
+        page) and returns the `layout.page_checksum` of each as it landed, hashed right after its read
+        while in cache; one call without the GIL, over `threads` threads of the loop's own. Raises
+        `OSError` (the kernel's errno; EIO: a short read) when a read failed: the local pages then hold
+        unspecified bytes."""
+        return self._run(self.read_hash_pages, (pid,), ranges, threads)
+
+    def _run(
+        self, fn: Any, head: tuple[int, ...], ranges: npt.NDArray[np.uint64], threads: int
+    ) -> list[bytes]:
         pages, segments, _ = ranges.shape
         threads = max(1, min(threads, _MAX_THREADS, pages))
         out = ctypes.create_string_buffer(16 * pages)
@@ -72,21 +87,14 @@ class NativeHash:
                 states[i] = self.create()
                 if not states[i]:
                     raise MemoryError("XXH3_createState failed")
-            rc = self.hash_pages(
-                self.reset,
-                self.update,
-                self.digest,
-                states,
-                threads,
-                ranges.ctypes.data,
-                pages,
-                segments,
-                out,
-            )
+            rc = fn(*head, self.reset, self.update, self.digest, states, threads, ranges.ctypes.data, pages,
+                    segments, out)  # fmt: skip
         finally:
             for state in states:
                 if state:
                     self.free(state)
+        if rc < 0:
+            raise OSError(-rc, os.strerror(-rc))
         if rc != 0:
             raise RuntimeError(f"XXH3 failed with status {rc}")
         raw = out.raw
@@ -108,15 +116,14 @@ def native_hash() -> NativeHash | None:
         create, free = xxh.XXH3_createState, xxh.XXH3_freeState
         calls = [ctypes.cast(getattr(xxh, n), ctypes.c_void_p).value for n in _STREAMING]
         lib = ctypes.CDLL(str(_build()))
-        hash_pages = lib.xavier_hash_pages
+        hash_pages, read_hash_pages = lib.xavier_hash_pages, lib.xavier_read_hash_pages
     except (ImportError, OSError, AttributeError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("native page checksums unavailable, hashing page by page: %s", exc)
         return None
     create.restype = ctypes.c_void_p
     free.argtypes = [ctypes.c_void_p]
-    hash_pages.restype = ctypes.c_int
-    # (reset, update, digest, states, threads, ranges, pages, segments, out)
-    hash_pages.argtypes = [
+    # (reset, update, digest, states, threads, ranges, pages, segments, out), after the pid for a read
+    loop_args: list[Any] = [
         *(ctypes.c_void_p,) * 3,
         ctypes.POINTER(ctypes.c_void_p),
         ctypes.c_size_t,
@@ -125,8 +132,11 @@ def native_hash() -> NativeHash | None:
         ctypes.c_size_t,
         ctypes.c_char_p,
     ]
+    hash_pages.restype = read_hash_pages.restype = ctypes.c_int
+    hash_pages.argtypes = loop_args
+    read_hash_pages.argtypes = [ctypes.c_int, *loop_args]
     reset, update, digest = (int(c or 0) for c in calls)
-    return NativeHash(hash_pages, create, free, reset, update, digest)
+    return NativeHash(hash_pages, read_hash_pages, create, free, reset, update, digest)
 
 
 _STREAMING = ("XXH3_128bits_reset", "XXH3_128bits_update", "XXH3_128bits_digest")
