@@ -182,7 +182,8 @@ class XavierHiCacheStorage(HiCacheStorage):
             return 0
         start = time.time()
         try:
-            found = int(self._loop.run(client.exists(ns, self._store_keys(keys)), self._wait_s))
+            # Leased: SGLang gets these batches next, and the get then READs under this lookup's lease.
+            found = int(self._loop.run(client.exists(ns, self._store_keys(keys), lease=True), self._wait_s))
         except Exception as exc:
             self._error("exists", exc)
             found = 0

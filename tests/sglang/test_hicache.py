@@ -179,6 +179,26 @@ def test_pages_round_trip_through_the_store(
         reader.close()
 
 
+def test_a_get_after_its_lookup_reads_under_the_lookups_lease(store: ServiceProc, tiny_model: Path) -> None:
+    """SGLang looks a batch up (`batch_exists`) and then gets it: the lookup leased the hits, so the get
+    makes no GetPages call of its own, and its pages are exact."""
+    writer_pool, reader_pool = host_pool(seed=5), host_pool(seed=None)
+    writer = backend(store.address, tiny_model, writer_pool)
+    reader = backend(store.address, tiny_model, reader_pool)
+    try:
+        keys = sglang_keys(5, first_token=7000)
+        src, dst = [12, 13, 14, 15, 16], [40, 41, 42, 50, 51]
+        assert writer.batch_set_v1(keys, host_indices(src)) == [True] * 5
+        assert reader.batch_exists(keys) == 5
+        assert reader.batch_get_v1(keys, host_indices(dst)) == [True] * 5
+        assert reader.client is not None and reader.client.counters.leased_lookups_used == 1
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(page(reader_pool, d), page(writer_pool, s)), f"page {s} -> {d} differs"
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_keys_are_namespaced_by_salt_and_rank(store: ServiceProc, tiny_model: Path) -> None:
     pools = [host_pool(seed=2) for _ in range(3)]
     plain = backend(store.address, tiny_model, pools[0])

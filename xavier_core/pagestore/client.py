@@ -38,6 +38,7 @@ from xavier.v1 import page_store_service_pb2 as pb
 from xavier_core.pagestore import native
 from xavier_core.pagestore.connection import HolderStuck, StoreConnection, StorePeer, TransferStuck
 from xavier_core.pagestore.layout import PageGeometry, Span, local_page_checksums, page_ranges
+from xavier_core.pagestore.lookups import LeasedLookups
 from xavier_core.pagestore.metrics import ClientCounters, StepClock, client_metrics
 from xavier_core.pagestore.namespace import PageNamespace
 from xavier_core.pagestore.reading import Verify, cut_spans, piece_bounds, read_in_pieces
@@ -87,6 +88,10 @@ class ClientSettings:
     (`direct`), not with NIXL READs; the checks and staging after the read are the same. Off, or where
     that read is refused (another host, PID namespace or permission), every
     READ goes over NIXL."""
+    lookup_lease_seconds: float = 2.0
+    """Lease of a lookup made with `exists(lease=True)`: its hits wait, leased, for the fetch of the
+    same keys, which then makes no GetPages call of its own (see `lookups`); used only while half of it
+    is left, released then if nobody fetched them."""
     check_while_reading: bool = True
     """Where a store's memory is read straight into a host pool (`same_host_reads`, no mirror, one piece)
     and the page loop is built (`native`), each page is checksummed right after its read, in the same
@@ -182,6 +187,7 @@ class PageStoreClient:
         self._releases = Background("pagestore-release")
         self._reapers = Background("pagestore-reap")  # stuck transfers, asked until they have ended
         self._trouble = TroubleLog(log, self.settings.log_interval_s)
+        self._looked = LeasedLookups(self.settings.lookup_lease_seconds, self._release_unread)
 
     @property
     def address(self) -> str:
@@ -258,9 +264,13 @@ class PageStoreClient:
         self._metrics.miss_pages.inc(len(keys) - hit)
         return Fetched(hit, stuck, released)
 
-    async def exists(self, namespace: PageNamespace, keys: Sequence[bytes]) -> int:
-        """Length of the stored prefix of `keys` (0 when the store cannot be asked)."""
+    async def exists(self, namespace: PageNamespace, keys: Sequence[bytes], *, lease: bool = False) -> int:
+        """Length of the stored prefix of `keys` (0 when the store cannot be asked). With `lease`, the
+        hits are leased for a fetch of these keys (or a prefix of them) that follows soon: it then makes no
+        GetPages call of its own (`lookups`)."""
         try:
+            if lease and len(keys) <= self._chunk_limit():
+                return await self._leased_lookup(namespace, keys)
             resp = await self.conn.exists_pages(
                 pb.ExistsPagesRequest(namespace=_ns_proto(namespace), keys=keys)
             )
@@ -269,6 +279,25 @@ class PageStoreClient:
         except Exception as exc:
             self.failed("exists", exc)
             return 0
+
+    async def _leased_lookup(self, namespace: PageNamespace, keys: Sequence[bytes]) -> int:
+        req = self._get_pages_request(namespace, keys, self.settings.lookup_lease_seconds)
+        sent = time.monotonic()
+        resp = await self.conn.get_pages(req)
+        self._trouble.ok()
+        self._looked.put(namespace, keys, resp, sent)
+        return int(resp.hit_count)
+
+    def _get_pages_request(
+        self, namespace: PageNamespace, keys: Sequence[bytes], lease_seconds: float
+    ) -> pb.GetPagesRequest:
+        return pb.GetPagesRequest(
+            request_id=uuid.uuid4().hex,
+            namespace=_ns_proto(namespace),
+            keys=keys,
+            segment_bytes=self.geometry.segment_bytes,
+            lease_seconds=lease_seconds,
+        )
 
     def write_through(
         self,
@@ -324,6 +353,7 @@ class PageStoreClient:
         """Stops the writer (queued writes are dropped), closes the channel and the NIXL agent. Pages and
         slots of transfers still stuck stay out of use."""
         await self._writes.close()
+        self._looked.release_all()
         await self._releases.wait()
         await self._reapers.cancel()
         await self.conn.close()
@@ -351,18 +381,18 @@ class PageStoreClient:
         at: int,
         from_holder: FromHolder | None,
     ) -> int:
-        req = pb.GetPagesRequest(
-            request_id=uuid.uuid4().hex,
-            namespace=_ns_proto(namespace),
-            keys=keys,
-            segment_bytes=self.geometry.segment_bytes,
-            lease_seconds=self.settings.lease_seconds,
-        )
-        # GetPages answers what Exists would and leases the hits in the same round trip; local pages are
-        # taken only once it says there is something to read.
-        sent = time.monotonic()
-        with clock.step("get_pages"):
-            resp = await self.conn.get_pages(req)
+        # GetPages answers what Exists would and leases the hits in the same round trip (a leased lookup
+        # of these keys made it already); local pages are taken only once it says there is something to read.
+        looked = self._looked.take(namespace, keys)
+        if looked is not None:
+            resp, sent = looked.resp, looked.sent
+            self.counters.leased_lookups_used += 1
+        else:
+            sent = time.monotonic()
+            with clock.step("get_pages"):
+                resp = await self.conn.get_pages(
+                    self._get_pages_request(namespace, keys, self.settings.lease_seconds)
+                )
         if resp.hit_count == 0:
             return 0
         corrupt: list[int] = []
@@ -576,6 +606,10 @@ class PageStoreClient:
         return max(1, min(limit, self.staging.usable)) if self.staging is not None else limit
 
     # --- leases, counters, page checks ----------------------------------------------------------------
+
+    def _release_unread(self, lease_id: str) -> None:
+        """Releases a leased lookup's lease that no fetch took (in the background)."""
+        self._releases.start(self._release(lease_id, []))
 
     async def _release(self, lease_id: str, corrupt: list[int]) -> None:
         req = pb.ReleaseLeaseRequest(request_id=uuid.uuid4().hex, lease_id=lease_id, corrupt_indices=corrupt)

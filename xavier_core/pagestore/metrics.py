@@ -27,6 +27,8 @@ class ClientCounters:
     """READs posted (one per piece of a store call of a fetch that hit: `reading`), NIXL or direct."""
     direct_reads: int = 0
     """Those of them read straight out of the store's memory (a store on this host), not NIXL READs."""
+    leased_lookups_used: int = 0
+    """Store calls of fetches made under a leased lookup's lease (`exists(lease=True)`), with no GetPages."""
     holder_pages: int = 0
     """Hit pages copied from the replica that wrote them (`fetch`'s `from_holder`) instead of READ."""
     read_descriptors: int = 0
