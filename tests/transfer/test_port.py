@@ -23,6 +23,7 @@ from xavier_core.runtime.errors import FailedPrecondition, LayoutMismatch, Unava
 from xavier_core.transfer import KvPort, peer_key
 from xavier_core.transfer.common.stuck import REAP_POLL_S
 from xavier_core.transfer.nixl.rooms import KvPoll, KvReceiver
+from xavier_core.transfer.port.core import DEFAULT_POLL_INTERVAL_S, FLUSH_POLL_S
 from xavier_core.transfer.port.pulls import ReadStuck
 
 pytestmark = pytest.mark.integration
@@ -120,6 +121,35 @@ async def _fresh_readers(src: PortSource) -> None:
             assert (await src.call("unpublish", 300 + i, True))[0] == 0
         finally:
             await port.close()
+
+
+async def test_after_a_read_the_port_polls_on_at_the_flush_rate(
+    reader: tuple[KvPort, list[np.ndarray]],
+) -> None:
+    """A read that ended leaves the port polling for `NOTIF_FLUSH_S`, so a "done" still queued goes out,
+    but every `FLUSH_POLL_S`, not at its read interval (under load that window never closes); live work
+    (a published source), or a read-end endpoint still being set up, is polled at the read interval."""
+    with spawned(_source_main, f"port-src-flush-{os.getpid()}", SRC_SEED) as conn:
+        await _polls_on_at_the_flush_rate(reader[0], PortSource(conn))
+
+
+async def _polls_on_at_the_flush_rate(port: KvPort, src: PortSource) -> None:
+    for room, settle in ((103, True), (105, False)):
+        desc, endpoint = await src.publish(room, [3, 4])
+        await port.pull(room, desc, endpoint, SRC_KEY, [5, 6], timeout=10, park_timeout=5)
+        assert await src.call("wait", room) == "done"
+        assert (await src.call("unpublish", room, True))[0] == 0
+        # The first read met the source: its read-end endpoint is polled fast while it settles.
+        for _ in range(100 if settle else 0):
+            if not await port.run(port.agent.notifier_settling):
+                break
+            await asyncio.sleep(0.05)
+    busy, interval = await port.run(lambda: (port._busy(), port._interval()))
+    assert busy and interval == FLUSH_POLL_S
+    await port.publish(104, [7, 8], "fp")
+    busy, interval = await port.run(lambda: (port._busy(), port._interval()))
+    assert busy and interval == DEFAULT_POLL_INTERVAL_S
+    await port.unpublish(104, completed=False)
 
 
 async def test_decline_tells_the_source_no_read_will_come(

@@ -18,7 +18,8 @@ _Job = tuple[Callable[..., Any], tuple[Any, ...], "concurrent.futures.Future[Any
 
 
 class NixlThread:
-    """Runs submitted calls in order on one thread; polls with `tick` between them while `busy()`.
+    """Runs submitted calls in order on one thread; polls with `tick` between them while `busy()`, every
+    `interval()` seconds (asked before each wait, so the owner may poll faster while work is live).
 
     `lock`, when given, is held around every call and tick: a caller that captures CUDA graphs on the
     same device passes its lock so no NIXL call overlaps a capture.
@@ -28,10 +29,10 @@ class NixlThread:
         self,
         tick: Callable[[], None],
         busy: Callable[[], bool],
-        poll_interval: float,
+        interval: Callable[[], float],
         lock: threading.Lock | None = None,
     ) -> None:
-        self._tick, self._busy, self._poll, self._lock = tick, busy, poll_interval, lock
+        self._tick, self._busy, self._interval, self._lock = tick, busy, interval, lock
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="xavier-nixl", daemon=True)
         self._thread.start()
@@ -55,8 +56,9 @@ class NixlThread:
         last = time.monotonic()
         while True:
             busy = self._busy()
+            poll = self._interval()
             try:
-                job = self._jobs.get(timeout=max(0.0, last + self._poll - time.monotonic()) if busy else None)
+                job = self._jobs.get(timeout=max(0.0, last + poll - time.monotonic()) if busy else None)
             except queue.Empty:
                 pass  # time to poll
             else:
@@ -68,7 +70,7 @@ class NixlThread:
                         fut.set_result(self._locked(fn, *args))
                     except BaseException as err:  # handed to the caller
                         fut.set_exception(err)
-            if self._busy() and time.monotonic() - last >= self._poll:
+            if self._busy() and time.monotonic() - last >= self._interval():
                 last = time.monotonic()
                 try:
                     self._locked(self._tick)

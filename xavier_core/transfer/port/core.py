@@ -6,7 +6,8 @@ threads, and no NIXL call ever blocks the asyncio loop. While any source is publ
 live, that thread also polls NIXL between calls, every `poll_interval`: notifications (which also drive
 progress without a busy-spinning progress thread), the state of each published source, of each live
 NIXL read, CUDA IPC copy and staged read. It hands results to the asyncio loop only when something
-ended, so a poll costs the loop nothing.
+ended, so a poll costs the loop nothing. With nothing live but a read-end notification that may still
+be leaving (`NOTIF_FLUSH_S` after one was sent), it polls every `FLUSH_POLL_S` instead.
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ DEFAULT_POLL_INTERVAL_S = 0.0005
 # A standalone notification (a decline, a failed read's "fail") leaves only when this side's NIXL worker
 # progresses: the thread keeps polling this long after sending one, even with nothing else live.
 NOTIF_FLUSH_S = 1.0
+# How often the thread polls while only such a notification may be on its way. A read's "done" leaves
+# with a progress call right behind it, so the flush mostly catches a straggler; a decline or a "fail"
+# waits at most this long for its poll, and its source takes notifications in only at its own poll
+# anyway (every 5 ms by default, `handoff.source_poll_interval_seconds`). Polling a decode at its 0.5 ms
+# read interval for the whole second after every read, which under load is all the time, made its NIXL
+# thread about ten polls per request, each a call into NIXL and a wake-up contending for the GIL: a third
+# of that thread's CPU on a zero-compute mesh.
+FLUSH_POLL_S = 0.005
 # Test-only fault injection: "1" makes this process's sources discard every reader "done" notification.
 DROP_DONE_ENV = "XAVIER_FAULT_DROP_DONE_NOTIFICATIONS"
 # Test-only as well: a file path; while that file exists, this process's READs are never seen to end.
@@ -117,9 +126,10 @@ class PortCore:
         self._staged: dict[StagedRead, asyncio.Future[KvPoll]] = {}
         self._ipc: IpcPeers | None = None
         self._flush_until = 0.0
+        self._poll_interval = poll_interval
         self._loop: asyncio.AbstractEventLoop | None = None
         self._settling: Callable[[], bool] = lambda: False  # the agent's, once the thread has made it
-        self._thread = NixlThread(self._tick, self._busy, poll_interval, device_lock)
+        self._thread = NixlThread(self._tick, self._busy, self._interval, device_lock)
         self.agent: NixlAgent = self._thread.submit(
             functools.partial(NixlAgent, agent_name, self._buffers, read_end_agent=read_end_agent)
         ).result()
@@ -156,6 +166,13 @@ class PortCore:
         # While the read-end agent's endpoint to a new peer may still be setting up, its first "done"
         # moves only when polled.
         return bool(live) or time.monotonic() < self._flush_until or self._settling()
+
+    def _interval(self) -> float:
+        """On the NIXL thread: `poll_interval` while work is live (or the read-end agent settles), else
+        (only a notification may still be leaving) `FLUSH_POLL_S`, if that is longer."""
+        if self._senders or self._reads or self._copies or self._staged or self._settling():
+            return self._poll_interval
+        return max(self._poll_interval, FLUSH_POLL_S)
 
     def flush_notifs(self) -> None:
         """On the NIXL thread, after something may have sent a notification: keep polling a while."""
