@@ -16,6 +16,14 @@ the GIL held, vs `native`, the built loop over all pages in one call per thread 
 (`xavier_core/pagestore/native.py`, what a get uses where it is built); with `--busy-python N` threads
 running Python without pause beside it, as SGLang's scheduler runs beside its HiCache thread (a thread
 that lets go of the GIL waits up to a switch interval to get it back there).
+
+`--reads` times a same-host get's read and check together, as a host pool's get makes them
+(`DirectArena.read_checked`: the page loop reads each page with `process_vm_readv` and hashes it while in
+cache), forced onto each of `--threads` threads, beside `--busy-python` spinning threads, against a plain
+copy of the same bytes on one thread (`np.copyto`) and the pages read by the loop with nothing hashed: so
+it says how the read scales with threads on a host, and what the check adds to it. The pages are read out
+of this process's own memory (an "arena" of `--pages` pages, segment-major as the store keeps them, in
+NumPy's memory with the huge pages it asks for), which takes the kernel the same path as the store's.
 """
 
 from __future__ import annotations
@@ -47,7 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--methods", action="store_true", help="joined vs streamed vs native page hashes (see above)"
     )
     p.add_argument(
-        "--busy-python", default="0", help="with --methods: busy Python threads beside, e.g. 0,1,2"
+        "--reads", action="store_true", help="a same-host get's read and check in one pass, by thread count"
+    )
+    p.add_argument(
+        "--busy-python", default="0", help="with --methods or --reads: busy Python threads beside, e.g. 0,1,2"
     )
     p.add_argument(
         "--switch-interval-ms",
@@ -111,6 +122,57 @@ def methods(pages: int, nbuf: int, seg: int, busy: int, reps: int) -> dict[str, 
     }
 
 
+def reads(pages: int, nbuf: int, seg: int, threads: list[int], busy: int, reps: int) -> dict[str, Any]:
+    """A get's read and check in one pass (`NativeHash.read_checksums`) on each of `threads`, `busy` Python
+    threads beside, against one `np.copyto` of the same bytes; alternating every rep."""
+    built = native.native_hash()
+    if built is None:
+        raise RuntimeError("the native page loop is not built here")
+    arena = np.random.default_rng(seg).integers(0, 256, (nbuf, pages, seg), dtype=np.uint8)
+    pool = np.zeros((pages, nbuf, seg), dtype=np.uint8)  # page-first, as SGLang's host pool
+    rows = np.empty((pages, nbuf, 3), dtype=np.uint64)
+    rows[:, :, 0] = arena.ctypes.data + (np.arange(nbuf, dtype=np.uint64) * np.uint64(pages * seg))[None, :]
+    rows[:, :, 0] += (np.arange(pages, dtype=np.uint64) * np.uint64(seg))[:, None]
+    rows[:, :, 1] = pool.ctypes.data + (np.arange(pages * nbuf, dtype=np.uint64) * np.uint64(seg)).reshape(
+        pages, nbuf
+    )
+    rows[:, :, 2] = seg
+    want = [xxhash.xxh3_128_digest(np.ascontiguousarray(arena[:, p]).tobytes()) for p in range(pages)]
+    stop = threading.Event()
+    spinning = [threading.Thread(target=_spin, args=(stop,), daemon=True) for _ in range(busy)]
+    for t in spinning:
+        t.start()
+    times: dict[str, list[float]] = {}
+    try:
+        for rep in range(reps):
+            order: list[tuple[str, int]] = [*((f"threads_{t}", t) for t in threads), ("copyto", 0)]
+            for name, t in order if rep % 2 == 0 else order[::-1]:
+                pool[:] = 0
+                start = time.perf_counter()
+                if t:
+                    got = built.read_checksums(os.getpid(), rows, t)
+                else:
+                    np.copyto(pool, arena.transpose(1, 0, 2))
+                times.setdefault(name, []).append(time.perf_counter() - start)
+                if t and got != want:
+                    raise RuntimeError("a read's checksums differ from the arena's")
+    finally:
+        stop.set()
+        for s in spinning:
+            s.join()
+    nbytes = pages * nbuf * seg
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    return {
+        "pages": pages,
+        "buffers": nbuf,
+        "segment_bytes": seg,
+        "busy_python": busy,
+        "bytes": nbytes,
+        "ms": ms,
+        "gbps": {k: nbytes / v / 1e6 for k, v in ms.items()},
+    }
+
+
 def _no_native() -> None:
     return None
 
@@ -154,6 +216,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.switch_interval_ms > 0:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    if args.reads:
+        threads = [int(t) for t in args.threads.split(",")]
+        busy = [int(x) for x in args.busy_python.split(",")]
+        cases = [
+            reads(args.pages, args.buffers, int(seg), threads, b, args.reps)
+            for seg in args.segment_bytes.split(",")
+            for b in busy
+        ]
+        json.dump({"benchmark": "page_reads", "cpus": os.cpu_count(), "cases": cases}, sys.stdout, indent=2)
+        print()
+        return 0
     if args.methods:
         sizes, busy = (
             [int(x) for x in args.segment_bytes.split(",")],

@@ -14,6 +14,8 @@
 #                     05b or 7b
 #   verify            page store gets into a GPU pool (through the pinned host mirror) with and without their
 #                     checks, the GB/s points: 125 pages at the 0.5B shape, 500 at 7B width (28 layers)
+#   reads             a same-host get's read and check in one pass by thread count (page_checksum.py --reads):
+#                     the GB/s the page loop reads at on this host, 1-16 threads, 0-2 busy Python threads
 #   verify-ab [SHAPE] verify's gets checked page by page (the GIL held) vs by the native loop, alternating:
 #                     0.5B twice each way, 7B width natively once (SHAPE 05b or 7b: that shape's runs alone)
 #   profile           a warm local prefix hit's GPU kernels (torch.profiler, benchmarks/prefix_hit.py): 0.5B-shaped
@@ -111,6 +113,17 @@ run_case() {
         [ -f "$out/pagestore-verify-$1.json" ] && gets "$out/pagestore-verify-$1.json"
       done
       ;;
+    reads)
+      # a same-host get's read and check in one pass (the page loop) by thread count, quiet and beside
+      # busy Python threads, against one plain copy: 500 pages of Qwen2.5-7B's page-first shape
+      if python3 benchmarks/page_checksum.py --reads --pages 500 --buffers 2 --segment-bytes 458752 \
+        --threads 1,2,4,8,16 --busy-python 0,1,2 --reps 5 > "$out/page-reads.json" 2> "$logs/reads.stderr"; then
+        python3 -c "import json; [print(c['busy_python'], {k: round(v, 1) for k, v in c['gbps'].items()})
+          for c in json.load(open('$out/page-reads.json'))['cases']]"
+      else
+        tail -n 20 "$logs/reads.stderr"
+      fi
+      ;;
     verify-ab)
       # the same gets as verify, checked page by page with the GIL held (XAVIER_NATIVE_PAGEHASH=0, the
       # way before the native loop) and natively, alternating: 0.5B twice each, 7B width natively
@@ -170,7 +183,7 @@ PY
       rm -f "$out/sglang-hicache-$shape.png"
       tail -c 3000 "$logs/hicache.stdout"
       ;;
-    *) echo "unknown case: $name (tests, share, verify, verify-ab, profile, pd, hicache)"; return 2 ;;
+    *) echo "unknown case: $name (tests, share, verify, reads, verify-ab, profile, pd, hicache)"; return 2 ;;
   esac
   echo "== $name: $(( $(date +%s) - t0 )) s"
 }
