@@ -57,6 +57,26 @@ def _spin(stop: threading.Event) -> None:
             n += i
 
 
+def _get(backend: Any, keys: list[str], dst: Any, batch: int) -> tuple[float, float, list[bool]]:
+    """(seconds looking up, seconds getting, each page found) of one get of `keys` into host indices
+    `dst`: one `batch_get_v1` of them all, or with `batch`, as SGLang's prefetch makes it: `batch_exists`
+    of every `batch` keys in turn (its prefetch thread), then `batch_get_v1` of each (its I/O thread)."""
+    if not batch:
+        t = time.perf_counter()
+        got = backend.batch_get_v1(keys, dst)
+        return 0.0, time.perf_counter() - t, got
+    cuts = range(0, len(keys), batch)
+    t = time.perf_counter()
+    for at in cuts:
+        backend.batch_exists(keys[at : at + batch])
+    looked_up = time.perf_counter() - t
+    t = time.perf_counter()
+    got = []
+    for at in cuts:
+        got += backend.batch_get_v1(keys[at : at + batch], dst[at * PAGE_TOKENS : (at + batch) * PAGE_TOKENS])
+    return looked_up, time.perf_counter() - t, got
+
+
 def _median_steps(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
     names = {k for r in rows for k in r.get(key, {})}
     return {k: statistics.median(r.get(key, {}).get(k, 0.0) for r in rows) for k in sorted(names)}
@@ -81,6 +101,13 @@ def main() -> int:
         metavar="N",
         help="N threads running Python without pause beside the get, as SGLang's scheduler runs beside "
         "its HiCache thread (0: none)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="pages per lookup and get, as SGLang's prefetch makes them (its STORAGE_BATCH_SIZE is 128): "
+        "every batch looked up (batch_exists), then each got; 0, the default: one get of every page",
     )
     p.add_argument(
         "--read-path",
@@ -142,7 +169,11 @@ def main() -> int:
         # straight, each page checked as it lands); apart: read first, then checked by the native loop;
         # held: read first, then checked page by page with the GIL held (the way before the loop);
         # unchecked: read first, the pages taken as they land. Rotated every rep.
+        # loop (with --batch): checked as it lands, but each get made on the client's loop, not on the
+        # calling thread (`fetch_here`).
         modes = ["checked", "unchecked", *(["apart", "held"] if built() is not None else [])]
+        modes += ["loop"] if args.batch and built() is not None else []
+        here = b.client.fetch_here
         for rep in range(args.reps + 1):
             keys = hc.sglang_keys(args.pages, first_token=1_000_000 * (rep + 1))
             src = a_pool.alloc(args.pages * PAGE_TOKENS)
@@ -151,24 +182,25 @@ def main() -> int:
             row: dict[str, Any] = {"rep": rep}
             for mode in modes[rep % len(modes) :] + modes[: rep % len(modes)]:
                 b.client._verifier = unchecked_verifier(b.client) if mode == "unchecked" else real
-                b.client.settings = dataclasses.replace(settings, check_while_reading=mode == "checked")
+                b.client.settings = dataclasses.replace(
+                    settings, check_while_reading=mode in ("checked", "loop")
+                )
+                b.client.fetch_here = (lambda *_: None) if mode == "loop" else here  # type: ignore[method-assign]
                 native.native_hash = _no_native if mode == "held" else built  # type: ignore[assignment]
                 dst = b_pool.alloc(args.pages * PAGE_TOKENS)
-                before, t = fetch_steps(), time.perf_counter()
-                got = b.batch_get_v1(keys, dst)
-                spent = time.perf_counter() - t
+                before = fetch_steps()
+                looked_up, spent, got = _get(b, keys, dst, args.batch)
                 after = fetch_steps()
                 b_pool.free(dst)
                 if got != [True] * args.pages:
                     raise RuntimeError(f"the get found {got.count(True)} of {args.pages} pages")
                 steps = {k: 1e3 * (v - before[k]) for k, v in after.items() if v > before[k]}
-                if mode == "checked":
-                    row["get_ms"] = 1e3 * spent
-                    row["steps_ms"] = steps
-                else:
-                    row[f"get_{mode}_ms"] = 1e3 * spent
-                    row[f"steps_{mode}_ms"] = steps
-            b.client._verifier, b.client.settings = real, settings
+                suffix = "" if mode == "checked" else f"_{mode}"
+                row[f"get{suffix}_ms"] = 1e3 * spent
+                row[f"steps{suffix}_ms"] = steps
+                if args.batch:
+                    row[f"exists{suffix}_ms"] = 1e3 * looked_up
+            b.client._verifier, b.client.settings, b.client.fetch_here = real, settings, here  # type: ignore[method-assign]
             native.native_hash = built  # type: ignore[assignment]
             a_pool.free(src)
             if rep:  # the first get of a backend loads the store's endpoint
@@ -186,6 +218,7 @@ def main() -> int:
     plain = statistics.median(r["get_unchecked_ms"] for r in rows)
     held = statistics.median(r["get_held_ms"] for r in rows) if "get_held_ms" in rows[0] else None
     apart = statistics.median(r["get_apart_ms"] for r in rows) if "get_apart_ms" in rows[0] else None
+    on_loop = statistics.median(r["get_loop_ms"] for r in rows) if "get_loop_ms" in rows[0] else None
     steps = _median_steps(rows, "steps_ms")
     nbytes = args.pages * page_bytes
     result = {
@@ -206,6 +239,10 @@ def main() -> int:
         "get_unchecked_ms": plain,
         "verify_added_share": 1 - plain / get,
         "native_checks": built() is not None,
+        "batch": args.batch,
+        "exists_ms": statistics.median(r.get("exists_ms", 0.0) for r in rows),
+        "get_loop_ms": on_loop,
+        "exists_loop_ms": statistics.median(r["exists_loop_ms"] for r in rows) if on_loop else None,
         "get_apart_ms": apart,
         "verify_apart_added_share": None if apart is None else 1 - plain / apart,
         "steps_apart_ms": _median_steps(rows, "steps_apart_ms"),

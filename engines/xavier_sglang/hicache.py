@@ -30,7 +30,11 @@ without pause, so at CPython's default switch interval (5 ms) every crossing can
 CPU box, a fetch beside a spinning thread took 2-3x as long at 5 ms as at 0.2 ms). The backend lowers
 the process's switch interval to `switch_interval_s` (extra config, default 0.2 ms; 0 leaves it as it
 is) when that is below the current one: a thread that waits for the GIL then gets it within that
-bound, and a thread that holds it alone pays nothing.
+bound, and a thread that holds it alone pays nothing. Fewer crossings help more: `batch_exists` leases
+the hits it finds (`exists(lease=True)`), and the `batch_get_v1` of that batch that follows is then made
+whole on SGLang's own thread where it can be (`PageStoreClient.fetch_here`: the lookup's answer, the
+store's memory read and checked by the page loop), handing only the lease's release and the counters to
+the loop afterwards.
 
 Host pages of a get stay under a hold (`quarantine`) until the READ into them has ended, even when the
 wait for it gave up first; a READ NIXL refused to cancel (`Fetched.stuck`) keeps its pages out of the pool
@@ -206,13 +210,26 @@ class XavierHiCacheStorage(HiCacheStorage):
         # SGLang frees the pages it is told are missing and lends them again: they stay held until the
         # fetch has ended (not when the wait below gives up), and while a stuck READ may still write.
         hold = guard.hold(tokens)
-        future = self._loop.submit(client.fetch(ns, self._store_keys(keys), allocate))
-        future.add_done_callback(lambda f: self._settle(f, hold, tokens, allocate))
+        store_keys = self._store_keys(keys)
         try:
-            hit = future.result(self._wait_s).hit
+            # On this thread where the batch's lookup leased it (a read that ends before this returns);
+            # else on the client's loop.
+            here = client.fetch_here(ns, store_keys, allocate)
         except Exception as exc:
+            guard.lift(hold)
             self._error("get", exc)
-            hit = 0
+            here = Fetched(0, False)
+        if here is not None:
+            guard.lift(hold)
+            hit = here.hit
+        else:
+            future = self._loop.submit(client.fetch(ns, store_keys, allocate))
+            future.add_done_callback(lambda f: self._settle(f, hold, tokens, allocate))
+            try:
+                hit = future.result(self._wait_s).hit
+            except Exception as exc:
+                self._error("get", exc)
+                hit = 0
         steps = None
         if (
             before is not None

@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -181,7 +182,8 @@ def test_pages_round_trip_through_the_store(
 
 def test_a_get_after_its_lookup_reads_under_the_lookups_lease(store: ServiceProc, tiny_model: Path) -> None:
     """SGLang looks a batch up (`batch_exists`) and then gets it: the lookup leased the hits, so the get
-    makes no GetPages call of its own, and its pages are exact."""
+    makes no GetPages call of its own (and is made on the calling thread where it can be: `fetch_here`),
+    and its pages are exact."""
     writer_pool, reader_pool = host_pool(seed=5), host_pool(seed=None)
     writer = backend(store.address, tiny_model, writer_pool)
     reader = backend(store.address, tiny_model, reader_pool)
@@ -191,7 +193,14 @@ def test_a_get_after_its_lookup_reads_under_the_lookups_lease(store: ServiceProc
         assert writer.batch_set_v1(keys, host_indices(src)) == [True] * 5
         assert reader.batch_exists(keys) == 5
         assert reader.batch_get_v1(keys, host_indices(dst)) == [True] * 5
-        assert reader.client is not None and reader.client.counters.leased_lookups_used == 1
+        client = reader.client
+        assert client is not None
+        # Made on this thread where the page loop is built (its counters handed to the client's loop
+        # after the get returned), else on the loop: either way under the lookup's lease.
+        deadline = time.monotonic() + 30
+        while client.counters.leased_lookups_used != 1:
+            assert time.monotonic() < deadline, "the get did not read under the lookup's lease"
+            time.sleep(0.01)
         for s, d in zip(src, dst, strict=True):
             assert torch.equal(page(reader_pool, d), page(writer_pool, s)), f"page {s} -> {d} differs"
     finally:

@@ -48,7 +48,7 @@ from xavier_core.pagestore.writer import WriteQueue
 from xavier_core.runtime.errors import XavierError
 from xavier_core.runtime.tasks import Background
 from xavier_core.transfer.common.buffers import KvBuffer
-from xavier_core.transfer.common.errors import InvalidPagesError
+from xavier_core.transfer.common.errors import InvalidPagesError, PeerError
 from xavier_core.transfer.common.runs import PageRun, expand
 from xavier_core.transfer.common.source import page_runs_proto
 from xavier_core.transfer.common.stuck import poll_until, released_when
@@ -188,6 +188,7 @@ class PageStoreClient:
         self._reapers = Background("pagestore-reap")  # stuck transfers, asked until they have ended
         self._trouble = TroubleLog(log, self.settings.log_interval_s)
         self._looked = LeasedLookups(self.settings.lookup_lease_seconds, self._release_unread)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the client's, once a leased lookup ran on it
 
     @property
     def address(self) -> str:
@@ -264,6 +265,92 @@ class PageStoreClient:
         self._metrics.miss_pages.inc(len(keys) - hit)
         return Fetched(hit, stuck, released)
 
+    def fetch_here(
+        self, namespace: PageNamespace, keys: Sequence[bytes], allocate: Callable[[int], Sequence[int]]
+    ) -> Fetched | None:
+        """`fetch` made whole on the calling thread, with no hop to the client's event loop, where it can
+        be; None where it cannot (the caller then calls `fetch`). It can be where a leased lookup answered
+        `keys` (`exists(lease=True)`) from the store now loaded, read straight out of the store's memory
+        into a host pool and checked as it lands (`check_while_reading`), in one store call: nothing then
+        needs the loop but the lease's release and the client's counters, handed to it afterwards. Inside
+        SGLang's process each hop between threads waits for the GIL behind its scheduler; this saves the
+        four of a fetch (to the loop, to a worker, back, back). A READ made here ends before this returns
+        (it cannot be left running), so `Fetched.stuck` is always False. May be called from any thread."""
+        store = self.conn.loaded_store()
+        if (
+            self._loop is None
+            or store is None
+            or store.arena is None
+            or not self._checks_while_reading()
+            or len(keys) > self._chunk_limit()
+        ):
+            return None
+        looked = self._looked.take(namespace, keys)
+        if looked is None:
+            return None
+        resp = looked.resp
+        if resp.store_instance != store.instance:  # a restarted store: the loop's fetch reloads it
+            self._release_unread(resp.lease_id)
+            return None
+        clock = StepClock()
+        started = time.perf_counter()
+        corrupt: list[int] = []
+        error: BaseException | None = None
+        pages: list[int] = []
+        try:
+            pages = self._allocated(allocate, int(resp.hit_count), set())
+            if pages:
+                spans = _head(resp.spans, len(pages))
+                corrupt = self._read_checked(store, spans, pages, list(resp.checksums[: len(pages)]), clock)
+        except _BadAllocation as exc:
+            self._on_loop(lambda: self._releases.start(self._release(resp.lease_id, [])))
+            raise InvalidPagesError(str(exc)) from None
+        except Exception as exc:
+            error = exc
+        finally:
+            clock.add("fetch", time.perf_counter() - started)
+            clock.flush()
+        hit = 0 if error is not None else (corrupt[0] if corrupt else len(pages))
+        self._on_loop(
+            lambda: self._fetched_here(store, resp.lease_id, len(keys), len(pages), hit, corrupt, error)
+        )
+        return Fetched(hit, False)
+
+    def _fetched_here(
+        self,
+        store: StorePeer,
+        lease_id: str,
+        keys: int,
+        read: int,
+        hit: int,
+        corrupt: list[int],
+        error: BaseException | None,
+    ) -> None:
+        """On the loop, after `fetch_here`: the lease's release, the counters and metrics a fetch keeps,
+        and a failed read's trouble (its store forgotten, as `off_loop` forgets it)."""
+        self._releases.start(self._release(lease_id, corrupt))
+        self._metrics.lookups.inc()
+        self.counters.leased_lookups_used += 1
+        if read:
+            self.counters.reads += 1
+            self.counters.direct_reads += 1
+            self._metrics.reads.labels("direct").inc()
+            self.counters.read_descriptors += read * len(self.geometry.segment_bytes)
+        if error is not None:
+            if isinstance(error, PeerError):
+                self.conn.forget_store(store)
+            self.failed("get", error)
+        else:
+            self._trouble.ok()
+        if corrupt:
+            log.warning("page store: %d fetched pages failed their checksum; dropped", len(corrupt))
+            self.counters.corrupt_pages += len(corrupt)
+            self._metrics.corrupt_pages.inc(len(corrupt))
+        self.counters.hit_pages += hit
+        self.counters.miss_pages += keys - hit
+        self._metrics.hit_pages.inc(hit)
+        self._metrics.miss_pages.inc(keys - hit)
+
     async def exists(self, namespace: PageNamespace, keys: Sequence[bytes], *, lease: bool = False) -> int:
         """Length of the stored prefix of `keys` (0 when the store cannot be asked). With `lease`, the
         hits are leased for a fetch of these keys (or a prefix of them) that follows soon: it then makes no
@@ -281,11 +368,14 @@ class PageStoreClient:
             return 0
 
     async def _leased_lookup(self, namespace: PageNamespace, keys: Sequence[bytes]) -> int:
+        self._loop = asyncio.get_running_loop()
         req = self._get_pages_request(namespace, keys, self.settings.lookup_lease_seconds)
         sent = time.monotonic()
         resp = await self.conn.get_pages(req)
         self._trouble.ok()
         self._looked.put(namespace, keys, resp, sent)
+        if resp.hit_count:  # the store's endpoint loaded now, so the get can be made on its caller's thread
+            await self.conn.ensure_store(resp.store_instance)
         return int(resp.hit_count)
 
     def _get_pages_request(
@@ -608,8 +698,19 @@ class PageStoreClient:
     # --- leases, counters, page checks ----------------------------------------------------------------
 
     def _release_unread(self, lease_id: str) -> None:
-        """Releases a leased lookup's lease that no fetch took (in the background)."""
-        self._releases.start(self._release(lease_id, []))
+        """Releases a leased lookup's lease that no fetch took (in the background; from any thread)."""
+        self._on_loop(lambda: self._releases.start(self._release(lease_id, [])))
+
+    def _on_loop(self, fn: Callable[[], None]) -> None:
+        """Runs `fn` on the client's event loop: now when called there, else soon (not waited for)."""
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if self._loop is None or here is self._loop:
+            fn()
+        else:
+            self._loop.call_soon_threadsafe(fn)
 
     async def _release(self, lease_id: str, corrupt: list[int]) -> None:
         req = pb.ReleaseLeaseRequest(request_id=uuid.uuid4().hex, lease_id=lease_id, corrupt_indices=corrupt)

@@ -123,6 +123,10 @@ class StoreConnection:
         self._store: StorePeer | None = None
         self._store_lock: asyncio.Lock | None = None
 
+    def loaded_store(self) -> StorePeer | None:
+        """The store instance loaded now (its endpoint fetched), if any; `ensure_store` loads one."""
+        return self._store
+
     def keys_per_call(self) -> int:
         """The store's batch limit, once its endpoint is loaded."""
         return self._store.max_keys if self._store is not None else _KEYS_PER_CALL

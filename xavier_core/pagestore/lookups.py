@@ -11,12 +11,14 @@ of those keys: that fetch READs under the lookup's lease and makes no GetPages c
 An answer is used once, by a fetch whose keys are the lookup's or a prefix of them (a fetch of other keys
 releases it and asks the store itself), and only while at least half its lease is left. One nobody takes
 by then, or pushed out by newer ones past `LIMIT`, is released; so is every one left when the client
-closes. All of it runs on the client's event loop.
+closes. Answers are kept on the client's event loop and may be taken from any thread (a lock guards them):
+a fetch made on the caller's own thread (`PageStoreClient.fetch_here`) takes its answer there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -46,12 +48,15 @@ class LeasedLookups:
     """The answers of leased lookups not yet fetched, by namespace and first key."""
 
     def __init__(self, lease_seconds: float, release: Callable[[str], None]) -> None:
+        """`release(lease_id)` gives an answer's lease back; it may be called on any thread."""
         self._fresh_s = lease_seconds / 2
         self._release = release
         self._items: OrderedDict[tuple[PageNamespace, bytes], Looked] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._items)
+        with self._lock:
+            return len(self._items)
 
     def put(
         self, namespace: PageNamespace, keys: Sequence[bytes], resp: pb.GetPagesResponse, sent: float
@@ -61,14 +66,17 @@ class LeasedLookups:
         if not keys or not resp.lease_id:
             return
         key = (namespace, bytes(keys[0]))
-        old = self._items.pop(key, None)
-        if old is not None:
-            self._release(old.resp.lease_id)
         looked = Looked(tuple(bytes(k) for k in keys), resp, sent)
-        self._items[key] = looked
-        while len(self._items) > LIMIT:
-            _, oldest = self._items.popitem(last=False)
-            self._release(oldest.resp.lease_id)
+        dropped = []
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                dropped.append(old)
+            self._items[key] = looked
+            while len(self._items) > LIMIT:
+                dropped.append(self._items.popitem(last=False)[1])
+        for gone in dropped:
+            self._release(gone.resp.lease_id)
         asyncio.get_running_loop().call_later(self._fresh_s, self._expire, key, looked)
 
     def take(self, namespace: PageNamespace, keys: Sequence[bytes]) -> Looked | None:
@@ -76,7 +84,8 @@ class LeasedLookups:
         store). An answer kept for the same first key that does not cover `keys`, or is stale, is released."""
         if not keys:
             return None
-        looked = self._items.pop((namespace, bytes(keys[0])), None)
+        with self._lock:
+            looked = self._items.pop((namespace, bytes(keys[0])), None)
         if looked is None:
             return None
         wanted = tuple(bytes(k) for k in keys)
@@ -92,11 +101,15 @@ class LeasedLookups:
 
     def release_all(self) -> None:
         """Releases every answer kept (the client is closing)."""
-        while self._items:
-            _, looked = self._items.popitem()
+        with self._lock:
+            left = list(self._items.values())
+            self._items.clear()
+        for looked in left:
             self._release(looked.resp.lease_id)
 
     def _expire(self, key: tuple[PageNamespace, bytes], looked: Looked) -> None:
-        if self._items.get(key) is looked:
+        with self._lock:
+            if self._items.get(key) is not looked:
+                return
             del self._items[key]
-            self._release(looked.resp.lease_id)
+        self._release(looked.resp.lease_id)
