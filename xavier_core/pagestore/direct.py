@@ -45,10 +45,24 @@ log = logging.getLogger(__name__)
 Rows = npt.NDArray[np.uint64]
 
 _TAG = b"xavier-pagestore-arena/1\n"
-_COPY_THREADS = min(8, os.cpu_count() or 1)
+_THREADS_ENV = "XAVIER_PAGE_READ_THREADS"
+
+
+def _copy_threads() -> int:
+    """`XAVIER_PAGE_READ_THREADS` where set (1-64), else min(8, cores)."""
+    raw = os.environ.get(_THREADS_ENV, "").strip()
+    if not raw:
+        return min(8, os.cpu_count() or 1)
+    if not raw.isdigit() or not 1 <= int(raw) <= 64:
+        raise ValueError(f"{_THREADS_ENV} must be a whole number from 1 to 64, not {raw!r}")
+    return int(raw)
+
+
+_COPY_THREADS = _copy_threads()
 """Shared by every client of the process. The system call runs without the GIL, so the threads read at
 once (measured on a 2-core box: 16-18 GB/s on one thread, 25-32 GB/s on two); more than 8 seldom adds
-bandwidth on one socket's memory and takes cores an engine needs."""
+bandwidth on one socket's memory and takes cores an engine needs. `XAVIER_PAGE_READ_THREADS` sets it
+for a process (read once, at import)."""
 _COPY_UNIT_BYTES = 1 << 20
 """No thread is handed less than this: below it the hop to the pool costs more than the read saves."""
 _IOV_MAX = 1024
