@@ -76,6 +76,8 @@ log = logging.getLogger(__name__)
 _OPTION = "--hicache-storage-backend-extra-config"
 _WAIT_MARGIN_S = 10.0
 _SWITCH_INTERVAL_S = 0.0002
+_KEY_MEMO = 1 << 16
+"""Store keys kept per backend (SGLang key -> store key; ~10 MB at most)."""
 
 
 def host_pool_buffers(pool: Any) -> list[KvBuffer]:
@@ -142,6 +144,7 @@ class XavierHiCacheStorage(HiCacheStorage):
         self.namespace: PageNamespace | None = None
         self.quarantine: HostQuarantine | None = None
         self._seed = b""
+        self._key_memo: dict[str, bytes] = {}
         self._page_size = 1
         self._loop = LoopThread("xavier-hicache")
 
@@ -163,6 +166,7 @@ class XavierHiCacheStorage(HiCacheStorage):
         self.quarantine = HostQuarantine(mem_pool_host)
         self.namespace = PageNamespace(layout.fingerprint, self.salt, self.rank)
         self._seed = chain_seed(layout.fingerprint, self.salt)
+        self._key_memo.clear()
 
         async def make() -> PageStoreClient:
             return PageStoreClient(self.address, buffers, self.settings)
@@ -199,30 +203,30 @@ class XavierHiCacheStorage(HiCacheStorage):
         if client is None or ns is None or guard is None:
             return [False] * len(keys)
         try:
-            tokens = self._tokens(host_indices, len(keys))
+            pages = self._pages(host_indices, len(keys))
         except ValueError as exc:
             self._error("get", exc)
             return [False] * len(keys)
-        page, start = self._page_size, time.time()
+        start = time.time()
         before = fetch_step_seconds() if tracing() else None
         direct_before = client.counters.direct_reads
-        allocate = InOrder([tokens[i * page] // page for i in range(len(keys))])
-        # SGLang frees the pages it is told are missing and lends them again: they stay held until the
-        # fetch has ended (not when the wait below gives up), and while a stuck READ may still write.
-        hold = guard.hold(tokens)
+        allocate = InOrder(pages)
         store_keys = self._store_keys(keys)
         try:
-            # On this thread where the batch's lookup leased it (a read that ends before this returns);
-            # else on the client's loop.
+            # On this thread where the batch's lookup leased it: its read ends before this returns, so
+            # no page needs a hold.
             here = client.fetch_here(ns, store_keys, allocate)
         except Exception as exc:
-            guard.lift(hold)
             self._error("get", exc)
             here = Fetched(0, False)
         if here is not None:
-            guard.lift(hold)
             hit = here.hit
         else:
+            # On the client's loop. SGLang frees the pages it is told are missing and lends them again:
+            # they stay held until the fetch has ended (not when the wait below gives up), and while a
+            # stuck READ may still write.
+            tokens = self._tokens(host_indices, len(keys))
+            hold = guard.hold(tokens)
             future = self._loop.submit(client.fetch(ns, store_keys, allocate))
             future.add_done_callback(lambda f: self._settle(f, hold, tokens, allocate))
             try:
@@ -321,23 +325,36 @@ class XavierHiCacheStorage(HiCacheStorage):
     # --- helpers -----------------------------------------------------------------------------------------
 
     def _store_keys(self, keys: list[str]) -> list[bytes]:
-        """SGLang's hex keys re-hashed with the namespace seed (fingerprint + salt)."""
-        return [hashlib.sha256(self._seed + bytes.fromhex(k)).digest() for k in keys]
+        """SGLang's hex keys re-hashed with the namespace seed (fingerprint + salt). SGLang asks a batch's
+        keys twice (a lookup, then a get): the last `_KEY_MEMO` are kept."""
+        memo, seed = self._key_memo, self._seed
+        out = []
+        for k in keys:
+            got = memo.get(k)
+            if got is None:
+                if len(memo) >= _KEY_MEMO:
+                    memo.clear()
+                got = memo[k] = hashlib.sha256(seed + bytes.fromhex(k)).digest()
+            out.append(got)
+        return out
 
     def _tokens(self, host_indices: Any, count: int) -> list[int]:
         """The host token indices of `count` pages (one page per key)."""
-        idx = (
-            [int(i) for i in host_indices.tolist()] if hasattr(host_indices, "tolist") else list(host_indices)
-        )
-        page = self._page_size
-        if len(idx) != count * page:
-            raise ValueError(f"{len(idx)} host indices for {count} pages of {page} tokens")
-        return idx
+        self._check_count(host_indices, count)
+        return host_indices.tolist() if hasattr(host_indices, "tolist") else [int(i) for i in host_indices]
 
     def _pages(self, host_indices: Any, count: int) -> list[int]:
-        """Host page ids of a page-aligned token index list (one page per key)."""
-        idx, page = self._tokens(host_indices, count), self._page_size
-        return [idx[i * page] // page for i in range(count)]
+        """Host page ids of a page-aligned token index list (one page per key): each page's first index
+        over the page size."""
+        page = self._page_size
+        self._check_count(host_indices, count)
+        firsts = host_indices[::page]
+        return [int(i) // page for i in (firsts.tolist() if hasattr(firsts, "tolist") else firsts)]
+
+    def _check_count(self, host_indices: Any, count: int) -> None:
+        n, page = len(host_indices), self._page_size
+        if n != count * page:
+            raise ValueError(f"{n} host indices for {count} pages of {page} tokens")
 
     def _error(self, op: str, exc: BaseException) -> None:
         """A call given up on (its wait timed out, or bad host indices): a miss, counted and logged as

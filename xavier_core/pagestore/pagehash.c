@@ -31,15 +31,37 @@ typedef struct {
     reset_fn reset;
     update_fn update;
     digest_fn digest;
-    void *state;
     const uint64_t *ranges;
+    size_t words; /* per segment: 2 (address, length) or, for a read, 3 (remote, local, length) */
     size_t pages;
     size_t segments;
     unsigned char *out;
-    int rc;
     pid_t pid; /* read_part: the process the pages are read out of */
-    volatile int *stop; /* read_part: set by the first part that fails, seen by the others */
+    size_t next; /* the next page not yet taken by a thread (atomic) */
+    int stop; /* set by the first thread that fails, seen by the others at their next page (atomic) */
+} job;
+
+typedef struct {
+    job *job;
+    void *state;
+    int rc;
 } part;
+
+/* The next page for a thread of `j` to do, or `j->pages` when none is left or a thread failed. Pages are
+   handed out one at a time, so a thread the kernel runs late (cores shared with an engine's busy threads)
+   takes fewer of them instead of holding the whole call back. */
+static size_t take_page(job *j) {
+    if (__atomic_load_n(&j->stop, __ATOMIC_RELAXED)) {
+        return j->pages;
+    }
+    size_t page = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+    return page < j->pages ? page : j->pages;
+}
+
+static void fail(part *p, int rc) {
+    p->rc = rc;
+    __atomic_store_n(&p->job->stop, 1, __ATOMIC_RELAXED);
+}
 
 static void put_be64(unsigned char *out, uint64_t v) {
     for (int i = 7; i >= 0; i--) {
@@ -49,22 +71,22 @@ static void put_be64(unsigned char *out, uint64_t v) {
 }
 
 static void put_digest(const part *p, size_t page) {
-    hash128 h = p->digest(p->state);
-    put_be64(p->out + 16 * page, h.high64);
-    put_be64(p->out + 16 * page + 8, h.low64);
+    hash128 h = p->job->digest(p->state);
+    put_be64(p->job->out + 16 * page, h.high64);
+    put_be64(p->job->out + 16 * page + 8, h.low64);
 }
 
 static void *hash_part(void *arg) {
     part *p = (part *)arg;
-    p->rc = 0;
-    for (size_t page = 0; page < p->pages; page++) {
-        int rc = p->reset(p->state);
-        const uint64_t *r = p->ranges + 2 * p->segments * page;
-        for (size_t s = 0; rc == 0 && s < p->segments; s++) {
-            rc = p->update(p->state, (const void *)(uintptr_t)r[2 * s], (size_t)r[2 * s + 1]);
+    job *j = p->job;
+    for (size_t page = take_page(j); page < j->pages; page = take_page(j)) {
+        int rc = j->reset(p->state);
+        const uint64_t *r = j->ranges + j->words * j->segments * page;
+        for (size_t s = 0; rc == 0 && s < j->segments; s++) {
+            rc = j->update(p->state, (const void *)(uintptr_t)r[2 * s], (size_t)r[2 * s + 1]);
         }
         if (rc != 0) {
-            p->rc = rc;
+            fail(p, rc);
             return NULL;
         }
         put_digest(p, page);
@@ -77,36 +99,31 @@ static void *hash_part(void *arg) {
 /* Reads each page's segments out of process `pid` into this process's memory (one process_vm_readv a
    page: `ranges` holds remote address, local address, length words per segment), then hashes them while
    they are still in this core's cache: one pass over memory where a read and a later check take two.
-   A failed or short read sets `rc` to -errno (-EIO: short) and `stop`, which ends the other parts at
-   their next page. */
+   A failed or short read sets `rc` to -errno (-EIO: short) and stops the other threads at their next
+   page. */
 static void *read_part(void *arg) {
     part *p = (part *)arg;
+    job *j = p->job;
     struct iovec local[MAX_SEGMENTS], remote[MAX_SEGMENTS];
-    p->rc = 0;
-    for (size_t page = 0; page < p->pages; page++) {
-        if (*p->stop) {
-            return NULL;
-        }
-        const uint64_t *r = p->ranges + 3 * p->segments * page;
+    for (size_t page = take_page(j); page < j->pages; page = take_page(j)) {
+        const uint64_t *r = j->ranges + j->words * j->segments * page;
         ssize_t want = 0;
-        for (size_t s = 0; s < p->segments; s++) {
+        for (size_t s = 0; s < j->segments; s++) {
             remote[s] = (struct iovec){(void *)(uintptr_t)r[3 * s], (size_t)r[3 * s + 2]};
             local[s] = (struct iovec){(void *)(uintptr_t)r[3 * s + 1], (size_t)r[3 * s + 2]};
             want += (ssize_t)r[3 * s + 2];
         }
-        ssize_t got = process_vm_readv(p->pid, local, p->segments, remote, p->segments, 0);
+        ssize_t got = process_vm_readv(j->pid, local, j->segments, remote, j->segments, 0);
         if (got != want) {
-            p->rc = got < 0 ? -errno : -EIO;
-            *p->stop = 1;
+            fail(p, got < 0 ? -errno : -EIO);
             return NULL;
         }
-        int rc = p->reset(p->state);
-        for (size_t s = 0; rc == 0 && s < p->segments; s++) {
-            rc = p->update(p->state, local[s].iov_base, local[s].iov_len);
+        int rc = j->reset(p->state);
+        for (size_t s = 0; rc == 0 && s < j->segments; s++) {
+            rc = j->update(p->state, local[s].iov_base, local[s].iov_len);
         }
         if (rc != 0) {
-            p->rc = rc;
-            *p->stop = 1;
+            fail(p, rc);
             return NULL;
         }
         put_digest(p, page);
@@ -117,8 +134,9 @@ static void *read_part(void *arg) {
 static int run_parts(void *(*work)(void *), pid_t pid, void *reset, void *update, void *digest,
                      void **states, size_t threads, const uint64_t *ranges, size_t words, size_t pages,
                      size_t segments, unsigned char *out) {
+    job j = {(reset_fn)reset, (update_fn)update, (digest_fn)digest, ranges, words, pages, segments, out, pid,
+             0, 0};
     part parts[MAX_THREADS];
-    volatile int stop = 0;
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS];
     if (threads > MAX_THREADS) {
@@ -130,12 +148,8 @@ static int run_parts(void *(*work)(void *), pid_t pid, void *reset, void *update
     if (threads == 0) {
         return 0;
     }
-    size_t step = (pages + threads - 1) / threads;
     for (size_t t = 0; t < threads; t++) {
-        size_t lo = t * step < pages ? t * step : pages;
-        size_t hi = lo + step < pages ? lo + step : pages;
-        parts[t] = (part){(reset_fn)reset, (update_fn)update, (digest_fn)digest, states[t],
-                          ranges + words * segments * lo, hi - lo, segments, out + 16 * lo, 0, pid, &stop};
+        parts[t] = (part){&j, states[t], 0};
         started[t] = 0;
     }
     for (size_t t = 1; t < threads; t++) {
@@ -146,8 +160,6 @@ static int run_parts(void *(*work)(void *), pid_t pid, void *reset, void *update
     for (size_t t = 1; t < threads; t++) {
         if (started[t]) {
             pthread_join(ids[t], NULL);
-        } else {
-            work(&parts[t]);
         }
         if (rc == 0) {
             rc = parts[t].rc;
@@ -158,9 +170,9 @@ static int run_parts(void *(*work)(void *), pid_t pid, void *reset, void *update
 
 /* For each of `pages` pages, XXH3-128 over its `segments` ranges in order (`ranges` holds pages x segments
    x (address, length) words), written canonical (high 64 bits, then low, big-endian) at out + 16 * page.
-   The pages are cut into `threads` (at most 64) consecutive parts, one XXH3 state each (`states`), hashed
-   at once: the calling thread takes the first part; a part whose thread cannot be started is hashed on the
-   calling thread too. Returns 0, or the first nonzero status of the library's reset or update. */
+   Up to `threads` (at most 64) threads, one XXH3 state each (`states`), take the pages one at a time:
+   the calling thread is one of them and, where no other can be started, does them all. Returns 0, or the
+   first nonzero status of the library's reset or update. */
 int xavier_hash_pages(void *reset, void *update, void *digest, void **states, size_t threads,
                       const uint64_t *ranges, size_t pages, size_t segments, unsigned char *out) {
     return run_parts(hash_part, 0, reset, update, digest, states, threads, ranges, 2, pages, segments, out);
