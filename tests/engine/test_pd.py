@@ -124,6 +124,45 @@ async def test_abort_releases_a_pinned_prefill(engine_factory: Factory) -> None:
     assert engine.stats().pages_pinned == 0
 
 
+async def test_abort_of_what_the_loop_does_not_hold_needs_no_loop(
+    engine_factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished decode, a prefill's pinned pages and an unclaimed reservation are released at once by
+    `abort`, without a word to the loop's thread; a request the loop holds still goes through it and ends
+    with ABORT."""
+    prefill_engine, decode_engine = engine_factory("qwen3"), engine_factory("qwen3")
+    queued: list[str] = []
+    for engine in (prefill_engine, decode_engine):
+        real = engine._loop.queue_abort
+
+        def record(request_id: str, real: Callable[[str], None] = real) -> None:
+            queued.append(request_id)
+            real(request_id)
+
+        monkeypatch.setattr(engine._loop, "queue_abort", record)
+    prompt = prompt_of(prefill_engine, 33)
+    s = Sampling(max_tokens=3, ignore_eos=True)
+    events = await pd_events(prefill_engine, decode_engine, "done", prompt, s)
+    assert events[-1].finish is FinishReason.LENGTH
+    await decode_engine.abort("done")
+    await prefill_engine.prefill("pinned", prompt, Sampling())
+    assert prefill_engine.stats().pages_pinned == 3
+    await prefill_engine.abort("pinned")
+    assert prefill_engine.stats().pages_pinned == 0
+    decode_engine.reserve_pages("reserved", 40)
+    await decode_engine.abort("reserved")
+    assert decode_engine.stats().pages_pinned == 0 and queued == []
+
+    live = decode_engine.generate("live", prompt, Sampling(max_tokens=10_000, ignore_eos=True))
+    assert (await anext(live)).finish is None
+    await decode_engine.abort("live")
+    assert queued == ["live"]
+    rest = await collect(live)
+    assert rest[-1].finish is FinishReason.ABORT
+    stats = decode_engine.stats()
+    assert stats.pages_pinned == 0 and stats.pages_free == stats.pages_total
+
+
 async def test_quarantined_pages_are_never_handed_out_again(engine_factory: Factory) -> None:
     """A decode whose read into its reserved pages may still be running keeps them out of use for good:
     the abort and release that follow free nothing, and no later allocation gets them."""

@@ -121,6 +121,8 @@ class ReferenceEngine:
         self._lock = self._loop.lock
         self._store: StoreLink | None = None
         self._quarantined = 0  # pages out of use while a read may still write them (`quarantine_pages`)
+        # Requests on their way to the loop (grammar, prefix, first token) that it does not hold yet.
+        self._entering: set[str] = set()
         self._grammars = LazyCompiler(tokenizer, self.config.vocab_size, self.eos_token_ids)
 
     @classmethod
@@ -318,13 +320,17 @@ class ReferenceEngine:
                 future.set_exception(RequestAbortedError(f"request {request_id} was aborted"))
 
         req.deliver = deliver
-        await self._compile_grammar(req)
-        await self._take_prefix(req)
+        self._entering.add(request_id)
         try:
-            self._submit(req, loop)
-        except BaseException:
-            self.release_prefix(req)
-            raise
+            await self._compile_grammar(req)
+            await self._take_prefix(req)
+            try:
+                self._submit(req, loop)
+            except BaseException:
+                self.release_prefix(req)
+                raise
+        finally:
+            self._entering.discard(request_id)
         try:
             return await future
         except asyncio.CancelledError:
@@ -410,9 +416,19 @@ class ReferenceEngine:
         return TokenStream(self._stream(req, first=(first_token, first_logprob)))
 
     async def abort(self, request_id: str) -> None:
-        """Stops a request (its stream ends with ABORT) or drops its pinned pages; returns at once."""
+        """Stops a request (its stream ends with ABORT) or drops its pinned pages; returns at once.
+
+        Only a request the engine loop holds (scheduled or waiting) or one on its way there needs the
+        loop: anything else (a request that finished, a prefill's pinned pages, a reservation) no step
+        can be writing, so its pins are dropped here, as `release_pages` would, without waking the loop's
+        thread (a decode aborts every request it served once it ended)."""
         if self._store is not None:
             self._store.abort(request_id)
+        if request_id not in self._entering:
+            with self._lock:
+                if self._sched.find(request_id) is None:
+                    self._cache.release(self._allocator.unpin(request_id))
+                    return
         self._loop.queue_abort(request_id)
 
     def use_page_store(
@@ -536,6 +552,7 @@ class ReferenceEngine:
         req.deliver = queue.put_nowait
         submitted = done = False
         started = time.perf_counter()
+        self._entering.add(req.id)
         try:
             await self._compile_grammar(req)
             if first is not None:
@@ -554,6 +571,7 @@ class ReferenceEngine:
             req.queued_at = time.perf_counter()
             self._submit(req, loop)
             submitted = True
+            self._entering.discard(req.id)
             tokens = 0
             while not done:
                 item = await queue.get()
@@ -573,6 +591,7 @@ class ReferenceEngine:
                     done = item.finish is not None
                     yield item
         finally:
+            self._entering.discard(req.id)
             if not done and submitted:
                 self._loop.queue_abort(req.id)
             elif not done and req.pages:  # holds a reservation or a prefix but never reached the loop
