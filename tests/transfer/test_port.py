@@ -98,6 +98,48 @@ async def test_pull_copies_exactly_the_published_pages_and_ends_the_room(
     assert port.manager.stats()["receivers"] == 0
 
 
+async def _serve_counting(conn: Connection, name: str, seed: int) -> None:
+    pool = make_pool(seed)
+    port = KvPort(name, kv_buffers(pool), PAGE_SIZE)
+    jobs = 0
+    run = port.run
+
+    async def counted(fn: Any, *args: Any) -> Any:
+        nonlocal jobs
+        jobs += 1
+        return await run(fn, *args)
+
+    port.run = counted  # type: ignore[method-assign]
+    extra = {"jobs": lambda: jobs, "senders": lambda: port.manager.stats()["senders"]}
+    await serve_port(conn, port, "host-a", extra=extra)
+
+
+def _counting_source_main(conn: Connection, name: str, seed: int) -> None:
+    asyncio.run(_serve_counting(conn, name, seed))
+
+
+async def test_a_source_whose_reader_said_done_unpublishes_without_the_nixl_thread(
+    reader: tuple[KvPort, list[np.ndarray]],
+) -> None:
+    """The source's NIXL thread forgets a room once its reader's "done" came, so unpublishing it hands
+    that thread no job; a room unpublished with no word from a reader still goes through it."""
+    port, _ = reader
+    with spawned(_counting_source_main, f"port-src-jobs-{os.getpid()}", SRC_SEED) as conn:
+        src = PortSource(conn)
+        desc, endpoint = await src.publish(401, [3, 4])
+        await port.pull(401, desc, endpoint, SRC_KEY, [7, 8], timeout=10, park_timeout=5)
+        assert await src.call("wait", 401) == "done"
+        assert await src.call("senders") == 0
+        jobs = await src.call("jobs")
+        assert await src.call("unpublish", 401, True) == (0, 1)
+        assert await src.call("jobs") == jobs
+        await src.publish(402, [5])
+        assert await src.call("senders") == 1
+        jobs = await src.call("jobs")
+        assert await src.call("unpublish", 402, False) == (0, 1)
+        assert await src.call("jobs") == jobs + 1 and await src.call("senders") == 0
+
+
 async def test_each_fresh_readers_first_done_reaches_the_source() -> None:
     """A reader's "done" leaves from its read-end agent on an endpoint its first message wires up: the
     port keeps polling after the read, so even a new reader's first one arrives (eight new ports, a

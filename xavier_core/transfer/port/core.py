@@ -104,6 +104,10 @@ class Published:
     sender: KvSender
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     outcome: ReadEnd = ReadEnd.NONE
+    cleared: bool = False
+    """The NIXL thread forgot the sender when the reader's word came (`PortCore._tick`): once the reader
+    has said how its read ended, marking the room complete or failed changes nothing, so `unpublish`
+    has nothing left for that thread."""
 
 
 class PortCore:
@@ -181,12 +185,17 @@ class PortCore:
     def _tick(self) -> None:
         """On the NIXL thread: one NIXL poll, then what it ended, handed to the loop in one call."""
         self.manager.progress()
-        ended: list[tuple[int, ReadEnd]] = []
+        ended: list[tuple[int, ReadEnd, bool]] = []
         for room_id, sender in list(self._senders.items()):
             state, in_flight = sender.peek()
             if not in_flight:
-                ended.append((room_id, ReadEnd.DONE if state == KvPoll.SUCCESS else ReadEnd.FAILED))
                 del self._senders[room_id]
+                # The reader's word came (its state is final): forget the room here, unless slab chunks
+                # wait for its unpublishing, so that unpublishing it needs no hop to this thread.
+                cleared = not self._stages(room_id)
+                if cleared:
+                    sender.clear()
+                ended.append((room_id, ReadEnd.DONE if state == KvPoll.SUCCESS else ReadEnd.FAILED, cleared))
         reads: _Ended = []
         for receiver, fut in list(self._reads.items()):
             state = receiver.poll()
@@ -234,11 +243,16 @@ class PortCore:
             self._ipc.collect()
         return out
 
-    def _deliver(self, ended: list[tuple[int, ReadEnd]], reads: _Ended) -> None:
-        for room_id, outcome in ended:
+    def _stages(self, room_id: int) -> bool:
+        """On the NIXL thread: whether a published room holds staging slab chunks (none without a slab)."""
+        return False
+
+    def _deliver(self, ended: list[tuple[int, ReadEnd, bool]], reads: _Ended) -> None:
+        for room_id, outcome, cleared in ended:
             pub = self._published.get(room_id)
             if pub is not None and not pub.ended.is_set():
                 pub.outcome = outcome
+                pub.cleared = cleared
                 pub.ended.set()
         for fut, state in reads:
             if not fut.done():

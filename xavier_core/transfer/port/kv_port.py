@@ -236,6 +236,9 @@ class KvPort(PortCore):
         pub = self._published.get(room_id)
         return pub is None or pub.ended.is_set()
 
+    def _stages(self, room_id: int) -> bool:
+        return self._slab is not None and self._slab.holds(room_id)
+
     async def unpublish(self, room_id: int, completed: bool) -> None:
         """Ends a room's source: the caller knows no read can touch its pages any more (the room is
         terminal and the read ended or was parked out), so its slab chunks are free again too."""
@@ -244,6 +247,8 @@ class KvPort(PortCore):
             return
         if completed:
             self.totals.transfers += 1
+        if pub.cleared:  # forgotten on the NIXL thread when the reader's word came: nothing left there
+            return
 
         heard = pub.ended.is_set()
 

@@ -53,6 +53,10 @@ class PortSlab:
             tuple(coalesce(chunks)), self.slab.buffer,
         )  # fmt: skip
 
+    def holds(self, room_id: int) -> bool:
+        """Whether a published room holds chunks (released when it is unpublished)."""
+        return room_id in self._rooms
+
     def release(self, room_id: int) -> None:
         """The room is unpublished: no read can touch its chunks any more (idempotent)."""
         chunks = self._rooms.pop(room_id, None)
