@@ -24,6 +24,8 @@ from xavier_core.transfer import (
     expand,
     pair_stretches,
 )
+from xavier_core.transfer.common import runs
+from xavier_core.transfer.nixl.prepped import all_distinct, stretch_count
 
 
 def test_coalesce_keeps_order_and_merges_consecutive_ids() -> None:
@@ -48,6 +50,47 @@ def test_stretch_must_be_contiguous_on_both_sides() -> None:
     rows = pair_stretches(np.array([1, 2, 3, 4]), np.array([10, 11, 20, 21]))
     assert rows.tolist() == [[1, 10, 2], [3, 20, 2]]
     assert pair_stretches(np.array([1, 2]), np.array([5, 6]), "per_page").tolist() == [[1, 5, 1], [2, 6, 1]]
+
+
+runs_cases = st.integers(1, 80).flatmap(
+    lambda n: st.tuples(
+        st.lists(st.integers(0, 96), min_size=n, max_size=n),
+        st.lists(st.integers(0, 96), min_size=n, max_size=n),
+        st.booleans(),
+    )
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs_cases)
+def test_short_page_lists_give_the_vectorised_answer(case: tuple[list[int], list[int], bool]) -> None:
+    """Up to `runs.SMALL` pages, runs and stretches are found over lists: the same values, dtypes and
+    shapes as the vectorised path gives (which longer lists take)."""
+    src, dst, ascending = case
+    if ascending:
+        src, dst = sorted(set(src)), sorted(set(dst))
+        dst = (dst * len(src))[: len(src)]
+    a, b = np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+
+    def answers() -> list[object]:
+        out: list[object] = [coalesce(a), runs.runs_to_pages(coalesce(a)), runs._breaks(a), all_distinct(a)]
+        if a.size == b.size:
+            out += [pair_stretches(a, b), runs._breaks(a, b), stretch_count(a, b)]
+        return out
+
+    short = answers()
+    small = runs.SMALL
+    runs.SMALL = 0
+    try:
+        vectorised = answers()
+    finally:
+        runs.SMALL = small
+    for x, y in zip(short, vectorised, strict=True):
+        if isinstance(x, np.ndarray):
+            assert isinstance(y, np.ndarray) and x.dtype == y.dtype and x.shape == y.shape
+            assert x.tolist() == y.tolist()
+        else:
+            assert x == y
 
 
 def _copy(desc: np.ndarray, src: np.ndarray, dst: np.ndarray, src_base: int, dst_base: int) -> None:

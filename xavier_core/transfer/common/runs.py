@@ -45,11 +45,28 @@ def as_page_array(page_ids: Sequence[int] | npt.NDArray[np.integer]) -> I64:
     return out
 
 
+SMALL = 64
+"""Up to this many pages, runs and stretches are found in plain Python over lists: a pull or a publication
+of a few pages then costs a few microseconds, where each numpy call on a tiny array costs one or two
+(15-35 µs for one of the functions below, per call, several times per request)."""
+
+
+def _small_breaks(arrays: Sequence[list[int]], n: int) -> list[int]:
+    """`_breaks` over lists (short ones)."""
+    if len(arrays) == 1:
+        (a,) = arrays
+        return [0, *(i for i in range(1, n) if a[i] != a[i - 1] + 1)]
+    a, b = arrays
+    return [0, *(i for i in range(1, n) if a[i] != a[i - 1] + 1 or b[i] != b[i - 1] + 1)]
+
+
 def _breaks(*arrays: I64) -> I64:
     """Start positions of maximal stretches where every array steps by exactly +1."""
     n = arrays[0].size
     if n == 0:
         return np.zeros(0, dtype=np.int64)
+    if n <= SMALL and len(arrays) <= 2:
+        return np.array(_small_breaks([a.tolist() for a in arrays], n), dtype=np.int64)
     step = np.ones(n - 1, dtype=bool)
     for a in arrays:
         step &= np.diff(a) == 1
@@ -59,6 +76,11 @@ def _breaks(*arrays: I64) -> I64:
 def coalesce(page_ids: Sequence[int] | npt.NDArray[np.integer]) -> list[PageRun]:
     """Groups page ids into runs of consecutive ids, keeping their order (no sorting)."""
     ids = as_page_array(page_ids)
+    if 0 < ids.size <= SMALL:
+        listed = ids.tolist()
+        starts_ = _small_breaks([listed], len(listed))
+        ends = [*starts_[1:], len(listed)]
+        return [PageRun(listed[i], j - i) for i, j in zip(starts_, ends, strict=True)]
     starts = _breaks(ids)
     counts = np.diff(np.append(starts, ids.size))
     return [PageRun(int(f), int(c)) for f, c in zip(ids[starts], counts, strict=True)]
@@ -76,6 +98,13 @@ def runs_to_pages(runs: Iterable[PageRun]) -> I64:
         return np.zeros(0, dtype=np.int64)
     if len(run_list) == 1:  # the common case of a fresh pool: no repeat and cumsum needed
         return np.arange(run_list[0].first, run_list[0].first + run_list[0].count, dtype=np.int64)
+    if len(run_list) <= SMALL:
+        total = sum(r.count for r in run_list)
+        if total <= SMALL:
+            pages: list[int] = []
+            for r in run_list:
+                pages.extend(range(r.first, r.first + r.count))
+            return np.array(pages, dtype=np.int64)
     firsts = np.fromiter((r.first for r in run_list), dtype=np.int64, count=len(run_list))
     counts = np.fromiter((r.count for r in run_list), dtype=np.int64, count=len(run_list))
     offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -93,6 +122,13 @@ def pair_stretches(src_pages: I64, dst_pages: I64, mode: Mode = "coalesced") -> 
         return np.stack((src_pages, dst_pages, ones), axis=1)
     if mode != "coalesced":
         raise ValueError(f"unknown descriptor mode {mode!r}")
+    n = src_pages.size
+    if 0 < n <= SMALL:
+        src, dst = src_pages.tolist(), dst_pages.tolist()
+        firsts = _small_breaks([src, dst], n)
+        ends = [*firsts[1:], n]
+        rows = [(src[i], dst[i], j - i) for i, j in zip(firsts, ends, strict=True)]
+        return np.array(rows, dtype=np.int64)
     starts = _breaks(src_pages, dst_pages)
     counts = np.diff(np.append(starts, src_pages.size))
     return np.stack((src_pages[starts], dst_pages[starts], counts), axis=1)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from xavier_core.transfer.common import runs
 from xavier_core.transfer.common.buffers import KvBuffer
 from xavier_core.transfer.nixl._raw import MemType, RawAgent
 
@@ -71,6 +72,8 @@ def stretch_count(remote: I64, local: I64) -> int:
     merge leaves per buffer)."""
     if remote.size == 0:
         return 0
+    if remote.size <= runs.SMALL:
+        return len(runs._small_breaks([remote.tolist(), local.tolist()], remote.size))
     breaks = (np.diff(remote) != 1) | (np.diff(local) != 1)
     return 1 + int(np.count_nonzero(breaks))
 
@@ -79,6 +82,8 @@ def all_distinct(pages: I64) -> bool:
     """True when no page id repeats; ascending lists (the common case) need no sort."""
     if pages.size < 2:
         return True
+    if pages.size <= runs.SMALL:
+        return len(set(pages.tolist())) == pages.size
     step = np.diff(pages)
     if bool((step > 0).all()):
         return True
