@@ -259,10 +259,7 @@ class PageStoreClient:
         finally:
             clock.add("fetch", time.perf_counter() - started)
             clock.flush()
-        self.counters.hit_pages += hit
-        self.counters.miss_pages += len(keys) - hit
-        self._metrics.hit_pages.inc(hit)
-        self._metrics.miss_pages.inc(len(keys) - hit)
+        self._count_hits(hit, len(keys))
         return Fetched(hit, stuck, released)
 
     def fetch_here(
@@ -332,24 +329,38 @@ class PageStoreClient:
         self._metrics.lookups.inc()
         self.counters.leased_lookups_used += 1
         if read:
-            self.counters.reads += 1
-            self.counters.direct_reads += 1
-            self._metrics.reads.labels("direct").inc()
-            self.counters.read_descriptors += read * len(self.geometry.segment_bytes)
+            self._count_reads(1, read * len(self.geometry.segment_bytes), direct=True)
         if error is not None:
             if isinstance(error, PeerError):
                 self.conn.forget_store(store)
             self.failed("get", error)
         else:
             self._trouble.ok()
-        if corrupt:
-            log.warning("page store: %d fetched pages failed their checksum; dropped", len(corrupt))
-            self.counters.corrupt_pages += len(corrupt)
-            self._metrics.corrupt_pages.inc(len(corrupt))
+        self._count_corrupt(corrupt)
+        self._count_hits(hit, keys)
+
+    def _count_hits(self, hit: int, keys: int) -> None:
+        """A fetch's hit and missed pages, in the counters and metrics (`fetch` and `fetch_here`)."""
         self.counters.hit_pages += hit
         self.counters.miss_pages += keys - hit
         self._metrics.hit_pages.inc(hit)
         self._metrics.miss_pages.inc(keys - hit)
+
+    def _count_reads(self, reads: int, descriptors: int, *, direct: bool) -> None:
+        """A store call's reads (direct: out of the store's memory, else NIXL READs) and their descriptors."""
+        self.counters.reads += reads
+        if direct:
+            self.counters.direct_reads += reads
+        self._metrics.reads.labels("direct" if direct else "nixl").inc(reads)
+        self.counters.read_descriptors += descriptors
+
+    def _count_corrupt(self, corrupt: Sequence[int]) -> None:
+        """Fetched pages that failed their checksum (dropped: the hit ends before the first), logged and
+        counted."""
+        if corrupt:
+            log.warning("page store: %d fetched pages failed their checksum; dropped", len(corrupt))
+            self.counters.corrupt_pages += len(corrupt)
+            self._metrics.corrupt_pages.inc(len(corrupt))
 
     async def exists(self, namespace: PageNamespace, keys: Sequence[bytes], *, lease: bool = False) -> int:
         """Length of the stored prefix of `keys` (0 when the store cannot be asked). With `lease`, the
@@ -522,11 +533,7 @@ class PageStoreClient:
                     read = functools.partial(read_in_pieces, self.conn, store, pieces, verify, clock)
                 else:
                     read = functools.partial(self._read_rows, store, pieces, slots, pages, sums, clock)
-            self.counters.reads += reads
-            if direct:
-                self.counters.direct_reads += reads
-            self._metrics.reads.labels("direct" if direct else "nixl").inc(reads)
-            self.counters.read_descriptors += descriptors
+            self._count_reads(reads, descriptors, direct=direct)
             corrupt = await self._off_loop(store, clock, read)
         except TransferStuck as exc:
             released = self._reap(exc)
@@ -539,12 +546,8 @@ class PageStoreClient:
                 await self.staging.release(slots)
             # Not awaited: the pages are verified already, and a lease nobody releases expires anyway.
             self._releases.start(self._release(resp.lease_id, corrupt))
-        if corrupt:
-            log.warning("page store: %d fetched pages failed their checksum; dropped", len(corrupt))
-            self.counters.corrupt_pages += len(corrupt)
-            self._metrics.corrupt_pages.inc(len(corrupt))
-            return corrupt[0]
-        return len(pages)
+        self._count_corrupt(corrupt)
+        return corrupt[0] if corrupt else len(pages)
 
     def _pieces(
         self, spans: list[Span], local: list[int], rows_base: int | None = None
