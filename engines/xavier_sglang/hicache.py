@@ -247,7 +247,8 @@ class XavierHiCacheStorage(HiCacheStorage):
             start,
             hit,
             steps,
-            direct_reads=client.counters.direct_reads - direct_before,
+            # fetch_here's read is counted on the client's loop, after this call
+            direct_reads=int(hit > 0) if here is not None else client.counters.direct_reads - direct_before,
             native_checks=native.available(),
         )
         return [True] * hit + [False] * (len(keys) - hit)

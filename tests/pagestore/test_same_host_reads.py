@@ -268,7 +268,7 @@ async def test_a_restarted_store_is_checked_anew_and_the_old_arena_closed(tmp_pa
 
 def test_the_read_thread_count_is_taken_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("XAVIER_PAGE_READ_THREADS", raising=False)
-    assert direct._copy_threads() == min(8, os.cpu_count() or 1)
+    assert direct._copy_threads() == min(16, os.cpu_count() or 1)
     monkeypatch.setenv("XAVIER_PAGE_READ_THREADS", "3")
     assert direct._copy_threads() == 3
     for bad in ("0", "65", "four", "-2"):

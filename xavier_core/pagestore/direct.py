@@ -49,10 +49,10 @@ _THREADS_ENV = "XAVIER_PAGE_READ_THREADS"
 
 
 def _copy_threads() -> int:
-    """`XAVIER_PAGE_READ_THREADS` where set (1-64), else min(8, cores)."""
+    """`XAVIER_PAGE_READ_THREADS` where set (1-64), else min(16, cores)."""
     raw = os.environ.get(_THREADS_ENV, "").strip()
     if not raw:
-        return min(8, os.cpu_count() or 1)
+        return min(16, os.cpu_count() or 1)
     if not raw.isdigit() or not 1 <= int(raw) <= 64:
         raise ValueError(f"{_THREADS_ENV} must be a whole number from 1 to 64, not {raw!r}")
     return int(raw)
@@ -60,9 +60,11 @@ def _copy_threads() -> int:
 
 _COPY_THREADS = _copy_threads()
 """Shared by every client of the process. The system call runs without the GIL, so the threads read at
-once (measured on a 2-core box: 16-18 GB/s on one thread, 25-32 GB/s on two); more than 8 seldom adds
-bandwidth on one socket's memory and takes cores an engine needs. `XAVIER_PAGE_READ_THREADS` sets it
-for a process (read once, at import)."""
+once. On a 2-core box one thread reads 16-18 GB/s, two 25-32 GB/s. On a 16-core H100 host one thread
+reads and checks only 5.4 GB/s, 8 threads 32 GB/s and 16 threads 45 GB/s
+(`docs/results/page-reads-h100-dynamic.json`). Inside SGLang, beside its busy schedulers, a 458 MB get
+took 22-24 ms on 16 threads against 32-35 ms on 8 (`sglang-hicache-h100-7b-threads16.json`, `-threads8`).
+`XAVIER_PAGE_READ_THREADS` sets it for a process (read once, at import)."""
 _COPY_UNIT_BYTES = 1 << 20
 """No thread is handed less than this: below it the hop to the pool costs more than the read saves."""
 _IOV_MAX = 1024
