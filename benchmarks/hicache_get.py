@@ -24,12 +24,12 @@ Needs the SGLang conformance environment (`tests/sglang/run_conformance.sh` buil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from busy import busy_python  # noqa: E402  (benchmarks/busy.py, beside this)
 from pagestore import fetch_steps, unchecked_verifier  # noqa: E402  (benchmarks/pagestore.py, beside this)
 
 SHAPES = {  # layers, KV heads, head dim (Qwen2.5's)
@@ -47,14 +48,6 @@ SHAPES = {  # layers, KV heads, head dim (Qwen2.5's)
     "qwen2.5-7b": (28, 4, 128),
 }
 PAGE_TOKENS = 16
-
-
-def _spin(stop: threading.Event) -> None:
-    """Pure Python without a pause (no I/O, no sleep): it gives the GIL up only when asked."""
-    n = 0
-    while not stop.is_set():
-        for i in range(1000):
-            n += i
 
 
 def _get(backend: Any, keys: list[str], dst: Any, batch: int) -> tuple[float, float, list[bool]]:
@@ -75,6 +68,27 @@ def _get(backend: Any, keys: list[str], dst: Any, batch: int) -> tuple[float, fl
     for at in cuts:
         got += backend.batch_get_v1(keys[at : at + batch], dst[at * PAGE_TOKENS : (at + batch) * PAGE_TOKENS])
     return looked_up, time.perf_counter() - t, got
+
+
+def unhashed_read(client: Any) -> Any:
+    """A stand-in for `client._read_checked` (a host pool's same-host read, each page checked as it
+    lands): the same page loop, on as many threads, reading the pages alone (`NativeHash.read_pages`),
+    timed as the `read` step. What checking as they land adds to a get is told against it."""
+    from xavier_core.pagestore import direct, native
+    from xavier_core.pagestore.layout import page_ranges
+
+    built = native.native_hash()
+    assert built is not None
+
+    def read(store: Any, spans: Any, pages: list[int], sums: list[bytes], clock: Any) -> list[int]:
+        rows = client.geometry.page_descriptors(spans, page_ranges(client.buffers, pages)[:, :, 0])
+        total = int(rows[:, :, 2].sum())
+        threads = max(1, min(direct._COPY_THREADS, rows.shape[0], total // direct._COPY_UNIT_BYTES))
+        with clock.step("read"):
+            built.read_pages(store.arena.pid, rows, threads)
+        return []
+
+    return read
 
 
 def _median_steps(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
@@ -125,9 +139,8 @@ def main() -> int:
     )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hicache-get-cpu")
     args = p.parse_args()
-    stop_busy = threading.Event()
-    for _ in range(args.busy_python):
-        threading.Thread(target=_spin, args=(stop_busy,), daemon=True).start()
+    spinning = contextlib.ExitStack()  # closed when the gets end
+    spinning.enter_context(busy_python(args.busy_python))
     import sglang
 
     import tests.sglang.test_hicache as hc
@@ -163,12 +176,13 @@ def main() -> int:
             b.client.settings = dataclasses.replace(b.client.settings, read_piece_bytes=args.read_piece_bytes)
         if args.read_path != "default":  # before the first get, which maps the store's arena or not
             b.client.conn.same_host_reads = args.read_path == "direct"
-        real, settings = b.client._verifier, b.client.settings
+        real, settings, real_read = b.client._verifier, b.client.settings, b.client._read_checked
         built = native.native_hash
         # checked: as the client checks (where the native loop is built and the store's memory is read
         # straight, each page checked as it lands); apart: read first, then checked by the native loop;
         # held: read first, then checked page by page with the GIL held (the way before the loop);
-        # unchecked: read first, the pages taken as they land. Rotated every rep.
+        # unchecked: where the loop is built, the same read by the same loop with the hashing left out
+        # (`unhashed_read`), else read first, the pages taken as they land. Rotated every rep.
         # loop (with --batch): checked as it lands, but each get made on the client's loop, not on the
         # calling thread (`fetch_here`).
         modes = ["checked", "unchecked", *(["apart", "held"] if built() is not None else [])]
@@ -181,9 +195,13 @@ def main() -> int:
                 raise RuntimeError("the write-through did not store every page")
             row: dict[str, Any] = {"rep": rep}
             for mode in modes[rep % len(modes) :] + modes[: rep % len(modes)]:
-                b.client._verifier = unchecked_verifier(b.client) if mode == "unchecked" else real
+                unhashed = mode == "unchecked" and built() is not None
+                b.client._verifier = (
+                    unchecked_verifier(b.client) if mode == "unchecked" and not unhashed else real
+                )
+                b.client._read_checked = unhashed_read(b.client) if unhashed else real_read  # type: ignore[method-assign]
                 b.client.settings = dataclasses.replace(
-                    settings, check_while_reading=mode in ("checked", "loop")
+                    settings, check_while_reading=mode in ("checked", "loop") or unhashed
                 )
                 b.client.fetch_here = (lambda *_: None) if mode == "loop" else here  # type: ignore[method-assign]
                 native.native_hash = _no_native if mode == "held" else built  # type: ignore[assignment]
@@ -201,6 +219,7 @@ def main() -> int:
                 if args.batch:
                     row[f"exists{suffix}_ms"] = 1e3 * looked_up
             b.client._verifier, b.client.settings, b.client.fetch_here = real, settings, here  # type: ignore[method-assign]
+            b.client._read_checked = real_read  # type: ignore[method-assign]
             native.native_hash = built  # type: ignore[assignment]
             a_pool.free(src)
             if rep:  # the first get of a backend loads the store's endpoint
@@ -212,7 +231,7 @@ def main() -> int:
         a.close()
         b.close()
     finally:
-        stop_busy.set()
+        spinning.close()
         store.stop()
     get = statistics.median(r["get_ms"] for r in rows)
     plain = statistics.median(r["get_unchecked_ms"] for r in rows)

@@ -33,12 +33,12 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from typing import Any
 
 import numpy as np
 import xxhash
+from busy import busy_python  # benchmarks/busy.py, beside this
 
 from xavier_core.pagestore import layout, native
 from xavier_core.transfer.common.buffers import KvBuffer
@@ -69,14 +69,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _spin(stop: threading.Event) -> None:
-    """Pure Python without a pause (no I/O, no sleep): it gives the GIL up only when asked."""
-    n = 0
-    while not stop.is_set():
-        for i in range(1000):
-            n += i
-
-
 def methods(pages: int, nbuf: int, seg: int, busy: int, reps: int) -> dict[str, Any]:
     """`joined` vs `streamed` hashing of `pages` pages of `nbuf` segments, `busy` Python threads beside,
     alternating every rep."""
@@ -85,31 +77,25 @@ def methods(pages: int, nbuf: int, seg: int, busy: int, reps: int) -> dict[str, 
     bufs = [KvBuffer(mirror[b].ctypes.data, slots * seg, seg, "cpu") for b in range(nbuf)]
     wanted = list(range(3, 3 + pages))
     configured = (layout._NO_COPY_SEGMENT_BYTES, layout._HELD_PAGE_BYTES)
-    stop = threading.Event()
-    spinning = [threading.Thread(target=_spin, args=(stop,), daemon=True) for _ in range(busy)]
-    for t in spinning:
-        t.start()
     times: dict[str, list[float]] = {}
     ref: list[bytes] | None = None
     built = native.native_hash
-    try:
-        for rep in range(reps):
-            order = [("joined", 1 << 62), ("streamed", 0), *([("native", 0)] if built() else [])]
-            for name, threshold in order if rep % 2 == 0 else order[::-1]:
-                layout._NO_COPY_SEGMENT_BYTES = layout._HELD_PAGE_BYTES = threshold
-                native.native_hash = built if name == "native" else _no_native  # type: ignore[assignment]
-                start = time.perf_counter()
-                got = layout.local_page_checksums(bufs, wanted)
-                times.setdefault(name, []).append(time.perf_counter() - start)
-                if ref is not None and got != ref:
-                    raise RuntimeError("the methods' checksums differ")
-                ref = got
-    finally:
-        native.native_hash = built  # type: ignore[assignment]
-        layout._NO_COPY_SEGMENT_BYTES, layout._HELD_PAGE_BYTES = configured
-        stop.set()
-        for t in spinning:
-            t.join()
+    with busy_python(busy):
+        try:
+            for rep in range(reps):
+                order = [("joined", 1 << 62), ("streamed", 0), *([("native", 0)] if built() else [])]
+                for name, threshold in order if rep % 2 == 0 else order[::-1]:
+                    layout._NO_COPY_SEGMENT_BYTES = layout._HELD_PAGE_BYTES = threshold
+                    native.native_hash = built if name == "native" else _no_native  # type: ignore[assignment]
+                    start = time.perf_counter()
+                    got = layout.local_page_checksums(bufs, wanted)
+                    times.setdefault(name, []).append(time.perf_counter() - start)
+                    if ref is not None and got != ref:
+                        raise RuntimeError("the methods' checksums differ")
+                    ref = got
+        finally:
+            native.native_hash = built  # type: ignore[assignment]
+            layout._NO_COPY_SEGMENT_BYTES, layout._HELD_PAGE_BYTES = configured
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     return {
         "pages": pages,
@@ -138,12 +124,8 @@ def reads(pages: int, nbuf: int, seg: int, threads: list[int], busy: int, reps: 
     )
     rows[:, :, 2] = seg
     want = [xxhash.xxh3_128_digest(np.ascontiguousarray(arena[:, p]).tobytes()) for p in range(pages)]
-    stop = threading.Event()
-    spinning = [threading.Thread(target=_spin, args=(stop,), daemon=True) for _ in range(busy)]
-    for t in spinning:
-        t.start()
     times: dict[str, list[float]] = {}
-    try:
+    with busy_python(busy):
         for rep in range(reps):
             order: list[tuple[str, int]] = [*((f"threads_{t}", t) for t in threads), ("copyto", 0)]
             for name, t in order if rep % 2 == 0 else order[::-1]:
@@ -156,10 +138,6 @@ def reads(pages: int, nbuf: int, seg: int, threads: list[int], busy: int, reps: 
                 times.setdefault(name, []).append(time.perf_counter() - start)
                 if t and got != want:
                     raise RuntimeError("a read's checksums differ from the arena's")
-    finally:
-        stop.set()
-        for s in spinning:
-            s.join()
     nbytes = pages * nbuf * seg
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     return {

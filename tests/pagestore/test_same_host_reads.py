@@ -209,6 +209,14 @@ def test_a_process_whose_tag_is_not_the_stores_is_not_read() -> None:
             arena.read_checked(np.array([[[base, at, 8], [base + arena_bytes - 4, at + 8, 8]]], np.uint64))
         with pytest.raises(PeerError, match="Bad address"):  # a local range nothing is mapped at
             arena.read_checked(np.array([[[base, 4096, 8]]], np.uint64))
+        # the same loop reading alone, unhashed (a benchmark's baseline): the same bytes land
+        built = native.native_hash()
+        assert built is not None
+        dest[:] = 0
+        assert built.read_pages(arena.pid, pages, threads=2) is None
+        assert dest.tobytes()[:3072] == c[:512] + c[4096:4608] + c[1024:3072]
+        with pytest.raises(OSError, match="Bad address"):
+            built.read_pages(arena.pid, np.array([[[base, 4096, 8]]], np.uint64))
     arena.close()
     assert arena.closed
     with pytest.raises(PeerError):

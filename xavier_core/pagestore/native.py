@@ -75,6 +75,17 @@ class NativeHash:
         unspecified bytes."""
         return self._run(self.read_hash_pages, (pid,), ranges, threads)
 
+    def read_pages(self, pid: int, ranges: npt.NDArray[np.uint64], threads: int = 1) -> None:
+        """`read_checksums` without the checksums: the pages read alone, by the same loop (what checking
+        them as they land adds is told against this). Raises `OSError` as it does."""
+        pages, segments, _ = ranges.shape
+        threads = max(1, min(threads, _MAX_THREADS, pages))
+        states = (ctypes.c_void_p * threads)()
+        data = ranges.ctypes.data
+        rc = self.read_hash_pages(pid, None, None, None, states, threads, data, pages, segments, None)
+        if rc < 0:
+            raise OSError(-rc, os.strerror(-rc))
+
     def _run(
         self, fn: Any, head: tuple[int, ...], ranges: npt.NDArray[np.uint64], threads: int
     ) -> list[bytes]:

@@ -37,6 +37,7 @@ typedef struct {
     size_t segments;
     unsigned char *out;
     pid_t pid; /* read_part: the process the pages are read out of */
+    int hash; /* read_part: 0 reads the pages alone (no checksums: `out` is NULL) */
     size_t next; /* the next page not yet taken by a thread (atomic) */
     int stop; /* set by the first thread that fails, seen by the others at their next page (atomic) */
 } job;
@@ -118,6 +119,9 @@ static void *read_part(void *arg) {
             fail(p, got < 0 ? -errno : -EIO);
             return NULL;
         }
+        if (!j->hash) {
+            continue;
+        }
         int rc = j->reset(p->state);
         for (size_t s = 0; rc == 0 && s < j->segments; s++) {
             rc = j->update(p->state, local[s].iov_base, local[s].iov_len);
@@ -135,7 +139,7 @@ static int run_parts(void *(*work)(void *), pid_t pid, void *reset, void *update
                      void **states, size_t threads, const uint64_t *ranges, size_t words, size_t pages,
                      size_t segments, unsigned char *out) {
     job j = {(reset_fn)reset, (update_fn)update, (digest_fn)digest, ranges, words, pages, segments, out, pid,
-             0, 0};
+             out != NULL, 0, 0};
     part parts[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS];
@@ -180,7 +184,8 @@ int xavier_hash_pages(void *reset, void *update, void *digest, void **states, si
 
 /* As `xavier_hash_pages`, each page first read out of process `pid`: `ranges` holds pages x segments x
    (remote address, local address, length) words, and a page's checksum is of the bytes that landed
-   locally. At most 1,024 segments a page. Returns 0; -errno of the first read that failed (-EIO: short,
+   locally; with `out` NULL the pages are read alone, unhashed (`reset`, `update`, `digest` and the
+   states unused). At most 1,024 segments a page. Returns 0; -errno of the first read that failed (-EIO: short,
    -EINVAL: too many segments), after which the local pages hold unspecified bytes; or the library's
    nonzero status. */
 int xavier_read_hash_pages(int pid, void *reset, void *update, void *digest, void **states, size_t threads,
