@@ -300,7 +300,7 @@ class PageStoreClient:
                 spans = _head(resp.spans, len(pages))
                 corrupt = self._read_checked(store, spans, pages, list(resp.checksums[: len(pages)]), clock)
         except _BadAllocation as exc:
-            self._on_loop(lambda: self._releases.start(self._release(resp.lease_id, [])))
+            self._release_unread(resp.lease_id)
             raise InvalidPagesError(str(exc)) from None
         except Exception as exc:
             error = exc
