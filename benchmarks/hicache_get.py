@@ -72,20 +72,14 @@ def _get(backend: Any, keys: list[str], dst: Any, batch: int) -> tuple[float, fl
 
 def unhashed_read(client: Any) -> Any:
     """A stand-in for `client._read_checked` (a host pool's same-host read, each page checked as it
-    lands): the same page loop, on as many threads, reading the pages alone (`NativeHash.read_pages`),
+    lands): the same read by the same page loop with the hashing left out (`DirectArena.read_unhashed`),
     timed as the `read` step. What checking as they land adds to a get is told against it."""
-    from xavier_core.pagestore import direct, native
     from xavier_core.pagestore.layout import page_ranges
-
-    built = native.native_hash()
-    assert built is not None
 
     def read(store: Any, spans: Any, pages: list[int], sums: list[bytes], clock: Any) -> list[int]:
         rows = client.geometry.page_descriptors(spans, page_ranges(client.buffers, pages)[:, :, 0])
-        total = int(rows[:, :, 2].sum())
-        threads = max(1, min(direct._COPY_THREADS, rows.shape[0], total // direct._COPY_UNIT_BYTES))
         with clock.step("read"):
-            built.read_pages(store.arena.pid, rows, threads)
+            store.arena.read_unhashed(rows)
         return []
 
     return read

@@ -217,6 +217,13 @@ def test_a_process_whose_tag_is_not_the_stores_is_not_read() -> None:
         assert dest.tobytes()[:3072] == c[:512] + c[4096:4608] + c[1024:3072]
         with pytest.raises(OSError, match="Bad address"):
             built.read_pages(arena.pid, np.array([[[base, 4096, 8]]], np.uint64))
+        dest[:] = 0  # and through the arena, which checks every segment first
+        arena.read_unhashed(pages)
+        assert dest.tobytes()[:3072] == c[:512] + c[4096:4608] + c[1024:3072]
+        with pytest.raises(PeerError):
+            arena.read_unhashed(np.array([[[base, at, 8], [base + arena_bytes - 4, at + 8, 8]]], np.uint64))
+        with pytest.raises(PeerError, match="Bad address"):
+            arena.read_unhashed(np.array([[[base, 4096, 8]]], np.uint64))
     arena.close()
     assert arena.closed
     with pytest.raises(PeerError):

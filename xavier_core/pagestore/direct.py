@@ -28,7 +28,7 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import cast
+from typing import TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +44,7 @@ __all__ = ["DirectArena", "DirectCopy", "arena_tag", "open_direct_arena", "read_
 log = logging.getLogger(__name__)
 Rows = npt.NDArray[np.uint64]
 
+_T = TypeVar("_T")
 _TAG = b"xavier-pagestore-arena/1\n"
 _THREADS_ENV = "XAVIER_PAGE_READ_THREADS"
 
@@ -133,6 +134,15 @@ class DirectArena:
         pass over memory, on up to `_COPY_THREADS` threads without the GIL. Raises `PeerError`, reading
         nothing, where a segment leaves the arena, and when a read fails (the local pages then hold
         unspecified bytes). Call only where `native.available()`."""
+        return self._loop_read(pages, lambda built: built.read_checksums)
+
+    def read_unhashed(self, pages: Rows) -> None:
+        """`read_checked` without the checksums (`native.NativeHash.read_pages`): the same read alone,
+        the baseline what checking pages as they land adds is told against."""
+        self._loop_read(pages, lambda built: built.read_pages)
+
+    def _loop_read(self, pages: Rows, pick: Callable[[native.NativeHash], Callable[..., _T]]) -> _T:
+        """`pick(built loop)(pid, pages, threads)`, once every segment is checked against the arena."""
         built = native.native_hash()
         if built is None:
             raise PeerError("the built page loop is unavailable")
@@ -140,7 +150,7 @@ class DirectArena:
         total = int(pages[:, :, 2].sum()) if pages.size else 0
         threads = max(1, min(_COPY_THREADS, pages.shape[0], total // _COPY_UNIT_BYTES))
         try:
-            return built.read_checksums(self.pid, np.ascontiguousarray(pages), threads)
+            return pick(built)(self.pid, np.ascontiguousarray(pages), threads)
         except OSError as exc:
             raise PeerError(
                 f"reading the page store's memory (pid {self.pid}) failed: {exc.strerror}"
