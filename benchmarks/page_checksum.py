@@ -96,15 +96,23 @@ def methods(pages: int, nbuf: int, seg: int, busy: int, reps: int) -> dict[str, 
         finally:
             native.native_hash = built  # type: ignore[assignment]
             layout._NO_COPY_SEGMENT_BYTES, layout._HELD_PAGE_BYTES = configured
-    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    out = _result(pages, nbuf, seg, busy, times)
+    ms = out["ms"]
+    return {
+        **out,
+        "joined_over_streamed": ms["joined"] / ms["streamed"],
+        **({"streamed_over_native": ms["streamed"] / ms["native"]} if "native" in ms else {}),
+    }
+
+
+def _result(pages: int, nbuf: int, seg: int, busy: int, times: dict[str, list[float]]) -> dict[str, Any]:
+    """A case's shape and each way's median milliseconds (`ms`), as `methods` and `reads` report them."""
     return {
         "pages": pages,
         "buffers": nbuf,
         "segment_bytes": seg,
         "busy_python": busy,
-        "ms": ms,
-        "joined_over_streamed": ms["joined"] / ms["streamed"],
-        **({"streamed_over_native": ms["streamed"] / ms["native"]} if "native" in ms else {}),
+        "ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
     }
 
 
@@ -139,15 +147,11 @@ def reads(pages: int, nbuf: int, seg: int, threads: list[int], busy: int, reps: 
                 if t and got != want:
                     raise RuntimeError("a read's checksums differ from the arena's")
     nbytes = pages * nbuf * seg
-    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    out = _result(pages, nbuf, seg, busy, times)
     return {
-        "pages": pages,
-        "buffers": nbuf,
-        "segment_bytes": seg,
-        "busy_python": busy,
+        **out,
         "bytes": nbytes,
-        "ms": ms,
-        "gbps": {k: nbytes / v / 1e6 for k, v in ms.items()},
+        "gbps": {k: nbytes / v / 1e6 for k, v in out["ms"].items()},
     }
 
 
