@@ -6,6 +6,7 @@ vectorised with numpy: the coalesced path has no Python loop per page, so 8k-pag
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -60,6 +61,12 @@ def _small_breaks(arrays: Sequence[list[int]], n: int) -> list[int]:
     return [0, *(i for i in range(1, n) if a[i] != a[i - 1] + 1 or b[i] != b[i - 1] + 1)]
 
 
+def _small_stretches(arrays: Sequence[list[int]], n: int) -> list[tuple[int, int]]:
+    """(start position, length) of each maximal stretch of `_small_breaks`."""
+    starts = _small_breaks(arrays, n)
+    return list(zip(starts, [b - a for a, b in itertools.pairwise([*starts, n])], strict=True))
+
+
 def _breaks(*arrays: I64) -> I64:
     """Start positions of maximal stretches where every array steps by exactly +1."""
     n = arrays[0].size
@@ -78,9 +85,7 @@ def coalesce(page_ids: Sequence[int] | npt.NDArray[np.integer]) -> list[PageRun]
     ids = as_page_array(page_ids)
     if 0 < ids.size <= SMALL:
         listed = ids.tolist()
-        starts_ = _small_breaks([listed], len(listed))
-        ends = [*starts_[1:], len(listed)]
-        return [PageRun(listed[i], j - i) for i, j in zip(starts_, ends, strict=True)]
+        return [PageRun(listed[i], count) for i, count in _small_stretches([listed], len(listed))]
     starts = _breaks(ids)
     counts = np.diff(np.append(starts, ids.size))
     return [PageRun(int(f), int(c)) for f, c in zip(ids[starts], counts, strict=True)]
@@ -125,9 +130,7 @@ def pair_stretches(src_pages: I64, dst_pages: I64, mode: Mode = "coalesced") -> 
     n = src_pages.size
     if 0 < n <= SMALL:
         src, dst = src_pages.tolist(), dst_pages.tolist()
-        firsts = _small_breaks([src, dst], n)
-        ends = [*firsts[1:], n]
-        rows = [(src[i], dst[i], j - i) for i, j in zip(firsts, ends, strict=True)]
+        rows = [(src[i], dst[i], count) for i, count in _small_stretches([src, dst], n)]
         return np.array(rows, dtype=np.int64)
     starts = _breaks(src_pages, dst_pages)
     counts = np.diff(np.append(starts, src_pages.size))
