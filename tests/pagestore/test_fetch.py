@@ -120,7 +120,9 @@ async def test_a_read_nixl_could_not_cancel_marks_the_pages_unsafe(
     writer = PageStoreClient(store.address, buffers(pool))
     pools = [make_pool(None), make_pool(None)]  # held: the READs land in their memory
     reader = PageStoreClient(store.address, buffers(pools[0]), READ_THEN_CHECKED)
-    staged = PageStoreClient(store.address, buffers(pools[1]), ClientSettings(stage_host_pool=True))
+    staged = PageStoreClient(
+        store.address, buffers(pools[1]), ClientSettings(stage_host_pool=True, check_while_reading=False)
+    )
     try:
         ns = PageNamespace("fp-stuck")
         keys = chain("fp-stuck", "", 4, 3)
@@ -155,7 +157,9 @@ async def test_a_stuck_read_whose_end_can_be_told_gives_its_pages_and_slots_back
     writer = PageStoreClient(store.address, buffers(pool))
     pools = [make_pool(None), make_pool(None)]
     reader = PageStoreClient(store.address, buffers(pools[0]), READ_THEN_CHECKED)
-    staged = PageStoreClient(store.address, buffers(pools[1]), ClientSettings(stage_host_pool=True))
+    staged = PageStoreClient(
+        store.address, buffers(pools[1]), ClientSettings(stage_host_pool=True, check_while_reading=False)
+    )
     asked = {"reader": 0, "staged": 0}
     try:
         ns = PageNamespace("fp-stuck-ends")

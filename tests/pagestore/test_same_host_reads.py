@@ -32,7 +32,7 @@ from xavier_core.pagestore import ClientSettings, PageNamespace, PageStoreClient
 from xavier_core.pagestore.connection import StoreConnection
 from xavier_core.pagestore.direct import arena_tag, open_direct_arena
 from xavier_core.pagestore.layout import page_checksum
-from xavier_core.pagestore.metrics import client_metrics
+from xavier_core.pagestore.metrics import client_metrics, fetch_step_seconds
 from xavier_core.transfer.common.errors import PeerError
 
 pytestmark = pytest.mark.integration
@@ -72,13 +72,18 @@ async def _written_then_read(
 
 # A pool read straight into its pages, each page checked as it lands (where the page loop is built) or
 # all read first and checked after; one behind host staging (a GPU pool's path), whose pages land
-# page-major in the staging rows, in one piece and in pieces of two pages.
+# page-major in the staging rows: checked as they land, or read first and checked after, in one piece and
+# in pieces of two pages.
 PATHS = {
     "pool": ClientSettings(),
     "pool-read-then-checked": ClientSettings(check_while_reading=False),
     "staged": ClientSettings(stage_host_pool=True, staging_pages=16),
+    "staged-read-then-checked": ClientSettings(
+        stage_host_pool=True, staging_pages=16, check_while_reading=False
+    ),
     "staged-pieces": ClientSettings(stage_host_pool=True, staging_pages=16, read_piece_bytes=2 * PAGE_BYTES),
 }
+CHECKED_AS_IT_LANDS = {"pool", "staged"}
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -92,8 +97,13 @@ async def test_a_get_reads_the_stores_memory_and_drops_corrupt_pages(store: Serv
     direct_before, nixl_before = by_path.labels("direct")._value.get(), by_path.labels("nixl")._value.get()
     reads = 3 if path == "staged-pieces" else 1  # a call's reads: 6 pages in pieces of 2, or one
     name = f"fp-direct-{path}"
+    steps = fetch_step_seconds()
     try:
         ns, keys = await _written_then_read(writer, pool, reader, reader_pool, name, 1, 6)
+        spent = {k: v - steps.get(k, 0.0) for k, v in fetch_step_seconds().items()}
+        # One pass (the read and check timed together) where the page loop is built, else a read then a check.
+        one_pass = path in CHECKED_AS_IT_LANDS and native.available()
+        assert (spent.get("read_checked", 0.0) > 0, spent.get("verify", 0.0) > 0) == (one_pass, not one_pass)
         assert reader.counters.reads == reader.counters.direct_reads == reads
         if path != "pool-read-then-checked":  # one read row per segment of every page (not coalesced)
             assert reader.counters.read_descriptors == 6 * NBUF

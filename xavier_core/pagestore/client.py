@@ -93,10 +93,10 @@ class ClientSettings:
     same keys, which then makes no GetPages call of its own (see `lookups`); used only while half of it
     is left, released then if nobody fetched them."""
     check_while_reading: bool = True
-    """Where a store's memory is read straight into a host pool (`same_host_reads`, no mirror, one piece)
-    and the page loop is built (`native`), each page is checksummed right after its read, in the same
-    loop, while its bytes are still in cache: one pass over memory, where reading all and then checking
-    all makes two. Off: read first, then checked, as after a NIXL READ."""
+    """Where a store's memory is read straight into a host pool, or a GPU pool's page-major staging rows
+    (`same_host_reads`, one piece), and the page loop is built (`native`), each page is checksummed right
+    after its read, in the same loop, while its bytes are still in cache: one pass over memory, where
+    reading all and then checking all makes two. Off: read first, then checked, as after a NIXL READ."""
 
 
 @dataclass(frozen=True)
@@ -278,6 +278,7 @@ class PageStoreClient:
             self._loop is None
             or store is None
             or store.arena is None
+            or self.staging is not None
             or not self._checks_while_reading()
             or len(keys) > self._chunk_limit()
         ):
@@ -522,8 +523,10 @@ class PageStoreClient:
             rows_base = self.staging.rows_base if self.staging is not None and direct else None
             sums = list(resp.checksums[: len(pages)])
             spans = _head(resp.spans, len(pages))
-            if direct and self._checks_while_reading():  # one pass: each page checked as it lands
-                read = functools.partial(self._read_checked, store, spans, pages, sums, clock)
+            # One pass, each page checked as it lands: into a host pool, or into the staging's
+            # page-major rows, from which the verified head crosses to the device.
+            if direct and self._checks_while_reading() and (self.staging is None or rows_base is not None):
+                read = functools.partial(self._read_checked, store, spans, pages, sums, clock, slots)
                 reads, descriptors = 1, len(pages) * len(self.geometry.segment_bytes)
             else:
                 pieces = self._pieces(spans, local, rows_base)
@@ -567,20 +570,34 @@ class PageStoreClient:
     def _checks_while_reading(self) -> bool:
         """Whether a same-host read checks each page as it lands (`ClientSettings.check_while_reading`)."""
         s = self.settings
-        return (
-            s.check_while_reading and self.staging is None and not s.read_piece_bytes and native.available()
-        )
+        return s.check_while_reading and not s.read_piece_bytes and native.available()
 
     def _read_checked(
-        self, store: StorePeer, spans: list[Span], pages: list[int], sums: list[bytes], clock: StepClock
+        self,
+        store: StorePeer,
+        spans: list[Span],
+        pages: list[int],
+        sums: list[bytes],
+        clock: StepClock,
+        slots: Sequence[int] = (),
     ) -> list[int]:
-        """A host pool's read out of a same-host store's memory, each page checked as it lands
-        (`DirectArena.read_checked`); returns the indices of the pages that failed. Blocking: a worker
-        thread."""
-        rows = self.geometry.page_descriptors(spans, page_ranges(self.buffers, pages)[:, :, 0])
+        """A read out of a same-host store's memory, each page checked as it lands
+        (`DirectArena.read_checked`): into the host pool's `pages`, or, behind staging, into the page-major
+        rows at `slots`, whose verified head is then moved to the pool's `pages` (`HostStaging.
+        checked_rows_to_pool`). Returns the indices of the pages that failed. Blocking: a worker thread."""
+        staging = self.staging
+        if staging is None:
+            local = page_ranges(self.buffers, pages)[:, :, 0]
+        else:
+            assert staging.rows_base is not None
+            local = self.geometry.row_addresses(staging.rows_base, slots)
+        rows = self.geometry.page_descriptors(spans, local)
         with clock.step("read_checked"):
             got = self.conn.read_checked(store, rows)
-        return [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
+        corrupt = [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
+        if staging is not None:
+            staging.checked_rows_to_pool(slots, pages[: corrupt[0] if corrupt else len(pages)], clock)
+        return corrupt
 
     def _read_rows(
         self,

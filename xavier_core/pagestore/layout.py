@@ -114,10 +114,13 @@ class PageGeometry:
         of the spans (in span order) lands at `rows_base + local_rows[i] * page_bytes`, its segments one
         after another in buffer order (one contiguous range a page, the layout `page_row_checksums`
         hashes). One row per segment per page: the arena's runs are segment-major, so no two rows join."""
-        rows = np.asarray(local_rows, dtype=np.uint64)
-        offs = self.segment_offsets()
-        local = rows_base + rows[:, None] * np.uint64(self.page_bytes) + offs
-        return self.page_descriptors(spans, local).reshape(-1, 3)
+        return self.page_descriptors(spans, self.row_addresses(rows_base, local_rows)).reshape(-1, 3)
+
+    def row_addresses(self, rows_base: int, local_rows: Sequence[int]) -> npt.NDArray[np.uint64]:
+        """(pages, segments) addresses of each segment of page-major rows `local_rows` at `rows_base`
+        (row r's page at `rows_base + r * page_bytes`, its segments one after another in buffer order)."""
+        rows = np.asarray(local_rows, dtype=np.uint64).reshape(-1)
+        return np.uint64(rows_base) + rows[:, None] * np.uint64(self.page_bytes) + self.segment_offsets()
 
     def page_descriptors(
         self, spans: Sequence[Span], local: npt.NDArray[np.uint64]

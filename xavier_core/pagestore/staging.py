@@ -5,8 +5,9 @@ pool is on a GPU moves pages through a pinned host mirror of the pool's page geo
 every buffer, registered with NIXL instead of the device pool. A read lands in staging slots, crosses to
 the device as it is, comes back page-major into a second pinned buffer to be verified there (one hash
 call per page), and only verified pages are scattered to their device pages. A read out of a same-host store's
-memory places each segment itself, so it lands page-major in that second buffer straight away: hashed
-there while it crosses to the device once (`check_rows`, `rows_to_pool`). A write copies device pages
+memory places each segment itself, so it lands page-major in that second buffer straight away: hashed as
+it lands by the page loop, then crosses to the device once (`checked_rows_to_pool`); read first, it is
+hashed there while it crosses (`check_rows`, `rows_to_pool`). A write copies device pages
 to slots, checksums them there and WRITEs from there. Slots are leased per operation, as a run of
 consecutive slots where one is free, so concurrent reads and write-throughs share the mirror without
 waiting on each other until it is full.
@@ -282,15 +283,37 @@ class HostStaging:
     def rows_to_pool(self, moved: torch.Tensor, pages: Sequence[int], clock: StepClock) -> None:
         """Scatters the first `len(pages)` checked rows of `moved` into pool `pages` (row i into page i),
         each buffer's segment of every row in one copy, and waits for it."""
-        import torch
-
         if not pages:
             return
-        p_idx = torch.tensor(list(pages), dtype=torch.long, device=torch.device(self.device))
-        width = self._pool[0].shape[1]
+        p_idx = self._page_index(pages)
         with clock.step("stage_copy"), self._on_device():
-            for b, pool in enumerate(self._pool):
-                pool.index_copy_(0, p_idx, moved[: len(pages), b * width : (b + 1) * width])
+            self._scatter_rows(moved, p_idx)
+
+    def checked_rows_to_pool(self, slots: Sequence[int], pages: Sequence[int], clock: StepClock) -> None:
+        """Moves the rows at the first `len(pages)` of `slots`, checked already as they landed there (a
+        read that hashed each page in passing: `DirectArena.read_checked`), into pool `pages` (row of
+        `slots[i]` into page i): one DMA per run of slots into a buffer of this call on the device, then
+        each buffer's segment of every row in one copy; waits for both, so the slots may go back."""
+        if not pages:
+            return
+        moved = self.moved_rows(len(pages))
+        p_idx = self._page_index(pages)
+        assert self._rows is not None
+        with clock.step("stage_copy"), self._on_device() as gpu:
+            for first, start, length in _slot_runs(slots[: len(pages)]):
+                moved[first : first + length].copy_(self._rows[start : start + length], non_blocking=gpu)
+            self._scatter_rows(moved, p_idx)
+
+    def _page_index(self, pages: Sequence[int]) -> torch.Tensor:
+        import torch
+
+        return torch.tensor(list(pages), dtype=torch.long, device=torch.device(self.device))
+
+    def _scatter_rows(self, moved: torch.Tensor, p_idx: torch.Tensor) -> None:
+        """Row i of `moved` (page-major) into pool page `p_idx[i]`, each buffer's segment in one copy."""
+        width = self._pool[0].shape[1]
+        for b, pool in enumerate(self._pool):
+            pool.index_copy_(0, p_idx, moved[: p_idx.shape[0], b * width : (b + 1) * width])
 
     @contextlib.contextmanager
     def _on_device(self) -> Iterator[bool]:
