@@ -1,64 +1,195 @@
-"""The router's stream queue (in process): what a flow's task puts on it, and the last response."""
+"""The router's reader of a request's flow (in process, with flows of its own making), and the last
+response."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
+from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
+from xavier_services.router.config import RouterConfig
+from xavier_services.router.core import ProgressTimeout, Router
 from xavier_services.router.flows import Step
-from xavier_services.router.stream import Ended, Failed, Item, Tally, last_response, pump
+from xavier_services.router.prompts import PromptCache, PromptEncoder, load_model_info
+from xavier_services.router.stream import Tally, last_response
+
+from xavier_core.engine.tiny import make_tiny
+from xavier_core.text.tokenizer import TextTokenizer
 
 
-def _drain(queue: asyncio.Queue[Item]) -> list[Item]:
-    items = []
-    while not queue.empty():
-        items.append(queue.get_nowait())
-    return items
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny"), "qwen2", max_position=64)
 
 
-async def test_steps_then_ended_and_the_flow_closed() -> None:
+async def _router(model_dir: Path, flow: AsyncIterator[Step], **config: float) -> Router:
+    """A router without peers whose every request runs `flow`."""
+    info = load_model_info(model_dir)
+    encoder = PromptEncoder(
+        TextTokenizer.load(model_dir), PromptCache(4, info.tokenizer_fingerprint, CollectorRegistry())
+    )
+    router = Router(RouterConfig(**config), encoder, info, CollectorRegistry())  # type: ignore[arg-type]
+    router._flow = lambda *args: flow  # type: ignore[method-assign]
+    return router
+
+
+@contextlib.asynccontextmanager
+async def _serving(model_dir: Path, flow: AsyncIterator[Step], **config: float) -> AsyncIterator[Router]:
+    """`_router`, closed when the block ends."""
+    router = await _router(model_dir, flow, **config)
+    try:
+        yield router
+    finally:
+        await router.close()
+
+
+async def _gated(gate: asyncio.Event, closed: list[str]) -> AsyncIterator[Step]:
+    """A step, then a finishing one once `gate` is set; `closed` says how it was left."""
+    try:
+        yield Step([1], "a")
+        await gate.wait()
+        yield Step([2], "b", finish=types_pb2.FINISH_REASON_STOP)
+    except asyncio.CancelledError:
+        closed.append("cancelled")
+        raise
+    finally:
+        closed.append("closed")
+
+
+async def _prepared(router: Router, request_id: str) -> object:
+    req = rpb.GenerateRequest(text="hello", request_id=request_id, mode=rpb.ROUTING_MODE_PD)
+    req.sampling.max_tokens = 4
+    return await router.prepare_async(req)
+
+
+async def test_steps_then_the_last_response_and_the_flow_closed(model_dir: Path) -> None:
     closed: list[bool] = []
 
     async def flow() -> AsyncIterator[Step]:
         try:
             yield Step([1], "a")
+            yield Step([], "")  # nothing to send
             yield Step([2, 3], "bc", finish=types_pb2.FINISH_REASON_STOP)
         finally:
             closed.append(True)
 
-    queue: asyncio.Queue[Item] = asyncio.Queue()
-    await pump(flow(), queue)
-    items = _drain(queue)
-    assert [i.token_ids for i in items[:2] if isinstance(i, Step)] == [[1], [2, 3]]
-    assert items[2:] == [Ended(cancelled=False)] and closed == [True]
+    async with _serving(model_dir, flow()) as router:
+        out = [m async for m in router.generate(await _prepared(router, "r1"))]  # type: ignore[arg-type]
+        assert [list(m.token_ids) for m in out] == [[1], [2, 3]]
+        assert out[-1].finish_reason == types_pb2.FINISH_REASON_STOP and closed == [True]
+        assert out[-1].usage.completion_tokens == 3 and router.active == 0
 
 
-async def test_a_failing_flow_is_failed_and_a_cancelled_one_ended_cancelled() -> None:
-    gate = asyncio.Event()
-
+async def test_a_failing_flow_raises_its_error_and_one_without_a_finish_ends_aborted(model_dir: Path) -> None:
     async def failing() -> AsyncIterator[Step]:
         yield Step([1], "a")
         raise ValueError("boom")
 
-    async def waiting() -> AsyncIterator[Step]:
+    async with _serving(model_dir, failing()) as router:
+        with pytest.raises(ValueError, match="boom"):
+            async for _ in router.generate(await _prepared(router, "r1")):  # type: ignore[arg-type]
+                pass
+
+    async def short() -> AsyncIterator[Step]:
         yield Step([1], "a")
-        await gate.wait()
-        yield Step([2], "b")
 
-    queue: asyncio.Queue[Item] = asyncio.Queue()
-    await pump(failing(), queue)
-    items = _drain(queue)
-    assert len(items) == 2 and isinstance(items[1], Failed) and str(items[1].error) == "boom"
+    async with _serving(model_dir, short()) as router:
+        out = [m async for m in router.generate(await _prepared(router, "r2"))]  # type: ignore[arg-type]
+        assert out[-1].finish_reason == types_pb2.FINISH_REASON_ABORT and router.active == 0
 
-    task = asyncio.get_running_loop().create_task(pump(waiting(), queue))
-    first = await queue.get()
-    assert isinstance(first, Step) and first.token_ids == [1]
-    task.cancel()
+
+async def test_abort_while_the_flow_waits_cancels_that_wait_and_closes_it(model_dir: Path) -> None:
+    gate = asyncio.Event()
+    closed: list[str] = []
+
+    async with _serving(model_dir, _gated(gate, closed)) as router:
+        stream = router.generate(await _prepared(router, "r1"))  # type: ignore[arg-type]
+        first = await anext(stream)
+        assert list(first.token_ids) == [1]
+        pending = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.01)  # the flow now waits on the gate
+        assert router.abort("r1") and not pending.done()
+        last = await pending
+        assert last.finish_reason == types_pb2.FINISH_REASON_ABORT and list(last.token_ids) == []
+        assert closed == ["cancelled", "closed"]
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        assert not router.abort("r1") and router.active == 0
+
+
+async def test_abort_while_a_step_is_being_sent_never_cancels_the_sender(model_dir: Path) -> None:
+    closed: list[str] = []
+
+    async def flow() -> AsyncIterator[Step]:
+        try:
+            yield Step([1], "a")
+            yield Step([2], "b")
+        except GeneratorExit:
+            closed.append("closed at its step")
+            raise
+
+    async with _serving(model_dir, flow()) as router:
+        stream = router.generate(await _prepared(router, "r1"))  # type: ignore[arg-type]
+        first = await anext(stream)
+        assert router.abort("r1")  # the reader holds its step: nothing of this task is cancelled
+        await asyncio.sleep(0)  # a cancel of this task, had there been one, would land here
+        last = await anext(stream)
+        assert last.finish_reason == types_pb2.FINISH_REASON_ABORT and list(first.token_ids) == [1]
+        assert closed == ["closed at its step"]
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+
+
+async def test_no_step_within_the_progress_deadline_ends_the_flow_and_fails(model_dir: Path) -> None:
+    closed: list[bool] = []
+
+    async def silent() -> AsyncIterator[Step]:
+        try:
+            await asyncio.Event().wait()
+            yield Step([1], "a")
+        finally:
+            closed.append(True)
+
+    async with _serving(model_dir, silent(), progress_timeout_seconds=0.05) as router:
+        with pytest.raises(ProgressTimeout):
+            async for _ in router.generate(await _prepared(router, "r1")):  # type: ignore[arg-type]
+                pass
+        assert closed == [True] and router.active == 0
+
+
+async def test_a_reader_that_leaves_closes_the_flow_and_the_close_aborts_what_is_live(
+    model_dir: Path,
+) -> None:
+    gate = asyncio.Event()
+    closed: list[str] = []
+
+    router = await _router(model_dir, _gated(gate, closed))
+    stream = router.generate(await _prepared(router, "r1"))  # type: ignore[arg-type]
+    await anext(stream)
+    reader = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.01)
+    reader.cancel()  # a client that left: its task is cancelled
     with pytest.raises(asyncio.CancelledError):
-        await task
-    assert _drain(queue) == [Ended(cancelled=True)]
+        await reader
+    assert closed == ["cancelled", "closed"] and router.active == 0
+    closed.clear()
+
+    router._flow = lambda *args: _gated(gate, closed)  # type: ignore[method-assign]
+    stream = router.generate(await _prepared(router, "r2"))  # type: ignore[arg-type]
+    await anext(stream)
+    reader = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.01)
+    closing = asyncio.ensure_future(router.close())  # ends the live request as an abort would
+    assert (await reader).finish_reason == types_pb2.FINISH_REASON_ABORT
+    assert closed == ["cancelled", "closed"]
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+    await asyncio.wait_for(closing, 1)  # it waited for the request to end, no longer
 
 
 def test_tally_keeps_the_latest_figures_and_the_last_response_sums_them() -> None:

@@ -1,14 +1,17 @@
 """The router's request path, shared by the gRPC servicer and the HTTP front.
 
-Each request's flow runs in its own task feeding a queue of `stream.Item`s: cancelling that task is how
-Abort, a client cancel and a disconnect all stop a request, and the flow's own cleanup (cancel calls,
-abort the room) runs there, independent of whoever was reading. `_read` reads the queue back,
-`_serve` sends what it reads and the last response that `stream` builds.
+Each request's flow runs in the task that reads it (`_read`), with no task or queue of its own between
+them. Its wait for the next step is the only place anything interrupts it: Abort, the router's close
+and the progress deadline cancel that wait (`_Live.interrupt`), never a send to the client in progress,
+and a client cancel or disconnect cancels the reading task itself. However it stops, the flow is
+closed where it stands, so its own cleanup (cancel calls, abort the room) runs. `_serve` sends the
+steps and the last response that `stream` builds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +38,7 @@ from xavier_services.router.pd import pd_flow
 from xavier_services.router.peers import PeerPool
 from xavier_services.router.prompts import ModelInfo, PromptEncoder, prompt_size
 from xavier_services.router.request import Prepared, prepare
-from xavier_services.router.stream import Ended, Failed, Item, Tally, last_response, pump, step_response
+from xavier_services.router.stream import Tally, last_response, step_response
 
 _MODE_NAMES = {
     rpb.ROUTING_MODE_PD: "pd",
@@ -50,6 +53,29 @@ class ProgressTimeout(XavierError):
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
     reason = "PROGRESS_TIMEOUT"
+
+
+class _Live:
+    """A request being served: the task waiting on its flow's next step (None while no wait runs) and
+    why it was told to stop (`ABORTED` or `TIMED_OUT`), once it was."""
+
+    __slots__ = ("task", "why")
+
+    ABORTED = "aborted"
+    TIMED_OUT = "timed_out"
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = None
+        self.why: str | None = None
+
+    def interrupt(self, why: str) -> None:
+        """Stops the flow: its wait for a step is cancelled now, or, while a step is being sent, the
+        reader closes it before asking for the next one. The first reason given stands."""
+        if self.why is not None:
+            return
+        self.why = why
+        if self.task is not None:
+            self.task.cancel()
 
 
 class Router:
@@ -89,7 +115,9 @@ class Router:
         self._tokenizers = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize")
         if config.model is not None and encoder.offload is None:
             encoder.offload = ProcessEncoder(config.model, config.offload_tokenize_chars)
-        self._live: dict[str, asyncio.Task[None]] = {}
+        self._live: dict[str, _Live] = {}
+        self._quiet = asyncio.Event()  # set while no request is live
+        self._quiet.set()
         self._background: set[asyncio.Task[None]] = set()
         self._session: aiohttp.ClientSession | None = None
         self.env = FlowEnv(
@@ -123,9 +151,10 @@ class Router:
 
     async def close(self) -> None:
         """Aborts live requests, waits for their cleanup, closes channels."""
-        for task in list(self._live.values()):
-            task.cancel()
-        await asyncio.gather(*self._live.values(), return_exceptions=True)
+        for live in list(self._live.values()):
+            live.interrupt(_Live.ABORTED)
+        with contextlib.suppress(TimeoutError):  # a reader that stopped reading holds nothing of ours
+            await asyncio.wait_for(self._quiet.wait(), self.config.rpc_timeout_seconds)
         if self._background:
             await asyncio.wait(self._background, timeout=self.config.rpc_timeout_seconds)
         if self._session is not None:
@@ -212,18 +241,18 @@ class Router:
         mode = prep.mode or await self.default_mode()
         if prep.request_id in self._live:
             prep.request_id = f"{prep.request_id}-{int(time.monotonic_ns())}"
-        queue: asyncio.Queue[Item] = asyncio.Queue()
         trace = Trace()
         moves: list[Migration] = []
         rec.peers, rec.failed_peers = trace.peers, trace.failed
-        task = asyncio.get_running_loop().create_task(pump(self._flow(prep, mode, trace, moves), queue))
         rid = rec.request_id = prep.request_id
-        self._live[rid] = task
+        live = self._live[rid] = _Live()
+        self._quiet.clear()
         self._metrics.active.inc()
         mode_name = rec.mode = _MODE_NAMES.get(mode, "unknown")
         tally = Tally()
         try:
-            async with aclosing(self._read(queue, prep, rec, tally)) as steps:
+            flow = self._flow(prep, mode, trace, moves)
+            async with aclosing(self._read(flow, live, prep, rec, tally)) as steps:
                 async for step in steps:
                     yield step_response(rid, mode, step)
             total = time.monotonic() - prep.arrival
@@ -238,53 +267,70 @@ class Router:
             for move in moves:
                 self._metrics.migrations.labels(move.cause).inc()
             rec.migrations = [move.describe() for move in moves]
-            if not task.done():
-                task.cancel()
             self._live.pop(rid, None)
+            if not self._live:
+                self._quiet.set()
             self._metrics.active.dec()
 
     async def _read(
-        self, queue: asyncio.Queue[Item], prep: Prepared, rec: RequestRecord, tally: Tally
+        self, flow: AsyncIterator[Step], live: _Live, prep: Prepared, rec: RequestRecord, tally: Tally
     ) -> AsyncGenerator[Step, None]:
-        """The steps to send (those with tokens or text), read from the flow's queue into `tally` until a
-        step finishes the request or the flow ends (finish ABORT) or fails (its error raised); a gap of
-        `progress_timeout_seconds` raises `ProgressTimeout`."""
+        """The steps to send (those with tokens or text), read from the flow into `tally` until a step
+        finishes the request or the flow ends (finish ABORT, as when it is aborted) or fails (its error
+        raised); a gap of `progress_timeout_seconds` raises `ProgressTimeout`. The flow is closed when
+        this ends, however it ends."""
         progress = self.config.progress_timeout_seconds
         metrics = self._metrics.mode(rec.mode)
-        while True:
-            if queue.empty():  # a step already queued needs no timer, and a wait no task of its own
-                try:
-                    async with asyncio.timeout(progress):
-                        item = await queue.get()
-                except TimeoutError:
+        loop = asyncio.get_running_loop()
+        async with aclosing(flow) as steps:  # type: ignore[type-var]
+            while True:
+                step = await self._next(steps, live, loop, progress)
+                if live.why == _Live.TIMED_OUT:
                     raise ProgressTimeout(
                         f"no token for {progress:g} s; the request was ended", seconds=progress
-                    ) from None
-            else:
-                item = queue.get_nowait()
-            if isinstance(item, Ended):
-                tally.finish = types_pb2.FINISH_REASON_ABORT
-                if item.cancelled:
-                    rec.status, rec.cause = "CANCELLED", "abort"
-                    self._metrics.cancels.labels("abort").inc()
-                return
-            if isinstance(item, Failed):
-                raise item.error
-            if tally.ttft is None and item.token_ids:
-                rec.ttft = tally.ttft = time.monotonic() - prep.arrival
-                metrics.ttft.observe(tally.ttft)
-            tally.add(item)
-            rec.completion_tokens = tally.completion
-            metrics.output_tokens.inc(len(item.token_ids))
-            if tally.finish:
-                return
-            if item.token_ids or item.text:
-                yield item
+                    )
+                if step is None:  # the flow ran out of steps, or was aborted
+                    tally.finish = types_pb2.FINISH_REASON_ABORT
+                    if live.why == _Live.ABORTED:
+                        rec.status, rec.cause = "CANCELLED", "abort"
+                        self._metrics.cancels.labels("abort").inc()
+                    return
+                if tally.ttft is None and step.token_ids:
+                    rec.ttft = tally.ttft = time.monotonic() - prep.arrival
+                    metrics.ttft.observe(tally.ttft)
+                tally.add(step)
+                rec.completion_tokens = tally.completion
+                metrics.output_tokens.inc(len(step.token_ids))
+                if tally.finish:
+                    return
+                if step.token_ids or step.text:
+                    yield step
+
+    @staticmethod
+    async def _next(
+        steps: AsyncIterator[Step], live: _Live, loop: asyncio.AbstractEventLoop, progress: float
+    ) -> Step | None:
+        """The flow's next step, or None once it ran out or was told to stop (`live.why` says why)."""
+        if live.why is not None:
+            return None
+        task = live.task = asyncio.current_task()
+        timer = loop.call_later(progress, live.interrupt, _Live.TIMED_OUT)
+        try:
+            return await anext(steps)
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            if live.why is None or task is None or task.uncancel() > 0:
+                raise  # the reader itself is cancelled (a client that left)
+            return None
+        finally:
+            live.task = None
+            timer.cancel()
 
     def abort(self, request_id: str) -> bool:
         """Stops a live request; its stream ends with FINISH_REASON_ABORT. True when it was live."""
-        task = self._live.get(request_id)
-        if task is None or task.done():
+        live = self._live.get(request_id)
+        if live is None:
             return False
-        task.cancel()
+        live.interrupt(_Live.ABORTED)
         return True

@@ -1,16 +1,11 @@
-"""What a request's flow hands its reader, and the responses the reader builds from it.
+"""What a request's steps add up to, and the responses the reader builds from them.
 
-A flow runs in its own task (`pump`) and puts one `Item` a step: a `Step` to send, then `Ended` (the flow
-ran out of steps without a finish, or its task was cancelled) or `Failed` (it raised). The reader
-(`Router._read` in `core`) adds each step to a `Tally`; `step_response` and `last_response` turn steps
-and the tally into `GenerateResponse`s.
+The reader (`Router._read` in `core`) adds each step of the request's flow to a `Tally`;
+`step_response` and `last_response` turn steps and the tally into `GenerateResponse`s.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass
 
 from xavier.v1 import router_service_pb2 as rpb
@@ -18,41 +13,6 @@ from xavier.v1 import types_pb2
 
 from xavier_core.runtime.durations import to_duration
 from xavier_services.router.flows import Step
-
-
-@dataclass(frozen=True)
-class Ended:
-    """The flow stopped without a finishing step: it ran out (`cancelled` False) or its task was
-    cancelled, which is how Abort stops a request (`cancelled` True)."""
-
-    cancelled: bool
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The flow raised `error`; the reader raises it in turn."""
-
-    error: Exception
-
-
-Item = Step | Ended | Failed
-
-
-async def pump(flow: AsyncIterator[Step], queue: asyncio.Queue[Item]) -> None:
-    """Puts each step of `flow` on `queue`, then how the flow stopped; the flow's cleanup runs here."""
-    try:
-        async with aclosing(flow) as steps:  # type: ignore[type-var]
-            async for step in steps:
-                queue.put_nowait(step)
-                # Let the reader send this step before the flow goes on: the first token must not
-                # wait while the flow sets up the decode call.
-                await asyncio.sleep(0)
-        queue.put_nowait(Ended(cancelled=False))
-    except asyncio.CancelledError:
-        queue.put_nowait(Ended(cancelled=True))
-        raise
-    except Exception as exc:
-        queue.put_nowait(Failed(exc))
 
 
 @dataclass
