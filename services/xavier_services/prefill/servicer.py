@@ -39,6 +39,7 @@ from xavier_core.runtime.errors import (
 )
 from xavier_core.runtime.identity import require
 from xavier_core.runtime.logging import get_logger
+from xavier_core.transfer import ReadEnd
 from xavier_services.peer.convert import (
     check_prompt,
     check_room_id,
@@ -85,6 +86,15 @@ class _Hold:
     """Set when the prefill stops: every wait of the hold ends at once."""
     released: asyncio.Future[bool] | None = None
     """A pair handoff's ReleaseSource, once it came: whether the router had called the decode."""
+    listening: asyncio.Task[Any] | None = None
+    """A pair handoff's hold while it waits for its reader's word alone: the router's word and the stop
+    cut that wait short (`interrupt`), so no task waits for each of them beside it."""
+
+    def interrupt(self) -> None:
+        """Ends the wait for the reader's word, if one runs (ReleaseSource came, or the prefill stops)."""
+        if self.listening is not None:
+            self.listening.cancel()
+            self.listening = None
 
 
 class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type: ignore[misc]
@@ -212,21 +222,21 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
         called; parks it when the router gave up after calling the decode or no word came in the lease."""
         host = self.host
         assert hold.released is not None
-        notif = asyncio.ensure_future(
-            host.port.wait_read_end(hold.room_id, host.config.handoff.room_lease_seconds)
-        )
-        stop = asyncio.ensure_future(hold.aborted.wait())
-        try:
-            waits: set[asyncio.Future[Any]] = {notif, hold.released, stop}
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            outcome = notif.result() if notif.done() else ""
-            if outcome or stop.done() or (hold.released.done() and not hold.released.result()):
-                await self._unpin(hold, completed=outcome == "done")
-                return
-            await self._park(hold)
-        finally:
-            notif.cancel()
-            stop.cancel()
+        outcome = ReadEnd.NONE
+        if not hold.released.done() and not hold.aborted.is_set():
+            task = hold.listening = asyncio.current_task()
+            try:
+                outcome = await host.port.wait_read_end(hold.room_id, host.config.handoff.room_lease_seconds)
+            except asyncio.CancelledError:
+                if task is None or task.uncancel() > 0 or hold.listening is task:
+                    raise  # cancelled by anything but `interrupt`
+                outcome = await host.port.wait_read_end(hold.room_id, 0)  # a word that came meanwhile
+            finally:
+                hold.listening = None
+        if outcome or hold.aborted.is_set() or (hold.released.done() and not hold.released.result()):
+            await self._unpin(hold, completed=outcome == ReadEnd.DONE)
+            return
+        await self._park(hold)
 
     async def ReleaseSource(
         self,
@@ -242,6 +252,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
         # that by cancelling its call): the room's own end unpins those.
         if hold.released is not None and not hold.released.done():
             hold.released.set_result(request.decode_called)
+            hold.interrupt()
         return pb.ReleaseSourceResponse(held=True)
 
     async def PrefillSession(
@@ -401,6 +412,7 @@ class PrefillServicer(prefill_service_pb2_grpc.PrefillServiceServicer):  # type:
         holds = list(self._holds.values())
         for hold in holds:
             hold.aborted.set()
+            hold.interrupt()
             await self.host.engine.abort(hold.request_id)
         if not await self.host.end_rooms([h.room_id for h in holds], "prefill shutting down", self._no_holds):
             log.warning("rooms still held at shutdown", rooms=len(self._holds))
