@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from busy import busy_python  # noqa: E402  (benchmarks/busy.py, beside this)
-from pagestore import fetch_steps, unchecked_verifier  # noqa: E402  (benchmarks/pagestore.py, beside this)
+from pagestore import fetch_steps, unchecked_verifier, unhashed_read  # noqa: E402  (benchmarks/pagestore.py, beside this)
 
 SHAPES = {  # layers, KV heads, head dim (Qwen2.5's)
     "qwen2.5-0.5b": (24, 2, 64),
@@ -68,21 +68,6 @@ def _get(backend: Any, keys: list[str], dst: Any, batch: int) -> tuple[float, fl
     for at in cuts:
         got += backend.batch_get_v1(keys[at : at + batch], dst[at * PAGE_TOKENS : (at + batch) * PAGE_TOKENS])
     return looked_up, time.perf_counter() - t, got
-
-
-def unhashed_read(client: Any) -> Any:
-    """A stand-in for `client._read_checked` (a host pool's same-host read, each page checked as it
-    lands): the same read by the same page loop with the hashing left out (`DirectArena.read_unhashed`),
-    timed as the `read` step. What checking as they land adds to a get is told against it."""
-    from xavier_core.pagestore.layout import page_ranges
-
-    def read(store: Any, spans: Any, pages: list[int], sums: list[bytes], clock: Any) -> list[int]:
-        rows = client.geometry.page_descriptors(spans, page_ranges(client.buffers, pages)[:, :, 0])
-        with clock.step("read"):
-            store.arena.read_unhashed(rows)
-        return []
-
-    return read
 
 
 def _median_steps(rows: list[dict[str, Any]], key: str) -> dict[str, float]:

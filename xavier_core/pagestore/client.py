@@ -585,19 +585,29 @@ class PageStoreClient:
         (`DirectArena.read_checked`): into the host pool's `pages`, or, behind staging, into the page-major
         rows at `slots`, whose verified head is then moved to the pool's `pages` (`HostStaging.
         checked_rows_to_pool`). Returns the indices of the pages that failed. Blocking: a worker thread."""
+        rows = self._landing_rows(spans, pages, slots)
+        with clock.step("read_checked"):
+            got = self.conn.read_checked(store, rows)
+        corrupt = [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
+        self._landed(slots, pages[: corrupt[0] if corrupt else len(pages)], clock)
+        return corrupt
+
+    def _landing_rows(self, spans: list[Span], pages: list[int], slots: Sequence[int]) -> Rows:
+        """(pages, segments, 3) words of a same-host read of `spans`: into the host pool's `pages`, or,
+        behind staging, into the page-major rows at `slots`."""
         staging = self.staging
         if staging is None:
             local = page_ranges(self.buffers, pages)[:, :, 0]
         else:
             assert staging.rows_base is not None
             local = self.geometry.row_addresses(staging.rows_base, slots)
-        rows = self.geometry.page_descriptors(spans, local)
-        with clock.step("read_checked"):
-            got = self.conn.read_checked(store, rows)
-        corrupt = [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
-        if staging is not None:
-            staging.checked_rows_to_pool(slots, pages[: corrupt[0] if corrupt else len(pages)], clock)
-        return corrupt
+        return self.geometry.page_descriptors(spans, local)
+
+    def _landed(self, slots: Sequence[int], verified: list[int], clock: StepClock) -> None:
+        """After a read by `_landing_rows`: behind staging, the rows at `slots` of the `verified` head
+        cross to the pool's pages; a host pool holds them already."""
+        if self.staging is not None:
+            self.staging.checked_rows_to_pool(slots, verified, clock)
 
     def _read_rows(
         self,
