@@ -119,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "each, taking turns in every rep); the TTFT replicas read by the first",
     )
     p.add_argument(
+        "--read-then-check",
+        action="store_true",
+        help="same-host reads land whole and are checked after (pagestore.check_while_reading false), "
+        "not checked page by page as they land: the baseline of the one-pass read",
+    )
+    p.add_argument(
         "--stage-host-pool",
         action="store_true",
         help="the GB/s client and the TTFT replicas pass their host pool through the mirror a GPU pool takes",
@@ -507,6 +513,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         "warm_store_read_descriptors": statistics.median(read_descriptors),
         "warm_store_read_descriptors_per_rep": read_descriptors,
         "read_piece_bytes": args.read_piece_bytes,
+        "check_while_reading": not args.read_then_check,
         "read_path": read_paths(args)[0],
         "share_prefixes": args.share_prefixes,
         "standing_share_seconds": args.standing_seconds,
@@ -576,6 +583,7 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         env["XAVIER_PAGESTORE__STAGE_HOST_POOL"] = "true"
     env["XAVIER_PAGESTORE__READ_PIECE_BYTES"] = str(args.read_piece_bytes)
     env["XAVIER_PAGESTORE__SAME_HOST_READS"] = str(read_paths(args)[0] == "direct").lower()
+    env["XAVIER_PAGESTORE__CHECK_WHILE_READING"] = str(not args.read_then_check).lower()
     env["XAVIER_HANDOFF__SHARE_PREFIXES"] = str(args.share_prefixes).lower()
     if args.standing_seconds is not None:
         env["XAVIER_HANDOFF__STANDING_SHARE_SECONDS"] = str(args.standing_seconds)

@@ -12,6 +12,9 @@
 #                     --standing-seconds 0; read: the store is READ; default stand,copy,read), then
 #                     0.5B-shaped at 2,000 (read, stand, copy, read); SHAPES: 05b,7b (both, the default),
 #                     05b or 7b
+#   checkab           page store TTFT, a same-host store read checked as each page lands (one pass, the
+#                     default) vs read whole and checked after (--read-then-check), alternating: 7B width at
+#                     28 layers at 8,000 tokens (3 reps each), then 0.5B-shaped at 2,000 (5 reps, twice each)
 #   verify            page store gets into a GPU pool (through the pinned host mirror) with and without their
 #                     checks, the GB/s points: 125 pages at the 0.5B shape, 500 at 7B width (28 layers)
 #   reads             a same-host get's read and check in one pass by thread count (page_checksum.py --reads):
@@ -103,6 +106,14 @@ run_case() {
         store_ttft share-05b-read-2 qwen2.5-0.5b 2000 0 "$reps"
       fi
       ;;
+    checkab)
+      store_ttft check-7b-onepass-1 7b-width 8000 28 3
+      store_ttft check-7b-apart-1 7b-width 8000 28 3 --read-then-check
+      store_ttft check-05b-apart-1 qwen2.5-0.5b 2000 0 5 --read-then-check
+      store_ttft check-05b-onepass-1 qwen2.5-0.5b 2000 0 5
+      store_ttft check-05b-onepass-2 qwen2.5-0.5b 2000 0 5
+      store_ttft check-05b-apart-2 qwen2.5-0.5b 2000 0 5 --read-then-check
+      ;;
     verify)
       for shape in "05b 24 4096 125 7" "7b 28 16384 500 5"; do
         set -- $shape
@@ -183,7 +194,7 @@ PY
       rm -f "$out/sglang-hicache-$shape.png"
       tail -c 3000 "$logs/hicache.stdout"
       ;;
-    *) echo "unknown case: $name (tests, share, verify, reads, verify-ab, profile, pd, hicache)"; return 2 ;;
+    *) echo "unknown case: $name (tests, share, checkab, verify, reads, verify-ab, profile, pd, hicache)"; return 2 ;;
   esac
   echo "== $name: $(( $(date +%s) - t0 )) s"
 }

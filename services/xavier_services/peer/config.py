@@ -156,6 +156,9 @@ class PageStoreSection(_Section):
     same_host_reads: bool = True
     """Read a store on this host straight out of its process's memory instead of by NIXL READs (false:
     always NIXL; a store elsewhere, or one whose memory cannot be read so, is read over NIXL anyway)."""
+    check_while_reading: bool = True
+    """Such a read checks each page as it lands, in the same pass over memory (where the page loop is
+    built); false: it reads every page first and checks them after, as after a NIXL READ."""
 
 
 class PeerServiceConfig(ServiceConfig):

@@ -217,6 +217,7 @@ class PeerHost:
             stage_host_pool=ps.stage_host_pool,
             read_piece_bytes=ps.read_piece_bytes,
             same_host_reads=ps.same_host_reads,
+            check_while_reading=ps.check_while_reading,
         )
         name = f"{self.peer_id}-store-{uuid.uuid4().hex[:8]}"
         store = self.store = PageStoreClient(
