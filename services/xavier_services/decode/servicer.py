@@ -242,9 +242,13 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
             if endpoint is not None and not pulling:  # the room began (or came with the request)
                 decline = host.port.decline(request.room_id, src.read_token, endpoint, peer_key(*source_key))
                 await asyncio.shield(decline)
-            await asyncio.shield(
-                self._finish(rid, request.room_id, completed, read_posted=pulling, room=not pair)
-            )
+            finish = self._finish(rid, request.room_id, completed, read_posted=pulling, room=not pair)
+            if pair:
+                # Nothing in a pair's finish waits (the engine's abort returns at once, and no room is
+                # told), so no cancel can cut it short: a shield's task would cost a loop turn for nothing.
+                await finish
+            else:
+                await asyncio.shield(finish)
 
     async def _prefill_endpoint(self, source: tuple[str, int]) -> types_pb2.TransferEndpoint:
         """A pair handoff's prefill endpoint: from the directory's peer list once per prefill epoch."""
