@@ -15,7 +15,7 @@
 #   checkab           page store TTFT, a same-host store read checked as each page lands (one pass, the
 #                     default) vs read whole and checked after (--read-then-check), alternating: 7B width at
 #                     28 layers at 8,000 tokens (3 reps each), then 0.5B-shaped at 2,000 (5 reps, twice each;
-#                     `checkab short`: once each)
+#                     `checkab short`: once each; `checkab 7b`: 7B width alone)
 #   verify            page store gets into a GPU pool (through the pinned host mirror) with and without their
 #                     checks, the GB/s points: 125 pages at the 0.5B shape, 500 at 7B width (28 layers)
 #   reads             a same-host get's read and check in one pass by thread count (page_checksum.py --reads):
@@ -110,6 +110,7 @@ run_case() {
     checkab)
       store_ttft check-7b-onepass-1 7b-width 8000 28 3
       store_ttft check-7b-apart-1 7b-width 8000 28 3 --read-then-check
+      [ "${1:-}" = 7b ] && return 0
       store_ttft check-05b-apart-1 qwen2.5-0.5b 2000 0 5 --read-then-check
       store_ttft check-05b-onepass-1 qwen2.5-0.5b 2000 0 5
       [ "${1:-}" = short ] && return 0
