@@ -242,6 +242,35 @@ def test_a_process_whose_tag_is_not_the_stores_is_not_read() -> None:
         arena.read_checked(np.array([[[base, at, 8]]], np.uint64))
 
 
+@pytest.mark.skipif(not native.available(), reason="the page loop is not built here")
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_loop_reads_pages_of_many_small_segments_in_groups_exactly(threads: int) -> None:
+    """A store chunk keeps each segment of consecutive slots one after another; the loop reads a thread's
+    group of pages in one system call, those ranges joined, and lands every segment where its row says,
+    also where a page comes from a slot out of order (the join breaks there)."""
+    segs, seg, slots = 4, 256, 40
+    content = np.random.default_rng(9).integers(0, 256, segs * slots * seg, np.uint8)
+    base = int(content.ctypes.data)
+    order = list(range(slots))
+    order[17], order[39] = order[39], order[17]  # two slots read out of order
+    dest = np.zeros(slots * segs * seg, np.uint8)
+    at = int(dest.ctypes.data)
+    pages = np.array(
+        [
+            [[base + (s * slots + slot) * seg, at + (i * segs + s) * seg, seg] for s in range(segs)]
+            for i, slot in enumerate(order)
+        ],
+        dtype=np.uint64,
+    )
+    built = native.native_hash()
+    assert built is not None
+    sums = built.read_checksums(os.getpid(), pages, threads=threads)
+    c = content.tobytes()
+    want = [[c[(s * slots + slot) * seg :][:seg] for s in range(segs)] for slot in order]
+    assert dest.tobytes() == b"".join(b"".join(parts) for parts in want)
+    assert sums == [page_checksum(parts) for parts in want]
+
+
 def _a_pid_nobody_has() -> int:
     taken = {int(p) for p in os.listdir("/proc") if p.isdigit()}
     return next(p for p in range(4_000_000, 1, -1) if p not in taken)

@@ -38,6 +38,7 @@ typedef struct {
     unsigned char *out;
     pid_t pid; /* read_part: the process the pages are read out of */
     int hash; /* read_part: 0 reads the pages alone (no checksums: `out` is NULL) */
+    size_t group; /* read_part: pages a thread takes at a time (`read_group`) */
     size_t next; /* the next page not yet taken by a thread (atomic) */
     int stop; /* set by the first thread that fails, seen by the others at their next page (atomic) */
 } job;
@@ -51,13 +52,15 @@ typedef struct {
 /* The next page for a thread of `j` to do, or `j->pages` when none is left or a thread failed. Pages are
    handed out one at a time, so a thread the kernel runs late (cores shared with an engine's busy threads)
    takes fewer of them instead of holding the whole call back. */
-static size_t take_page(job *j) {
+static size_t take_pages(job *j, size_t n) {
     if (__atomic_load_n(&j->stop, __ATOMIC_RELAXED)) {
         return j->pages;
     }
-    size_t page = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+    size_t page = __atomic_fetch_add(&j->next, n, __ATOMIC_RELAXED);
     return page < j->pages ? page : j->pages;
 }
+
+static size_t take_page(job *j) { return take_pages(j, 1); }
 
 static void fail(part *p, int rc) {
     p->rc = rc;
@@ -95,42 +98,75 @@ static void *hash_part(void *arg) {
     return NULL;
 }
 
-#define MAX_SEGMENTS 1024 /* Linux's UIO_MAXIOV: one system call reads a page */
+#define MAX_SEGMENTS 1024 /* Linux's UIO_MAXIOV: the iovecs of one system call, on each side */
+#define GROUP_BYTES (1 << 20) /* a group's pages stay about this size: still in cache when hashed */
 
-/* Reads each page's segments out of process `pid` into this process's memory (one process_vm_readv a
-   page: `ranges` holds remote address, local address, length words per segment), then hashes them while
-   they are still in this core's cache: one pass over memory where a read and a later check take two.
-   A failed or short read sets `rc` to -errno (-EIO: short) and stops the other threads at their next
-   page. */
+/* Pages a reading thread takes at a time: as many as stay within GROUP_BYTES and the iovec limit, and
+   few enough that every thread gets about two groups (a late thread then holds the call back by one
+   group at most); at least one. */
+static size_t read_group(const uint64_t *ranges, size_t pages, size_t segments, size_t threads) {
+    size_t page_bytes = 0;
+    for (size_t s = 0; s < segments; s++) {
+        page_bytes += (size_t)ranges[3 * s + 2];
+    }
+    size_t group = page_bytes ? GROUP_BYTES / page_bytes : 1;
+    if (segments && group > MAX_SEGMENTS / segments) {
+        group = MAX_SEGMENTS / segments;
+    }
+    if (group > pages / (2 * threads)) {
+        group = pages / (2 * threads);
+    }
+    return group ? group : 1;
+}
+
+/* Reads pages out of process `pid` into this process's memory (`ranges` holds remote address, local
+   address, length words per segment), then hashes each while it is still in this core's cache: one pass
+   over memory where a read and a later check take two. A thread takes a group of pages at a time
+   (`read_group`) and reads the group in one process_vm_readv, segment by segment:
+   a segment's ranges of consecutive pages that lie one after another in the remote process (consecutive
+   slots of a store chunk) go as one remote iovec, so a page of many small segments costs the kernel one
+   remote range per segment and group, not per page. A failed or short read sets `rc` to -errno (-EIO:
+   short) and stops the other threads at their next group. */
 static void *read_part(void *arg) {
     part *p = (part *)arg;
     job *j = p->job;
     struct iovec local[MAX_SEGMENTS], remote[MAX_SEGMENTS];
-    for (size_t page = take_page(j); page < j->pages; page = take_page(j)) {
-        const uint64_t *r = j->ranges + j->words * j->segments * page;
+    size_t group = j->group;
+    for (size_t at = take_pages(j, group); at < j->pages; at = take_pages(j, group)) {
+        size_t end = at + group < j->pages ? at + group : j->pages;
+        size_t nl = 0, nr = 0;
         ssize_t want = 0;
         for (size_t s = 0; s < j->segments; s++) {
-            remote[s] = (struct iovec){(void *)(uintptr_t)r[3 * s], (size_t)r[3 * s + 2]};
-            local[s] = (struct iovec){(void *)(uintptr_t)r[3 * s + 1], (size_t)r[3 * s + 2]};
-            want += (ssize_t)r[3 * s + 2];
+            for (size_t page = at; page < end; page++) {
+                const uint64_t *r = j->ranges + 3 * (j->segments * page + s);
+                void *from = (void *)(uintptr_t)r[0];
+                size_t len = (size_t)r[2];
+                local[nl++] = (struct iovec){(void *)(uintptr_t)r[1], len};
+                want += (ssize_t)len;
+                if (nr && (char *)remote[nr - 1].iov_base + remote[nr - 1].iov_len == (char *)from) {
+                    remote[nr - 1].iov_len += len;
+                } else {
+                    remote[nr++] = (struct iovec){from, len};
+                }
+            }
         }
-        ssize_t got = process_vm_readv(j->pid, local, j->segments, remote, j->segments, 0);
+        ssize_t got = process_vm_readv(j->pid, local, nl, remote, nr, 0);
         if (got != want) {
             fail(p, got < 0 ? -errno : -EIO);
             return NULL;
         }
-        if (!j->hash) {
-            continue;
+        for (size_t page = at; j->hash && page < end; page++) {
+            const uint64_t *r = j->ranges + 3 * j->segments * page;
+            int rc = j->reset(p->state);
+            for (size_t s = 0; rc == 0 && s < j->segments; s++) {
+                rc = j->update(p->state, (const void *)(uintptr_t)r[3 * s + 1], (size_t)r[3 * s + 2]);
+            }
+            if (rc != 0) {
+                fail(p, rc);
+                return NULL;
+            }
+            put_digest(p, page);
         }
-        int rc = j->reset(p->state);
-        for (size_t s = 0; rc == 0 && s < j->segments; s++) {
-            rc = j->update(p->state, local[s].iov_base, local[s].iov_len);
-        }
-        if (rc != 0) {
-            fail(p, rc);
-            return NULL;
-        }
-        put_digest(p, page);
     }
     return NULL;
 }
@@ -139,7 +175,7 @@ static int run_parts(void *(*work)(void *), pid_t pid, void *reset, void *update
                      void **states, size_t threads, const uint64_t *ranges, size_t words, size_t pages,
                      size_t segments, unsigned char *out) {
     job j = {(reset_fn)reset, (update_fn)update, (digest_fn)digest, ranges, words, pages, segments, out, pid,
-             out != NULL, 0, 0};
+             out != NULL, 1, 0, 0};
     part parts[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS];
@@ -151,6 +187,9 @@ static int run_parts(void *(*work)(void *), pid_t pid, void *reset, void *update
     }
     if (threads == 0) {
         return 0;
+    }
+    if (words == 3) {
+        j.group = read_group(ranges, pages, segments, threads);
     }
     for (size_t t = 0; t < threads; t++) {
         parts[t] = (part){&j, states[t], 0};
