@@ -69,10 +69,10 @@ class NativeHash:
     def read_checksums(self, pid: int, ranges: npt.NDArray[np.uint64], threads: int = 1) -> list[bytes]:
         """Reads each page of `ranges`, a C-contiguous (pages, segments, 3) array of (address in process
         `pid`, local address, length) words, out of that process's memory (`process_vm_readv`, one call a
-        page) and returns the `layout.page_checksum` of each as it landed, hashed right after its read
-        while in cache; one call without the GIL, over `threads` threads of the loop's own. Raises
-        `OSError` (the kernel's errno; EIO: a short read) when a read failed: the local pages then hold
-        unspecified bytes."""
+        small group of pages, a segment's ranges of consecutive slots joined) and returns the
+        `layout.page_checksum` of each as it landed, hashed right after its read while in cache; one call
+        without the GIL, over `threads` threads of the loop's own. Raises `OSError` (the kernel's errno;
+        EIO: a short read) when a read failed: the local pages then hold unspecified bytes."""
         return self._run(self.read_hash_pages, (pid,), ranges, threads)
 
     def read_pages(self, pid: int, ranges: npt.NDArray[np.uint64], threads: int = 1) -> None:
