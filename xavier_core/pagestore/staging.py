@@ -265,10 +265,7 @@ class HostStaging:
         stream = torch.cuda.default_stream(dev) if dev.type == "cuda" else None
         moving: torch.cuda.Event | None = None
         with clock.step("stage_copy"), self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
-            for first, start, length in _slot_runs(slots):
-                moved[at + first : at + first + length].copy_(
-                    self._rows[start : start + length], non_blocking=stream is not None
-                )
+            self._rows_to(moved, at, slots, non_blocking=stream is not None)
             if stream is not None:
                 moving = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 moving.record(stream)
@@ -298,11 +295,18 @@ class HostStaging:
             return
         moved = self.moved_rows(len(pages))
         p_idx = self._page_index(pages)
-        assert self._rows is not None
         with clock.step("stage_copy"), self._on_device() as gpu:
-            for first, start, length in _slot_runs(slots[: len(pages)]):
-                moved[first : first + length].copy_(self._rows[start : start + length], non_blocking=gpu)
+            self._rows_to(moved, 0, slots[: len(pages)], non_blocking=gpu)
             self._scatter_rows(moved, p_idx)
+
+    def _rows_to(self, moved: torch.Tensor, at: int, slots: Sequence[int], *, non_blocking: bool) -> None:
+        """The rows at `slots` into `moved[at : at + len(slots)]`, one copy (a DMA from the pinned rows, on a
+        GPU) per run of consecutive slots, on the current stream; the caller holds the device lock."""
+        assert self._rows is not None
+        for first, start, length in _slot_runs(slots):
+            moved[at + first : at + first + length].copy_(
+                self._rows[start : start + length], non_blocking=non_blocking
+            )
 
     def _page_index(self, pages: Sequence[int]) -> torch.Tensor:
         import torch
