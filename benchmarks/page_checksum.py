@@ -24,6 +24,11 @@ copy of the same bytes on one thread (`np.copyto`) and the pages read by the loo
 it says how the read scales with threads on a host, and what the check adds to it. The pages are read out
 of this process's own memory (an "arena" of `--pages` pages, segment-major as the store keeps them, in
 NumPy's memory with the huge pages it asks for), which takes the kernel the same path as the store's.
+With `--parts 1,4,8` each thread count's read is also made in that many consecutive calls of the loop (a
+GPU pool's read in parts, `ClientSettings.checked_read_part_bytes`): what one more call costs (its threads are
+started and joined per call, and each call ends on its slowest thread).
+Example: `python benchmarks/page_checksum.py --reads --pages 500 --buffers 56 --segment-bytes 16384
+--threads 2 --parts 1,4,8,16`.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -56,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--reads", action="store_true", help="a same-host get's read and check in one pass, by thread count"
+    )
+    p.add_argument(
+        "--parts", default="1", help="with --reads: the read made in this many consecutive calls, e.g. 1,4,8"
     )
     p.add_argument(
         "--busy-python", default="0", help="with --methods or --reads: busy Python threads beside, e.g. 0,1,2"
@@ -116,9 +125,12 @@ def _result(pages: int, nbuf: int, seg: int, busy: int, times: dict[str, list[fl
     }
 
 
-def reads(pages: int, nbuf: int, seg: int, threads: list[int], busy: int, reps: int) -> dict[str, Any]:
-    """A get's read and check in one pass (`NativeHash.read_checksums`) on each of `threads`, `busy` Python
-    threads beside, against one `np.copyto` of the same bytes; alternating every rep."""
+def reads(
+    pages: int, nbuf: int, seg: int, threads: list[int], busy: int, reps: int, parts: Sequence[int] = (1,)
+) -> dict[str, Any]:
+    """A get's read and check in one pass (`NativeHash.read_checksums`) on each of `threads`, in each
+    number of consecutive calls of `parts`, `busy` Python threads beside, against one `np.copyto` of the
+    same bytes; alternating every rep."""
     built = native.native_hash()
     if built is None:
         raise RuntimeError("the native page loop is not built here")
@@ -135,12 +147,17 @@ def reads(pages: int, nbuf: int, seg: int, threads: list[int], busy: int, reps: 
     times: dict[str, list[float]] = {}
     with busy_python(busy):
         for rep in range(reps):
-            order: list[tuple[str, int]] = [*((f"threads_{t}", t) for t in threads), ("copyto", 0)]
-            for name, t in order if rep % 2 == 0 else order[::-1]:
+            order: list[tuple[str, int, int]] = [
+                *((f"threads_{t}" + (f"_parts_{n}" if n > 1 else ""), t, n) for t in threads for n in parts),
+                ("copyto", 0, 1),
+            ]
+            for name, t, n in order if rep % 2 == 0 else order[::-1]:
                 pool[:] = 0
                 start = time.perf_counter()
                 if t:
-                    got = built.read_checksums(os.getpid(), rows, t)
+                    got = []
+                    for part in np.array_split(rows, n):
+                        got += built.read_checksums(os.getpid(), np.ascontiguousarray(part), t)
                 else:
                     np.copyto(pool, arena.transpose(1, 0, 2))
                 times.setdefault(name, []).append(time.perf_counter() - start)
@@ -202,7 +219,15 @@ def main(argv: list[str] | None = None) -> int:
         threads = [int(t) for t in args.threads.split(",")]
         busy = [int(x) for x in args.busy_python.split(",")]
         cases = [
-            reads(args.pages, args.buffers, int(seg), threads, b, args.reps)
+            reads(
+                args.pages,
+                args.buffers,
+                int(seg),
+                threads,
+                b,
+                args.reps,
+                [int(n) for n in args.parts.split(",")],
+            )
             for seg in args.segment_bytes.split(",")
             for b in busy
         ]
