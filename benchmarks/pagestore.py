@@ -58,7 +58,7 @@ from xavier_core.pagestore import staging as staging_module
 from xavier_core.pagestore.layout import local_page_checksums
 from xavier_core.pagestore.metrics import FETCH_STEPS, client_metrics
 from xavier_core.pagestore.nixl import TCP_SEGMENT_BYTES
-from xavier_core.pagestore.reading import PIECE_BYTES
+from xavier_core.pagestore.reading import PART_BYTES, PIECE_BYTES, read_checked_in_parts
 from xavier_core.transfer.common.buffers import KvBuffer
 
 
@@ -123,6 +123,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="same-host reads land whole and are checked after (pagestore.check_while_reading false), "
         "not checked page by page as they land: the baseline of the one-pass read",
+    )
+    p.add_argument(
+        "--checked-part-bytes",
+        type=int,
+        default=None,
+        help="a same-host read checked as it lands into a GPU pool (or a staged host pool) is made in parts "
+        f"of about this many bytes, each part's rows crossing while the next is read (default the client's, "
+        f"{PART_BYTES}; 0: one part, crossing once it has all landed)",
     )
     p.add_argument(
         "--stage-host-pool",
@@ -192,19 +200,48 @@ def unchecked_verifier(client: PageStoreClient) -> Any:
 def unhashed_read(client: PageStoreClient) -> Any:
     """A stand-in for `client._read_checked` (a same-host read, each page checked as it lands, into a
     host pool or a GPU pool's staging rows): the same read by the same page loop with the hashing left
-    out (`DirectArena.read_unhashed`), timed as the `read` step, the rows still moved to the pool. What
-    checking as they land adds to a get is told against it."""
+    out (`DirectArena.read_unhashed`), timed as the `read` step, the rows still moved to the pool, in the
+    same parts (each part's rows moving while the next is read). What checking as they land adds to a get
+    is told against it."""
 
     def read(
-        store: Any, spans: Any, pages: list[int], sums: list[bytes], clock: Any, slots: Any = ()
+        store: Any,
+        spans: Any,
+        pages: list[int],
+        sums: list[bytes],
+        clock: Any,
+        slots: Any = (),
+        made: list[tuple[int, int]] | None = None,
     ) -> list[int]:
         rows = client._landing_rows(spans, pages, slots)
+        parts = client._checked_parts(len(pages))
+        if made is not None:
+            made += parts
+        if client.staging is not None and len(parts) > 1:
+            unhashed: Any = UnhashedReads(clock)
+            none = [b""] * len(pages)  # what `unhashed` answers for each page: all pass
+            return read_checked_in_parts(
+                unhashed, store, rows, none, client.staging, slots, pages, parts, clock
+            )
         with clock.step("read"):
             store.arena.read_unhashed(rows)
         client._landed(slots, pages, clock)
         return []
 
     return read
+
+
+@dataclasses.dataclass
+class UnhashedReads:
+    """A connection stand-in for `read_checked_in_parts` whose `read_checked` reads a part unhashed (timed
+    as the `read` step, within the part's `read_checked`) and answers an empty sum for each page."""
+
+    clock: Any
+
+    def read_checked(self, store: Any, rows: Any) -> list[bytes]:
+        with self.clock.step("read"):
+            store.arena.read_unhashed(rows)
+        return [b""] * rows.shape[0]
 
 
 async def unchecked_get(
@@ -248,6 +285,7 @@ def probe(address: str, bufs: list[KvBuffer], path: str, args: argparse.Namespac
         stage_host_pool=args.stage_host_pool,
         read_piece_bytes=args.read_piece_bytes,
         same_host_reads=path == "direct",
+        checked_read_part_bytes=part_bytes(args),
     )
     out = Probe(path, PageStoreClient(address, bufs, settings))
     real_move = out.client.conn.move
@@ -315,6 +353,11 @@ async def one_rep(
         got["get_r"].append(spent["get_pages"])
         got["get_c"].append(spent["verify"])
         await client.flush()  # the lease release the get did not wait for
+
+
+def part_bytes(args: argparse.Namespace) -> int:
+    """`--checked-part-bytes`, else the client's default (`ClientSettings.checked_read_part_bytes`)."""
+    return PART_BYTES if args.checked_part_bytes is None else int(args.checked_part_bytes)
 
 
 def read_paths(args: argparse.Namespace) -> list[str]:
@@ -514,6 +557,8 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         "warm_store_read_descriptors_per_rep": read_descriptors,
         "read_piece_bytes": args.read_piece_bytes,
         "check_while_reading": not args.read_then_check,
+        # Parts of a read checked as it lands into a GPU pool (0: one part).
+        "checked_read_part_bytes": part_bytes(args),
         "read_path": read_paths(args)[0],
         "share_prefixes": args.share_prefixes,
         "standing_share_seconds": args.standing_seconds,
@@ -522,7 +567,9 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         # Where B's fetch of the stored prefix spent its time, per step (medians over the reps, ms):
         # get_pages (lookup + lease, one RPC), read (NIXL, first post to last done), verify (checksums),
         # stage_copy (mirror <-> pool), worker (the thread hop), fetch (all of it, end to end). With the
-        # READ in pieces, verify and stage_copy overlap read, so the steps sum to more than fetch.
+        # READ in pieces, verify and stage_copy overlap read, so the steps sum to more than fetch; a read
+        # checked as it lands in parts keeps them apart (stage_copy: each part's DMAs queued, then the
+        # scatter and the wait for what is still moving).
         "warm_store_steps_ms": {k: 1e3 * statistics.median(r[k] for r in steps) for k in FETCH_STEPS},
         "warm_store_steps_ms_per_rep": [{k: 1e3 * v for k, v in r.items()} for r in steps],
         # Of the fetch's two calls, the time their servers spent handling them (xavier_rpc_seconds): the
@@ -584,6 +631,7 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     env["XAVIER_PAGESTORE__READ_PIECE_BYTES"] = str(args.read_piece_bytes)
     env["XAVIER_PAGESTORE__SAME_HOST_READS"] = str(read_paths(args)[0] == "direct").lower()
     env["XAVIER_PAGESTORE__CHECK_WHILE_READING"] = str(not args.read_then_check).lower()
+    env["XAVIER_PAGESTORE__CHECKED_READ_PART_BYTES"] = str(part_bytes(args))
     env["XAVIER_HANDOFF__SHARE_PREFIXES"] = str(args.share_prefixes).lower()
     if args.standing_seconds is not None:
         env["XAVIER_HANDOFF__STANDING_SHARE_SECONDS"] = str(args.standing_seconds)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from xavier.v1 import page_store_service_pb2 as pb
+from xavier_services.peer.config import PeerServiceConfig
 
 from tests.pagestore.support import (
     BPP,
@@ -33,6 +34,8 @@ from xavier_core.pagestore.connection import StoreConnection
 from xavier_core.pagestore.direct import arena_tag, open_direct_arena
 from xavier_core.pagestore.layout import page_checksum
 from xavier_core.pagestore.metrics import client_metrics, fetch_step_seconds
+from xavier_core.pagestore.reading import PART_BYTES
+from xavier_core.runtime.config import ConfigError, load_config
 from xavier_core.transfer.common.errors import PeerError
 
 pytestmark = pytest.mark.integration
@@ -122,6 +125,102 @@ async def test_a_get_reads_the_stores_memory_and_drops_corrupt_pages(store: Serv
     finally:
         for c in (writer, vandal, reader):
             await c.close()
+
+
+# Staged (a GPU pool's path), each page checked as it lands, in parts of two pages: 6 pages in 3 parts.
+IN_PARTS = ClientSettings(stage_host_pool=True, staging_pages=16, checked_read_part_bytes=2 * PAGE_BYTES)
+
+
+def _slots_all_back(client: PageStoreClient) -> bool:
+    staging = client.staging
+    assert staging is not None
+    return staging._free == list(range(staging.slots)) and staging.usable == staging.slots
+
+
+@pytest.mark.skipif(not native.available(), reason="the page loop is not built here")
+@pytest.mark.parametrize("bad", [2, 3])
+async def test_a_staged_read_in_parts_lands_exactly_and_stops_at_the_first_corrupt_page(
+    store: ServiceProc, bad: int
+) -> None:
+    """Behind staging, a read checked as it lands is made in parts, each part's verified rows moving while
+    the next is read: every page lands exactly; a corrupt page in the middle part (its first page, or one
+    after a verified one) ends the read there: the verified head is in the pool, the rest a miss that
+    never reaches it, the last part is not read, and every staging slot is back."""
+    pool = make_pool(77 + bad)
+    writer = PageStoreClient(store.address, buffers(pool))
+    vandal = PageStoreClient(store.address, buffers(make_pool(72)))
+    reader_pool = make_pool(None)
+    reader = PageStoreClient(store.address, buffers(reader_pool), IN_PARTS)
+    name = f"fp-parts-{bad}"
+    steps = fetch_step_seconds()
+    try:
+        ns, keys = await _written_then_read(writer, pool, reader, reader_pool, name, 5, 6)
+        spent = {k: v - steps.get(k, 0.0) for k, v in fetch_step_seconds().items()}
+        assert spent.get("read_checked", 0.0) > 0 and spent.get("stage_copy", 0.0) > 0
+        assert not spent.get("verify", 0.0)
+        assert reader.counters.reads == reader.counters.direct_reads == 3  # one call of the loop a part
+        assert reader.counters.read_descriptors == 6 * NBUF
+        assert _slots_all_back(reader)
+
+        await scribble(store.address, vandal, name, keys, bad)
+        assert await _fetch(reader, reader_pool, ns, keys) == bad
+        assert page_digest(reader_pool, list(range(20, 20 + bad))) == page_digest(pool, list(range(bad)))
+        assert not any(a.reshape(-1, BPP)[20 + bad : 26].any() for a in reader_pool)
+        # The first two parts read (the corrupt page's is the second), the third not.
+        assert reader.counters.reads == 5 and reader.counters.read_descriptors == (6 + 4) * NBUF
+        assert reader.counters.corrupt_pages == 1 and reader.counters.miss_pages == 6 - bad
+        assert _slots_all_back(reader)
+        (st,) = ns_stats(store.address, name)
+        assert st.checksum_failures == 1 and st.pages == 5
+    finally:
+        for c in (writer, vandal, reader):
+            await c.close()
+
+
+@pytest.mark.skipif(not native.available(), reason="the page loop is not built here")
+async def test_a_read_in_parts_that_fails_midway_is_a_miss_and_gives_its_slots_back(
+    store: ServiceProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second part's read fails after the first part's rows were queued to the pool's device: the
+    get is a miss, nothing reaches the pool, and every staging slot is back."""
+    pool = make_pool(81)
+    writer = PageStoreClient(store.address, buffers(pool))
+    reader_pool = make_pool(None)
+    reader = PageStoreClient(store.address, buffers(reader_pool), IN_PARTS)
+    ns = PageNamespace("fp-parts-fail")
+    keys = chain("fp-parts-fail", "", 6, 6)
+    real = reader.conn.read_checked
+    calls: list[int] = []
+
+    def second_fails(store_peer: object, rows: np.ndarray) -> list[bytes]:
+        calls.append(rows.shape[0])
+        if len(calls) == 2:
+            raise PeerError("the store's memory could not be read")
+        return real(store_peer, rows)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reader.conn, "read_checked", second_fails)
+    try:
+        assert await writer.write(ns, keys, list(range(6))) == 6
+        assert await _fetch(reader, reader_pool, ns, keys) == 0
+        assert calls == [2, 2]
+        assert not any(a.any() for a in reader_pool)
+        assert reader.counters.reads == 2 and reader.counters.errors == 1
+        assert _slots_all_back(reader)
+    finally:
+        await writer.close()
+        await reader.close()
+
+
+def test_the_part_size_is_a_peer_config_key(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "peer.toml"
+    cfg_file.write_text("[pagestore]\nchecked_read_part_bytes = -1\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(PeerServiceConfig, cfg_file, {}, {})
+    [(key, _, source)] = caught.value.issues
+    assert key == "pagestore.checked_read_part_bytes" and source.startswith("file")
+    assert load_config(PeerServiceConfig, None, {}, {}).pagestore.checked_read_part_bytes == PART_BYTES
+    env = {"XAVIER_PAGESTORE__CHECKED_READ_PART_BYTES": "0"}
+    assert load_config(PeerServiceConfig, None, env, {}).pagestore.checked_read_part_bytes == 0
 
 
 async def test_with_same_host_reads_off_the_get_goes_over_nixl(store: ServiceProc) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
@@ -167,6 +168,28 @@ def test_a_checked_scatter_moves_only_the_verified_head(
         back.to_pool_checked(slots, dest, want[:3])
 
 
+def _landed_rows(device: str, slots: list[int], seed: int) -> tuple[list[Any], HostStaging, Any]:
+    """A pool of four 256-byte buffers on `device` (zeros) behind staging of 16 slots, and random pages
+    landed page-major in the staging rows at `slots` (as a same-host read lands them): the pool's
+    buffers, the staging and the pages, a (len(slots), page bytes) tensor."""
+    import torch
+
+    if device != "cpu" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sizes = (256,) * 4  # the one-tensor mirror: the layout whose same-host reads land page-major
+    dst = [torch.zeros((32, s), dtype=torch.uint8, device=device) for s in sizes]
+    staging = HostStaging([KvBuffer(t.data_ptr(), t.numel(), t.shape[1], str(t.device)) for t in dst], 16)
+    assert staging.rows_base is not None
+    gen = torch.Generator().manual_seed(seed)
+    pages = torch.randint(0, 256, (len(slots), sum(sizes)), generator=gen, dtype=torch.uint8)
+    rows = np.ctypeslib.as_array(
+        (np.ctypeslib.ctypes.c_uint8 * (16 * sum(sizes))).from_address(staging.rows_base)
+    ).reshape(16, sum(sizes))
+    for i, s in enumerate(slots):
+        rows[s] = pages[i].numpy()
+    return dst, staging, pages
+
+
 @pytest.mark.parametrize("device", _DEVICES)
 @pytest.mark.parametrize("slots", [[3, 4, 5, 6, 7, 8], [9, 2, 11, 0, 14, 5]], ids=["run", "scattered"])
 def test_rows_checked_while_they_move_reach_the_pool_only_as_the_verified_head(
@@ -177,19 +200,7 @@ def test_rows_checked_while_they_move_reach_the_pool_only_as_the_verified_head(
     scattered into the pool, and the rows' bytes are the pool's pages, buffer by buffer."""
     import torch
 
-    if device != "cpu" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    sizes = (256,) * 4  # the one-tensor mirror: the layout whose same-host reads land page-major
-    dst = [torch.zeros((32, s), dtype=torch.uint8, device=device) for s in sizes]
-    staging = HostStaging([KvBuffer(t.data_ptr(), t.numel(), t.shape[1], str(t.device)) for t in dst], 16)
-    assert staging.rows_base is not None
-    gen = torch.Generator().manual_seed(3)
-    pages = torch.randint(0, 256, (len(slots), sum(sizes)), generator=gen, dtype=torch.uint8)
-    rows = np.ctypeslib.as_array(
-        (np.ctypeslib.ctypes.c_uint8 * (16 * sum(sizes))).from_address(staging.rows_base)
-    ).reshape(16, sum(sizes))
-    for i, s in enumerate(slots):
-        rows[s] = pages[i].numpy()
+    dst, staging, pages = _landed_rows(device, slots, 3)
     want = page_row_checksums(pages.numpy())
     want[4] = bytes(16)
     moved = staging.moved_rows(len(slots))
@@ -205,3 +216,31 @@ def test_rows_checked_while_they_move_reach_the_pool_only_as_the_verified_head(
         assert torch.equal(got[targets[:4]], pages[:4, b * 256 : (b + 1) * 256])
         assert not got[targets[4:]].any()  # the failed page and the one after it never reach the pool
     assert clock.seconds["verify"] > 0 and clock.seconds["stage_copy"] > 0
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("slots", [[3, 4, 5, 6, 7, 8], [9, 2, 11, 0, 14, 5]], ids=["run", "scattered"])
+def test_rows_queued_part_by_part_reach_the_pool_exactly(device: str, slots: list[int]) -> None:
+    """Rows checked as they landed (a read in parts) are queued to the call's device buffer a part at a
+    time without waiting (on a GPU each queueing gives what to wait for, and the wait ends the copies);
+    one scatter of the verified head then puts each row into its pool page, buffer by buffer."""
+    import torch
+
+    dst, staging, pages = _landed_rows(device, slots, 4)
+    moved = staging.moved_rows(len(slots))
+    clock = StepClock()
+    queued = [staging.queue_rows(slots[lo : lo + 2], moved, lo, clock) for lo in (0, 2)]
+    assert staging.queue_rows([], moved, 4, clock) is None  # nothing to copy: nothing to wait for
+    assert [q is not None for q in queued] == [device != "cpu"] * 2
+    staging.wait_queued(queued[-1], clock)
+    assert all(q is None or q.query() for q in queued)
+    assert torch.equal(moved[:4].cpu(), pages[:4])
+    queued.append(staging.queue_rows(slots[4:], moved, 4, clock))
+    targets = [20, 1, 30, 7, 8, 9]
+    staging.rows_to_pool(moved, targets[:5], clock)  # the head of five: the last part's first row only
+    assert all(q is None or q.query() for q in queued)  # the scatter's wait ended the copy before it
+    for b, pool in enumerate(dst):
+        got = pool.cpu()
+        assert torch.equal(got[targets[:5]], pages[:5, b * 256 : (b + 1) * 256])
+        assert not got[targets[5]].any()
+    assert clock.seconds["stage_copy"] > 0 and "verify" not in clock.seconds

@@ -41,7 +41,14 @@ from xavier_core.pagestore.layout import PageGeometry, Span, local_page_checksum
 from xavier_core.pagestore.lookups import LeasedLookups
 from xavier_core.pagestore.metrics import ClientCounters, StepClock, client_metrics
 from xavier_core.pagestore.namespace import PageNamespace
-from xavier_core.pagestore.reading import Verify, cut_spans, piece_bounds, read_in_pieces
+from xavier_core.pagestore.reading import (
+    PART_BYTES,
+    Verify,
+    cut_spans,
+    piece_bounds,
+    read_checked_in_parts,
+    read_in_pieces,
+)
 from xavier_core.pagestore.staging import HostStaging
 from xavier_core.pagestore.trouble import TroubleLog
 from xavier_core.pagestore.writer import WriteQueue
@@ -97,6 +104,10 @@ class ClientSettings:
     (`same_host_reads`, one piece), and the page loop is built (`native`), each page is checksummed right
     after its read, in the same loop, while its bytes are still in cache: one pass over memory, where
     reading all and then checking all makes two. Off: read first, then checked, as after a NIXL READ."""
+    checked_read_part_bytes: int = PART_BYTES
+    """Such a read into a GPU pool's staging rows is made in parts of about this many bytes, each part's
+    verified rows queued to the GPU while the next part is read (`reading.read_checked_in_parts`); a
+    call of at most this many bytes, or 0 here: one part, its rows crossing once it has all landed."""
 
 
 @dataclass(frozen=True)
@@ -524,10 +535,11 @@ class PageStoreClient:
             sums = list(resp.checksums[: len(pages)])
             spans = _head(resp.spans, len(pages))
             # One pass, each page checked as it lands: into a host pool, or into the staging's
-            # page-major rows, from which the verified head crosses to the device.
+            # page-major rows, from which the verified head crosses to the device (a part at a time).
+            made: list[tuple[int, int]] | None = None  # a read in parts: those read, counted once it ends
             if direct and self._checks_while_reading() and (self.staging is None or rows_base is not None):
-                read = functools.partial(self._read_checked, store, spans, pages, sums, clock, slots)
-                reads, descriptors = 1, len(pages) * len(self.geometry.segment_bytes)
+                made = []
+                read = functools.partial(self._read_checked, store, spans, pages, sums, clock, slots, made)
             else:
                 pieces = self._pieces(spans, local, rows_base)
                 reads, descriptors = len(pieces), sum(rows.shape[0] for *_, rows in pieces)
@@ -536,8 +548,13 @@ class PageStoreClient:
                     read = functools.partial(read_in_pieces, self.conn, store, pieces, verify, clock)
                 else:
                     read = functools.partial(self._read_rows, store, pieces, slots, pages, sums, clock)
-            self._count_reads(reads, descriptors, direct=direct)
-            corrupt = await self._off_loop(store, clock, read)
+                self._count_reads(reads, descriptors, direct=direct)
+            try:
+                corrupt = await self._off_loop(store, clock, read)
+            finally:
+                if made is not None:
+                    segments = len(self.geometry.segment_bytes)
+                    self._count_reads(len(made), sum(hi - lo for lo, hi in made) * segments, direct=True)
         except TransferStuck as exc:
             released = self._reap(exc)
             if self.staging is not None:  # NIXL may still write into them: not lent until it has ended
@@ -580,17 +597,34 @@ class PageStoreClient:
         sums: list[bytes],
         clock: StepClock,
         slots: Sequence[int] = (),
+        made: list[tuple[int, int]] | None = None,
     ) -> list[int]:
         """A read out of a same-host store's memory, each page checked as it lands
         (`DirectArena.read_checked`): into the host pool's `pages`, or, behind staging, into the page-major
         rows at `slots`, whose verified head is then moved to the pool's `pages` (`HostStaging.
-        checked_rows_to_pool`). Returns the indices of the pages that failed. Blocking: a worker thread."""
+        checked_rows_to_pool`); a long one behind staging in parts, each part's rows moving while the next
+        is read (`read_checked_in_parts`). Returns the indices of the pages that failed; each part read
+        (`(lo, hi)` of the pages) is appended to `made`. Blocking: a worker thread."""
         rows = self._landing_rows(spans, pages, slots)
+        parts = self._checked_parts(len(pages))
+        if self.staging is not None and len(parts) > 1:
+            return read_checked_in_parts(
+                self.conn, store, rows, sums, self.staging, slots, pages, parts, clock, made
+            )
+        if made is not None:
+            made.append((0, len(pages)))
         with clock.step("read_checked"):
             got = self.conn.read_checked(store, rows)
         corrupt = [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
         self._landed(slots, pages[: corrupt[0] if corrupt else len(pages)], clock)
         return corrupt
+
+    def _checked_parts(self, pages: int) -> list[tuple[int, int]]:
+        """`(lo, hi)` of each part of a read of `pages` pages checked as it lands: parts of about
+        `checked_read_part_bytes` behind staging (where the rows then cross to the device), else one."""
+        if self.staging is None:
+            return [(0, pages)]
+        return piece_bounds(pages, self.geometry.page_bytes, self.settings.checked_read_part_bytes)
 
     def _landing_rows(self, spans: list[Span], pages: list[int], slots: Sequence[int]) -> Rows:
         """(pages, segments, 3) words of a same-host read of `spans`: into the host pool's `pages`, or,

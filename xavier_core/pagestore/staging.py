@@ -6,8 +6,9 @@ every buffer, registered with NIXL instead of the device pool. A read lands in s
 the device as it is, comes back page-major into a second pinned buffer to be verified there (one hash
 call per page), and only verified pages are scattered to their device pages. A read out of a same-host store's
 memory places each segment itself, so it lands page-major in that second buffer straight away: hashed as
-it lands by the page loop, then crosses to the device once (`checked_rows_to_pool`); read first, it is
-hashed there while it crosses (`check_rows`, `rows_to_pool`). A write copies device pages
+it lands by the page loop, then crosses to the device once (`checked_rows_to_pool`; a long read in parts,
+each part's verified rows queued to the device while the next part is read: `queue_rows`, `rows_to_pool`);
+read first, it is hashed there while it crosses (`check_rows`, `rows_to_pool`). A write copies device pages
 to slots, checksums them there and WRITEs from there. Slots are leased per operation, as a run of
 consecutive slots where one is free, so concurrent reads and write-throughs share the mirror without
 waiting on each other until it is full.
@@ -15,8 +16,9 @@ waiting on each other until it is full.
 Device copies run on the device's default stream, the one the engine computes on: a write-through's
 gather is ordered after the prefill that filled its pages, and the engine's next use of fetched pages is
 ordered after their scatter. Each copy waits for its own completion before it returns (the caller runs it
-off the event loop), so a slot goes back only once nothing reads or writes it. torch is imported lazily:
-a replica with a host pool never builds a mirror.
+off the event loop), so a slot goes back only once nothing reads or writes it; the one exception,
+`queue_rows`, hands its caller what to wait for (`wait_queued`, or the `rows_to_pool` queued behind it).
+torch is imported lazily: a replica with a host pool never builds a mirror.
 """
 
 from __future__ import annotations
@@ -254,32 +256,52 @@ class HostStaging:
         it takes beyond the copy. The copy is waited for (under the device lock, as every wait here)
         before this returns or raises: the rows' slots go back to the mirror only once nothing reads
         them."""
-        import torch
-
-        assert self._rows is not None
         if len(want) != len(slots):
             raise InvalidPagesError(f"{len(slots)} staging slots but {len(want)} sums")
         if not slots:
             return []
-        dev = torch.device(self.device)
-        stream = torch.cuda.default_stream(dev) if dev.type == "cuda" else None
-        moving: torch.cuda.Event | None = None
-        with clock.step("stage_copy"), self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
-            self._rows_to(moved, at, slots, non_blocking=stream is not None)
-            if stream is not None:
-                moving = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                moving.record(stream)
+        moving = self.queue_rows(slots, moved, at, clock)
         try:
             with clock.step("verify"):
                 return _failed(page_row_checksums(self._page_rows(slots, copy=True).numpy()), want)
         finally:
-            if moving is not None:
-                with clock.step("stage_copy"), self._lock or contextlib.nullcontext():
-                    moving.synchronize()
+            self.wait_queued(moving, clock)
+
+    def queue_rows(
+        self, slots: Sequence[int], moved: torch.Tensor, at: int, clock: StepClock
+    ) -> torch.cuda.Event | None:
+        """Queues the copy of the rows at `slots` to `moved[at : at + len(slots)]` (the call's own device
+        buffer: `moved_rows`), one DMA per run of slots, on the device's default stream under the device
+        lock, and returns without waiting for it: on a GPU an event recorded after it, for `wait_queued`
+        (a later `rows_to_pool`, behind it on the same stream, waits for it too); None where the copy has
+        ended already (a host pool) or there was nothing to copy. The rows' slots must not go back to the
+        mirror before the copy has ended: it reads them."""
+        import torch
+
+        if not slots:
+            return None
+        dev = torch.device(self.device)
+        stream = torch.cuda.default_stream(dev) if dev.type == "cuda" else None
+        with clock.step("stage_copy"), self._lock or contextlib.nullcontext(), torch.cuda.stream(stream):
+            self._rows_to(moved, at, slots, non_blocking=stream is not None)
+            if stream is None:
+                return None
+            queued = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            queued.record(stream)
+        return queued
+
+    def wait_queued(self, queued: torch.cuda.Event | None, clock: StepClock) -> None:
+        """Waits, under the device lock as every wait here, for the copies `queue_rows` queued up to the
+        one that gave `queued` (None: nothing to wait for)."""
+        if queued is None:
+            return
+        with clock.step("stage_copy"), self._lock or contextlib.nullcontext():
+            queued.synchronize()
 
     def rows_to_pool(self, moved: torch.Tensor, pages: Sequence[int], clock: StepClock) -> None:
         """Scatters the first `len(pages)` checked rows of `moved` into pool `pages` (row i into page i),
-        each buffer's segment of every row in one copy, and waits for it."""
+        each buffer's segment of every row in one copy, and waits for it (and so for every copy queued
+        into `moved` before it: `queue_rows`, on the same stream)."""
         if not pages:
             return
         p_idx = self._page_index(pages)

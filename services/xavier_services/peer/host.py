@@ -218,6 +218,7 @@ class PeerHost:
             read_piece_bytes=ps.read_piece_bytes,
             same_host_reads=ps.same_host_reads,
             check_while_reading=ps.check_while_reading,
+            checked_read_part_bytes=ps.checked_read_part_bytes,
         )
         name = f"{self.peer_id}-store-{uuid.uuid4().hex[:8]}"
         store = self.store = PageStoreClient(
