@@ -16,6 +16,14 @@
 #                     default) vs read whole and checked after (--read-then-check), alternating: 7B width at
 #                     28 layers at 8,000 tokens (3 reps each), then 0.5B-shaped at 2,000 (5 reps, twice each;
 #                     `checkab short`: once each; `checkab 7b`: 7B width alone)
+#   partab [gets]     page store TTFT, a same-host read into the GPU pool checked as it lands made in parts,
+#                     each part's pages copied to the GPU while the next is read (the default,
+#                     pagestore.checked_read_part_bytes) vs one part, copied once all landed
+#                     (--checked-part-bytes 0), alternating on, off, off, on: 7B width at 28 layers at 8,000
+#                     tokens (3 reps each), then 0.5B-shaped at 2,000 once each (one part either way at
+#                     that size); `partab gets`: instead the page loop's reads in 1-16 calls (16 threads),
+#                     then the GB/s gets of `verify` at 7B width (500 pages) by part size, 0 (one part),
+#                     128, 64 and 32 MiB, then 0.5B (125 pages) at 128 MiB and 0
 #   verify            page store gets into a GPU pool (through the pinned host mirror) with and without their
 #                     checks, the GB/s points: 125 pages at the 0.5B shape, 500 at 7B width (28 layers)
 #   reads             a same-host get's read and check in one pass by thread count (page_checksum.py --reads):
@@ -76,6 +84,17 @@ store_ttft() {  # TAG SHAPE PREFIX LAYERS REPS [--share-prefixes]
   [ -f "$out/pagestore-$tag.json" ] && summary "$out/pagestore-$tag.json"
 }
 
+part_gets() {  # TAG LAYERS SEGMENT_BYTES PAGES REPS PART_MIB: GB/s gets into a GPU pool, read in parts
+  local tag=$1 pool=(--pool-device cuda:0)
+  [ "$device" = cpu ] && pool=(--stage-host-pool)  # the same staged path, the pool in host memory
+  python3 benchmarks/pagestore.py --ttft-reps 0 "${pool[@]}" --read-path direct --layers "$2" \
+    --segment-bytes "$3" --pages "$4" --run-lengths "$4" --reps "$5" --checked-part-bytes $(($6 << 20)) \
+    --out-dir "$out" --tag "$tag" > "$logs/$tag.stdout" 2> "$logs/$tag.stderr" ||
+    tail -n 20 "$logs/$tag.stderr"
+  rm -f "$out/pagestore-$tag.png"
+  [ -f "$out/pagestore-$tag.json" ] && gets "$out/pagestore-$tag.json"
+}
+
 run_case() {
   local name=$1; shift
   local t0; t0=$(date +%s)
@@ -116,6 +135,32 @@ run_case() {
       [ "${1:-}" = short ] && return 0
       store_ttft check-05b-onepass-2 qwen2.5-0.5b 2000 0 5
       store_ttft check-05b-apart-2 qwen2.5-0.5b 2000 0 5 --read-then-check
+      ;;
+    partab)
+      if [ "${1:-}" = gets ]; then
+        # first the page loop alone, 500 pages of the 7B-width pool's shape on 16 threads, in 1-16 calls:
+        # what one more call (one more part) costs on this host
+        if python3 benchmarks/page_checksum.py --reads --pages 500 --buffers 56 --segment-bytes 16384 \
+          --threads 16 --parts 1,4,8,16 --reps 11 > "$out/page-reads-parts.json" 2> "$logs/parts.stderr"; then
+          python3 -c "import json; [print('parts', {k: round(v, 2) for k, v in c['ms'].items()})
+            for c in json.load(open('$out/page-reads-parts.json'))['cases']]"
+        else
+          tail -n 20 "$logs/parts.stderr"
+        fi
+        local mib
+        for mib in 0 128 64 32; do
+          part_gets "part-7b-$mib" 28 16384 500 5 "$mib"
+        done
+        part_gets part-05b-128 24 4096 125 7 128
+        part_gets part-05b-0 24 4096 125 7 0
+        return 0
+      fi
+      store_ttft part-7b-on-1 7b-width 8000 28 3
+      store_ttft part-7b-off-1 7b-width 8000 28 3 --checked-part-bytes 0
+      store_ttft part-7b-off-2 7b-width 8000 28 3 --checked-part-bytes 0
+      store_ttft part-7b-on-2 7b-width 8000 28 3
+      store_ttft part-05b-off-1 qwen2.5-0.5b 2000 0 5 --checked-part-bytes 0
+      store_ttft part-05b-on-1 qwen2.5-0.5b 2000 0 5
       ;;
     verify)
       for shape in "05b 24 4096 125 7" "7b 28 16384 500 5"; do
@@ -197,7 +242,7 @@ PY
       rm -f "$out/sglang-hicache-$shape.png"
       tail -c 3000 "$logs/hicache.stdout"
       ;;
-    *) echo "unknown case: $name (tests, share, checkab, verify, reads, verify-ab, profile, pd, hicache)"; return 2 ;;
+    *) echo "unknown case: $name (tests, share, checkab, partab, verify, reads, verify-ab, profile, pd, hicache)"; return 2 ;;
   esac
   echo "== $name: $(( $(date +%s) - t0 )) s"
 }
