@@ -130,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="a same-host read checked as it lands into a GPU pool (or a staged host pool) is made in parts "
         f"of about this many bytes, each part's rows crossing while the next is read (default the client's, "
-        f"{PART_BYTES}; 0: one part, crossing once it has all landed)",
+        f"0: one part, crossing once it has all landed; {PART_BYTES} is the size `cases.sh partab` sets)",
     )
     p.add_argument(
         "--stage-host-pool",
@@ -357,7 +357,8 @@ async def one_rep(
 
 def part_bytes(args: argparse.Namespace) -> int:
     """`--checked-part-bytes`, else the client's default (`ClientSettings.checked_read_part_bytes`)."""
-    return PART_BYTES if args.checked_part_bytes is None else int(args.checked_part_bytes)
+    default = client_module.ClientSettings().checked_read_part_bytes
+    return default if args.checked_part_bytes is None else int(args.checked_part_bytes)
 
 
 def read_paths(args: argparse.Namespace) -> list[str]:

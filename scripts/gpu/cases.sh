@@ -16,14 +16,15 @@
 #                     default) vs read whole and checked after (--read-then-check), alternating: 7B width at
 #                     28 layers at 8,000 tokens (3 reps each), then 0.5B-shaped at 2,000 (5 reps, twice each;
 #                     `checkab short`: once each; `checkab 7b`: 7B width alone)
-#   partab [gets|short]  page store TTFT, a same-host read into the GPU pool checked as it lands made in parts,
-#                     each part's pages copied to the GPU while the next is read (the default,
-#                     pagestore.checked_read_part_bytes) vs one part, copied once all landed
-#                     (--checked-part-bytes 0), alternating on, off, off, on: 7B width at 28 layers at 8,000
-#                     tokens (3 reps each; `partab short`: on, off), then 0.5B-shaped at 2,000 once each
-#                     (one part either way at that size); `partab gets`: instead the page loop's reads in
-#                     1-16 calls (16 threads), then the GB/s gets of `verify` at 7B width (500 pages) by part
-#                     size, 0 (one part), 128, 64 and 32 MiB, then 0.5B (125 pages) at 128 MiB and 0
+#   partab [gets|short]  page store TTFT, a same-host read into the GPU pool checked as it lands made in parts
+#                     of 128 MiB, each part's pages copied to the GPU while the next is read
+#                     (--checked-part-bytes 134217728) vs one part, copied once all landed (the default,
+#                     pagestore.checked_read_part_bytes 0), alternating on, off, off, on: 7B width at 28
+#                     layers at 8,000 tokens (3 reps each; `partab short`: on, off), then 0.5B-shaped at
+#                     2,000 once each (one part either way at that size); `partab gets`: instead the page
+#                     loop's reads in 1-16 calls (16 threads), then the GB/s gets of `verify` at 7B width
+#                     (500 pages) by part size, 0 (one part), 128, 64 and 32 MiB, then 0.5B (125 pages) at
+#                     128 MiB and 0
 #   verify            page store gets into a GPU pool (through the pinned host mirror) with and without their
 #                     checks, the GB/s points: 125 pages at the 0.5B shape, 500 at 7B width (28 layers)
 #   reads             a same-host get's read and check in one pass by thread count (page_checksum.py --reads):
@@ -155,14 +156,14 @@ run_case() {
         part_gets part-05b-0 24 4096 125 7 0
         return 0
       fi
-      store_ttft part-7b-on-1 7b-width 8000 28 3
+      store_ttft part-7b-on-1 7b-width 8000 28 3 --checked-part-bytes $((128 << 20))
       store_ttft part-7b-off-1 7b-width 8000 28 3 --checked-part-bytes 0
       if [ "${1:-}" != short ]; then
         store_ttft part-7b-off-2 7b-width 8000 28 3 --checked-part-bytes 0
-        store_ttft part-7b-on-2 7b-width 8000 28 3
+        store_ttft part-7b-on-2 7b-width 8000 28 3 --checked-part-bytes $((128 << 20))
       fi
       store_ttft part-05b-off-1 qwen2.5-0.5b 2000 0 5 --checked-part-bytes 0
-      store_ttft part-05b-on-1 qwen2.5-0.5b 2000 0 5
+      store_ttft part-05b-on-1 qwen2.5-0.5b 2000 0 5 --checked-part-bytes $((128 << 20))
       ;;
     verify)
       for shape in "05b 24 4096 125 7" "7b 28 16384 500 5"; do

@@ -218,9 +218,9 @@ def test_the_part_size_is_a_peer_config_key(tmp_path: Path) -> None:
         load_config(PeerServiceConfig, cfg_file, {}, {})
     [(key, _, source)] = caught.value.issues
     assert key == "pagestore.checked_read_part_bytes" and source.startswith("file")
-    assert load_config(PeerServiceConfig, None, {}, {}).pagestore.checked_read_part_bytes == PART_BYTES
-    env = {"XAVIER_PAGESTORE__CHECKED_READ_PART_BYTES": "0"}
-    assert load_config(PeerServiceConfig, None, env, {}).pagestore.checked_read_part_bytes == 0
+    assert load_config(PeerServiceConfig, None, {}, {}).pagestore.checked_read_part_bytes == 0
+    env = {"XAVIER_PAGESTORE__CHECKED_READ_PART_BYTES": str(PART_BYTES)}
+    assert load_config(PeerServiceConfig, None, env, {}).pagestore.checked_read_part_bytes == PART_BYTES
 
 
 async def test_with_same_host_reads_off_the_get_goes_over_nixl(store: ServiceProc) -> None:

@@ -42,7 +42,6 @@ from xavier_core.pagestore.lookups import LeasedLookups
 from xavier_core.pagestore.metrics import ClientCounters, StepClock, client_metrics
 from xavier_core.pagestore.namespace import PageNamespace
 from xavier_core.pagestore.reading import (
-    PART_BYTES,
     Verify,
     cut_spans,
     piece_bounds,
@@ -104,10 +103,11 @@ class ClientSettings:
     (`same_host_reads`, one piece), and the page loop is built (`native`), each page is checksummed right
     after its read, in the same loop, while its bytes are still in cache: one pass over memory, where
     reading all and then checking all makes two. Off: read first, then checked, as after a NIXL READ."""
-    checked_read_part_bytes: int = PART_BYTES
+    checked_read_part_bytes: int = 0
     """Such a read into a GPU pool's staging rows is made in parts of about this many bytes, each part's
-    verified rows queued to the GPU while the next part is read (`reading.read_checked_in_parts`); a
-    call of at most this many bytes, or 0 here: one part, its rows crossing once it has all landed."""
+    verified rows queued to the GPU while the next part is read (`reading.read_checked_in_parts`, which
+    names a size: `reading.PART_BYTES`); a call of at most this many bytes, or 0 here (the default): one
+    part, its rows crossing once it has all landed."""
 
 
 @dataclass(frozen=True)

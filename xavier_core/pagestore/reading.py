@@ -58,14 +58,16 @@ PIECE_BYTES = 4 << 20
 """Bytes of one piece: small enough that the check left after the last byte lands is short, large enough
 that a piece's descriptors (one per segment per run) stay few against its bytes."""
 PART_BYTES = 128 << 20
-"""Bytes of one part of a read checked as it lands (`read_checked_in_parts`). Each part past the first
-costs a call of the page loop: its threads started and joined, and its slowest thread's last page waited
-for. On the 2-core box 500 pages of the 7B-width pool (458 MB, 2 threads) read in 50.2 / 52.9 ms whole,
-53.6 / 55.5 in 4 calls, 54.2 / 55.3 in 8 and 56.0 / 58.2 in 16 (two runs, `page_checksum.py --reads
---parts`): about 0.4-1 ms a call, of which starting and joining the second thread is about 0.1. The copy
-left after the read is about the last part's (11.5 ms for the whole call on an H100), so a few parts
-take most of it, and more add calls for less: 128 MiB cuts that call in 4 (146 pages, the last 62) and
-keeps a 0.5B-shaped call of 2,000 tokens (24.6 MB) whole."""
+"""A part size for a read checked as it lands (`read_checked_in_parts`): what `cases.sh partab` sets against
+one part. Not the default (`ClientSettings.checked_read_part_bytes` is 0, one part) until a GPU host
+measures it: there each part's threads start in a sandboxed kernel, at a cost not yet known. Each part
+past the first costs a call of the page loop: its threads started and joined, and its slowest thread's
+last page waited for. On the 2-core box 500 pages of the 7B-width pool (458 MB, 2 threads) read in 50.2 /
+52.9 ms whole, 53.6 / 55.5 in 4 calls, 54.2 / 55.3 in 8 and 56.0 / 58.2 in 16 (two runs,
+`page_checksum.py --reads --parts`): about 0.4-1 ms a call, of which starting and joining the second
+thread is about 0.1. The copy left after the read is about the last part's (11.5 ms for the whole call on
+an H100), so a few parts take most of it, and more add calls for less: 128 MiB cuts that call in 4 (146
+pages, the last 62) and keeps a 0.5B-shaped call of 2,000 tokens (24.6 MB) whole."""
 _VERIFY_THREADS = min(4, os.cpu_count() or 1)
 """Shared by every fetch of the process: concurrent fetches' checks queue here (the hash holds the GIL
 between updates and a mirror's copies take the device lock, so more threads would mostly wait)."""

@@ -159,10 +159,11 @@ class PageStoreSection(_Section):
     check_while_reading: bool = True
     """Such a read checks each page as it lands, in the same pass over memory (where the page loop is
     built); false: it reads every page first and checks them after, as after a NIXL READ."""
-    checked_read_part_bytes: int = Field(default=128 << 20, ge=0, le=1 << 40)
+    checked_read_part_bytes: int = Field(default=0, ge=0, le=1 << 40)
     """Such a read into a GPU pool is made in parts of about this many bytes, each part's checked pages
-    copied to the GPU while the next part is read; a read of at most this many bytes, or 0 here: one
-    part, copied once it has all landed. The default is the client's (`reading.PART_BYTES`)."""
+    copied to the GPU while the next part is read; a read of at most this many bytes, or 0 here (the
+    default): one part, copied once it has all landed. 134217728 (128 MiB) is the size measured against
+    one part (`cases.sh partab`)."""
 
 
 class PeerServiceConfig(ServiceConfig):
