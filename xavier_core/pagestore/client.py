@@ -37,7 +37,7 @@ from xavier.v1 import page_store_service_pb2 as pb
 
 from xavier_core.pagestore import native
 from xavier_core.pagestore.connection import HolderStuck, StoreConnection, StorePeer, TransferStuck
-from xavier_core.pagestore.layout import PageGeometry, Span, local_page_checksums, page_ranges
+from xavier_core.pagestore.layout import PageGeometry, Span, failed_pages, local_page_checksums, page_ranges
 from xavier_core.pagestore.lookups import LeasedLookups
 from xavier_core.pagestore.metrics import ClientCounters, StepClock, client_metrics
 from xavier_core.pagestore.namespace import PageNamespace
@@ -615,7 +615,7 @@ class PageStoreClient:
             made.append((0, len(pages)))
         with clock.step("read_checked"):
             got = self.conn.read_checked(store, rows)
-        corrupt = [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
+        corrupt = failed_pages(got, sums)
         self._landed(slots, pages[: corrupt[0] if corrupt else len(pages)], clock)
         return corrupt
 
@@ -678,7 +678,7 @@ class PageStoreClient:
                 return self.staging.to_pool_checked(local[lo:hi], pages[lo:hi], sums[lo:hi], clock)
             with clock.step("verify"):
                 got = local_page_checksums(self.buffers, local[lo:hi])
-            return [i for i, (a, b) in enumerate(zip(got, sums[lo:hi], strict=True)) if a != b]
+            return failed_pages(got, sums[lo:hi])
 
         return verify
 

@@ -160,6 +160,12 @@ def buffer_view(addr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
 
 
+def failed_pages(got: Sequence[bytes], want: Sequence[bytes], first: int = 0) -> list[int]:
+    """Indices, from `first`, of the pages whose checksum in `got` is not the one `want` holds for it
+    (both in page order, of equal length)."""
+    return [first + i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+
+
 def local_page_checksums(buffers: Sequence[KvBuffer], pages: Sequence[int]) -> list[bytes]:
     """Checksums of pages of local DRAM buffers (buffer b's page p at addr + p * bytes_per_page).
 

@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from xavier_core.pagestore.connection import Posted, StoreConnection, StorePeer, TransferStuck
-from xavier_core.pagestore.layout import Span
+from xavier_core.pagestore.layout import Span, failed_pages
 from xavier_core.pagestore.metrics import StepClock
 from xavier_core.transfer.common.errors import PeerError
 
@@ -214,7 +214,7 @@ def read_checked_in_parts(
                 made.append((lo, hi))
             with clock.step("read_checked"):
                 got = conn.read_checked(store, rows[lo:hi])
-            corrupt = [lo + i for i, (a, b) in enumerate(zip(got, sums[lo:hi], strict=True)) if a != b]
+            corrupt = failed_pages(got, sums[lo:hi], lo)
             good = corrupt[0] if corrupt else hi
             queued = staging.queue_rows(slots[lo:good], moved, lo, clock) or queued
             if corrupt:

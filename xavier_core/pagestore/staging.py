@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from xavier_core.pagestore.layout import local_page_checksums, page_row_checksums
+from xavier_core.pagestore.layout import failed_pages, local_page_checksums, page_row_checksums
 from xavier_core.pagestore.metrics import StepClock
 from xavier_core.runtime.tasks import Background
 from xavier_core.transfer.common.buffers import KvBuffer
@@ -198,7 +198,7 @@ class HostStaging:
         clock = clock or StepClock()
         if self._mirror is None or self._rows is None or not slots:
             with clock.step("verify"):
-                corrupt = _failed(local_page_checksums(self.buffers, slots), want)
+                corrupt = failed_pages(local_page_checksums(self.buffers, slots), want)
             good = corrupt[0] if corrupt else len(slots)
             with clock.step("stage_copy"):
                 self.to_pool(slots[:good], pages[:good])
@@ -210,7 +210,7 @@ class HostStaging:
             rows.copy_(moved.permute(1, 0, 2).reshape(len(slots), -1), non_blocking=cuda)
         # Hashed without the device lock: the engine computes meanwhile; `moved` is this call's own.
         with clock.step("verify"):
-            corrupt = _failed(page_row_checksums(rows.numpy()), want)
+            corrupt = failed_pages(page_row_checksums(rows.numpy()), want)
         good = corrupt[0] if corrupt else len(slots)
         if good:
             p_idx = torch.tensor(list(pages[:good]), dtype=torch.long, device=dev)
@@ -263,7 +263,7 @@ class HostStaging:
         moving = self.queue_rows(slots, moved, at, clock)
         try:
             with clock.step("verify"):
-                return _failed(page_row_checksums(self._page_rows(slots, copy=True).numpy()), want)
+                return failed_pages(page_row_checksums(self._page_rows(slots, copy=True).numpy()), want)
         finally:
             self.wait_queued(moving, clock)
 
@@ -418,10 +418,6 @@ def _slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((i, slot, 1))
     return runs
-
-
-def _failed(got: Sequence[bytes], want: Sequence[bytes]) -> list[int]:
-    return [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
 
 
 def _lowest_run(free: list[int], n: int) -> list[int]:
