@@ -251,12 +251,12 @@ async def unchecked_get(
     are read first and checked after (a GPU pool's same-host read read first lands page-major in the
     staging rows, `HostStaging.check_rows`: the rows still copied to the device), through
     `unhashed_read` where they are checked as they land."""
-    hashing = {name: getattr(staging_module, name) for name in ("page_row_checksums", "_failed")}
+    hashing = {name: getattr(staging_module, name) for name in ("page_row_checksums", "failed_pages")}
     real, real_read = client._verifier, client._read_checked
     client._verifier = unchecked_verifier(client)  # type: ignore[method-assign]
     client._read_checked = unhashed_read(client)  # type: ignore[method-assign]
     setattr(staging_module, "page_row_checksums", lambda rows: [])  # noqa: B010
-    setattr(staging_module, "_failed", lambda got, want: [])  # noqa: B010
+    setattr(staging_module, "failed_pages", lambda got, want, first=0: [])  # noqa: B010
     try:
         if await client.lookup_and_fetch(ns, keys, pages) != count:
             raise RuntimeError("get did not hit every page")

@@ -25,6 +25,11 @@
 #                     loop's reads in 1-16 calls (16 threads), then the GB/s gets of `verify` at 7B width
 #                     (500 pages) by part size, 0 (one part), 128, 64 and 32 MiB, then 0.5B (125 pages) at
 #                     128 MiB and 0
+#   loopab SPAWN_C    the page loop's helper threads kept between calls (pagehash.c now) vs started and joined
+#                     by every call (SPAWN_C: that loop's source, `git show 5c75b0f:xavier_core/pagestore/
+#                     pagehash.c`), alternating: the loop's reads of 500 7B-width pages in 1-16 calls (16
+#                     threads), the GB/s gets of 125 0.5B-shaped pages into the GPU pool, then the 0.5B-shaped
+#                     store TTFT at 2,000 tokens (5 reps): kept, started, started, kept
 #   verify            page store gets into a GPU pool (through the pinned host mirror) with and without their
 #                     checks, the GB/s points: 125 pages at the 0.5B shape, 500 at 7B width (28 layers)
 #   reads             a same-host get's read and check in one pass by thread count (page_checksum.py --reads):
@@ -165,6 +170,30 @@ run_case() {
       store_ttft part-05b-off-1 qwen2.5-0.5b 2000 0 5 --checked-part-bytes 0
       store_ttft part-05b-on-1 qwen2.5-0.5b 2000 0 5 --checked-part-bytes $((128 << 20))
       ;;
+    loopab)
+      local spawn=${1:?loopab takes the source of the loop that starts its threads per call}
+      local kept=/tmp/pagehash-kept.c src=xavier_core/pagestore/pagehash.c which n=0
+      cp "$src" "$kept"
+      for which in kept spawn spawn kept; do
+        n=$((n + 1))
+        [ "$which" = spawn ] && cp "$spawn" "$src"
+        if python3 benchmarks/page_checksum.py --reads --pages 500 --buffers 56 --segment-bytes 16384 \
+          --threads 16 --parts 1,4,8,16 --reps 11 > "$out/page-reads-loop-$which-$n.json" 2> "$logs/loop.stderr"; then
+          python3 -c "import json; [print('$which parts', {k: round(v, 2) for k, v in c['ms'].items()})
+            for c in json.load(open('$out/page-reads-loop-$which-$n.json'))['cases']]"
+        else
+          tail -n 20 "$logs/loop.stderr"
+        fi
+        part_gets "loop-05b-$which-$n" 24 4096 125 7 0
+        cp "$kept" "$src"
+      done
+      for which in kept spawn spawn kept; do
+        n=$((n + 1))
+        [ "$which" = spawn ] && cp "$spawn" "$src"
+        store_ttft "loop-05b-ttft-$which-$n" qwen2.5-0.5b 2000 0 5
+        cp "$kept" "$src"
+      done
+      ;;
     verify)
       for shape in "05b 24 4096 125 7" "7b 28 16384 500 5"; do
         set -- $shape
@@ -245,7 +274,7 @@ PY
       rm -f "$out/sglang-hicache-$shape.png"
       tail -c 3000 "$logs/hicache.stdout"
       ;;
-    *) echo "unknown case: $name (tests, share, checkab, partab, verify, reads, verify-ab, profile, pd, hicache)"; return 2 ;;
+    *) echo "unknown case: $name (tests, share, checkab, partab, loopab, verify, reads, verify-ab, profile, pd, hicache)"; return 2 ;;
   esac
   echo "== $name: $(( $(date +%s) - t0 )) s"
 }

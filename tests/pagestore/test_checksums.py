@@ -4,6 +4,7 @@ without the GIL (`native`), or page by page where that cannot be built."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 from pathlib import Path
 
@@ -95,3 +96,107 @@ def test_a_library_others_could_write_is_never_loaded(
     assert built == own / name
     assert (shared / name).read_bytes() == b"planted"
     assert built.stat().st_mode & 0o777 == 0o700
+
+
+def _pages(seed: int, pages: int, segments: int, segment_bytes: int) -> tuple[list[np.ndarray], list[bytes]]:
+    rng = np.random.default_rng(seed)
+    arrays = [rng.integers(0, 256, pages * segment_bytes, dtype=np.uint8) for _ in range(segments)]
+    want = [
+        page_checksum([a[p * segment_bytes : (p + 1) * segment_bytes].tobytes() for a in arrays])
+        for p in range(pages)
+    ]
+    return arrays, want
+
+
+def _hash_ranges(arrays: list[np.ndarray], segment_bytes: int) -> np.ndarray:
+    pages = arrays[0].nbytes // segment_bytes
+    ranges = np.empty((pages, len(arrays), 2), dtype=np.uint64)
+    for s, a in enumerate(arrays):
+        ranges[:, s, 0] = a.ctypes.data + np.arange(pages, dtype=np.uint64) * segment_bytes
+        ranges[:, s, 1] = segment_bytes
+    return ranges
+
+
+def _read_ranges(src: list[np.ndarray], dst: list[np.ndarray], segment_bytes: int) -> np.ndarray:
+    pages = src[0].nbytes // segment_bytes
+    ranges = np.empty((pages, len(src), 3), dtype=np.uint64)
+    at = np.arange(pages, dtype=np.uint64) * segment_bytes
+    for s, (a, b) in enumerate(zip(src, dst, strict=True)):
+        ranges[:, s, 0], ranges[:, s, 1] = a.ctypes.data + at, b.ctypes.data + at
+        ranges[:, s, 2] = segment_bytes
+    return ranges
+
+
+def test_calls_at_once_from_many_threads_share_the_loops_helpers() -> None:
+    """The loop's helper threads outlive a call and serve every caller: calls made at once from eight
+    Python threads, each wanting more helpers than exist, each get their own pages' checksums, a read
+    of an unmapped address among them fails alone, and calls after it still run on all their threads."""
+    import os
+    import threading
+
+    nh = native.native_hash()
+    assert nh is not None
+    segment_bytes, errors, results = 4096, [], {}
+    jobs = [_pages(seed, 24, 3, segment_bytes) for seed in range(8)]
+
+    def work(i: int) -> None:
+        arrays, want = jobs[i]
+        try:
+            for n in range(20):
+                threads = 1 + (i + n) % 12
+                if i % 2:
+                    assert nh.checksums(_hash_ranges(arrays, segment_bytes), threads) == want
+                else:
+                    dst = [np.zeros_like(a) for a in arrays]
+                    ranges = _read_ranges(arrays, dst, segment_bytes)
+                    assert nh.read_checksums(os.getpid(), ranges, threads) == want
+                    assert all(np.array_equal(a, b) for a, b in zip(arrays, dst, strict=True))
+                    if i == 4 and n == 10:
+                        ranges[7, 1, 0] = 8  # the first page of memory: never mapped
+                        with pytest.raises(OSError) as err:
+                            nh.read_checksums(os.getpid(), ranges, threads)
+                        results["fault"] = err.value.errno
+            results[i] = True
+        except BaseException as exc:  # re-raised on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert sorted(k for k in results if k != "fault") == list(range(8))
+    assert results["fault"] in (errno.EFAULT, errno.EIO)  # EIO: the read stopped short at it
+    arrays, want = jobs[0]
+    assert nh.checksums(_hash_ranges(arrays, segment_bytes), 64) == want
+
+
+def test_a_forked_child_starts_its_own_helpers() -> None:
+    """A process forked after the loop's helpers started has none of them (fork copies the caller's
+    thread alone): its calls start their own and return the right checksums rather than waiting on
+    helpers that are not there."""
+    import os
+    import time
+
+    nh = native.native_hash()
+    assert nh is not None
+    arrays, want = _pages(3, 32, 2, 8192)
+    ranges = _hash_ranges(arrays, 8192)
+    assert nh.checksums(ranges, 6) == want  # the parent's helpers exist now
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only with the right checksums
+        ok = nh.checksums(ranges, 6) == want and nh.checksums(ranges, 6) == want
+        os._exit(0 if ok else 3)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's call never returned")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert nh.checksums(ranges, 6) == want

@@ -6,9 +6,10 @@ per-page or per-segment calls of `layout` pay that wait hundreds of times a get:
 Qwen2.5-7B's shape (two 458 KiB segments each) took 228-298 ms to check inside SGLang on an H100 host,
 where the same bytes hash in under 10 ms on a quiet one. `pagehash.c` loops over the pages in C and is
 called through `ctypes.CDLL` (which releases the GIL for the call), its pages cut over threads of its
-own, so a whole get costs one hand-off: spread over a Python thread pool instead, every worker's start and
-end waited for the GIL too, and beside two busy threads that was slower than hashing page by page with the
-GIL held (500 pages of 917 KiB on an H100 host: 219 vs 179 ms,
+own (started as calls first need them, then kept between calls), so a whole get costs one hand-off:
+spread over a Python thread pool instead, every worker's start and end waited for the GIL too, and beside
+two busy threads that was slower than hashing page by page with the GIL held (500 pages of 917 KiB on an
+H100 host: 219 vs 179 ms,
 `docs/results/page-checksum-methods-h100-pool-pagefirst.json`).
 
 The C file holds only the loop: XXH3-128's streaming calls are passed in from the library the `xxhash`
