@@ -21,7 +21,8 @@
 #                     (--checked-part-bytes 134217728) vs one part, copied once all landed (the default,
 #                     pagestore.checked_read_part_bytes 0), alternating on, off, off, on: 7B width at 28
 #                     layers at 8,000 tokens (3 reps each; `partab short`: on, off), then 0.5B-shaped at
-#                     2,000 once each (one part either way at that size); `partab gets`: instead the page
+#                     2,000 once each (one part either way at that size; `partab 7b`: 7B width alone,
+#                     on, off, off, on); `partab gets`: instead the page
 #                     loop's reads in 1-16 calls (16 threads), then the GB/s gets of `verify` at 7B width
 #                     (500 pages) by part size, 0 (one part), 128, 64 and 32 MiB, then 0.5B (125 pages) at
 #                     128 MiB and 0
@@ -167,6 +168,7 @@ run_case() {
         store_ttft part-7b-off-2 7b-width 8000 28 3 --checked-part-bytes 0
         store_ttft part-7b-on-2 7b-width 8000 28 3 --checked-part-bytes $((128 << 20))
       fi
+      [ "${1:-}" = 7b ] && return 0
       store_ttft part-05b-off-1 qwen2.5-0.5b 2000 0 5 --checked-part-bytes 0
       store_ttft part-05b-on-1 qwen2.5-0.5b 2000 0 5 --checked-part-bytes $((128 << 20))
       ;;
