@@ -26,11 +26,11 @@
 #                     loop's reads in 1-16 calls (16 threads), then the GB/s gets of `verify` at 7B width
 #                     (500 pages) by part size, 0 (one part), 128, 64 and 32 MiB, then 0.5B (125 pages) at
 #                     128 MiB and 0
-#   loopab SPAWN_C    the page loop's helper threads kept between calls (pagehash.c now) vs started and joined
+#   loopab SPAWN_C [short]  the page loop's helper threads kept between calls (pagehash.c now) vs started and joined
 #                     by every call (SPAWN_C: that loop's source, `git show 5c75b0f:xavier_core/pagestore/
 #                     pagehash.c`), alternating: the loop's reads of 500 7B-width pages in 1-16 calls (16
 #                     threads), the GB/s gets of 125 0.5B-shaped pages into the GPU pool, then the 0.5B-shaped
-#                     store TTFT at 2,000 tokens (5 reps): kept, started, started, kept
+#                     store TTFT at 2,000 tokens (5 reps): kept, started, started, kept (`short`: no TTFT)
 #   verify            page store gets into a GPU pool (through the pinned host mirror) with and without their
 #                     checks, the GB/s points: 125 pages at the 0.5B shape, 500 at 7B width (28 layers)
 #   reads             a same-host get's read and check in one pass by thread count (page_checksum.py --reads):
@@ -189,6 +189,7 @@ run_case() {
         part_gets "loop-05b-$which-$n" 24 4096 125 7 0
         cp "$kept" "$src"
       done
+      [ "${2:-}" = short ] && return 0
       for which in kept spawn spawn kept; do
         n=$((n + 1))
         [ "$which" = spawn ] && cp "$spawn" "$src"
