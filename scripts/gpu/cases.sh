@@ -26,11 +26,12 @@
 #                     loop's reads in 1-16 calls (16 threads), then the GB/s gets of `verify` at 7B width
 #                     (500 pages) by part size, 0 (one part), 128, 64 and 32 MiB, then 0.5B (125 pages) at
 #                     128 MiB and 0
-#   loopab SPAWN_C [short]  the page loop's helper threads kept between calls (pagehash.c now) vs started and joined
-#                     by every call (SPAWN_C: that loop's source, `git show 5c75b0f:xavier_core/pagestore/
-#                     pagehash.c`), alternating: the loop's reads of 500 7B-width pages in 1-16 calls (16
-#                     threads), the GB/s gets of 125 0.5B-shaped pages into the GPU pool, then the 0.5B-shaped
-#                     store TTFT at 2,000 tokens (5 reps): kept, started, started, kept (`short`: no TTFT)
+#   loopab SPAWN_C [short]  the page loop's helper threads kept between calls (pagehash.c now) vs
+#                     started and joined by every call (SPAWN_C: that loop's source, `git show
+#                     5c75b0f:xavier_core/pagestore/pagehash.c`), alternating: the loop's reads of 500
+#                     7B-width pages in 1-16 calls (16 threads), the GB/s gets of 125 0.5B-shaped pages into
+#                     the GPU pool, then the 0.5B-shaped store TTFT at 2,000 tokens (5 reps): kept, started,
+#                     started, kept (`short`: no TTFT)
 #   verify            page store gets into a GPU pool (through the pinned host mirror) with and without their
 #                     checks, the GB/s points: 125 pages at the 0.5B shape, 500 at 7B width (28 layers)
 #   reads             a same-host get's read and check in one pass by thread count (page_checksum.py --reads):
@@ -102,6 +103,16 @@ part_gets() {  # TAG LAYERS SEGMENT_BYTES PAGES REPS PART_MIB: GB/s gets into a 
   [ -f "$out/pagestore-$tag.json" ] && gets "$out/pagestore-$tag.json"
 }
 
+loop_reads() {  # TAG LABEL: the page loop's reads of 500 7B-width pages, 16 threads, whole and in 4-16 calls
+  if python3 benchmarks/page_checksum.py --reads --pages 500 --buffers 56 --segment-bytes 16384 \
+    --threads 16 --parts 1,4,8,16 --reps 11 > "$out/$1.json" 2> "$logs/$1.stderr"; then
+    python3 -c "import json; [print('$2', {k: round(v, 2) for k, v in c['ms'].items()})
+      for c in json.load(open('$out/$1.json'))['cases']]"
+  else
+    tail -n 20 "$logs/$1.stderr"
+  fi
+}
+
 run_case() {
   local name=$1; shift
   local t0; t0=$(date +%s)
@@ -147,13 +158,7 @@ run_case() {
       if [ "${1:-}" = gets ]; then
         # first the page loop alone, 500 pages of the 7B-width pool's shape on 16 threads, in 1-16 calls:
         # what one more call (one more part) costs on this host
-        if python3 benchmarks/page_checksum.py --reads --pages 500 --buffers 56 --segment-bytes 16384 \
-          --threads 16 --parts 1,4,8,16 --reps 11 > "$out/page-reads-parts.json" 2> "$logs/parts.stderr"; then
-          python3 -c "import json; [print('parts', {k: round(v, 2) for k, v in c['ms'].items()})
-            for c in json.load(open('$out/page-reads-parts.json'))['cases']]"
-        else
-          tail -n 20 "$logs/parts.stderr"
-        fi
+        loop_reads page-reads-parts parts
         local mib
         for mib in 0 128 64 32; do
           part_gets "part-7b-$mib" 28 16384 500 5 "$mib"
@@ -179,13 +184,7 @@ run_case() {
       for which in kept spawn spawn kept; do
         n=$((n + 1))
         [ "$which" = spawn ] && cp "$spawn" "$src"
-        if python3 benchmarks/page_checksum.py --reads --pages 500 --buffers 56 --segment-bytes 16384 \
-          --threads 16 --parts 1,4,8,16 --reps 11 > "$out/page-reads-loop-$which-$n.json" 2> "$logs/loop.stderr"; then
-          python3 -c "import json; [print('$which parts', {k: round(v, 2) for k, v in c['ms'].items()})
-            for c in json.load(open('$out/page-reads-loop-$which-$n.json'))['cases']]"
-        else
-          tail -n 20 "$logs/loop.stderr"
-        fi
+        loop_reads "page-reads-loop-$which-$n" "$which parts"
         part_gets "loop-05b-$which-$n" 24 4096 125 7 0
         cp "$kept" "$src"
       done

@@ -23,6 +23,31 @@ def hashing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return str(request.param)
 
 
+def _pages(seed: int, pages: int, segments: int, segment_bytes: int) -> tuple[list[np.ndarray], list[bytes]]:
+    """`segments` buffers of `pages` random pages each, and each page's `page_checksum`."""
+    rng = np.random.default_rng(seed)
+    arrays = [rng.integers(0, 256, pages * segment_bytes, dtype=np.uint8) for _ in range(segments)]
+    want = [
+        page_checksum([a[p * segment_bytes : (p + 1) * segment_bytes].tobytes() for a in arrays])
+        for p in range(pages)
+    ]
+    return arrays, want
+
+
+def _buffers(arrays: list[np.ndarray], segment_bytes: int) -> list[KvBuffer]:
+    return [KvBuffer(a.ctypes.data, a.nbytes, segment_bytes, "cpu") for a in arrays]
+
+
+def _hash_ranges(arrays: list[np.ndarray], segment_bytes: int) -> np.ndarray:
+    return layout.page_ranges(_buffers(arrays, segment_bytes), range(arrays[0].nbytes // segment_bytes))
+
+
+def _read_ranges(src: list[np.ndarray], dst: list[np.ndarray], segment_bytes: int) -> np.ndarray:
+    """(pages, segments, 3) words: each segment read from `src`'s page into the same page of `dst`."""
+    frm, to = _hash_ranges(src, segment_bytes), _hash_ranges(dst, segment_bytes)
+    return np.stack([frm[:, :, 0], to[:, :, 0], frm[:, :, 1]], axis=2)
+
+
 @pytest.mark.parametrize(
     ("segments", "segment_bytes"),
     # in place with the GIL held (long segments, or pages past 512 KiB), joined (short ones up to it)
@@ -31,14 +56,9 @@ def hashing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 def test_local_page_checksums_are_page_checksum_of_each_pages_segments(
     hashing: str, segments: int, segment_bytes: int
 ) -> None:
-    rng = np.random.default_rng(segments)
     pages = 5
-    arrays = [rng.integers(0, 256, pages * segment_bytes, dtype=np.uint8) for _ in range(segments)]
-    buffers = [KvBuffer(a.ctypes.data, a.nbytes, segment_bytes, "cpu") for a in arrays]
-    want = [
-        page_checksum([a[p * segment_bytes : (p + 1) * segment_bytes].tobytes() for a in arrays])
-        for p in range(pages)
-    ]
+    arrays, want = _pages(segments, pages, segments, segment_bytes)
+    buffers = _buffers(arrays, segment_bytes)
     assert local_page_checksums(buffers, [4, 0, 2]) == [want[4], want[0], want[2]]
     arrays[1][2 * segment_bytes] ^= 1  # one flipped bit in one segment changes only that page's sum
     got = local_page_checksums(buffers, range(pages))
@@ -98,35 +118,6 @@ def test_a_library_others_could_write_is_never_loaded(
     assert built.stat().st_mode & 0o777 == 0o700
 
 
-def _pages(seed: int, pages: int, segments: int, segment_bytes: int) -> tuple[list[np.ndarray], list[bytes]]:
-    rng = np.random.default_rng(seed)
-    arrays = [rng.integers(0, 256, pages * segment_bytes, dtype=np.uint8) for _ in range(segments)]
-    want = [
-        page_checksum([a[p * segment_bytes : (p + 1) * segment_bytes].tobytes() for a in arrays])
-        for p in range(pages)
-    ]
-    return arrays, want
-
-
-def _hash_ranges(arrays: list[np.ndarray], segment_bytes: int) -> np.ndarray:
-    pages = arrays[0].nbytes // segment_bytes
-    ranges = np.empty((pages, len(arrays), 2), dtype=np.uint64)
-    for s, a in enumerate(arrays):
-        ranges[:, s, 0] = a.ctypes.data + np.arange(pages, dtype=np.uint64) * segment_bytes
-        ranges[:, s, 1] = segment_bytes
-    return ranges
-
-
-def _read_ranges(src: list[np.ndarray], dst: list[np.ndarray], segment_bytes: int) -> np.ndarray:
-    pages = src[0].nbytes // segment_bytes
-    ranges = np.empty((pages, len(src), 3), dtype=np.uint64)
-    at = np.arange(pages, dtype=np.uint64) * segment_bytes
-    for s, (a, b) in enumerate(zip(src, dst, strict=True)):
-        ranges[:, s, 0], ranges[:, s, 1] = a.ctypes.data + at, b.ctypes.data + at
-        ranges[:, s, 2] = segment_bytes
-    return ranges
-
-
 def test_calls_at_once_from_many_threads_share_the_loops_helpers() -> None:
     """The loop's helper threads outlive a call and serve every caller: calls made at once from eight
     Python threads, each wanting more helpers than exist, each get their own pages' checksums, a read
@@ -136,7 +127,10 @@ def test_calls_at_once_from_many_threads_share_the_loops_helpers() -> None:
 
     nh = native.native_hash()
     assert nh is not None
-    segment_bytes, errors, results = 4096, [], {}
+    segment_bytes = 4096
+    errors: list[BaseException] = []
+    finished: set[int] = set()
+    faults: list[int | None] = []
     jobs = [_pages(seed, 24, 3, segment_bytes) for seed in range(8)]
 
     def work(i: int) -> None:
@@ -155,8 +149,8 @@ def test_calls_at_once_from_many_threads_share_the_loops_helpers() -> None:
                         ranges[7, 1, 0] = 8  # the first page of memory: never mapped
                         with pytest.raises(OSError) as err:
                             nh.read_checksums(os.getpid(), ranges, threads)
-                        results["fault"] = err.value.errno
-            results[i] = True
+                        faults.append(err.value.errno)
+            finished.add(i)
         except BaseException as exc:  # re-raised on the test's thread
             errors.append(exc)
 
@@ -166,8 +160,8 @@ def test_calls_at_once_from_many_threads_share_the_loops_helpers() -> None:
     for t in threads:
         t.join(120)
     assert not errors, errors
-    assert sorted(k for k in results if k != "fault") == list(range(8))
-    assert results["fault"] in (errno.EFAULT, errno.EIO)  # EIO: the read stopped short at it
+    assert finished == set(range(8))
+    assert len(faults) == 1 and faults[0] in (errno.EFAULT, errno.EIO)  # EIO: the read stopped short at it
     arrays, want = jobs[0]
     assert nh.checksums(_hash_ranges(arrays, segment_bytes), 64) == want
 

@@ -196,8 +196,7 @@ static struct {
     pthread_cond_t wake;
     task *jobs; /* jobs still wanting helpers, oldest first */
     size_t threads; /* helpers started */
-    size_t idle;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0};
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0};
 
 static void unlink_task(task *t) {
     for (task **at = &pool.jobs; *at; at = &(*at)->next) {
@@ -213,9 +212,7 @@ static void *helper(void *unused) {
     pthread_mutex_lock(&pool.lock);
     for (;;) {
         while (pool.jobs == NULL) {
-            pool.idle++;
             pthread_cond_wait(&pool.wake, &pool.lock);
-            pool.idle--;
         }
         task *t = pool.jobs;
         part *p = &t->parts[t->next_part++];
@@ -238,7 +235,7 @@ static void pool_after_fork(void) {
     pthread_mutex_init(&pool.lock, NULL);
     pthread_cond_init(&pool.wake, NULL);
     pool.jobs = NULL;
-    pool.threads = pool.idle = 0;
+    pool.threads = 0;
 }
 
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
@@ -287,15 +284,13 @@ static int run_parts(void *(*work)(void *), pid_t pid, void *reset, void *update
     if (t.wanted) {
         pthread_once(&pool_once, pool_init);
         pthread_mutex_lock(&pool.lock);
-        pool_grow(MAX_THREADS - 1 < threads - 1 ? MAX_THREADS - 1 : threads - 1);
+        pool_grow(t.wanted);
         task **tail = &pool.jobs;
         while (*tail) {
             tail = &(*tail)->next;
         }
         *tail = &t;
-        if (pool.idle) {
-            pthread_cond_broadcast(&pool.wake);
-        }
+        pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.lock);
     }
     work(&parts[0]);
