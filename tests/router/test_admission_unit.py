@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 from xavier_services.router.admission import Admission, Overloaded
-from xavier_services.router.keepalive import Tick, with_ticks
+from xavier_services.router.keepalive import COMMENT, Keepalive
 
 
 async def test_limits_queue_fifo_and_refusal() -> None:
@@ -50,12 +49,34 @@ async def test_queue_timeout_and_cancel_keep_counts() -> None:
     assert adm.inflight == 0
 
 
-async def test_ticks_between_slow_items() -> None:
-    async def slow() -> AsyncIterator[int]:
-        yield 1
-        await asyncio.sleep(0.35)
-        yield 2
+async def test_keepalive_comments_a_quiet_stream_until_stopped() -> None:
+    wrote: list[bytes] = []
 
-    got = [x async for x in with_ticks(slow(), 0.1)]
-    assert got[0] == 1 and got[-1] == 2
-    assert sum(isinstance(x, Tick) for x in got) >= 2
+    async def write(data: bytes) -> None:
+        wrote.append(data)
+
+    keep = Keepalive(write, 0.1)
+    await asyncio.sleep(0.25)
+    assert wrote == []  # not started: the status is still open
+    keep.start()
+    await asyncio.sleep(0.35)
+    assert len(wrote) >= 2 and set(wrote) == {COMMENT}
+    await keep.stop()
+    n = len(wrote)
+    await asyncio.sleep(0.25)
+    assert len(wrote) == n
+
+
+async def test_keepalive_ends_quietly_when_the_client_left() -> None:
+    calls = 0
+
+    async def write(data: bytes) -> None:
+        nonlocal calls
+        calls += 1
+        raise ConnectionResetError("Cannot write to closing transport")
+
+    keep = Keepalive(write, 0.05)
+    keep.start()
+    await asyncio.sleep(0.3)
+    assert calls == 1  # the first failed write ended it
+    await keep.stop()  # raises nothing

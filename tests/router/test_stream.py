@@ -162,6 +162,22 @@ async def test_no_step_within_the_progress_deadline_ends_the_flow_and_fails(mode
         assert closed == [True] and router.active == 0
 
 
+async def test_the_progress_deadline_counts_the_waits_never_the_time_a_reader_holds_a_step(
+    model_dir: Path,
+) -> None:
+    async def flow() -> AsyncIterator[Step]:
+        yield Step([1], "a")
+        await asyncio.sleep(0.01)
+        yield Step([2], "b", finish=types_pb2.FINISH_REASON_STOP)
+
+    async with _serving(model_dir, flow(), progress_timeout_seconds=1.0) as router:
+        stream = router.generate(await _prepared(router, "r1"))  # type: ignore[arg-type]
+        await anext(stream)
+        await asyncio.sleep(2.5)  # the reader holds its step past two deadlines
+        rest = [r async for r in stream]  # no ProgressTimeout
+        assert rest[-1].finish_reason == types_pb2.FINISH_REASON_STOP and router.active == 0
+
+
 async def test_a_reader_that_leaves_closes_the_flow_and_the_close_aborts_what_is_live(
     model_dir: Path,
 ) -> None:

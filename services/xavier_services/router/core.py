@@ -56,17 +56,23 @@ class ProgressTimeout(XavierError):
 
 
 class _Live:
-    """A request being served: the task waiting on its flow's next step (None while no wait runs) and
-    why it was told to stop (`ABORTED` or `TIMED_OUT`), once it was."""
+    """A request being served: the task that last waited on its flow's next step, when that wait began
+    (None while no wait runs), and why it was told to stop (`ABORTED` or `TIMED_OUT`), once it was. One
+    timer a request (`watch`) keeps the progress deadline: a wait is timed from its own start, and a
+    step costs the reader no timer of its own."""
 
-    __slots__ = ("task", "why")
+    __slots__ = ("_handle", "_loop", "_progress", "task", "waiting_since", "why")
 
     ABORTED = "aborted"
     TIMED_OUT = "timed_out"
 
     def __init__(self) -> None:
         self.task: asyncio.Task[Any] | None = None
+        self.waiting_since: float | None = None
         self.why: str | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._progress = 0.0
 
     def interrupt(self, why: str) -> None:
         """Stops the flow: its wait for a step is cancelled now, or, while a step is being sent, the
@@ -74,8 +80,30 @@ class _Live:
         if self.why is not None:
             return
         self.why = why
-        if self.task is not None:
+        if self.waiting_since is not None and self.task is not None:
             self.task.cancel()
+
+    def watch(self, loop: asyncio.AbstractEventLoop, progress: float) -> None:
+        """Starts the progress deadline: a wait for a step longer than `progress` seconds interrupts
+        the flow (`TIMED_OUT`)."""
+        self._loop, self._progress = loop, progress
+        self._handle = loop.call_later(progress, self._check)
+
+    def unwatch(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _check(self) -> None:
+        assert self._loop is not None
+        since = self.waiting_since
+        if since is not None and self._loop.time() - since >= self._progress:
+            self._handle = None
+            self.interrupt(_Live.TIMED_OUT)
+            return
+        # Not waiting now: a wait that begins later is timed from its own start.
+        due = since + self._progress if since is not None else self._loop.time() + self._progress
+        self._handle = self._loop.call_at(due, self._check)
 
 
 class Router:
@@ -267,6 +295,7 @@ class Router:
             for move in moves:
                 self._metrics.migrations.labels(move.cause).inc()
             rec.migrations = [move.describe() for move in moves]
+            live.unwatch()
             self._live.pop(rid, None)
             if not self._live:
                 self._quiet.set()
@@ -282,9 +311,10 @@ class Router:
         progress = self.config.progress_timeout_seconds
         metrics = self._metrics.mode(rec.mode)
         loop = asyncio.get_running_loop()
+        live.watch(loop, progress)
         async with aclosing(flow) as steps:  # type: ignore[type-var]
             while True:
-                step = await self._next(steps, live, loop, progress)
+                step = await self._next(steps, live, loop)
                 if live.why == _Live.TIMED_OUT:
                     raise ProgressTimeout(
                         f"no token for {progress:g} s; the request was ended", seconds=progress
@@ -307,25 +337,23 @@ class Router:
                     yield step
 
     @staticmethod
-    async def _next(
-        steps: AsyncIterator[Step], live: _Live, loop: asyncio.AbstractEventLoop, progress: float
-    ) -> Step | None:
+    async def _next(steps: AsyncIterator[Step], live: _Live, loop: asyncio.AbstractEventLoop) -> Step | None:
         """The flow's next step, or None once it ran out or was told to stop (`live.why` says why)."""
         if live.why is not None:
             return None
-        task = live.task = asyncio.current_task()
-        timer = loop.call_later(progress, live.interrupt, _Live.TIMED_OUT)
+        live.task = asyncio.current_task()  # a reader may read each step in a task of its own
+        live.waiting_since = loop.time()
         try:
             return await anext(steps)
         except StopAsyncIteration:
             return None
         except asyncio.CancelledError:
+            task = live.task
             if live.why is None or task is None or task.uncancel() > 0:
                 raise  # the reader itself is cancelled (a client that left)
             return None
         finally:
-            live.task = None
-            timer.cancel()
+            live.waiting_since = None
 
     def abort(self, request_id: str) -> bool:
         """Stops a live request; its stream ends with FINISH_REASON_ABORT. True when it was live."""

@@ -1,44 +1,57 @@
-"""Ticks between the items of a slow async stream, so the HTTP front can send SSE keepalive comments."""
+"""SSE keepalive comments on a streamed response that is quiet for a while.
+
+`Keepalive` writes from a task of its own, started once the response is prepared (before that the
+status is still open, for a clean error). The stream's reader only notes when each item arrived
+(`touch`): nothing per item is created, scheduled or awaited for the keepalive's sake.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import TypeVar
+import contextlib
+from collections.abc import Awaitable, Callable
 
-T = TypeVar("T")
-
-
-class Tick:
-    """No item arrived for one interval."""
+COMMENT = b": keepalive\n\n"
 
 
-TICK = Tick()
+class Keepalive:
+    """Writes `COMMENT` through `write` whenever `interval` seconds passed since the last `touch` (or
+    the last comment). `stop` ends it; a failed write (the client left) ends it quietly, the reader's
+    own next write fails the same way."""
 
+    __slots__ = ("_interval", "_last", "_loop", "_task", "_write")
 
-async def with_ticks(source: AsyncIterator[T], interval: float) -> AsyncIterator[T | Tick]:
-    """The items of `source`, with `TICK` after every `interval` seconds without one.
+    def __init__(self, write: Callable[[bytes], Awaitable[object]], interval: float) -> None:
+        self._write, self._interval = write, interval
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+        self._task: asyncio.Task[None] | None = None
 
-    The pending read is never cancelled by a tick (cancelling an async generator's `__anext__` would
-    close it); it stays in flight across ticks and is cancelled only when the consumer stops.
-    """
-    pending: asyncio.Future[T] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(source))
-            done, _ = await asyncio.wait({pending}, timeout=interval)
-            if not done:
-                yield TICK
-                continue
-            try:
-                item = pending.result()
-            except StopAsyncIteration:
-                return
-            finally:
-                pending = None
-            yield item
-    finally:
-        if pending is not None:
-            pending.cancel()
-            await asyncio.wait({pending})  # the source is not running when its owner closes it
+    def start(self) -> None:
+        if self._task is None:
+            self._last = self._loop.time()
+            self._task = asyncio.create_task(self._run())
+
+    def touch(self) -> None:
+        """An item arrived now."""
+        self._last = self._loop.time()
+
+    async def stop(self) -> None:
+        """Ends the task; after this no comment is written."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                wait = self._last + self._interval - self._loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    continue
+                self._last = self._loop.time()
+                await self._write(COMMENT)
+        except Exception:  # the client left or the response ended: the reader finds out on its own
+            return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -17,7 +17,7 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime import InvalidArgument, XavierError
 from xavier_services.router.core import Router
 from xavier_services.router.http_guard import GuardedProtocol
-from xavier_services.router.keepalive import Tick, with_ticks
+from xavier_services.router.keepalive import Keepalive
 from xavier_services.router.openai_body import decode_json
 from xavier_services.router.openai_logprobs import ChoiceLogprobs, prompt_rows
 from xavier_services.router.openai_shapes import (
@@ -29,7 +29,7 @@ from xavier_services.router.openai_shapes import (
     sse,
     usage_json,
 )
-from xavier_services.router.openai_stream import Choices, indexed, merge
+from xavier_services.router.openai_stream import Choices, close_quietly, merge
 from xavier_services.router.openai_tools import tool_message, tool_parser
 from xavier_services.router.request import Prepared
 from xavier_services.router.tool_stream import ToolEvent, delta_of
@@ -359,19 +359,21 @@ class OpenAiFront:
         parsers = [tool_parser(plan) for _ in preps] if plan is not None else []
         unsent: list[dict[str, Any] | None] = [None] * len(preps)  # logprobs of held text, per choice
         gens = [self.router.generate(p) for p in preps]  # async generators: closed below
-        source = indexed(gens[0]) if len(gens) == 1 else merge(gens)
-        ticks = with_ticks(source, self.router.config.keepalive_seconds)
+        # One choice is read as it comes (its index is 0); several interleave through `merge`.
+        solo = len(gens) == 1
+        source: AsyncIterator[Any] = gens[0] if solo else merge(gens)
+        # Comments while the answer is quiet, once it started (before, the status is still open for a
+        # clean error).
+        keep = Keepalive(resp.write, self.router.config.keepalive_seconds)
         seen = Choices(n=oa.n)
         try:
-            async for item in ticks:
-                if isinstance(item, Tick):
-                    if started:  # before the first token the status is still open (a clean error)
-                        await resp.write(b": keepalive\n\n")
-                    continue
-                i, msg = item
+            async for item in source:
+                keep.touch()
+                i, msg = (0, item) if solo else item
                 if not started:
                     await resp.prepare(request)
                     started = True
+                    keep.start()
                 if seen.begin(i):
                     await resp.write(self._opening(oa, preps[i], shapers[i], msg, i))
                 if oa.echo_only:  # the token sampled is not part of the answer
@@ -411,8 +413,8 @@ class OpenAiFront:
                 return error_response(err)
             await resp.write(sse({"error": {"message": err.message, "code": err.reason}}))
         finally:
-            await ticks.aclose()  # type: ignore[attr-defined]
-            await source.aclose()
+            await keep.stop()
+            await close_quietly(source)
         await resp.write(sse("[DONE]"))
         await resp.write_eof()
         return resp

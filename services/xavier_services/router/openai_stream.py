@@ -13,22 +13,12 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from xavier.v1 import router_service_pb2 as rpb
 
 # What a choice's pump hands over: a message, its end (None) or its failure.
 _Item = tuple[int, rpb.GenerateResponse | BaseException | None]
-
-
-async def indexed(
-    gen: AsyncIterator[rpb.GenerateResponse],
-) -> AsyncGenerator[tuple[int, rpb.GenerateResponse]]:
-    """A single choice's stream, tagged with index 0; closing it closes `gen`."""
-    try:
-        async for msg in gen:
-            yield 0, msg
-    finally:
-        await _close(gen)
 
 
 async def merge(
@@ -62,10 +52,11 @@ async def merge(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for gen in gens:
-            await _close(gen)
+            await close_quietly(gen)
 
 
-async def _close(gen: AsyncIterator[rpb.GenerateResponse]) -> None:
+async def close_quietly(gen: AsyncIterator[Any]) -> None:
+    """Closes an answer's stream (an async generator: what still runs is aborted), whatever it raises."""
     aclose = getattr(gen, "aclose", None)
     if aclose is not None:
         with contextlib.suppress(Exception):
