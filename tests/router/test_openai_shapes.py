@@ -9,9 +9,9 @@ import pytest
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 from xavier_services.peer.convert import sampling_from_pb
-from xavier_services.router.openai_http import error_response
+from xavier_services.router.openai_http import OpenAiFront, error_response
 from xavier_services.router.openai_logprobs import ChoiceLogprobs
-from xavier_services.router.openai_shapes import choice, envelope, parse, sse
+from xavier_services.router.openai_shapes import TextChunks, choice, envelope, parse, sse
 from xavier_services.router.request import Prepared, check_sampling_pb, require_features
 
 from xavier_core.runtime import CapacityExhausted, InvalidArgument
@@ -225,3 +225,23 @@ def test_an_answer_too_large_for_a_message_is_a_bad_request_not_a_rate_limit() -
     assert body["error"]["code"] == "MESSAGE_TOO_LARGE" and body["error"]["type"] == "invalid_request_error"
     full = error_response(CapacityExhausted("no slot", reason="ROUTER_OVERLOADED", retry_after_seconds=1))
     assert full.status == 429 and full.headers["Retry-After"] == "1"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("usage", [False, True])
+def test_a_text_chunk_is_byte_for_byte_the_general_chunk(chat: bool, usage: bool) -> None:
+    key = "messages" if chat else "prompt"
+    body = {key: [{"role": "user", "content": "hi"}] if chat else "hi", "stream": True, "model": 'm"é'}
+    body["stream_options"] = {"include_usage": usage}
+    oa = parse(body, chat, "served", 16)
+    texts = TextChunks(lambda text, index: OpenAiFront._chunk(oa, text, None, None, index))
+    cases = ["hello", ' a "quote", a \\ and a\nnewline', "ünïcödé 😀", "\x00\x1f"] + ([] if chat else [""])
+    for index in (0, 2):
+        for text in cases:
+            assert texts.chunk(text, index) == OpenAiFront._chunk(oa, text, None, None, index), (index, text)
+
+
+def test_text_chunks_render_every_time_where_the_text_is_not_one_string() -> None:
+    texts = TextChunks(lambda text, index: sse({"t": text.upper(), "i": index}))
+    assert texts.chunk("ab", 1) == sse({"t": "AB", "i": 1})
+    assert texts.chunk("cd", 1) == sse({"t": "CD", "i": 1})

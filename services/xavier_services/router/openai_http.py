@@ -23,6 +23,7 @@ from xavier_services.router.openai_logprobs import ChoiceLogprobs, prompt_rows
 from xavier_services.router.openai_shapes import (
     FINISH_NAMES,
     OpenAiRequest,
+    TextChunks,
     choice,
     envelope,
     parse,
@@ -366,6 +367,7 @@ class OpenAiFront:
         # clean error).
         keep = Keepalive(resp.write, self.router.config.keepalive_seconds)
         seen = Choices(n=oa.n)
+        texts = TextChunks(lambda text, index: self._chunk(oa, text, None, None, index))
         try:
             async for item in source:
                 keep.touch()
@@ -394,7 +396,10 @@ class OpenAiFront:
                         await resp.write(self._tool_chunks(oa, events, unsent[i], finish, calls, i))
                         unsent[i] = None
                 elif msg.text or msg.token_ids or finish:
-                    await resp.write(self._chunk(oa, msg.text, finish, lp, i))
+                    if finish is None and lp is None and (msg.text or not oa.chat):
+                        await resp.write(texts.chunk(msg.text, i))  # the common token: its text alone
+                    else:
+                        await resp.write(self._chunk(oa, msg.text, finish, lp, i))
                 if finish:
                     seen.end(i, msg)
             if oa.include_usage:

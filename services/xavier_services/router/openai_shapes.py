@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,29 @@ def sse(payload: Mapping[str, Any] | str) -> bytes:
     """One server-sent event: `data: <json>` and a blank line."""
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
+
+
+class TextChunks:
+    """Streamed chunks that carry text alone (no logprobs, no finish), made as `render(text, index)`
+    makes them but with everything around the text rendered once per choice: a token then costs one
+    JSON string encoding. `render` must put the text in as one JSON string (a chat delta with no text
+    is `{}`: those go through `render` itself)."""
+
+    _MARK = "\x00text\x00"
+
+    def __init__(self, render: Callable[[str, int], bytes]) -> None:
+        self._render = render
+        self._around: dict[int, tuple[bytes, ...]] = {}
+
+    def chunk(self, text: str, index: int) -> bytes:
+        around = self._around.get(index)
+        if around is None:
+            whole = self._render(self._MARK, index)
+            head, mark, tail = whole.partition(json.dumps(self._MARK).encode())
+            around = self._around[index] = (head, tail) if mark else ()
+        if not around:  # a renderer that does not hold the text as one string: rendered every time
+            return self._render(text, index)
+        return around[0] + json.dumps(text).encode() + around[1]
 
 
 _MAX_TOKEN_ID = (1 << 31) - 1  # PromptTokens.ids are uint32; the router checks the vocabulary later
