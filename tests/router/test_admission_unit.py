@@ -75,8 +75,9 @@ async def test_keepalive_ends_quietly_when_the_client_left() -> None:
         calls += 1
         raise ConnectionResetError("Cannot write to closing transport")
 
-    keep = Keepalive(write, 0.05)
+    lost: list[bool] = []
+    keep = Keepalive(write, 0.05, lambda: lost.append(True))
     keep.start()
     await asyncio.sleep(0.3)
-    assert calls == 1  # the first failed write ended it
+    assert calls == 1 and lost == [True]  # the first failed write ended it, and said so
     await keep.stop()  # raises nothing

@@ -1,20 +1,23 @@
-"""The router's reader of a request's flow (in process, with flows of its own making), and the last
-response."""
+"""The router's reader of a request's flow (in process, with flows of its own making, one of them read
+through the OpenAI front), and the last response."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from prometheus_client import CollectorRegistry
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import types_pb2
 from xavier_services.router.config import RouterConfig
 from xavier_services.router.core import ProgressTimeout, Router
 from xavier_services.router.flows import Step
+from xavier_services.router.openai_http import OpenAiFront
 from xavier_services.router.prompts import PromptCache, PromptEncoder, load_model_info
 from xavier_services.router.stream import Tally, last_response
 
@@ -176,6 +179,45 @@ async def test_the_progress_deadline_counts_the_waits_never_the_time_a_reader_ho
         await asyncio.sleep(2.5)  # the reader holds its step past two deadlines
         rest = [r async for r in stream]  # no ProgressTimeout
         assert rest[-1].finish_reason == types_pb2.FINISH_REASON_STOP and router.active == 0
+
+
+async def test_a_client_that_leaves_a_quiet_answer_closes_its_flow_at_the_next_keepalive(
+    model_dir: Path,
+) -> None:
+    closed = asyncio.Event()
+
+    async def quiet() -> AsyncIterator[Step]:
+        try:
+            yield Step([1], "a")
+            await asyncio.Event().wait()  # then nothing: only keepalive comments flow
+            yield Step([2], "b")
+        finally:
+            closed.set()
+
+    router = await _router(model_dir, quiet(), keepalive_seconds=0.1, progress_timeout_seconds=600)
+    runner = web.AppRunner(OpenAiFront(router).app())
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = json.dumps({"prompt": "hello", "max_tokens": 4, "stream": True, "xavier_mode": "pd"}).encode()
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while b"data: {" not in got:
+            got += await asyncio.wait_for(reader.read(4096), 10)
+        writer.transport.abort()  # the client leaves while the answer is quiet
+        await asyncio.wait_for(closed.wait(), 10)  # not the 600 s progress deadline
+        for _ in range(100):
+            if router.active == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert router.active == 0
+    finally:
+        await runner.cleanup()
+        await router.close()
 
 
 async def test_a_reader_that_leaves_closes_the_flow_and_the_close_aborts_what_is_live(

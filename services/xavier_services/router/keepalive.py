@@ -2,7 +2,9 @@
 
 `Keepalive` writes from a task of its own, started once the response is prepared (before that the
 status is still open, for a clean error). The stream's reader only notes when each item arrived
-(`touch`): nothing per item is created, scheduled or awaited for the keepalive's sake.
+(`touch`): nothing per item is created, scheduled or awaited for the keepalive's sake. A comment that
+finds the client gone says so (`on_lost`), so a quiet answer's reader stops at once, as its own write
+would have made it.
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ COMMENT = b": keepalive\n\n"
 
 class Keepalive:
     """Writes `COMMENT` through `write` whenever `interval` seconds passed since the last `touch` (or
-    the last comment). `stop` ends it; a failed write (the client left) ends it quietly, the reader's
-    own next write fails the same way."""
+    the last comment). `stop` ends it. A write that fails ends it: one that found the connection gone
+    calls `on_lost` first (the reader's task is cancelled there, as a client that left cancels it)."""
 
-    __slots__ = ("_interval", "_last", "_loop", "_task", "_write")
+    __slots__ = ("_interval", "_last", "_loop", "_on_lost", "_task", "_write")
 
-    def __init__(self, write: Callable[[bytes], Awaitable[object]], interval: float) -> None:
-        self._write, self._interval = write, interval
+    def __init__(
+        self,
+        write: Callable[[bytes], Awaitable[object]],
+        interval: float,
+        on_lost: Callable[[], object] | None = None,
+    ) -> None:
+        self._write, self._interval, self._on_lost = write, interval, on_lost
         self._loop = asyncio.get_running_loop()
         self._last = self._loop.time()
         self._task: asyncio.Task[None] | None = None
@@ -53,5 +60,8 @@ class Keepalive:
                     continue
                 self._last = self._loop.time()
                 await self._write(COMMENT)
-        except Exception:  # the client left or the response ended: the reader finds out on its own
+        except ConnectionError:  # the client left
+            if self._on_lost is not None:
+                self._on_lost()
+        except Exception:  # the response ended meanwhile: nothing is owed
             return

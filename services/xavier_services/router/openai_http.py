@@ -365,7 +365,10 @@ class OpenAiFront:
         source: AsyncIterator[Any] = gens[0] if solo else merge(gens)
         # Comments while the answer is quiet, once it started (before, the status is still open for a
         # clean error).
-        keep = Keepalive(resp.write, self.router.config.keepalive_seconds)
+        reader = asyncio.current_task()
+        keep = Keepalive(
+            resp.write, self.router.config.keepalive_seconds, reader.cancel if reader is not None else None
+        )
         seen = Choices(n=oa.n)
         texts = TextChunks(lambda text, index: self._chunk(oa, text, None, None, index))
         try:
