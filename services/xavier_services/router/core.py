@@ -34,6 +34,7 @@ from xavier_services.router.migration import Migration, migrating
 from xavier_services.router.native import native_flow
 from xavier_services.router.observe import RequestRecord, RouterMetrics
 from xavier_services.router.offload import ProcessEncoder
+from xavier_services.router.pacing import WaitDeadline
 from xavier_services.router.pd import pd_flow
 from xavier_services.router.peers import PeerPool
 from xavier_services.router.prompts import ModelInfo, PromptEncoder, prompt_size
@@ -56,23 +57,20 @@ class ProgressTimeout(XavierError):
 
 
 class _Live:
-    """A request being served: the task that last waited on its flow's next step, when that wait began
-    (None while no wait runs), and why it was told to stop (`ABORTED` or `TIMED_OUT`), once it was. One
-    timer a request (`watch`) keeps the progress deadline: a wait is timed from its own start, and a
-    step costs the reader no timer of its own."""
+    """A request being served: the task that last waited on its flow's next step, the progress deadline
+    on those waits (`deadline.since` is when the wait in progress began), and why it was told to stop
+    (`ABORTED` or `TIMED_OUT`), once it was. A wait for a step longer than `progress` seconds
+    interrupts the flow (`TIMED_OUT`); the time a step takes to send never counts."""
 
-    __slots__ = ("_handle", "_loop", "_progress", "task", "waiting_since", "why")
+    __slots__ = ("deadline", "task", "why")
 
     ABORTED = "aborted"
     TIMED_OUT = "timed_out"
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, progress: float) -> None:
         self.task: asyncio.Task[Any] | None = None
-        self.waiting_since: float | None = None
         self.why: str | None = None
-        self._handle: asyncio.TimerHandle | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._progress = 0.0
+        self.deadline = WaitDeadline(loop, progress, self._timed_out)
 
     def interrupt(self, why: str) -> None:
         """Stops the flow: its wait for a step is cancelled now, or, while a step is being sent, the
@@ -80,30 +78,11 @@ class _Live:
         if self.why is not None:
             return
         self.why = why
-        if self.waiting_since is not None and self.task is not None:
+        if self.deadline.since is not None and self.task is not None:
             self.task.cancel()
 
-    def watch(self, loop: asyncio.AbstractEventLoop, progress: float) -> None:
-        """Starts the progress deadline: a wait for a step longer than `progress` seconds interrupts
-        the flow (`TIMED_OUT`)."""
-        self._loop, self._progress = loop, progress
-        self._handle = loop.call_later(progress, self._check)
-
-    def unwatch(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-    def _check(self) -> None:
-        assert self._loop is not None
-        since = self.waiting_since
-        if since is not None and self._loop.time() - since >= self._progress:
-            self._handle = None
-            self.interrupt(_Live.TIMED_OUT)
-            return
-        # Not waiting now: a wait that begins later is timed from its own start.
-        due = since + self._progress if since is not None else self._loop.time() + self._progress
-        self._handle = self._loop.call_at(due, self._check)
+    def _timed_out(self) -> None:
+        self.interrupt(_Live.TIMED_OUT)
 
 
 class Router:
@@ -273,7 +252,7 @@ class Router:
         moves: list[Migration] = []
         rec.peers, rec.failed_peers = trace.peers, trace.failed
         rid = rec.request_id = prep.request_id
-        live = self._live[rid] = _Live()
+        live = self._live[rid] = _Live(asyncio.get_running_loop(), self.config.progress_timeout_seconds)
         self._quiet.clear()
         self._metrics.active.inc()
         mode_name = rec.mode = _MODE_NAMES.get(mode, "unknown")
@@ -295,7 +274,7 @@ class Router:
             for move in moves:
                 self._metrics.migrations.labels(move.cause).inc()
             rec.migrations = [move.describe() for move in moves]
-            live.unwatch()
+            live.deadline.stop()
             self._live.pop(rid, None)
             if not self._live:
                 self._quiet.set()
@@ -310,11 +289,9 @@ class Router:
         this ends, however it ends."""
         progress = self.config.progress_timeout_seconds
         metrics = self._metrics.mode(rec.mode)
-        loop = asyncio.get_running_loop()
-        live.watch(loop, progress)
         async with aclosing(flow) as steps:  # type: ignore[type-var]
             while True:
-                step = await self._next(steps, live, loop)
+                step = await self._next(steps, live)
                 if live.why == _Live.TIMED_OUT:
                     raise ProgressTimeout(
                         f"no token for {progress:g} s; the request was ended", seconds=progress
@@ -337,12 +314,12 @@ class Router:
                     yield step
 
     @staticmethod
-    async def _next(steps: AsyncIterator[Step], live: _Live, loop: asyncio.AbstractEventLoop) -> Step | None:
+    async def _next(steps: AsyncIterator[Step], live: _Live) -> Step | None:
         """The flow's next step, or None once it ran out or was told to stop (`live.why` says why)."""
         if live.why is not None:
             return None
         live.task = asyncio.current_task()  # a reader may read each step in a task of its own
-        live.waiting_since = loop.time()
+        live.deadline.watch()
         try:
             return await anext(steps)
         except StopAsyncIteration:
@@ -353,7 +330,7 @@ class Router:
                 raise  # the reader itself is cancelled (a client that left)
             return None
         finally:
-            live.waiting_since = None
+            live.deadline.unwatch()
 
     def abort(self, request_id: str) -> bool:
         """Stops a live request; its stream ends with FINISH_REASON_ABORT. True when it was live."""
