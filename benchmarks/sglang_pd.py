@@ -115,6 +115,8 @@ def proc_name(pid: int) -> str:
     except OSError:
         return f"pid{pid}"
     words = [a.decode(errors="replace") for a in argv if a]
+    if "--worker-index" in words[:-1]:  # a router worker (`xavier up --router-workers`)
+        return f"xavier-router:w{words[words.index('--worker-index') + 1]}:{pid}"
     for flag in ("--disaggregation-mode", "--peer-id", "--role"):
         if flag in words and words.index(flag) + 1 < len(words):
             return f"{comm}:{words[words.index(flag) + 1]}:{pid}"
@@ -209,7 +211,7 @@ def start_up(name: str, args: argparse.Namespace, work: Path, env: dict[str, str
     gpus = args.gpus.split(",")[:1] if name == "colocated" else args.gpus.split(",")
     flags = ["--engine", "sglang", "--mode", name, "--model", str(args.model), "--no-pagestore",
              "--gpus", ",".join(gpus), "--sglang-command", SGLANG_LAUNCHER, *replicas,
-             *(["--insecure"] if args.insecure else []),
+             *(["--insecure"] if args.insecure else []), "--router-workers", str(args.router_workers),
              *(f"--sglang-arg={a}" for a in args.sglang_args)]  # fmt: skip
     proc, ready = launch_up(work / name, flags, {**env, "XAVIER_SGLANG_TRACE": str(mode.trace)})
     mode.procs.append(proc)
@@ -545,6 +547,8 @@ def run_level(
         spy = py_spy_start(mode, args.py_spy, spy_out)
     row = asyncio.run(workload(mode, kind, conc, args.requests, args.max_tokens))
     row["started_s"] = started
+    if mode.name in UP_MODES:
+        row["router_workers"] = args.router_workers
     for sampler in spy:
         with contextlib.suppress(subprocess.TimeoutExpired):
             sampler.wait(args.py_spy + 30)
@@ -727,6 +731,13 @@ def main() -> int:
     )
     p.add_argument("--py-spy", type=float, default=0.0, metavar="S", help="sample c32 repeat for S seconds")
     p.add_argument("--sglang-arg", dest="sglang_args", action="append", default=None)
+    p.add_argument(
+        "--router-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="xavier up --router-workers (every up mode)",
+    )
     p.add_argument(
         "--insecure", action="store_true", help="xavier up without mTLS (the runs of 2026-12-01 and before)"
     )

@@ -123,6 +123,14 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
         "(router peer_sessions; default: on)",
     )
     p.add_argument(
+        "--router-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="router processes sharing its gRPC and HTTP addresses, each about one core (router workers; "
+        "default: 1)",
+    )
+    p.add_argument(
         "--share-prefixes",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -293,6 +301,8 @@ def run_up(args: argparse.Namespace) -> int:
                 args.http,
                 "--mode",
                 args.mode,
+                "--workers",
+                str(args.router_workers),
                 *(["--config", str(router_config(workdir, native))] if native is not None else []),
             ],
             stage=2,

@@ -43,8 +43,10 @@
 #   chunk             a prefix hit's suffix (16 rows) as one static step, a page table per row vs one shared
 #                     table, eager and graphed (benchmarks/static_chunk.py): 7B width at 28 layers after 8,000
 #                     keys, 0.5B-shaped after 2,000
-#   pd ROUNDS [S]     SGLang P/D: native vs pd, interleaved, ROUNDS rounds, no level started after S seconds
-#                     (default 420: a call's 600 s covers the servers' start)
+#   pd ROUNDS [S [W [ARGS]]]  SGLang P/D: native vs pd, interleaved, ROUNDS rounds, no level started after S
+#                     seconds (default 420: a call's 600 s covers the servers' start), W router processes
+#                     in each mode (xavier up --router-workers, default 1); ARGS go to sglang_pd.py (e.g.
+#                     --concurrency 64)
 #   hicache [SHAPE [ARGS]]  SGLang HiCache on the Xavier store vs SGLang's file L3, 2,000 and 8,000 tokens
 #                     (SHAPE: qwen2.5-0.5b, the default, or qwen2.5-7b; ARGS go to sglang_hicache.py,
 #                     e.g. --lengths 8000)
@@ -262,9 +264,9 @@ PY
       done
       ;;
     pd)
-      local rounds=${1:-5} stop=${2:-420}
+      local rounds=${1:-5} stop=${2:-420} workers=${3:-1}; shift $(( $# > 3 ? 3 : $# ))
       python3 benchmarks/sglang_pd.py --gpus 0,0 --modes native,pd --interleave --rounds "$rounds" \
-        --stop-after "$stop" --rows-log "$out/sglang-pd-rows.jsonl" --out "$out/sglang-pd" \
+        --stop-after "$stop" --router-workers "$workers" "$@" --rows-log "$out/sglang-pd-rows.jsonl" --out "$out/sglang-pd" \
         > "$logs/pd.stdout" 2> "$logs/pd.stderr" || tail -n 20 "$logs/pd.stderr"
       rm -f "$out/sglang-pd.png"
       tail -c 3000 "$logs/pd.stdout"

@@ -152,6 +152,7 @@ async def start_service(
     on_stop: OnStop | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
+    reuse_port: bool = False,
 ) -> ServerHandle:
     """Start a service in the running loop and return once it is SERVING.
 
@@ -160,7 +161,9 @@ async def start_service(
     ``on_start(handle)`` runs after bind and before SERVING (e.g. register
     with the directory using ``handle.address``); a mapping it returns is
     merged into the ready file. No signal handlers are installed here.
-    Without ``credentials``, a ``[tls]`` config section makes the port mTLS-only.
+    Without ``credentials``, a ``[tls]`` config section makes the port mTLS-only. The port is bound
+    without SO_REUSEPORT (no other process may share it) unless ``reuse_port``: processes of one service
+    that share their address on purpose (the router's workers).
     """
     tls = ServerTls(config.tls) if credentials is None and config.tls is not None else None
     # The same [tls] section makes this process dial every other service over mTLS.
@@ -174,7 +177,7 @@ async def start_service(
         options=(
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(reuse_port)),
         ),
     )
     names = list(register(server))
@@ -247,6 +250,7 @@ async def serve(
     handle_signals: bool = True,
     configure_logs: bool = True,
     started: Callable[[ServerHandle], None] | None = None,
+    reuse_port: bool = False,
 ) -> int:
     """Run a service until SIGTERM/SIGINT (or ``handle.request_stop()``); return the exit code 0.
 
@@ -255,7 +259,7 @@ async def serve(
 
     ``started(handle)`` is called once SERVING (in-process callers keep the
     handle to stop it). Signal handlers are installed only when
-    ``handle_signals`` and removed before returning.
+    ``handle_signals`` and removed before returning. ``reuse_port``: see :func:`start_service`.
     """
     if configure_logs:
         configure_logging(service_name, config.log_level, config.log_format)
@@ -275,6 +279,7 @@ async def serve(
             on_stop=on_stop,
             interceptors=interceptors,
             credentials=credentials,
+            reuse_port=reuse_port,
         )
         if started is not None:
             started(handle)

@@ -119,6 +119,11 @@ class RouterConfig(ServiceConfig):
     """Interval of SSE comment lines sent while a started stream waits for its next token."""
     status_peer_timeout_seconds: float = Field(default=1.0, gt=0, le=60)
     """Deadline of each peer's stats call in GetClusterStatus (all peers are asked concurrently)."""
+    workers: int = Field(default=1, ge=1, le=64)
+    """Router processes sharing the gRPC and HTTP addresses (SO_REUSEPORT: the kernel spreads connections
+    over them; `router/workers.py`). One process does at most one core's work, which at high concurrency
+    caps the whole mesh. The request and connection limits are split evenly between the workers, and
+    each serves its own /metrics (listed under "workers" in the ready file)."""
     max_inflight_requests: int = Field(default=256, ge=1, le=1_000_000)
     """Requests the router serves at once; more wait in the queue."""
     max_queued_requests: int = Field(default=1024, ge=0, le=1_000_000)

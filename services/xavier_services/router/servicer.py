@@ -20,15 +20,19 @@ from xavier.v1 import types_pb2
 from xavier_core.runtime import InvalidArgument, XavierError, abort_with, from_rpc_error
 from xavier_services.router.core import Router
 from xavier_services.router.health import peer_key
+from xavier_services.router.workers import Siblings
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
 class RouterServicer(rpb_grpc.RouterServiceServicer):  # type: ignore[misc]
-    """Generate, Abort, ListModels and GetClusterStatus."""
+    """Generate, Abort, ListModels and GetClusterStatus. With `siblings` (a router of several processes)
+    an Abort of a request this process does not serve is asked of the others, and the status counts
+    every process's requests."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, siblings: Siblings | None = None) -> None:
         self.router = router
+        self.siblings = siblings
 
     async def Generate(
         self, request: rpb.GenerateRequest, context: Context
@@ -40,7 +44,10 @@ class RouterServicer(rpb_grpc.RouterServiceServicer):  # type: ignore[misc]
     async def Abort(self, request: rpb.AbortRequest, context: Context) -> rpb.AbortResponse:
         if not request.request_id:
             raise InvalidArgument("request_id is required", reason="MISSING_REQUEST_ID")
-        return rpb.AbortResponse(found=self.router.abort(request.request_id))
+        found = self.router.abort(request.request_id)
+        if not found and self.siblings is not None:
+            found = any(await self.siblings.others({"op": "abort", "id": request.request_id}))
+        return rpb.AbortResponse(found=found)
 
     async def ListModels(self, request: rpb.ListModelsRequest, context: Context) -> rpb.ListModelsResponse:
         if request.page_token:  # one model per router: there is never a second page
@@ -50,7 +57,10 @@ class RouterServicer(rpb_grpc.RouterServiceServicer):  # type: ignore[misc]
     async def GetClusterStatus(
         self, request: rpb.GetClusterStatusRequest, context: Context
     ) -> rpb.GetClusterStatusResponse:
-        return await cluster_status(self.router)
+        status = await cluster_status(self.router)
+        if self.siblings is not None:
+            status.requests_active += sum(await self.siblings.others({"op": "active"}))
+        return status
 
 
 async def model_entry(router: Router) -> rpb.Model:
