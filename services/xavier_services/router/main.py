@@ -156,13 +156,15 @@ async def run(config: RouterConfig, argv: Sequence[str] = (), worker_link: int |
         return {"http": f"{shown}:{bound}", "bound": f"{host}:{bound}"}
 
     async def on_stop(handle: ServerHandle) -> None:
-        if workers is not None:
-            await workers.stop(config.grace_seconds)
+        # The workers drain while this process does: each has the same grace.
+        stopping = asyncio.ensure_future(workers.stop(config.grace_seconds)) if workers else None
         if http_server is not None:
             http_server.close()
         if runner is not None:
             await runner.cleanup()
         await router.close()
+        if stopping is not None:
+            await stopping
 
     interceptors = [TokenInterceptor(config.bearer_token)] if config.bearer_token else []
     return await serve(
