@@ -397,13 +397,15 @@ async def workload(mode: Mode, kind: str, conc: int, nreq: int, max_tokens: int)
     ttft = [r[1] - r[0] for r in ok if r[1] is not None]
     tpot = [(r[2] - r[1]) / (r[3] - 1) for r in ok if r[1] is not None and r[3] > 1]
     cpu = {proc_name(p): round((cpu1[p] - cpu0.get(p, 0.0)) * 1000 / nreq, 3) for p in cpu1}
+    # The cores the router's processes kept busy (all its workers): at about one a process is the ceiling.
+    router_ms = sum(v for k, v in cpu.items() if k.startswith("xavier-router"))
     return {
         "mode": mode.name, "kind": kind, "concurrency": conc, "requests": nreq, "ok": len(ok),
         "errors": len(errs), "first_error": errs[0] if errs else None,
         "all_full": all(r[3] == max_tokens for r in ok), "out_tok_s": round(sum(r[3] for r in ok) / dt, 1),
         "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "tpot_p50": pct(tpot, 0.5),
         "tpot_p99": pct(tpot, 0.99), "tpot_mean": round(statistics.fmean(tpot), 6) if tpot else None,
-        "wall_s": round(dt, 2),
+        "wall_s": round(dt, 2), "router_cores": round(router_ms * nreq / dt / 1000, 3),
         "cpu_ms_per_request": {k: v for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v >= 0.05},
         "outputs": [r[5] for r in rec[: len(LENS)]],
     }  # fmt: skip
@@ -589,8 +591,16 @@ def run_interleaved(
         for rnd in range(args.rounds):
             for kind, conc in levels(args):
                 if args.stop_after and time.monotonic() - T0 > args.stop_after:
+                    starts = {m.name: s for m, s in running}  # a run that measured nothing says why
                     print(
-                        json.dumps({"stopped": f"--stop-after {args.stop_after} s", "round": rnd}), flush=True
+                        json.dumps(
+                            {
+                                "stopped": f"--stop-after {args.stop_after} s",
+                                "round": rnd,
+                                "started_s": starts,
+                            }
+                        ),
+                        flush=True,
                     )
                     return rows
                 for mode, started in running if step % 2 == 0 else running[::-1]:

@@ -269,6 +269,7 @@ PY
         --stop-after "$stop" --router-workers "$workers" "$@" --rows-log "$out/sglang-pd-rows.jsonl" --out "$out/sglang-pd" \
         > "$logs/pd.stdout" 2> "$logs/pd.stderr" || tail -n 20 "$logs/pd.stderr"
       rm -f "$out/sglang-pd.png"
+      grep -h '"started_s"\|"warm_up"' "$logs/pd.stderr" | cut -c1-200  # where the call's time went
       tail -c 3000 "$logs/pd.stdout"
       ;;
     hicache)
