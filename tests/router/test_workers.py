@@ -226,6 +226,8 @@ def test_a_killed_worker_is_started_again(router: ServiceProc, mesh: Mesh) -> No
         time.sleep(0.2)
     _complete(str(info["http"]), mesh, 16)
     assert router.proc.poll() is None
+    with urllib.request.urlopen(f"http://{router.metrics}/metrics", timeout=10) as resp:
+        assert "xavier_router_worker_restarts_total 1.0" in resp.read().decode()
 
 
 @pytest.mark.integration

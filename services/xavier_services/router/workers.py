@@ -36,8 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import Counter
+
 from xavier_core.runtime import ConfigError, parse_host_port
 from xavier_core.runtime.logging import get_logger
+from xavier_core.runtime.metrics import get_registry
 from xavier_services.router.config import RouterConfig
 
 _log = get_logger("xavier.router.workers")
@@ -291,6 +294,11 @@ class Workers:
         self._workers: dict[int, _Worker] = {}
         self._keepers: list[asyncio.Task[None]] = []
         self._stopping = False
+        self.restarts = Counter(
+            "xavier_router_worker_restarts",
+            "Router workers that exited while their lead ran and were started again.",
+            registry=get_registry(),
+        )
 
     async def start(self, grpc_address: str, http_address: str) -> list[dict[str, Any]]:
         """Starts every worker and waits until each is ready; returns their ready-file entries."""
@@ -372,6 +380,7 @@ class Workers:
             if self._stopping:
                 return
             _log.error("router worker exited; starting it again", index=index, code=code, pid=worker.proc.pid)
+            self.restarts.inc()
             while not self._stopping:
                 await asyncio.sleep(pause)
                 try:
