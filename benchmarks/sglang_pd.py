@@ -56,6 +56,34 @@ T0 = time.monotonic()
 ROOT = Path(__file__).resolve().parents[1]
 UP_MODES = ("native", "pd", "colocated")
 DIRECT_MODES = ("direct-native", "direct-xavier")
+
+
+def mode_kind(name: str) -> str:
+    """`pd` of `pd@w1`: a mode's name with its router-process suffix (`@wN`, an up mode with N router
+    processes instead of `--router-workers`'s count) left off."""
+    return name.split("@", 1)[0]
+
+
+def router_workers(name: str, args: argparse.Namespace) -> int:
+    """How many router processes up mode `name` runs: its `@wN` suffix, else `--router-workers`."""
+    _, _, suffix = name.partition("@")
+    return int(suffix[1:]) if suffix else int(args.router_workers)
+
+
+def check_modes(modes: Sequence[str]) -> str | None:
+    """What is wrong with a `--modes` list, or None."""
+    for name in modes:
+        kind, at, suffix = name.partition("@")
+        if kind not in UP_MODES + DIRECT_MODES:
+            return f"unknown mode {name!r} (one of {', '.join(UP_MODES + DIRECT_MODES)})"
+        if at and (kind not in UP_MODES or not suffix.startswith("w") or not suffix[1:].isdigit()
+                   or int(suffix[1:]) < 1):  # fmt: skip
+            return f"mode {name!r}: only an up mode takes a router-process count, as `pd@w2`"
+    if len(set(modes)) != len(modes):
+        return "a mode is listed twice"
+    return None
+
+
 SGLANG_LAUNCHER = json.dumps([sys.executable, "-m", "sglang.launch_server"])
 """`xavier up --sglang-command`: SGLang's server from this interpreter."""
 SGLANG_ARGS = [
@@ -207,11 +235,12 @@ def launch_up(
 def start_up(name: str, args: argparse.Namespace, work: Path, env: dict[str, str]) -> Mode:
     mode = Mode(name)
     mode.trace = work / name / "trace"
-    replicas = ["--unified", "1"] if name == "colocated" else []
-    gpus = args.gpus.split(",")[:1] if name == "colocated" else args.gpus.split(",")
-    flags = ["--engine", "sglang", "--mode", name, "--model", str(args.model), "--no-pagestore",
+    kind = mode_kind(name)
+    replicas = ["--unified", "1"] if kind == "colocated" else []
+    gpus = args.gpus.split(",")[:1] if kind == "colocated" else args.gpus.split(",")
+    flags = ["--engine", "sglang", "--mode", kind, "--model", str(args.model), "--no-pagestore",
              "--gpus", ",".join(gpus), "--sglang-command", SGLANG_LAUNCHER, *replicas,
-             *(["--insecure"] if args.insecure else []), "--router-workers", str(args.router_workers),
+             *(["--insecure"] if args.insecure else []), "--router-workers", str(router_workers(name, args)),
              *(f"--sglang-arg={a}" for a in args.sglang_args)]  # fmt: skip
     proc, ready = launch_up(work / name, flags, {**env, "XAVIER_SGLANG_TRACE": str(mode.trace)})
     mode.procs.append(proc)
@@ -374,14 +403,14 @@ async def workload(mode: Mode, kind: str, conc: int, nreq: int, max_tokens: int)
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as s:
         model = ""
-        if mode.name in UP_MODES:
+        if mode_kind(mode.name) in UP_MODES:
             model = (await (await s.get(mode.base + "/v1/models")).json())["data"][0]["id"]
         sem = asyncio.Semaphore(conc)
 
         async def one(i: int) -> Record:
             async with sem:
                 ids = prompt(kind, i)
-                if mode.name in UP_MODES:
+                if mode_kind(mode.name) in UP_MODES:
                     return await _openai(s, mode, model, ids, max_tokens)
                 return await _direct(s, mode, ids, max_tokens)
 
@@ -524,7 +553,7 @@ def make_model(path: Path, shape: dict[str, int] | None = None) -> Path:
 
 def start_mode(name: str, args: argparse.Namespace, work: Path, env: dict[str, str]) -> tuple[Mode, float]:
     t0 = time.monotonic()
-    mode = (start_up if name in UP_MODES else start_direct)(name, args, work, env)
+    mode = (start_up if mode_kind(name) in UP_MODES else start_direct)(name, args, work, env)
     started = round(time.monotonic() - t0, 1)
     if args.warm_up:  # kernels compiled on first use (Triton) are paid here, not by a mode's first level
         warm = asyncio.run(workload(mode, "warm-up", 64, args.warm_up, args.max_tokens))
@@ -549,8 +578,8 @@ def run_level(
         spy = py_spy_start(mode, args.py_spy, spy_out)
     row = asyncio.run(workload(mode, kind, conc, args.requests, args.max_tokens))
     row["started_s"] = started
-    if mode.name in UP_MODES:
-        row["router_workers"] = args.router_workers
+    if mode_kind(mode.name) in UP_MODES:
+        row["router_workers"] = router_workers(mode.name, args)
     for sampler in spy:
         with contextlib.suppress(subprocess.TimeoutExpired):
             sampler.wait(args.py_spy + 30)
@@ -696,7 +725,7 @@ def paired_ratios(
 
 def _output_family(row: dict[str, Any]) -> str:
     """Rows whose outputs compare: through the router (text) or direct (token ids), per prompt kind."""
-    return ("direct" if row["mode"] in DIRECT_MODES else "router") + "/" + row["kind"]
+    return ("direct" if mode_kind(row["mode"]) in DIRECT_MODES else "router") + "/" + row["kind"]
 
 
 def outputs_equal(rows: list[dict[str, Any]]) -> dict[str, bool]:
@@ -726,7 +755,13 @@ def outputs_compared(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="checkpoint (default: a Qwen2.5-0.5B-shaped one)")
-    p.add_argument("--modes", default="native,pd,colocated,direct-native,direct-xavier")
+    p.add_argument(
+        "--modes",
+        default="native,pd,colocated,direct-native,direct-xavier",
+        help="an up mode may name its router processes, `pd@w1`: it then runs beside the same mode with "
+        "another count",
+    )
+    p.add_argument("--baseline", default="native", help="the mode each round's ratios are taken over")
     p.add_argument("--gpus", default="0,0", help="prefill,decode GPUs (colocated uses the first)")
     p.add_argument("--concurrency", default="16,32,64")
     p.add_argument("--kinds", default="repeat,unique")
@@ -773,6 +808,8 @@ def main() -> int:
     args = p.parse_args()
     args.sglang_args = args.sglang_args or list(SGLANG_ARGS)
     modes = args.modes.split(",")
+    if (problem := check_modes(modes)) is not None:
+        p.error(f"--modes: {problem}")
     if args.summarize is not None:
         runs = [
             [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()] for log in args.summarize
@@ -809,10 +846,11 @@ def summarize(
 ) -> int:
     """Writes the run's summary (every row, greedy-output equality, per-level medians and per-round ratios to
     native) and its plot."""
-    summary = {"gpus": args.gpus, "modes": modes, "interleaved": args.interleave,
+    summary = {"gpus": args.gpus, "modes": modes, "interleaved": args.interleave, "baseline": args.baseline,
                "sglang_args": args.sglang_args, "rows": rows,
                "outputs_equal": outputs_equal(rows), "outputs_compared": outputs_compared(rows),
-               "medians": medians(rows), "ratios_to_native": paired_ratios(runs or [rows])}  # fmt: skip
+               "medians": medians(rows),
+               "ratios_to_native": paired_ratios(runs or [rows], args.baseline)}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     plot([r for r in rows if "out_tok_s" in r], args.out.with_suffix(".png"))

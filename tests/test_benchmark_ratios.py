@@ -63,3 +63,21 @@ def test_rounds_pair_within_a_run_and_the_pairs_of_runs_pool() -> None:
     level = bench.paired_ratios([one, two])["pd"]["repeat/32"]
     assert level["pairs"] == 2  # two's second pd run has no native to pair with
     assert level["out_tok_s"] == pytest.approx(1.0)  # of 1.2 and 0.8
+
+
+def test_a_mode_may_name_its_router_processes_and_be_the_baseline() -> None:
+    bench = _bench()
+    assert bench.check_modes(["native@w1", "pd", "pd@w2", "direct-xavier"]) is None
+    assert "unknown mode" in bench.check_modes(["pd", "turbo"])
+    for bad in ("direct-native@w2", "pd@2", "pd@w0", "pd@wx"):
+        assert "router-process count" in bench.check_modes([bad]), bad
+    assert "twice" in bench.check_modes(["pd", "pd"])
+    args = type("Args", (), {"router_workers": 2})()
+    assert bench.router_workers("native@w1", args) == 1
+    assert bench.router_workers("pd", args) == 2
+    assert bench.mode_kind("native@w1") == "native"
+    rows = [_row("native@w1", 100.0, 0.004), _row("pd", 130.0, 0.004), _row("native", 90.0, 0.004)]
+    ratios = bench.paired_ratios([rows], "native@w1")
+    assert ratios["pd"]["repeat/32"]["out_tok_s"] == pytest.approx(1.3)
+    assert ratios["native"]["repeat/32"]["out_tok_s"] == pytest.approx(0.9)
+    assert "native@w1" not in ratios

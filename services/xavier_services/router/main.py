@@ -129,14 +129,18 @@ async def run(config: RouterConfig, argv: Sequence[str] = (), worker_link: int |
             siblings.local = router_answer(router)
         if worker_link is not None and siblings is not None:
             join_lead(worker_link, siblings, handle.request_stop)
-        ready = await start_http(router, config) if config.http_listen else {}
+        ready: dict[str, Any] = {}
+        http_bound = ""
+        if config.http_listen:
+            ready["http"], http_bound = await start_http(router, config)
         if workers is not None:
             grpc_bound = f"{parse_host_port(config.listen)[0]}:{handle.port}"
-            ready["workers"] = await workers.start(grpc_bound, ready.get("bound", ""))
-        ready.pop("bound", None)
+            ready["workers"] = await workers.start(grpc_bound, http_bound)
         return ready
 
-    async def start_http(router: Router, config: RouterConfig) -> dict[str, Any]:
+    async def start_http(router: Router, config: RouterConfig) -> tuple[str, str]:
+        """Serves the OpenAI API; returns its address to show and the socket address as bound (the host
+        as given, for the workers to bind the same one)."""
         nonlocal runner, http_server
         host, port = parse_host_port(config.http_listen)
         runner = web.AppRunner(OpenAiFront(router).app(), handler_cancellation=True, access_log=None)
@@ -152,8 +156,7 @@ async def run(config: RouterConfig, argv: Sequence[str] = (), worker_link: int |
         )
         bound = http_server.sockets[0].getsockname()[1]
         shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        # `bound` keeps the host as given, for the workers to bind the same socket address.
-        return {"http": f"{shown}:{bound}", "bound": f"{host}:{bound}"}
+        return f"{shown}:{bound}", f"{host}:{bound}"
 
     async def on_stop(handle: ServerHandle) -> None:
         # The workers drain while this process does: each has the same grace.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -346,7 +347,7 @@ class Workers:
             raise
         finally:
             theirs.close()
-        link = Link(ours, _serving(self.siblings, index))
+        link = Link(ours, functools.partial(self.siblings.serve_worker, index))
         reader = asyncio.ensure_future(link.run())
         self.siblings.links[index] = link
         try:
@@ -390,8 +391,6 @@ class Workers:
                 except Exception as exc:
                     _log.error("router worker did not start", index=index, error=str(exc))
                     pause = min(pause * 2, RESTART_SECONDS[1])
-            if self._stopping:
-                return
 
     async def stop(self, grace: float) -> None:
         """SIGTERM to every worker; each has `grace` to drain, then SIGKILL."""
@@ -423,13 +422,6 @@ def _read_ready(path: Path) -> dict[str, Any] | None:
         return dict(json.loads(path.read_text()))
     except FileNotFoundError:
         return None
-
-
-def _serving(siblings: Siblings, index: int) -> Serve:
-    async def serve(msg: Ask) -> Any:
-        return await siblings.serve_worker(index, msg)
-
-    return serve
 
 
 def join_lead(link_fd: int, siblings: Siblings, on_lost: Callable[[], None]) -> asyncio.Task[None]:
