@@ -22,6 +22,7 @@ the first prompts are kept per mode, and `outputs_equal` says whether every mode
 
     python benchmarks/sglang_pd.py --gpus 0,0 --out docs/results/sglang-pd-h200
     python benchmarks/sglang_pd.py --modes direct-native,direct-xavier --concurrency 32 --kinds repeat
+    python benchmarks/sglang_pd.py --modes native@w1,pd --router-workers 2 --baseline native@w1 --interleave
 
 Both P/D roles on one GPU: `--gpus 0,0` (servers start one after another, since SGLang sizes its KV pool
 from the memory free when it starts). Prints JSON; writes <out>.json and <out>.png.
