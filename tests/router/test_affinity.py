@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from xavier.v1 import directory_service_pb2 as dpb
 from xavier.v1 import types_pb2
@@ -46,6 +47,20 @@ async def test_affinity_sticks_within_the_slack_and_yields_beyond_it() -> None:
     assert pool.affinity_hits == 12
 
 
+async def test_router_processes_that_share_nothing_send_a_new_prefix_to_the_same_prefill() -> None:
+    # Two pools stand for two router processes: neither has seen any of these prefixes.
+    a, b = _pool({"p1": 0, "p2": 0, "p3": 1}), _pool({"p1": 0, "p2": 0, "p3": 1})
+    keys = [affinity_key([k, 1, 2], "", 64) for k in range(90)]
+    chosen = [(await a.pick_pair(k)).prefill.peer_id for k in keys]
+    assert chosen == [(await b.pick_pair(k)).prefill.peer_id for k in keys]
+    assert all(chosen.count(c) >= 20 for c in ("p1", "p2", "p3"))  # spread evenly: 28, 31, 31
+    assert a.affinity_hits == 0
+    b.inflight["p1"] = 5  # beyond the slack in b alone: b yields, a keeps the rank's choice
+    on_p1 = [k for k, c in zip(keys, chosen, strict=True) if c == "p1"]
+    assert on_p1 and {(await b.pick_pair(k)).prefill.peer_id for k in on_p1} <= {"p2", "p3"}
+    assert {(await a.pick_pair(k)).prefill.peer_id for k in on_p1} == {"p1"}
+
+
 def test_affinity_keys() -> None:
     long = list(range(100))
     assert affinity_key(long, "", 64) == affinity_key([*range(64), 7, 7], "", 64)  # only the prefix counts
@@ -64,6 +79,9 @@ def two_prefills(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         "1",
         "--compute",
         "null",
+        "--router-workers",
+        "2",
+        "--no-pagestore",  # a prefill's cached tokens then come from its own prefix cache alone
     )
     yield mesh
     mesh.stop()
@@ -82,3 +100,19 @@ def test_repeated_prefix_hits_the_same_prefill_cache(two_prefills: Mesh) -> None
     prefills = [p for p in status.peers if p.role == types_pb2.ROLE_PREFILL]
     computed = sorted(p.engine.prompt_tokens_computed for p in prefills)
     assert computed[0] == 0  # the other prefill never saw the prompt
+
+
+@pytest.mark.integration
+def test_router_processes_send_one_prefix_to_one_prefill(two_prefills: Mesh) -> None:
+    # The mesh's router is two processes; each request below is on a connection of its own, which the
+    # kernel gives either one, and neither has seen what the other sent.
+    for n in range(4):
+        prompt = f"prefix number {n}: " + "the quick brown fox jumps over a lazy dog " * 12
+        body = {"model": two_prefills.model.name, "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+        cached = []
+        for _ in range(4):
+            with httpx.Client(timeout=30) as client:
+                r = client.post(f"http://{two_prefills.http}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert cached[0] == 0 and all(c > 0 for c in cached[1:]), (n, cached)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import random
 import struct
 import time
@@ -38,6 +39,12 @@ class Pair:
     decode: dpb.Peer
 
 
+def rendezvous(key: bytes, peer: dpb.Peer) -> bytes:
+    """Peer `peer`'s rank for affinity `key` (highest first): the same in every process, so router processes
+    that share no state send a new prefix to the same peer, and keys spread evenly over the peers."""
+    return hashlib.blake2b(key + peer.peer_id.encode(), digest_size=8).digest()
+
+
 def affinity_key(token_ids: Sequence[int], cache_salt: str, prefix_tokens: int) -> bytes | None:
     """The prefix-affinity key of a prompt: its first `prefix_tokens` tokens under its cache salt (None
     when affinity is off)."""
@@ -60,7 +67,9 @@ class PeerPool:
     Selection scores a peer by the load it last reported plus the router's own in-flight requests on it
     (the report lags, the local count does not); ties break at random so equal peers share the work.
     Prefix affinity: a prompt whose leading tokens went to a prefill peer before goes there again (its
-    prefix cache likely holds them) while that peer's score stays within `affinity_slack` of the best.
+    prefix cache likely holds them) while that peer's score stays within `affinity_slack` of the best;
+    a prefix new to this pool goes to the peer it ranks first of those within the slack (`rendezvous`),
+    which every router process computes alike.
     Peers `health` has marked down, and those a request names in `exclude` (peer keys it already tried),
     are never chosen.
     """
@@ -268,12 +277,16 @@ class PeerPool:
     def _affine(
         self, key: bytes, usable: list[dpb.Peer], scores: dict[str, float], best: dpb.Peer
     ) -> dpb.Peer:
-        chosen = best
+        """The prefill for affinity `key`: the one it went to before, while within the slack of the least
+        loaded; else, of the peers within the slack, the one the key ranks first (rendezvous hashing), so
+        that other router processes, which remember nothing of this one's choices, choose it too."""
+        limit = scores[best.peer_id] + self.affinity_slack
         remembered = self._affinity.get(key)
-        if remembered is not None and remembered in scores:
-            if scores[remembered] <= scores[best.peer_id] + self.affinity_slack:
-                chosen = next(p for p in usable if p.peer_id == remembered)
-                self.affinity_hits += 1
+        if remembered is not None and scores.get(remembered, math.inf) <= limit:
+            chosen = next(p for p in usable if p.peer_id == remembered)
+            self.affinity_hits += 1
+        else:
+            chosen = max((p for p in usable if scores[p.peer_id] <= limit), key=lambda p: rendezvous(key, p))
         self._affinity[key] = chosen.peer_id
         self._affinity.move_to_end(key)
         while len(self._affinity) > self._affinity_entries:
