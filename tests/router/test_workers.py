@@ -131,6 +131,18 @@ def _requests(metrics: str) -> float:
     return sum(float(v) for v in re.findall(r"^xavier_router_requests_total\{[^}]*\} (\S+)$", page, re.M))
 
 
+def _by_process(metrics: str) -> dict[str, float]:
+    """The requests of each process of a router, as its lead's /metrics labels them (`worker`)."""
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as resp:
+        page = resp.read().decode()
+    out: dict[str, float] = {}
+    for labels, value in re.findall(r"^xavier_router_requests_total\{([^}]*)\} (\S+)$", page, re.M):
+        worker = re.search(r'worker="(\d+)"', labels)
+        assert worker is not None, labels  # every sample says which process it came from
+        out[worker.group(1)] = out.get(worker.group(1), 0.0) + float(value)
+    return out
+
+
 def _worker_pids(lead: int) -> list[int]:
     """The lead's children that are router workers (the tokenizer's helper process is not)."""
     pids = []
@@ -170,9 +182,12 @@ def router(mesh: Mesh, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
 def test_both_workers_serve_connections_to_the_one_address(router: ServiceProc, mesh: Mesh) -> None:
     info = _info(router)
     _complete(str(info["http"]), mesh, 24)
-    counts = [_requests(router.metrics), *(_requests(w["metrics"]) for w in info["workers"])]  # type: ignore[attr-defined]
-    assert sum(counts) == 24
-    assert all(c > 0 for c in counts), counts  # 24 connections all on one of two workers: 2**-23
+    (worker,) = info["workers"]  # type: ignore[misc]
+    # The lead's /metrics holds every process's, each labelled; the worker's own holds its alone.
+    counts = _by_process(router.metrics)
+    assert sorted(counts) == ["0", "1"] and sum(counts.values()) == 24, counts
+    assert all(c > 0 for c in counts.values()), counts  # 24 connections all on one of two workers: 2**-23
+    assert _requests(worker["metrics"]) == counts["1"]
 
 
 class _Own:
@@ -227,7 +242,8 @@ def test_a_killed_worker_is_started_again(router: ServiceProc, mesh: Mesh) -> No
     _complete(str(info["http"]), mesh, 16)
     assert router.proc.poll() is None
     with urllib.request.urlopen(f"http://{router.metrics}/metrics", timeout=10) as resp:
-        assert "xavier_router_worker_restarts_total 1.0" in resp.read().decode()
+        assert 'xavier_router_worker_restarts_total{worker="0"} 1.0' in resp.read().decode()
+    assert _by_process(router.metrics).get("1", 0) > 0  # the new worker's, from its new metrics address
 
 
 @pytest.mark.integration

@@ -30,6 +30,7 @@ from xavier_core.runtime import (
     serve,
 )
 from xavier_core.runtime.channels import use_client_tls
+from xavier_core.runtime.metrics import get_registry
 from xavier_core.text.errors import ModelFilesError
 from xavier_core.text.tokenizer import TextTokenizer
 from xavier_services.router.config import RouterConfig
@@ -40,6 +41,7 @@ from xavier_services.router.openai_http import OpenAiFront
 from xavier_services.router.prompts import ModelInfo, PromptCache, PromptEncoder, load_model_info
 from xavier_services.router.servicer import RouterServicer, TokenInterceptor
 from xavier_services.router.workers import (
+    Merged,
     Siblings,
     Workers,
     check_ports_free,
@@ -136,6 +138,8 @@ async def run(config: RouterConfig, argv: Sequence[str] = (), worker_link: int |
         if workers is not None:
             grpc_bound = f"{parse_host_port(config.listen)[0]}:{handle.port}"
             ready["workers"] = await workers.start(grpc_bound, http_bound)
+            if handle.metrics is not None:  # one scrape of the lead sees every process
+                handle.metrics.serve(Merged(get_registry(), workers.metrics))
         return ready
 
     async def start_http(router: Router, config: RouterConfig) -> tuple[str, str]:

@@ -32,12 +32,15 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Sequence
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import Counter
+from prometheus_client import Counter, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from xavier_core.runtime import ConfigError, parse_host_port
 from xavier_core.runtime.logging import get_logger
@@ -279,6 +282,42 @@ class _Worker:
     metrics: str | None
 
 
+class Merged:
+    """The lead's `/metrics`: its own metrics and every running worker's, each sample labelled with the
+    process it came from (`worker`, 0 for the lead), so one scrape of the router's metrics address sees
+    the whole router (`sum without (worker)` adds the processes up). A worker's metrics are read from its
+    own `/metrics` at each scrape; one that does not answer (restarting) is left out of that scrape."""
+
+    def __init__(self, own: Any, workers: Callable[[], dict[int, str]], timeout: float = 2.0) -> None:
+        self.own = own
+        self.workers = workers
+        self.timeout = timeout
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+
+        def add(found: Iterable[Metric], worker: int) -> None:
+            for family in found:
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = Metric(family.name, family.documentation, family.type, family.unit)
+                    families[family.name] = merged
+                label = str(worker)
+                merged.samples += [s._replace(labels={**s.labels, "worker": label}) for s in family.samples]
+
+        # The lead's own through the text format too, so that its families split as the workers' do
+        # (a counter's `_created` samples, for one, come back as a family of their own).
+        add(text_string_to_metric_families(generate_latest(self.own).decode()), 0)
+        for index, address in sorted(self.workers().items()):
+            try:
+                with urllib.request.urlopen(f"http://{address}/metrics", timeout=self.timeout) as resp:
+                    text = resp.read().decode()
+            except OSError:
+                continue
+            add(text_string_to_metric_families(text), index)
+        yield from families.values()
+
+
 class Workers:
     """The lead's side: starts workers 1..N-1 on the lead's bound addresses, keeps them running, stops them.
 
@@ -316,6 +355,10 @@ class Workers:
             await self.stop(self.config.grace_seconds)
             raise failed[0]
         return self.entries()
+
+    def metrics(self) -> dict[int, str]:
+        """Each running worker's metrics address (read from the metrics server's thread: a snapshot)."""
+        return {w.index: w.metrics for w in list(self._workers.values()) if w.metrics}
 
     def entries(self) -> list[dict[str, Any]]:
         return [
