@@ -1,6 +1,7 @@
 """A router of several processes on one pair of addresses (`router.workers`, `router/workers.py`).
 
-The workers' link (real socketpairs, in one loop), then a two-process router against the shared mesh:
+The workers' link (real socketpairs, in one loop) and the lead's /metrics over every process's (real metrics
+servers), then a two-process router against the shared mesh:
 the kernel spreads connections over both, an Abort and the status reach every worker whichever one the
 caller's connection landed on, a killed worker is started again, and the workers stop with their lead.
 """
@@ -21,15 +22,24 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, Counter
 from xavier.v1 import router_service_pb2 as rpb
 from xavier.v1 import router_service_pb2_grpc as rpb_grpc
 from xavier_client import Client
 from xavier_services.router.config import RouterConfig
-from xavier_services.router.workers import Link, LinkClosed, Siblings, check_ports_free, share
+from xavier_services.router.workers import (
+    Link,
+    LinkClosed,
+    Siblings,
+    check_ports_free,
+    merged_registry,
+    share,
+)
 
 from tests.cli.mesh import Mesh
 from tests.support.procs import ServiceProc, start_service
 from xavier_core.runtime import ConfigError, load_config
+from xavier_core.runtime.metrics import start_metrics_server
 
 # --- the link, in one loop ------------------------------------------------------------------------------
 
@@ -99,6 +109,36 @@ def test_the_limits_are_split_between_the_workers_and_the_key_is_checked() -> No
     with pytest.raises(ConfigError) as info:
         load_config(RouterConfig, env={"XAVIER_WORKERS": "0"})
     assert [key for key, _, _ in info.value.issues] == ["workers"]
+
+
+def test_the_leads_metrics_hold_every_process_each_sample_labelled() -> None:
+    lead, worker = CollectorRegistry(), CollectorRegistry()
+    Counter("xavier_router_requests", "r", ("mode",), registry=lead).labels("pd").inc(2)
+    Counter("xavier_router_requests", "r", ("mode",), registry=worker).labels("pd").inc(5)
+    Counter("xavier_router_worker_restarts", "w", registry=lead).inc()
+    served = start_metrics_server("127.0.0.1:0", worker)
+    shown = start_metrics_server("127.0.0.1:0", lead)
+    with socket.socket() as gone:  # a worker restarting: its old address answers nothing
+        gone.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{gone.getsockname()[1]}"
+    try:
+        shown.serve(merged_registry(lead, lambda: {1: served.address, 2: dead}))
+        with urllib.request.urlopen(f"http://{shown.address}/metrics", timeout=10) as resp:
+            page = resp.read().decode()
+        with urllib.request.urlopen(
+            f"http://{shown.address}/metrics?name[]=xavier_router_requests_total", timeout=10
+        ) as resp:
+            asked = resp.read().decode()
+    finally:
+        shown.close()
+        served.close()
+    assert 'xavier_router_requests_total{mode="pd",worker="0"} 2.0' in page
+    assert 'xavier_router_requests_total{mode="pd",worker="1"} 5.0' in page
+    assert 'xavier_router_worker_restarts_total{worker="0"} 1.0' in page
+    types = re.findall(r"^# TYPE (\S+)", page, re.M)
+    assert len(types) == len(set(types)), types  # one family per name, however many processes
+    assert 'worker="2"' not in page
+    assert 'xavier_router_requests_total{mode="pd",worker="1"} 5.0' in asked and "restarts" not in asked
 
 
 def test_a_lead_refuses_a_port_another_socket_shares() -> None:

@@ -81,8 +81,8 @@ class MetricsServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def serve(self, registry: Any) -> None:
-        """Serves `registry` (anything with `collect()`, as a `CollectorRegistry`) from now on."""
+    def serve(self, registry: CollectorRegistry) -> None:
+        """Serves `registry` from now on."""
         self._server.set_app(make_wsgi_app(registry))
 
     def close(self) -> None:

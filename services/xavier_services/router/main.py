@@ -41,11 +41,11 @@ from xavier_services.router.openai_http import OpenAiFront
 from xavier_services.router.prompts import ModelInfo, PromptCache, PromptEncoder, load_model_info
 from xavier_services.router.servicer import RouterServicer, TokenInterceptor
 from xavier_services.router.workers import (
-    Merged,
     Siblings,
     Workers,
     check_ports_free,
     join_lead,
+    merged_registry,
     router_answer,
     share,
 )
@@ -139,7 +139,7 @@ async def run(config: RouterConfig, argv: Sequence[str] = (), worker_link: int |
             grpc_bound = f"{parse_host_port(config.listen)[0]}:{handle.port}"
             ready["workers"] = await workers.start(grpc_bound, http_bound)
             if handle.metrics is not None:  # one scrape of the lead sees every process
-                handle.metrics.serve(Merged(get_registry(), workers.metrics))
+                handle.metrics.serve(merged_registry(get_registry(), workers.metrics))
         return ready
 
     async def start_http(router: Router, config: RouterConfig) -> tuple[str, str]:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -288,10 +288,17 @@ class Merged:
     the whole router (`sum without (worker)` adds the processes up). A worker's metrics are read from its
     own `/metrics` at each scrape; one that does not answer (restarting) is left out of that scrape."""
 
-    def __init__(self, own: Any, workers: Callable[[], dict[int, str]], timeout: float = 2.0) -> None:
+    def __init__(
+        self, own: CollectorRegistry, workers: Callable[[], dict[int, str]], timeout: float = 2.0
+    ) -> None:
         self.own = own
         self.workers = workers
         self.timeout = timeout
+
+    def describe(self) -> list[Metric]:
+        """The names served (every process runs the same code: the lead's), for a scrape that asks for some
+        by name (`name[]`)."""
+        return list(self.own.collect())
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
@@ -316,6 +323,13 @@ class Merged:
                 continue
             add(text_string_to_metric_families(text), index)
         yield from families.values()
+
+
+def merged_registry(own: CollectorRegistry, workers: Callable[[], dict[int, str]]) -> CollectorRegistry:
+    """A registry that collects `Merged`: what the lead's /metrics serves."""
+    registry = CollectorRegistry()
+    registry.register(Merged(own, workers))
+    return registry
 
 
 class Workers:
