@@ -46,7 +46,8 @@
 #   pd ROUNDS [S [W [ARGS]]]  SGLang P/D: native vs pd, interleaved, ROUNDS rounds, no level started after S
 #                     seconds (default 420: a call's 600 s covers the servers' start), W router processes
 #                     in each mode (xavier up --router-workers, default 1); ARGS go to sglang_pd.py (e.g.
-#                     --concurrency 64)
+#                     --concurrency 64; `--modes native@w1,pd@w1,pd --baseline native@w1`: modes of other
+#                     router-process counts side by side, each round's ratios over the one named)
 #   hicache [SHAPE [ARGS]]  SGLang HiCache on the Xavier store vs SGLang's file L3, 2,000 and 8,000 tokens
 #                     (SHAPE: qwen2.5-0.5b, the default, or qwen2.5-7b; ARGS go to sglang_hicache.py,
 #                     e.g. --lengths 8000)
