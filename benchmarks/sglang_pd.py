@@ -579,6 +579,7 @@ def run_level(
         spy = py_spy_start(mode, args.py_spy, spy_out)
     row = asyncio.run(workload(mode, kind, conc, args.requests, args.max_tokens))
     row["started_s"] = started
+    row["interleaved"] = args.interleave  # for a summary made later from the rows (`--summarize`)
     if mode_kind(mode.name) in UP_MODES:
         row["router_workers"] = router_workers(mode.name, args)
     for sampler in spy:
@@ -847,7 +848,8 @@ def summarize(
 ) -> int:
     """Writes the run's summary (every row, greedy-output equality, per-level medians and per-round ratios to
     native) and its plot."""
-    summary = {"gpus": args.gpus, "modes": modes, "interleaved": args.interleave, "baseline": args.baseline,
+    interleaved = args.interleave or any(r.get("interleaved") for r in rows)
+    summary = {"gpus": args.gpus, "modes": modes, "interleaved": interleaved, "baseline": args.baseline,
                "sglang_args": args.sglang_args, "rows": rows,
                "outputs_equal": outputs_equal(rows), "outputs_compared": outputs_compared(rows),
                "medians": medians(rows),
