@@ -215,6 +215,26 @@ async def test_a_declined_share_is_unpinned_and_its_room_id_refused_while_live(
     assert await _wait_stats(sharer, IDLE) == IDLE
 
 
+async def test_a_request_whose_id_reads_like_a_shares_owner_runs_beside_the_share(
+    share_mesh: Mesh, reader: Reader
+) -> None:
+    sharer = share_mesh.procs["sharer"]
+    tokens = prompt(2 * PAGE, seed=5)
+    await _cache(sharer, [*tokens, 7])
+    room_id = new_room_id()
+    resp = await _share(sharer, room_id, tokens)
+    # A client may choose any id: this one is the text of the live share's pin owner.
+    async with grpc.aio.insecure_channel(sharer.address) as ch:
+        got = await unified_generate(ch, [*tokens, 9], max_tokens=2, request_id=f"share-prefix-{room_id}")
+    assert len(got) == 2
+    assert await _stats(sharer) == {"pinned": 2, "parked": 0, "rooms": 1}  # the share is untouched
+    peer = await _peer(share_mesh, "sharer")
+    await reader.port.decline(
+        room_id, resp.source.read_token, peer.endpoint, peer_key(peer.peer_id, peer.epoch)
+    )
+    assert await _wait_stats(sharer, IDLE) == IDLE
+
+
 async def test_a_share_nobody_reads_is_parked_then_released(share_mesh: Mesh) -> None:
     sharer = share_mesh.procs["sharer"]
     tokens = prompt(3 * PAGE, seed=3)

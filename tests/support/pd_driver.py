@@ -136,11 +136,11 @@ async def pd_generate(
 
 
 async def unified_generate(
-    unified_ch: grpc.aio.Channel, token_ids: Sequence[int], max_tokens: int = 16
+    unified_ch: grpc.aio.Channel, token_ids: Sequence[int], max_tokens: int = 16, request_id: str = ""
 ) -> list[int]:
     call = dec_grpc.DecodeServiceStub(unified_ch).GenerateUnified(
         dec.GenerateUnifiedRequest(
-            request_id=uuid.uuid4().hex,
+            request_id=request_id or uuid.uuid4().hex,
             token_ids=token_ids,
             sampling=types_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         ),

@@ -355,7 +355,13 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
         token_ids = list(request.token_ids)
         check_prompt(token_ids, host.engine.max_context, host.vocab_size)
         sampling = sampling_from_pb(request.sampling)
-        rid = request.request_id or f"unified-{id(request)}-{time.monotonic_ns()}"
+        # The engine's id: a client's id under a prefix of its own, so that no client id can be a share's
+        # pin owner (`_Share.owner`) or another engine id of this replica.
+        rid = (
+            f"unified:{request.request_id}"
+            if request.request_id
+            else f"unified-{id(request)}-{time.monotonic_ns()}"
+        )
         if rid in self._live:
             raise FailedPrecondition(f"request {rid} is already running here", reason="REQUEST_BUSY")
         self._refuse_when_draining()
