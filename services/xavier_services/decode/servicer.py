@@ -363,7 +363,10 @@ class DecodeServicer(decode_service_pb2_grpc.DecodeServiceServicer):  # type: ig
             else f"unified-{id(request)}-{time.monotonic_ns()}"
         )
         if rid in self._live:
-            raise FailedPrecondition(f"request {rid} is already running here", reason="REQUEST_BUSY")
+            # Only a client's id can be running already (a made-up one is new): name it as the client gave it.
+            raise FailedPrecondition(
+                f"request {request.request_id} is already running here", reason="REQUEST_BUSY"
+            )
         self._refuse_when_draining()
         self._enter(rid, 0, request.request_id)
         started = time.perf_counter()
