@@ -92,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the TTFT store's arena chunk (the store's default); a stored run never crosses a chunk",
     )
     p.add_argument(
+        "--compile-static",
+        action="store_true",
+        help="the TTFT replicas compile their static-shape step (engine.compile, CUDA only): a prefix "
+        "hit's suffix replays a graph of fused kernels",
+    )
+    p.add_argument(
         "--share-prefixes",
         action="store_true",
         help="the TTFT replicas share the prefixes they hold (handoff.share_prefixes): B copies the "
@@ -562,6 +568,7 @@ async def ttft_cases(mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
         "checked_read_part_bytes": part_bytes(args),
         "read_path": read_paths(args)[0],
         "share_prefixes": args.share_prefixes,
+        "compile_static": args.compile_static,
         "standing_share_seconds": args.standing_seconds,
         # Store calls of B's warm fetches served by copying from A's pool (its client's reads{path=holder}).
         "warm_store_holder_copies": sum(holder),
@@ -634,6 +641,7 @@ def run_ttft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     env["XAVIER_PAGESTORE__CHECK_WHILE_READING"] = str(not args.read_then_check).lower()
     env["XAVIER_PAGESTORE__CHECKED_READ_PART_BYTES"] = str(part_bytes(args))
     env["XAVIER_HANDOFF__SHARE_PREFIXES"] = str(args.share_prefixes).lower()
+    env["XAVIER_ENGINE__COMPILE"] = str(args.compile_static).lower()
     if args.standing_seconds is not None:
         env["XAVIER_HANDOFF__STANDING_SHARE_SECONDS"] = str(args.standing_seconds)
     arena = -(-arena // args.store_chunk_bytes) * args.store_chunk_bytes

@@ -71,11 +71,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     captured: list[DecodeInputs] = []
 
-    def graphed(shared: bool) -> Callable[[], torch.Tensor]:
+    def graphed(shared: bool, compiled: bool = False) -> Callable[[], torch.Tensor]:
         # Captured as the engine captures its buckets (warm-up off the capturing stream, one graph pool).
         # The replays read the captured inputs' memory, so they are kept as long as the graph: freed,
         # their blocks go to other tensors and the replays index the pool with whatever lands there.
-        runner = DecodeRunner(model, pool, use_graphs=True, max_rows=n)
+        # Compiled: the step's code is torch.compile's (`CausalLM.compiled_static`, fused kernels),
+        # captured the same way; its warm-up runs compile it.
+        runner = DecodeRunner(
+            model, pool, use_graphs=True, max_rows=n, compiled="inductor" if compiled else ""
+        )
         captured.append(inputs(shared))
         graph, logits = runner._capture(captured[-1])
 
@@ -86,11 +90,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return replay
 
     steps: dict[str, Callable[[], torch.Tensor]] = {}
+    compile_s: dict[str, float] = {}
     for shared in (False, True):
         name = "shared" if shared else "rows"
         steps[name] = eager(shared)
         if cuda:
             steps[f"{name}_graphed"] = graphed(shared)
+            if args.compile:
+                t = time.perf_counter()
+                steps[f"{name}_compiled"] = graphed(shared, compiled=True)
+                compile_s[name] = time.perf_counter() - t
     outs = {name: step().clone() for name, step in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for rnd in range(args.rounds):
@@ -118,6 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for k in ms
             if k.startswith("rows")
         },
+        "compile_and_capture_s": compile_s,
         "max_abs_logit_diff": diff,
         "same_argmax": all(bool((o.argmax(-1) == outs["rows"].argmax(-1)).all()) for o in outs.values()),
     }
@@ -133,6 +143,11 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=16, help="the chunk's tokens (a row bucket: a power of two)")
     p.add_argument("--reps", type=int, default=5, help="runs per measurement (median)")
     p.add_argument("--rounds", type=int, default=4, help="measurements per variant, in alternating order")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="on CUDA also the step compiled by torch.compile (fused kernels), captured in a graph",
+    )
     p.add_argument("--out", default="", help="also write the JSON here")
     args = p.parse_args()
     result = run(args)

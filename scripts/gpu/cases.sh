@@ -40,9 +40,12 @@
 #                     0.5B twice each way, 7B width natively once (SHAPE 05b or 7b: that shape's runs alone)
 #   profile           a warm local prefix hit's GPU kernels (torch.profiler, benchmarks/prefix_hit.py): 0.5B-shaped
 #                     at 2,000 tokens, 7B width at 8 layers at 8,000
-#   chunk             a prefix hit's suffix (16 rows) as one static step, a page table per row vs one shared
-#                     table, eager and graphed (benchmarks/static_chunk.py): 7B width at 28 layers after 8,000
-#                     keys, 0.5B-shaped after 2,000
+#   compileab [REPS [twice]]  page store TTFT at the 0.5B shape (2,000 tokens, REPS reps, default 5) with
+#                     the replicas' static step compiled by torch.compile (--compile-static) and eager,
+#                     alternating (on, off; `twice`: on, off, off, on)
+#   chunk [ARGS]      a prefix hit's suffix (16 rows) as one static step, a page table per row vs one shared
+#                     table, eager and graphed (benchmarks/static_chunk.py; ARGS go to it, e.g. --compile):
+#                     0.5B-shaped after 2,000 keys, then 7B width at 28 layers after 8,000
 #   pd ROUNDS [S [W [ARGS]]]  SGLang P/D: native vs pd, interleaved, ROUNDS rounds, no level started after S
 #                     seconds (default 420: a call's 600 s covers the servers' start), W router processes
 #                     in each mode (xavier up --router-workers, default 1); ARGS go to sglang_pd.py (e.g.
@@ -254,11 +257,20 @@ for k in t["top_gpu"][:12]:
 PY
       done
       ;;
+    compileab)
+      # the 0.5B store TTFT with the replicas' static step compiled (engine.compile) and eager, alternating
+      local reps=${1:-5}
+      store_ttft compile-05b-on-1 qwen2.5-0.5b 2000 0 "$reps" --compile-static
+      store_ttft compile-05b-off-1 qwen2.5-0.5b 2000 0 "$reps"
+      [ "${2:-}" = twice ] && store_ttft compile-05b-off-2 qwen2.5-0.5b 2000 0 "$reps" &&
+        store_ttft compile-05b-on-2 qwen2.5-0.5b 2000 0 "$reps" --compile-static
+      ;;
     chunk)
-      for shape in "7b 7b-width 28 8000" "05b qwen2.5-0.5b 0 2000"; do
-        set -- $shape
+      local extra=("$@")
+      for shape in "05b qwen2.5-0.5b 0 2000" "7b 7b-width 28 8000"; do
+        set -- $shape "${extra[@]}"
         python3 benchmarks/static_chunk.py --device "$device" --shape "$2" --layers "$3" --prefix "$4" \
-          --out "$out/static-chunk-$1.json" > /dev/null 2> "$logs/chunk-$1.stderr" || tail -n 20 "$logs/chunk-$1.stderr"
+          "${@:5}" --out "$out/static-chunk-$1.json" > /dev/null 2> "$logs/chunk-$1.stderr" || tail -n 20 "$logs/chunk-$1.stderr"
         [ -f "$out/static-chunk-$1.json" ] && python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(
           sys.argv[1].rsplit('/', 1)[-1], {k: round(v, 3) for k, v in d['ms'].items()}, 'rows/shared',
           {k: round(v, 2) for k, v in d['rows_over_shared'].items()}, 'diff', d['max_abs_logit_diff'])" "$out/static-chunk-$1.json"

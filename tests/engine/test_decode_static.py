@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,22 @@ def test_graphs_refused_on_cpu(engine_factory: Factory) -> None:
     engine = engine_factory("llama")
     with pytest.raises(InvalidRequestError, match="CUDA"):
         DecodeRunner(engine.model, engine.kv_pool, use_graphs=True, max_rows=8)
+
+
+def test_a_compiled_step_is_refused_off_cuda(tiny_dirs: dict[str, Path]) -> None:
+    """Only CUDA runs the static step, so compiling it anywhere else is a mistake the caller hears of: the
+    engine names its argument, the service its config key."""
+    from xavier_services.peer.config import EngineSection, PeerServiceConfig
+    from xavier_services.peer.host import load_engine
+
+    from xavier_core.runtime.errors import InvalidArgument
+
+    with pytest.raises(InvalidRequestError, match="compile_static needs a CUDA device"):
+        ReferenceEngine.load(tiny_dirs["llama"], num_pages=32, compile_static=True)
+    config = PeerServiceConfig(engine=EngineSection(model=tiny_dirs["llama"], num_pages=32, compile=True))
+    with pytest.raises(InvalidArgument, match=r"engine\.compile needs a CUDA device") as err:
+        load_engine(config)
+    assert err.value.metadata["key"] == "engine.compile"
 
 
 async def _run_all(

@@ -141,3 +141,30 @@ async def test_prefix_hit_suffix_replays_the_decode_graphs(arch: str, tiny_dirs:
         await cpu.close()
         await gpu.close()
         await plain.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_a_compiled_static_step_follows_the_eager_one(arch: str, tiny_dirs: dict[str, Path]) -> None:
+    """`compile_static`: decode rows and a prefix hit's suffix replay graphs of torch.compile's fused
+    kernels, and the tokens follow the float32 CPU reference as the eager step's do."""
+    cpu = ReferenceEngine.load(tiny_dirs[arch], num_pages=64)
+    gpu = ReferenceEngine.load(
+        tiny_dirs[arch], device="cuda", num_pages=64, max_running=8, compile_static=True
+    )
+    try:
+        assert gpu.capture_decode_graphs() > 0
+        shared = prompt_of(cpu, 48, seed=7)
+        prompts = [shared + prompt_of(cpu, n, seed=n) for n in (5, 21)]
+        for i, prompt in enumerate(prompts):
+            want = await greedy_tokens(cpu, prompt, 24, rid=f"c{i}")
+            events = await collect(gpu.generate(f"g{i}", prompt, Sampling(max_tokens=24, ignore_eos=True)))
+            assert (events[0].cached_tokens > 0) == (i == 1)
+            _check_near_tie(tiny_dirs[arch], prompt, want, [e.token_id for e in events])
+        assert gpu.stats().extra["static_shared_chunks"] == 1  # the suffix ran as the compiled rows
+        got = await _run_all(gpu, prompts, 16)  # together: decode rows of a two-row bucket
+        want = await _run_all(cpu, prompts, 16)
+        for prompt, w, g in zip(prompts, want, got, strict=True):
+            _check_near_tie(tiny_dirs[arch], prompt, w, g)
+    finally:
+        await cpu.close()
+        await gpu.close()

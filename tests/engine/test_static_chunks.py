@@ -83,7 +83,19 @@ _CASES = {
 @pytest.mark.parametrize("case", sorted(_CASES))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_chunk_rows_equal_the_general_forward(arch: str, case: str, engine_factory: Factory) -> None:
-    engine = engine_factory(arch)
+    _check_rows(engine_factory(arch), case)
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_compiled_rows_equal_the_general_forward(case: str, engine_factory: Factory) -> None:
+    """The step `CausalLM.compiled_static` traces (shapes symbolic, the pool's K/V written in place) gives
+    what the general forward gives, over the buckets these steps take. The CPU has no use for a compiled
+    step, so the trace runs as is (torch.compile's aot_eager backend); CUDA runs inductor's kernels
+    (tests/engine/test_gpu.py)."""
+    _check_rows(engine_factory("qwen3"), case, compiled="aot_eager")
+
+
+def _check_rows(engine: ReferenceEngine, case: str, compiled: str = "") -> None:
     model = engine.model
     assert isinstance(model, CausalLM)
     cfg = model.cfg
@@ -100,7 +112,7 @@ def test_chunk_rows_equal_the_general_forward(arch: str, case: str, engine_facto
             req.num_computed = done
             if done == len(req.prompt):  # a request in decode: its first token
                 req.tokens.append(req.prompt[0])
-    runner = DecodeRunner(model, pool, use_graphs=False, max_rows=32)
+    runner = DecodeRunner(model, pool, use_graphs=False, max_rows=32, compiled=compiled)
 
     def step(g: Items, s: Items) -> None:
         assert runner.accepts(s)

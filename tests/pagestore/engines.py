@@ -76,7 +76,9 @@ class StoreMesh:
         args = ["--model", str(self.model), "--directory", self.procs["directory"].address]
         args += ["--peer-id", name, "--listen", "127.0.0.1:0", "--device", self.device, *extra]
         env = {**MESH_ENV, **self.env}
-        proc = start_service(binary, args, self.workdir, name=name, env=env, timeout=120)
+        # A compiled static step is compiled while the graphs are captured, before the service is ready.
+        timeout = 600 if env.get("XAVIER_ENGINE__COMPILE") == "true" else 120
+        proc = start_service(binary, args, self.workdir, name=name, env=env, timeout=timeout)
         self.procs[name] = proc
         return proc
 

@@ -186,6 +186,19 @@ class CausalLM:
         Each layer writes every row's K/V before any row attends (`_layers`), so rows of one request at
         consecutive positions (a prefill chunk) see each other's keys as a causal prefill does.
         """
+        return self.static_step(inputs, pool)
+
+    def compiled_static(self, backend: str = "inductor") -> Callable[[DecodeInputs, KvPool], torch.Tensor]:
+        """`decode_static` compiled by `torch.compile` (with inductor, its elementwise work fused into a few
+        kernels a layer), shapes symbolic: a handful of compilations cover every bucket, each at the first
+        run of its kind. Call it under `torch.no_grad()`: inference mode's tensors cannot be traced."""
+        step: Callable[[DecodeInputs, KvPool], torch.Tensor] = torch.compile(
+            self.static_step, backend=backend, dynamic=True
+        )
+        return step
+
+    def static_step(self, inputs: DecodeInputs, pool: KvPool) -> torch.Tensor:
+        """`decode_static` without its inference mode (what `compiled_static` traces)."""
         ps = pool.page_size
         tables, width = inputs.page_table.shape[0], inputs.page_table.shape[1] * ps
         slots = (inputs.page_table.unsqueeze(2) * ps + torch.arange(ps, device=self.device)).view(

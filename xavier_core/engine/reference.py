@@ -91,6 +91,7 @@ class ReferenceEngine:
         static_chunks: bool = True,
         max_queued: int = 1024,
         chunk_gather_bytes: int = CHUNK_GATHER_BYTES,
+        compile_static: bool = False,
     ) -> None:
         if max_running < 1 or chunk_tokens < 1 or max_queued < 1:
             raise InvalidRequestError(
@@ -115,7 +116,15 @@ class ReferenceEngine:
         # general forward for every step. A NullLM has no static-shape path: forward only.
         decoder = None
         if pool.device.type == "cuda" and isinstance(model, CausalLM):
-            decoder = DecodeRunner(model, pool, cuda_graphs, max_running, static_chunks, chunk_gather_bytes)
+            decoder = DecodeRunner(
+                model,
+                pool,
+                cuda_graphs,
+                max_running,
+                static_chunks,
+                chunk_gather_bytes,
+                compiled="inductor" if compile_static else "",
+            )
         # The loop only calls `forward`, which both models offer.
         self._loop = EngineLoop(model, pool, self._sched, self._cache, decoder)
         self._lock = self._loop.lock
@@ -141,6 +150,7 @@ class ReferenceEngine:
         max_queued: int = 1024,
         static_chunks: bool = True,
         chunk_gather_bytes: int = CHUNK_GATHER_BYTES,
+        compile_static: bool = False,
     ) -> ReferenceEngine:
         """Loads a checkpoint directory and starts the engine loop.
 
@@ -150,7 +160,9 @@ class ReferenceEngine:
         decode steps run from CUDA graphs unless `cuda_graphs` is False (then the same static-shape
         decode runs eagerly), and so do short prefill chunks after cached keys (a prefix hit's suffix: one
         decode row per token, `DecodeRunner.accepts`) unless `static_chunks` is False or the rows would
-        gather more than `chunk_gather_bytes` of K/V per layer; on the CPU these have no effect. Past
+        gather more than `chunk_gather_bytes` of K/V per layer; on the CPU these have no effect. With
+        `compile_static` (CUDA only) that static-shape step is torch.compile's: fused kernels, compiled
+        when the graphs are captured (`capture_decode_graphs`, tens of seconds). Past
         `max_queued` requests waiting for their first step, `generate` and `prefill` raise
         `EngineBusyError`.
 
@@ -165,6 +177,8 @@ class ReferenceEngine:
             raise CheckpointError(f"checkpoint directory {path} does not exist")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise CheckpointError(f"device {device!r} requested but CUDA is not available")
+        if compile_static and not device.startswith("cuda"):
+            raise InvalidRequestError(f"compile_static needs a CUDA device, not {device!r}")
         if device == "cuda":
             # The engine thread pins its device by index: "cuda" means the current one.
             device = f"cuda:{torch.cuda.current_device()}"
@@ -198,6 +212,7 @@ class ReferenceEngine:
             static_chunks=static_chunks,
             max_queued=max_queued,
             chunk_gather_bytes=chunk_gather_bytes,
+            compile_static=compile_static,
         )
         engine.model_dir = path
         return engine

@@ -37,6 +37,10 @@ class EngineSection(_Section):
     """On CUDA, a prefill chunk after cached keys (a prefix hit's suffix) replays the decode graphs, one
     row per token, only while those rows gather at most this many K/V bytes per layer; a longer context
     takes the general forward, which gathers it once. 0: never as rows."""
+    compile: bool = False
+    """On CUDA, the static-shape step that decode rows and prefix hits' suffixes replay from CUDA graphs is
+    compiled by torch.compile first: the same math in fewer, fused kernels. Compiling adds tens of seconds
+    to the start. Needs `device` cuda."""
     compute: Literal["model", "null"] = "model"
     """What each step runs: "model", the checkpoint's forward pass; "null", a near-zero-cost stand-in (no
     weights loaded) inside the otherwise real engine, for control-plane benchmarks. Null peers have their

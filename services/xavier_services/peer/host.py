@@ -62,6 +62,8 @@ def load_engine(config: PeerServiceConfig) -> Engine:
         raise InvalidArgument(
             "engine.model is required (a local Hugging Face checkpoint directory)", key="engine.model"
         )
+    if e.compile and not e.device.startswith("cuda"):
+        raise InvalidArgument(f"engine.compile needs a CUDA device, not {e.device!r}", key="engine.compile")
     engine: Engine = ReferenceEngine.load(
         e.model,
         device=e.device,
@@ -71,6 +73,7 @@ def load_engine(config: PeerServiceConfig) -> Engine:
         max_running=e.max_running,
         chunk_tokens=e.chunk_tokens,
         chunk_gather_bytes=e.chunk_gather_bytes,
+        compile_static=e.compile,
         compute=e.compute,
         max_queued=e.max_queued,
     )
