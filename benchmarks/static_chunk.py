@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Captured as the engine captures its buckets (warm-up off the capturing stream, one graph pool).
         # The replays read the captured inputs' memory, so they are kept as long as the graph: freed,
         # their blocks go to other tensors and the replays index the pool with whatever lands there.
-        # Compiled: the step's code is torch.compile's (`CausalLM.compiled_static`, fused kernels),
+        # Compiled: the step's code is torch.compile's (`CausalLM.compiled_layer`, fused kernels),
         # captured the same way; its warm-up runs compile it.
         runner = DecodeRunner(
             model, pool, use_graphs=True, max_rows=n, compiled="inductor" if compiled else ""

@@ -88,7 +88,7 @@ def test_chunk_rows_equal_the_general_forward(arch: str, case: str, engine_facto
 
 @pytest.mark.parametrize("case", sorted(_CASES))
 def test_compiled_rows_equal_the_general_forward(case: str, engine_factory: Factory) -> None:
-    """The step `CausalLM.compiled_static` traces (shapes symbolic, the pool's K/V written in place) gives
+    """The step `CausalLM.compiled_layer` traces (shapes symbolic, the pool's K/V written in place) gives
     what the general forward gives, over the buckets these steps take. The CPU has no use for a compiled
     step, so the trace runs as is (torch.compile's aot_eager backend); CUDA runs inductor's kernels
     (tests/engine/test_gpu.py)."""

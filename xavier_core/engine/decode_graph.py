@@ -93,8 +93,8 @@ class DecodeRunner:
     to; with `chunks` off only decode-only steps are taken, and a step with a chunk only while its rows
     gather at most `chunk_gather_bytes` of K/V per layer (`CHUNK_GATHER_BYTES`). A chunk alone in its
     step takes the shared-table buckets, which gather its keys once. `compiled` (a torch.compile backend,
-    "inductor" on CUDA) runs `CausalLM.compiled_static` instead of the eager step: the same math in fewer,
-    fused kernels.
+    "inductor" on CUDA) runs each layer as `CausalLM.compiled_layer`'s: the same math in fewer, fused
+    kernels.
     """
 
     def __init__(
@@ -114,9 +114,9 @@ class DecodeRunner:
         self.model = model
         self.pool = pool
         self.use_graphs = use_graphs
-        # torch.compile's step: compiled at its first run of each kind of bucket (the warm-up runs before
+        # torch.compile's layer: compiled at the first step of each kind of bucket (the warm-up runs before
         # a capture), then captured like the eager one.
-        self._compiled = model.compiled_static(compiled) if compiled else None
+        self._layer = model.compiled_layer(compiled) if compiled else None
         self.chunks = chunks
         self.chunk_gather_bytes = chunk_gather_bytes
         k = pool.k[0]
@@ -303,10 +303,10 @@ class DecodeRunner:
         return graph, logits
 
     def _static(self, inputs: DecodeInputs) -> torch.Tensor:
-        if self._compiled is None:
+        if self._layer is None:
             return self.model.decode_static(inputs, self.pool)
         with torch.no_grad():
-            return self._compiled(inputs, self.pool)
+            return self.model.static_step(inputs, self.pool, self._layer)
 
 
 def _decode_row(req: Request, n: int) -> bool:

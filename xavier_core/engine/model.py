@@ -107,6 +107,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""Attention of one layer: `attend(q, k_buf, v_buf)` gives `[T, heads*head_dim]`."""
+
+
 @dataclass
 class _Layer:
     in_norm: torch.Tensor
@@ -118,6 +122,10 @@ class _Layer:
     k_norm: torch.Tensor | None
     gate_up_w: torch.Tensor
     down_w: torch.Tensor
+
+
+StaticLayer = Callable[..., torch.Tensor]
+"""A layer of the static-shape step: `CausalLM.static_layer`, or what `CausalLM.compiled_layer` made of it."""
 
 
 class CausalLM:
@@ -183,22 +191,24 @@ class CausalLM:
 
         Every tensor the step creates has a shape fixed by `inputs`, and nothing reads back to the host,
         so the step can be captured in a CUDA graph and replayed with new values in the same buffers.
-        Each layer writes every row's K/V before any row attends (`_layers`), so rows of one request at
+        Each layer writes every row's K/V before any row attends (`_layer`), so rows of one request at
         consecutive positions (a prefill chunk) see each other's keys as a causal prefill does.
         """
         return self.static_step(inputs, pool)
 
-    def compiled_static(self, backend: str = "inductor") -> Callable[[DecodeInputs, KvPool], torch.Tensor]:
-        """`decode_static` compiled by `torch.compile` (with inductor, its elementwise work fused into a few
-        kernels a layer), shapes symbolic: a handful of compilations cover every bucket, each at the first
-        run of its kind. Call it under `torch.no_grad()`: inference mode's tensors cannot be traced."""
-        step: Callable[[DecodeInputs, KvPool], torch.Tensor] = torch.compile(
-            self.static_step, backend=backend, dynamic=True
-        )
-        return step
+    def compiled_layer(self, backend: str = "inductor") -> StaticLayer:
+        """`static_layer` compiled by `torch.compile` (with inductor, its elementwise work fused into a few
+        kernels), shapes symbolic. Every layer has the same shapes, so one compilation serves them all, and
+        a handful cover every bucket (each at the first step of its kind). Pass it to `static_step`, under
+        `torch.no_grad()`: inference mode's tensors cannot be traced."""
+        layer: StaticLayer = torch.compile(self.static_layer, backend=backend, dynamic=True)
+        return layer
 
-    def static_step(self, inputs: DecodeInputs, pool: KvPool) -> torch.Tensor:
-        """`decode_static` without its inference mode (what `compiled_static` traces)."""
+    def static_step(
+        self, inputs: DecodeInputs, pool: KvPool, layer: StaticLayer | None = None
+    ) -> torch.Tensor:
+        """`decode_static` without its inference mode, each layer run by `layer` (`static_layer` unless
+        given: `compiled_layer`'s)."""
         ps = pool.page_size
         tables, width = inputs.page_table.shape[0], inputs.page_table.shape[1] * ps
         slots = (inputs.page_table.unsqueeze(2) * ps + torch.arange(ps, device=self.device)).view(
@@ -206,11 +216,35 @@ class CausalLM:
         )
         hidden = torch.arange(width, device=self.device) >= inputs.seq_lens.unsqueeze(1)  # [B, L]
         bias = torch.zeros(hidden.shape, device=self.device).masked_fill(hidden, float("-inf"))
-        attend = partial(self._paged_decode_attention, slots=slots, bias=bias)
-        h = self._layers(inputs.input_ids, inputs.positions, inputs.out_slots, pool, attend)
+        run = layer or self.static_layer
+        h, cos, sin = self._embed(inputs.input_ids, inputs.positions)
+        for i, weights in enumerate(self.layers):
+            h = run(h, weights, cos, sin, inputs.out_slots, pool.k[i], pool.v[i], slots, bias)
         if inputs.out_rows is not None:
             h = h.index_select(0, inputs.out_rows)
         return F.linear(_rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+
+    def static_layer(
+        self,
+        h: torch.Tensor,
+        weights: _Layer,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        out_slots: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        slots: torch.Tensor,
+        bias: torch.Tensor,
+    ) -> torch.Tensor:
+        """One layer of `static_step`: `_layer` attending through `_paged_decode_attention`."""
+        attend = partial(self._paged_decode_attention, slots=slots, bias=bias)
+        return self._layer(h, weights, cos, sin, out_slots, k_buf, v_buf, attend)
+
+    def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The first hidden states and the rotary cos / sin of each position."""
+        cos = self.cos[positions].to(self.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(self.dtype).unsqueeze(1)
+        return F.embedding(input_ids, self.embed), cos, sin
 
     def _layers(
         self,
@@ -218,39 +252,51 @@ class CausalLM:
         positions: torch.Tensor,
         out_slots: torch.Tensor,
         pool: KvPool,
-        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        attend: Attend,
     ) -> torch.Tensor:
-        """Hidden states after the last layer; `attend(q, k_buf, v_buf)` gives `[T, heads*head_dim]`."""
+        """Hidden states after the last layer."""
+        h, cos, sin = self._embed(input_ids, positions)
+        for i, weights in enumerate(self.layers):
+            h = self._layer(h, weights, cos, sin, out_slots, pool.k[i], pool.v[i], attend)
+        return h
+
+    def _layer(
+        self,
+        h: torch.Tensor,
+        layer: _Layer,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        out_slots: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        attend: Attend,
+    ) -> torch.Tensor:
+        """Hidden states after one layer whose K/V buffers are `k_buf`, `v_buf`; `attend(q, k_buf, v_buf)`
+        gives `[T, heads*head_dim]`."""
         cfg = self.cfg
-        h = F.embedding(input_ids, self.embed)
-        cos = self.cos[positions].to(self.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(self.dtype).unsqueeze(1)
         nq, nkv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
         eps = cfg.rms_norm_eps
-        for i, layer in enumerate(self.layers):
-            x = _rms_norm(h, layer.in_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
-            v = qkv[:, nq + nkv :].view(-1, cfg.num_kv_heads, d)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q = _rotate(_rms_norm(qkv[:, :nq].view(-1, cfg.num_heads, d), layer.q_norm, eps), cos, sin)
-                k = _rotate(
-                    _rms_norm(qkv[:, nq : nq + nkv].view(-1, cfg.num_kv_heads, d), layer.k_norm, eps),
-                    cos,
-                    sin,
-                )
-            else:  # one rotation over the query and key heads together: half the kernel launches
-                qk = _rotate(qkv[:, : nq + nkv].view(-1, cfg.num_heads + cfg.num_kv_heads, d), cos, sin)
-                q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-            k_buf, v_buf = pool.k[i], pool.v[i]
-            # Every row's K/V of this layer land before any row attends: a prefill chunk run as decode
-            # rows (`decode_static`) reads its earlier rows' keys from the pool.
-            k_buf[out_slots] = k
-            v_buf[out_slots] = v
-            h = h + F.linear(attend(q, k_buf, v_buf), layer.o_w)
-            x = _rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down_w)
-        return h
+        x = _rms_norm(h, layer.in_norm, eps)
+        qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+        v = qkv[:, nq + nkv :].view(-1, cfg.num_kv_heads, d)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = _rotate(_rms_norm(qkv[:, :nq].view(-1, cfg.num_heads, d), layer.q_norm, eps), cos, sin)
+            k = _rotate(
+                _rms_norm(qkv[:, nq : nq + nkv].view(-1, cfg.num_kv_heads, d), layer.k_norm, eps),
+                cos,
+                sin,
+            )
+        else:  # one rotation over the query and key heads together: half the kernel launches
+            qk = _rotate(qkv[:, : nq + nkv].view(-1, cfg.num_heads + cfg.num_kv_heads, d), cos, sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+        # Every row's K/V of this layer land before any row attends: a prefill chunk run as decode rows
+        # (`decode_static`) reads its earlier rows' keys from the pool.
+        k_buf[out_slots] = k
+        v_buf[out_slots] = v
+        h = h + F.linear(attend(q, k_buf, v_buf), layer.o_w)
+        x = _rms_norm(h, layer.post_norm, eps)
+        gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, layer.down_w)
 
     def _paged_decode_attention(
         self,
