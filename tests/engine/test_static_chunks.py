@@ -92,7 +92,12 @@ def test_compiled_rows_equal_the_general_forward(case: str, engine_factory: Fact
     what the general forward gives, over the buckets these steps take. The CPU has no use for a compiled
     step, so the trace runs as is (torch.compile's aot_eager backend); CUDA runs inductor's kernels
     (tests/engine/test_gpu.py)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # compiled anew here, not served from an earlier case's compilations
+    before = counters["stats"]["unique_graphs"]
     _check_rows(engine_factory("qwen3"), case, compiled="aot_eager")
+    assert counters["stats"]["unique_graphs"] > before  # compiled, not run eagerly in its place
 
 
 def _check_rows(engine: ReferenceEngine, case: str, compiled: str = "") -> None:

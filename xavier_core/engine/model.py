@@ -201,6 +201,10 @@ class CausalLM:
         kernels), shapes symbolic. Every layer has the same shapes, so one compilation serves them all, and
         a handful cover every bucket (each at the first step of its kind). Pass it to `static_step`, under
         `torch.no_grad()`: inference mode's tensors cannot be traced."""
+        # Compilations are kept per function, and every model of a process compiles this one (its guards
+        # on the model's shapes): room for a few models' handfuls before torch falls back to eager.
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
         layer: StaticLayer = torch.compile(self.static_layer, backend=backend, dynamic=True)
         return layer
 
