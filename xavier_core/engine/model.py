@@ -179,7 +179,7 @@ class CausalLM:
             batch.positions,
             batch.out_slots,
             pool,
-            lambda q, k, v: self._attention(q, k, v, batch),
+            partial(self._layer, attend=lambda q, k, v: self._attention(q, k, v, batch)),
         )
         last = _rms_norm(h[batch.logit_rows()], self.norm, self.cfg.rms_norm_eps)
         return F.linear(last, self.lm_head).float()
@@ -220,10 +220,8 @@ class CausalLM:
         )
         hidden = torch.arange(width, device=self.device) >= inputs.seq_lens.unsqueeze(1)  # [B, L]
         bias = torch.zeros(hidden.shape, device=self.device).masked_fill(hidden, float("-inf"))
-        run = layer or self.static_layer
-        h, cos, sin = self._embed(inputs.input_ids, inputs.positions)
-        for i, weights in enumerate(self.layers):
-            h = run(h, weights, cos, sin, inputs.out_slots, pool.k[i], pool.v[i], slots, bias)
+        run = partial(layer or self.static_layer, slots=slots, bias=bias)
+        h = self._layers(inputs.input_ids, inputs.positions, inputs.out_slots, pool, run)
         if inputs.out_rows is not None:
             h = h.index_select(0, inputs.out_rows)
         return F.linear(_rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
@@ -244,24 +242,21 @@ class CausalLM:
         attend = partial(self._paged_decode_attention, slots=slots, bias=bias)
         return self._layer(h, weights, cos, sin, out_slots, k_buf, v_buf, attend)
 
-    def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The first hidden states and the rotary cos / sin of each position."""
-        cos = self.cos[positions].to(self.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(self.dtype).unsqueeze(1)
-        return F.embedding(input_ids, self.embed), cos, sin
-
     def _layers(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         out_slots: torch.Tensor,
         pool: KvPool,
-        attend: Attend,
+        layer: Callable[..., torch.Tensor],
     ) -> torch.Tensor:
-        """Hidden states after the last layer."""
-        h, cos, sin = self._embed(input_ids, positions)
+        """Hidden states after the last layer, each run by `layer(h, weights, cos, sin, out_slots, k_buf,
+        v_buf)`: `_layer` with its attention bound, or a static layer with its slots and bias."""
+        h = F.embedding(input_ids, self.embed)
+        cos = self.cos[positions].to(self.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(self.dtype).unsqueeze(1)
         for i, weights in enumerate(self.layers):
-            h = self._layer(h, weights, cos, sin, out_slots, pool.k[i], pool.v[i], attend)
+            h = layer(h, weights, cos, sin, out_slots, pool.k[i], pool.v[i])
         return h
 
     def _layer(
