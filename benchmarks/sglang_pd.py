@@ -59,27 +59,38 @@ UP_MODES = ("native", "pd", "colocated")
 DIRECT_MODES = ("direct-native", "direct-xavier")
 
 
+def mode_parts(name: str) -> tuple[str, int | None]:
+    """`("pd", 1)` of `pd@w1`: a mode's kind and the router processes its `@wN` suffix names (None without
+    one); ValueError names what is wrong with the suffix."""
+    kind, at, suffix = name.partition("@")
+    if not at:
+        return kind, None
+    if kind not in UP_MODES or not suffix.startswith("w") or not suffix[1:].isdigit() or int(suffix[1:]) < 1:
+        raise ValueError(f"mode {name!r}: only an up mode takes a router-process count, as `pd@w2`")
+    return kind, int(suffix[1:])
+
+
 def mode_kind(name: str) -> str:
     """`pd` of `pd@w1`: a mode's name with its router-process suffix (`@wN`, an up mode with N router
     processes instead of `--router-workers`'s count) left off."""
-    return name.split("@", 1)[0]
+    return mode_parts(name)[0]
 
 
 def router_workers(name: str, args: argparse.Namespace) -> int:
     """How many router processes up mode `name` runs: its `@wN` suffix, else `--router-workers`."""
-    _, _, suffix = name.partition("@")
-    return int(suffix[1:]) if suffix else int(args.router_workers)
+    workers = mode_parts(name)[1]
+    return int(args.router_workers) if workers is None else workers
 
 
 def check_modes(modes: Sequence[str]) -> str | None:
     """What is wrong with a `--modes` list, or None."""
     for name in modes:
-        kind, at, suffix = name.partition("@")
+        try:
+            kind, _ = mode_parts(name)
+        except ValueError as exc:
+            return str(exc)
         if kind not in UP_MODES + DIRECT_MODES:
             return f"unknown mode {name!r} (one of {', '.join(UP_MODES + DIRECT_MODES)})"
-        if at and (kind not in UP_MODES or not suffix.startswith("w") or not suffix[1:].isdigit()
-                   or int(suffix[1:]) < 1):  # fmt: skip
-            return f"mode {name!r}: only an up mode takes a router-process count, as `pd@w2`"
     if len(set(modes)) != len(modes):
         return "a mode is listed twice"
     return None
@@ -847,17 +858,18 @@ def summarize(
     runs: Sequence[Sequence[dict[str, Any]]] | None = None,
 ) -> int:
     """Writes the run's summary (every row, greedy-output equality, per-level medians and per-round ratios to
-    native) and its plot."""
+    the baseline mode, `ratios_to_baseline`; summaries before it was named call them `ratios_to_native`)
+    and its plot."""
     interleaved = args.interleave or any(r.get("interleaved") for r in rows)
     summary = {"gpus": args.gpus, "modes": modes, "interleaved": interleaved, "baseline": args.baseline,
                "sglang_args": args.sglang_args, "rows": rows,
                "outputs_equal": outputs_equal(rows), "outputs_compared": outputs_compared(rows),
                "medians": medians(rows),
-               "ratios_to_native": paired_ratios(runs or [rows], args.baseline)}  # fmt: skip
+               "ratios_to_baseline": paired_ratios(runs or [rows], args.baseline)}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     plot([r for r in rows if "out_tok_s" in r], args.out.with_suffix(".png"))
-    short = {k: summary[k] for k in ("outputs_equal", "outputs_compared", "ratios_to_native")}
+    short = {k: summary[k] for k in ("outputs_equal", "outputs_compared", "baseline", "ratios_to_baseline")}
     print(json.dumps({**short, "out": str(args.out)}), flush=True)
     return 0
 
