@@ -112,6 +112,34 @@ async def test_cancel_at_random_points_leaves_nothing(mesh: Mesh) -> None:
         await ch.close()
 
 
+async def test_a_request_id_already_running_is_refused_and_the_running_one_goes_on(mesh: Mesh) -> None:
+    toks = prompt(16, 11)
+    rid = f"busy-{random.Random(11).getrandbits(32):08x}"
+    # Real compute, about 3,000 steps (about 190 of the pool's 256 pages): it runs for seconds while the
+    # second call comes and goes.
+    sampling = types_pb2.SamplingParams(max_tokens=3000, ignore_eos=True)
+    request = dec.GenerateUnifiedRequest(request_id=rid, token_ids=toks, sampling=sampling)
+    async with grpc.aio.insecure_channel(mesh.procs["unified-0"].address) as ch:
+        stub = dec_grpc.DecodeServiceStub(ch)
+        first = stub.GenerateUnified(request, timeout=60)
+        assert len((await first.read()).delta.token_ids) == 1  # running: its stream has begun
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub.GenerateUnified(request, timeout=10):
+                pass
+        error = from_rpc_error(info.value)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error.reason == "REQUEST_BUSY", error
+        assert rid in str(error)
+        for _ in range(8):  # the running request is untouched by the refusal
+            msg = await first.read()
+            assert msg is not grpc.aio.EOF and len(msg.delta.token_ids) == 1 and not msg.finish_reason
+        first.cancel()
+        stats = await wait_drained(mesh)
+        assert not any(stats.values()), stats
+        # Ended, its id may be used again.
+        assert len(await unified_generate(ch, toks, 2, request_id=rid)) == 2
+
+
 async def test_bad_input_gets_clear_errors_and_leaks_nothing(mesh: Mesh) -> None:
     ch = Channels(mesh)
     try:

@@ -298,31 +298,3 @@ async def test_stopping_the_replica_ends_its_shares(share_mesh: Mesh) -> None:
     # while pending).
     assert "still live at shutdown" not in log and "destroyed but it is pending" not in log
     assert "Traceback" not in log
-
-
-async def test_a_request_id_already_running_is_refused_and_the_running_one_goes_on(share_mesh: Mesh) -> None:
-    plain = share_mesh.procs["plain"]
-    tokens = prompt(PAGE, seed=11)
-    rid = f"busy-{uuid.uuid4().hex[:8]}"
-    # Long enough (about 190 of the pool's 256 pages) that it runs while the second call comes and goes.
-    sampling = types_pb2.SamplingParams(max_tokens=3000, ignore_eos=True)
-    request = dec.GenerateUnifiedRequest(request_id=rid, token_ids=tokens, sampling=sampling)
-    async with grpc.aio.insecure_channel(plain.address) as ch:
-        stub = dec_grpc.DecodeServiceStub(ch)
-        first = stub.GenerateUnified(request, timeout=60)
-        assert len((await first.read()).delta.token_ids) == 1  # running: its stream has begun
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in stub.GenerateUnified(request, timeout=10):
-                pass
-        error = from_rpc_error(info.value)
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert error.reason == "REQUEST_BUSY", error
-        assert rid in str(error)
-        for _ in range(8):  # the running request is untouched by the refusal
-            msg = await first.read()
-            assert msg is not grpc.aio.EOF and len(msg.delta.token_ids) == 1 and not msg.finish_reason
-        first.cancel()
-        assert await _wait_stats(plain, IDLE) == IDLE
-        # Ended, its id may be used again.
-        assert len(await unified_generate(ch, tokens, max_tokens=2, request_id=rid)) == 2
-    assert await _wait_stats(plain, IDLE) == IDLE
