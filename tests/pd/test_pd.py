@@ -114,7 +114,7 @@ async def test_cancel_at_random_points_leaves_nothing(mesh: Mesh) -> None:
 
 async def test_a_request_id_already_running_is_refused_and_the_running_one_goes_on(mesh: Mesh) -> None:
     toks = prompt(16, 11)
-    rid = f"busy-{random.Random(11).getrandbits(32):08x}"
+    rid = "busy-request"
     # Real compute, about 3,000 steps (about 190 of the pool's 256 pages): it runs for seconds while the
     # second call comes and goes.
     sampling = types_pb2.SamplingParams(max_tokens=3000, ignore_eos=True)
