@@ -10,9 +10,11 @@ dir=${1:-.gpu}
 t0=$(date +%s)
 mkdir -p /root/stage
 [ -f "$dir/sx01" ] && cp "$dir/sx01" /root/stage/
-if [ -f "$dir/lean.tar.xz" ] && [ ! -d /root/site/nixl_cu13 ]; then  # the reference engine's cases alone
-  mkdir -p /root/site && python3 -c "import tarfile; tarfile.open('$dir/lean.tar.xz').extractall('/root/site')" ||
-    { echo "setup: unpacking the lean site failed"; exit 1; }
+if [ -f "$dir/lean.tar.xz" ]; then  # the reference engine's cases alone (unpacked by an earlier call, kept)
+  if [ ! -d /root/site/nixl_cu13 ]; then
+    mkdir -p /root/site && python3 -c "import tarfile; tarfile.open('$dir/lean.tar.xz').extractall('/root/site')" ||
+      { echo "setup: unpacking the lean site failed"; exit 1; }
+  fi
 elif [ ! -d /root/site/sglang ]; then
   [ -f /root/stage/sx00 ] || { echo "setup: /root/stage/sx00 is missing (call 1 copies it there)"; exit 1; }
   mkdir -p /root/site && cat /root/stage/sx0* > /root/site.tar.xz &&
